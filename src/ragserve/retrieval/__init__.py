@@ -1,0 +1,1 @@
+"""ragserve.retrieval (being built)."""

@@ -1,0 +1,1 @@
+"""ragserve.runtime (being built)."""

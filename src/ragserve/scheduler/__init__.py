@@ -1,0 +1,1 @@
+"""ragserve.scheduler (being built)."""

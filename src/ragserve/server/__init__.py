@@ -1,0 +1,1 @@
+"""ragserve.server (being built)."""

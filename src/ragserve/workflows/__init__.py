@@ -1,0 +1,1 @@
+"""ragserve.workflows (being built)."""

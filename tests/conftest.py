@@ -1,0 +1,35 @@
+"""Shared test configuration: `gpu` tests are skipped where CUDA is absent."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """Tests never write into the user's ~/.cache/ragserve unless they opt in.
+
+    A session-wide home keeps expensive conversions (the built-in model) to one per run.
+    """
+    import os
+
+    if "RAGSERVE_TEST_HOME" not in os.environ:
+        os.environ["RAGSERVE_TEST_HOME"] = str(tmp_path_factory.getbasetemp() / "ragserve-home")
+    monkeypatch.setenv("RAGSERVE_HOME", os.environ["RAGSERVE_TEST_HOME"])
