@@ -1,0 +1,84 @@
+"""Safe ``{name}`` templates rendered from a request's state.
+
+A template is parsed once into literal text and variable names. Rendering substitutes values
+verbatim and never re-scans them, so user text (the question, retrieved passages, generated
+text) is data, not template: ``str.format`` is never called, and ``{x.__class__}``, ``{0}`` or
+``{}`` in a template render literally. ``{{`` and ``}}`` are escaped braces.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_TOKEN = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One retrieved document as it lives in the request state."""
+
+    doc_id: str
+    text: str
+    title: str | None = None
+    score: float | None = None
+
+
+@dataclass(frozen=True)
+class Template:
+    """A parsed template: ``parts`` alternate literal text (str) and variable names (``_Var``)."""
+
+    source: str
+    parts: tuple[str | _Var, ...]
+
+    @classmethod
+    def parse(cls, source: str) -> Template:
+        if not isinstance(source, str):
+            raise TypeError(f"template must be a str, got {type(source).__name__}")
+        parts: list[str | _Var] = []
+        pos = 0
+        for m in _TOKEN.finditer(source):
+            parts.append(source[pos : m.start()])
+            token = m.group(0)
+            parts.append(_Var(m.group(1)) if m.group(1) else token[0])
+            pos = m.end()
+        parts.append(source[pos:])
+        return cls(source, tuple(p for p in parts if p != ""))
+
+    @property
+    def variables(self) -> frozenset[str]:
+        return frozenset(p.name for p in self.parts if isinstance(p, _Var))
+
+    def render(self, state: Mapping[str, Any]) -> str:
+        """Substitute each ``{name}`` with ``render_value(state.get(name))``; missing is empty."""
+        return "".join(
+            render_value(state.get(p.name)) if isinstance(p, _Var) else p for p in self.parts
+        )
+
+
+@dataclass(frozen=True)
+class _Var:
+    name: str
+
+
+def render_value(value: Any) -> str:
+    """Text for one state value: passages become numbered passages, None becomes ''."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Passage):
+        return _render_passage(1, value)
+    if isinstance(value, Sequence) and value and all(isinstance(v, Passage) for v in value):
+        return "\n\n".join(_render_passage(i, p) for i, p in enumerate(value, 1))
+    if isinstance(value, Sequence) and not value:
+        return ""
+    return str(value)
+
+
+def _render_passage(number: int, passage: Passage) -> str:
+    head = f"[{number}] {passage.title}\n" if passage.title else f"[{number}] "
+    return head + passage.text.strip()
