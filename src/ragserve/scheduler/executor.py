@@ -1,0 +1,42 @@
+"""The executor contract: where the scheduler's tasks run (in process, or worker processes)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from ragserve.scheduler.messages import (
+    GenerationTask,
+    GenerationUpdate,
+    RetrievalResult,
+    RetrievalTask,
+)
+
+Update = GenerationUpdate | RetrievalResult
+
+
+class BaseExecutor(ABC):
+    """Runs generation and retrieval tasks; the scheduler is its only caller (one thread).
+
+    Contract:
+    - ``submit_generation`` adds tasks to the LLM engine's running batch; ``submit_retrieval``
+      receives one cycle's retrieval tasks, which are embedded and searched as one batch.
+    - ``poll(timeout)`` returns the updates available, waiting at most ``timeout`` seconds when
+      there are none. Every submitted task eventually yields a final update (finished
+      generation or a retrieval result), possibly with ``error`` set — also when a worker dies.
+    - ``abort`` stops generation tasks; no further updates arrive for them.
+    """
+
+    @abstractmethod
+    def submit_generation(self, tasks: list[GenerationTask]) -> None: ...
+
+    @abstractmethod
+    def submit_retrieval(self, tasks: list[RetrievalTask]) -> None: ...
+
+    @abstractmethod
+    def abort(self, task_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def poll(self, timeout: float) -> list[Update]: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release workers and resources."""

@@ -1,0 +1,93 @@
+"""The small dataclasses that cross from the scheduler to the workers and back.
+
+Everything here is plain data (picklable, no torch): the runtime ships these between
+processes, the in-process executor passes them by reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ragserve.graph import Passage
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Mirror of ``ragserve.generation.SamplingParams`` without importing the engine."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_any(cls, params: Any) -> GenerationParams:
+        """Copy the matching attributes of any SamplingParams-like object."""
+        if isinstance(params, cls):
+            return params
+        values = {f.name: getattr(params, f.name) for f in fields(cls) if hasattr(params, f.name)}
+        for key in ("stop", "stop_token_ids"):
+            if key in values:
+                values[key] = tuple(values[key] or ())
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class GenerationTask:
+    """Generate for ``prompt``; ``chat`` wraps it as one user message with the chat template."""
+
+    task_id: str
+    prompt: str | tuple[int, ...]
+    params: GenerationParams
+    chat: bool = True
+
+
+@dataclass(frozen=True)
+class RetrievalTask:
+    """Embed ``query`` and return its ``topk`` passages (``nprobe=None``: index default)."""
+
+    task_id: str
+    query: str
+    topk: int
+    nprobe: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationUpdate:
+    """Progress of one generation task: new text and token ids since the last update."""
+
+    task_id: str
+    text_delta: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # sent with the first update only
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RetrievalResult:
+    """The passages found for one retrieval task, best first."""
+
+    task_id: str
+    passages: tuple[Passage, ...] = ()
+    error: str | None = None
+
+
+@dataclass
+class Wavefront:
+    """The ready work of one scheduling cycle, across all active requests.
+
+    Transformations (``scheduler.transforms``) may rewrite it before dispatch.
+    """
+
+    generation: list[GenerationTask] = field(default_factory=list)
+    retrieval: list[RetrievalTask] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.generation or self.retrieval)

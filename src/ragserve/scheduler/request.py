@@ -1,0 +1,96 @@
+"""Per-request bookkeeping: state, position in the graph, node timings, and the ``Response``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragserve.graph import CompiledGraph, Passage, State
+
+
+@dataclass
+class NodeTiming:
+    """When one node run became ready, was dispatched, produced its first token, finished."""
+
+    node_id: Any
+    kind: str
+    ready_at: float
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    num_tokens: int = 0
+    is_answer: bool = False
+
+    @property
+    def duration(self) -> float | None:
+        if self.finished_at is None:
+            return None
+        return self.finished_at - self.ready_at
+
+
+@dataclass(frozen=True)
+class Response:
+    """The result of one request: the answer, the final state, what was retrieved, timings.
+
+    ``error`` is ``None`` on success; otherwise a message and ``output`` may be partial.
+    """
+
+    request_id: str
+    output: str
+    state: dict
+    doc_ids: tuple[str, ...]
+    titles: tuple[str | None, ...]
+    timings: tuple[NodeTiming, ...]
+    error: str | None = None
+    arrival_time: float = 0.0
+    finish_time: float = 0.0
+
+    @property
+    def latency(self) -> float:
+        return self.finish_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to the first token of the answer (the first ``output``-writing generation)."""
+        for t in self.timings:
+            if t.is_answer and t.first_token_at is not None:
+                return t.first_token_at - self.arrival_time
+        return None
+
+
+@dataclass
+class RequestState:
+    """A request inside the scheduler. Mutated only by the scheduler's thread."""
+
+    request_id: str
+    graph: CompiledGraph
+    state: State
+    on_done: Callable[[Response], None]
+    on_delta: Callable[[str], None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    node_id: Any = None  # the node to run next, or the one running
+    task_id: str | None = None  # set while the node is dispatched
+    timings: list[NodeTiming] = field(default_factory=list)
+    retrieved: dict[str, Passage] = field(default_factory=dict)
+    partial_text: str = ""  # the running generation's text so far
+    num_node_runs: int = 0
+    error: str | None = None
+
+    @property
+    def is_dispatched(self) -> bool:
+        return self.task_id is not None
+
+    def response(self) -> Response:
+        return Response(
+            request_id=self.request_id,
+            output=str(self.state.get("output", "")),
+            state=dict(self.state),
+            doc_ids=tuple(self.retrieved),
+            titles=tuple(p.title for p in self.retrieved.values()),
+            timings=tuple(self.timings),
+            error=self.error,
+            arrival_time=self.arrival_time,
+            finish_time=time.monotonic(),
+        )

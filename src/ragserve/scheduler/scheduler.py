@@ -1,0 +1,219 @@
+"""The scheduler: every cycle, the wavefront of ready nodes across all active requests.
+
+One thread calls ``step()`` in a loop (the runtime's scheduler thread, or a test). Other
+threads only call ``add_request`` / ``abort``, which go through a thread-safe inbox.
+
+    step():  admit new requests and aborts
+             wavefront = ready nodes of every active request (rendered into tasks)
+             wavefront = each transform's rewrite of it
+             dispatch: generation tasks join the engine's batch; retrieval tasks as one batch
+             apply the executor's updates: write outputs, follow edges, finish requests
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Sequence
+
+from ragserve.graph import END, START, GenerationNode, GraphError, Passage, RetrievalNode
+from ragserve.scheduler.executor import BaseExecutor, Update
+from ragserve.scheduler.messages import (
+    GenerationParams,
+    GenerationTask,
+    GenerationUpdate,
+    RetrievalTask,
+    Wavefront,
+)
+from ragserve.scheduler.request import NodeTiming, RequestState
+from ragserve.scheduler.transforms import BaseTransform
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Advances many graph requests at once over one executor.
+
+    ``max_node_runs`` bounds the nodes one request may run (a guard against routers that
+    never exit); past it the request fails with a clear error.
+    """
+
+    def __init__(
+        self,
+        executor: BaseExecutor,
+        transforms: Sequence[BaseTransform] = (),
+        *,
+        max_node_runs: int = 256,
+        poll_timeout: float = 0.05,
+    ) -> None:
+        self.executor = executor
+        self.transforms = tuple(transforms)
+        self.max_node_runs = max_node_runs
+        self.poll_timeout = poll_timeout
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[str, RequestState] = {}
+        self._by_task: dict[str, RequestState] = {}
+        self.num_cycles = 0
+
+    # -- called from any thread -------------------------------------------------------------
+    def add_request(self, request: RequestState) -> None:
+        self._inbox.put(("add", request))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # -- the control loop (scheduler thread only) -----------------------------------------
+    def step(self) -> None:
+        """One cycle: admit, collect the wavefront, transform, dispatch, apply updates."""
+        self._admit()
+        wavefront = self._collect_wavefront()
+        for transform in self.transforms:
+            wavefront = transform.apply(wavefront)
+        self._dispatch(wavefront)
+        timeout = 0.0 if self._has_ready() else self.poll_timeout
+        updates = self.executor.poll(timeout if self._by_task else 0.0)
+        for transform in self.transforms:
+            updates = transform.on_updates(updates)
+        for update in updates:
+            self._apply(update)
+        self.num_cycles += 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self._active) or not self._inbox.empty()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    # -- pieces of the cycle ------------------------------------------------------------------
+    def _admit(self) -> None:
+        idle = not self._active and not self._by_task
+        while True:
+            try:
+                kind, item = (
+                    self._inbox.get(timeout=self.poll_timeout)
+                    if idle
+                    else (self._inbox.get_nowait())
+                )
+            except queue.Empty:
+                return
+            idle = False
+            if kind == "add" and item.request_id in self._active:
+                item.error = f"duplicate request id {item.request_id!r}"
+                item.on_done(item.response())
+            elif kind == "add":
+                self._active[item.request_id] = item
+                self._advance(item, START)
+            elif item in self._active:
+                self._finish(self._active[item], "aborted")
+
+    def _has_ready(self) -> bool:
+        return any(not r.is_dispatched for r in self._active.values())
+
+    def _collect_wavefront(self) -> Wavefront:
+        wavefront = Wavefront()
+        now = time.monotonic()
+        for req in self._active.values():
+            if req.is_dispatched:
+                continue
+            node = req.graph.nodes[req.node_id]
+            req.task_id = f"{req.request_id}/{req.node_id}/{req.num_node_runs}"
+            self._by_task[req.task_id] = req
+            req.timings[-1].dispatched_at = now
+            if isinstance(node, GenerationNode):
+                params = GenerationParams(
+                    max_tokens=node.max_tokens, temperature=node.temperature, stop=node.stop
+                )
+                prompt = node.prompt.render(req.state)
+                wavefront.generation.append(GenerationTask(req.task_id, prompt, params))
+            else:
+                query = node.query.render(req.state)
+                task = RetrievalTask(req.task_id, query, node.topk, node.nprobe)
+                wavefront.retrieval.append(task)
+        return wavefront
+
+    def _dispatch(self, wavefront: Wavefront) -> None:
+        if wavefront.generation:
+            self.executor.submit_generation(wavefront.generation)
+        if wavefront.retrieval:
+            self.executor.submit_retrieval(wavefront.retrieval)
+
+    def _apply(self, update: Update) -> None:
+        req = self._by_task.get(update.task_id)
+        if req is None or req.task_id != update.task_id:
+            return  # a task of an aborted or failed request
+        timing = req.timings[-1]
+        now = time.monotonic()
+        if update.error is not None:
+            del self._by_task[update.task_id]
+            self._finish(req, f"node {req.node_id!r} failed: {update.error}")
+            return
+        node = req.graph.nodes[req.node_id]
+        if isinstance(update, GenerationUpdate):
+            if update.new_token_ids and timing.first_token_at is None:
+                timing.first_token_at = now
+            timing.num_tokens += len(update.new_token_ids)
+            req.partial_text += update.text_delta
+            if timing.is_answer and req.on_delta is not None and update.text_delta:
+                req.on_delta(update.text_delta)
+            if not update.finished:
+                return
+            _write(req, node, req.partial_text)
+            req.partial_text = ""
+        else:
+            for passage in update.passages:
+                req.retrieved.setdefault(passage.doc_id, passage)
+            _write(req, node, list(update.passages))
+        timing.finished_at = now
+        del self._by_task[update.task_id]
+        req.task_id = None
+        req.state.visits[req.node_id] = req.state.visit_count(req.node_id) + 1
+        self._advance(req, req.node_id)
+
+    def _advance(self, req: RequestState, src) -> None:
+        """Follow ``src``'s edge: mark the next node ready, or finish at ``END``."""
+        try:
+            nxt = req.graph.next_node(src, req.state)
+        except Exception as exc:  # a user router raised
+            msg = str(exc) if isinstance(exc, GraphError) else f"router after {src!r}: {exc!r}"
+            self._finish(req, msg)
+            return
+        if nxt is END:
+            self._finish(req, None)
+            return
+        if req.num_node_runs >= self.max_node_runs:
+            self._finish(req, f"request ran {self.max_node_runs} nodes without reaching END")
+            return
+        req.num_node_runs += 1
+        req.node_id = nxt
+        node = req.graph.nodes[nxt]
+        is_answer = isinstance(node, GenerationNode) and node.output == "output"
+        req.timings.append(NodeTiming(nxt, node.kind, time.monotonic(), is_answer=is_answer))
+
+    def _finish(self, req: RequestState, error: str | None) -> None:
+        if req.task_id is not None:
+            self._by_task.pop(req.task_id, None)
+            if isinstance(req.graph.nodes[req.node_id], GenerationNode):
+                self.executor.abort([req.task_id])
+            req.task_id = None
+        req.error = error
+        del self._active[req.request_id]
+        if error is not None:
+            logger.debug("request %s failed: %s", req.request_id, error)
+        try:
+            req.on_done(req.response())
+        except Exception:
+            logger.exception("on_done callback of request %s raised", req.request_id)
+
+
+def _write(req: RequestState, node: GenerationNode | RetrievalNode, value) -> None:
+    if not node.append or node.output not in req.state:
+        req.state[node.output] = value
+    elif isinstance(value, str):
+        req.state[node.output] = f"{req.state[node.output]}\n{value}"
+    else:
+        seen = {p.doc_id for p in req.state[node.output]}
+        req.state[node.output] = list(req.state[node.output]) + [
+            p for p in value if isinstance(p, Passage) and p.doc_id not in seen
+        ]

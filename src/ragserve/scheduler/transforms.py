@@ -1,0 +1,26 @@
+"""Graph transformations: the plug point for node splitting, reordering and speculation.
+
+The scheduler applies its transforms, in order, to every cycle's wavefront before dispatch.
+A transform may reorder, split (into sub-tasks it later merges back through ``on_update``)
+or add (speculative) tasks. It must keep the contract that every task the scheduler created
+receives a final update.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from ragserve.scheduler.executor import Update
+from ragserve.scheduler.messages import Wavefront
+
+
+class BaseTransform(ABC):
+    """One rewrite of the wavefront; stateful transforms keep their own bookkeeping."""
+
+    @abstractmethod
+    def apply(self, wavefront: Wavefront) -> Wavefront:
+        """The wavefront to dispatch in place of ``wavefront``."""
+
+    def on_updates(self, updates: list[Update]) -> list[Update]:
+        """Rewrite the executor's updates before the scheduler sees them (default: as is)."""
+        return updates
