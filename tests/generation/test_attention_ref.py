@@ -26,11 +26,17 @@ def test_chunked_paged_attention_matches_dense():
     tables = torch.tensor([[3, 5, 9], [7, 0, 0]], dtype=torch.int32)
     full_k, full_v = torch.randn(10, kv_heads, dim), torch.randn(10, kv_heads, dim)
     q0 = torch.randn(10, heads, dim)
-    q1, k1, v1 = torch.randn(3, heads, dim), torch.randn(3, kv_heads, dim), torch.randn(3, kv_heads, dim)
+    q1, k1, v1 = (
+        torch.randn(3, heads, dim),
+        torch.randn(3, kv_heads, dim),
+        torch.randn(3, kv_heads, dim),
+    )
     backend = get_backend("torch_ref")
 
     def slots(table, start, end):
-        return [int(table[t // block_size]) * block_size + t % block_size for t in range(start, end)]
+        return [
+            int(table[t // block_size]) * block_size + t % block_size for t in range(start, end)
+        ]
 
     # Step 1: seq 0's first chunk (6 tokens) and all of seq 1.
     md = AttentionMetadata(
@@ -42,8 +48,13 @@ def test_chunked_paged_attention_matches_dense():
         seq_lens_cpu=(6, 3),
     )
     out = backend.forward(
-        torch.cat([q0[:6], q1]), torch.cat([full_k[:6], k1]), torch.cat([full_v[:6], v1]),
-        k_cache, v_cache, md, dim**-0.5,
+        torch.cat([q0[:6], q1]),
+        torch.cat([full_k[:6], k1]),
+        torch.cat([full_v[:6], v1]),
+        k_cache,
+        v_cache,
+        md,
+        dim**-0.5,
     )
     torch.testing.assert_close(out[:6], _dense(q0[:6], full_k[:6], full_v[:6], 2, 0))
     torch.testing.assert_close(out[6:], _dense(q1, k1, v1, 2, 0))

@@ -1,6 +1,10 @@
 """Paged attention backends behind one contract (see ``base``)."""
 
-from ragserve.generation.attention import torch_ref  # noqa: F401  (registers "torch_ref")
+from ragserve.generation.attention import (  # noqa: F401  (each registers its backend)
+    flex,
+    torch_ref,
+    triton_backend,
+)
 from ragserve.generation.attention.base import (
     AttentionMetadata,
     BaseAttentionBackend,
@@ -9,6 +13,7 @@ from ragserve.generation.attention.base import (
     register_backend,
     store_kv,
 )
+from ragserve.generation.attention.selector import resolve_backend
 
 __all__ = [
     "AttentionMetadata",
@@ -16,5 +21,6 @@ __all__ = [
     "available_backends",
     "get_backend",
     "register_backend",
+    "resolve_backend",
     "store_kv",
 ]

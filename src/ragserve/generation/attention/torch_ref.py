@@ -16,10 +16,8 @@ from ragserve.generation.attention.base import (
 )
 
 
-def gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
-    """The first ``seq_len`` cached tokens of one sequence: ``[seq_len, num_kv_heads, head_dim]``."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` cached tokens of a sequence: ``[seq_len, num_kv_heads, head_dim]``."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = cache.index_select(0, block_table[:num_blocks].long())

@@ -1,0 +1,141 @@
+"""Paged attention through the Triton unified kernel (``triton_kernels``), registered "triton".
+
+Decode-only steps launch one program per (sequence, kv head, split); other steps (prefill
+chunks, mixed batches) launch one per (query block, kv head). On CPU tensors the same kernels
+run under Triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is imported
+(slow; for tests only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ragserve.generation.attention.base import (
+    AttentionMetadata,
+    BaseAttentionBackend,
+    register_backend,
+    store_kv,
+)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes of one launch kind; ``num_splits=None`` picks split-KV by occupancy."""
+
+    block_q: int  # query tokens per program (decode: 1)
+    block_n: int  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int | None = None
+
+
+# NOTE: defaults chosen from bench/bench_attention.py on an H200 (see BENCHMARKS.md).
+DECODE_CONFIG = KernelConfig(block_q=1, block_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIG = KernelConfig(block_q=32, block_n=64, num_warps=4, num_stages=3)
+TARGET_PROGRAMS = 264  # about two programs per multiprocessor of an H100/H200
+MAX_SPLITS = 32
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int | None, block_n: int
+) -> int:
+    """Split-KV factor for a decode launch: enough programs to fill the GPU, a power of 2.
+
+    Depends only on the batch shape when ``max_seq_len`` is ``None`` (CUDA graphs capture one
+    launch per batch size); splits past a sequence's tile count just do no work.
+    """
+    want = -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
+    if max_seq_len is not None:
+        want = min(want, -(-max_seq_len // block_n))
+    return max(1, min(MAX_SPLITS, _next_pow2(want)))
+
+
+def _kernels(device: torch.device):
+    import triton
+
+    from ragserve.generation.attention import triton_kernels as tk
+
+    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise RuntimeError("the triton backend runs on CUDA, or on CPU with TRITON_INTERPRET=1")
+    return tk.unified_attention_kernel, tk.combine_splits_kernel
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    config: KernelConfig,
+    is_decode: bool,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0 and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    group = num_heads // num_kv_heads
+    num_seqs = metadata.seq_lens.shape[0]
+    block_q = 1 if is_decode else config.block_q
+    block_m = max(16, _next_pow2(block_q * group))
+    head_dim_p = max(16, _next_pow2(head_dim))
+    if is_decode:
+        num_q_blocks = num_seqs
+        splits = config.num_splits or choose_num_splits(
+            num_seqs, num_kv_heads, metadata.max_seq_len or None, config.block_n
+        )
+    else:
+        num_q_blocks = num_tokens // block_q + num_seqs
+        splits = config.num_splits or 1
+    out = torch.empty_like(q)
+    if splits > 1:
+        part_out = torch.empty(
+            num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    attn_kernel, combine_kernel = _kernels(q.device)
+    launch = {}
+    if q.device.type == "cuda":
+        launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    attn_kernel[(num_q_blocks, num_kv_heads, splits)](
+        q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+        out, part_out, part_lse, scale, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, PAGE=page,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n, NUM_SPLITS=splits,
+        IS_DECODE=is_decode,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **launch,
+    )  # fmt: skip
+    if splits > 1:
+        combine_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits,
+        )  # fmt: skip
+    return out
+
+
+@register_backend("triton")
+class TritonBackend(BaseAttentionBackend):
+    """Stores the new keys/values, then runs the unified kernel (decode or prefill config)."""
+
+    def __init__(
+        self, decode: KernelConfig = DECODE_CONFIG, prefill: KernelConfig = PREFILL_CONFIG
+    ) -> None:
+        self.decode_config = decode
+        self.prefill_config = prefill
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        is_decode = metadata.is_decode_only
+        config = self.decode_config if is_decode else self.prefill_config
+        return unified_attention(q, k_cache, v_cache, metadata, scale, config, is_decode)
