@@ -1,0 +1,53 @@
+"""What the HTTP front needs from ``ragserve.runtime.Server``: exactly its public contract.
+
+``create_app`` is typed against this ``Protocol`` so the front can be unit-tested with any
+object that honours it; in production and integration tests it is the real ``Server``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Protocol
+
+
+class ResponseLike(Protocol):
+    """``ragserve.runtime.Response``."""
+
+    request_id: str
+    output: str
+    state: Mapping[str, Any]
+    doc_ids: Sequence[str]
+    titles: Sequence[str | None]
+    timings: Mapping[str, Any]
+    error: Any
+
+
+class ServerBackend(Protocol):
+    """``ragserve.runtime.Server``: async requests, abort, upsert, workflows, stats.
+
+    ``stream`` yields text deltas of the answer; ``complete`` yields cumulative
+    ``RequestOutput``s of a plain LLM completion; ``abort`` frees the request's KV blocks.
+    ``add_documents`` / ``delete_documents`` return once the change is persisted.
+    """
+
+    workflows: Mapping[str, Any]
+
+    async def submit(self, question: str, graph: Any, *, request_id: str | None = None) -> Any: ...
+
+    def stream(
+        self, question: str, graph: Any, *, request_id: str | None = None
+    ) -> AsyncIterator[str]: ...
+
+    def complete(
+        self, prompt: str, params: Any, *, request_id: str | None = None
+    ) -> AsyncIterator[Any]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def add_documents(self, docs: Sequence[Any]) -> Any: ...
+
+    def delete_documents(self, doc_ids: Sequence[str]) -> Any: ...
+
+    def stats(self) -> Mapping[str, Any]: ...
+
+    def close(self) -> None: ...

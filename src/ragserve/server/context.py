@@ -1,0 +1,109 @@
+"""What every handler shares (``AppContext``) and the two ways a request can end early:
+the client disconnects (abort it, free its KV blocks) or the backend raises."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ragserve.server.admission import Admission
+from ragserve.server.backend import ServerBackend
+from ragserve.server.config import ServeConfig
+from ragserve.server.errors import APIError, error_body
+from ragserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AppContext:
+    server: ServerBackend
+    config: ServeConfig
+    metrics: ServerMetrics
+    admission: Admission
+
+
+def get_context(request: Request) -> AppContext:
+    return request.app.state.ctx
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready; the request was aborted."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect, poll_s) -> T:
+    """Await ``work``; if the client disconnects first, call ``on_disconnect``, cancel it and
+    raise ``ClientDisconnected``."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                on_disconnect()
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def backend_error(exc: BaseException) -> APIError:
+    """A backend failure as an HTTP error: bad input (``ValueError``) is 400, the rest 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), code="invalid_request")
+    logger.error("request failed in the backend: %s: %s", type(exc).__name__, exc)
+    return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    err = backend_error(exc)
+    return sse(error_body(err.status_code, err.message, code=err.code))
+
+
+class GuardedStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` exactly once however it ends (finished,
+    client gone, cancelled by shutdown, or never started)."""
+
+    def __init__(self, content, on_close: Callable[[], Any]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._on_close()

@@ -1,0 +1,69 @@
+"""Map a chat request onto a compiled workflow: pick it by name, apply per-request knobs.
+
+``model: "ragserve/hyde"`` (or the ``workflow`` extension field) picks ``Server.workflows
+["hyde"]``. ``topk`` / ``nprobe`` replace those of every retrieval node; ``max_tokens``,
+``temperature`` replace (and ``stop`` adds to) those of the answer nodes (generation nodes writing
+``"output"``), leaving intermediate generations (a HyDE passage, a RECOMP summary) as the
+workflow defines them. The compiled graph is never mutated: a tuned copy is returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ragserve.server.errors import APIError
+
+MODEL_PREFIX = "ragserve/"
+
+
+def workflow_model_ids(workflows: Mapping[str, Any]) -> list[str]:
+    return [MODEL_PREFIX + name for name in workflows]
+
+
+def resolve_workflow(
+    workflows: Mapping[str, Any], model: str, workflow: str | None
+) -> tuple[str, Any]:
+    """``(name, compiled graph)`` for the request, or a 404 naming the known workflows."""
+    name = workflow if workflow is not None else model.removeprefix(MODEL_PREFIX)
+    graph = workflows.get(name)
+    if graph is None:
+        known = ", ".join(workflow_model_ids(workflows)) or "(none)"
+        what = f"workflow {workflow!r}" if workflow is not None else f"model {model!r}"
+        raise APIError(
+            404, f"{what} does not exist; known: {known}", param="model", code="model_not_found"
+        )
+    return name, graph
+
+
+def tune_graph(
+    graph: Any,
+    *,
+    topk: int | None = None,
+    nprobe: int | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    stop: tuple[str, ...] = (),
+) -> Any:
+    """A copy of ``graph`` with the request's overrides (``graph`` itself if there are none)."""
+    retrieval = {k: v for k, v in (("topk", topk), ("nprobe", nprobe)) if v is not None}
+    answer = {
+        k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None
+    }
+    if not retrieval and not answer and not stop:
+        return graph
+    nodes = {}
+    for node_id, node in graph.nodes.items():
+        if node.kind == "retrieval" and retrieval:
+            node = dataclasses.replace(node, **retrieval)
+        elif node.kind == "generation" and node.output == "output" and (answer or stop):
+            merged_stop = tuple(dict.fromkeys((*node.stop, *stop)))
+            node = dataclasses.replace(node, **answer, stop=merged_stop)
+        nodes[node_id] = node
+    return dataclasses.replace(graph, nodes=MappingProxyType(nodes))
+
+
+def retrieval_node_ids(graph: Any) -> tuple[Any, ...]:
+    return tuple(n.node_id for n in graph.nodes.values() if n.kind == "retrieval")

@@ -1,0 +1,131 @@
+"""Prometheus metrics of the HTTP front, named in vLLM's style (``ragserve:*``).
+
+Each app gets its own ``CollectorRegistry`` (two apps in one process never collide). Counters
+and histograms are updated by the handlers; gauges of the engine (running/waiting requests,
+queue depths, KV blocks) are read from ``Server.stats()`` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+RETRIEVAL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# Server.stats() keys (flattened with ".", last component matched) -> exported gauge.
+_STAT_GAUGES = {
+    "num_running": ("ragserve:num_requests_running", "Requests running in the LLM engine."),
+    "num_waiting": ("ragserve:num_requests_waiting", "Requests waiting for the LLM engine."),
+    "num_blocks_used": ("ragserve:kv_cache_blocks_used", "KV cache blocks in use."),
+    "num_blocks_total": ("ragserve:kv_cache_blocks_total", "KV cache blocks in the pool."),
+}
+
+
+def flatten_stats(stats: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """``{"engine": {"num_running": 2}}`` -> ``{"engine.num_running": 2.0}`` (numbers only)."""
+    flat: dict[str, float] = {}
+    for key, value in stats.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_stats(value, name + "."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[name] = float(value)
+    return flat
+
+
+class StatsCollector(Collector):
+    """Turns ``stats()`` into gauges at scrape time; unknown numeric keys go to
+    ``ragserve:server_stat{key=...}`` so nothing the runtime reports is hidden."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], admitted: Callable[[], int]):
+        self._stats = stats
+        self._admitted = admitted
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        flat = flatten_stats(self._stats())
+        known: dict[str, float] = {}
+        other = GaugeMetricFamily(
+            "ragserve:server_stat", "Other numeric Server.stats() entries.", labels=["key"]
+        )
+        queues = GaugeMetricFamily(
+            "ragserve:queue_depth", "Items waiting in the runtime's queues.", labels=["queue"]
+        )
+        for key, value in sorted(flat.items()):
+            last = key.rsplit(".", 1)[-1]
+            if last in _STAT_GAUGES:
+                known[last] = known.get(last, 0.0) + value
+            elif "queue" in key:
+                queues.add_metric([key], value)
+            else:
+                other.add_metric([key], value)
+        for last, value in known.items():
+            name, doc = _STAT_GAUGES[last]
+            yield GaugeMetricFamily(name, doc, value=value)
+        used, total = known.get("num_blocks_used"), known.get("num_blocks_total")
+        if used is not None and total:
+            yield GaugeMetricFamily(
+                "ragserve:kv_cache_usage_perc", "Fraction of KV blocks in use.", value=used / total
+            )
+        yield GaugeMetricFamily(
+            "ragserve:num_requests_admitted",
+            "HTTP generation requests admitted and not yet finished.",
+            value=self._admitted(),
+        )
+        yield queues
+        yield other
+
+
+class ServerMetrics:
+    """The app's registry and the instruments handlers update."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], admitted: Callable[[], int]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(
+            "ragserve:requests",
+            "Finished HTTP generation requests by workflow and status.",
+            ["workflow", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ragserve:time_to_first_token_seconds",
+            "Time from arrival to the first answer token.",
+            ["workflow"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ragserve:e2e_request_latency_seconds",
+            "Time from arrival to the last byte of the answer.",
+            ["workflow"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.retrieval = Histogram(
+            "ragserve:retrieval_latency_seconds",
+            "Latency of one retrieval node (embed + search) of a request.",
+            ["workflow"],
+            buckets=RETRIEVAL_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "ragserve:prompt_tokens", "Prompt tokens of plain completions.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "ragserve:generation_tokens", "Generated tokens of plain completions.", registry=r
+        )
+        self.rejected = Counter(
+            "ragserve:requests_rejected",
+            "Requests refused at admission (429).",
+            registry=r,
+        )
+        r.register(StatsCollector(stats, admitted))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
