@@ -1,1 +1,8 @@
-"""ragserve.runtime (being built)."""
+"""The runtime: ``Server``, persistent generation/retrieval worker processes, bounded queues
+and the shared-memory data plane."""
+
+from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.server import Server
+from ragserve.scheduler.request import NodeTiming, Response
+
+__all__ = ["NodeTiming", "Response", "Server", "ServerConfig"]

@@ -67,6 +67,7 @@ class GenerationUpdate:
     finished: bool
     finish_reason: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None  # sent with the first update only
+    final_text: str | None = None  # the whole text (stop strings cut), with the last update
     error: str | None = None
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.graph import CompiledGraph, Passage, State
+from ragserve.scheduler.messages import GenerationParams, GenerationUpdate
 
 
 @dataclass
@@ -42,8 +43,9 @@ class Response:
     state: dict
     doc_ids: tuple[str, ...]
     titles: tuple[str | None, ...]
-    timings: tuple[NodeTiming, ...]
+    timings: dict  # node id -> seconds from ready to finished, summed over its runs
     error: str | None = None
+    node_timings: tuple[NodeTiming, ...] = ()  # every node run, in order
     arrival_time: float = 0.0
     finish_time: float = 0.0
 
@@ -54,7 +56,7 @@ class Response:
     @property
     def ttft(self) -> float | None:
         """Time to the first token of the answer (the first ``output``-writing generation)."""
-        for t in self.timings:
+        for t in self.node_timings:
             if t.is_answer and t.first_token_at is not None:
                 return t.first_token_at - self.arrival_time
         return None
@@ -69,6 +71,10 @@ class RequestState:
     state: State
     on_done: Callable[[Response], None]
     on_delta: Callable[[str], None] | None = None
+    # plain completions (``Server.complete``): a fixed prompt and params, raw updates
+    raw_prompt: str | tuple[int, ...] | None = None
+    raw_params: GenerationParams | None = None
+    on_update: Callable[[GenerationUpdate], None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     node_id: Any = None  # the node to run next, or the one running
     task_id: str | None = None  # set while the node is dispatched
@@ -89,8 +95,17 @@ class RequestState:
             state=dict(self.state),
             doc_ids=tuple(self.retrieved),
             titles=tuple(p.title for p in self.retrieved.values()),
-            timings=tuple(self.timings),
+            timings=_summed(self.timings),
             error=self.error,
+            node_timings=tuple(self.timings),
             arrival_time=self.arrival_time,
             finish_time=time.monotonic(),
         )
+
+
+def _summed(timings: list[NodeTiming]) -> dict:
+    out: dict = {}
+    for t in timings:
+        if t.duration is not None:
+            out[t.node_id] = out.get(t.node_id, 0.0) + t.duration
+    return out

@@ -121,7 +121,10 @@ class Scheduler:
             req.task_id = f"{req.request_id}/{req.node_id}/{req.num_node_runs}"
             self._by_task[req.task_id] = req
             req.timings[-1].dispatched_at = now
-            if isinstance(node, GenerationNode):
+            if req.raw_params is not None:
+                task = GenerationTask(req.task_id, req.raw_prompt, req.raw_params, chat=False)
+                wavefront.generation.append(task)
+            elif isinstance(node, GenerationNode):
                 params = GenerationParams(
                     max_tokens=node.max_tokens, temperature=node.temperature, stop=node.stop
                 )
@@ -155,11 +158,14 @@ class Scheduler:
                 timing.first_token_at = now
             timing.num_tokens += len(update.new_token_ids)
             req.partial_text += update.text_delta
+            if req.on_update is not None:
+                req.on_update(update)
             if timing.is_answer and req.on_delta is not None and update.text_delta:
                 req.on_delta(update.text_delta)
             if not update.finished:
                 return
-            _write(req, node, req.partial_text)
+            text = req.partial_text if update.final_text is None else update.final_text
+            _write(req, node, text)
             req.partial_text = ""
         else:
             for passage in update.passages:

@@ -1,0 +1,257 @@
+"""Executors: run the scheduler's tasks in process (tests) or in persistent worker processes."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+from concurrent.futures import Future
+from multiprocessing.connection import wait
+from typing import Any
+
+from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.runners import GenerationRunner, RetrievalRunner
+from ragserve.runtime.shm import ShmRing
+from ragserve.runtime.workers import WorkerSpec, unpack_generation, worker_main
+from ragserve.scheduler import (
+    BaseExecutor,
+    GenerationTask,
+    GenerationUpdate,
+    RetrievalResult,
+    RetrievalTask,
+    Update,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class LocalExecutor(BaseExecutor):
+    """Engine and index in this process: ``poll`` runs one engine step and the pending search."""
+
+    def __init__(self, generation: GenerationRunner, retrieval: RetrievalRunner) -> None:
+        self.generation = generation
+        self.retrieval = retrieval
+        self._pending: list[RetrievalTask] = []
+        self._errors: list[GenerationUpdate] = []
+
+    def submit_generation(self, tasks: list[GenerationTask]) -> None:
+        self._errors.extend(self.generation.add(tasks))
+
+    def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
+        self._pending.extend(tasks)
+
+    def abort(self, task_ids: list[str]) -> None:
+        self.generation.abort(task_ids)
+
+    def poll(self, timeout: float) -> list[Update]:
+        updates: list[Update] = list(self._errors)
+        self._errors.clear()
+        if self._pending:
+            tasks, self._pending = self._pending, []
+            updates.extend(self.retrieval.run(tasks)[0])
+        if self.generation.has_work():
+            updates.extend(self.generation.step())
+        return updates
+
+    def call_retrieval(self, name: str, *args: Any) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(getattr(self.retrieval, name)(*args))
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
+
+
+class WorkerHandle:
+    """One worker process, its bounded inbox, result pipe and shared-memory ring."""
+
+    def __init__(self, spec: WorkerSpec, config: ServerConfig, ctx: Any) -> None:
+        self.spec, self.config, self.ctx = spec, config, ctx
+        self.in_flight: set[str] = set()
+        self.pending: collections.deque = collections.deque()  # messages waiting for room
+        self.num_restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.inbox = self.ctx.Queue(maxsize=self.config.queue_size)
+        self.conn, child_conn = self.ctx.Pipe(duplex=False)
+        self.ring = ShmRing(self.ctx, self.config.shm_slots, self.config.shm_slot_bytes)
+        self.proc = self.ctx.Process(
+            target=worker_main,
+            args=(self.spec, self.inbox, child_conn, self.ring.handle()),
+            name=f"ragserve-{self.spec.kind}",
+            daemon=True,
+        )
+        self.proc.start()
+        child_conn.close()
+        self.ready = False
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the worker has built its engine/index; raise with its traceback if not."""
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"{self.spec.kind} worker did not start within {timeout:.0f} s")
+        self._on_message(self.conn.recv())
+
+    def _on_message(self, msg: tuple) -> None:
+        if msg[0] == "fatal":
+            raise RuntimeError(f"{self.spec.kind} worker failed to start:\n{msg[1]}")
+        if msg[0] != "ready":
+            raise RuntimeError(f"{self.spec.kind} worker sent {msg[0]!r} before 'ready'")
+        self.ready = True
+
+    def send(self, msg: Any) -> None:
+        self.pending.append(msg)
+        self.flush()
+
+    def flush(self) -> None:
+        """Move pending messages into the bounded inbox while it has room (never blocks)."""
+        while self.pending and self.ready:
+            try:
+                self.inbox.put_nowait(self.pending[0])
+            except queue.Full:
+                return
+            self.pending.popleft()
+
+    def restart(self) -> str:
+        code = self.proc.exitcode
+        self.close(join_timeout=1.0)
+        self.num_restarts += 1
+        logger.warning("%s worker died (exit code %s); restarting", self.spec.kind, code)
+        self._start()
+        return f"{self.spec.kind} worker died (exit code {code}); it has been restarted"
+
+    def close(self, join_timeout: float = 5.0) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(queue.Full, ValueError, OSError):
+                self.inbox.put(None, timeout=1.0)
+            self.proc.join(join_timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(join_timeout)
+        self.inbox.cancel_join_thread()
+        self.inbox.close()
+        self.conn.close()
+        self.ring.close()
+
+
+class ProcessExecutor(BaseExecutor):
+    """The generation and retrieval workers as persistent processes (``spawn``).
+
+    A worker that dies is restarted; the tasks it held end with an error update, requests on
+    the other worker continue. Messages wait in a local queue while a worker's inbox is full
+    (backpressure without blocking the scheduler).
+    """
+
+    def __init__(self, gen_spec: WorkerSpec, ret_spec: WorkerSpec, config: ServerConfig) -> None:
+        self.config = config
+        ctx = mp.get_context("spawn")
+        self.workers = {"gen": WorkerHandle(gen_spec, config, ctx)}
+        self.workers["ret"] = WorkerHandle(ret_spec, config, ctx)
+        self._replies: dict[int, Future] = {}
+        self._tokens = itertools.count()
+        try:
+            for w in self.workers.values():
+                w.wait_ready(config.worker_start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def submit_generation(self, tasks: list[GenerationTask]) -> None:
+        self.workers["gen"].in_flight.update(t.task_id for t in tasks)
+        self.workers["gen"].send(("gen", tasks))
+
+    def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
+        self.workers["ret"].in_flight.update(t.task_id for t in tasks)
+        self.workers["ret"].send(("ret", tasks))
+
+    def abort(self, task_ids: list[str]) -> None:
+        gen = self.workers["gen"]
+        gen.in_flight.difference_update(task_ids)
+        gen.send(("abort", list(task_ids)))
+
+    def call_retrieval(self, name: str, *args: Any) -> Future:
+        """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe)."""
+        token = next(self._tokens)
+        fut: Future = Future()
+        self._replies[token] = fut
+        self.workers["ret"].inbox.put(("call", token, name, args))
+        return fut
+
+    def poll(self, timeout: float) -> list[Update]:
+        for w in self.workers.values():
+            w.flush()
+        handles = {w.conn: w for w in self.workers.values()}
+        handles.update({w.proc.sentinel: w for w in self.workers.values()})
+        updates: list[Update] = []
+        for ready in wait(list(handles), timeout):
+            worker = handles[ready]
+            if ready is worker.conn:
+                updates.extend(self._receive(worker))
+        for worker in self.workers.values():
+            if not worker.proc.is_alive():
+                updates.extend(self._receive(worker))
+                updates.extend(self._on_death(worker))
+        return updates
+
+    def _receive(self, worker: WorkerHandle) -> list[Update]:
+        updates: list[Update] = []
+        try:
+            while worker.conn.poll():
+                updates.extend(self._unpack(worker, worker.conn.recv()))
+        except (EOFError, OSError):
+            pass
+        return updates
+
+    def _unpack(self, worker: WorkerHandle, msg: tuple) -> list[Update]:
+        kind = msg[0]
+        if kind == "ready":
+            worker.ready = True
+            worker.flush()
+            return []
+        if kind == "fatal":
+            logger.error("%s worker failed to restart:\n%s", worker.spec.kind, msg[1])
+            return []
+        if kind == "reply":
+            fut = self._replies.pop(msg[1], None)
+            if fut is not None and msg[3] is None:
+                fut.set_result(msg[2])
+            elif fut is not None:
+                fut.set_exception(RuntimeError(msg[3]))
+            return []
+        payload, arrays = msg[1], msg[2]
+        if arrays is not None and not isinstance(arrays, list):
+            arrays = worker.ring.read(arrays)
+        updates = unpack_generation(payload, arrays) if kind == "gen" else payload
+        done = [u.task_id for u in updates if not isinstance(u, GenerationUpdate) or u.finished]
+        worker.in_flight.difference_update(done)
+        return updates
+
+    def _on_death(self, worker: WorkerHandle) -> list[Update]:
+        reason = worker.restart()
+        lost, worker.in_flight = worker.in_flight, set()
+        worker.pending.clear()  # their tasks are all in ``lost``
+        if worker is self.workers["ret"]:
+            for fut in self._replies.values():
+                fut.set_exception(RuntimeError(reason))
+            self._replies.clear()
+        if worker is self.workers["gen"]:
+            return [GenerationUpdate(t, "", (), True, "error", error=reason) for t in lost]
+        return [RetrievalResult(t, (), reason) for t in lost]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            name: {
+                "in_flight": len(w.in_flight),
+                "pending": len(w.pending),
+                "restarts": w.num_restarts,
+                "alive": w.proc.is_alive(),
+            }
+            for name, w in self.workers.items()
+        }
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()

@@ -1,0 +1,299 @@
+"""``Server``: the public entry point. Many concurrent graph requests over two workers.
+
+A scheduler thread runs ``Scheduler.step()`` in a loop; ``run`` / ``submit`` / ``stream`` /
+``complete`` hand requests to it and wait (blocking or ``asyncio``) for their results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ragserve.graph import CompiledGraph, RAGraph, State
+from ragserve.runtime.config import ServerConfig
+from ragserve.scheduler import GenerationParams, RequestState, Response, Scheduler
+from ragserve.workflows import BUILTIN_WORKFLOWS, get_workflow
+
+logger = logging.getLogger(__name__)
+
+
+class Server:
+    """Serve RAG workflows: ``model`` (HF folder or built-in name, or an ``LLMEngine`` in
+    process mode), ``index`` (a saved ``VectorIndex`` folder, or a ``VectorIndex`` in process
+    mode), ``embedder`` (name or path; default: the one the index was built with).
+
+    Workers start in the constructor (spawned processes unless ``config.in_process``);
+    ``close()`` stops them. Thread-safe; ``submit``/``stream``/``complete`` are coroutines.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        index: Any,
+        embedder: Any = None,
+        *,
+        config: ServerConfig | None = None,
+    ) -> None:
+        self.config = config or ServerConfig()
+        self.executor = _make_executor(model, index, embedder, self.config)
+        self.scheduler = Scheduler(
+            self.executor,
+            self.config.transforms,
+            max_node_runs=self.config.max_node_runs,
+            poll_timeout=self.config.poll_timeout,
+        )
+        self.workflows: dict[str, CompiledGraph] = {n: get_workflow(n) for n in BUILTIN_WORKFLOWS}
+        self._slots = threading.BoundedSemaphore(self.config.max_active_requests)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ragserve-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- requests ---------------------------------------------------------------------------
+    def run(
+        self, question: str, graph: Any = "oneshot", *, request_id: str | None = None
+    ) -> Response:
+        """Run one request to completion (blocking)."""
+        done = threading.Event()
+        box: list[Response] = []
+        self._add(question, graph, request_id, on_done=lambda r: (box.append(r), done.set()))
+        done.wait()
+        return box[0]
+
+    async def submit(
+        self, question: str, graph: Any = "oneshot", *, request_id: str | None = None
+    ) -> Response:
+        """Run one request; many may be awaited concurrently."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        on_done = lambda r: loop.call_soon_threadsafe(_set, fut, r)
+        await asyncio.to_thread(self._add, question, graph, request_id, on_done)
+        return await fut
+
+    async def stream(
+        self, question: str, graph: Any = "oneshot", *, request_id: str | None = None
+    ) -> AsyncIterator[str]:
+        """Yield text deltas of the answer (generation nodes writing ``"output"``).
+
+        A failed request raises ``RuntimeError`` with its error after the deltas it produced.
+        Closing the iterator early aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
+        rid = request_id or uuid.uuid4().hex
+        await asyncio.to_thread(
+            self._add, question, graph, rid, lambda r: put(r), on_delta=lambda d: put(d)
+        )
+        finished = False
+        try:
+            while True:
+                item = await events.get()
+                if isinstance(item, Response):
+                    finished = True
+                    if item.error is not None:
+                        raise RuntimeError(item.error)
+                    return
+                yield item
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def complete(
+        self, prompt: str | list[int], params: Any, *, request_id: str | None = None
+    ) -> AsyncIterator[Any]:
+        """Plain LLM completion (no retrieval, no chat template): yields ``RequestOutput``s
+        with cumulative ``token_ids``/``text``; the last one has ``finished=True``."""
+        from ragserve.generation import RequestOutput
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
+        rid = request_id or uuid.uuid4().hex
+        raw = tuple(prompt) if isinstance(prompt, list) else prompt
+        await asyncio.to_thread(
+            self._add,
+            "",
+            _completion_graph(),
+            rid,
+            lambda r: put(r),
+            on_update=lambda u: put(u),
+            raw=(raw, GenerationParams.from_any(params)),
+        )
+        prompt_ids: tuple[int, ...] = ()
+        token_ids: list[int] = []
+        text = ""
+        finished = False
+        try:
+            while True:
+                item = await events.get()
+                if isinstance(item, Response):
+                    finished = True
+                    if item.error is not None:
+                        raise RuntimeError(item.error)
+                    return
+                prompt_ids = item.prompt_token_ids or prompt_ids
+                token_ids.extend(item.new_token_ids)
+                text = item.final_text if item.final_text is not None else text + item.text_delta
+                yield _request_output(
+                    RequestOutput, rid, prompt_ids, token_ids, text, item.finished, item
+                )
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; it finishes with ``error="aborted"`` and frees its KV blocks."""
+        self.scheduler.abort(request_id)
+
+    # -- documents --------------------------------------------------------------------------
+    def add_documents(self, docs: Sequence[Any]) -> Any:
+        """Upsert documents into the index; returns once they are persisted."""
+        return self.executor.call_retrieval("add_documents", list(docs)).result()
+
+    def delete_documents(self, doc_ids: Sequence[str]) -> Any:
+        """Delete documents by id; returns once the deletion is persisted."""
+        return self.executor.call_retrieval("delete_documents", list(doc_ids)).result()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "num_active_requests": self.scheduler.num_active,
+            "num_cycles": self.scheduler.num_cycles,
+        }
+        if hasattr(self.executor, "stats"):
+            out["workers"] = self.executor.stats()
+        return out
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._thread.join(timeout=10)
+        self.executor.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------
+    def _add(
+        self,
+        question: str,
+        graph: Any,
+        request_id: str | None,
+        on_done: Any,
+        *,
+        on_delta: Any = None,
+        on_update: Any = None,
+        raw: tuple | None = None,
+    ) -> None:
+        if self._closed.is_set():
+            raise RuntimeError("Server is closed")
+        compiled = self._resolve(graph)
+        self._slots.acquire()  # NOTE: admission bound; blocks the caller, not the scheduler
+
+        def done(response: Response) -> None:
+            self._slots.release()
+            on_done(response)
+
+        req = RequestState(
+            request_id or uuid.uuid4().hex,
+            compiled,
+            State(input=question),
+            on_done=done,
+            on_delta=on_delta,
+            on_update=on_update,
+        )
+        if raw is not None:
+            req.raw_prompt, req.raw_params = raw
+        self.scheduler.add_request(req)
+
+    def _resolve(self, graph: Any) -> CompiledGraph:
+        if isinstance(graph, str):
+            if graph not in self.workflows:
+                raise KeyError(
+                    f"unknown workflow {graph!r}; choose one of {', '.join(self.workflows)}"
+                )
+            return self.workflows[graph]
+        if isinstance(graph, RAGraph):
+            return graph.compile()
+        if isinstance(graph, CompiledGraph):
+            return graph
+        raise TypeError(f"graph must be a workflow name, RAGraph or CompiledGraph, not {graph!r}")
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.scheduler.step()
+            except Exception:
+                logger.exception("scheduler step failed")
+
+
+def _set(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+_COMPLETION_GRAPH: list[CompiledGraph] = []
+
+
+def _completion_graph() -> CompiledGraph:
+    from ragserve.graph import END, START
+
+    if not _COMPLETION_GRAPH:
+        g = RAGraph("completion").add_generation(0, prompt="{input}")
+        _COMPLETION_GRAPH.append(g.add_edge(START, 0).add_edge(0, END).compile())
+    return _COMPLETION_GRAPH[0]
+
+
+def _request_output(cls: Any, rid: str, prompt_ids, token_ids, text, finished, update) -> Any:
+    return cls(
+        request_id=rid,
+        prompt_token_ids=list(prompt_ids),
+        token_ids=list(token_ids),
+        text=text,
+        finished=finished,
+        finish_reason=update.finish_reason,
+    )
+
+
+def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) -> Any:
+    from ragserve.runtime.executors import LocalExecutor, ProcessExecutor
+    from ragserve.runtime.workers import WorkerSpec
+
+    if config.in_process:
+        from ragserve.runtime.runners import GenerationRunner, RetrievalRunner
+
+        engine = model
+        if isinstance(model, (str, Path)):
+            from ragserve.generation import LLMEngine
+
+            engine = LLMEngine(str(model), **dict(config.engine_kwargs))
+        vindex = index
+        if isinstance(index, (str, Path)):
+            from ragserve.retrieval import VectorIndex
+
+            vindex = VectorIndex.load(str(index))
+        emb = embedder
+        if emb is None or isinstance(emb, (str, Path)):
+            from ragserve.retrieval import load_embedder
+
+            emb = load_embedder(str(emb) if emb is not None else vindex.embedder_name)
+        return LocalExecutor(
+            GenerationRunner(engine), RetrievalRunner(vindex, emb, config.default_nprobe)
+        )
+    gen = WorkerSpec("generation", model=str(model), engine_kwargs=config.engine_kwargs)
+    ret = WorkerSpec(
+        "retrieval",
+        index=str(index),
+        embedder=None if embedder is None else str(embedder),
+        default_nprobe=config.default_nprobe,
+    )
+    return ProcessExecutor(gen, ret, config)
