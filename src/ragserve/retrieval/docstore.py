@@ -1,0 +1,219 @@
+"""Persistent document store (SQLite, WAL, synchronous=FULL): passages, their vectors, and the
+operation log that makes upserts durable before they are acknowledged.
+
+```
+docs(row_id PK AUTOINCREMENT, doc_id UNIQUE, title, text, metadata JSON, vector BLOB)  live rows
+ops(seq PK AUTOINCREMENT, op 'add'|'del', row_id)                                      the log
+meta(key PK, value)                                                                    dim, ...
+```
+
+`row_id` is the Faiss id of a passage; it is never reused (AUTOINCREMENT), so an id seen in a
+partial search result can never come to mean another passage. A committed transaction is on disk
+(fsync'd WAL) when `upsert`/`delete` return.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ragserve.retrieval.types import Document
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS docs (
+    row_id INTEGER PRIMARY KEY AUTOINCREMENT, doc_id TEXT NOT NULL UNIQUE, title TEXT,
+    text TEXT NOT NULL, metadata TEXT NOT NULL, vector BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS ops (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, op TEXT NOT NULL, row_id INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class DocStore:
+    """Documents by Faiss row id and by string doc id; all methods are thread-safe.
+
+    `path=None` keeps everything in memory until `save_as(path)`.
+    """
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._conn = self._connect(path)
+
+    @staticmethod
+    def _connect(path: Path | None) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            ":memory:" if path is None else str(path),
+            check_same_thread=False,
+            isolation_level=None,
+        )
+        if path is not None:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+        conn.executescript(SCHEMA)
+        return conn
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- writes (each one transaction, durable on return) ------------------------------------
+
+    def upsert(self, docs: Sequence[Document], vectors: np.ndarray) -> tuple[list[int], list[int]]:
+        """Insert or replace `docs` by `doc_id`; returns (new row ids, replaced row ids)."""
+        added, removed = [], []
+        with self._lock, self._txn():
+            for doc, vec in zip(docs, np.asarray(vectors, dtype=np.float32), strict=False):
+                old = self._conn.execute(
+                    "SELECT row_id FROM docs WHERE doc_id = ?", (doc.id,)
+                ).fetchone()
+                if old is not None:
+                    self._conn.execute("DELETE FROM docs WHERE row_id = ?", old)
+                    self._conn.execute("INSERT INTO ops (op, row_id) VALUES ('del', ?)", old)
+                    removed.append(old[0])
+                cur = self._conn.execute(
+                    "INSERT INTO docs (doc_id, title, text, metadata, vector) VALUES (?,?,?,?,?)",
+                    (doc.id, doc.title, doc.text, json.dumps(doc.metadata), vec.tobytes()),
+                )
+                self._conn.execute(
+                    "INSERT INTO ops (op, row_id) VALUES ('add', ?)", (cur.lastrowid,)
+                )
+                added.append(int(cur.lastrowid))
+        return added, removed
+
+    def delete(self, doc_ids: Iterable[str]) -> list[int]:
+        """Delete documents by `doc_id` (unknown ids are ignored); returns the removed row ids."""
+        removed = []
+        with self._lock, self._txn():
+            for doc_id in doc_ids:
+                row = self._conn.execute(
+                    "SELECT row_id FROM docs WHERE doc_id = ?", (doc_id,)
+                ).fetchone()
+                if row is not None:
+                    self._conn.execute("DELETE FROM docs WHERE row_id = ?", row)
+                    self._conn.execute("INSERT INTO ops (op, row_id) VALUES ('del', ?)", row)
+                    removed.append(row[0])
+        return removed
+
+    def truncate_log(self, upto_seq: int) -> None:
+        """Drop log entries already covered by a durable index snapshot."""
+        with self._lock, self._txn():
+            self._conn.execute("DELETE FROM ops WHERE seq <= ?", (upto_seq,))
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._lock, self._txn():
+            self._conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._query("SELECT value FROM meta WHERE key = ?", (key,))
+        return row[0][0] if row else None
+
+    def last_seq(self) -> int:
+        row = self._query("SELECT MAX(seq) FROM ops")
+        seq = row[0][0]
+        if seq is None:  # the log may have been truncated: AUTOINCREMENT remembers the high mark
+            high = self._query("SELECT seq FROM sqlite_sequence WHERE name = 'ops'")
+            return int(high[0][0]) if high else 0
+        return int(seq)
+
+    def ops_after(self, seq: int) -> list[tuple[int, str, int]]:
+        return [
+            tuple(r)
+            for r in self._query(
+                "SELECT seq, op, row_id FROM ops WHERE seq > ? ORDER BY seq", (seq,)
+            )
+        ]
+
+    def count(self) -> int:
+        return int(self._query("SELECT COUNT(*) FROM docs")[0][0])
+
+    def vectors(self, row_ids: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(row ids int64 `[m]`, vectors float32 `[m, dim]`) of live rows (all, or those given)."""
+        if row_ids is None:
+            rows = self._query("SELECT row_id, vector FROM docs ORDER BY row_id")
+        else:
+            rows = []
+            for chunk in _chunks(list(row_ids), 500):
+                marks = ",".join("?" * len(chunk))
+                rows += self._query(
+                    f"SELECT row_id, vector FROM docs WHERE row_id IN ({marks}) ORDER BY row_id",
+                    chunk,
+                )
+        ids = np.array([r[0] for r in rows], dtype=np.int64)
+        if not rows:
+            return ids, np.zeros((0, int(self.get_meta("dim") or 0)), dtype=np.float32)
+        return ids, np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows])
+
+    def get(self, keys: Sequence[int | str]) -> list[Document | None]:
+        """Documents by Faiss row id (int; negative → None) or by doc id (str)."""
+        out: list[Document | None] = []
+        for key in keys:
+            if isinstance(key, str):
+                rows = self._query(
+                    "SELECT doc_id, title, text, metadata FROM docs WHERE doc_id = ?", (key,)
+                )
+            elif int(key) < 0:
+                rows = []
+            else:
+                rows = self._query(
+                    "SELECT doc_id, title, text, metadata FROM docs WHERE row_id = ?", (int(key),)
+                )
+            out.append(
+                Document(rows[0][0], rows[0][2], rows[0][1], json.loads(rows[0][3]))
+                if rows
+                else None
+            )
+        return out
+
+    def row_ids_of(self, doc_ids: Sequence[str]) -> list[int | None]:
+        out = []
+        for doc_id in doc_ids:
+            rows = self._query("SELECT row_id FROM docs WHERE doc_id = ?", (doc_id,))
+            out.append(int(rows[0][0]) if rows else None)
+        return out
+
+    def check(self) -> None:
+        """Raise `sqlite3.DatabaseError` if the file fails SQLite's own consistency check."""
+        result = self._query("PRAGMA quick_check")
+        if not result or result[0][0] != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {result[:3]}")
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def copy_to(self, path: Path) -> None:
+        """Write a consistent copy of the whole store into a new SQLite file at `path`."""
+        with self._lock:
+            dest = sqlite3.connect(str(path))
+            self._conn.backup(dest)
+            dest.execute("PRAGMA journal_mode=WAL")
+            dest.close()
+
+    def _query(self, sql: str, args: Sequence = ()) -> list:
+        with self._lock:
+            return self._conn.execute(sql, tuple(args)).fetchall()
+
+    def _txn(self):
+        return _Transaction(self._conn)
+
+
+class _Transaction:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

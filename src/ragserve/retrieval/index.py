@@ -1,0 +1,345 @@
+"""`VectorIndex`: a Faiss IVF index over a document store, with step-wise search and durable
+online upserts.
+
+Concurrency: searches take a shared lock; the in-memory index changes under an exclusive lock
+only after the change is durable in the document store (see `docstore.py`). Writers are
+serialised by a mutex so that the log order equals the order applied in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import faiss
+import numpy as np
+
+from ragserve.retrieval import stepwise
+from ragserve.retrieval.docstore import DocStore
+from ragserve.retrieval.rwlock import RWLock
+from ragserve.retrieval.types import Document, ProbePlan, ScoredDocument, TopK
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.embedder import Embedder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """What an index is: fixed at build time, recorded in the manifest."""
+
+    dim: int
+    nlist: int
+    kind: str = "ivf_flat"
+    metric: str = "ip"
+    embedder: str = "all-minilm-l6-v2"
+    nprobe: int = 1  # default probe width when a search does not name one
+
+    @property
+    def is_l2(self) -> bool:
+        return self.metric == "l2"
+
+
+def auto_nlist(num_vectors: int) -> int:
+    """About 4·sqrt(n) clusters, but at least 39 training points per cluster."""
+    return max(1, min(int(4 * math.sqrt(num_vectors)), num_vectors // 39))
+
+
+class VectorIndex:
+    """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2).
+
+    Ids in `TopK` are Faiss row ids (int64, never reused); `get_documents` maps them back.
+    An index built in memory becomes persistent with `save(dir)`; from then on every
+    `add_documents` / `delete_documents` is durable in `dir` before it returns.
+    """
+
+    def __init__(
+        self,
+        index: faiss.IndexIVF,
+        store: DocStore,
+        spec: IndexSpec,
+        *,
+        embedder: Embedder | None = None,
+        directory: Path | None = None,
+    ) -> None:
+        self._index = index
+        self._store = store
+        self.spec = spec
+        self.directory = directory
+        self._embedder = embedder
+        self._rw = RWLock()
+        self._write_mutex = threading.RLock()
+        self.applied_seq = 0  # last log seq contained in the snapshot on disk
+        self.generation = 0
+        self.compact_every = 1000  # log entries past the snapshot before an automatic compaction
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        corpus: Iterable[Document],
+        embedder: Embedder,
+        *,
+        nlist: int | None = None,
+        kind: str = "ivf_flat",
+        metric: str = "ip",
+        nprobe: int | None = None,
+        progress: bool = False,
+        **index_kwargs: Any,
+    ) -> VectorIndex:
+        """Embed `corpus` (passages) with `embedder`, train the IVF index and add everything."""
+        docs = list(corpus)
+        vectors = embedder.encode(
+            [_passage_text(d) for d in docs], is_query=False, progress=progress
+        )
+        return cls.from_vectors(
+            docs,
+            vectors,
+            embedder_name=embedder.name,
+            nlist=nlist,
+            kind=kind,
+            metric=metric,
+            nprobe=nprobe,
+            embedder=embedder,
+            **index_kwargs,
+        )
+
+    @classmethod
+    def from_vectors(
+        cls,
+        docs: Sequence[Document],
+        vectors: np.ndarray,
+        *,
+        embedder_name: str,
+        nlist: int | None = None,
+        kind: str = "ivf_flat",
+        metric: str = "ip",
+        nprobe: int | None = None,
+        embedder: Embedder | None = None,
+        **index_kwargs: Any,
+    ) -> VectorIndex:
+        """Build from precomputed vectors (`[len(docs), dim]`); `embedder_name` is recorded."""
+        x = np.ascontiguousarray(vectors, dtype=np.float32)
+        if x.ndim != 2 or len(x) != len(docs):
+            raise ValueError(f"need one vector per document: {len(docs)} docs, {x.shape} vectors")
+        if len({d.id for d in docs}) != len(docs):
+            raise ValueError("document ids must be unique")
+        nlist = nlist or auto_nlist(len(docs))
+        spec = IndexSpec(
+            x.shape[1], nlist, kind, metric, embedder_name, nprobe or max(1, nlist // 4)
+        )
+        index = stepwise.make_ivf(spec.dim, nlist, kind, metric, **index_kwargs)
+        stepwise.train(index, x, max_train=256 * nlist)
+        store = DocStore(None)
+        store.set_meta("dim", str(spec.dim))
+        row_ids, _ = store.upsert(docs, x)
+        index.add_with_ids(x, np.asarray(row_ids, dtype=np.int64))
+        return cls(index, store, spec, embedder=embedder)
+
+    # -- step-wise search -----------------------------------------------------------------------
+
+    def assign(self, queries: np.ndarray, nprobe: int | None = None) -> ProbePlan:
+        """Each query's `nprobe` nearest clusters with their coarse distances, best first."""
+        return stepwise.assign(self._index, queries, nprobe or self.spec.nprobe)
+
+    def scan(
+        self,
+        queries: np.ndarray,
+        cluster_ids_per_query: ProbePlan | np.ndarray,
+        topk: int,
+        state: TopK | None = None,
+    ) -> TopK:
+        """Scan the given clusters of each query and merge into `state` (a previous `TopK`).
+
+        Pass a `ProbePlan` slice (`plan.columns(a, b)`, `plan.take(ranks)`) to be bit-exact for
+        every kind; a bare int array `[n, w]` (`-1` pads) has its coarse distances recomputed,
+        which is exact for IVF-Flat and L2 SQ8, and within float rounding otherwise.
+        """
+        plan = cluster_ids_per_query
+        if not isinstance(plan, ProbePlan):
+            plan = self._plan_for(queries, np.asarray(plan, dtype=np.int64))
+        with self._rw.read():
+            part = stepwise.scan(self._index, queries, plan, topk)
+        return stepwise.merge(state, part, self.spec.is_l2)
+
+    def search(self, queries: np.ndarray, topk: int, nprobe: int | None = None) -> TopK:
+        """One-shot search: `assign` then one `scan` of all probed clusters."""
+        plan = self.assign(queries, nprobe)
+        return self.scan(queries, plan, topk)
+
+    def search_text(
+        self, texts: Sequence[str], topk: int, nprobe: int | None = None
+    ) -> list[list[ScoredDocument]]:
+        """Embed `texts` as queries, search, and fetch the documents (best first)."""
+        result = self.search(self.embedder.encode(list(texts), is_query=True), topk, nprobe)
+        return self.documents_of(result)
+
+    def documents_of(self, result: TopK) -> list[list[ScoredDocument]]:
+        """Resolve a `TopK` into documents, dropping missing slots and deleted documents."""
+        out = []
+        for ids, scores in zip(result.ids, result.scores, strict=False):
+            docs = self._store.get([int(i) for i in ids])
+            hits = zip(docs, scores, strict=True)
+            out.append([ScoredDocument(d, float(s)) for d, s in hits if d is not None])
+        return out
+
+    def _plan_for(self, queries: np.ndarray, cluster_ids: np.ndarray) -> ProbePlan:
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        centroids = self._index.quantizer.reconstruct_n(0, self.spec.nlist)
+        safe = np.where(cluster_ids < 0, 0, cluster_ids)
+        c = centroids[safe]  # [n, w, dim]
+        if self.spec.is_l2:
+            dist = ((q[:, None, :] - c) ** 2).sum(-1)
+        else:
+            dist = np.einsum("nd,nwd->nw", q, c)
+        return ProbePlan(cluster_ids, np.where(cluster_ids < 0, 0, dist).astype(np.float32))
+
+    # -- documents ------------------------------------------------------------------------------
+
+    def get_documents(self, ids: Iterable[int | str]) -> list[Document | None]:
+        """Documents by Faiss row id (as in `TopK.ids`; `-1` → None) or by document id (str)."""
+        return self._store.get(list(ids))
+
+    def add_documents(self, docs: Sequence[Document], vectors: np.ndarray | None = None) -> None:
+        """Insert or replace (by `id`) documents; durable on disk before this returns.
+
+        `vectors` (`[len(docs), dim]`) skips embedding, for callers that embedded already.
+        """
+        docs = list(docs)
+        if not docs:
+            return
+        if len({d.id for d in docs}) != len(docs):
+            raise ValueError("document ids in one add_documents call must be unique")
+        if vectors is None:
+            vectors = self.embedder.encode([_passage_text(d) for d in docs], is_query=False)
+        x = np.ascontiguousarray(vectors, dtype=np.float32)
+        if x.shape != (len(docs), self.spec.dim):
+            raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")
+        with self._write_mutex:
+            added, removed = self._store.upsert(docs, x)
+            with self._rw.write():
+                if removed:
+                    self._index.remove_ids(np.asarray(removed, dtype=np.int64))
+                self._index.add_with_ids(x, np.asarray(added, dtype=np.int64))
+            self._maybe_compact()
+
+    def delete_documents(self, doc_ids: Iterable[str]) -> int:
+        """Delete documents by id (unknown ids are ignored); durable before this returns.
+
+        Returns how many were deleted.
+        """
+        with self._write_mutex:
+            removed = self._store.delete(list(doc_ids))
+            if removed:
+                with self._rw.write():
+                    self._index.remove_ids(np.asarray(removed, dtype=np.int64))
+            self._maybe_compact()
+        return len(removed)
+
+    # -- properties -----------------------------------------------------------------------------
+
+    @property
+    def embedder(self) -> Embedder:
+        """The query/passage encoder, loaded on first use from `embedder_name`."""
+        if self._embedder is None:
+            from ragserve.retrieval.embedder import load_embedder
+
+            with self._write_mutex:
+                if self._embedder is None:
+                    self._embedder = load_embedder(self.spec.embedder)
+        return self._embedder
+
+    @property
+    def embedder_name(self) -> str:
+        return self.spec.embedder
+
+    @property
+    def dim(self) -> int:
+        return self.spec.dim
+
+    @property
+    def nlist(self) -> int:
+        return self.spec.nlist
+
+    @property
+    def num_documents(self) -> int:
+        return int(self._index.ntotal)
+
+    @property
+    def faiss_index(self) -> faiss.IndexIVF:
+        """The underlying Faiss index (read-only use; mutate only through this class)."""
+        return self._index
+
+    def cluster_sizes(self) -> np.ndarray:
+        """int64 `[nlist]`: number of vectors in each inverted list."""
+        invlists = self._index.invlists
+        with self._rw.read():
+            return np.array([invlists.list_size(c) for c in range(self.spec.nlist)], np.int64)
+
+    def cluster_cost_bytes(self) -> np.ndarray:
+        """int64 `[nlist]`: bytes a scan reads per cluster (list size × code size)."""
+        return self.cluster_sizes() * int(self._index.code_size)
+
+    def info(self) -> dict[str, Any]:
+        sizes = self.cluster_sizes()
+        return {
+            "directory": str(self.directory) if self.directory else None,
+            "kind": self.spec.kind,
+            "metric": self.spec.metric,
+            "dim": self.spec.dim,
+            "nlist": self.spec.nlist,
+            "nprobe": self.spec.nprobe,
+            "embedder": self.spec.embedder,
+            "num_documents": self.num_documents,
+            "code_size_bytes": int(self._index.code_size),
+            "cluster_size_min": int(sizes.min()),
+            "cluster_size_max": int(sizes.max()),
+            "generation": self.generation,
+            "applied_seq": self.applied_seq,
+            "pending_log_entries": self._store.last_seq() - self.applied_seq,
+        }
+
+    # -- persistence (see persist.py) -----------------------------------------------------------
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the index to `directory` (new or empty; or its own directory = compaction)."""
+        from ragserve.retrieval.persist import save_index
+
+        return save_index(self, Path(directory))
+
+    @classmethod
+    def load(cls, directory: str | Path, *, embedder: Embedder | None = None) -> VectorIndex:
+        """Open a saved index, replaying upserts logged after its snapshot.
+
+        Raises `IndexCorruptError` (a `ValueError`) naming the file that is truncated or corrupt.
+        """
+        from ragserve.retrieval.persist import load_index
+
+        return load_index(Path(directory), embedder=embedder)
+
+    def compact(self) -> None:
+        """Write a fresh snapshot covering the whole log, then drop the covered log entries."""
+        from ragserve.retrieval.persist import compact_index
+
+        compact_index(self)
+
+    def _maybe_compact(self) -> None:
+        pending = self._store.last_seq() - self.applied_seq
+        if self.directory is not None and pending >= self.compact_every:
+            self.compact()
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def _passage_text(doc: Document) -> str:
+    return (
+        f"{doc.title}: {doc.text}" if doc.title and not doc.text.startswith(doc.title) else doc.text
+    )

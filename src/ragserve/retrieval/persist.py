@@ -1,0 +1,171 @@
+"""Saving, loading and compacting a `VectorIndex` directory (layout in `storage.py`).
+
+Recovery on load: snapshot (verified by checksum) + replay of the document store's op log past
+the snapshot's `applied_seq`. The replay is idempotent (remove, then re-add live rows), so a
+crash between any two steps of an upsert or a compaction recovers to the acknowledged state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import faiss
+import numpy as np
+
+from ragserve import __version__
+from ragserve.retrieval.docstore import DocStore
+from ragserve.retrieval.index import IndexSpec, VectorIndex
+from ragserve.retrieval.storage import (
+    DOCSTORE,
+    FORMAT,
+    FORMAT_VERSION,
+    IndexCorruptError,
+    atomic_write_bytes,
+    fsync_dir,
+    read_manifest,
+    remove_stale_files,
+    snapshot_name,
+    verify_snapshot,
+    write_manifest,
+)
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.embedder import Embedder
+
+logger = logging.getLogger(__name__)
+
+
+def save_index(vi: VectorIndex, directory: Path) -> Path:
+    """Write `vi` into a new (or empty) `directory` atomically, then attach `vi` to it."""
+    directory = directory.absolute()
+    if vi.directory is not None and directory == vi.directory:
+        compact_index(vi)
+        return directory
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise FileExistsError(f"{directory} exists and is not empty")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    with vi._write_mutex:
+        with vi._rw.read():
+            data = faiss.serialize_index(vi._index)
+        seq = vi._store.last_seq()
+        vi._store.copy_to(tmp / DOCSTORE)
+        copy = DocStore(tmp / DOCSTORE)
+        copy.truncate_log(seq)
+        copy.close()
+        _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
+        if directory.exists():
+            directory.rmdir()
+        os.rename(tmp, directory)
+        fsync_dir(directory.parent)
+        old, vi._store = vi._store, DocStore(directory / DOCSTORE)
+        old.close()
+        vi.directory, vi.generation, vi.applied_seq = directory, 1, seq
+    logger.info("saved index (%d vectors) to %s", vi.num_documents, directory)
+    return directory
+
+
+def load_index(directory: Path, *, embedder: Embedder | None = None) -> VectorIndex:
+    """Open a saved index; corrupt or truncated files raise `IndexCorruptError`."""
+    directory = directory.absolute()
+    manifest = read_manifest(directory)
+    snap = verify_snapshot(directory, manifest)
+    try:
+        index = faiss.read_index(str(snap))
+    except RuntimeError as exc:
+        raise IndexCorruptError(snap, f"Faiss cannot read it ({exc})") from None
+    if not isinstance(index, faiss.IndexIVF) or index.d != manifest["dim"]:
+        raise IndexCorruptError(snap, f"not an IVF index of dim {manifest['dim']}")
+    store_path = directory / DOCSTORE
+    if not store_path.is_file():
+        raise IndexCorruptError(store_path, "file missing")
+    try:
+        store = DocStore(store_path)
+        store.check()
+        _replay(index, store, manifest["applied_seq"])
+        count = store.count()
+    except sqlite3.DatabaseError as exc:
+        raise IndexCorruptError(store_path, f"SQLite error: {exc}") from None
+    if count != index.ntotal:
+        store.close()
+        raise IndexCorruptError(
+            store_path, f"holds {count} documents but the index has {index.ntotal} vectors"
+        )
+    spec = IndexSpec(
+        manifest["dim"],
+        manifest["nlist"],
+        manifest["kind"],
+        manifest["metric"],
+        manifest["embedder"],
+        manifest.get("nprobe", 1),
+    )
+    vi = VectorIndex(index, store, spec, embedder=embedder, directory=directory)
+    vi.generation = int(manifest.get("generation", 1))
+    vi.applied_seq = int(manifest["applied_seq"])
+    return vi
+
+
+def compact_index(vi: VectorIndex) -> None:
+    """Snapshot the in-memory index under a new generation and drop the log it covers."""
+    if vi.directory is None:
+        raise ValueError("the index has no directory yet: call save(dir) first")
+    with vi._write_mutex:  # NOTE: upserts wait during a compaction; searches do not.
+        with vi._rw.read():
+            data = faiss.serialize_index(vi._index)
+        seq = vi._store.last_seq()
+        generation = vi.generation + 1
+        manifest = _write_snapshot(vi, vi.directory, data, generation, seq)
+        remove_stale_files(vi.directory, manifest)
+        vi._store.truncate_log(seq)
+        vi.generation, vi.applied_seq = generation, seq
+    logger.info("compacted %s to generation %d (log seq %d)", vi.directory, generation, seq)
+
+
+def _write_snapshot(
+    vi: VectorIndex, directory: Path, data: np.ndarray, generation: int, applied_seq: int
+) -> dict[str, Any]:
+    name = snapshot_name(generation)
+    atomic_write_bytes(directory / name, memoryview(data))
+    spec = vi.spec
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "dim": spec.dim,
+        "kind": spec.kind,
+        "metric": spec.metric,
+        "nlist": spec.nlist,
+        "nprobe": spec.nprobe,
+        "embedder": spec.embedder,
+        "num_vectors": int(vi._index.ntotal),
+        "code_size_bytes": int(vi._index.code_size),
+        "snapshot": name,
+        "snapshot_sha256": hashlib.sha256(memoryview(data)).hexdigest(),
+        "snapshot_bytes": int(data.nbytes),
+        "applied_seq": int(applied_seq),
+        "generation": generation,
+        "written_at": time.time(),
+        "versions": {"ragserve": __version__, "faiss": faiss.__version__, "numpy": np.__version__},
+    }
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def _replay(index: faiss.IndexIVF, store: DocStore, applied_seq: int) -> None:
+    ops = store.ops_after(applied_seq)
+    if not ops:
+        return
+    touched = sorted({row_id for _, _, row_id in ops})
+    index.remove_ids(np.asarray(touched, dtype=np.int64))
+    live_ids, vectors = store.vectors([r for _, op, r in ops if op == "add"])
+    if len(live_ids):
+        index.add_with_ids(vectors, live_ids)
+    logger.info("replayed %d logged upserts past the snapshot", len(ops))

@@ -1,0 +1,157 @@
+"""Step-wise IVF search on stock Faiss: assign once, scan probe-list slices, merge top-k.
+
+```
+assign(q, nprobe) ──> ProbePlan [n, nprobe] ──columns(0,4)──> scan ─┐
+                                            ──columns(4,8)──> scan ─┼─> merge ─> TopK
+                                            ──   ...      ──> scan ─┘   (any order)
+```
+
+Each step calls `search_preassigned` on its slice with `SearchParametersIVF(nprobe=width)`, so
+the shared index is never mutated and concurrent scans are safe. Partial results are merged
+outside Faiss under a total order — score first, then id (ascending for L2, descending for IP) —
+which is the order Faiss's own heaps give equal scores inside one result list.
+
+NOTE: a tie *across* the k-th boundary (two different vectors with bit-identical scores, one
+kept and one dropped) is resolved by id here, while Faiss keeps whichever its heap reached first;
+that only happens with duplicate vectors or duplicate PQ codes in one list.
+"""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from ragserve.retrieval.types import ProbePlan, TopK
+
+KINDS = ("ivf_flat", "ivf_sq8", "ivf_pq")
+METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
+
+
+def default_pq_m(dim: int) -> int:
+    """Sub-quantizer count: the largest divisor of `dim` leaving at least 4 dims per sub-vector."""
+    return max(m for m in range(1, dim + 1) if dim % m == 0 and dim // m >= 4) if dim >= 4 else 1
+
+
+def make_ivf(
+    dim: int,
+    nlist: int,
+    kind: str = "ivf_flat",
+    metric: str = "ip",
+    *,
+    pq_m: int | None = None,
+    pq_nbits: int = 8,
+) -> faiss.IndexIVF:
+    """An untrained IVF index (`kind` in `KINDS`, `metric` "ip"/"l2") with a flat quantizer."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown index kind {kind!r}; expected one of {KINDS}")
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; expected 'ip' or 'l2'")
+    if nlist < 1:
+        raise ValueError(f"nlist must be >= 1, got {nlist}")
+    mt = METRICS[metric]
+    quantizer = faiss.IndexFlatIP(dim) if metric == "ip" else faiss.IndexFlatL2(dim)
+    if kind == "ivf_flat":
+        index = faiss.IndexIVFFlat(quantizer, dim, nlist, mt)
+    elif kind == "ivf_sq8":
+        index = faiss.IndexIVFScalarQuantizer(
+            quantizer, dim, nlist, faiss.ScalarQuantizer.QT_8bit, mt
+        )
+    else:
+        m = pq_m or default_pq_m(dim)
+        if dim % m:
+            raise ValueError(f"pq_m={m} does not divide dim={dim}")
+        index = faiss.IndexIVFPQ(quantizer, dim, nlist, m, pq_nbits, mt)
+    index.own_fields = True
+    quantizer.this.disown()
+    return index
+
+
+def train(
+    index: faiss.IndexIVF, vectors: np.ndarray, *, max_train: int | None = None, seed: int = 0
+) -> None:
+    """Train the coarse quantizer (and SQ/PQ codebooks) on a seeded sample of `vectors`."""
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    if max_train is not None and len(x) > max_train:
+        pick = np.random.default_rng(seed).choice(len(x), size=max_train, replace=False)
+        x = x[np.sort(pick)]
+    if len(x) < index.nlist:
+        raise ValueError(f"need at least nlist={index.nlist} training vectors, got {len(x)}")
+    index.cp.seed = seed
+    index.train(x)
+
+
+def assign(index: faiss.IndexIVF, queries: np.ndarray, nprobe: int) -> ProbePlan:
+    """Coarse assignment: each query's `nprobe` nearest clusters, best first."""
+    q = _check_queries(index, queries)
+    nprobe = max(1, min(int(nprobe), index.nlist))
+    dists, ids = index.quantizer.search(q, nprobe)
+    return ProbePlan(ids.astype(np.int64, copy=False), dists.astype(np.float32, copy=False))
+
+
+def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int) -> TopK:
+    """Scan the clusters of `plan` (one step) for every query; returns this step's top-k."""
+    q = _check_queries(index, queries)
+    n, k = len(q), int(topk)
+    if k < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if plan.cluster_ids.shape[0] != n:
+        raise ValueError(f"plan has {plan.cluster_ids.shape[0]} rows for {n} queries")
+    width = plan.width
+    if width == 0 or n == 0:
+        return empty_topk(n, k, index.metric_type == faiss.METRIC_L2)
+    iq = np.ascontiguousarray(plan.cluster_ids, dtype=np.int64)
+    dq = np.ascontiguousarray(plan.coarse_dists, dtype=np.float32)
+    dist = np.empty((n, k), dtype=np.float32)
+    ids = np.empty((n, k), dtype=np.int64)
+    params = faiss.SearchParametersIVF(nprobe=width)
+    sp = faiss.swig_ptr
+    index.search_preassigned_c(n, sp(q), k, sp(iq), sp(dq), sp(dist), sp(ids), False, params)
+    return _canonical(TopK(ids, dist), index.metric_type == faiss.METRIC_L2, k)
+
+
+def merge(a: TopK | None, b: TopK, is_l2: bool) -> TopK:
+    """Merge two partial results of the same queries and k (scores of disjoint clusters)."""
+    if a is None:
+        return b
+    k = a.ids.shape[1]
+    both = TopK(np.concatenate([a.ids, b.ids], 1), np.concatenate([a.scores, b.scores], 1))
+    return _canonical(both, is_l2, k)
+
+
+def search(
+    index: faiss.IndexIVF, queries: np.ndarray, topk: int, nprobe: int, num_steps: int = 1
+) -> TopK:
+    """Assign then scan the probe lists in `num_steps` slices; equals `index.search`."""
+    q = _check_queries(index, queries)
+    plan = assign(index, q, nprobe)
+    is_l2 = index.metric_type == faiss.METRIC_L2
+    state = None
+    for step in plan.split(num_steps):
+        state = merge(state, scan(index, q, step, topk), is_l2)
+    return state if state is not None else empty_topk(len(q), topk, is_l2)
+
+
+def empty_topk(n: int, k: int, is_l2: bool) -> TopK:
+    fill = np.inf if is_l2 else -np.inf
+    return TopK(np.full((n, k), -1, np.int64), np.full((n, k), fill, np.float32))
+
+
+def _canonical(r: TopK, is_l2: bool, k: int) -> TopK:
+    """Sort each row by (missing last, better score first, then Faiss's id order); keep k."""
+    missing = r.ids < 0
+    primary = np.where(missing, np.inf, r.scores if is_l2 else -r.scores)
+    # NOTE: Faiss's max-heap (L2) puts equal scores in ascending id order, its min-heap (IP) in
+    # descending id order; reproducing that keeps results identical to `index.search`.
+    tie = np.where(missing, np.iinfo(np.int64).max, r.ids if is_l2 else -r.ids)
+    order = np.lexsort((tie, primary), axis=-1)[:, :k]
+    ids = np.take_along_axis(r.ids, order, 1)
+    scores = np.take_along_axis(r.scores, order, 1)
+    fill = np.float32(np.inf if is_l2 else -np.inf)
+    return TopK(ids, np.where(ids < 0, fill, scores).astype(np.float32, copy=False))
+
+
+def _check_queries(index: faiss.Index, queries: np.ndarray) -> np.ndarray:
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if q.ndim != 2 or q.shape[1] != index.d:
+        raise ValueError(f"queries must have shape [n, {index.d}], got {tuple(q.shape)}")
+    return q

@@ -1,0 +1,118 @@
+"""On-disk layout of a saved index, atomic writes and integrity checks.
+
+```
+DIR/manifest.json        format, dims, kind, metric, embedder, versions, counts, snapshot
+                         file name + sha256 + the last log seq it covers   (atomic replace)
+DIR/index-<gen>.faiss    Faiss snapshot (write tmp → fsync → rename → fsync DIR)
+DIR/docs.sqlite[-wal]    DocStore: passages, vectors, op log (SQLite WAL, synchronous=FULL)
+```
+
+A snapshot file is only deleted after a newer manifest naming its successor is durable, so a
+kill at any moment leaves a manifest whose snapshot exists and matches its checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FORMAT = "ragserve-ivf"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DOCSTORE = "docs.sqlite"
+
+
+class IndexCorruptError(ValueError):
+    """A saved index file is missing, truncated or corrupt; `path` names the file."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        super().__init__(f"corrupt or unreadable index file {path}: {reason}")
+        self.path = Path(path)
+
+
+def snapshot_name(generation: int) -> str:
+    return f"index-{generation:06d}.faiss"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
+    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    atomic_write_bytes(directory / MANIFEST, json.dumps(manifest, indent=2).encode())
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """Parse and validate `DIR/manifest.json`; a bad file raises `IndexCorruptError`."""
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no index directory at {directory}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a ragserve index ({MANIFEST} missing)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IndexCorruptError(path, f"not valid JSON ({exc})") from None
+    required = (
+        "format",
+        "format_version",
+        "dim",
+        "kind",
+        "metric",
+        "nlist",
+        "embedder",
+        "snapshot",
+        "snapshot_sha256",
+        "applied_seq",
+    )
+    if not isinstance(manifest, dict) or any(key not in manifest for key in required):
+        raise IndexCorruptError(path, f"missing fields (need {', '.join(required)})")
+    if manifest["format"] != FORMAT or manifest["format_version"] > FORMAT_VERSION:
+        raise IndexCorruptError(
+            path, f"unsupported format {manifest['format']!r} v{manifest['format_version']}"
+        )
+    return manifest
+
+
+def verify_snapshot(directory: Path, manifest: dict[str, Any]) -> Path:
+    """The snapshot file the manifest names, after checking it exists and matches its sha256."""
+    path = directory / manifest["snapshot"]
+    if not path.is_file():
+        raise IndexCorruptError(path, "file missing")
+    if sha256_file(path) != manifest["snapshot_sha256"]:
+        raise IndexCorruptError(path, "checksum mismatch (truncated or modified)")
+    return path
+
+
+def remove_stale_files(directory: Path, manifest: dict[str, Any]) -> None:
+    """Delete leftover tmp files and snapshots the manifest no longer names."""
+    for path in directory.iterdir():
+        stale_snapshot = path.name.startswith("index-") and path.name != manifest["snapshot"]
+        if path.name.endswith(".tmp") or stale_snapshot:
+            path.unlink(missing_ok=True)

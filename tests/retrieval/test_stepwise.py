@@ -1,0 +1,136 @@
+"""Step-wise search equals Faiss's one-shot `index.search` for every kind, metric and split."""
+
+from __future__ import annotations
+
+import itertools
+
+import faiss
+import numpy as np
+import pytest
+
+from ragserve.retrieval import stepwise
+from ragserve.retrieval.types import ProbePlan
+
+DIM, NUM, NLIST, K = 16, 4000, 32, 10
+
+
+def _clustered(rng: np.random.Generator, n: int, centers: np.ndarray) -> np.ndarray:
+    pick = rng.integers(0, len(centers), n)
+    return (centers[pick] + 0.4 * rng.normal(size=(n, centers.shape[1]))).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(NLIST, DIM)).astype(np.float32)
+    x = _clustered(rng, NUM, centers)
+    x[100:106] = x[7]  # exact duplicates: ties inside the top-k
+    q = np.concatenate([x[7:8] + 1e-3, _clustered(rng, 47, centers)])
+    return x, q
+
+
+@pytest.fixture(scope="module")
+def indexes(data) -> dict[tuple[str, str], faiss.IndexIVF]:
+    x, _ = data
+    out = {}
+    for kind, metric in itertools.product(stepwise.KINDS, ("ip", "l2")):
+        index = stepwise.make_ivf(DIM, NLIST, kind, metric, pq_m=4)
+        stepwise.train(index, x)
+        index.add_with_ids(x, np.arange(NUM, dtype=np.int64) * 5 + 3)
+        out[kind, metric] = index
+    return out
+
+
+def _faiss(index: faiss.IndexIVF, q: np.ndarray, k: int, nprobe: int):
+    index.nprobe = nprobe
+    return index.search(q, k)
+
+
+@pytest.mark.parametrize("kind", stepwise.KINDS)
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("nprobe", [1, 5, 12])
+def test_any_split_any_order_equals_faiss(indexes, data, kind, metric, nprobe):
+    index, (_, q) = indexes[kind, metric], data
+    ref_d, ref_i = _faiss(index, q, K, nprobe)
+    plan = stepwise.assign(index, q, nprobe)
+    is_l2 = metric == "l2"
+    rng = np.random.default_rng(nprobe)
+    splits = [1, 2, 4, nprobe]
+    for num_steps in splits:
+        steps = plan.split(num_steps)
+        for order in (range(len(steps)), rng.permutation(len(steps))):
+            state = None
+            for s in order:
+                state = stepwise.merge(state, stepwise.scan(index, q, steps[s], K), is_l2)
+            np.testing.assert_array_equal(state.ids, ref_i)
+            np.testing.assert_array_equal(state.scores, ref_d)
+    # per-query random reordering and uneven steps (rows padded with -1 via `take`)
+    ranks = np.stack([rng.permutation(nprobe) for _ in range(len(q))])
+    cut = int(rng.integers(0, nprobe + 1))
+    first = plan.take(np.where(np.arange(nprobe) < cut, ranks, -1))
+    second = plan.take(np.where(np.arange(nprobe) >= cut, ranks, -1))
+    state = stepwise.merge(
+        stepwise.scan(index, q, second, K), stepwise.scan(index, q, first, K), is_l2
+    )
+    np.testing.assert_array_equal(state.ids, ref_i)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_ties_keep_faiss_order(indexes, data, metric):
+    index, (_, q) = indexes["ivf_flat", metric], data
+    ref_d, ref_i = _faiss(index, q[:1], K, NLIST)
+    dup_ids = np.array([7, 100, 101, 102, 103, 104, 105]) * 5 + 3
+    assert set(dup_ids) <= set(ref_i[0])  # the duplicates tie inside the top-k
+    assert len(set(ref_d[0][np.isin(ref_i[0], dup_ids)])) == 1
+    got = stepwise.search(index, q[:1], K, NLIST, num_steps=NLIST)
+    np.testing.assert_array_equal(got.ids, ref_i)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_full_probe_ivf_flat_equals_brute_force(indexes, data, metric):
+    x, q = data
+    brute = faiss.IndexFlatIP(DIM) if metric == "ip" else faiss.IndexFlatL2(DIM)
+    brute.add(x)
+    ref_d, ref_i = brute.search(q, K)
+    got = stepwise.search(indexes["ivf_flat", metric], q, K, NLIST, num_steps=3)
+    np.testing.assert_allclose(got.scores, ref_d, rtol=1e-4, atol=1e-4)
+    # compare as sets of row positions where scores are not tied with a neighbour
+    same = (got.ids - 3) // 5 == ref_i
+    tied = np.isclose(ref_d[:, :, None], ref_d[:, None, :], rtol=1e-5).sum(-1) > 1
+    assert (same | tied).all()
+
+
+@pytest.mark.parametrize("kind", stepwise.KINDS)
+def test_recall_never_drops_as_nprobe_grows(indexes, data, kind):
+    x, q = data
+    brute = faiss.IndexFlatL2(DIM)
+    brute.add(x)
+    _, truth = brute.search(q, K)
+    truth = truth * 5 + 3
+    recalls = []
+    for nprobe in (1, 2, 4, 8, 16, 32):
+        got = stepwise.search(indexes[kind, "l2"], q, K, nprobe, num_steps=2)
+        hits = [len(set(g) & set(t)) for g, t in zip(got.ids, truth, strict=True)]
+        recalls.append(np.mean(hits) / K)
+    assert all(b >= a for a, b in zip(recalls, recalls[1:], strict=False)), recalls
+    assert recalls[-1] > recalls[0]
+
+
+def test_missing_results_are_minus_one(indexes, data):
+    index, (_, q) = indexes["ivf_flat", "l2"], data
+    k = NUM  # more than one list holds
+    got = stepwise.search(index, q[:2], k, 1, num_steps=1)
+    ref_d, ref_i = _faiss(index, q[:2], k, 1)
+    np.testing.assert_array_equal(got.ids, ref_i)
+    assert (got.ids == -1).any()
+    assert np.isinf(got.scores[got.ids == -1]).all()
+
+
+def test_empty_step_and_bad_shapes(indexes, data):
+    index, (_, q) = indexes["ivf_flat", "ip"], data
+    empty = ProbePlan(np.zeros((len(q), 0), np.int64), np.zeros((len(q), 0), np.float32))
+    assert (stepwise.scan(index, q, empty, K).ids == -1).all()
+    with pytest.raises(ValueError, match="shape"):
+        stepwise.assign(index, q[:, :3], 4)
+    with pytest.raises(ValueError, match="unknown index kind"):
+        stepwise.make_ivf(DIM, 4, "hnsw")
