@@ -93,7 +93,14 @@ class WorkerHandle:
         """Block until the worker has built its engine/index; raise with its traceback if not."""
         if not self.conn.poll(timeout):
             raise RuntimeError(f"{self.spec.kind} worker did not start within {timeout:.0f} s")
-        self._on_message(self.conn.recv())
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.proc.join(5.0)
+            raise RuntimeError(
+                f"{self.spec.kind} worker exited while starting (exit code {self.proc.exitcode})"
+            ) from None
+        self._on_message(msg)
 
     def _on_message(self, msg: tuple) -> None:
         if msg[0] == "fatal":

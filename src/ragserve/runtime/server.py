@@ -7,8 +7,12 @@ A scheduler thread runs ``Scheduler.step()`` in a loop; ``run`` / ``submit`` / `
 from __future__ import annotations
 
 import asyncio
+import atexit
+import dataclasses
 import logging
 import threading
+import time
+import weakref
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -52,6 +56,8 @@ class Server:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ragserve-scheduler", daemon=True)
         self._thread.start()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
 
     # -- requests ---------------------------------------------------------------------------
     def run(
@@ -108,8 +114,9 @@ class Server:
     ) -> AsyncIterator[Any]:
         """Plain LLM completion (no retrieval, no chat template): yields ``RequestOutput``s
         with cumulative ``token_ids``/``text``; the last one has ``finished=True``."""
-        from ragserve.generation import RequestOutput
+        from ragserve.generation import RequestMetrics
 
+        metrics = RequestMetrics(arrival_time=time.monotonic())
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
@@ -139,9 +146,7 @@ class Server:
                 prompt_ids = item.prompt_token_ids or prompt_ids
                 token_ids.extend(item.new_token_ids)
                 text = item.final_text if item.final_text is not None else text + item.text_delta
-                yield _request_output(
-                    RequestOutput, rid, prompt_ids, token_ids, text, item.finished, item
-                )
+                yield _request_output(rid, prompt_ids, token_ids, text, item, metrics)
         finally:
             if not finished:
                 self.abort(rid)
@@ -253,14 +258,22 @@ def _completion_graph() -> CompiledGraph:
     return _COMPLETION_GRAPH[0]
 
 
-def _request_output(cls: Any, rid: str, prompt_ids, token_ids, text, finished, update) -> Any:
-    return cls(
+def _request_output(rid: str, prompt_ids, token_ids, text, update, metrics) -> Any:
+    from ragserve.generation import RequestOutput
+
+    now = time.monotonic()
+    if token_ids and metrics.first_token_time is None:
+        metrics.first_token_time = now
+    if update.finished:
+        metrics.finish_time = now
+    return RequestOutput(
         request_id=rid,
         prompt_token_ids=list(prompt_ids),
         token_ids=list(token_ids),
         text=text,
-        finished=finished,
+        finished=update.finished,
         finish_reason=update.finish_reason,
+        metrics=dataclasses.replace(metrics),
     )
 
 

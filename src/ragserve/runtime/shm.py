@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -62,9 +62,9 @@ class ShmWriter:
 
     def __init__(self, handle: tuple[str, int, int, object]) -> None:
         name, self.num_slots, self.slot_bytes, self.free = handle
+        # NOTE: spawned workers share the server's resource tracker, which already tracks the
+        # segment; the server unlinks it in ``ShmRing.close``.
         self.shm = shared_memory.SharedMemory(name=name)
-        # NOTE: the server owns the segment; keep this process's tracker from unlinking it.
-        resource_tracker.unregister(self.shm._name, "shared_memory")
 
     def write(self, arrays: list[np.ndarray], timeout: float | None = None) -> ShmRef | None:
         """Copy ``arrays`` into a free slot; ``None`` if they do not fit in one slot."""
