@@ -1,0 +1,173 @@
+"""Paged KV blocks: reference counts, automatic prefix caching, LRU eviction.
+
+A block holds ``block_size`` consecutive tokens of one sequence. A FULL block whose KV has
+been computed gets a chained hash ``hash((parent_hash, its tokens, extra_keys))``, so equal
+hashes mean equal whole prefixes; a later sequence with the same prefix reuses those blocks
+(ref count + 1) instead of recomputing them. Free blocks stay in the hash map until they are
+reallocated, in LRU order::
+
+    free queue   front [ unhashed blocks | hashed blocks, least recently freed first ] back
+                 allocation pops the front; a hit on a free hashed block takes it out
+
+The manager mutates ``seq.block_table`` in place; it never touches ``num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+from ragserve.generation.sequence import Sequence
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Seq[int], extra_keys: tuple = ()) -> int:
+    """Chained hash of one full block (stable within a process)."""
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
+class BlockManager:
+    """Owns the KV block pool; ``allocate_slots`` returns ``False`` when a request does not fit
+    (the scheduler then preempts), and has changed nothing in that case."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self._tables: dict[str, list[int]] = {}  # request id -> its (shared) block table
+        self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of full blocks
+        self._num_hashed: dict[str, int] = {}  # request id -> blocks already registered
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        hashes = self._hashes.setdefault(seq.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """The longest cached prefix of a sequence that holds no blocks yet, as block ids.
+
+        At most ``num_tokens - 1`` tokens are reused: the last token is always recomputed, its
+        logits are needed. Changes nothing.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        blocks = []
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        ``computed_blocks`` (from ``get_computed_blocks``, for a sequence with no blocks yet)
+        are shared first and count as computed tokens.
+        """
+        table = seq.block_table
+        num_computed = max(seq.num_computed_tokens, len(computed_blocks) * self.block_size)
+        total = num_computed + num_new_tokens
+        num_new_blocks = -(-total // self.block_size) - len(table) - len(computed_blocks)
+        num_reclaimed = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
+        if num_new_blocks > self.num_free_blocks - num_reclaimed:
+            return False
+        for block in computed_blocks:
+            if self.ref_cnt[block] == 0:
+                del self.free_queue[block]
+            self.ref_cnt[block] += 1
+            table.append(block)
+        if computed_blocks:
+            self._num_hashed[seq.request_id] = len(computed_blocks)
+        for _ in range(max(num_new_blocks, 0)):
+            table.append(self._pop_free_block())
+        self._tables[seq.request_id] = table
+        return True
+
+    def _pop_free_block(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+        self.ref_cnt[block] = 1
+        return block
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's full, computed blocks in the prefix cache (after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        start = self._num_hashed.get(seq.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(start, num_full):
+            block = seq.block_table[i]
+            if self.block_hash[block] is None:
+                self.block_hash[block] = hashes[i]
+                self.cached.setdefault(hashes[i], block)
+        self._num_hashed[seq.request_id] = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; tail blocks become the first to be evicted."""
+        for block in reversed(seq.block_table):
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                self.free_queue[block] = None
+                if self.block_hash[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+        seq.block_table.clear()
+        self._tables.pop(seq.request_id, None)
+        self._hashes.pop(seq.request_id, None)
+        self._num_hashed.pop(seq.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their data)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self._num_hashed = {rid: 0 for rid in self._num_hashed}
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if ref counts, the free queue or the hash map disagree."""
+        refs = [0] * self.num_blocks
+        for rid, table in self._tables.items():
+            if len(set(table)) != len(table):
+                raise AssertionError(f"request {rid} holds a block twice: {table}")
+            for block in table:
+                refs[block] += 1
+        if refs != self.ref_cnt:
+            bad = [b for b in range(self.num_blocks) if refs[b] != self.ref_cnt[b]]
+            raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")
+        free = {b for b in range(self.num_blocks) if self.ref_cnt[b] == 0}
+        if free != set(self.free_queue):
+            raise AssertionError("free queue differs from the blocks with ref count 0")
+        for h, block in self.cached.items():
+            if self.block_hash[block] != h:
+                raise AssertionError(f"hash map points at block {block} with another hash")
+        seen_unhashed_end = False
+        for block in reversed(self.free_queue):
+            if self.block_hash[block] is None:
+                seen_unhashed_end = True
+            elif seen_unhashed_end:
+                raise AssertionError(f"hashed free block {block} is queued before unhashed ones")

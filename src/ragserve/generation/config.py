@@ -1,0 +1,147 @@
+"""Engine and model configuration: frozen dataclasses, resolved once at construction.
+
+``EngineConfig`` holds what the user asked for (``"auto"`` allowed); ``LLMEngine`` resolves it
+once with ``dataclasses.replace`` (device, dtype, KV pool size) and never mutates it after.
+``ModelConfig`` is the architecture read from a Hugging Face ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ragserve.generation.errors import ModelLoadError
+
+# HF architecture name -> (has q/k per-head RMSNorm, default attention bias)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (False, True),
+    "Qwen3ForCausalLM": (True, False),
+}
+
+CPU_DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an ``LLMEngine`` runs with. ``None``/``"auto"`` fields are resolved by the engine."""
+
+    model: str
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.85  # CUDA: share of free memory after weights
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture fields the engine needs, read from ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"no config.json in model folder {folder}")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read {path}: {e}") from e
+        config = cls.from_dict(raw, source=str(path))
+        gen_path = Path(folder) / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                gen_eos = _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+            except (OSError, ValueError) as e:
+                raise ModelLoadError(f"cannot read {gen_path}: {e}") from e
+            if gen_eos:
+                config = replace(config, eos_token_ids=gen_eos)
+        return config
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        qk_norm, default_bias = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+            theta = rope.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+            if rope.get("rope_type", rope.get("type", "default")) == "default":
+                rope = {}
+            window = raw.get("sliding_window")
+            if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+                window = None
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", default_bias)),
+                qk_norm=qk_norm,
+                rope_scaling=rope,
+                sliding_window=int(window) if window else None,
+                eos_token_ids=_as_ids(raw.get("eos_token_id")),
+                torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{source}: malformed model config ({e!r})") from e
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,15 @@
+"""Errors the engine raises for bad input (never for its own bugs)."""
+
+from __future__ import annotations
+
+
+class ModelLoadError(ValueError):
+    """A model folder cannot be loaded: unknown architecture, missing or corrupt files.
+
+    The message names the offending file.
+    """
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit the model's context (``max_model_len``); raised by ``add_request``
+    for that request only, the engine's other requests are untouched."""

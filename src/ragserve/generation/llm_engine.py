@@ -1,0 +1,292 @@
+"""The LLM engine: ``add_request`` / ``step`` / ``abort`` over a paged KV cache.
+
+``step()`` is one scheduling iteration: schedule -> run the model -> append tokens, check
+stops, free finished requests. An external scheduler (ragserve's RAG workflows) drives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ragserve.generation.block_manager import BlockManager
+from ragserve.generation.builtin import resolve_model
+from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from ragserve.generation.detokenizer import IncrementalDetokenizer, check_finished, find_stop
+from ragserve.generation.errors import PromptTooLongError
+from ragserve.generation.loader import load_model
+from ragserve.generation.model_runner import (
+    ModelRunner,
+    kv_cache_bytes_per_block,
+    select_backend,
+)
+from ragserve.generation.sampling_params import SamplingParams
+from ragserve.generation.scheduler import Scheduler
+from ragserve.generation.sequence import RequestOutput, Sequence
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    """A continuous-batching engine for one model on one device.
+
+    Not thread-safe: one caller drives ``add_request``/``step``/``abort``.
+    """
+
+    def __init__(self, model: str | Path, **kwargs: Any):
+        config = EngineConfig(model=str(model), **kwargs)
+        self.model_dir = None if _is_dummy_dir(config) else resolve_model(config.model)
+        folder = self.model_dir or Path(config.model)
+        self.model_config = ModelConfig.from_folder(folder)
+        device = _resolve_device(config.device)
+        dtype = _resolve_dtype(config.dtype, device)
+        max_model_len = _resolve_max_model_len(config, self.model_config)
+        self.tokenizer = _load_tokenizer(folder)
+        self.eos_token_ids = self.model_config.eos_token_ids or _tokenizer_eos(self.tokenizer)
+        model = load_model(
+            self.model_config,
+            folder,
+            device=device,
+            dtype=dtype,
+            max_positions=max_model_len,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
+        per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, dtype)
+        num_blocks = _kv_cache_bytes(config, device) // per_block
+        pool_tokens = num_blocks * config.block_size
+        if pool_tokens < max_model_len:
+            if config.max_model_len is not None or num_blocks < 1:
+                raise ValueError(
+                    f"the KV pool holds {pool_tokens} tokens, less than max_model_len="
+                    f"{max_model_len}; raise kv_cache_bytes or lower max_model_len"
+                )
+            logger.warning("KV pool holds %d tokens: max_model_len lowered", pool_tokens)
+            max_model_len = pool_tokens
+        self.config = replace(
+            config,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            kv_cache_bytes=num_blocks * per_block,
+            max_model_len=max_model_len,
+        )
+        backend = select_backend(config.attention_backend, device)
+        self.model_runner = ModelRunner(
+            model,
+            self.model_config,
+            backend,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            seed=config.seed,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self._seqs: dict[str, Sequence] = {}
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, backend %s",
+            self.model_config.architecture,
+            device,
+            dtype,
+            num_blocks,
+            config.block_size,
+            backend.name,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ``ValueError`` (``PromptTooLongError`` for a prompt that
+        leaves no room to generate) and then changes nothing."""
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        if (params.stop or isinstance(prompt, str)) and self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids and no stop strings")
+        ids = self._tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"request {request_id!r}: token id outside [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"request {request_id!r}: prompt has {len(ids)} tokens but the context holds "
+                f"{self.max_model_len} (room for at least one generated token is needed)"
+            )
+        seq = Sequence(request_id, ids, params)
+        self._seqs[request_id] = seq
+        self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its blocks (unknown ids are ignored)."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that got a token (or finished) this step."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        tokens = self.model_runner.execute_model(out)
+        self.scheduler.update_after_step(out)
+        sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
+        outputs = []
+        for seq, token in zip(sampled, tokens, strict=True):
+            outputs.append(self._append_token(seq, token))
+        if not self.scheduler.has_unfinished():
+            self.block_manager.check_integrity()
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.append_token(token)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = time.monotonic()
+        old_len = self._detoks[seq.request_id].update(seq)
+        reason = check_finished(seq, token, self.eos_token_ids, self.max_model_len)
+        if seq.params.stop:
+            cut = find_stop(seq.text, seq.params.stop, old_len)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                reason = "stop"
+        if reason is not None:
+            self._finish(seq, reason)
+        return seq.to_output()
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.model_runner.sampler.release(seq.request_id)
+        del self._seqs[seq.request_id]
+        del self._detoks[seq.request_id]
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (with whatever else is queued); outputs in prompt order."""
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+                self.add_request(rid, prompt, p)
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            for output in self.step():
+                if output.finished and output.request_id in pending:
+                    final[output.request_id] = output
+                    pending.discard(output.request_id)
+        return [final[rid] for rid in ids]
+
+    # ------------------------------------------------------------------ helpers
+    def _tokenize(self, prompt: str) -> list[int]:
+        bos = getattr(self.tokenizer, "bos_token", None)
+        add_special = not (bos and prompt.startswith(bos))
+        return list(self.tokenizer(prompt, add_special_tokens=add_special)["input_ids"])
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for a chat (the tokenizer's template, or a plain fallback)."""
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
+
+    def stats(self) -> dict[str, int]:
+        bm, sched = self.block_manager, self.scheduler
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "preemptions": sched.num_preemptions,
+            "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
+            "prefix_cache_query_tokens": sched.prefix_cache_query_tokens,
+        }
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity()
+
+
+def _is_dummy_dir(config: EngineConfig) -> bool:
+    return config.load_format == "dummy" and (Path(config.model) / "config.json").is_file()
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+def _resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None:
+        # NOTE: within the window, sliding-window attention equals full attention.
+        limit = min(limit, cfg.sliding_window)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit}")
+    return config.max_model_len
+
+
+def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_CACHE_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * config.kv_cache_memory_fraction)
+
+
+def _load_tokenizer(folder: Path) -> Any:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((folder / n).is_file() for n in names):
+        logger.info("no tokenizer in %s: prompts must be token ids", folder)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _tokenizer_eos(tokenizer: Any) -> tuple[int, ...]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return () if eos is None else (int(eos),)

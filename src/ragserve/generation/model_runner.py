@@ -1,0 +1,143 @@
+"""Runs one scheduled step on the device: packs inputs, runs the model, samples.
+
+Everything the layers need (positions, slot mapping, block tables) is built on the host
+once per step and copied to the device in one go; there are no host/device syncs inside
+the layer loop and exactly one after sampling. ``run_model`` is the single place a
+CUDA-graph runner hooks in (same inputs, same output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ragserve.generation.attention import (
+    AttentionMetadata,
+    BaseAttentionBackend,
+    available_backends,
+    get_backend,
+)
+from ragserve.generation.config import ModelConfig
+from ragserve.generation.sampler import Sampler
+from ragserve.generation.scheduler import SchedulerOutput
+from ragserve.generation.sequence import Sequence
+
+# Preferred attention backends per device type, best first (registered ones are used).
+BACKEND_PREFERENCE: dict[str, tuple[str, ...]] = {
+    "cuda": ("triton", "flex", "torch_ref"),
+    "cpu": ("torch_ref",),
+}
+
+LogitsHook = Callable[[list[Sequence], torch.Tensor], None]
+
+
+def select_backend(name: str, device: torch.device) -> BaseAttentionBackend:
+    """``name``, or for ``"auto"`` the best registered backend for the device type."""
+    if name != "auto":
+        return get_backend(name)
+    registered = set(available_backends())
+    for candidate in BACKEND_PREFERENCE.get(device.type, ("torch_ref",)):
+        if candidate in registered:
+            return get_backend(candidate)
+    return get_backend("torch_ref")
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model, its paged KV cache and the attention backend.
+
+    ``execute_model`` writes the scheduled tokens' keys/values into the cache and returns one
+    sampled token per sequence with ``sample[i]`` set; it does not touch the sequences.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ModelConfig,
+        backend: BaseAttentionBackend,
+        *,
+        num_blocks: int,
+        block_size: int,
+        seed: int = 0,
+    ):
+        param = next(model.parameters())
+        self.model = model
+        self.config = cfg
+        self.backend = backend
+        self.device = param.device
+        self.dtype = param.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (2, cfg.num_hidden_layers, num_blocks, block_size)
+        shape += (cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(shape[1])]
+        self.sampler = Sampler(self.device, seed)
+        self.logits_hook: LogitsHook | None = None  # debug/test tap on last-position logits
+
+    def prepare_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat ``input_ids``, ``positions``, the step's metadata and the rows to sample."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts, slot_parts = [], []
+        query_start, seq_lens, logits_rows = [0], [], []
+        max_blocks = max(len(s.block_table) for s in out.seqs)
+        tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens, strict=True)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            tables[i, : len(table)] = table
+            pos = np.arange(start, end, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            if out.sample[i]:
+                logits_rows.append(query_start[-1] - 1)
+        dev = self.device
+        metadata = AttentionMetadata(
+            query_start_loc=_to(np.asarray(query_start, dtype=np.int32), dev),
+            seq_lens=_to(np.asarray(seq_lens, dtype=np.int32), dev),
+            block_tables=_to(tables, dev),
+            slot_mapping=_to(np.concatenate(slot_parts), dev),
+            query_lens_cpu=tuple(out.num_scheduled_tokens),
+            seq_lens_cpu=tuple(seq_lens),
+        )
+        input_ids = _to(np.asarray(ids, dtype=np.int64), dev)
+        positions = _to(np.concatenate(pos_parts), dev)
+        return input_ids, positions, metadata, _to(np.asarray(logits_rows, dtype=np.int64), dev)
+
+    def run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states of every scheduled token (the CUDA-graph replay point)."""
+        return self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> list[int]:
+        input_ids, positions, metadata, logits_rows = self.prepare_inputs(out)
+        hidden = self.run_model(input_ids, positions, metadata)
+        if logits_rows.numel() == 0:
+            return []
+        logits = self.model.compute_logits(hidden[logits_rows])
+        sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
+        if self.logits_hook is not None:
+            self.logits_hook(sampled, logits)
+        return self.sampler(logits, [s.request_id for s in sampled], [s.params for s in sampled])
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

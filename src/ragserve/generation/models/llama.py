@@ -1,0 +1,189 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+Tokens of all sequences in a step are packed flat (``[num_tokens, hidden]``); the attention
+backend maps them to sequences through ``AttentionMetadata``. q/k/v and gate/up projections
+are fused into one matmul each; ``load_weights`` maps Hugging Face names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ragserve.generation.attention import AttentionMetadata, BaseAttentionBackend
+from ragserve.generation.config import ModelConfig
+from ragserve.generation.models.layers import RMSNorm, RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        backend: BaseAttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, metadata, backend) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns final hidden states ``[num_tokens, hidden]``; ``compute_logits``
+    turns selected rows into float32 logits. Mutates only the KV caches it is given."""
+
+    # HF parameter name fragment -> (our fused parameter, shard name)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+        backend: BaseAttentionBackend,
+    ) -> torch.Tensor:
+        backend.prepare(metadata)
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, metadata, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def expected_weight_names(self) -> set[str]:
+        """HF checkpoint names this model needs (``lm_head`` omitted when tied)."""
+        names = set()
+        for name in self.state_dict():
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            fused = [hf for hf, (ours, _) in self.stacked_params.items() if ours in name]
+            for hf in fused:
+                names.add(name.replace(self.stacked_params[hf][0], hf))
+            if not fused:
+                names.add(name)
+        return names
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one HF-named tensor into place; ``False`` if the model has no such weight."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return True
+        params = self._params()
+        target = None
+        for hf, (ours, shard) in self.stacked_params.items():
+            if hf in name:
+                param = params.get(name.replace(hf, ours))
+                target = None if param is None else self._slice(param, shard)
+                break
+        else:
+            target = params.get(name)
+        if target is None:
+            return False
+        if target.shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor)
+        return True
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        if getattr(self, "_param_map", None) is None:
+            self._param_map = dict(self.named_parameters())
+        return self._param_map
+
+    def _slice(self, param: torch.Tensor, shard: str | int) -> torch.Tensor:
+        cfg = self.config
+        if isinstance(shard, int):
+            size = cfg.intermediate_size
+            return param.narrow(0, shard * size, size)
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        return param.narrow(0, start, size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names that were used."""
+        used = set()
+        for name, tensor in weights:
+            if self.load_weight(name, tensor):
+                used.add(name)
+        return used

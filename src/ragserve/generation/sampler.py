@@ -1,0 +1,66 @@
+"""Turn last-position logits into next tokens: greedy, or temperature/top-k/top-p sampling.
+
+Seeded requests draw from their own ``torch.Generator`` (created on first use and kept for
+the request's life), so their tokens are reproducible whatever else is batched with them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragserve.generation.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self._default_gen = torch.Generator(device=device).manual_seed(seed)
+        self._gens: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self._gens.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._default_gen
+        gen = self._gens.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            self._gens[request_id] = gen
+        return gen
+
+    def __call__(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> list[int]:
+        """``logits``: float32 ``[n, vocab]`` -> n token ids (one host sync)."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            probs = self._probs(logits[idx], [params[i] for i in sampled])
+            for row, i in enumerate(sampled):
+                gen = self._generator(request_ids[i], params[i])
+                tokens[i] = torch.multinomial(probs[row], 1, generator=gen)[0]
+        return tokens.tolist()
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temps[:, None]
+        top_ks = [p.top_k for p in params if p.top_k is not None]
+        if top_ks:
+            vocab = logits.shape[-1]
+            ks = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)
+            sorted_desc = logits.sort(dim=-1, descending=True).values
+            kth = sorted_desc.gather(-1, (ks - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above
+            drop_sorted = before >= top_ps[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs

@@ -1,0 +1,130 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption by recompute.
+
+One rule (vLLM v1): every step, each scheduled request's computed tokens catch up with its
+total tokens, as far as the token budget allows. Running requests go first, in arrival
+order; when the KV pool is full the newest running request is preempted (its blocks are
+freed, it returns to the front of the waiting queue and is recomputed later, its prefix
+usually still cached). Waiting requests are admitted only when nobody was preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ragserve.generation.block_manager import BlockManager
+from ragserve.generation.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What the model runner computes this step: ``num_scheduled_tokens[i]`` new tokens of
+    ``seqs[i]``, starting at its ``num_computed_tokens``; sequences whose chunk reaches
+    their last token (``sample[i]``) get a sampled token."""
+
+    seqs: list[Sequence]
+    num_scheduled_tokens: list[int]
+    sample: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the ``BlockManager``.
+
+    ``schedule`` mutates queue membership, block tables and (for prefix hits)
+    ``num_computed_tokens``; ``update_after_step`` advances ``num_computed_tokens``.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_query_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+                i += 1
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            hit_blocks = self.block_manager.get_computed_blocks(seq)
+            num_hit = len(hit_blocks) * self.block_manager.block_size
+            n = min(seq.num_tokens - num_hit, budget)
+            if not self.block_manager.allocate_slots(seq, n, hit_blocks):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_hit
+            seq.status = SequenceStatus.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.monotonic()
+            self.prefix_cache_hit_tokens += num_hit
+            self.prefix_cache_query_tokens += seq.num_tokens
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        sample = [
+            s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts, strict=True)
+        ]
+        return SchedulerOutput(seqs, counts, sample)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """The scheduled tokens now have KV in the cache; register full blocks for reuse."""
+        for seq, n in zip(output.seqs, output.num_scheduled_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a request (running or waiting): free its blocks and drop it from the queues."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.metrics.finish_time = time.monotonic()

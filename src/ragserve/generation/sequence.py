@@ -1,0 +1,113 @@
+"""One request's token state inside the engine, and the snapshot handed back to callers."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, replace
+
+from ragserve.generation.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass
+class RequestMetrics:
+    """Times from ``time.monotonic()``; ``None`` until the event happens."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A snapshot of one request after a step; ``token_ids`` and ``text`` are cumulative.
+
+    ``finish_reason`` is ``None`` while running, else ``"stop"`` (EOS, stop token or stop
+    string), ``"length"`` (``max_tokens`` or the context end) or ``"abort"``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+
+class Sequence:
+    """Token ids of one request (prompt + generated) and how many of them have KV cached.
+
+    The scheduler's single rule: each step, ``num_computed_tokens`` catches up with
+    ``num_tokens`` (a whole prompt, a prefill chunk, or the one token sampled last step)::
+
+        tokens     [ prompt ......................... | output ...... ]
+        computed   [ KV in cache ........ )[ scheduled this step )
+                   0              num_computed_tokens       num_tokens
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=self.output_token_ids,
+            text=self.text,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            metrics=replace(self.metrics),
+        )
