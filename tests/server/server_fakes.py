@@ -106,9 +106,12 @@ class FakeBackend:
         return sum(self.docs.pop(i, None) is not None for i in doc_ids)
 
     def stats(self) -> dict:
-        return {
-            "engine": {"num_running": len(self.running), "num_waiting": 0},
-            "kv": {"num_blocks_used": 4 * len(self.running), "num_blocks_total": 64},
+        return {  # the shape of ragserve.runtime.Server.stats()
+            "num_running": len(self.running),
+            "num_waiting": 0,
+            "num_blocks_used": 4 * len(self.running),
+            "num_blocks_total": 64,
+            "engine": {"running": len(self.running)},
             "queues": {"generation_queue": 0},
         }
 

@@ -88,7 +88,7 @@ async def _answer(ctx: AppContext, request, body, name, graph, request_id, arriv
         raise backend_error(err if isinstance(err, BaseException) else RuntimeError(str(err)))
     ctx.metrics.requests.labels(name, "ok").inc()
     ctx.metrics.e2e.labels(name).observe(now() - arrival)
-    _observe_retrievals(ctx, name, graph, response)
+    _observe_timings(ctx, name, graph, response)
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -149,9 +149,17 @@ def _finish(ctx: AppContext, name: str, request_id: str, arrival: float, outcome
     ctx.metrics.requests.labels(name, status).inc()
 
 
-def _observe_retrievals(ctx: AppContext, name: str, graph, response) -> None:
-    timings = response.timings or {}
-    for node_id in retrieval_node_ids(graph):
-        seconds = timings.get(node_id)
-        if isinstance(seconds, (int, float)):
-            ctx.metrics.retrieval.labels(name).observe(float(seconds))
+def _observe_timings(ctx: AppContext, name: str, graph, response) -> None:
+    """TTFT and per-run retrieval latency from ``Response.node_timings`` when the runtime
+    gives them, else retrieval latency from the per-node ``timings`` of the contract."""
+    ttft = getattr(response, "ttft", None)
+    if ttft is not None:
+        ctx.metrics.ttft.labels(name).observe(ttft)
+    runs = getattr(response, "node_timings", None)
+    if runs:
+        seconds = [t.duration for t in runs if t.kind == "retrieval" and t.duration is not None]
+    else:
+        timings = response.timings or {}
+        seconds = [timings[n] for n in retrieval_node_ids(graph) if n in timings]
+    for value in seconds:
+        ctx.metrics.retrieval.labels(name).observe(float(value))

@@ -18,7 +18,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 RETRIEVAL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-# Server.stats() keys (flattened with ".", last component matched) -> exported gauge.
+# Top-level Server.stats() keys -> exported gauge (nested keys go to the generic families).
 _STAT_GAUGES = {
     "num_running": ("ragserve:num_requests_running", "Requests running in the LLM engine."),
     "num_waiting": ("ragserve:num_requests_waiting", "Requests waiting for the LLM engine."),
@@ -57,9 +57,8 @@ class StatsCollector(Collector):
             "ragserve:queue_depth", "Items waiting in the runtime's queues.", labels=["queue"]
         )
         for key, value in sorted(flat.items()):
-            last = key.rsplit(".", 1)[-1]
-            if last in _STAT_GAUGES:
-                known[last] = known.get(last, 0.0) + value
+            if key in _STAT_GAUGES:
+                known[key] = value
             elif "queue" in key:
                 queues.add_metric([key], value)
             else:
