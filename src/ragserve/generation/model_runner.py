@@ -17,32 +17,21 @@ from torch import nn
 from ragserve.generation.attention import (
     AttentionMetadata,
     BaseAttentionBackend,
-    available_backends,
     get_backend,
+    resolve_backend,
 )
 from ragserve.generation.config import ModelConfig
 from ragserve.generation.sampler import Sampler
 from ragserve.generation.scheduler import SchedulerOutput
 from ragserve.generation.sequence import Sequence
 
-# Preferred attention backends per device type, best first (registered ones are used).
-BACKEND_PREFERENCE: dict[str, tuple[str, ...]] = {
-    "cuda": ("triton", "flex", "torch_ref"),
-    "cpu": ("torch_ref",),
-}
-
 LogitsHook = Callable[[list[Sequence], torch.Tensor], None]
 
 
 def select_backend(name: str, device: torch.device) -> BaseAttentionBackend:
-    """``name``, or for ``"auto"`` the best registered backend for the device type."""
-    if name != "auto":
-        return get_backend(name)
-    registered = set(available_backends())
-    for candidate in BACKEND_PREFERENCE.get(device.type, ("torch_ref",)):
-        if candidate in registered:
-            return get_backend(candidate)
-    return get_backend("torch_ref")
+    """``name``, or for ``"auto"`` the best registered backend for the device
+    (``attention.resolve_backend`` owns that choice)."""
+    return get_backend(resolve_backend(name, device))
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
