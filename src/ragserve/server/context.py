@@ -67,11 +67,17 @@ async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect, 
             task.cancel()
 
 
+# NOTE: the runtime reports a request's failure as a string (``Response.error``), so the
+# engine's bad-input rejections (``PromptTooLongError`` and other ``ValueError``s of
+# ``add_request``) are recognised by their messages to answer 400 rather than 500.
+BAD_INPUT_MARKERS = ("but the context holds", ": empty prompt", ": token id outside")
+
+
 def backend_error(exc: BaseException) -> APIError:
     """A backend failure as an HTTP error: bad input (``ValueError``) is 400, the rest 500."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError) or any(m in str(exc) for m in BAD_INPUT_MARKERS):
         return APIError(400, str(exc), code="invalid_request")
     logger.error("request failed in the backend: %s: %s", type(exc).__name__, exc)
     return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
