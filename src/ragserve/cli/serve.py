@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
-    from ragserve.runtime import Server
+    from ragserve.runtime import Server, ServerConfig
     from ragserve.server import ServeConfig, serve
 
     config = ServeConfig(
@@ -53,6 +53,11 @@ def handler(args: argparse.Namespace) -> int:
     )
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         logger.warning("binding %s without --api-key: anyone who reaches it may use it", args.host)
-    server = Server(model=args.model, index=args.index, embedder=args.embedder)
+    # NOTE: the Server's own bound must not be below HTTP admission, or admitted requests
+    # would wait in threads for a Server slot instead of being refused with 429.
+    runtime = ServerConfig(
+        max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight)
+    )
+    server = Server(model=args.model, index=args.index, embedder=args.embedder, config=runtime)
     serve(server, config)
     return 0

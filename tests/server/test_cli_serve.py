@@ -1,0 +1,96 @@
+"""``ragserve serve`` as a real process (worker processes, real signals): serves with auth,
+then SIGTERM drains an in-flight stream before the process exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    from ragserve.generation.testing import make_tiny_model
+    from ragserve.retrieval import Document, VectorIndex, load_embedder
+
+    root = tmp_path_factory.mktemp("cli-serve")
+    model = make_tiny_model(root / "tiny", "llama", seed=0)
+    docs = [
+        Document(f"d{i}", f"Fact number {i} about the river Ix.", f"Fact {i}") for i in range(8)
+    ]
+    index = VectorIndex.build(docs, load_embedder("all-minilm-l6-v2"), nlist=2)
+    index.save(root / "index")
+    index.close()
+    return str(model), str(root / "index")
+
+
+def test_serve_process_auth_and_sigterm_drain(assets: tuple[str, str], tmp_path) -> None:
+    model, index = assets
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "ragserve.cli.main", "serve", "--model", model, "--index", index]
+    cmd += ["--port", str(port), "--api-key", "k3y", "--served-model-name", "tiny"]
+    with open(tmp_path / "serve.log", "w") as log:  # a file, not a pipe: a full pipe blocks
+        proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _exercise(proc, url, tmp_path)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _exercise(proc: subprocess.Popen, url: str, tmp_path) -> None:
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "ragserve serve did not come up"
+        time.sleep(0.5)
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0, timeout=120)
+    out = client.chat.completions.create(
+        model="ragserve/oneshot",
+        messages=[{"role": "user", "content": "Tell me about the river Ix."}],
+        max_tokens=4,
+    )
+    assert out.model_extra["documents"] and isinstance(out.choices[0].message.content, str)
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 400, "ignore_eos": True}
+    headers = {"Authorization": "Bearer k3y"}
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={**body, "stream": True},
+        headers=headers,
+        timeout=120,
+    ) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert first.startswith("data: ")
+        proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    last = json.loads(rest[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] == "length"
+    # uvicorn re-raises the captured SIGTERM after its graceful shutdown
+    assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
