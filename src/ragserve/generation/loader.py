@@ -109,5 +109,5 @@ def _load_safetensors(model: nn.Module, folder: Path) -> None:
     missing = sorted(expected - loaded)
     if missing:
         where = weight_map.get(missing[0])
-        source = f"{folder / where}" if where else f"the weight files of {folder}"
+        source = str(folder / where) if where else ", ".join(str(f) for f in files)
         raise ModelLoadError(f"missing {len(missing)} weight(s) in {source}, e.g. {missing[:3]}")
