@@ -78,6 +78,7 @@ class VectorIndex:
         self.applied_seq = 0  # last log seq contained in the snapshot on disk
         self.generation = 0
         self.compact_every = 1000  # log entries past the snapshot before an automatic compaction
+        self.metadata: dict[str, Any] = {}  # free-form, JSON-serialisable; kept in the manifest
 
     # -- construction ---------------------------------------------------------------------------
 

@@ -111,6 +111,7 @@ def load_index(directory: Path, *, embedder: Embedder | None = None) -> VectorIn
     vi = VectorIndex(index, store, spec, embedder=embedder, directory=directory)
     vi.generation = int(manifest.get("generation", 1))
     vi.applied_seq = int(manifest["applied_seq"])
+    vi.metadata = dict(manifest.get("metadata") or {})
     return vi
 
 
@@ -153,6 +154,7 @@ def _write_snapshot(
         "applied_seq": int(applied_seq),
         "generation": generation,
         "written_at": time.time(),
+        "metadata": vi.metadata,
         "versions": {"ragserve": __version__, "faiss": faiss.__version__, "numpy": np.__version__},
     }
     write_manifest(directory, manifest)

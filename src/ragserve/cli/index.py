@@ -1,0 +1,155 @@
+"""``ragserve index build|info|search``: build a vector index from a corpus, inspect, query."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("index", help="build, inspect and query vector indexes")
+    sub = p.add_subparsers(dest="index_command", required=True)
+
+    b = sub.add_parser("build", help="embed a corpus into a Faiss IVF index")
+    b.add_argument(
+        "--corpus",
+        required=True,
+        help="a .jsonl or .parquet file, a folder of .txt/.md/.rst, or 'factbook'",
+    )
+    b.add_argument(
+        "--out", default=None, help="index folder (default for factbook: the built-in location)"
+    )
+    b.add_argument("--nlist", type=int, default=None, help="IVF clusters (default: ~4 sqrt(n))")
+    b.add_argument("--nprobe", type=int, default=None, help="default clusters probed per query")
+    b.add_argument("--kind", default="ivf_flat", choices=["ivf_flat", "ivf_sq8", "ivf_pq"])
+    b.add_argument("--metric", default="ip", choices=["ip", "l2"])
+    b.add_argument("--embedder", default="all-minilm-l6-v2", help="built-in name or HF folder")
+    b.add_argument("--chunk-size", type=int, default=200, help="window size; 0 = no chunking")
+    b.add_argument("--chunk-overlap", type=int, default=40)
+    b.add_argument("--chunk-unit", default="word", choices=["word", "token"])
+    b.add_argument("--force", action="store_true", help="replace an existing index at --out")
+    b.set_defaults(func=_build)
+
+    i = sub.add_parser("info", help="print an index's manifest and statistics (JSON)")
+    i.add_argument("dir", help="index folder, or 'factbook' for the built-in one")
+    i.set_defaults(func=_info)
+
+    s = sub.add_parser("search", help="search an index with a text query")
+    s.add_argument("dir", help="index folder, or 'factbook' for the built-in one")
+    s.add_argument("query", nargs="+", help="query text (several = several queries)")
+    s.add_argument("-k", "--topk", type=int, default=5)
+    s.add_argument("--nprobe", type=int, default=None)
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.set_defaults(func=_search)
+
+
+def _resolve_dir(name: str) -> Path:
+    if name == "factbook" and not Path(name).exists():
+        from ragserve.retrieval.builtin import builtin_index
+
+        return builtin_index("factbook", progress=True)
+    return Path(name)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from ragserve.retrieval import VectorIndex, chunk_documents, load_corpus, load_embedder
+    from ragserve.retrieval.builtin import builtin_index, builtin_index_dir
+
+    start = time.perf_counter()
+    if args.corpus == "factbook" and (args.out is None or Path(args.out) == builtin_index_dir()):
+        out = builtin_index("factbook", progress=True)
+        print(f"factbook index at {out} ({time.perf_counter() - start:.1f} s)")
+        return 0
+    if args.out is None:
+        print("error: --out is required for this corpus", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        if not (args.force and (out / "manifest.json").is_file()):
+            print(
+                f"error: {out} is not empty (--force replaces an existing index)", file=sys.stderr
+            )
+            return 2
+        shutil.rmtree(out)
+    embedder = load_embedder(args.embedder)
+    if args.corpus == "factbook":
+        from ragserve.retrieval.factbook import factbook_documents
+
+        docs = list(factbook_documents())
+    else:
+        docs = list(load_corpus(args.corpus))
+        if args.chunk_size:
+            tok = embedder.tokenizer if args.chunk_unit == "token" else None
+            docs = list(
+                chunk_documents(
+                    docs,
+                    size=args.chunk_size,
+                    overlap=args.chunk_overlap,
+                    unit=args.chunk_unit,
+                    tokenizer=tok,
+                )
+            )
+    if not docs:
+        print(f"error: no documents in {args.corpus}", file=sys.stderr)
+        return 2
+    print(f"embedding {len(docs)} passages with {embedder.name}")
+    index = VectorIndex.build(
+        docs,
+        embedder,
+        nlist=args.nlist,
+        kind=args.kind,
+        metric=args.metric,
+        nprobe=args.nprobe,
+        progress=True,
+    )
+    index.save(out)
+    print(
+        f"index at {out}: {index.num_documents} passages, nlist={index.nlist}, "
+        f"{args.kind}/{args.metric} ({time.perf_counter() - start:.1f} s)"
+    )
+    index.close()
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from ragserve.retrieval import VectorIndex
+    from ragserve.retrieval.storage import read_manifest
+
+    directory = _resolve_dir(args.dir)
+    index = VectorIndex.load(directory)
+    info = {"manifest": read_manifest(directory), "live": index.info()}
+    index.close()
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _search(args: argparse.Namespace) -> int:
+    from ragserve.retrieval import VectorIndex
+
+    index = VectorIndex.load(_resolve_dir(args.dir))
+    results = index.search_text(args.query, args.topk, args.nprobe)
+    index.close()
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    [{"id": h.id, "title": h.title, "score": h.score, "text": h.text} for h in hits]
+                    for hits in results
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    for query, hits in zip(args.query, results, strict=True):
+        print(f"query: {query}")
+        for rank, hit in enumerate(hits, 1):
+            snippet = hit.text if len(hit.text) <= 160 else hit.text[:157] + "..."
+            print(f"  {rank}. [{hit.score:.3f}] {hit.title or hit.id}  ({hit.id})\n     {snippet}")
+    return 0
