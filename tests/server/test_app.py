@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+from http_cases import CHAT, MALFORMED, MSG
 from prometheus_client.parser import text_string_to_metric_families
 from server_fakes import FakeBackend, answer_for
 
@@ -161,36 +162,6 @@ def test_backend_errors_map_to_status(url: str, backend: FakeBackend) -> None:
         assert r.status_code == 500 and "worker died" in r.json()["error"]["message"]
     finally:
         backend.fail_with = None
-
-
-CHAT = "/v1/chat/completions"
-MSG = [{"role": "user", "content": "x"}]
-MALFORMED = [
-    (CHAT, b"{not json", "JSON"),
-    (CHAT, b"[1, 2]", ""),
-    (CHAT, {"model": "ragserve/oneshot"}, "messages"),
-    (CHAT, {"messages": MSG}, "model"),
-    (CHAT, {"model": 5, "messages": MSG}, "model"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": []}, "messages"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": "hello"}, "messages"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": [{"role": "system", "content": "x"}]}, "user"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "stream": "yes"}, "stream"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "temperature": -1}, "temperature"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "temperature": "hot"}, "temperature"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "max_tokens": 0}, "max_tokens"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "n": 2}, "n"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "topk": 0}, "topk"),
-    (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "tools": [{"x": 1}]}, "tools"),
-    ("/v1/completions", {"model": "tiny"}, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": 5}, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, "max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, "echo"),
-    ("/v1/documents", {"documents": []}, "documents"),
-    ("/v1/documents", {"documents": [{"text": "t"}]}, "id"),
-    ("/v1/documents", {"documents": [{"id": "a", "text": ""}]}, "text"),
-]
 
 
 @pytest.mark.parametrize(("path", "body", "mentions"), MALFORMED)

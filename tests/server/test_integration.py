@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+from http_cases import MALFORMED
 from prometheus_client.parser import text_string_to_metric_families
 
 from ragserve.server import BackgroundServer, ServeConfig, create_app
@@ -141,6 +142,19 @@ def test_completions_streaming_equals_non_streaming(client: openai.OpenAI, serve
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
 
 
+def test_token_id_prompt(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="tiny", prompt=[1, 500, 900], max_tokens=3, temperature=0)
+    assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens <= 3
+
+
+@pytest.mark.parametrize(("path", "body", "mentions"), MALFORMED)
+def test_malformed_body_is_400(url: str, path: str, body, mentions: str) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{url}{path}", headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == 400, r.text
+    assert mentions in r.json()["error"]["message"]
+
+
 def test_prompt_past_the_context_is_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model="tiny", prompt="word " * 2000, max_tokens=4)
@@ -183,13 +197,13 @@ def test_upsert_then_retrieve_then_delete(client: openai.OpenAI, url: str) -> No
 
 
 class HeldStream:
-    """A streaming completion that generates ``LONG`` tokens, read up to its first event."""
+    """A streaming completion of ``max_tokens`` tokens (no EOS), read up to its first event."""
 
-    def __init__(self, http: httpx.Client) -> None:
+    def __init__(self, http: httpx.Client, max_tokens: int = LONG) -> None:
         body = {
             "model": "tiny",
             "prompt": "Once upon a time",
-            "max_tokens": LONG,
+            "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": True,
         }
@@ -250,7 +264,7 @@ def test_graceful_shutdown_finishes_a_stream(server) -> None:
     config = ServeConfig(port=0, served_model_name="tiny", drain_timeout_s=60)
     bg = BackgroundServer(create_app(server, config), config).start()
     with httpx.Client(base_url=bg.url, timeout=60) as http:
-        held = HeldStream(http)
+        held = HeldStream(http, max_tokens=200)
         stopper = threading.Thread(target=bg.stop)
         stopper.start()
         wait_for(lambda: not bg._server.servers[0].is_serving(), "the listener to close")

@@ -96,7 +96,7 @@ def _known_models(ctx: AppContext) -> list[str]:
     return [ctx.config.served_model_name, *workflow_model_ids(ctx.server.workflows)]
 
 
-async def _last_output(ctx: AppContext, prompt: str, params, request_id: str, arrival: float):
+async def _last_output(ctx: AppContext, prompt, params, request_id: str, arrival: float):
     last, first = None, True
     async for out in ctx.server.complete(prompt, params, request_id=request_id):
         if first and out.token_ids:
@@ -109,7 +109,7 @@ async def _last_output(ctx: AppContext, prompt: str, params, request_id: str, ar
 
 
 async def _answer(ctx: AppContext, request, body, params, request_id, arrival):
-    work = _last_output(ctx, body.prompt_text(), params, request_id, arrival)
+    work = _last_output(ctx, body.prompt_input(), params, request_id, arrival)
     try:
         out = await until_disconnect(
             request, work, lambda: ctx.server.abort(request_id), ctx.config.disconnect_poll_s
@@ -142,7 +142,7 @@ async def _events(ctx: AppContext, body, params, request_id, arrival, outcome):
     }
     sent, first = "", True
     try:
-        async for out in ctx.server.complete(body.prompt_text(), params, request_id=request_id):
+        async for out in ctx.server.complete(body.prompt_input(), params, request_id=request_id):
             if first and out.token_ids:
                 ctx.metrics.ttft.labels(WORKFLOW_LABEL).observe(now() - arrival)
                 first = False

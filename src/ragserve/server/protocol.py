@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -96,7 +104,11 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a plain LLM completion, no retrieval."""
 
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    prompt: (
+        StrictStr
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+    )
     max_tokens: PositiveInt = 16
     echo: StrictBool = False
     ignore_eos: StrictBool = False
@@ -108,8 +120,11 @@ class CompletionRequest(_Sampling):
             raise ValueError("echo is not supported")
         return self
 
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompt_input(self) -> str | list[int]:
+        """The prompt text, or its token ids when the client sent ids."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if isinstance(self.prompt[0], str) else list(self.prompt)
 
 
 class DocumentIn(_Body):
