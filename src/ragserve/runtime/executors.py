@@ -49,12 +49,15 @@ class LocalExecutor(BaseExecutor):
     def poll(self, timeout: float) -> list[Update]:
         updates: list[Update] = list(self._errors)
         self._errors.clear()
-        if self._pending:
+        if self._pending or self.retrieval.has_pending():
             tasks, self._pending = self._pending, []
             updates.extend(self.retrieval.run(tasks)[0])
         if self.generation.has_work():
             updates.extend(self.generation.step())
         return updates
+
+    def engine_stats(self) -> dict[str, Any]:
+        return self.generation.engine.stats()
 
     def call_retrieval(self, name: str, *args: Any) -> Future:
         fut: Future = Future()
@@ -73,6 +76,7 @@ class WorkerHandle:
         self.in_flight: set[str] = set()
         self.pending: collections.deque = collections.deque()  # messages waiting for room
         self.num_restarts = 0
+        self.engine_stats: dict[str, Any] = {}
         self._start()
 
     def _start(self) -> None:
@@ -218,6 +222,9 @@ class ProcessExecutor(BaseExecutor):
             worker.ready = True
             worker.flush()
             return []
+        if kind == "stats":
+            worker.engine_stats = msg[1]
+            return []
         if kind == "fatal":
             logger.error("%s worker failed to restart:\n%s", worker.spec.kind, msg[1])
             return []
@@ -232,7 +239,7 @@ class ProcessExecutor(BaseExecutor):
         if arrays is not None and not isinstance(arrays, list):
             arrays = worker.ring.read(arrays)
         updates = unpack_generation(payload, arrays) if kind == "gen" else payload
-        done = [u.task_id for u in updates if not isinstance(u, GenerationUpdate) or u.finished]
+        done = [u.task_id for u in updates if getattr(u, "finished", True)]
         worker.in_flight.difference_update(done)
         return updates
 
@@ -247,6 +254,9 @@ class ProcessExecutor(BaseExecutor):
         if worker is self.workers["gen"]:
             return [GenerationUpdate(t, "", (), True, "error", error=reason) for t in lost]
         return [RetrievalResult(t, (), reason) for t in lost]
+
+    def engine_stats(self) -> dict[str, Any]:
+        return dict(self.workers["gen"].engine_stats)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -127,6 +127,10 @@ class RetrievalRunner:
             results.append(RetrievalResult(t.task_id, passages))
         return results, ids, scores
 
+    def has_pending(self) -> bool:
+        """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""
+        return False
+
     def add_documents(self, docs: list) -> Any:
         return self.index.add_documents(docs)
 

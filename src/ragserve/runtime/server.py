@@ -12,8 +12,8 @@ import dataclasses
 import logging
 import threading
 import time
-import weakref
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -166,9 +166,17 @@ class Server:
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        """Scheduler, engine (``num_running``/``num_waiting``/``num_blocks_*``) and worker
+        counters. In process mode call it from the thread that drives nothing else."""
+        engine = self.executor.engine_stats()
         out: dict[str, Any] = {
             "num_active_requests": self.scheduler.num_active,
             "num_cycles": self.scheduler.num_cycles,
+            "num_running": engine.get("running", 0),
+            "num_waiting": engine.get("waiting", 0),
+            "num_blocks_used": engine.get("kv_blocks_used", 0),
+            "num_blocks_total": engine.get("kv_blocks_total", 0),
+            "engine": engine,
         }
         if hasattr(self.executor, "stats"):
             out["workers"] = self.executor.stats()
@@ -282,7 +290,8 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
     from ragserve.runtime.workers import WorkerSpec
 
     if config.in_process:
-        from ragserve.runtime.runners import GenerationRunner, RetrievalRunner
+        from ragserve.runtime.runners import GenerationRunner
+        from ragserve.runtime.staged_retrieval import StagedRetrievalRunner as RetrievalRunner
 
         engine = model
         if isinstance(model, (str, Path)):

@@ -47,10 +47,11 @@ def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
 
         return GenerationRunner(LLMEngine(spec.model, **dict(spec.engine_kwargs)))
     from ragserve.retrieval import VectorIndex, load_embedder
+    from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 
     index = VectorIndex.load(spec.index)
     embedder = load_embedder(spec.embedder or index.embedder_name)
-    return RetrievalRunner(index, embedder, spec.default_nprobe)
+    return StagedRetrievalRunner(index, embedder, spec.default_nprobe)
 
 
 def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> None:
@@ -80,6 +81,7 @@ def _drain(inbox: Any, block: bool) -> list[Any]:
 
 
 def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: ShmWriter) -> None:
+    was_busy = False
     while True:
         updates = []
         for msg in _drain(inbox, block=not runner.has_work()):
@@ -93,6 +95,10 @@ def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: Sh
             updates.extend(runner.step())
         if updates:
             _send_generation(conn, writer, updates)
+        busy = runner.has_work()
+        if busy or was_busy or updates:
+            conn.send(("stats", runner.engine.stats()))
+        was_busy = busy
 
 
 def _send_generation(conn: Any, writer: ShmWriter, updates: list) -> None:
@@ -122,7 +128,8 @@ def unpack_generation(slim: list, arrays: list[np.ndarray]) -> list:
 def _retrieval_loop(runner: RetrievalRunner, inbox: Any, conn: Any, writer: ShmWriter) -> None:
     while True:
         tasks = []
-        for msg in _drain(inbox, block=True):
+        pending = runner.has_pending()  # staged retrievals: next sub-stage, inbox drained first
+        for msg in _drain(inbox, block=not pending):
             if msg is None:
                 return
             if msg[0] == "ret":
@@ -133,7 +140,7 @@ def _retrieval_loop(runner: RetrievalRunner, inbox: Any, conn: Any, writer: ShmW
                     conn.send(("reply", token, getattr(runner, name)(*args), None))
                 except Exception as exc:
                     conn.send(("reply", token, None, f"{type(exc).__name__}: {exc}"))
-        if tasks:  # every batch queued since the last search is embedded and searched at once
+        if tasks or pending:  # all tasks queued since the last search go out as one batch
             _send_retrieval(conn, writer, runner, tasks)
 
 

@@ -1,0 +1,48 @@
+"""Session fixtures for runtime tests: a seeded tiny model and a small saved index."""
+
+from __future__ import annotations
+
+import pytest
+
+COUNTRIES = [
+    ("France", "Paris", "Europe"),
+    ("Germany", "Berlin", "Europe"),
+    ("Italy", "Rome", "Europe"),
+    ("Spain", "Madrid", "Europe"),
+    ("Japan", "Tokyo", "Asia"),
+    ("India", "New Delhi", "Asia"),
+    ("Kenya", "Nairobi", "Africa"),
+    ("Egypt", "Cairo", "Africa"),
+    ("Peru", "Lima", "South America"),
+    ("Chile", "Santiago", "South America"),
+    ("Canada", "Ottawa", "North America"),
+    ("Mexico", "Mexico City", "North America"),
+]
+
+
+def small_corpus() -> list:
+    from ragserve.retrieval import Document
+
+    docs = []
+    for name, capital, region in COUNTRIES:
+        docs.append(Document(f"{name}-1", f"The capital of {name} is {capital}.", name))
+        docs.append(Document(f"{name}-2", f"{name} is a country in {region}.", name))
+    return docs
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from ragserve.generation.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", seed=0))
+
+
+@pytest.fixture(scope="session")
+def small_index(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from ragserve.retrieval import VectorIndex, load_embedder
+
+    index = VectorIndex.build(small_corpus(), load_embedder("all-minilm-l6-v2"), nlist=4)
+    out = tmp_path_factory.mktemp("indexes") / "small"
+    index.save(out)
+    index.close()
+    return str(out)

@@ -1,0 +1,96 @@
+"""The default runtime: engine and index in persistent worker processes (spawn)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from test_workflows_e2e import small_workflow
+
+from ragserve.graph import END, START, RAGraph
+from ragserve.runtime import Server, ServerConfig
+from ragserve.workflows import BUILTIN_WORKFLOWS
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str, small_index: str):
+    config = ServerConfig(engine_kwargs={"device": "cpu"}, queue_size=4)
+    with Server(tiny_model, small_index, config=config) as s:
+        yield s
+
+
+def _long_graph(max_tokens: int = 200) -> object:
+    g = RAGraph().add_retrieval(0, query="input", topk=2, output="docs")
+    g.add_generation(1, prompt="{docs}\n{input}", max_tokens=max_tokens)
+    return g.add_edge(START, 0).add_edge(0, 1).add_edge(1, END).compile()
+
+
+@pytest.mark.slow
+def test_50_concurrent_mixed_requests_equal_each_alone(server: Server) -> None:
+    names = sorted(BUILTIN_WORKFLOWS)
+    jobs = [(f"What is the capital of country number {i}?", names[i % 5]) for i in range(50)]
+    graphs = {n: small_workflow(n) for n in names}
+
+    async def together():
+        return await asyncio.gather(*(server.submit(q, graphs[n]) for q, n in jobs))
+
+    concurrent = asyncio.run(asyncio.wait_for(together(), timeout=300))
+    alone = [server.run(q, graphs[n]) for q, n in jobs]
+    assert [r.error for r in concurrent] == [None] * 50
+    assert [r.output for r in concurrent] == [r.output for r in alone]
+    assert [r.doc_ids for r in concurrent] == [r.doc_ids for r in alone]
+    # NOTE: batched embedding moves passage scores by float rounding; ids and texts are equal.
+    assert [_plain(r.state) for r in concurrent] == [_plain(r.state) for r in alone]
+
+
+def _plain(state: dict) -> dict:
+    return {
+        k: [(p.doc_id, p.text) for p in v] if isinstance(v, list) else v for k, v in state.items()
+    }
+
+
+def test_documents_are_upserted_through_the_retrieval_worker(server: Server) -> None:
+    from ragserve.retrieval import Document
+
+    doc = Document("atlantis-1", "The capital of Atlantis is Poseidonia.", "Atlantis")
+    server.add_documents([doc])
+    r = server.run("What is the capital of Atlantis?", small_workflow("oneshot"))
+    assert r.doc_ids[0] == "atlantis-1" and "Poseidonia" in r.state["docs"][0].text
+    assert server.delete_documents(["atlantis-1"]) == 1
+    r = server.run("What is the capital of Atlantis?", small_workflow("oneshot"))
+    assert "atlantis-1" not in r.doc_ids
+
+
+def _kill_worker(server: Server, name: str) -> None:
+    os.kill(server.executor.workers[name].proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("worker", ["gen", "ret"])
+def test_killed_worker_is_restarted_and_nothing_hangs(server: Server, worker: str) -> None:
+    restarts = server.stats()["workers"][worker]["restarts"]
+
+    graph = _long_graph(200 if worker == "gen" else 8)
+
+    async def go():
+        tasks = [asyncio.ensure_future(server.submit(f"q{i}?", graph)) for i in range(6)]
+        deadline = time.monotonic() + 60
+        while worker == "gen" and server.stats()["workers"]["gen"]["in_flight"] == 0:
+            assert time.monotonic() < deadline  # wait until generation has started
+            await asyncio.sleep(0.01)
+        _kill_worker(server, worker)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
+
+    results = asyncio.run(go())
+    errors = [r.error for r in results if r.error is not None]
+    if worker == "gen":  # every request was generating or queued for generation
+        assert errors and all("generation worker died (exit code -9)" in e for e in errors)
+    assert all("worker died" in e for e in errors)
+    assert server.stats()["workers"][worker]["restarts"] == restarts + 1
+    after = server.run("What is the capital of Chile?", small_workflow("oneshot"))
+    assert after.error is None and "Chile" in after.titles
