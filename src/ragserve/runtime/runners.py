@@ -131,6 +131,10 @@ class RetrievalRunner:
         """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""
         return False
 
+    def has_pending(self) -> bool:
+        """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""
+        return False
+
     def add_documents(self, docs: list) -> Any:
         return self.index.add_documents(docs)
 

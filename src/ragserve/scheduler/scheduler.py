@@ -55,6 +55,8 @@ class Scheduler:
         self._active: dict[str, RequestState] = {}
         self._by_task: dict[str, RequestState] = {}
         self.num_cycles = 0
+        for transform in self.transforms:
+            transform.bind(self)
 
     # -- called from any thread -------------------------------------------------------------
     def add_request(self, request: RequestState) -> None:
@@ -85,6 +87,15 @@ class Scheduler:
     @property
     def num_active(self) -> int:
         return len(self._active)
+
+    # -- read-only lookups for transforms (scheduler thread only) ----------------------------
+    def request_of_task(self, task_id: str) -> RequestState | None:
+        """The active request a dispatched task belongs to, if any."""
+        return self._by_task.get(task_id)
+
+    def get_request(self, request_id: str) -> RequestState | None:
+        """The active request with this id, if any."""
+        return self._active.get(request_id)
 
     # -- pieces of the cycle ------------------------------------------------------------------
     def _admit(self) -> None:

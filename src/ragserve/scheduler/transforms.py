@@ -21,6 +21,9 @@ class BaseTransform(ABC):
     def apply(self, wavefront: Wavefront) -> Wavefront:
         """The wavefront to dispatch in place of ``wavefront``."""
 
+    def bind(self, scheduler) -> None:  # noqa: B027 - optional hook
+        """Called once by the ``Scheduler`` that will apply this transform (state lookups)."""
+
     def on_updates(self, updates: list[Update]) -> list[Update]:
         """Rewrite the executor's updates before the scheduler sees them (default: as is)."""
         return updates

@@ -1,0 +1,149 @@
+"""Similarity-aware search (HedraRAG §4.3): a per-request local cache and cluster reordering.
+
+Successive retrievals of one request tend to land in the same index regions. For each
+retrieval of a request, the cache keeps the clusters holding its larger top-k (20) results
+(``H_v``) and the clusters it probed (``C_v``). The request's next retrieval scans its own
+probed clusters ``C'`` in the order::
+
+    H_v ∩ C'   then   (C_v - H_v) ∩ C'   then   the rest of C'      (each group in coarse order)
+
+Every cluster of ``C'`` is still scanned, so the final top-k is Faiss's; what changes is how
+early the partial top-k (which speculative generation starts from) is already the final one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ragserve.scheduler.executor import Update
+from ragserve.scheduler.messages import RetrievalResult, RetrievalTask, Wavefront
+from ragserve.scheduler.staged_messages import StagedRetrievalResult, StagedRetrievalTask
+from ragserve.scheduler.transforms import BaseTransform
+
+logger = logging.getLogger(__name__)
+
+
+def reorder_probes(
+    probe_row: np.ndarray, hit_clusters: Iterable[int], previous_clusters: Iterable[int]
+) -> np.ndarray:
+    """Positions (probe ranks) of ``probe_row`` in local-cache order; ``-1`` pads are dropped.
+
+    ```
+    probe_row  = [7, 3, 9, 1, 4]      hit = {9}     previous = {3, 9, 4}
+    groups     =  2  1  0  2  1   ->  ranks [2, 1, 4, 0, 3]  (clusters 9 | 3 4 | 7 1)
+    ```
+    """
+    row = np.asarray(probe_row, dtype=np.int64)
+    hit = np.fromiter(hit_clusters, dtype=np.int64)
+    prev = np.fromiter(previous_clusters, dtype=np.int64)
+    group = np.where(np.isin(row, hit), 0, np.where(np.isin(row, prev), 1, 2))
+    ranks = np.flatnonzero(row >= 0)
+    return ranks[np.argsort(group[ranks], kind="stable")]
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """What one request's latest retrieval left behind."""
+
+    hit_clusters: tuple[int, ...]
+    probed_clusters: tuple[int, ...]
+
+
+class LocalCache:
+    """Per-request cache entries, bounded (least recently used requests dropped first)."""
+
+    def __init__(self, max_requests: int = 4096) -> None:
+        self.max_requests = max_requests
+        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
+
+    def get(self, request_id: str) -> CacheEntry | None:
+        entry = self._entries.get(request_id)
+        if entry is not None:
+            self._entries.move_to_end(request_id)
+        return entry
+
+    def put(self, request_id: str, entry: CacheEntry) -> None:
+        self._entries[request_id] = entry
+        self._entries.move_to_end(request_id)
+        while len(self._entries) > self.max_requests:
+            self._entries.popitem(last=False)
+
+    def drop(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class SimilarityTransform(BaseTransform):
+    """Attach each request's local cache to its retrieval tasks; refresh it from the results.
+
+    Needs ``bind(scheduler)`` (the scheduler calls it) to map task ids to request ids.
+    ``cache_topk`` is the larger top-k kept per retrieval (20 in the paper).
+    """
+
+    def __init__(self, cache_topk: int = 20, max_requests: int = 4096) -> None:
+        self.cache_topk = cache_topk
+        self.cache = LocalCache(max_requests)
+        self._task_request: dict[str, str] = {}
+        self.num_reordered = 0
+        self._scheduler = None
+
+    def bind(self, scheduler) -> None:
+        self._scheduler = scheduler
+
+    def apply(self, wavefront: Wavefront) -> Wavefront:
+        wavefront.retrieval = [self._rewrite(t) for t in wavefront.retrieval]
+        return wavefront
+
+    def _rewrite(self, task: RetrievalTask) -> RetrievalTask:
+        rid = _request_id(self._scheduler, task)
+        if rid is None:
+            return task
+        self._task_request[task.task_id] = rid
+        staged = as_staged(task, request_id=rid)
+        entry = self.cache.get(rid)
+        if entry is not None:
+            self.num_reordered += 1
+            staged = dataclasses.replace(
+                staged,
+                hit_clusters=entry.hit_clusters,
+                previous_clusters=entry.probed_clusters,
+            )
+        return dataclasses.replace(staged, cache_topk=max(staged.cache_topk, self.cache_topk))
+
+    def on_updates(self, updates: list[Update]) -> list[Update]:
+        for u in updates:
+            rid = self._task_request.pop(u.task_id, None) if _is_final_retrieval(u) else None
+            if rid is not None and isinstance(u, StagedRetrievalResult) and u.error is None:
+                self.cache.put(rid, CacheEntry(u.hit_clusters, u.probed_clusters))
+        return updates
+
+    def warm(self, request_id: str, entry: CacheEntry) -> None:
+        """Seed a request's cache (speculative retrieval does this from partial generations)."""
+        self.cache.put(request_id, entry)
+
+
+def as_staged(task: RetrievalTask, **changes) -> StagedRetrievalTask:
+    """``task`` as a ``StagedRetrievalTask`` (fields it already has kept), with ``changes``."""
+    if isinstance(task, StagedRetrievalTask):
+        return dataclasses.replace(task, **changes) if changes else task
+    base = {f.name: getattr(task, f.name) for f in dataclasses.fields(RetrievalTask)}
+    return StagedRetrievalTask(**base, **changes)
+
+
+def _request_id(scheduler, task: RetrievalTask) -> str | None:
+    if isinstance(task, StagedRetrievalTask) and task.request_id is not None:
+        return task.request_id
+    req = scheduler.request_of_task(task.task_id) if scheduler is not None else None
+    return None if req is None else req.request_id
+
+
+def _is_final_retrieval(u: Update) -> bool:
+    return isinstance(u, RetrievalResult)
