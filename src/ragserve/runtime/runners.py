@@ -131,10 +131,6 @@ class RetrievalRunner:
         """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""
         return False
 
-    def has_pending(self) -> bool:
-        """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""
-        return False
-
     def add_documents(self, docs: list) -> Any:
         return self.index.add_documents(docs)
 
