@@ -63,6 +63,9 @@ def test_health_and_models(client: openai.OpenAI, url: str) -> None:
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     ids = [m.id for m in client.models.list()]
     assert ids == ["ragserve/oneshot", "ragserve/recomp", "tiny"]
+    assert client.models.retrieve("ragserve/recomp").id == "ragserve/recomp"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("ragserve/nope")
 
 
 def test_chat_completion(client: openai.OpenAI, backend: FakeBackend) -> None:

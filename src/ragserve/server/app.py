@@ -63,13 +63,22 @@ def _add_admin_routes(app: FastAPI) -> None:
     async def health() -> dict:
         return {"status": "ok"}
 
+    def model_cards(request: Request) -> list[dict]:
+        ctx = get_context(request)
+        ids = [*workflow_model_ids(ctx.server.workflows), ctx.config.served_model_name]
+        card = {"object": "model", "created": int(time.time()), "owned_by": "ragserve"}
+        return [{"id": i, **card} for i in ids]
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
-        ctx = get_context(request)
-        created = int(time.time())
-        ids = [*workflow_model_ids(ctx.server.workflows), ctx.config.served_model_name]
-        card = {"object": "model", "created": created, "owned_by": "ragserve"}
-        return {"object": "list", "data": [{"id": i, **card} for i in ids]}
+        return {"object": "list", "data": model_cards(request)}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        for card in model_cards(request):
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"model {model_id!r} does not exist", code="model_not_found")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> HTTPResponse:
