@@ -34,6 +34,30 @@ def _check(lens, *, device, dtype, atol, backend=None, **shape) -> None:
     torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0)
 
 
+def _check_padding_rows(device: str, dtype: torch.dtype) -> None:
+    """Rows with slot -1 and seq_len 0 (CUDA graph padding) store nothing and output 0."""
+    from dataclasses import replace
+
+    from ragserve.generation.attention.triton_backend import TritonBackend
+
+    case = make_case([(1, 20), (1, 1), (1, 1)], device=device, dtype=dtype, num_heads=4,
+                     head_dim=16)  # fmt: skip
+    md = case.metadata
+    md = replace(
+        md,
+        seq_lens=torch.tensor([20, 0, 0], dtype=torch.int32, device=device),
+        slot_mapping=torch.cat([md.slot_mapping[:1], md.slot_mapping.new_full((2,), -1)]),
+        seq_lens_cpu=(20, 0, 0),
+    )
+    padded = replace(case, metadata=md)
+    ref_out, _, _ = run_backend(get_backend("torch_ref"), case)
+    out, k_cache, _ = run_backend(TritonBackend(), padded)
+    assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+    torch.testing.assert_close(out[:1].float(), ref_out[:1].float(), atol=1e-2, rtol=0)
+    changed = (k_cache != case.k_cache).flatten(1).any(1)
+    assert changed.sum() == 1  # only the real token's block was written
+
+
 def _fix_interpreter_scalars() -> None:
     # NOTE: Triton 3.6's interpreter turns a loaded scalar into a 1-element array, which
     # `range(lo, hi)` cannot take under numpy 2; index the single element instead.
@@ -66,6 +90,7 @@ def interpreter_checks() -> None:
     small_q = TritonBackend(decode=DECODE_CONFIG, prefill=KernelConfig(block_q=4, block_n=16))
     _check([(9, 20), (1, 5), (6, 6)], device="cpu", dtype=torch.float32, atol=1e-4,
            backend=small_q, num_heads=6, num_kv_heads=2, head_dim=24, page=4)  # fmt: skip
+    _check_padding_rows("cpu", torch.float32)
 
 
 def test_interpreter_matches_reference() -> None:
@@ -88,6 +113,11 @@ def test_gpu_matches_reference(kind: str, dtype: torch.dtype) -> None:
     _check(CASES[kind], device="cuda", dtype=dtype, atol=atol)
     _check(CASES[kind], device="cuda", dtype=dtype, atol=atol, num_heads=32, num_kv_heads=8,
            head_dim=128)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_padding_rows() -> None:
+    _check_padding_rows("cuda", torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -39,6 +39,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85  # CUDA: share of free memory after weights
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    enable_cuda_graphs: bool = True  # CUDA: decode steps replay captured graphs (cuda_graph.py)
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
     max_model_len: int | None = None
     seed: int = 0

@@ -87,6 +87,8 @@ class LLMEngine:
             block_size=config.block_size,
             seed=config.seed,
         )
+        if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
+            self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -21,6 +21,7 @@ from ragserve.generation.attention import (
     resolve_backend,
 )
 from ragserve.generation.config import ModelConfig
+from ragserve.generation.cuda_graph import CUDAGraphRunner
 from ragserve.generation.sampler import Sampler
 from ragserve.generation.scheduler import SchedulerOutput
 from ragserve.generation.sequence import Sequence
@@ -70,6 +71,18 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(shape[1])]
         self.sampler = Sampler(self.device, seed)
         self.logits_hook: LogitsHook | None = None  # debug/test tap on last-position logits
+        self.graph_runner: CUDAGraphRunner | None = None  # set by capture_cuda_graphs
+
+    def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> None:
+        """Record decode forwards for batch sizes up to ``max_batch`` (``cuda_graph.py``)."""
+        self.graph_runner = CUDAGraphRunner(
+            lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md, self.backend),
+            max_batch=max_batch,
+            max_blocks_per_seq=-(-max_seq_len // self.block_size),
+            max_seq_len=max_seq_len,
+            device=self.device,
+        )
+        self.graph_runner.capture()
 
     def prepare_inputs(
         self, out: SchedulerOutput
@@ -110,6 +123,8 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states of every scheduled token (the CUDA-graph replay point)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(metadata):
+            return self.graph_runner.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
 
     @torch.inference_mode()

@@ -68,6 +68,9 @@ class BaseAttentionBackend(ABC):
     """
 
     name: str = "base"
+    # True when ``forward`` may be captured in a CUDA graph and replayed for other steps of the
+    # same batch shape: no host reads of per-step lengths, negative slots skipped (padding).
+    supports_cuda_graphs: bool = False
 
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Called once per step before the first layer (e.g. to build masks once)."""

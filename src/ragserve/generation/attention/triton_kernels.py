@@ -185,3 +185,29 @@ def combine_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD_DIM,
     )
+
+
+@triton.jit
+def store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_tok,
+    stride_v_tok,
+    ROW: tl.constexpr,
+    ROW_P: tl.constexpr,
+):
+    """One program per new token: copy its ``[num_kv_heads * head_dim]`` key and value rows to
+    its flat cache slot; a negative slot (a padding row of a CUDA graph batch) is skipped."""
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok)
+    if slot < 0:
+        return
+    i = tl.arange(0, ROW_P)
+    ok = i < ROW
+    k = tl.load(k_ptr + tok * stride_k_tok + i, mask=ok)
+    v = tl.load(v_ptr + tok * stride_v_tok + i, mask=ok)
+    tl.store(k_cache_ptr + slot * ROW + i, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + slot * ROW + i, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
