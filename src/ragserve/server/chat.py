@@ -14,13 +14,11 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response as HTTPResponse
 
 from ragserve.server.context import (
-    AppContext,
     ClientDisconnected,
     GuardedStream,
+    Job,
     backend_error,
     get_context,
-    new_request_id,
-    now,
     sse,
     sse_error,
     until_disconnect,
@@ -49,48 +47,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         temperature=body.temperature,
         stop=body.stop_strings(),
     )
-    request_id = new_request_id("chatcmpl")
-    try:
-        ctx.admission.try_acquire()
-    except Exception:
-        ctx.metrics.requests.labels(name, "rejected").inc()
-        ctx.metrics.rejected.inc()
-        raise
-    arrival = now()
+    job = Job.admit(ctx, "chatcmpl", name, body.model)
     if body.stream:
-        outcome: dict[str, str] = {}
-        events = _events(ctx, body, name, graph, request_id, arrival, outcome)
-        return GuardedStream(
-            events, on_close=lambda: _finish(ctx, name, request_id, arrival, outcome)
-        )
-    try:
-        return await _answer(ctx, request, body, name, graph, request_id, arrival)
-    finally:
-        ctx.admission.release()
-
-
-async def _answer(ctx: AppContext, request, body, name, graph, request_id, arrival):
-    server = ctx.server
-    work = server.submit(body.question(), graph, request_id=request_id)
+        status: dict[str, str] = {}
+        events = _events(job, body.question(), graph, status)
+        return GuardedStream(events, on_close=lambda: job.end(status.get("end", "aborted")))
+    status = "error"
     try:
         response = await until_disconnect(
-            request, work, lambda: server.abort(request_id), ctx.config.disconnect_poll_s
+            request,
+            ctx.server.submit(body.question(), graph, request_id=job.request_id),
+            ctx.config.disconnect_poll_s,
         )
+        if response.error is not None:
+            raise backend_error(_as_exception(response.error))
+        status = "ok"
     except ClientDisconnected:
-        ctx.metrics.requests.labels(name, "aborted").inc()
+        status = "aborted"
         return HTTPResponse(status_code=499)
     except Exception as exc:
-        ctx.metrics.requests.labels(name, "error").inc()
         raise backend_error(exc) from exc
-    if response.error is not None:
-        ctx.metrics.requests.labels(name, "error").inc()
-        err = response.error
-        raise backend_error(err if isinstance(err, BaseException) else RuntimeError(str(err)))
-    ctx.metrics.requests.labels(name, "ok").inc()
-    ctx.metrics.e2e.labels(name).observe(now() - arrival)
-    _observe_timings(ctx, name, graph, response)
+    finally:
+        job.end(status)
+    _observe_timings(job, graph, response)
     return {
-        "id": request_id,
+        "id": job.request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body.model,
@@ -107,12 +88,17 @@ async def _answer(ctx: AppContext, request, body, name, graph, request_id, arriv
     }
 
 
-async def _events(ctx: AppContext, body, name, graph, request_id, arrival, outcome):
+def _as_exception(error: Any) -> BaseException:
+    return error if isinstance(error, BaseException) else RuntimeError(str(error))
+
+
+async def _events(job: Job, question: str, graph: Any, status: dict[str, str]):
+    """SSE events of one streamed answer; ``status["end"]`` is set when it ends by itself."""
     base = {
-        "id": request_id,
+        "id": job.request_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
-        "model": body.model,
+        "model": job.model,
     }
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
@@ -122,39 +108,30 @@ async def _events(ctx: AppContext, body, name, graph, request_id, arrival, outco
     yield chunk({"role": "assistant", "content": ""})
     first = True
     try:
-        async for delta in ctx.server.stream(body.question(), graph, request_id=request_id):
+        async for delta in job.ctx.server.stream(question, graph, request_id=job.request_id):
             if not delta:
                 continue
             if first:
-                ctx.metrics.ttft.labels(name).observe(now() - arrival)
+                job.first_token()
                 first = False
             yield chunk({"content": delta})
     except Exception as exc:
-        outcome["status"] = "error"
+        status["end"] = "error"
         yield sse_error(exc)
         yield sse("[DONE]")
         return
-    outcome["status"] = "ok"
-    yield chunk({}, "stop", workflow=name)
+    status["end"] = "ok"
+    yield chunk({}, "stop", workflow=job.label)
     yield sse("[DONE]")
 
 
-def _finish(ctx: AppContext, name: str, request_id: str, arrival: float, outcome: dict) -> None:
-    ctx.admission.release()
-    status = outcome.get("status", "aborted")
-    if status == "aborted":
-        ctx.server.abort(request_id)
-    elif status == "ok":
-        ctx.metrics.e2e.labels(name).observe(now() - arrival)
-    ctx.metrics.requests.labels(name, status).inc()
-
-
-def _observe_timings(ctx: AppContext, name: str, graph, response) -> None:
+def _observe_timings(job: Job, graph: Any, response: Any) -> None:
     """TTFT and per-run retrieval latency from ``Response.node_timings`` when the runtime
     gives them, else retrieval latency from the per-node ``timings`` of the contract."""
+    metrics = job.ctx.metrics
     ttft = getattr(response, "ttft", None)
     if ttft is not None:
-        ctx.metrics.ttft.labels(name).observe(ttft)
+        metrics.ttft.labels(job.label).observe(ttft)
     runs = getattr(response, "node_timings", None)
     if runs:
         seconds = [t.duration for t in runs if t.kind == "retrieval" and t.duration is not None]
@@ -162,4 +139,4 @@ def _observe_timings(ctx: AppContext, name: str, graph, response) -> None:
         timings = response.timings or {}
         seconds = [timings[n] for n in retrieval_node_ids(graph) if n in timings]
     for value in seconds:
-        ctx.metrics.retrieval.labels(name).observe(float(value))
+        metrics.retrieval.labels(job.label).observe(float(value))

@@ -10,18 +10,17 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response as HTTPResponse
 
 from ragserve.server.context import (
-    AppContext,
     ClientDisconnected,
     GuardedStream,
+    Job,
     backend_error,
     get_context,
-    new_request_id,
-    now,
     sse,
     sse_error,
     until_disconnect,
 )
 from ragserve.server.errors import APIError
+from ragserve.server.graphs import workflow_model_ids
 from ragserve.server.protocol import CompletionRequest
 
 router = APIRouter()
@@ -64,65 +63,37 @@ def usage(output: Any) -> dict:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     ctx = get_context(request)
-    if body.model not in _known_models(ctx):
+    known = [ctx.config.served_model_name, *workflow_model_ids(ctx.server.workflows)]
+    if body.model not in known:
         raise APIError(
             404,
-            f"model {body.model!r} does not exist; known: {', '.join(_known_models(ctx))}",
+            f"model {body.model!r} does not exist; known: {', '.join(known)}",
             param="model",
             code="model_not_found",
         )
     params = sampling_params(body)
-    request_id = new_request_id("cmpl")
-    try:
-        ctx.admission.try_acquire()
-    except Exception:
-        ctx.metrics.requests.labels(WORKFLOW_LABEL, "rejected").inc()
-        ctx.metrics.rejected.inc()
-        raise
-    arrival = now()
+    job = Job.admit(ctx, "cmpl", WORKFLOW_LABEL, body.model)
     if body.stream:
-        outcome: dict[str, Any] = {}
-        events = _events(ctx, body, params, request_id, arrival, outcome)
-        return GuardedStream(events, on_close=lambda: _finish(ctx, request_id, arrival, outcome))
-    try:
-        return await _answer(ctx, request, body, params, request_id, arrival)
-    finally:
-        ctx.admission.release()
-
-
-def _known_models(ctx: AppContext) -> list[str]:
-    from ragserve.server.graphs import workflow_model_ids
-
-    return [ctx.config.served_model_name, *workflow_model_ids(ctx.server.workflows)]
-
-
-async def _last_output(ctx: AppContext, prompt, params, request_id: str, arrival: float):
-    last, first = None, True
-    async for out in ctx.server.complete(prompt, params, request_id=request_id):
-        if first and out.token_ids:
-            ctx.metrics.ttft.labels(WORKFLOW_LABEL).observe(now() - arrival)
-            first = False
-        last = out
-    if last is None or not last.finished:
-        raise RuntimeError("the engine ended the completion without a finished output")
-    return last
-
-
-async def _answer(ctx: AppContext, request, body, params, request_id, arrival):
-    work = _last_output(ctx, body.prompt_input(), params, request_id, arrival)
+        final: dict[str, Any] = {}
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _events(job, body.prompt_input(), params, include_usage, final)
+        return GuardedStream(events, on_close=lambda: _end_stream(job, final))
+    status = "error"
     try:
         out = await until_disconnect(
-            request, work, lambda: ctx.server.abort(request_id), ctx.config.disconnect_poll_s
+            request, _last_output(job, body.prompt_input(), params), ctx.config.disconnect_poll_s
         )
+        _count_tokens(job, out)
+        status = "ok"
     except ClientDisconnected:
-        ctx.metrics.requests.labels(WORKFLOW_LABEL, "aborted").inc()
+        status = "aborted"
         return HTTPResponse(status_code=499)
     except Exception as exc:
-        ctx.metrics.requests.labels(WORKFLOW_LABEL, "error").inc()
         raise backend_error(exc) from exc
-    _count_ok(ctx, out, arrival)
+    finally:
+        job.end(status)
     return {
-        "id": request_id,
+        "id": job.request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": body.model,
@@ -133,21 +104,34 @@ async def _answer(ctx: AppContext, request, body, params, request_id, arrival):
     }
 
 
-async def _events(ctx: AppContext, body, params, request_id, arrival, outcome):
+async def _last_output(job: Job, prompt: str | list[int], params: Any) -> Any:
+    last = None
+    async for out in job.ctx.server.complete(prompt, params, request_id=job.request_id):
+        if (last is None or not last.token_ids) and out.token_ids:
+            job.first_token()
+        last = out
+    if last is None or not last.finished:
+        raise RuntimeError("the engine ended the completion without a finished output")
+    return last
+
+
+async def _events(job: Job, prompt, params, include_usage: bool, final: dict[str, Any]):
+    """SSE events of one streamed completion; ``final["end"]`` is set when it ends by itself
+    (and ``final["output"]`` holds the last ``RequestOutput`` on success)."""
     base = {
-        "id": request_id,
+        "id": job.request_id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": body.model,
+        "model": job.model,
     }
-    sent, first = "", True
+    sent, last = "", None
     try:
-        async for out in ctx.server.complete(body.prompt_input(), params, request_id=request_id):
-            if first and out.token_ids:
-                ctx.metrics.ttft.labels(WORKFLOW_LABEL).observe(now() - arrival)
-                first = False
+        async for out in job.ctx.server.complete(prompt, params, request_id=job.request_id):
+            if (last is None or not last.token_ids) and out.token_ids:
+                job.first_token()
+            last = out
             delta = out.text[len(sent) :] if out.text.startswith(sent) else ""
-            sent = out.text if delta else sent
+            sent += delta
             if delta or out.finished:
                 choice = {
                     "index": 0,
@@ -156,37 +140,25 @@ async def _events(ctx: AppContext, body, params, request_id, arrival, outcome):
                     "logprobs": None,
                 }
                 yield sse({**base, "choices": [choice]})
-            if out.finished:
-                outcome["final"] = out
+        if last is None or not last.finished:
+            raise RuntimeError("the engine ended the completion without a finished output")
     except Exception as exc:
-        outcome["status"] = "error"
+        final["end"] = "error"
         yield sse_error(exc)
         yield sse("[DONE]")
         return
-    if "final" not in outcome:
-        outcome["status"] = "error"
-        yield sse_error(RuntimeError("the engine ended the completion without a finished output"))
-        yield sse("[DONE]")
-        return
-    outcome["status"] = "ok"
-    if body.stream_options is not None and body.stream_options.include_usage:
-        yield sse({**base, "choices": [], "usage": usage(outcome["final"])})
+    final["end"], final["output"] = "ok", last
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(last)})
     yield sse("[DONE]")
 
 
-def _count_ok(ctx: AppContext, out, arrival: float) -> None:
-    ctx.metrics.requests.labels(WORKFLOW_LABEL, "ok").inc()
-    ctx.metrics.e2e.labels(WORKFLOW_LABEL).observe(now() - arrival)
-    ctx.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-    ctx.metrics.generation_tokens.inc(len(out.token_ids))
+def _count_tokens(job: Job, out: Any) -> None:
+    job.ctx.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+    job.ctx.metrics.generation_tokens.inc(len(out.token_ids))
 
 
-def _finish(ctx: AppContext, request_id: str, arrival: float, outcome: dict) -> None:
-    ctx.admission.release()
-    status = outcome.get("status", "aborted")
-    if status == "ok":
-        _count_ok(ctx, outcome["final"], arrival)
-        return
-    if status == "aborted":
-        ctx.server.abort(request_id)
-    ctx.metrics.requests.labels(WORKFLOW_LABEL, status).inc()
+def _end_stream(job: Job, final: dict[str, Any]) -> None:
+    if "output" in final:
+        _count_tokens(job, final["output"])
+    job.end(final.get("end", "aborted"))

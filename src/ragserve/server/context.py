@@ -46,13 +46,56 @@ def now() -> float:
     return time.monotonic()
 
 
+@dataclass
+class Job:
+    """One admitted generation request (chat or completion) until ``end()``.
+
+    ``label`` is the ``workflow`` label in /metrics (a workflow name, or ``"completion"``);
+    ``model`` is echoed back in responses. ``end(status)`` runs exactly once: it releases the
+    admission slot, aborts the request in the Server unless it finished, counts it.
+    """
+
+    ctx: AppContext
+    request_id: str
+    label: str
+    model: str
+    arrival: float
+    ended: bool = False
+
+    @classmethod
+    def admit(cls, ctx: AppContext, prefix: str, label: str, model: str) -> Job:
+        """Take an admission slot or raise 429 (counted as ``rejected``)."""
+        try:
+            ctx.admission.try_acquire()
+        except APIError:
+            ctx.metrics.requests.labels(label, "rejected").inc()
+            ctx.metrics.rejected.inc()
+            raise
+        return cls(ctx, new_request_id(prefix), label, model, now())
+
+    def first_token(self) -> None:
+        self.ctx.metrics.ttft.labels(self.label).observe(now() - self.arrival)
+
+    def end(self, status: str) -> None:
+        """``status``: ``"ok"``, ``"error"`` or ``"aborted"`` (the client went away)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.ctx.admission.release()
+        if status == "aborted":
+            self.ctx.server.abort(self.request_id)
+        elif status == "ok":
+            self.ctx.metrics.e2e.labels(self.label).observe(now() - self.arrival)
+        self.ctx.metrics.requests.labels(self.label, status).inc()
+
+
 class ClientDisconnected(Exception):
     """The client went away before the answer was ready; the request was aborted."""
 
 
-async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect, poll_s) -> T:
-    """Await ``work``; if the client disconnects first, call ``on_disconnect``, cancel it and
-    raise ``ClientDisconnected``."""
+async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise
+    ``ClientDisconnected`` (the caller's ``Job.end("aborted")`` aborts it in the Server)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -60,7 +103,6 @@ async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect, 
             if done:
                 return task.result()
             if await request.is_disconnected():
-                on_disconnect()
                 raise ClientDisconnected()
     finally:
         if not task.done():
