@@ -288,6 +288,27 @@ class VectorIndex:
         """int64 `[nlist]`: bytes a scan reads per cluster (list size × code size)."""
         return self.cluster_sizes() * int(self._index.code_size)
 
+    def indexed_ids(self) -> np.ndarray:
+        """Sorted int64 ids of every vector in the inverted lists."""
+        invlists = self._index.invlists
+        parts = []
+        with self._rw.read():
+            for c in range(self.spec.nlist):
+                n = invlists.list_size(c)
+                if n:
+                    parts.append(faiss.rev_swig_ptr(invlists.get_ids(c), n).copy())
+        return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+    def check_integrity(self) -> None:
+        """Assert the Faiss index holds exactly the document store's live rows."""
+        with self._write_mutex:
+            in_index = self.indexed_ids()
+            in_store, _ = self._store.vectors()
+        assert np.array_equal(in_index, in_store), (
+            f"index/store mismatch: {len(in_index)} indexed, {len(in_store)} stored, "
+            f"{len(np.setxor1d(in_index, in_store))} differ"
+        )
+
     def info(self) -> dict[str, Any]:
         sizes = self.cluster_sizes()
         return {

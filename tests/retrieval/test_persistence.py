@@ -1,0 +1,143 @@
+"""Corrupt or truncated index files are rejected with a clear error naming the file, and a
+real subprocess killed with SIGKILL mid-upsert loses no acknowledged change."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ragserve.retrieval import IndexCorruptError, VectorIndex
+
+
+@pytest.fixture
+def saved(tmp_path, small_corpus) -> Path:
+    docs, x = small_corpus
+    vi = VectorIndex.from_vectors(docs, x, embedder_name="synthetic", nlist=8)
+    vi.save(tmp_path / "idx")
+    vi.add_documents(docs[:3], x[3:6])  # a logged, not yet compacted change
+    vi.close()
+    return tmp_path / "idx"
+
+
+def _snapshot(directory: Path) -> Path:
+    return directory / json.loads((directory / "manifest.json").read_text())["snapshot"]
+
+
+def _truncate(path: Path, keep: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _flip_byte(path: Path, at: float) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, culprit",
+    [
+        (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json"),
+        (lambda d: (d / "manifest.json").write_text('{"format": "x"}'), "manifest.json"),
+        (lambda d: _truncate(_snapshot(d), 0.5), "index-000001.faiss"),
+        (lambda d: _flip_byte(_snapshot(d), 0.7), "index-000001.faiss"),
+        (lambda d: _snapshot(d).unlink(), "index-000001.faiss"),
+        (lambda d: (d / "docs.sqlite").unlink(), "docs.sqlite"),
+    ],
+    ids=[
+        "manifest-garbage",
+        "manifest-fields",
+        "snapshot-truncated",
+        "snapshot-flipped",
+        "snapshot-missing",
+        "docstore-missing",
+    ],
+)
+def test_damaged_files_raise_index_corrupt_error(saved, damage, culprit):
+    VectorIndex.load(saved).close()  # intact first
+    damage(saved)
+    with pytest.raises(IndexCorruptError, match=culprit) as info:
+        VectorIndex.load(saved)
+    assert isinstance(info.value, ValueError) and info.value.path.name == culprit
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.3, 0.9])
+def test_truncated_docstore_is_rejected(saved, keep):
+    for suffix in ("-wal", "-shm"):  # the WAL was checkpointed on close; drop leftovers
+        (saved / f"docs.sqlite{suffix}").unlink(missing_ok=True)
+    _truncate(saved / "docs.sqlite", keep)
+    with pytest.raises(IndexCorruptError, match="docs.sqlite"):
+        VectorIndex.load(saved)
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no index directory"):
+        VectorIndex.load(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="manifest.json missing"):
+        VectorIndex.load(tmp_path)
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from ragserve.retrieval import Document, VectorIndex
+    vi = VectorIndex.load(sys.argv[1])
+    vi.compact_every = int(sys.argv[2])
+    rng = np.random.default_rng(int(sys.argv[3]))
+    for i in range(100000):
+        if i % 4 == 3:
+            victim = f"w{int(rng.integers(0, i))}"
+            vi.delete_documents([victim])
+            print("del", victim, flush=True)
+        else:
+            batch = [Document(f"w{i}", f"text {i}")]
+            vec = rng.normal(size=(1, vi.dim)).astype("float32")
+            vi.add_documents(batch, vec)
+            print("add", f"w{i}", flush=True)
+    """
+)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", range(4))
+def test_sigkill_during_upserts_loses_no_acknowledged_change(saved, seed):
+    rng = np.random.default_rng(seed)
+    kill_after = int(rng.integers(5, 60))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(saved), str([3, 7, 1000, 5][seed]), str(seed)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    acked: list[tuple[str, str]] = []
+    assert proc.stdout is not None
+    while len(acked) < kill_after:
+        line = proc.stdout.readline()
+        assert line, f"writer exited early with {proc.wait()}"
+        op, doc_id = line.split()
+        acked.append((op, doc_id))
+    os.kill(proc.pid, signal.SIGKILL)  # at a random point of the next upsert
+    proc.wait()
+    acked += [tuple(line.split()) for line in proc.stdout.read().splitlines() if line.strip()]
+
+    vi = VectorIndex.load(saved)  # must load, whatever the kill interrupted
+    live: set[str] = set()
+    for op, doc_id in acked:
+        (live.add if op == "add" else live.discard)(doc_id)
+    deleted = {doc_id for op, doc_id in acked if op == "del"} - live
+    found = dict(zip(sorted(live | deleted), vi.get_documents(sorted(live | deleted)), strict=True))
+    assert all(found[d] is not None for d in live)
+    assert all(found[d] is None for d in deleted)
+    # at most the one in-flight (unacknowledged) operation may have landed as well
+    present = {d.id for d in vi.get_documents([f"w{i}" for i in range(len(acked) + 1)]) if d}
+    assert live <= present and len(present - live) <= 1
+    vi.check_integrity()
+    vi.close()
