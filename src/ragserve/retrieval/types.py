@@ -68,6 +68,10 @@ class ProbePlan(NamedTuple):
         """The probe ranks `[start, stop)` of every query (a step of a step-wise search)."""
         return ProbePlan(self.cluster_ids[:, start:stop], self.coarse_dists[:, start:stop])
 
+    def rows(self, start: int, stop: int) -> ProbePlan:
+        """The plan of queries `[start, stop)` (a sub-batch)."""
+        return ProbePlan(self.cluster_ids[start:stop], self.coarse_dists[start:stop])
+
     def split(self, num_steps: int) -> list[ProbePlan]:
         """Cut the probe lists into `num_steps` contiguous column slices of near-equal width."""
         bounds = np.linspace(0, self.width, num_steps + 1).round().astype(int)

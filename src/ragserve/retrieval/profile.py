@@ -1,0 +1,109 @@
+"""Cost inputs for latency-aware scheduling (VectorLiteRAG's latency model, HedraRAG's `mb`).
+
+- `cluster_cost_bytes(index)`: bytes each cluster's scan reads (list size × code size).
+- `measure_profile(index, queries)`: CPU step latency on a grid of batch sizes × clusters
+  scanned per query; `SearchProfile.predict(b, c)` interpolates it piecewise-linearly and
+  extrapolates with the last segment's slope.
+
+```
+seconds[i][j] = median time of scan(queries[:batch_sizes[i]], plan.columns(0, clusters[j]))
+predict(b, c) = bilinear interpolation over the (batch, clusters) grid
+```
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.index import VectorIndex
+
+
+@dataclass(frozen=True)
+class SearchProfile:
+    """Measured CPU search time (seconds) of one scan step, by batch size and clusters/query."""
+
+    batch_sizes: tuple[int, ...]
+    cluster_counts: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][len(cluster_counts)]
+    topk: int = 10
+
+    def predict(self, batch_size: float, clusters_per_query: float) -> float:
+        """Estimated seconds for one scan of `batch_size` queries × `clusters_per_query`."""
+        grid = np.asarray(self.seconds, dtype=np.float64)
+        per_batch = [_interp(self.cluster_counts, row, clusters_per_query) for row in grid]
+        return max(0.0, _interp(self.batch_sizes, per_batch, batch_size))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> SearchProfile:
+        raw = json.loads(text)
+        return cls(
+            tuple(raw["batch_sizes"]),
+            tuple(raw["cluster_counts"]),
+            tuple(tuple(r) for r in raw["seconds"]),
+            raw.get("topk", 10),
+        )
+
+    def save(self, path: Path) -> None:
+        from ragserve.retrieval.storage import atomic_write_bytes
+
+        atomic_write_bytes(Path(path), self.to_json().encode())
+
+    @classmethod
+    def load(cls, path: Path) -> SearchProfile:
+        return cls.from_json(Path(path).read_text())
+
+
+def measure_profile(
+    index: VectorIndex,
+    queries: np.ndarray,
+    *,
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
+    cluster_counts: tuple[int, ...] | None = None,
+    topk: int = 10,
+    repeats: int = 3,
+) -> SearchProfile:
+    """Time `index.scan` over the grid; `queries` needs at least `max(batch_sizes)` rows."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if len(q) < max(batch_sizes):
+        raise ValueError(f"need {max(batch_sizes)} queries, got {len(q)}")
+    if cluster_counts is None:
+        cluster_counts = tuple(
+            sorted({c for c in (1, 4, 16, 64) if c <= index.nlist} | {index.nlist})
+        )
+    plan = index.assign(q[: max(batch_sizes)], max(cluster_counts))
+    seconds = []
+    for b in batch_sizes:
+        row = []
+        sub = plan.rows(0, b)
+        for c in cluster_counts:
+            step = sub.columns(0, c)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                index.scan(q[:b], step, topk)
+                times.append(time.perf_counter() - t0)
+            row.append(float(np.median(times)))
+        seconds.append(tuple(row))
+    return SearchProfile(tuple(batch_sizes), tuple(cluster_counts), tuple(seconds), topk)
+
+
+def _interp(xs: tuple[int, ...], ys, x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly past both ends."""
+    xs_a, ys_a = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    if len(xs_a) == 1:
+        return float(ys_a[0])
+    if x <= xs_a[0] or x >= xs_a[-1]:
+        i = 0 if x <= xs_a[0] else len(xs_a) - 2
+        slope = (ys_a[i + 1] - ys_a[i]) / (xs_a[i + 1] - xs_a[i])
+        return float(ys_a[i] + slope * (x - xs_a[i]))
+    return float(np.interp(x, xs_a, ys_a))
