@@ -61,7 +61,7 @@ def test_admission_bounds_and_releases() -> None:
 
 def test_flatten_stats_keeps_numbers_only() -> None:
     stats = {"a": 1, "b": {"c": 2.5, "d": "text", "e": True, "f": {"g": 3}}}
-    assert flatten_stats(stats) == {"a": 1.0, "b.c": 2.5, "b.f.g": 3.0}
+    assert flatten_stats(stats) == {"a": 1.0, "b.c": 2.5, "b.e": 1.0, "b.f.g": 3.0}
 
 
 def test_metrics_render_stats_as_gauges() -> None:
@@ -70,7 +70,8 @@ def test_metrics_render_stats_as_gauges() -> None:
         "num_waiting": 1,
         "num_blocks_used": 8,
         "num_blocks_total": 32,
-        "workers": {"gen": {"in_flight": 4}, "inbox_queue": 5},
+        "num_active_requests": 6,
+        "workers": {"gen": {"in_flight": 4, "pending": 7, "alive": True}, "inbox_queue": 5},
     }
     metrics = ServerMetrics(lambda: stats, lambda: 3)
     metrics.requests.labels("hyde", "ok").inc()
@@ -82,7 +83,10 @@ def test_metrics_render_stats_as_gauges() -> None:
     assert values[("ragserve:num_requests_running", ())] == 2
     assert values[("ragserve:kv_cache_usage_perc", ())] == 0.25
     assert values[("ragserve:num_requests_admitted", ())] == 3
+    assert values[("ragserve:num_requests_active", ())] == 6
     assert values[("ragserve:queue_depth", (("queue", "workers.inbox_queue"),))] == 5
+    assert values[("ragserve:queue_depth", (("queue", "workers.gen.pending"),))] == 7
+    assert values[("ragserve:server_stat", (("key", "workers.gen.alive"),))] == 1
     assert values[("ragserve:server_stat", (("key", "workers.gen.in_flight"),))] == 4
     assert values[("ragserve:requests_total", (("status", "ok"), ("workflow", "hyde")))] == 1
 

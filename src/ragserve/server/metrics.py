@@ -24,17 +24,27 @@ _STAT_GAUGES = {
     "num_waiting": ("ragserve:num_requests_waiting", "Requests waiting for the LLM engine."),
     "num_blocks_used": ("ragserve:kv_cache_blocks_used", "KV cache blocks in use."),
     "num_blocks_total": ("ragserve:kv_cache_blocks_total", "KV cache blocks in the pool."),
+    "num_active_requests": (
+        "ragserve:num_requests_active",
+        "Workflow requests active in the scheduler.",
+    ),
 }
 
 
+def _is_queue(key: str) -> bool:
+    """``workers.gen.pending`` (tasks waiting for a worker's bounded inbox) or any ``*queue*``."""
+    return key.rsplit(".", 1)[-1] == "pending" or "queue" in key
+
+
 def flatten_stats(stats: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """``{"engine": {"num_running": 2}}`` -> ``{"engine.num_running": 2.0}`` (numbers only)."""
+    """``{"engine": {"num_running": 2}}`` -> ``{"engine.num_running": 2.0}``; numbers and
+    booleans (as 0/1) only."""
     flat: dict[str, float] = {}
     for key, value in stats.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             flat.update(flatten_stats(value, name + "."))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        elif isinstance(value, (int, float)):
             flat[name] = float(value)
     return flat
 
@@ -59,7 +69,7 @@ class StatsCollector(Collector):
         for key, value in sorted(flat.items()):
             if key in _STAT_GAUGES:
                 known[key] = value
-            elif "queue" in key:
+            elif _is_queue(key):
                 queues.add_metric([key], value)
             else:
                 other.add_metric([key], value)
