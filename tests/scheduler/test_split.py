@@ -115,7 +115,8 @@ def _drive(runner: StagedRetrievalRunner, arrivals: dict[int, list]) -> tuple[di
 
 
 @pytest.mark.parametrize(
-    ("kind", "metric"), [("ivf_flat", "ip"), ("ivf_sq8", "l2"), ("ivf_pq", "ip")]
+    ("kind", "metric"),
+    [("ivf_flat", "ip"), ("ivf_sq8", "l2"), pytest.param("ivf_pq", "ip", marks=pytest.mark.slow)],
 )
 def test_staged_search_equals_faiss(kind: str, metric: str) -> None:
     index = make_index(kind, metric)

@@ -136,8 +136,9 @@ class StagedRetrievalRunner(RetrievalRunner):
         from ragserve.retrieval.stepwise import merge
 
         start = time.perf_counter()
-        if self._last_scan_end is not None:  # back-to-back sub-stages: the gap is overhead
-            self.cost.observe_overhead(start - self._last_scan_end)
+        # NOTE: beta = a sub-stage's time outside the scan: this step's bookkeeping plus, for
+        # back-to-back sub-stages, the worker loop's gap (messages, inbox) since the last one.
+        gap = 0.0 if self._last_scan_end is None else start - self._last_scan_end
         takes = [self._num_next(s) for s in stages]
         width = max(takes)
         cids = np.full((len(stages), width), -1, np.int64)
@@ -168,7 +169,9 @@ class StagedRetrievalRunner(RetrievalRunner):
                 passages = self._passages(s.state.ids[0, : s.task.topk], s.state.scores[0])
                 updates.append(RetrievalPartial(s.task.task_id, passages, s.num_substages))
         self.num_steps += 1
-        self._last_scan_end = time.perf_counter() if self._active else None
+        end = time.perf_counter()
+        self.cost.observe_overhead(gap + (end - start) - (t1 - t0))
+        self._last_scan_end = end if self._active else None
         return updates
 
     def _num_next(self, s: _Stage) -> int:

@@ -1,0 +1,61 @@
+"""``CoScheduleConfig``: which co-scheduling optimizations run, built once at the edge.
+
+``ServerConfig(transforms=make_transforms(CoScheduleConfig(...)))`` switches them on; each is
+exact (split and reordered search return Faiss's top-k, speculation keeps greedy outputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ragserve.scheduler.similarity import SimilarityTransform
+from ragserve.scheduler.speculation import SpeculationTransform
+from ragserve.scheduler.split import SplitTransform
+from ragserve.scheduler.transforms import BaseTransform
+
+
+@dataclass(frozen=True)
+class CoScheduleConfig:
+    """Switches and knobs of the co-scheduling transforms.
+
+    - ``enable_split``: retrieval sub-stages under the budget ``mb`` (``budget_s``; ``None``:
+      Eq. 1 from the worker's measurements).
+    - ``enable_similarity``: per-request local cache of the top-``cache_topk`` clusters and
+      cluster reordering.
+    - ``enable_speculation``: generation on partial top-k when in-flight generation tasks /
+      ``spec_capacity`` < ``spec_tau``; ``spec_first_clusters`` > 0 cuts an early first
+      sub-stage of that many clusters.
+    """
+
+    enable_split: bool = True
+    enable_similarity: bool = True
+    enable_speculation: bool = True
+    budget_s: float | None = None
+    cache_topk: int = 20
+    spec_tau: float = 0.75
+    spec_capacity: int = 64
+    spec_first_clusters: int = 0
+    spec_max_restarts: int = 1
+
+    @classmethod
+    def none(cls) -> CoScheduleConfig:
+        return cls(enable_split=False, enable_similarity=False, enable_speculation=False)
+
+
+def make_transforms(config: CoScheduleConfig) -> tuple[BaseTransform, ...]:
+    """The transforms for ``config``, in the order the scheduler must apply them."""
+    out: list[BaseTransform] = []
+    if config.enable_split:
+        out.append(SplitTransform(config.budget_s))
+    if config.enable_similarity:
+        out.append(SimilarityTransform(config.cache_topk))
+    if config.enable_speculation:
+        out.append(
+            SpeculationTransform(
+                tau=config.spec_tau,
+                capacity=config.spec_capacity,
+                first_clusters=config.spec_first_clusters,
+                max_restarts=config.spec_max_restarts,
+            )
+        )
+    return tuple(out)

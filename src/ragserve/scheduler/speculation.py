@@ -1,0 +1,274 @@
+"""Speculative generation (HedraRAG §4.3, RAGCache §5.3): start the next generation on a
+retrieval's partial top-k; keep it if the final top-k is the same, abort and restart if not.
+
+```
+retrieval R (sub-stages):  [s1][s2][s3][s4]            final top-k == partial after s1?
+partial after s1 ─────────────┐                               yes: G's tokens so far are kept
+speculative G:                 [G G G G G ...]                no:  G aborted (blocks freed),
+real G (no speculation):                       [G G G G ...]       the real G runs as usual
+```
+
+Exactness: a speculation is adopted only when the real generation task the scheduler builds
+after the retrieval has exactly the prompt and parameters the speculation was started with;
+greedy decoding then yields the same tokens. Only greedy (temperature 0) nodes speculate.
+Anything else (other docs, another route, a failed request) aborts the speculation.
+
+Speculation starts only while the generation side has room: ``T_curr / T_max < tau`` with
+``T_curr`` the generation tasks in flight (real + speculative) and ``T_max = capacity``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragserve.graph import END, GenerationNode, RetrievalNode, State
+from ragserve.scheduler.executor import Update
+from ragserve.scheduler.messages import (
+    GenerationParams,
+    GenerationTask,
+    GenerationUpdate,
+    RetrievalResult,
+    Wavefront,
+)
+from ragserve.scheduler.similarity import as_staged
+from ragserve.scheduler.staged_messages import RetrievalPartial
+from ragserve.scheduler.transforms import BaseTransform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Spec:
+    """One speculative generation task (mutated by the transform only)."""
+
+    spec_id: str
+    retrieval_task_id: str
+    request_id: str
+    node_id: Any
+    task: GenerationTask
+    doc_ids: tuple[str, ...]
+    buffered: list[GenerationUpdate] = field(default_factory=list)
+    confirmed: bool = False  # the final top-k equals the partial it started from
+    adopted_as: str | None = None  # the real task id it stands for
+
+
+@dataclass
+class SpeculationStats:
+    """Counters; ``accuracy`` = confirmed / resolved (HedraRAG's speculation accuracy)."""
+
+    num_started: int = 0
+    num_confirmed: int = 0
+    num_wrong: int = 0  # final top-k differed: aborted
+    num_adopted: int = 0
+    num_aborted: int = 0  # all aborts (wrong docs, replaced partials, other routes)
+
+    @property
+    def accuracy(self) -> float | None:
+        resolved = self.num_confirmed + self.num_wrong
+        return None if resolved == 0 else self.num_confirmed / resolved
+
+
+class SpeculationTransform(BaseTransform):
+    """Start generations on partial retrieval results; adopt or abort them.
+
+    ``tau``/``capacity``: start only while in-flight generation tasks / ``capacity`` < tau.
+    ``first_clusters``: cut off a first sub-stage of this many clusters, so there is an early
+    partial result to speculate on (0: only the budget's sub-stages give partials).
+    ``max_restarts``: how often a newer, different partial may replace a speculation.
+    """
+
+    def __init__(
+        self,
+        tau: float = 0.75,
+        capacity: int = 64,
+        first_clusters: int = 0,
+        max_restarts: int = 1,
+    ) -> None:
+        self.tau, self.capacity = tau, capacity
+        self.first_clusters, self.max_restarts = first_clusters, max_restarts
+        self.stats = SpeculationStats()
+        self._scheduler: Any = None
+        self._specs: dict[str, _Spec] = {}  # spec id -> spec
+        self._by_retrieval: dict[str, _Spec] = {}
+        self._restarts: dict[str, int] = {}  # retrieval task id -> replacements so far
+        self._to_start: list[GenerationTask] = []
+        self._replay: list[GenerationUpdate] = []
+        self._running: set[str] = set()
+        self._seq = 0
+
+    def bind(self, scheduler: Any) -> None:
+        self._scheduler = scheduler
+
+    # -- dispatch side ----------------------------------------------------------------------
+    def apply(self, wavefront: Wavefront) -> Wavefront:
+        wavefront.retrieval = [self._with_partials(t) for t in wavefront.retrieval]
+        kept = []
+        for task in wavefront.generation:
+            if not self._adopt(task):
+                kept.append(task)
+        self._drop_stale()
+        kept.extend(self._to_start)
+        self._to_start = []
+        self._running.update(t.task_id for t in kept)
+        wavefront.generation = kept
+        return wavefront
+
+    def _with_partials(self, task):
+        first = getattr(task, "first_clusters", 0) or self.first_clusters
+        return as_staged(task, emit_partials=True, first_clusters=first)
+
+    def _adopt(self, task: GenerationTask) -> bool:
+        req = self._scheduler.request_of_task(task.task_id)
+        spec = self._by_request(req.request_id) if req is not None else None
+        if spec is None or not spec.confirmed or spec.adopted_as is not None:
+            return False
+        if spec.node_id != req.node_id or spec.task.prompt != task.prompt:
+            return False
+        if spec.task.params != task.params or spec.task.chat != task.chat:
+            return False
+        spec.adopted_as = task.task_id
+        self.stats.num_adopted += 1
+        self._replay.extend(dataclasses.replace(u, task_id=task.task_id) for u in spec.buffered)
+        spec.buffered = []
+        if self._replay and self._replay[-1].finished:
+            self._forget(spec)
+        return True
+
+    def _by_request(self, request_id: str) -> _Spec | None:
+        return next((s for s in self._specs.values() if s.request_id == request_id), None)
+
+    def _drop_stale(self) -> None:
+        """Abort speculations nobody will adopt: request gone, or confirmed but not taken."""
+        for spec in list(self._specs.values()):
+            req = self._scheduler.get_request(spec.request_id)
+            if req is None:
+                self._abort(spec)
+            elif spec.confirmed and spec.adopted_as is None:
+                self._abort(spec)  # the real node was dispatched this cycle and did not match
+            elif spec.adopted_as is not None and req.task_id != spec.adopted_as:
+                self._abort(spec)
+        lookup = self._scheduler.request_of_task
+        self._running = {t for t in self._running if t in self._specs or lookup(t) is not None}
+
+    # -- update side ------------------------------------------------------------------------
+    def on_updates(self, updates: list[Update]) -> list[Update]:
+        out: list[Update] = list(self._replay)
+        self._replay = []
+        for u in updates:
+            if isinstance(u, RetrievalPartial):
+                self._on_partial(u)
+            elif isinstance(u, GenerationUpdate) and u.task_id in self._specs:
+                out.extend(self._on_spec_update(self._specs[u.task_id], u))
+            else:
+                if isinstance(u, RetrievalResult):
+                    self._on_final(u)
+                elif u.finished:
+                    self._running.discard(u.task_id)
+                out.append(u)
+        return out
+
+    def _on_spec_update(self, spec: _Spec, u: GenerationUpdate) -> list[Update]:
+        if u.finished:
+            self._running.discard(spec.spec_id)
+        if spec.adopted_as is None:
+            spec.buffered.append(u)
+            return []
+        if u.finished:
+            self._forget(spec)
+        return [dataclasses.replace(u, task_id=spec.adopted_as)]
+
+    def _on_final(self, result: RetrievalResult) -> None:
+        self._restarts.pop(result.task_id, None)
+        spec = self._by_retrieval.get(result.task_id)
+        if spec is None:
+            return
+        if result.error is None and _ids(result.passages) == spec.doc_ids:
+            spec.confirmed = True
+            self.stats.num_confirmed += 1
+        else:
+            self.stats.num_wrong += 1
+            self._abort(spec)
+
+    def _on_partial(self, partial: RetrievalPartial) -> None:
+        req = self._scheduler.request_of_task(partial.task_id)
+        if req is None or not partial.passages:
+            return
+        old = self._by_retrieval.get(partial.task_id)
+        if old is not None:
+            if old.doc_ids == _ids(partial.passages):
+                return
+            if self._restarts.get(partial.task_id, 0) >= self.max_restarts:
+                return
+            self._restarts[partial.task_id] = self._restarts.get(partial.task_id, 0) + 1
+            self._abort(old)
+        if (len(self._running) + len(self._to_start)) / self.capacity >= self.tau:
+            return
+        made = self._speculative_task(req, partial)
+        if made is None:
+            return
+        task, node_id = made
+        spec = _Spec(
+            task.task_id, partial.task_id, req.request_id, node_id, task, _ids(partial.passages)
+        )
+        self._specs[spec.spec_id] = spec
+        self._by_retrieval[partial.task_id] = spec
+        self._to_start.append(task)
+        self.stats.num_started += 1
+
+    def _speculative_task(self, req: Any, partial: RetrievalPartial) -> tuple | None:
+        """The (task, node id) the scheduler would run next if ``partial`` were final."""
+        if req.raw_params is not None:
+            return None
+        if not isinstance(req.graph.nodes.get(req.node_id), RetrievalNode):
+            return None
+        state = _hypothetical(req, partial.passages)
+        try:
+            nxt = req.graph.next_node(req.node_id, state)
+        except Exception:
+            return None
+        node = req.graph.nodes.get(nxt) if nxt is not END else None
+        if not isinstance(node, GenerationNode) or node.temperature != 0.0:
+            return None
+        params = GenerationParams(
+            max_tokens=node.max_tokens, temperature=node.temperature, stop=node.stop
+        )
+        self._seq += 1
+        task_id = f"spec/{self._seq}/{partial.task_id}"
+        return GenerationTask(task_id, node.prompt.render(state), params), nxt
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _abort(self, spec: _Spec) -> None:
+        queued = [t for t in self._to_start if t.task_id != spec.spec_id]
+        if len(queued) == len(self._to_start):
+            self._scheduler.executor.abort([spec.spec_id])
+        self._to_start = queued
+        self.stats.num_aborted += 1
+        self._forget(spec)
+
+    def _forget(self, spec: _Spec) -> None:
+        self._specs.pop(spec.spec_id, None)
+        self._running.discard(spec.spec_id)
+        if self._by_retrieval.get(spec.retrieval_task_id) is spec:
+            del self._by_retrieval[spec.retrieval_task_id]
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._specs)
+
+
+def _ids(passages) -> tuple[str, ...]:
+    return tuple(p.doc_id for p in passages)
+
+
+def _hypothetical(req: Any, passages) -> State:
+    """The request's state as it would be after its retrieval node returned ``passages``."""
+    from ragserve.scheduler.scheduler import _write  # NOTE: the scheduler's own write rule
+
+    state = State(req.state)
+    state.visits = dict(req.state.visits)
+    _write(type("R", (), {"state": state})(), req.graph.nodes[req.node_id], list(passages))
+    state.visits[req.node_id] = state.visit_count(req.node_id) + 1
+    return state

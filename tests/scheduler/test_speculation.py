@@ -1,0 +1,91 @@
+"""Speculative generation: adopted when the final top-k equals the partial, aborted otherwise;
+outputs always equal the non-speculative run."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+from test_split import HashEmbedder, StagedExecutor, make_index, run_requests
+
+from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
+from ragserve.scheduler import Scheduler
+from ragserve.scheduler.similarity import SimilarityTransform
+from ragserve.scheduler.speculation import SpeculationTransform
+from ragserve.scheduler.split import SplitTransform
+from ragserve.workflows import get_workflow
+
+
+class PromptExecutor(StagedExecutor):
+    """Fake generation whose text is a hash of the whole prompt (docs change the output)."""
+
+    def __init__(self, runner: StagedRetrievalRunner) -> None:
+        super().__init__(runner)
+        self.submitted: list[str] = []
+
+    def submit_generation(self, tasks: list) -> None:
+        super().submit_generation(tasks)
+        for t in tasks:
+            self.submitted.append(t.task_id)
+            self._running[t.task_id] = (f"g{zlib.crc32(t.prompt.encode()):08x}", 0)
+
+
+def _run(transforms: list, workflow: str, n: int = 8):
+    index = make_index("ivf_flat", "ip")
+    runner = StagedRetrievalRunner(index, HashEmbedder(), default_nprobe=16)
+    runner.cost.seconds_per_vector = 1.0
+    runner.cost.observe_scan = lambda *args: None
+    ex = PromptExecutor(runner)
+    graph = get_workflow(workflow, topk=3, **({"rounds": 2} if workflow == "irg" else {}))
+    done = run_requests(Scheduler(ex, transforms), [(f"r{i}", graph, f"q {i}") for i in range(n)])
+    return done, ex
+
+
+@pytest.mark.parametrize("workflow", ["oneshot", "irg"])
+def test_speculative_outputs_equal_plain_outputs(workflow: str) -> None:
+    plain, _ = _run([], workflow)
+    spec = SpeculationTransform(capacity=1000, max_restarts=2)
+    fast, ex = _run([SplitTransform(budget_s=100.0), SimilarityTransform(), spec], workflow)
+    assert {r: d.output for r, d in fast.items()} == {r: d.output for r, d in plain.items()}
+    assert all(d.error is None for d in fast.values())
+    s = spec.stats
+    assert s.num_started > 0 and s.num_adopted > 0
+    assert s.num_confirmed + s.num_wrong <= s.num_started
+    assert s.num_adopted == s.num_confirmed  # every confirmed speculation was taken
+    started = [t for t in ex.submitted if t.startswith("spec/")]
+    assert set(ex.aborted) <= set(started)
+    assert len(set(ex.aborted)) == s.num_aborted - _never_dispatched(s, started)
+    # an adopted speculation replaces the real task: fewer real answer tasks were submitted
+    real = [t for t in ex.submitted if not t.startswith("spec/")]
+    gen_nodes = sum(k == "generation" for d in fast.values() for k in _kinds(d))
+    assert len(real) == gen_nodes - s.num_adopted
+    assert spec.num_in_flight == 0
+
+
+def _kinds(response) -> list[str]:
+    return [t.kind for t in response.node_timings]
+
+
+def _never_dispatched(stats, started: list[str]) -> int:
+    return stats.num_started - len(started)
+
+
+def test_wrong_partials_are_aborted_and_restarted() -> None:
+    """A first sub-stage of one cluster is often not the final top-k: those abort."""
+    spec = SpeculationTransform(capacity=1000, first_clusters=1, max_restarts=0)
+    plain, _ = _run([], "oneshot", n=12)
+    fast, ex = _run([spec], "oneshot", n=12)
+    assert {r: d.output for r, d in fast.items()} == {r: d.output for r, d in plain.items()}
+    s = spec.stats
+    assert s.num_started == 12 and s.num_wrong > 0 and s.num_confirmed > 0
+    assert s.num_wrong + s.num_confirmed == 12 and s.accuracy == s.num_confirmed / 12
+    assert len(ex.aborted) == s.num_wrong
+
+
+def test_no_speculation_when_generation_is_busy() -> None:
+    idle_only = SpeculationTransform(capacity=1, tau=1e-9, first_clusters=1)
+    _, ex = _run([idle_only], "oneshot", n=4)  # 0 / 1 < tau only with nothing in flight
+    assert idle_only.stats.num_started <= 1
+    never = SpeculationTransform(capacity=1, tau=0.0, first_clusters=1)
+    _, ex = _run([never], "oneshot", n=4)
+    assert never.stats.num_started == 0 and not any(t.startswith("spec/") for t in ex.submitted)
