@@ -16,7 +16,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+def test_serve_refuses_a_missing_index(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    from ragserve.cli.main import main
+
+    assert main(["serve", "--model", "tiny", "--index", str(tmp_path / "none")]) == 2
+    assert "no index directory" in caplog.text
 
 
 def free_port() -> int:
@@ -41,6 +46,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return str(model), str(root / "index")
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_serve_process_auth_and_sigterm_drain(assets: tuple[str, str], tmp_path) -> None:
     model, index = assets
     port = free_port()

@@ -58,6 +58,14 @@ def handler(args: argparse.Namespace) -> int:
     runtime = ServerConfig(
         max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight)
     )
-    server = Server(model=args.model, index=args.index, embedder=args.embedder, config=runtime)
+    if not Path(args.index).is_dir():
+        logger.error("no index directory at %s (build one with `ragserve index build`)", args.index)
+        return 2
+    try:
+        server = Server(model=args.model, index=args.index, embedder=args.embedder, config=runtime)
+    except (RuntimeError, ValueError, OSError) as exc:
+        logger.debug("Server failed to start", exc_info=True)
+        logger.error("cannot start the Server: %s", str(exc).strip().splitlines()[-1])
+        return 1
     serve(server, config)
     return 0
