@@ -120,6 +120,10 @@ def load_embedder(name_or_path: str = DEFAULT_EMBEDDER, **kwargs) -> Embedder:
     The returned `Embedder.name` is the built-in name, or the folder's absolute path; an index
     records it so that `load_embedder(index.embedder_name)` gives the same encoder back.
     """
+    if name_or_path.startswith("synthetic:"):  # benchmarks: see retrieval/synthetic.py
+        from ragserve.retrieval.synthetic import SyntheticEmbedder, SyntheticSpec
+
+        return SyntheticEmbedder(SyntheticSpec.from_name(name_or_path))
     model_dir = resolve_model_dir(name_or_path)
     builtin = name_or_path.lower() in BUILTIN_EMBEDDERS
     name = name_or_path.lower() if builtin else str(model_dir.resolve())

@@ -106,7 +106,10 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
     params = faiss.SearchParametersIVF(nprobe=width)
     sp = faiss.swig_ptr
     index.search_preassigned_c(n, sp(q), k, sp(iq), sp(dq), sp(dist), sp(ids), False, params)
-    return _canonical(TopK(ids, dist), index.metric_type == faiss.METRIC_L2, k)
+    # NOTE: Faiss's heap already returns rows in the canonical order (see `_canonical`); only
+    # the fill value of missing slots is normalised, so a one-step search costs no sort.
+    dist[ids < 0] = np.inf if index.metric_type == faiss.METRIC_L2 else -np.inf
+    return TopK(ids, dist)
 
 
 def merge(a: TopK | None, b: TopK, is_l2: bool) -> TopK:

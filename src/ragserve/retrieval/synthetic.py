@@ -1,0 +1,94 @@
+"""Synthetic retrieval data for benchmarks: clustered unit vectors with skewed query popularity.
+
+``SyntheticEmbedder`` maps text to a vector deterministically: the first line of the text
+picks a topic (Zipf-skewed over ``num_topics``, seeded by its hash), the whole text adds
+noise. So successive queries of one request that repeat the question (IRG's
+``"{input}\\n{draft}"``) stay near each other, as HedraRAG observes of real workloads, and a
+few topics take most queries (the skew a hot-cluster cache exploits). Its ``name`` encodes its
+parameters, so ``load_embedder(name)`` rebuilds it in a worker process.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+PREFIX = "synthetic:"
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    dim: int = 128
+    num_topics: int = 1024
+    zipf_a: float = 1.1
+    doc_noise: float = 0.6
+    query_noise: float = 0.4
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{PREFIX}dim={self.dim},topics={self.num_topics},zipf={self.zipf_a},"
+            f"dnoise={self.doc_noise},qnoise={self.query_noise},seed={self.seed}"
+        )
+
+    @classmethod
+    def from_name(cls, name: str) -> SyntheticSpec:
+        fields = dict(kv.split("=") for kv in name.removeprefix(PREFIX).split(","))
+        return cls(
+            dim=int(fields["dim"]),
+            num_topics=int(fields["topics"]),
+            zipf_a=float(fields["zipf"]),
+            doc_noise=float(fields["dnoise"]),
+            query_noise=float(fields["qnoise"]),
+            seed=int(fields["seed"]),
+        )
+
+    def centers(self) -> np.ndarray:
+        rng = np.random.default_rng(self.seed)
+        c = rng.normal(size=(self.num_topics, self.dim)).astype(np.float32)
+        return c / np.linalg.norm(c, axis=1, keepdims=True)
+
+    def topic_probs(self) -> np.ndarray:
+        p = 1.0 / np.arange(1, self.num_topics + 1) ** self.zipf_a
+        return p / p.sum()
+
+
+class SyntheticEmbedder:
+    """``encode(texts, is_query=...)`` -> float32 ``[n, dim]`` unit vectors (see module doc)."""
+
+    def __init__(self, spec: SyntheticSpec) -> None:
+        self.spec = spec
+        self.dim = spec.dim
+        self.name = spec.name
+        self._centers = spec.centers()
+        self._cdf = np.cumsum(spec.topic_probs())
+
+    def encode(self, texts, *, is_query: bool = True, progress: bool = False, **_) -> np.ndarray:
+        out = np.empty((len(texts), self.dim), np.float32)
+        for i, text in enumerate(texts):
+            head = text.split("\n", 1)[0]
+            u = np.random.default_rng(zlib.crc32(head.encode())).random()
+            topic = min(int(np.searchsorted(self._cdf, u)), self.spec.num_topics - 1)
+            noise = np.random.default_rng(zlib.crc32(text.encode())).normal(size=self.dim)
+            v = self._centers[topic] + self.spec.query_noise * noise / np.sqrt(self.dim)
+            out[i] = v / np.linalg.norm(v)
+        return out
+
+
+def synthetic_corpus(spec: SyntheticSpec, num_docs: int) -> tuple[list, np.ndarray]:
+    """``num_docs`` documents (uniform over topics) and their vectors ``[num_docs, dim]``."""
+    from ragserve.retrieval.types import Document
+
+    rng = np.random.default_rng(spec.seed + 1)
+    topics = rng.integers(0, spec.num_topics, num_docs)
+    x = spec.centers()[topics]
+    x += spec.doc_noise * rng.normal(size=x.shape).astype(np.float32) / np.sqrt(spec.dim)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    docs = [
+        Document(f"s{i}", f"Synthetic passage {i} about topic {t}.", f"topic {t}")
+        for i, t in enumerate(topics.tolist())
+    ]
+    return docs, x.astype(np.float32)
