@@ -90,18 +90,22 @@ class ModelRunner:
         """Flat ``input_ids``, ``positions``, the step's metadata and the rows to sample."""
         bs = self.block_size
         ids: list[int] = []
-        pos_parts, slot_parts = [], []
+        positions: list[int] = []
+        slots: list[int] = []
         query_start, seq_lens, logits_rows = [0], [], []
         max_blocks = max(len(s.block_table) for s in out.seqs)
         tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
-            table = np.asarray(seq.block_table, dtype=np.int64)
+            table = seq.block_table
             tables[i, : len(table)] = table
-            pos = np.arange(start, end, dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            if n == 1:  # decode: plain ints are far cheaper than numpy per sequence
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             if out.sample[i]:
@@ -111,13 +115,13 @@ class ModelRunner:
             query_start_loc=_to(np.asarray(query_start, dtype=np.int32), dev),
             seq_lens=_to(np.asarray(seq_lens, dtype=np.int32), dev),
             block_tables=_to(tables, dev),
-            slot_mapping=_to(np.concatenate(slot_parts), dev),
+            slot_mapping=_to(np.asarray(slots, dtype=np.int64), dev),
             query_lens_cpu=tuple(out.num_scheduled_tokens),
             seq_lens_cpu=tuple(seq_lens),
         )
         input_ids = _to(np.asarray(ids, dtype=np.int64), dev)
-        positions = _to(np.concatenate(pos_parts), dev)
-        return input_ids, positions, metadata, _to(np.asarray(logits_rows, dtype=np.int64), dev)
+        positions_t = _to(np.asarray(positions, dtype=np.int64), dev)
+        return input_ids, positions_t, metadata, _to(np.asarray(logits_rows, dtype=np.int64), dev)
 
     def run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

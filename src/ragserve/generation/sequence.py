@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ragserve.generation.sampling_params import SamplingParams
 
@@ -40,6 +40,8 @@ class RequestMetrics:
 @dataclass(frozen=True)
 class RequestOutput:
     """A snapshot of one request after a step; ``token_ids`` and ``text`` are cumulative.
+
+    ``prompt_token_ids`` is shared between a request's outputs: treat it as read-only.
 
     ``finish_reason`` is ``None`` while running, else ``"stop"`` (EOS, stop token or stop
     string), ``"length"`` (``max_tokens`` or the context end) or ``"abort"``.
@@ -102,12 +104,15 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def to_output(self) -> RequestOutput:
+        m = self.metrics
         return RequestOutput(
             request_id=self.request_id,
-            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_token_ids=self.prompt_token_ids,  # shared: never mutated by the engine
             token_ids=self.output_token_ids,
             text=self.text,
             finished=self.is_finished,
             finish_reason=self.finish_reason,
-            metrics=replace(self.metrics),
+            metrics=RequestMetrics(
+                m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finish_time
+            ),
         )
