@@ -75,16 +75,14 @@ def error_bytes(status_code: int, message: str, *, code: str | None = None) -> b
 def _format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        param = param or (where or None)
+        msg = str(err.get("msg")).removeprefix("Value error, ")
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx") or {}
-            parts.append(f"malformed JSON body: {ctx.get('error', err.get('msg'))}")
-        elif where:
-            parts.append(f"{where}: {err.get('msg')}")
-        else:
-            parts.append(str(err.get("msg")))
+            parts.append(f"malformed JSON body: {ctx.get('error', msg)}")
+            continue
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        param = param or (where or None)
+        parts.append(f"{where}: {msg}" if where else f"request body: {msg}")
     return "; ".join(parts) or "invalid request body", param
 
 

@@ -16,6 +16,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    field_validator,
     model_validator,
 )
 
@@ -34,6 +35,18 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _one_clear_error(cls, value):
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in value
+        ):
+            return value
+        raise ValueError('content must be a string or a list of {"type": "text", "text": ...}')
 
     def text(self) -> str:
         if self.content is None:
@@ -113,6 +126,19 @@ class CompletionRequest(_Sampling):
     echo: StrictBool = False
     ignore_eos: StrictBool = False
     top_k: PositiveInt | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_clear_error(cls, value):
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+            return value
+        if (
+            isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value)  # noqa: E721 (bool is not a token)
+        ):
+            return value
+        raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
 
     @model_validator(mode="after")
     def _check(self):
