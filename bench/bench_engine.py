@@ -84,13 +84,15 @@ def kv_bytes(engine: LLMEngine, tokens: int) -> int:
 
 def bench_decode(engine: LLMEngine, batch: int, ctx: int, bw: float, steps: int = 20) -> dict:
     """Fill ``batch`` sequences to ``ctx`` tokens, then time decode steps."""
-    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    # NOTE: early sequences decode while later ones still prefill, so leave room for it
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
     for i, p in enumerate(prompts(batch, ctx - 1, seed=batch)):
         engine.add_request(f"d{batch}-{i}", p, params)
     sched = engine.scheduler
     while sched.waiting or any(s.num_output_tokens == 0 for s in sched.running):
         engine.step()  # prefill (chunked) until every sequence has its first token
     engine.step()  # first decode (all sequences now have ctx tokens in flight)
+    context = sum(s.num_tokens for s in sched.running) + batch * steps // 2  # mean over steps
     start = sync_time()
     for _ in range(steps):
         outs = engine.step()
@@ -115,16 +117,40 @@ def bench_decode(engine: LLMEngine, batch: int, ctx: int, bw: float, steps: int 
                 runner.run_model(ids, pos, md)
             times[mode] = (sync_time() - start) / steps
         runner.graph_runner = graphs
+    kernels = kernel_profile(runner, ids, pos, md) if batch == 1 else {}
     engine.scheduler.update_after_step(out)
     for s in list(engine.scheduler.running):
         engine.abort(s.request_id)
-    bound = (model_bytes(engine) + kv_bytes(engine, batch * (ctx + steps // 2))) / bw
-    row = {"batch": batch, "ctx": ctx, "engine_step_ms": step_s * 1e3,
+    bound = (model_bytes(engine) + kv_bytes(engine, context)) / bw
+    row = {"batch": batch, "ctx": ctx, "mean_ctx": context / batch, "engine_step_ms": step_s * 1e3,
            "forward_graph_ms": times.get("graph", float("nan")) * 1e3,
            "forward_eager_ms": times["eager"] * 1e3, "bound_ms": bound * 1e3,
-           "step_over_bound": step_s / bound}  # fmt: skip
+           "step_over_bound": step_s / bound, **kernels}  # fmt: skip
     log.info("decode %s", row)
     return row
+
+
+def kernel_profile(runner, ids, pos, md) -> dict:
+    """GPU kernels of one eager forward: count, summed kernel time, the heaviest names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not ids.is_cuda:
+        return {}
+    graphs, runner.graph_runner = runner.graph_runner, None
+    try:
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.run_model(ids, pos, md)
+            torch.cuda.synchronize()
+    finally:
+        runner.graph_runner = graphs
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, float] = {}
+    for e in events:
+        by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.device_time
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    return {"kernels_per_forward": len(events),
+            "kernel_time_ms": sum(e.device_time for e in events) / 1e3,
+            "top_kernels_us": {k: round(v, 1) for k, v in top}}  # fmt: skip
 
 
 def flops_per_token(engine: LLMEngine, ctx: int) -> float:
@@ -193,6 +219,7 @@ def bench_hf(hf, engine: LLMEngine, n: int, inp: int, out: int) -> dict:
     device = engine.model_runner.device
     prompt = torch.tensor(prompts(1, inp, seed=3), device=device)
     gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    gen["attention_mask"] = torch.ones_like(prompt)
     hf.generate(prompt, max_new_tokens=2, **gen)  # warm-up
     start = sync_time()
     hf.generate(prompt, max_new_tokens=1, **gen)
@@ -209,6 +236,7 @@ def bench_hf(hf, engine: LLMEngine, n: int, inp: int, out: int) -> dict:
     reqs = prompts(n, inp, seed=11)
     batch = torch.tensor(reqs, device=device)
     start = sync_time()
+    gen["attention_mask"] = torch.ones_like(batch)
     hf.generate(batch, max_new_tokens=out, **gen)
     seconds = sync_time() - start
     result["generate_batched"] = {"requests": n, "seconds": seconds,
@@ -285,8 +313,12 @@ def main() -> None:
     result["offline_hf_size"] = bench_offline(engine, args.hf_requests, inp, out)
     save()
     if not args.skip_hf:
-        hf = build_hf(engine, folder)
-        result["transformers"] = bench_hf(hf, engine, args.hf_requests, inp, out)
+        try:
+            hf = build_hf(engine, folder)
+            result["transformers"] = bench_hf(hf, engine, args.hf_requests, inp, out)
+        except Exception as exc:  # noqa: BLE001 - keep the engine figures if the baseline fails
+            log.exception("transformers baseline failed")
+            result["transformers"] = {"error": repr(exc)}
         save()
     log.info("RESULT %s", json.dumps(result))
 

@@ -19,6 +19,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.weight.dtype == x.dtype:  # one fused kernel (attention/fused_ops)
+            from ragserve.generation.attention.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -70,6 +74,11 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda and self.cos.dtype == q.dtype:  # one fused kernel (attention/fused_ops)
+            from ragserve.generation.attention.fused_ops import can_rotate, rotary_qk
+
+            if can_rotate(self.head_dim):
+                return rotary_qk(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

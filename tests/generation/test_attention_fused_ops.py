@@ -1,0 +1,74 @@
+"""Fused RMSNorm and rotary kernels equal the eager op sequences of ``models/layers.py``.
+
+CPU: under Triton's interpreter in a subprocess (skipped without triton); GPU: compiled, bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+
+
+def _eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _eager_rotary(positions, x, cos, sin):
+    half = x.shape[-1] // 2
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * c + rotated * s
+
+
+def _tables(dim: int, positions: int, dtype, device):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(positions).float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+
+
+def check_fused(device: str, dtype: torch.dtype) -> None:
+    from ragserve.generation.attention.fused_ops import rms_norm, rotary_qk
+
+    g = torch.Generator().manual_seed(0)
+    for rows, n in ((5, 64), (3, 96), (1, 4096)):
+        x = (torch.randn(rows, n, generator=g) * 3).to(dtype).to(device)
+        w = torch.randn(n, generator=g).to(dtype).to(device)
+        torch.testing.assert_close(rms_norm(x, w, 1e-5), _eager_rms_norm(x, w, 1e-5))
+    heads, kv_heads, dim, tokens = 4, 2, 32, 7
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype).to(device)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    pos = torch.tensor([0, 5, 1, 99, 3, 3, 64], device=device)
+    cos, sin = _tables(dim, 128, dtype, device)
+    rq, rk = rotary_qk(pos, q, k, cos, sin)  # adjacent: one launch
+    assert torch.equal(rq, _eager_rotary(pos, q, cos, sin))
+    assert torch.equal(rk, _eager_rotary(pos, k, cos, sin))
+    rk2, rq2 = rotary_qk(pos, k, q, cos, sin)  # not adjacent: two launches
+    assert torch.equal(rq2, rq) and torch.equal(rk2, rk)
+
+
+def test_interpreter_matches_eager() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    code = "import torch, test_attention_fused_ops as t; t.check_fused('cpu', torch.float32)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_matches_eager(dtype: torch.dtype) -> None:
+    check_fused("cuda", dtype)
