@@ -12,6 +12,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,6 +40,11 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # NOTE: the Server's async methods hand work to threads (asyncio.to_thread); size the
+        # pool so admitted requests, upserts and scrapes never queue behind each other.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(config.max_num_inflight + 8, thread_name_prefix="ragserve-http")
+        )
         yield
         if own_server:
             logger.info("closing the Server")
