@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,7 @@ class DocStore:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._conn = self._connect(path)
 
     @staticmethod
@@ -194,6 +195,16 @@ class DocStore:
             self._conn.backup(dest)
             dest.execute("PRAGMA journal_mode=WAL")
             dest.close()
+
+    @contextmanager
+    def read_snapshot(self) -> Iterator[None]:
+        """Reads inside see one committed state, even while another process writes."""
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                yield
+            finally:
+                self._conn.execute("COMMIT")
 
     def _query(self, sql: str, args: Sequence = ()) -> list:
         with self._lock:

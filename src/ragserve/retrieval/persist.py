@@ -75,9 +75,27 @@ def save_index(vi: VectorIndex, directory: Path) -> Path:
 
 
 def load_index(directory: Path, *, embedder: Embedder | None = None) -> VectorIndex:
-    """Open a saved index; corrupt or truncated files raise `IndexCorruptError`."""
+    """Open a saved index; corrupt or truncated files raise `IndexCorruptError`.
+
+    A concurrent compaction by the writing process (new manifest, old snapshot and log entries
+    dropped) is detected by re-reading the manifest, and the load is retried.
+    """
     directory = directory.absolute()
-    manifest = read_manifest(directory)
+    for attempt in range(_LOAD_ATTEMPTS):
+        manifest = read_manifest(directory)
+        try:
+            return _load_once(directory, manifest, embedder)
+        except IndexCorruptError:
+            if attempt + 1 == _LOAD_ATTEMPTS or read_manifest(directory) == manifest:
+                raise
+            logger.info("index %s changed while loading; retrying", directory)
+    raise AssertionError("unreachable")
+
+
+_LOAD_ATTEMPTS = 3
+
+
+def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | None):
     snap = verify_snapshot(directory, manifest)
     try:
         index = faiss.read_index(str(snap))
@@ -88,12 +106,16 @@ def load_index(directory: Path, *, embedder: Embedder | None = None) -> VectorIn
     store_path = directory / DOCSTORE
     if not store_path.is_file():
         raise IndexCorruptError(store_path, "file missing")
+    store = None
     try:
         store = DocStore(store_path)
         store.check()
-        _replay(index, store, manifest["applied_seq"])
-        count = store.count()
+        with store.read_snapshot():
+            _replay(index, store, manifest["applied_seq"])
+            count = store.count()
     except sqlite3.DatabaseError as exc:
+        if store is not None:
+            store.close()
         raise IndexCorruptError(store_path, f"SQLite error: {exc}") from None
     if count != index.ntotal:
         store.close()
