@@ -1,0 +1,173 @@
+"""RAG co-scheduling benchmark: sequential vs async vs ragserve (and each optimization alone).
+
+Poisson arrivals at a sweep of rates; each workflow alone and a mix; synthetic (skewed
+clustered vectors) or factbook questions; fixed output lengths and round counts. Writes
+``results.json`` and latency-vs-rate plots into ``--out``. Same model, same index, same run.
+
+    python bench/rag_bench.py --preset cpu-small --out bench/results/rag_cpu
+    python bench/rag_bench.py --preset h200 --out bench/results/rag_h200      # on the GPU box
+    ragserve bench ...                                                         # same flags
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rag_report import summarize, write_plots  # noqa: E402
+from rag_setup import PRESETS, Preset, prepare  # noqa: E402
+from rag_systems import SYSTEMS, system_transforms  # noqa: E402
+
+logger = logging.getLogger("rag_bench")
+WORKFLOWS = ("oneshot", "hyde", "multistep", "irg", "recomp")
+
+
+def workflow_graphs(p: Preset) -> dict:
+    from ragserve.workflows import get_workflow
+
+    t, k = p.max_tokens, p.topk
+    return {
+        "oneshot": get_workflow("oneshot", topk=k, max_tokens=t),
+        "hyde": get_workflow("hyde", topk=k, max_tokens=t, hypo_tokens=t),
+        "multistep": get_workflow("multistep", topk=k, rounds=2, max_tokens=t, step_tokens=t),
+        "irg": get_workflow("irg", topk=k, rounds=2, max_tokens=t),
+        "recomp": get_workflow("recomp", topk=k, max_tokens=t, summary_tokens=t),
+    }
+
+
+def arrivals(rate: float, n: int, seed: int) -> np.ndarray:
+    """Poisson process: cumulative exponential gaps (seconds from the start)."""
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
+
+
+async def run_point(server, graphs: dict, names: list[str], questions: list[str], rate: float,
+                    seed: int) -> list:  # fmt: skip
+    times = arrivals(rate, len(questions), seed)
+    start = time.monotonic()
+
+    async def one(i: int):
+        await asyncio.sleep(max(0.0, start + times[i] - time.monotonic()))
+        return await server.submit(questions[i], graphs[names[i]])
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(questions)))))
+
+
+def bench_system(system: str, p: Preset, data: dict, args) -> list[dict]:
+    from ragserve.runtime import Server, ServerConfig
+
+    transforms = system_transforms(system, first_clusters=p.first_clusters)
+    config = ServerConfig(
+        in_process=args.in_process,
+        engine_kwargs=data["engine_kwargs"],
+        default_nprobe=data["nprobe"],
+        transforms=transforms,
+        max_active_requests=4096,
+    )
+    graphs = workflow_graphs(p)
+    rows = []
+    with Server(data["model"], data["index"], config=config) as server:
+        server.run(data["questions"][0], graphs["oneshot"])  # warm-up (not measured)
+        for wf in args.workflows:
+            for rate in args.rates:
+                n = args.num_requests
+                rng = np.random.default_rng(args.seed)
+                names = [wf] * n if wf != "mix" else list(rng.choice(WORKFLOWS, n))
+                qs = [data["questions"][j % len(data["questions"])] for j in range(n)]
+                before = _spec_counts(transforms), _overhead(transforms)
+                t0 = time.monotonic()
+                responses = asyncio.run(run_point(server, graphs, names, qs, rate, args.seed))
+                row = summarize(responses, slo=p.slo, wall=time.monotonic() - t0)
+                row.update(system=system, workflow=wf, rate=rate, nprobe=data["nprobe"])
+                row.update(_deltas(transforms, before, responses))
+                logger.info("%s", json.dumps(row))
+                rows.append(row)
+    return rows
+
+
+def _spec(transforms):
+    from ragserve.scheduler.speculation import SpeculationTransform
+
+    inner = [getattr(t, "inner", t) for t in transforms]
+    return next((t for t in inner if isinstance(t, SpeculationTransform)), None)
+
+
+def _spec_counts(transforms) -> tuple[int, int]:
+    s = _spec(transforms)
+    return (0, 0) if s is None else (s.stats.num_confirmed, s.stats.num_wrong)
+
+
+def _overhead(transforms) -> float:
+    return sum(getattr(t, "seconds", 0.0) for t in transforms)
+
+
+def _deltas(transforms, before, responses) -> dict:
+    (c0, w0), o0 = before
+    c1, w1 = _spec_counts(transforms)
+    nodes = sum(len(r.node_timings) for r in responses)
+    resolved = (c1 - c0) + (w1 - w0)
+    return {
+        "spec_resolved": resolved,
+        "spec_accuracy": None if resolved == 0 else (c1 - c0) / resolved,
+        "transform_overhead_ms_per_node": 1e3 * (_overhead(transforms) - o0) / max(nodes, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    return run(ap.parse_args(argv))
+
+
+def build_parser(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
+    ap.add_argument("--dataset", choices=("synthetic", "factbook"), default="synthetic")
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    ap.add_argument("--workflows", nargs="+", choices=(*WORKFLOWS, "mix"), default=None)
+    ap.add_argument("--rates", nargs="+", type=float, default=None)
+    ap.add_argument("--nprobe", type=int, default=None, help="default: the preset's first")
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--in-process", action="store_true", help="no worker processes (tests)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/rag"))
+    return ap
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    p = PRESETS[args.preset]
+    args.workflows = args.workflows or list(p.workflows)
+    args.rates = args.rates or list(p.rates)
+    args.num_requests = args.num_requests or p.num_requests
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = prepare(p, args.dataset, args.out / "data", nprobe=args.nprobe)
+    rows = []
+    for system in args.systems:
+        logger.info("system %s", system)
+        rows.extend(bench_system(system, p, data, args))
+    meta = {
+        "preset": dataclasses.asdict(p),
+        "dataset": args.dataset,
+        "nprobe": data["nprobe"],
+        "num_requests": args.num_requests,
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "argv": sys.argv,
+    }
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_plots(rows, args.out)
+    logger.info("wrote %s", args.out / "results.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The systems the RAG benchmark compares, as scheduler transforms over one Server design.
+
+- ``sequential``: one request at a time per stage (a retrieval service and an LLM that each
+  take the next request only when the previous one is done), like LangChain/FlashRAG
+  pipelines over vLLM + Faiss with no co-scheduling.
+- ``async``: every ready stage is submitted at once (the scheduler's default): naive async.
+- ``ragserve``: split + similarity + speculation; ``split``/``similarity``/``speculation``:
+  each alone (ablation).
+
+Every system also gets ``FixedLengthTransform`` (fixed output lengths, as with random
+weights) and ``TimedTransform`` wrappers that measure the transforms' own overhead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+from ragserve.scheduler import BaseTransform, GenerationUpdate, RetrievalResult, Wavefront
+from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
+
+SYSTEMS = ("sequential", "async", "ragserve", "split", "similarity", "speculation")
+
+
+class SerialStagesTransform(BaseTransform):
+    """Hold tasks back so at most one retrieval and one generation run at a time (FIFO)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, deque] = {"gen": deque(), "ret": deque()}
+        self._busy: dict[str, str | None] = {"gen": None, "ret": None}
+        self._scheduler = None
+
+    def bind(self, scheduler) -> None:
+        self._scheduler = scheduler
+
+    def apply(self, wavefront: Wavefront) -> Wavefront:
+        self._held["gen"].extend(wavefront.generation)
+        self._held["ret"].extend(wavefront.retrieval)
+        out = Wavefront()
+        for kind, target in (("gen", out.generation), ("ret", out.retrieval)):
+            alive = self._scheduler.request_of_task
+            if self._busy[kind] is not None and alive(self._busy[kind]) is None:
+                self._busy[kind] = None  # its request was aborted or failed
+            while self._busy[kind] is None and self._held[kind]:
+                task = self._held[kind].popleft()
+                if alive(task.task_id) is not None:
+                    self._busy[kind] = task.task_id
+                    target.append(task)
+        return out
+
+    def on_updates(self, updates: list) -> list:
+        for u in updates:
+            if isinstance(u, RetrievalResult) and u.task_id == self._busy["ret"]:
+                self._busy["ret"] = None
+            elif isinstance(u, GenerationUpdate) and u.finished and u.task_id == self._busy["gen"]:
+                self._busy["gen"] = None
+        return updates
+
+
+class FixedLengthTransform(BaseTransform):
+    """Every generation runs exactly ``max_tokens`` (no EOS, no stop strings)."""
+
+    def apply(self, wavefront: Wavefront) -> Wavefront:
+        wavefront.generation = [
+            dataclasses.replace(
+                t, params=dataclasses.replace(t.params, ignore_eos=True, stop=(), stop_token_ids=())
+            )
+            for t in wavefront.generation
+        ]
+        return wavefront
+
+
+class TimedTransform(BaseTransform):
+    """Wraps a transform and accumulates the seconds spent in it."""
+
+    def __init__(self, inner: BaseTransform) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def bind(self, scheduler) -> None:
+        self.inner.bind(scheduler)
+
+    def apply(self, wavefront: Wavefront) -> Wavefront:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.apply(wavefront)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def on_updates(self, updates: list) -> list:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.on_updates(updates)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def system_transforms(name: str, *, first_clusters: int, budget_s: float | None = None) -> tuple:
+    """The transform chain of system ``name`` (each co-scheduling transform timed)."""
+    full = CoScheduleConfig(budget_s=budget_s, spec_first_clusters=first_clusters)
+    configs = {
+        "ragserve": full,
+        "split": dataclasses.replace(full, enable_similarity=False, enable_speculation=False),
+        "similarity": dataclasses.replace(full, enable_split=False, enable_speculation=False),
+        "speculation": dataclasses.replace(full, enable_split=False, enable_similarity=False),
+    }
+    if name == "sequential":
+        chain: tuple = (SerialStagesTransform(),)
+    elif name == "async":
+        chain = ()
+    elif name in configs:
+        chain = make_transforms(configs[name])
+    else:
+        raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
+    return (*(TimedTransform(t) for t in chain), FixedLengthTransform())
