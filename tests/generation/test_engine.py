@@ -149,3 +149,16 @@ def test_chat_template_and_stats(engine):
     } <= set(stats)
     assert stats["kv_blocks_total"] == engine.block_manager.num_blocks
     assert engine.max_model_len == 64
+
+
+def test_kv_pool_sizing(tiny_models):
+    from oracle_cases import pool_bytes
+
+    path = tiny_models["llama"]
+    eng = LLMEngine(path, device="cpu")  # CPU default: 32 full contexts of 512 tokens
+    assert eng.stats()["kv_blocks_total"] * 16 == 32 * 512 and eng.max_model_len == 512
+    small = pool_bytes(path, 10, 16)
+    eng = LLMEngine(path, device="cpu", kv_cache_bytes=small)
+    assert eng.max_model_len == 160  # an implicit context shrinks to the pool
+    with pytest.raises(ValueError, match="KV pool holds 160 tokens"):
+        LLMEngine(path, device="cpu", kv_cache_bytes=small, max_model_len=512)

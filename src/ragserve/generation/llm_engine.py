@@ -60,22 +60,15 @@ class LLMEngine:
             load_format=config.load_format,
             seed=config.seed,
         )
-        per_block = kv_cache_bytes_per_block(self.model_config, config.block_size, dtype)
-        num_blocks = _kv_cache_bytes(config, device) // per_block
-        pool_tokens = num_blocks * config.block_size
-        if pool_tokens < max_model_len:
-            if config.max_model_len is not None or num_blocks < 1:
-                raise ValueError(
-                    f"the KV pool holds {pool_tokens} tokens, less than max_model_len="
-                    f"{max_model_len}; raise kv_cache_bytes or lower max_model_len"
-                )
-            logger.warning("KV pool holds %d tokens: max_model_len lowered", pool_tokens)
-            max_model_len = pool_tokens
+        num_blocks, max_model_len = _size_kv_pool(
+            config, self.model_config, device, dtype, max_model_len
+        )
         self.config = replace(
             config,
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
-            kv_cache_bytes=num_blocks * per_block,
+            kv_cache_bytes=num_blocks
+            * kv_cache_bytes_per_block(self.model_config, config.block_size, dtype),
             max_model_len=max_model_len,
         )
         backend = select_backend(config.attention_backend, device)
@@ -270,13 +263,36 @@ def _resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
-def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
+def _size_kv_pool(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> tuple[int, int]:
+    """``(num_blocks, max_model_len)``: the pool from ``kv_cache_bytes``, else on CUDA a share
+    of the memory left after the weights, else (CPU) up to 32 full contexts within a modest
+    default. An implicit ``max_model_len`` shrinks to the pool; an explicit one must fit."""
+    per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype)
     if config.kv_cache_bytes is not None:
-        return config.kv_cache_bytes
-    if device.type != "cuda":
-        return CPU_DEFAULT_KV_CACHE_BYTES
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * config.kv_cache_memory_fraction)
+        pool_bytes = config.kv_cache_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        pool_bytes = int(free * config.kv_cache_memory_fraction)
+    else:
+        per_token = per_block // config.block_size
+        pool_bytes = min(CPU_DEFAULT_KV_CACHE_BYTES, 32 * max_model_len * per_token)
+    num_blocks = pool_bytes // per_block
+    pool_tokens = num_blocks * config.block_size
+    if pool_tokens < max_model_len:
+        if config.max_model_len is not None or num_blocks < 1:
+            raise ValueError(
+                f"the KV pool holds {pool_tokens} tokens, less than max_model_len="
+                f"{max_model_len}; raise kv_cache_bytes or lower max_model_len"
+            )
+        logger.warning("the KV pool holds %d tokens: max_model_len lowered", pool_tokens)
+        max_model_len = pool_tokens
+    return num_blocks, max_model_len
 
 
 def _load_tokenizer(folder: Path) -> Any:
