@@ -22,6 +22,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_session_home(tmp_path_factory: pytest.TempPathFactory):
+    """The same home for session/module fixtures (e.g. ``make_tiny_model``), which run before
+    the function-scoped fixture below could set it."""
+    import os
+
+    if "RAGSERVE_TEST_HOME" not in os.environ:
+        os.environ["RAGSERVE_TEST_HOME"] = str(tmp_path_factory.getbasetemp() / "ragserve-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAGSERVE_HOME", os.environ["RAGSERVE_TEST_HOME"])
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
     """Tests never write into the user's ~/.cache/ragserve unless they opt in.

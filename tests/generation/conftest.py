@@ -8,13 +8,9 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def session_home(tmp_path_factory: pytest.TempPathFactory):
-    """The per-run ``$RAGSERVE_HOME`` (same as the root conftest's), for session fixtures."""
-    if "RAGSERVE_TEST_HOME" not in os.environ:
-        os.environ["RAGSERVE_TEST_HOME"] = str(tmp_path_factory.getbasetemp() / "ragserve-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAGSERVE_HOME", os.environ["RAGSERVE_TEST_HOME"])
-        yield os.environ["RAGSERVE_TEST_HOME"]
+def session_home() -> str:
+    """The per-run ``$RAGSERVE_HOME`` (set for the session by the root conftest)."""
+    return os.environ["RAGSERVE_HOME"]
 
 
 @pytest.fixture(scope="session")
