@@ -43,6 +43,10 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
     max_model_len: int | None = None
     seed: int = 0
+    # CPU: torch intra-op threads for this process (None leaves torch's default). NOTE: on a
+    # small shared machine 1 thread is often several times faster for small models, because
+    # OpenMP barriers stall whenever another process holds a core.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
@@ -51,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be positive")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be None or >= 1")
 
 
 @dataclass(frozen=True)

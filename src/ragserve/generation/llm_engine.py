@@ -47,6 +47,8 @@ class LLMEngine:
         folder = self.model_dir or Path(config.model)
         self.model_config = ModelConfig.from_folder(folder)
         device = _resolve_device(config.device)
+        if device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         dtype = _resolve_dtype(config.dtype, device)
         max_model_len = _resolve_max_model_len(config, self.model_config)
         self.tokenizer = _load_tokenizer(folder)
