@@ -85,7 +85,7 @@ def test_engine_greedy_graphs_on_off_reference_and_hf(tmp_path) -> None:
 @pytest.mark.gpu
 def test_graph_replay_matches_eager_with_padding(tmp_path) -> None:
     folder = _tiny_llama(tmp_path / "llama")
-    engine = LLMEngine(folder, device="cuda", dtype="float32", block_size=16, max_model_len=128,
+    engine = LLMEngine(folder, device="cuda", dtype="float32", block_size=16, max_model_len=256,
                        kv_cache_bytes=32 * 1024**2, max_num_seqs=8)  # fmt: skip
     runner = engine.model_runner
     assert runner.graph_runner is not None and runner.graph_runner.sizes == [1, 2, 4, 8]
@@ -99,7 +99,8 @@ def test_graph_replay_matches_eager_with_padding(tmp_path) -> None:
     graph_hidden = runner.graph_runner.run(ids, pos, md).clone()
     cache_graph = runner.kv_cache.clone()
     runner.kv_cache.copy_(cache_before)
-    eager_hidden = runner.model(ids, pos, runner.kv_caches, md, runner.backend)
+    with torch.inference_mode():
+        eager_hidden = runner.model(ids, pos, runner.kv_caches, md, runner.backend)
     torch.testing.assert_close(graph_hidden, eager_hidden, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cache_graph, runner.kv_cache, atol=1e-5, rtol=0)
     # padding rows stored nothing: exactly the 5 new tokens' slots changed

@@ -1,4 +1,4 @@
-"""Fused RMSNorm and rotary kernels equal the eager op sequences of ``models/layers.py``.
+"""Fused RMSNorm and rotary kernels match the eager op sequences of ``models/layers.py``.
 
 CPU: under Triton's interpreter in a subprocess (skipped without triton); GPU: compiled, bf16.
 """
@@ -51,8 +51,9 @@ def check_fused(device: str, dtype: torch.dtype) -> None:
     pos = torch.tensor([0, 5, 1, 99, 3, 3, 64], device=device)
     cos, sin = _tables(dim, 128, dtype, device)
     rq, rk = rotary_qk(pos, q, k, cos, sin)  # adjacent: one launch
-    assert torch.equal(rq, _eager_rotary(pos, q, cos, sin))
-    assert torch.equal(rk, _eager_rotary(pos, k, cos, sin))
+    # one rounding instead of eager's three: within a unit in the last place of the dtype
+    torch.testing.assert_close(rq, _eager_rotary(pos, q, cos, sin))
+    torch.testing.assert_close(rk, _eager_rotary(pos, k, cos, sin))
     rk2, rq2 = rotary_qk(pos, k, q, cos, sin)  # not adjacent: two launches
     assert torch.equal(rq2, rq) and torch.equal(rk2, rk)
 
