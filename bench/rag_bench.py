@@ -77,6 +77,7 @@ def bench_system(system: str, p: Preset, data: dict, args) -> list[dict]:
     graphs = workflow_graphs(p)
     rows = []
     with Server(data["model"], data["index"], config=config) as server:
+        clock = _time_scheduler(server)
         server.run(data["questions"][0], graphs["oneshot"])  # warm-up (not measured)
         for wf in args.workflows:
             for rate in args.rates:
@@ -85,14 +86,40 @@ def bench_system(system: str, p: Preset, data: dict, args) -> list[dict]:
                 names = [wf] * n if wf != "mix" else list(rng.choice(WORKFLOWS, n))
                 qs = [data["questions"][j % len(data["questions"])] for j in range(n)]
                 before = _spec_counts(transforms), _overhead(transforms)
+                busy0 = clock["step"] - clock["poll"]
                 t0 = time.monotonic()
                 responses = asyncio.run(run_point(server, graphs, names, qs, rate, args.seed))
                 row = summarize(responses, slo=p.slo, wall=time.monotonic() - t0)
                 row.update(system=system, workflow=wf, rate=rate, nprobe=data["nprobe"])
                 row.update(_deltas(transforms, before, responses))
+                nodes = max(sum(len(r.node_timings) for r in responses), 1)
+                busy = clock["step"] - clock["poll"] - busy0
+                row["scheduler_ms_per_node"] = 1e3 * busy / nodes
                 logger.info("%s", json.dumps(row))
                 rows.append(row)
     return rows
+
+
+def _time_scheduler(server) -> dict:
+    """Accumulate the scheduler thread's time in ``step`` and in ``executor.poll`` / admission
+    (waiting; in-process mode also the engine and search work): step - poll = scheduling."""
+    clock = {"step": 0.0, "poll": 0.0}
+
+    def timed(name: str, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock[name] += time.perf_counter() - t0
+
+        return wrapper
+
+    server.executor.poll = timed("poll", server.executor.poll)
+    # NOTE: admission blocks while the server is idle; count it as waiting, like poll
+    server.scheduler._admit = timed("poll", server.scheduler._admit)
+    server.scheduler.step = timed("step", server.scheduler.step)
+    return clock
 
 
 def _spec(transforms):

@@ -10,7 +10,9 @@ from test_split import HashEmbedder, StagedExecutor, make_index, run_requests
 
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import Scheduler
+from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
 from ragserve.scheduler.similarity import SimilarityTransform
+from ragserve.scheduler.spec_retrieval import SpeculativeRetrievalTransform
 from ragserve.scheduler.speculation import SpeculationTransform
 from ragserve.scheduler.split import SplitTransform
 from ragserve.workflows import get_workflow
@@ -89,3 +91,31 @@ def test_no_speculation_when_generation_is_busy() -> None:
     never = SpeculationTransform(capacity=1, tau=0.0, first_clusters=1)
     _, ex = _run([never], "oneshot", n=4)
     assert never.stats.num_started == 0 and not any(t.startswith("spec/") for t in ex.submitted)
+
+
+def test_speculative_retrieval_warms_the_cache_and_keeps_outputs() -> None:
+    def run(transforms: list):
+        index = make_index("ivf_flat", "ip")
+        runner = StagedRetrievalRunner(index, HashEmbedder(), default_nprobe=16)
+        ex = PromptExecutor(runner)
+        graph = get_workflow("hyde", topk=3, hypo_tokens=2)
+        requests = [(f"r{i}", graph, f"q {i}") for i in range(5)]
+        return run_requests(Scheduler(ex, transforms), requests), ex
+
+    plain, _ = run([])
+    cfg = CoScheduleConfig(enable_split=False, enable_speculation=False, enable_spec_retrieval=True)
+    transforms = make_transforms(cfg)
+    sim, specret = transforms
+    assert isinstance(specret, SpeculativeRetrievalTransform)
+    fast, ex = run(list(transforms))
+    assert {r: d.output for r, d in fast.items()} == {r: d.output for r, d in plain.items()}
+    assert specret.num_issued == 5 and specret.num_warmed == 5
+    real = [t for call in ex.retrieval_calls for t in call if not t.task_id.startswith("specret/")]
+    # hyde's only real retrieval had no earlier retrieval: its cache came from the speculation
+    assert len(real) == 5 and all(t.hit_clusters and t.previous_clusters for t in real)
+    assert sim.num_reordered == 5
+
+
+def test_spec_retrieval_needs_similarity() -> None:
+    with pytest.raises(ValueError, match="similarity"):
+        CoScheduleConfig(enable_similarity=False, enable_spec_retrieval=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragserve.scheduler.similarity import SimilarityTransform
+from ragserve.scheduler.spec_retrieval import SpeculativeRetrievalTransform
 from ragserve.scheduler.speculation import SpeculationTransform
 from ragserve.scheduler.split import SplitTransform
 from ragserve.scheduler.transforms import BaseTransform
@@ -25,6 +26,8 @@ class CoScheduleConfig:
     - ``enable_speculation``: generation on partial top-k when in-flight generation tasks /
       ``spec_capacity`` < ``spec_tau``; ``spec_first_clusters`` > 0 cuts an early first
       sub-stage of that many clusters.
+    - ``enable_spec_retrieval`` (opt-in): search with a generation's partial text once
+      ``spec_retrieval_fraction`` of its tokens exist, to warm the next retrieval's cache.
     """
 
     enable_split: bool = True
@@ -36,6 +39,12 @@ class CoScheduleConfig:
     spec_capacity: int = 64
     spec_first_clusters: int = 0
     spec_max_restarts: int = 1
+    enable_spec_retrieval: bool = False
+    spec_retrieval_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.enable_spec_retrieval and not self.enable_similarity:
+            raise ValueError("enable_spec_retrieval warms the similarity cache: enable both")
 
     @classmethod
     def none(cls) -> CoScheduleConfig:
@@ -48,7 +57,10 @@ def make_transforms(config: CoScheduleConfig) -> tuple[BaseTransform, ...]:
     if config.enable_split:
         out.append(SplitTransform(config.budget_s))
     if config.enable_similarity:
-        out.append(SimilarityTransform(config.cache_topk))
+        similarity = SimilarityTransform(config.cache_topk)
+        out.append(similarity)
+        if config.enable_spec_retrieval:
+            out.append(SpeculativeRetrievalTransform(similarity, config.spec_retrieval_fraction))
     if config.enable_speculation:
         out.append(
             SpeculationTransform(
