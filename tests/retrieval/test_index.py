@@ -136,3 +136,23 @@ def test_concurrent_searches_during_upserts(small_corpus):
     final = vi.search(x[:16], 5, nprobe=8)
     vi.faiss_index.nprobe = 8
     np.testing.assert_array_equal(final.ids, vi.faiss_index.search(x[:16], 5)[1])
+
+
+def test_one_writer_per_folder(tmp_path, small_corpus):
+    docs, x = small_corpus
+    vi = _build(docs, x)
+    vi.save(tmp_path / "idx")
+    other = VectorIndex.load(tmp_path / "idx")
+    vi.add_documents([Document("a", "a")], x[:1])  # vi becomes the writer
+    assert other.search(x[:2], 3).ids.shape == (2, 3)  # readers are fine
+    with pytest.raises(RuntimeError, match="another process"):
+        other.delete_documents(["d1"])
+    vi.close()  # releases the folder
+    other.delete_documents(["d1"])
+    other.close()
+
+
+def test_pq_needs_enough_training_vectors(make_corpus):
+    docs, x = make_corpus(100)
+    with pytest.raises(ValueError, match="pq_nbits"):
+        _build(docs, x, kind="ivf_pq", pq_m=4)

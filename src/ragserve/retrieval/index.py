@@ -79,6 +79,7 @@ class VectorIndex:
         self.generation = 0
         self.compact_every = 1000  # log entries past the snapshot before an automatic compaction
         self.metadata: dict[str, Any] = {}  # free-form, JSON-serialisable; kept in the manifest
+        self._writer_lock = None  # open file holding DIR/writer.lock once this index writes
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -224,6 +225,7 @@ class VectorIndex:
         if x.shape != (len(docs), self.spec.dim):
             raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")
         with self._write_mutex:
+            self._claim_writer()
             added, removed = self._store.upsert(docs, x)
             with self._rw.write():
                 if removed:
@@ -237,6 +239,7 @@ class VectorIndex:
         Returns how many were deleted.
         """
         with self._write_mutex:
+            self._claim_writer()
             removed = self._store.delete(list(doc_ids))
             if removed:
                 with self._rw.write():
@@ -359,6 +362,23 @@ class VectorIndex:
 
         compact_index(self)
 
+    def _claim_writer(self) -> None:
+        """Hold `DIR/writer.lock` (flock) from the first write on: one writing process per
+        index folder; the OS releases it if the process dies."""
+        if self.directory is None or self._writer_lock is not None:
+            return
+        import fcntl
+
+        f = open(self.directory / "writer.lock", "w")  # noqa: SIM115 - held for the lifetime
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise RuntimeError(
+                f"{self.directory} is being written by another process; one writer per index"
+            ) from None
+        self._writer_lock = f
+
     def _maybe_compact(self) -> None:
         pending = self._store.last_seq() - self.applied_seq
         if self.directory is not None and pending >= self.compact_every:
@@ -366,6 +386,9 @@ class VectorIndex:
 
     def close(self) -> None:
         self._store.close()
+        if self._writer_lock is not None:
+            self._writer_lock.close()
+            self._writer_lock = None
 
 
 def _passage_text(doc: Document) -> str:

@@ -69,6 +69,9 @@ def save_index(vi: VectorIndex, directory: Path) -> Path:
         fsync_dir(directory.parent)
         old, vi._store = vi._store, DocStore(directory / DOCSTORE)
         old.close()
+        if vi._writer_lock is not None:  # the old folder is no longer written by this index
+            vi._writer_lock.close()
+            vi._writer_lock = None
         vi.directory, vi.generation, vi.applied_seq = directory, 1, seq
     logger.info("saved index (%d vectors) to %s", vi.num_documents, directory)
     return directory
@@ -142,6 +145,7 @@ def compact_index(vi: VectorIndex) -> None:
     if vi.directory is None:
         raise ValueError("the index has no directory yet: call save(dir) first")
     with vi._write_mutex:  # NOTE: upserts wait during a compaction; searches do not.
+        vi._claim_writer()
         with vi._rw.read():
             data = faiss.serialize_index(vi._index)
         seq = vi._store.last_seq()

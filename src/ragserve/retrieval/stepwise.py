@@ -76,6 +76,12 @@ def train(
         x = x[np.sort(pick)]
     if len(x) < index.nlist:
         raise ValueError(f"need at least nlist={index.nlist} training vectors, got {len(x)}")
+    pq = getattr(index, "pq", None)
+    if pq is not None and len(x) < pq.ksub:
+        raise ValueError(
+            f"PQ with {pq.nbits} bits needs at least {pq.ksub} training vectors, got {len(x)}; "
+            "use fewer bits (pq_nbits) or another kind"
+        )
     index.cp.seed = seed
     index.train(x)
 
