@@ -54,7 +54,7 @@ def test_serve_process_auth_and_sigterm_drain(assets: tuple[str, str], tmp_path)
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "ragserve.cli.main", "serve", "--model", model, "--index", index]
     cmd += ["--port", str(port), "--api-key", "k3y", "--served-model-name", "tiny"]
-    cmd += ["--drain-timeout", "180"]
+    cmd += ["--drain-timeout", "180", "--device", "cpu", "--cpu-threads", "1"]
     with open(tmp_path / "serve.log", "w") as log:  # a file, not a pipe: a full pipe blocks
         proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -22,6 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="HF model folder or built-in name")
     p.add_argument("--index", required=True, help="index folder (ragserve index build)")
     p.add_argument("--embedder", default=None, help="embedder (default: the index's own)")
+    p.add_argument("--device", default="auto", help="LLM device: auto, cpu, cuda, cuda:N")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the LLM on CPU")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -55,8 +57,12 @@ def handler(args: argparse.Namespace) -> int:
         logger.warning("binding %s without --api-key: anyone who reaches it may use it", args.host)
     # NOTE: the Server's own bound must not be below HTTP admission, or admitted requests
     # would wait in threads for a Server slot instead of being refused with 429.
+    engine_kwargs = {"device": args.device}
+    if args.cpu_threads is not None:
+        engine_kwargs["cpu_threads"] = args.cpu_threads
     runtime = ServerConfig(
-        max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight)
+        engine_kwargs=engine_kwargs,
+        max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight),
     )
     if not Path(args.index).is_dir():
         logger.error("no index directory at %s (build one with `ragserve index build`)", args.index)
