@@ -106,8 +106,12 @@ def test_chat_and_streaming_chat_equal_server_run(client: openai.OpenAI, server)
     alone = server.run(question, graph)
     assert alone.error is None
     assert out.choices[0].message.content == alone.output
-    assert [d["id"] for d in out.model_extra["documents"]] == list(alone.doc_ids)
+    documents = out.model_extra["documents"]
+    assert [d["id"] for d in documents] == list(alone.doc_ids)
     assert "Kenya-cap" in alone.doc_ids
+    kenya = next(d for d in documents if d["id"] == "Kenya-cap")
+    assert kenya["title"] == "Kenya" and kenya["text"] == "The capital of Kenya is Nairobi."
+    assert isinstance(kenya["score"], float)
     stream = client.chat.completions.create(
         model="ragserve/oneshot",
         messages=[{"role": "user", "content": question}],
@@ -190,7 +194,9 @@ def test_upsert_then_retrieve_then_delete(client: openai.OpenAI, url: str) -> No
     assert r.status_code == 200, r.text
     question = "Where is the Zorblax lantern festival held?"
     found = ask(client, question, topk=1).model_extra["documents"]
-    assert found == [{"id": "zorblax", "title": "Zorblax festival"}]
+    assert [(d["id"], d["title"], d["text"]) for d in found] == [
+        ("zorblax", "Zorblax festival", doc["text"])
+    ]
     assert httpx.delete(f"{url}/v1/documents/zorblax", timeout=60).status_code == 200
     after = ask(client, question, topk=3).model_extra["documents"]
     assert "zorblax" not in [d["id"] for d in after]

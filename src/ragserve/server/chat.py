@@ -30,9 +30,24 @@ router = APIRouter()
 
 
 def documents_of(response: Any) -> list[dict]:
+    """``[{"id", "title"}]`` of the retrieved documents, with ``text`` and ``score`` added when
+    the final state still holds the passage (``state["docs"]`` of the built-in workflows)."""
+    passages: dict[str, Any] = {}
+    for value in (response.state or {}).values():
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if getattr(item, "doc_id", None) is not None:
+                    passages.setdefault(item.doc_id, item)
     titles = list(response.titles or ())
     titles += [None] * (len(response.doc_ids) - len(titles))
-    return [{"id": d, "title": t} for d, t in zip(response.doc_ids, titles, strict=False)]
+    docs = []
+    for doc_id, title in zip(response.doc_ids, titles, strict=False):
+        doc = {"id": doc_id, "title": title}
+        passage = passages.get(doc_id)
+        if passage is not None:
+            doc.update(text=passage.text, score=getattr(passage, "score", None))
+        docs.append(doc)
+    return docs
 
 
 @router.post("/v1/chat/completions")
