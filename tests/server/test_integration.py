@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -122,6 +123,26 @@ def test_chat_and_streaming_chat_equal_server_run(client: openai.OpenAI, server)
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == alone.output
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_concurrent_chats_each_get_their_own_answer(url: str, server) -> None:
+    questions = [f"What is the capital of {country}?" for country, _ in FACTS[:MAX_INFLIGHT]]
+
+    def post(question: str) -> dict:
+        body = {
+            "model": "ragserve/hyde",
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 6,
+        }
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(post, questions))
+    graph = tune_graph(server.workflows["hyde"], max_tokens=6)
+    for question, answer in zip(questions, answers, strict=True):
+        alone = server.run(question, graph)
+        assert answer["choices"][0]["message"]["content"] == alone.output
+        assert [d["id"] for d in answer["documents"]] == list(alone.doc_ids)
 
 
 def test_completions_streaming_equals_non_streaming(client: openai.OpenAI, server) -> None:
