@@ -21,6 +21,7 @@ MALFORMED = [
     (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "max_tokens": 0}, "max_tokens"),
     (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "n": 2}, "n"),
     (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "topk": 0}, "topk"),
+    (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "stop": ["ok", ""]}, "stop"),
     (CHAT, {"model": "ragserve/oneshot", "messages": MSG, "tools": [{"x": 1}]}, "tools"),
     (
         CHAT,

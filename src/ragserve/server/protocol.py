@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 PositiveInt = Annotated[int, Field(ge=1)]
+StopStr = Annotated[StrictStr, Field(min_length=1)]
 
 
 class _Body(BaseModel):
@@ -67,7 +68,7 @@ class _Sampling(_Body):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     seed: int | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
+    stop: StopStr | Annotated[list[StopStr], Field(max_length=16)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     user: StrictStr | None = None
     logprobs: StrictBool | int | None = None
@@ -85,7 +86,12 @@ class _Sampling(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``; ``workflow``, ``topk`` and ``nprobe`` are extensions."""
+    """``POST /v1/chat/completions``; ``workflow``, ``topk`` and ``nprobe`` are extensions.
+
+    The workflow's question is the last user message (earlier turns are not used);
+    ``max_tokens``, ``temperature`` and ``stop`` apply to its answer nodes; ``top_p`` and
+    ``seed`` are accepted but workflow nodes do not take them.
+    """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: PositiveInt | None = None
