@@ -18,6 +18,8 @@ that only happens with duplicate vectors or duplicate PQ codes in one list.
 
 from __future__ import annotations
 
+import functools
+
 import faiss
 import numpy as np
 
@@ -109,10 +111,10 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
     dq = np.ascontiguousarray(plan.coarse_dists, dtype=np.float32)
     dist = np.empty((n, k), dtype=np.float32)
     ids = np.empty((n, k), dtype=np.int64)
-    params = faiss.SearchParametersIVF(nprobe=width)
+    params = _ivf_params(width)
     sp = faiss.swig_ptr
     index.search_preassigned_c(n, sp(q), k, sp(iq), sp(dq), sp(dist), sp(ids), False, params)
-    # NOTE: Faiss's heap already returns rows in the canonical order (see `_canonical`); only
+    # NOTE: Faiss's heap already returns rows in the canonical order (see `merge`); only
     # the fill value of missing slots is normalised, so a one-step search costs no sort.
     dist[ids < 0] = np.inf if index.metric_type == faiss.METRIC_L2 else -np.inf
     return TopK(ids, dist)
@@ -123,8 +125,17 @@ def merge(a: TopK | None, b: TopK, is_l2: bool) -> TopK:
     if a is None:
         return b
     k = a.ids.shape[1]
-    both = TopK(np.concatenate([a.ids, b.ids], 1), np.concatenate([a.scores, b.scores], 1))
-    return _canonical(both, is_l2, k)
+    ids = np.concatenate((a.ids, b.ids), 1)
+    scores = np.concatenate((a.scores, b.scores), 1)
+    # NOTE: missing slots hold the worst possible score (+inf for L2, -inf for IP), so they
+    # sort last without a separate key; this keeps a merge to a handful of NumPy calls.
+    # NOTE: Faiss's max-heap (L2) puts equal scores in ascending id order, its min-heap (IP) in
+    # descending id order; reproducing that keeps results identical to `index.search`.
+    if is_l2:
+        order = np.lexsort((ids, scores), axis=-1)[:, :k]
+    else:
+        order = np.lexsort((-ids, -scores), axis=-1)[:, :k]
+    return TopK(np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1))
 
 
 def search(
@@ -145,18 +156,10 @@ def empty_topk(n: int, k: int, is_l2: bool) -> TopK:
     return TopK(np.full((n, k), -1, np.int64), np.full((n, k), fill, np.float32))
 
 
-def _canonical(r: TopK, is_l2: bool, k: int) -> TopK:
-    """Sort each row by (missing last, better score first, then Faiss's id order); keep k."""
-    missing = r.ids < 0
-    primary = np.where(missing, np.inf, r.scores if is_l2 else -r.scores)
-    # NOTE: Faiss's max-heap (L2) puts equal scores in ascending id order, its min-heap (IP) in
-    # descending id order; reproducing that keeps results identical to `index.search`.
-    tie = np.where(missing, np.iinfo(np.int64).max, r.ids if is_l2 else -r.ids)
-    order = np.lexsort((tie, primary), axis=-1)[:, :k]
-    ids = np.take_along_axis(r.ids, order, 1)
-    scores = np.take_along_axis(r.scores, order, 1)
-    fill = np.float32(np.inf if is_l2 else -np.inf)
-    return TopK(ids, np.where(ids < 0, fill, scores).astype(np.float32, copy=False))
+@functools.lru_cache(maxsize=256)
+def _ivf_params(width: int) -> faiss.SearchParametersIVF:
+    """Read-only per-call search parameters, shared by concurrent scans of the same width."""
+    return faiss.SearchParametersIVF(nprobe=width)
 
 
 def _check_queries(index: faiss.Index, queries: np.ndarray) -> np.ndarray:
