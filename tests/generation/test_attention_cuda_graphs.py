@@ -102,7 +102,7 @@ def test_graph_replay_matches_eager_with_padding(tmp_path) -> None:
     with torch.inference_mode():
         eager_hidden = runner.model(ids, pos, runner.kv_caches, md, runner.backend)
     torch.testing.assert_close(graph_hidden, eager_hidden, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cache_graph, runner.kv_cache, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache_graph, runner.kv_cache, atol=1e-4, rtol=1e-4)
     # padding rows stored nothing: exactly the 5 new tokens' slots changed
     changed = (cache_graph != cache_before).any(-1).any(-1).any(0).any(0).sum()  # [blocks, slots]
     assert int(changed) == 5
