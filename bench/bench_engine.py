@@ -5,7 +5,7 @@ Measured side by side, with the ceilings measured in the same run (``gpu_peaks.p
 - decode step latency at batch 1/16/64/256 over 1k-token contexts (engine ``step()`` end to
   end, and the model forward alone, with and without CUDA graphs), next to the bound
   (weight bytes + KV bytes) / copy bandwidth;
-- prefill tokens/s for 1k-token prompts next to the bf16 matmul peak (FLOPs = 2 x non-embedding
+- prefill tokens/s for 1k-token prompts next to the bf16 matmul peak (FLOPs = 2 x decoder
   parameters per token + causal attention);
 - offline throughput (N requests, 1024 in / 128 out) against ``transformers`` on the same GPU
   with the same weights: ``generate_batch`` (its continuous batching) and plain ``generate``.
@@ -154,9 +154,12 @@ def kernel_profile(runner, ids, pos, md) -> dict:
 
 
 def flops_per_token(engine: LLMEngine, ctx: int) -> float:
+    """Prefill FLOPs per prompt token: 2 x the decoder's parameters (``lm_head`` runs on the
+    last token only, so it is left out) plus causal attention (QK^T and PV)."""
     cfg = engine.model_config
+    lm_head = cfg.vocab_size * cfg.hidden_size
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * (ctx + 1) / 2
-    return 2 * model_bytes(engine) / 2 + attn  # bf16: parameters = bytes / 2
+    return 2 * (model_bytes(engine) / 2 - lm_head) + attn  # bf16: parameters = bytes / 2
 
 
 def bench_prefill(engine: LLMEngine, n: int, length: int, peak: float) -> dict:
