@@ -20,3 +20,14 @@ def test_auto_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_backend("auto", "cuda") == "triton"
     monkeypatch.setattr(selector, "has_triton", lambda: False)
     assert resolve_backend("auto", "cuda") == "torch_ref"
+
+
+def test_split_kv_rule() -> None:
+    from ragserve.generation.attention.triton_backend import choose_num_splits
+
+    # batch 1 over 8 kv heads: 32 splits to fill the GPU, but a 1k context has only 16 tiles
+    assert choose_num_splits(1, 8, 1024, 64) == 16
+    assert choose_num_splits(1, 8, None, 64) == 32  # CUDA graphs: independent of the length
+    assert choose_num_splits(16, 8, None, 64) == 4
+    assert choose_num_splits(64, 8, 1024, 64) == 1
+    assert choose_num_splits(1, 8, 10, 64) == 1
