@@ -85,6 +85,10 @@ class BlockManager:
         are shared first and count as computed tokens.
         """
         table = seq.block_table
+        if not computed_blocks and seq.num_computed_tokens + num_new_tokens <= len(table) * (
+            self.block_size
+        ):
+            return True  # decode within the last block: the common case, nothing to do
         num_computed = max(seq.num_computed_tokens, len(computed_blocks) * self.block_size)
         total = num_computed + num_new_tokens
         num_new_blocks = -(-total // self.block_size) - len(table) - len(computed_blocks)
