@@ -13,7 +13,7 @@ import sys
 
 # NOTE: sub-command modules are imported only when the parser is built, and each module
 # imports its heavy dependencies (torch, faiss) inside its handler, so `ragserve --help` is fast.
-COMMANDS: tuple[str, ...] = ("index", "serve", "bench")
+COMMANDS: tuple[str, ...] = ("index", "serve", "ask", "demo", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

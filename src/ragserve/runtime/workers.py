@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import queue
 import traceback
 from dataclasses import dataclass, replace
@@ -70,6 +71,11 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
 
 
 def _drain(inbox: Any, block: bool) -> list[Any]:
+    """Queued messages (waiting up to 0.5 s for one when ``block``); ``[None]`` (shut down)
+    once the server process is gone, so a killed server leaves no orphan workers."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():
+        return [None]
     msgs = []
     try:
         msgs.append(inbox.get(timeout=0.5) if block else inbox.get_nowait())

@@ -1,0 +1,115 @@
+"""``ragserve demo``: the embedded default end to end.
+
+Builds (first run) or loads (later runs) SmolLM2-135M-Instruct, all-MiniLM-L6-v2 and the
+factbook index, then runs a handful of factbook questions through all five built-in workflows
+concurrently and prints the answers, the retrieved titles and a timing table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import statistics
+import sys
+import time
+from typing import Any
+
+from ragserve.cli.ask import add_server_args, make_server
+
+logger = logging.getLogger(__name__)
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "What currency is used in Kenya?",
+    "What languages are spoken in Peru?",
+    "What is the capital of Japan?",
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("demo", help="run factbook questions through all five workflows")
+    p.add_argument("--questions", type=int, default=3, help=f"how many (1-{len(QUESTIONS)})")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer length bound")
+    p.add_argument("--topk", type=int, default=2, help="passages per retrieval")
+    add_server_args(p)
+    # NOTE: a small context and KV pool keep the CPU engine fast on short RAG prompts.
+    p.set_defaults(func=handler, kv_cache_mb=192, max_model_len=2048)
+
+
+def demo_workflows(max_tokens: int, topk: int) -> dict[str, Any]:
+    """The five workflows with short generations (so the demo runs quickly on a CPU)."""
+    from ragserve.workflows import get_workflow
+
+    short = max(8, max_tokens // 2)
+    common = {"max_tokens": max_tokens, "topk": topk}
+    return {
+        "oneshot": get_workflow("oneshot", **common),
+        "hyde": get_workflow("hyde", hypo_tokens=short, **common),
+        "multistep": get_workflow("multistep", rounds=2, step_tokens=short, **common),
+        "irg": get_workflow("irg", rounds=2, **common),
+        "recomp": get_workflow("recomp", summary_tokens=short, **common),
+    }
+
+
+def handler(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    out = sys.stdout
+    out.write("ragserve demo: loading model, embedder and the factbook index ...\n")
+    out.flush()
+    with make_server(args) as server:
+        ready = time.perf_counter() - start
+        out.write(f"ready in {ready:.1f} s\n\n")
+        questions = QUESTIONS[: max(1, args.questions)]
+        workflows = demo_workflows(args.max_tokens, args.topk)
+        jobs = [(q, name) for q in questions for name in workflows]
+        t0 = time.perf_counter()
+        responses = asyncio.run(_run_all(server, jobs, workflows))
+        wall = time.perf_counter() - t0
+    failed = _print_answers(out, jobs, responses)
+    _print_timings(out, jobs, responses)
+    out.write(
+        f"\n{len(jobs)} requests ({len(questions)} questions x {len(workflows)} workflows) "
+        f"concurrently in {wall:.1f} s; total {time.perf_counter() - start:.1f} s\n"
+    )
+    return 1 if failed else 0
+
+
+async def _run_all(server: Any, jobs: list, workflows: dict) -> list:
+    return await asyncio.gather(*(server.submit(q, workflows[name]) for q, name in jobs))
+
+
+def _print_answers(out: Any, jobs: list, responses: list) -> int:
+    failed = 0
+    for (question, name), r in zip(jobs, responses, strict=True):
+        if name == next(iter(_names(jobs))):
+            out.write(f"Q: {question}\n")
+        answer = " ".join(r.output.split()) or "(empty)"
+        if r.error is not None:
+            failed += 1
+            answer = f"ERROR {r.error}"
+        titles = ", ".join(dict.fromkeys(t or d for d, t in zip(r.doc_ids, r.titles, strict=True)))
+        out.write(f"  {name:<10} {answer[:160]}\n  {'':<10} sources: {titles[:160]}\n")
+    return failed
+
+
+def _print_timings(out: Any, jobs: list, responses: list) -> None:
+    out.write("\nworkflow    requests  mean s   max s  retrieval s  generation s  nodes\n")
+    for name in _names(jobs):
+        rs = [r for (_, n), r in zip(jobs, responses, strict=True) if n == name]
+        lat = [r.latency for r in rs]
+        ret = [_kind_seconds(r, "retrieval") for r in rs]
+        gen = [_kind_seconds(r, "generation") for r in rs]
+        nodes = statistics.mean(len(r.node_timings) for r in rs)
+        out.write(
+            f"{name:<10} {len(rs):>9} {statistics.mean(lat):>7.2f} {max(lat):>7.2f} "
+            f"{statistics.mean(ret):>12.2f} {statistics.mean(gen):>13.2f} {nodes:>6.1f}\n"
+        )
+
+
+def _kind_seconds(r: Any, kind: str) -> float:
+    return sum(t.duration or 0.0 for t in r.node_timings if t.kind == kind)
+
+
+def _names(jobs: list) -> list[str]:
+    return list(dict.fromkeys(name for _, name in jobs))
