@@ -92,10 +92,11 @@ def load_index(directory: Path, *, embedder: Embedder | None = None) -> VectorIn
             if attempt + 1 == _LOAD_ATTEMPTS or read_manifest(directory) == manifest:
                 raise
             logger.info("index %s changed while loading; retrying", directory)
+            time.sleep(0.005 * (attempt + 1))
     raise AssertionError("unreachable")
 
 
-_LOAD_ATTEMPTS = 3
+_LOAD_ATTEMPTS = 20  # each retry needs a compaction to have finished since the last one
 
 
 def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | None):
