@@ -63,7 +63,17 @@ async def run_point(server, graphs: dict, names: list[str], questions: list[str]
     return list(await asyncio.gather(*(one(i) for i in range(len(questions)))))
 
 
-def bench_system(system: str, p: Preset, data: dict, args) -> list[dict]:
+@dataclasses.dataclass
+class Running:
+    """One system's live Server, its transforms and scheduler clock."""
+
+    system: str
+    server: object
+    transforms: tuple
+    clock: dict
+
+
+def start_system(system: str, p: Preset, data: dict, args) -> Running:
     from ragserve.runtime import Server, ServerConfig
 
     transforms = system_transforms(system, first_clusters=p.first_clusters)
@@ -74,29 +84,59 @@ def bench_system(system: str, p: Preset, data: dict, args) -> list[dict]:
         transforms=transforms,
         max_active_requests=4096,
     )
+    server = Server(data["model"], data["index"], config=config)
+    clock = _time_scheduler(server)
+    server.run(data["questions"][0], workflow_graphs(p)["oneshot"])  # warm-up (not measured)
+    return Running(system, server, transforms, clock)
+
+
+def measure(run: Running, p: Preset, data: dict, args, wf: str, rate: float) -> dict:
+    """One point: ``args.num_requests`` Poisson arrivals of workflow ``wf`` (or a mix)."""
+    n = args.num_requests
+    rng = np.random.default_rng(args.seed)
+    names = [wf] * n if wf != "mix" else list(rng.choice(WORKFLOWS, n))
+    qs = [data["questions"][j % len(data["questions"])] for j in range(n)]
+    before = _spec_counts(run.transforms), _overhead(run.transforms)
+    busy0 = run.clock["step"] - run.clock["poll"]
+    t0 = time.monotonic()
     graphs = workflow_graphs(p)
-    rows = []
-    with Server(data["model"], data["index"], config=config) as server:
-        clock = _time_scheduler(server)
-        server.run(data["questions"][0], graphs["oneshot"])  # warm-up (not measured)
-        for wf in args.workflows:
-            for rate in args.rates:
-                n = args.num_requests
-                rng = np.random.default_rng(args.seed)
-                names = [wf] * n if wf != "mix" else list(rng.choice(WORKFLOWS, n))
-                qs = [data["questions"][j % len(data["questions"])] for j in range(n)]
-                before = _spec_counts(transforms), _overhead(transforms)
-                busy0 = clock["step"] - clock["poll"]
-                t0 = time.monotonic()
-                responses = asyncio.run(run_point(server, graphs, names, qs, rate, args.seed))
-                row = summarize(responses, slo=p.slo, wall=time.monotonic() - t0)
-                row.update(system=system, workflow=wf, rate=rate, nprobe=data["nprobe"])
-                row.update(_deltas(transforms, before, responses))
-                nodes = max(sum(len(r.node_timings) for r in responses), 1)
-                busy = clock["step"] - clock["poll"] - busy0
-                row["scheduler_ms_per_node"] = 1e3 * busy / nodes
-                logger.info("%s", json.dumps(row))
-                rows.append(row)
+    responses = asyncio.run(run_point(run.server, graphs, names, qs, rate, args.seed))
+    row = summarize(responses, slo=p.slo, wall=time.monotonic() - t0)
+    row.update(system=run.system, workflow=wf, rate=rate, nprobe=data["nprobe"])
+    row.update(_deltas(run.transforms, before, responses))
+    nodes = max(sum(len(r.node_timings) for r in responses), 1)
+    busy = run.clock["step"] - run.clock["poll"] - busy0
+    row["scheduler_ms_per_node"] = 1e3 * busy / nodes
+    logger.info("%s", json.dumps(row))
+    return row
+
+
+def bench_all(p: Preset, data: dict, args) -> list[dict]:
+    """Every point for every system. With ``--interleave`` all systems' servers stay up and
+    each point runs the systems back to back in a rotating order, so background load on a
+    shared machine hits them alike; otherwise one system after another."""
+    rows: list[dict] = []
+    if not args.interleave:
+        for system in args.systems:
+            run = start_system(system, p, data, args)
+            try:
+                rows += [
+                    measure(run, p, data, args, w, r) for w in args.workflows for r in args.rates
+                ]
+            finally:
+                run.server.close()
+        return rows
+    runs = []
+    try:
+        for system in args.systems:
+            runs.append(start_system(system, p, data, args))
+        points = [(w, r) for w in args.workflows for r in args.rates]
+        for k, (wf, rate) in enumerate(points):
+            for run in runs[k % len(runs) :] + runs[: k % len(runs)]:
+                rows.append(measure(run, p, data, args, wf, rate))
+    finally:
+        for run in runs:
+            run.server.close()
     return rows
 
 
@@ -165,6 +205,12 @@ def build_parser(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--in-process", action="store_true", help="no worker processes (tests)")
+    ap.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep every system up and alternate them point by point (default)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/rag"))
     return ap
 
@@ -177,10 +223,7 @@ def run(args) -> int:
     args.num_requests = args.num_requests or p.num_requests
     args.out.mkdir(parents=True, exist_ok=True)
     data = prepare(p, args.dataset, args.out / "data", nprobe=args.nprobe)
-    rows = []
-    for system in args.systems:
-        logger.info("system %s", system)
-        rows.extend(bench_system(system, p, data, args))
+    rows = bench_all(p, data, args)
     meta = {
         "preset": dataclasses.asdict(p),
         "dataset": args.dataset,
@@ -189,6 +232,7 @@ def run(args) -> int:
         "host": platform.node(),
         "machine": platform.machine(),
         "argv": sys.argv,
+        "interleave": args.interleave,
     }
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     write_plots(rows, args.out)

@@ -59,3 +59,54 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def markdown(rows: list[dict], baseline: str = "sequential") -> str:
+    """Tables per workflow: each system's metrics per rate, and mean-latency ratios."""
+    lines = []
+    for wf in sorted({r["workflow"] for r in rows}):
+        sub = [r for r in rows if r["workflow"] == wf]
+        lines += [f"**{wf}** (nprobe {sub[0]['nprobe']})", ""]
+        lines += [
+            "| rate (req/s) | system | mean / p90 latency (s) | mean TTFT (s) | throughput "
+            "(req/s) | SLO met | spec. accuracy | sched. ms/node |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in sorted(sub, key=lambda r: (r["rate"], r["system"])):
+            acc = "" if r["spec_accuracy"] is None else f"{r['spec_accuracy']:.2f}"
+            lines.append(
+                f"| {r['rate']:g} | {r['system']} | {r['latency_mean_s']:.2f} / "
+                f"{r['latency_p90_s']:.2f} | {r['ttft_mean_s']:.2f} | "
+                f"{r['throughput_rps']:.2f} | {r['slo_attainment']:.0%} | {acc} | "
+                f"{r.get('scheduler_ms_per_node', float('nan')):.2f} |"
+            )
+        lines.append("")
+        lines += _ratios(sub, baseline)
+    return "\n".join(lines)
+
+
+def _ratios(sub: list[dict], baseline: str) -> list[str]:
+    by = {(r["system"], r["rate"]): r for r in sub}
+    systems = [s for s in dict.fromkeys(r["system"] for r in sub) if s != baseline]
+    rates = sorted({r["rate"] for r in sub})
+    out = [
+        f"Mean latency of `{baseline}` / mean latency of each system (higher = faster):",
+        "",
+        "| system | " + " | ".join(f"{x:g} req/s" for x in rates) + " |",
+        "| --- |" + " --- |" * len(rates),
+    ]
+    for s in systems:
+        cells = []
+        for x in rates:
+            a, b = by.get((baseline, x)), by.get((s, x))
+            ok = a and b and b["latency_mean_s"] > 0
+            cells.append(f"{a['latency_mean_s'] / b['latency_mean_s']:.2f}x" if ok else "-")
+        out.append(f"| {s} | " + " | ".join(cells) + " |")
+    return [*out, ""]
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())["rows"]))

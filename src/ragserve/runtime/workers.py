@@ -160,5 +160,5 @@ def _send_retrieval(conn: Any, writer: ShmWriter, runner: RetrievalRunner, tasks
         err = f"{type(exc).__name__}: {exc}"
         conn.send(("ret", [RetrievalResult(t.task_id, (), err) for t in tasks], None))
         return
-    ref: ShmRef | None = writer.write([ids, scores], timeout=1.0)
+    ref: ShmRef | None = writer.write([ids, scores], timeout=1.0) if ids.size else None
     conn.send(("ret", results, ref if ref is not None else [ids, scores]))
