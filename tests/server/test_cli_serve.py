@@ -91,9 +91,9 @@ def _exercise(proc: subprocess.Popen, url: str, tmp_path) -> None:
     requests = families["ragserve:requests"].samples
     assert any(s.labels == {"workflow": "oneshot", "status": "ok"} for s in requests)
     # NOTE: through the worker processes a token took 10-100 ms on this shared 2-core machine
-    # (load dependent): 40 tokens keep the stream in flight when SIGTERM lands and finish well
+    # (load dependent): 100 tokens keep the stream in flight when SIGTERM lands and finish well
     # within the drain timeout.
-    body = {"model": "tiny", "prompt": "Once", "max_tokens": 40, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 100, "ignore_eos": True}
     headers = {"Authorization": "Bearer k3y"}
     with httpx.stream(
         "POST",
