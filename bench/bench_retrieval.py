@@ -103,6 +103,8 @@ def overhead(index, q, nprobe: int, batch: int, repeats: int) -> dict:
         got = stepwise.search(index, q, K, nprobe, num_steps=steps)
         assert np.array_equal(got.ids, ref), f"step-wise ({steps} steps) differs from Faiss"
         fns[f"steps_{steps}"] = lambda s=steps: stepwise.search(index, q, K, nprobe, num_steps=s)
+    for steps in (4, 16):  # the same scans without merging: Faiss's own cost of slicing
+        fns[f"scans_only_{steps}"] = lambda s=steps: _scans_only(index, q, nprobe, s)
     t = median_times(fns, repeats)
     return {
         "nprobe": nprobe,
@@ -111,6 +113,12 @@ def overhead(index, q, nprobe: int, batch: int, repeats: int) -> dict:
         "overhead_cpu": {k: t[k]["cpu"] / t["faiss"]["cpu"] - 1.0 for k in t if k != "faiss"},
         "overhead_wall": {k: t[k]["wall"] / t["faiss"]["wall"] - 1.0 for k in t if k != "faiss"},
     }
+
+
+def _scans_only(index, q, nprobe: int, num_steps: int) -> None:
+    plan = stepwise.assign(index, q, nprobe)
+    for step in plan.split(num_steps):
+        stepwise.scan(index, q, step, K)
 
 
 def recall_curve(index, base, q, metric: str, nprobes) -> list[dict]:

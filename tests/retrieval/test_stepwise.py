@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ragserve.retrieval import stepwise
-from ragserve.retrieval.types import ProbePlan
+from ragserve.retrieval.types import ProbePlan, TopK
 
 DIM, NUM, NLIST, K = 16, 4000, 32, 10
 
@@ -134,3 +134,25 @@ def test_empty_step_and_bad_shapes(indexes, data):
         stepwise.assign(index, q[:, :3], 4)
     with pytest.raises(ValueError, match="unknown index kind"):
         stepwise.make_ivf(DIM, 4, "hnsw")
+
+
+@pytest.mark.parametrize("is_l2", [True, False])
+def test_merge_orders_cross_step_ties_like_faiss(is_l2):
+    rng = np.random.default_rng(1)
+    n, k = 200, 8
+
+    def canonical(ids, scores):  # reference order: score, then Faiss's id order
+        key = scores if is_l2 else -scores
+        order = np.lexsort((ids if is_l2 else -ids, key), axis=-1)
+        return np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1)
+
+    # integer-valued scores: many exact ties inside and across the two inputs
+    ids = rng.permutation(2 * n * k).reshape(n, 2 * k).astype(np.int64)
+    scores = rng.integers(0, 6, size=(n, 2 * k)).astype(np.float32)
+    a = TopK(*canonical(ids[:, :k], scores[:, :k]))
+    b = TopK(*canonical(ids[:, k:], scores[:, k:]))
+    ref_ids, ref_scores = canonical(ids, scores)
+    got = stepwise.merge(a, b, is_l2)
+    np.testing.assert_array_equal(got.ids, ref_ids[:, :k])
+    np.testing.assert_array_equal(got.scores, ref_scores[:, :k])
+    np.testing.assert_array_equal(stepwise.merge(b, a, is_l2).ids, got.ids)  # symmetric

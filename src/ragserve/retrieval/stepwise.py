@@ -121,20 +121,29 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
 
 
 def merge(a: TopK | None, b: TopK, is_l2: bool) -> TopK:
-    """Merge two partial results of the same queries and k (scores of disjoint clusters)."""
+    """Merge two partial results of the same queries and k (scores of disjoint clusters).
+
+    Both inputs are in canonical order (as `scan` and `merge` return them): better score
+    first, equal scores in Faiss's own id order (ascending for L2, descending for IP: the order
+    its max-/min-heaps give). The merge keeps that order, so any split, in any order, equals
+    `index.search`.
+    """
     if a is None:
         return b
     k = a.ids.shape[1]
     ids = np.concatenate((a.ids, b.ids), 1)
     scores = np.concatenate((a.scores, b.scores), 1)
-    # NOTE: missing slots hold the worst possible score (+inf for L2, -inf for IP), so they
-    # sort last without a separate key; this keeps a merge to a handful of NumPy calls.
-    # NOTE: Faiss's max-heap (L2) puts equal scores in ascending id order, its min-heap (IP) in
-    # descending id order; reproducing that keeps results identical to `index.search`.
-    if is_l2:
-        order = np.lexsort((ids, scores), axis=-1)[:, :k]
-    else:
-        order = np.lexsort((-ids, -scores), axis=-1)[:, :k]
+    # NOTE: missing slots hold the worst score (+inf for L2, -inf for IP) so they sort last.
+    # A stable sort on the score alone keeps each input's own tie order; only rows where an
+    # `a` entry and a `b` entry tie exactly (rare) need the id as a second key.
+    key = scores if is_l2 else -scores
+    order = np.argsort(key, axis=1, kind="stable")[:, : k + 1]
+    top = np.take_along_axis(key, order, 1)
+    ties = np.flatnonzero(((top[:, 1:] == top[:, :-1]) & np.isfinite(top[:, 1:])).any(1))
+    order = order[:, :k]
+    if len(ties):
+        tie_ids = ids[ties] if is_l2 else -ids[ties]
+        order[ties] = np.lexsort((tie_ids, key[ties]), axis=-1)[:, :k]
     return TopK(np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1))
 
 
