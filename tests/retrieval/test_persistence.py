@@ -144,3 +144,34 @@ def test_sigkill_during_upserts_loses_no_acknowledged_change(saved, seed):
     assert not [d for d in deleted if found[d] is not None], "acknowledged deletions lost"
     vi.check_integrity()
     vi.close()
+
+
+def test_loads_succeed_while_the_writer_compacts(saved, make_corpus):
+    writer = VectorIndex.load(saved)
+    writer.compact_every = 1  # a new snapshot + log truncation after every upsert
+    docs, x = make_corpus(40, prefix="c")
+    failures: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for i in range(len(docs)):
+                writer.add_documents(docs[i : i + 1], x[i : i + 1])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    import threading
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    counts = []
+    while thread.is_alive():
+        reader = VectorIndex.load(saved)  # may race a compaction: retried, never corrupt
+        counts.append(reader.num_documents)
+        reader.close()
+    thread.join()
+    assert not failures and counts
+    assert all(600 <= c <= 640 for c in counts)
+    final = VectorIndex.load(saved)
+    assert final.num_documents == 640
+    final.check_integrity()
+    writer.close()

@@ -31,6 +31,7 @@ from ragserve.retrieval.storage import (
     fsync_dir,
     read_manifest,
     remove_stale_files,
+    snapshot_lock,
     snapshot_name,
     verify_snapshot,
     write_manifest,
@@ -87,7 +88,8 @@ def load_index(directory: Path, *, embedder: Embedder | None = None) -> VectorIn
     for attempt in range(_LOAD_ATTEMPTS):
         manifest = read_manifest(directory)
         try:
-            return _load_once(directory, manifest, embedder)
+            with snapshot_lock(directory, exclusive=False):
+                return _load_once(directory, read_manifest(directory), embedder)
         except IndexCorruptError:
             if attempt + 1 == _LOAD_ATTEMPTS or read_manifest(directory) == manifest:
                 raise
@@ -151,9 +153,10 @@ def compact_index(vi: VectorIndex) -> None:
             data = faiss.serialize_index(vi._index)
         seq = vi._store.last_seq()
         generation = vi.generation + 1
-        manifest = _write_snapshot(vi, vi.directory, data, generation, seq)
-        remove_stale_files(vi.directory, manifest)
-        vi._store.truncate_log(seq)
+        with snapshot_lock(vi.directory, exclusive=True):  # loads see before or after, whole
+            manifest = _write_snapshot(vi, vi.directory, data, generation, seq)
+            remove_stale_files(vi.directory, manifest)
+            vi._store.truncate_log(seq)
         vi.generation, vi.applied_seq = generation, seq
     logger.info("compacted %s to generation %d (log seq %d)", vi.directory, generation, seq)
 

@@ -13,9 +13,12 @@ kill at any moment leaves a manifest whose snapshot exists and matches its check
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ FORMAT = "ragserve-ivf"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DOCSTORE = "docs.sqlite"
+SNAPSHOT_LOCK = "snapshot.lock"
 
 
 class IndexCorruptError(ValueError):
@@ -108,6 +112,22 @@ def verify_snapshot(directory: Path, manifest: dict[str, Any]) -> Path:
     if sha256_file(path) != manifest["snapshot_sha256"]:
         raise IndexCorruptError(path, "checksum mismatch (truncated or modified)")
     return path
+
+
+@contextmanager
+def snapshot_lock(directory: Path, *, exclusive: bool) -> Iterator[None]:
+    """`DIR/snapshot.lock` (flock): loads hold it shared, a compaction's swap of manifest,
+    snapshot and log holds it exclusive. A folder we cannot write to is not locked."""
+    try:
+        f = open(directory / SNAPSHOT_LOCK, "a")  # noqa: SIM115 - closed below
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        f.close()  # releases the lock
 
 
 def remove_stale_files(directory: Path, manifest: dict[str, Any]) -> None:
