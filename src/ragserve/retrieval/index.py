@@ -73,6 +73,7 @@ class VectorIndex:
         self.spec = spec
         self.directory = directory
         self._embedder = embedder
+        self._embedder_lock = threading.Lock()
         self._rw = RWLock()
         self._write_mutex = threading.RLock()
         self.applied_seq = 0  # last log seq contained in the snapshot on disk
@@ -255,7 +256,7 @@ class VectorIndex:
         if self._embedder is None:
             from ragserve.retrieval.embedder import load_embedder
 
-            with self._write_mutex:
+            with self._embedder_lock:
                 if self._embedder is None:
                     self._embedder = load_embedder(self.spec.embedder)
         return self._embedder
