@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import queue
 import traceback
 from dataclasses import dataclass, replace
@@ -57,6 +58,10 @@ def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
 
 def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> None:
     """Entry point of a worker process (``multiprocessing`` spawn)."""
+    # NOTE: the workers and the server share the CPU cores. OpenMP's default spin-waiting
+    # (torch, Faiss) then turns every small matmul into a ~30x slower busy wait; sleep
+    # instead. Set before torch/Faiss load; an explicit OMP_WAIT_POLICY wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.WARNING)
     try:
         runner = build_runner(spec)
