@@ -175,3 +175,38 @@ def test_loads_succeed_while_the_writer_compacts(saved, make_corpus):
     assert final.num_documents == 640
     final.check_integrity()
     writer.close()
+
+
+SAVER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from pathlib import Path
+    from ragserve.retrieval import Document, VectorIndex
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 8)).astype("float32")
+    docs = [Document(f"d{i}", "t") for i in range(300)]
+    for i in range(1000):
+        vi = VectorIndex.from_vectors(docs, x, embedder_name="synthetic", nlist=4)
+        vi.save(Path(sys.argv[1]) / f"idx{i}")
+        vi.close()
+        print("saved", i, flush=True)
+    """
+)
+
+
+@pytest.mark.integration
+def test_sigkill_during_save_never_leaves_a_half_index(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    for _ in range(3):
+        assert proc.stdout.readline().startswith("saved")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = [p for p in tmp_path.iterdir() if p.name.startswith("idx")]
+    assert len(saved) >= 3
+    for path in saved:  # every folder under its final name is a complete, loadable index
+        index = VectorIndex.load(path)
+        assert index.num_documents == 300
+        index.close()
