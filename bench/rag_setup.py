@@ -101,7 +101,13 @@ PRESETS: dict[str, Preset] = {
     ),
     "h200": Preset(
         model=LLAMA_31_8B,
-        engine={"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 256},
+        # NOTE: 16 GB weights + 20 GiB KV per server: three interleaved servers fit one H200
+        engine={
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "max_num_seqs": 256,
+            "kv_cache_bytes": 20 << 30,
+        },
         num_docs=5_000_000,
         dim=768,
         nlist=4096,
