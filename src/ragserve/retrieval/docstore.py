@@ -153,25 +153,26 @@ class DocStore:
         return ids, np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows])
 
     def get(self, keys: Sequence[int | str]) -> list[Document | None]:
-        """Documents by Faiss row id (int; negative → None) or by doc id (str)."""
-        out: list[Document | None] = []
-        for key in keys:
-            if isinstance(key, str):
-                rows = self._query(
-                    "SELECT doc_id, title, text, metadata FROM docs WHERE doc_id = ?", (key,)
-                )
-            elif int(key) < 0:
-                rows = []
-            else:
-                rows = self._query(
-                    "SELECT doc_id, title, text, metadata FROM docs WHERE row_id = ?", (int(key),)
-                )
-            out.append(
-                Document(rows[0][0], rows[0][2], rows[0][1], json.loads(rows[0][3]))
-                if rows
-                else None
+        """Documents by Faiss row id (int; negative → None) or by doc id (str); one query per
+        500 keys of each kind, results in the order of `keys`."""
+        by_row = self._fetch(
+            "row_id", sorted({int(k) for k in keys if not isinstance(k, str) and int(k) >= 0})
+        )
+        by_doc = self._fetch("doc_id", sorted({k for k in keys if isinstance(k, str)}))
+        return [by_doc.get(k) if isinstance(k, str) else by_row.get(int(k)) for k in keys]
+
+    def _fetch(self, column: str, keys: list) -> dict:
+        found = {}
+        for chunk in _chunks(keys, 500):
+            marks = ",".join("?" * len(chunk))
+            rows = self._query(
+                f"SELECT {column}, doc_id, title, text, metadata FROM docs "
+                f"WHERE {column} IN ({marks})",
+                chunk,
             )
-        return out
+            for key, doc_id, title, text, meta in rows:
+                found[key] = Document(doc_id, text, title, json.loads(meta))
+        return found
 
     def row_ids_of(self, doc_ids: Sequence[str]) -> list[int | None]:
         out = []

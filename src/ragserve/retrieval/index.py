@@ -186,11 +186,11 @@ class VectorIndex:
 
     def documents_of(self, result: TopK) -> list[list[ScoredDocument]]:
         """Resolve a `TopK` into documents, dropping missing slots and deleted documents."""
+        docs = iter(self._store.get([int(i) for i in result.ids.ravel()]))
         out = []
-        for ids, scores in zip(result.ids, result.scores, strict=False):
-            docs = self._store.get([int(i) for i in ids])
-            hits = zip(docs, scores, strict=True)
-            out.append([ScoredDocument(d, float(s)) for d, s in hits if d is not None])
+        for scores in result.scores:
+            hits = [(next(docs), float(s)) for s in scores]
+            out.append([ScoredDocument(d, s) for d, s in hits if d is not None])
         return out
 
     def _plan_for(self, queries: np.ndarray, cluster_ids: np.ndarray) -> ProbePlan:
