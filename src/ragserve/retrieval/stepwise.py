@@ -138,13 +138,14 @@ def merge(a: TopK | None, b: TopK, is_l2: bool) -> TopK:
     # `a` entry and a `b` entry tie exactly (rare) need the id as a second key.
     key = scores if is_l2 else -scores
     order = np.argsort(key, axis=1, kind="stable")[:, : k + 1]
-    top = np.take_along_axis(key, order, 1)
+    rows = np.arange(len(key))[:, None]
+    top = key[rows, order]
     ties = np.flatnonzero(((top[:, 1:] == top[:, :-1]) & np.isfinite(top[:, 1:])).any(1))
     order = order[:, :k]
     if len(ties):
         tie_ids = ids[ties] if is_l2 else -ids[ties]
         order[ties] = np.lexsort((tie_ids, key[ties]), axis=-1)[:, :k]
-    return TopK(np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1))
+    return TopK(ids[rows, order], scores[rows, order])
 
 
 def search(
