@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -49,6 +50,9 @@ def resolve_index(index: str) -> str:
 
 
 def make_server(args: argparse.Namespace) -> Any:
+    # NOTE: set before torch/Faiss load here (index build, in-process mode): OpenMP
+    # spin-waiting on a busy machine makes small CPU matmuls many times slower.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from ragserve.runtime import Server, ServerConfig
 
     engine: dict[str, Any] = {"device": args.device}
