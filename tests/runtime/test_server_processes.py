@@ -30,7 +30,6 @@ def _long_graph(max_tokens: int = 200) -> object:
     return g.add_edge(START, 0).add_edge(0, 1).add_edge(1, END).compile()
 
 
-@pytest.mark.slow
 def test_50_concurrent_mixed_requests_equal_each_alone(server: Server) -> None:
     names = sorted(BUILTIN_WORKFLOWS)
     jobs = [(f"What is the capital of country number {i}?", names[i % 5]) for i in range(50)]
@@ -70,8 +69,7 @@ def _kill_worker(server: Server, name: str) -> None:
     os.kill(server.executor.workers[name].proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("worker", ["gen", "ret"])
+@pytest.mark.parametrize("worker", ["gen", pytest.param("ret", marks=pytest.mark.slow)])
 def test_killed_worker_is_restarted_and_nothing_hangs(server: Server, worker: str) -> None:
     restarts = server.stats()["workers"][worker]["restarts"]
 

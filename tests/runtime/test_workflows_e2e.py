@@ -49,10 +49,12 @@ def test_builtin_workflow_end_to_end(server: Server, name: str) -> None:
     assert r.output == r.state["output"] and isinstance(r.output, str)
 
 
-def test_answer_equals_the_engine_on_the_rendered_prompt(server: Server) -> None:
+def test_answer_equals_the_engine_on_the_rendered_prompt(server: Server, tiny_model: str) -> None:
+    from ragserve.generation import LLMEngine
+
     r = server.run("What is the capital of Kenya?", small_workflow("oneshot"))
     assert "Kenya" in r.titles
-    engine = server.executor.generation.engine
+    engine = LLMEngine(tiny_model, device="cpu")  # a second engine: the server's is not ours
     prompt = small_workflow("oneshot").nodes[1].prompt.render(r.state)
     assert "[1] Kenya\nThe capital of Kenya is Nairobi." in prompt
     from ragserve.generation import SamplingParams
