@@ -90,3 +90,8 @@ def test_submit_stream_and_bad_prompts(server: Server) -> None:
     assert r.error is not None and r.error.startswith("node 0 failed:")
     with pytest.raises(KeyError, match="unknown workflow"):
         server.run("q", "nope")
+
+
+def test_worker_mode_needs_paths_not_live_objects(tiny_model: str) -> None:
+    with pytest.raises(TypeError, match="index must be a name or a path"):
+        Server(tiny_model, object())

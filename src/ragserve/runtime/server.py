@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 class Server:
     """Serve RAG workflows: ``model`` (HF folder or built-in name, or an ``LLMEngine`` in
-    process mode), ``index`` (a saved ``VectorIndex`` folder, or a ``VectorIndex`` in process
-    mode), ``embedder`` (name or path; default: the one the index was built with).
+    process mode), ``index`` (a saved ``VectorIndex`` folder, ``"factbook"`` for the built-in
+    one, or a ``VectorIndex`` in process mode), ``embedder`` (name or path; default: the one
+    the index was built with).
 
     Workers start in the constructor (spawned processes unless ``config.in_process``);
     ``close()`` stops them. Thread-safe; ``submit``/``stream``/``complete`` are coroutines.
@@ -289,6 +290,10 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
     from ragserve.runtime.executors import LocalExecutor, ProcessExecutor
     from ragserve.runtime.workers import WorkerSpec
 
+    if isinstance(index, str) and index == "factbook" and not Path(index).is_dir():
+        from ragserve.retrieval import builtin_index
+
+        index = builtin_index("factbook")
     if config.in_process:
         from ragserve.runtime.runners import GenerationRunner
         from ragserve.runtime.staged_retrieval import StagedRetrievalRunner as RetrievalRunner
@@ -311,6 +316,12 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         return LocalExecutor(
             GenerationRunner(engine), RetrievalRunner(vindex, emb, config.default_nprobe)
         )
+    for name, value in (("model", model), ("index", index), ("embedder", embedder)):
+        if value is not None and not isinstance(value, (str, Path)):
+            raise TypeError(
+                f"{name} must be a name or a path for worker processes, got "
+                f"{type(value).__name__}; pass ServerConfig(in_process=True) for live objects"
+            )
     gen = WorkerSpec("generation", model=str(model), engine_kwargs=config.engine_kwargs)
     ret = WorkerSpec(
         "retrieval",
