@@ -92,3 +92,27 @@ def test_killed_worker_is_restarted_and_nothing_hangs(server: Server, worker: st
     assert server.stats()["workers"][worker]["restarts"] == restarts + 1
     after = server.run("What is the capital of Chile?", small_workflow("oneshot"))
     assert after.error is None and "Chile" in after.titles
+
+
+@pytest.mark.slow
+def test_worker_that_cannot_restart_fails_requests_clearly(
+    tiny_model: str, small_index: str, tmp_path
+) -> None:
+    import shutil
+
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    config = ServerConfig(engine_kwargs={"device": "cpu"})
+    with Server(str(model), small_index, config=config) as s:
+        shutil.rmtree(model)  # the next start of the generation worker fails
+        _kill_worker(s, "gen")
+        errors = []
+        for _ in range(8):  # every request ends: with a restart error, then at once
+            r = s.run("What is the capital of Chile?", small_workflow("oneshot"))
+            errors.append(r.error)
+            if "cannot be restarted" in r.error:
+                break
+        assert all("generation worker" in e for e in errors)
+        assert "generation worker cannot be restarted (3 failed starts)" in errors[-1]
+        assert "is neither a folder nor a built-in name" in errors[-1]
+        assert s.stats()["workers"]["gen"]["broken"] is True
+        assert s.stats()["workers"]["ret"]["alive"] is True

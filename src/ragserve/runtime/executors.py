@@ -27,6 +27,8 @@ from ragserve.scheduler import (
 
 logger = logging.getLogger(__name__)
 
+MAX_FAILED_STARTS = 3  # a worker that dies this many times before 'ready' is given up
+
 
 class LocalExecutor(BaseExecutor):
     """Engine and index in this process: ``poll`` runs one engine step and the pending search."""
@@ -76,6 +78,9 @@ class WorkerHandle:
         self.in_flight: set[str] = set()
         self.pending: collections.deque = collections.deque()  # messages waiting for room
         self.num_restarts = 0
+        self.num_failed_starts = 0  # consecutive restarts that died before 'ready'
+        self.last_error = ""
+        self.broken: str | None = None  # set when the worker cannot be started any more
         self.engine_stats: dict[str, Any] = {}
         self._start()
 
@@ -162,6 +167,7 @@ class ProcessExecutor(BaseExecutor):
         self.workers = {"gen": WorkerHandle(gen_spec, config, ctx)}
         self.workers["ret"] = WorkerHandle(ret_spec, config, ctx)
         self._replies: dict[int, Future] = {}
+        self._errors: list[Update] = []
         self._tokens = itertools.count()
         try:
             for w in self.workers.values():
@@ -171,12 +177,18 @@ class ProcessExecutor(BaseExecutor):
             raise
 
     def submit_generation(self, tasks: list[GenerationTask]) -> None:
-        self.workers["gen"].in_flight.update(t.task_id for t in tasks)
-        self.workers["gen"].send(("gen", tasks))
+        self._submit(self.workers["gen"], ("gen", tasks))
 
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
-        self.workers["ret"].in_flight.update(t.task_id for t in tasks)
-        self.workers["ret"].send(("ret", tasks))
+        self._submit(self.workers["ret"], ("ret", tasks))
+
+    def _submit(self, worker: WorkerHandle, msg: tuple) -> None:
+        ids = [t.task_id for t in msg[1]]
+        if worker.broken is not None:
+            self._errors.extend(self._failed(worker, ids, worker.broken))
+            return
+        worker.in_flight.update(ids)
+        worker.send(msg)
 
     def abort(self, task_ids: list[str]) -> None:
         gen = self.workers["gen"]
@@ -187,21 +199,26 @@ class ProcessExecutor(BaseExecutor):
         """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe)."""
         token = next(self._tokens)
         fut: Future = Future()
+        if self.workers["ret"].broken is not None:
+            fut.set_exception(RuntimeError(self.workers["ret"].broken))
+            return fut
         self._replies[token] = fut
         self.workers["ret"].inbox.put(("call", token, name, args))
         return fut
 
     def poll(self, timeout: float) -> list[Update]:
-        for w in self.workers.values():
+        live = [w for w in self.workers.values() if w.broken is None]
+        for w in live:
             w.flush()
-        handles = {w.conn: w for w in self.workers.values()}
-        handles.update({w.proc.sentinel: w for w in self.workers.values()})
-        updates: list[Update] = []
-        for ready in wait(list(handles), timeout):
+        handles = {w.conn: w for w in live}
+        handles.update({w.proc.sentinel: w for w in live})
+        updates: list[Update] = list(self._errors)
+        self._errors.clear()
+        for ready in wait(list(handles), 0.0 if updates else timeout):
             worker = handles[ready]
             if ready is worker.conn:
                 updates.extend(self._receive(worker))
-        for worker in self.workers.values():
+        for worker in live:
             if not worker.proc.is_alive():
                 updates.extend(self._receive(worker))
                 updates.extend(self._on_death(worker))
@@ -220,6 +237,7 @@ class ProcessExecutor(BaseExecutor):
         kind = msg[0]
         if kind == "ready":
             worker.ready = True
+            worker.num_failed_starts = 0
             worker.flush()
             return []
         if kind == "stats":
@@ -227,6 +245,7 @@ class ProcessExecutor(BaseExecutor):
             return []
         if kind == "fatal":
             logger.error("%s worker failed to restart:\n%s", worker.spec.kind, msg[1])
+            worker.last_error = msg[1].strip().splitlines()[-1]
             return []
         if kind == "reply":
             fut = self._replies.pop(msg[1], None)
@@ -244,16 +263,29 @@ class ProcessExecutor(BaseExecutor):
         return updates
 
     def _on_death(self, worker: WorkerHandle) -> list[Update]:
-        reason = worker.restart()
+        worker.num_failed_starts = 0 if worker.ready else worker.num_failed_starts + 1
+        if worker.num_failed_starts >= MAX_FAILED_STARTS:
+            worker.broken = (
+                f"{worker.spec.kind} worker cannot be restarted "
+                f"({worker.num_failed_starts} failed starts): {worker.last_error}"
+            )
+            logger.error("%s", worker.broken)
+            worker.close(join_timeout=1.0)
+            reason = worker.broken
+        else:
+            reason = worker.restart()
         lost, worker.in_flight = worker.in_flight, set()
         worker.pending.clear()  # their tasks are all in ``lost``
         if worker is self.workers["ret"]:
             for fut in self._replies.values():
                 fut.set_exception(RuntimeError(reason))
             self._replies.clear()
+        return self._failed(worker, lost, reason)
+
+    def _failed(self, worker: WorkerHandle, task_ids: Any, reason: str) -> list[Update]:
         if worker is self.workers["gen"]:
-            return [GenerationUpdate(t, "", (), True, "error", error=reason) for t in lost]
-        return [RetrievalResult(t, (), reason) for t in lost]
+            return [GenerationUpdate(t, "", (), True, "error", error=reason) for t in task_ids]
+        return [RetrievalResult(t, (), reason) for t in task_ids]
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self.workers["gen"].engine_stats)
@@ -265,6 +297,7 @@ class ProcessExecutor(BaseExecutor):
                 "pending": len(w.pending),
                 "restarts": w.num_restarts,
                 "alive": w.proc.is_alive(),
+                "broken": w.broken is not None,
             }
             for name, w in self.workers.items()
         }
