@@ -86,6 +86,8 @@ def test_killed_worker_is_restarted_and_nothing_hangs(server: Server, worker: st
 
     results = asyncio.run(go())
     errors = [r.error for r in results if r.error is not None]
+    assert [r.error_kind for r in results if r.error is not None] == ["worker_died"] * len(errors)
+    assert all(r.error_kind is None for r in results if r.error is None)
     if worker == "gen":  # every request was generating or queued for generation
         assert errors and all("generation worker died (exit code -9)" in e for e in errors)
     assert all("worker died" in e for e in errors)
@@ -112,6 +114,7 @@ def test_worker_that_cannot_restart_fails_requests_clearly(
             if "cannot be restarted" in r.error:
                 break
         assert all("generation worker" in e for e in errors)
+        assert r.error_kind == "worker_died"
         assert "generation worker cannot be restarted (3 failed starts)" in errors[-1]
         assert "is neither a folder nor a built-in name" in errors[-1]
         assert s.stats()["workers"]["gen"]["broken"] is True

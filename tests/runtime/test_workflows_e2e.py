@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ragserve.graph import END, START, RAGraph
-from ragserve.runtime import Server, ServerConfig
+from ragserve.runtime import RequestError, Server, ServerConfig
 from ragserve.workflows import BUILTIN_WORKFLOWS, get_workflow
 
 SMALL = {"max_tokens": 6}
@@ -85,9 +85,18 @@ def test_submit_stream_and_bad_prompts(server: Server) -> None:
     alone = server.run("Capital of Peru?", graph)
     assert "".join(deltas) == alone.output
     assert [r.error for r in many] == [None] * 3
+    assert [r.error_kind for r in many] == [None] * 3
     too_long = RAGraph().add_generation(0, prompt="{input}").add_edge(START, 0).add_edge(0, END)
     r = server.run("word " * 50_000, too_long)
     assert r.error is not None and r.error.startswith("node 0 failed:")
+    assert r.error_kind == "bad_request"
+
+    async def stream_too_long():
+        return [d async for d in server.stream("word " * 50_000, too_long)]
+
+    with pytest.raises(RequestError, match="node 0 failed") as info:
+        asyncio.run(stream_too_long())
+    assert info.value.kind == "bad_request" and info.value.response.error == info.value.args[0]
     with pytest.raises(KeyError, match="unknown workflow"):
         server.run("q", "nope")
 

@@ -23,6 +23,7 @@ class FakeResponse:
     titles: list[str | None]
     timings: dict
     error: Any = None
+    error_kind: str | None = None
 
 
 @dataclass
@@ -53,7 +54,8 @@ class FakeBackend:
         self.docs: dict[str, Any] = {}
         self.closed = False
         self.questions: list[tuple[str, Any]] = []
-        self.fail_with: Exception | None = None
+        self.fail_with: Exception | None = None  # raised by submit/stream/complete
+        self.fail_response: tuple[str, str] | None = None  # (error, error_kind) of submit
 
     async def _wait_gate(self, request_id: str) -> None:
         self.running.add(request_id)
@@ -66,8 +68,16 @@ class FakeBackend:
         self.questions.append((question, graph))
         if self.fail_with is not None:
             raise self.fail_with
+        error, kind = self.fail_response or (None, None)
         return FakeResponse(
-            request_id, answer_for(question), {}, ["d1", "d2"], ["Doc one", None], {0: 0.002}
+            request_id,
+            answer_for(question),
+            {},
+            ["d1", "d2"],
+            ["Doc one", None],
+            {0: 0.002},
+            error=error,
+            error_kind=kind,
         )
 
     async def stream(self, question, graph, *, request_id=None):

@@ -167,6 +167,31 @@ def test_backend_errors_map_to_status(url: str, backend: FakeBackend) -> None:
         backend.fail_with = None
 
 
+@pytest.mark.parametrize(
+    ("kind", "status", "code"),
+    [
+        ("bad_request", 400, "invalid_request"),
+        ("worker_died", 503, "worker_died"),
+        ("internal", 500, "internal_error"),
+        ("aborted", 499, "aborted"),
+    ],
+)
+def test_response_error_kind_sets_status(
+    url: str, backend: FakeBackend, kind: str, status: int, code: str
+) -> None:
+    # the message is the same for every kind (and once matched as "bad input"): only the kind
+    # decides the status
+    message = "node 0 failed: 600 tokens but the context holds 512"
+    body = {"model": "ragserve/oneshot", "messages": [{"role": "user", "content": "x"}]}
+    backend.fail_response = (message, kind)
+    try:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    finally:
+        backend.fail_response = None
+    assert r.status_code == status
+    assert r.json()["error"]["code"] == code and r.json()["error"]["message"] == message
+
+
 @pytest.mark.parametrize(("path", "body", "mentions"), MALFORMED)
 def test_malformed_body_is_400(url: str, path: str, body, mentions: str) -> None:
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}

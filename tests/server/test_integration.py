@@ -183,6 +183,10 @@ def test_malformed_body_is_400(url: str, path: str, body, mentions: str) -> None
 def test_prompt_past_the_context_is_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model="tiny", prompt="word " * 2000, max_tokens=4)
+    # a chat answer node whose rendered prompt is too long: the runtime's error_kind decides
+    with pytest.raises(openai.BadRequestError, match="context") as info:
+        ask(client, "word " * 2000)
+    assert info.value.code == "invalid_request"
 
 
 def test_metrics_move(client: openai.OpenAI, url: str) -> None:

@@ -3,6 +3,6 @@ and the shared-memory data plane."""
 
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.server import Server
-from ragserve.scheduler.request import NodeTiming, Response
+from ragserve.scheduler.request import ErrorKind, NodeTiming, RequestError, Response
 
-__all__ = ["NodeTiming", "Response", "Server", "ServerConfig"]
+__all__ = ["ErrorKind", "NodeTiming", "RequestError", "Response", "Server", "ServerConfig"]

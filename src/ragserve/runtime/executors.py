@@ -283,9 +283,13 @@ class ProcessExecutor(BaseExecutor):
         return self._failed(worker, lost, reason)
 
     def _failed(self, worker: WorkerHandle, task_ids: Any, reason: str) -> list[Update]:
+        kind = "worker_died"
         if worker is self.workers["gen"]:
-            return [GenerationUpdate(t, "", (), True, "error", error=reason) for t in task_ids]
-        return [RetrievalResult(t, (), reason) for t in task_ids]
+            return [
+                GenerationUpdate(t, "", (), True, "error", error=reason, error_kind=kind)
+                for t in task_ids
+            ]
+        return [RetrievalResult(t, (), reason, error_kind=kind) for t in task_ids]
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self.workers["gen"].engine_stats)

@@ -43,7 +43,11 @@ class GenerationRunner:
                     prompt = list(prompt)
                 self.engine.add_request(t.task_id, prompt, self._params_cls(**asdict(t.params)))
             except (ValueError, TypeError) as exc:
-                errors.append(GenerationUpdate(t.task_id, "", (), True, "error", error=str(exc)))
+                errors.append(
+                    GenerationUpdate(
+                        t.task_id, "", (), True, "error", error=str(exc), error_kind="bad_request"
+                    )
+                )
                 continue
             self._sent[t.task_id] = (0, 0)
             self._holdback[t.task_id] = max((len(s) for s in t.params.stop), default=1) - 1

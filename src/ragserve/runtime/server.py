@@ -21,6 +21,7 @@ from typing import Any
 from ragserve.graph import CompiledGraph, RAGraph, State
 from ragserve.runtime.config import ServerConfig
 from ragserve.scheduler import GenerationParams, RequestState, Response, Scheduler
+from ragserve.scheduler.request import RequestError
 from ragserve.workflows import BUILTIN_WORKFLOWS, get_workflow
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ class Server:
     ) -> AsyncIterator[str]:
         """Yield text deltas of the answer (generation nodes writing ``"output"``).
 
-        A failed request raises ``RuntimeError`` with its error after the deltas it produced.
+        A failed request raises ``RequestError`` (a ``RuntimeError``; ``.kind``, ``.response``)
+        after the deltas it produced.
         Closing the iterator early aborts the request.
         """
         loop = asyncio.get_running_loop()
@@ -103,7 +105,7 @@ class Server:
                 if isinstance(item, Response):
                     finished = True
                     if item.error is not None:
-                        raise RuntimeError(item.error)
+                        raise RequestError(item)
                     return
                 yield item
         finally:
@@ -114,7 +116,8 @@ class Server:
         self, prompt: str | list[int], params: Any, *, request_id: str | None = None
     ) -> AsyncIterator[Any]:
         """Plain LLM completion (no retrieval, no chat template): yields ``RequestOutput``s
-        with cumulative ``token_ids``/``text``; the last one has ``finished=True``."""
+        with cumulative ``token_ids``/``text``; the last one has ``finished=True``. A failed
+        request raises ``RequestError``."""
         from ragserve.generation import RequestMetrics
 
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -142,7 +145,7 @@ class Server:
                 if isinstance(item, Response):
                     finished = True
                     if item.error is not None:
-                        raise RuntimeError(item.error)
+                        raise RequestError(item)
                     return
                 prompt_ids = item.prompt_token_ids or prompt_ids
                 token_ids.extend(item.new_token_ids)

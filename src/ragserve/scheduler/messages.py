@@ -69,6 +69,7 @@ class GenerationUpdate:
     prompt_token_ids: tuple[int, ...] | None = None  # sent with the first update only
     final_text: str | None = None  # the whole text (stop strings cut), with the last update
     error: str | None = None
+    error_kind: str | None = None  # an ``ErrorKind`` with ``error`` (None: "internal")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class RetrievalResult:
     task_id: str
     passages: tuple[Passage, ...] = ()
     error: str | None = None
+    error_kind: str | None = None  # an ``ErrorKind`` with ``error`` (None: "internal")
 
 
 @dataclass

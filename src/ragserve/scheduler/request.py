@@ -5,10 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ragserve.graph import CompiledGraph, Passage, State
 from ragserve.scheduler.messages import GenerationParams, GenerationUpdate
+
+ErrorKind = Literal["bad_request", "worker_died", "internal", "aborted"]
+"""Why a request failed, machine-readable: ``bad_request`` (the engine rejected its input:
+prompt past the context, empty prompt, bad token ids; or a duplicate request id),
+``worker_died`` (a worker process died or cannot start), ``aborted`` (``Server.abort``),
+``internal`` (anything else: a router raised, a retrieval failed, too many node runs)."""
+ERROR_KINDS: tuple[str, ...] = ("bad_request", "worker_died", "internal", "aborted")
 
 
 @dataclass
@@ -23,6 +30,7 @@ class NodeTiming:
     finished_at: float | None = None
     num_tokens: int = 0
     is_answer: bool = False
+    num_prompt_tokens: int = 0  # generation: the prompt's tokens (chat template applied)
 
     @property
     def duration(self) -> float | None:
@@ -35,7 +43,8 @@ class NodeTiming:
 class Response:
     """The result of one request: the answer, the final state, what was retrieved, timings.
 
-    ``error`` is ``None`` on success; otherwise a message and ``output`` may be partial.
+    ``error`` is ``None`` on success; otherwise a message and ``output`` may be partial, and
+    ``error_kind`` says why (an ``ErrorKind``; ``None`` on success).
     """
 
     request_id: str
@@ -48,6 +57,7 @@ class Response:
     node_timings: tuple[NodeTiming, ...] = ()  # every node run, in order
     arrival_time: float = 0.0
     finish_time: float = 0.0
+    error_kind: ErrorKind | None = None
 
     @property
     def latency(self) -> float:
@@ -83,6 +93,7 @@ class RequestState:
     partial_text: str = ""  # the running generation's text so far
     num_node_runs: int = 0
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
     @property
     def is_dispatched(self) -> bool:
@@ -100,7 +111,18 @@ class RequestState:
             node_timings=tuple(self.timings),
             arrival_time=self.arrival_time,
             finish_time=time.monotonic(),
+            error_kind=self.error_kind,
         )
+
+
+class RequestError(RuntimeError):
+    """A failed request, raised by ``Server.stream`` / ``Server.complete``: the message is
+    ``Response.error``, ``kind`` its ``ErrorKind``, ``response`` the final ``Response``."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.error)
+        self.response = response
+        self.kind: ErrorKind = response.error_kind or "internal"
 
 
 def _summed(timings: list[NodeTiming]) -> dict:

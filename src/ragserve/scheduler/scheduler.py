@@ -112,12 +112,13 @@ class Scheduler:
             idle = False
             if kind == "add" and item.request_id in self._active:
                 item.error = f"duplicate request id {item.request_id!r}"
+                item.error_kind = "bad_request"
                 item.on_done(item.response())
             elif kind == "add":
                 self._active[item.request_id] = item
                 self._advance(item, START)
             elif item in self._active:
-                self._finish(self._active[item], "aborted")
+                self._finish(self._active[item], "aborted", "aborted")
 
     def _has_ready(self) -> bool:
         return any(not r.is_dispatched for r in self._active.values())
@@ -161,7 +162,8 @@ class Scheduler:
         now = time.monotonic()
         if update.error is not None:
             del self._by_task[update.task_id]
-            self._finish(req, f"node {req.node_id!r} failed: {update.error}")
+            kind = getattr(update, "error_kind", None) or "internal"
+            self._finish(req, f"node {req.node_id!r} failed: {update.error}", kind)
             return
         node = req.graph.nodes[req.node_id]
         if isinstance(update, GenerationUpdate):
@@ -208,13 +210,15 @@ class Scheduler:
         is_answer = isinstance(node, GenerationNode) and node.output == "output"
         req.timings.append(NodeTiming(nxt, node.kind, time.monotonic(), is_answer=is_answer))
 
-    def _finish(self, req: RequestState, error: str | None) -> None:
+    def _finish(self, req: RequestState, error: str | None, kind: str = "internal") -> None:
+        """End ``req``; a failure (``error`` set) is of ``kind``, an ``ErrorKind``."""
         if req.task_id is not None:
             self._by_task.pop(req.task_id, None)
             if isinstance(req.graph.nodes[req.node_id], GenerationNode):
                 self.executor.abort([req.task_id])
             req.task_id = None
         req.error = error
+        req.error_kind = None if error is None else kind  # type: ignore[assignment]
         del self._active[req.request_id]
         if error is not None:
             logger.debug("request %s failed: %s", req.request_id, error)

@@ -20,6 +20,7 @@ class ResponseLike(Protocol):
     titles: Sequence[str | None]
     timings: Mapping[str, Any]
     error: Any
+    error_kind: str | None  # "bad_request" | "worker_died" | "internal" | "aborted" | None
 
 
 class ServerBackend(Protocol):

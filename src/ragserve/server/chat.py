@@ -19,6 +19,7 @@ from ragserve.server.context import (
     Job,
     backend_error,
     get_context,
+    response_error,
     sse,
     sse_error,
     until_disconnect,
@@ -75,7 +76,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             ctx.config.disconnect_poll_s,
         )
         if response.error is not None:
-            raise backend_error(_as_exception(response.error))
+            raise response_error(response)
         status = "ok"
     except ClientDisconnected:
         status = "aborted"
@@ -101,10 +102,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         "workflow": name,
         "documents": documents_of(response),
     }
-
-
-def _as_exception(error: Any) -> BaseException:
-    return error if isinstance(error, BaseException) else RuntimeError(str(error))
 
 
 async def _events(job: Job, question: str, graph: Any, status: dict[str, str]):

@@ -109,20 +109,39 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float) 
             task.cancel()
 
 
-# NOTE: the runtime reports a request's failure as a string (``Response.error``), so the
-# engine's bad-input rejections (``PromptTooLongError`` and other ``ValueError``s of
-# ``add_request``) are recognised by their messages to answer 400 rather than 500.
-BAD_INPUT_MARKERS = ("but the context holds", ": empty prompt", ": token id outside")
+# ``Response.error_kind`` (or ``RequestError.kind``) -> (HTTP status, error code)
+KIND_STATUS: dict[str, tuple[int, str]] = {
+    "bad_request": (400, "invalid_request"),
+    "worker_died": (503, "worker_died"),
+    "aborted": (499, "aborted"),
+    "internal": (500, "internal_error"),
+}
+
+
+def error_for_kind(kind: str | None, message: str) -> APIError:
+    """The HTTP error for a failed request of ``kind`` (an ``ErrorKind``; unknown: 500)."""
+    status, code = KIND_STATUS.get(kind or "internal", KIND_STATUS["internal"])
+    if status >= 500:
+        logger.error("request failed in the backend (%s): %s", kind, message)
+    return APIError(status, message, code=code)
+
+
+def response_error(response: Any) -> APIError:
+    """The HTTP error of a ``Response`` whose ``error`` is set, by its ``error_kind``."""
+    return error_for_kind(getattr(response, "error_kind", None), str(response.error))
 
 
 def backend_error(exc: BaseException) -> APIError:
-    """A backend failure as an HTTP error: bad input (``ValueError``) is 400, the rest 500."""
+    """A backend failure as an HTTP error: by the exception's ``kind`` (``RequestError``),
+    else a ``ValueError`` is 400 (bad input) and anything else 500."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ValueError) or any(m in str(exc) for m in BAD_INPUT_MARKERS):
-        return APIError(400, str(exc), code="invalid_request")
-    logger.error("request failed in the backend: %s: %s", type(exc).__name__, exc)
-    return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
+    kind = getattr(exc, "kind", None)
+    if kind in KIND_STATUS:
+        return error_for_kind(kind, str(exc))
+    if isinstance(exc, ValueError):
+        return error_for_kind("bad_request", str(exc))
+    return error_for_kind("internal", f"{type(exc).__name__}: {exc}")
 
 
 def sse(payload: dict | str) -> str:

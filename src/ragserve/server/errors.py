@@ -24,6 +24,7 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    499: "request_aborted",
     500: "internal_server_error",
     503: "service_unavailable",
 }
