@@ -76,14 +76,20 @@ def test_conditional_loop_terminates_on_state(server: Server) -> None:
 def test_submit_stream_and_bad_prompts(server: Server) -> None:
     graph = small_workflow("hyde")
 
+    final: list = []
+
     async def go():
-        deltas = [d async for d in server.stream("Capital of Peru?", graph)]
+        deltas = [
+            d async for d in server.stream("Capital of Peru?", graph, on_response=final.append)
+        ]
         many = await asyncio.gather(*(server.submit(f"Capital of {c}?", graph) for c in "ABC"))
         return deltas, many
 
     deltas, many = asyncio.run(go())
     alone = server.run("Capital of Peru?", graph)
     assert "".join(deltas) == alone.output
+    assert len(final) == 1 and final[0].output == alone.output and final[0].error is None
+    assert final[0].doc_ids == alone.doc_ids and len(final[0].titles) == len(alone.doc_ids) > 0
     assert [r.error for r in many] == [None] * 3
     assert [r.error_kind for r in many] == [None] * 3
     too_long = RAGraph().add_generation(0, prompt="{input}").add_edge(START, 0).add_edge(0, END)
@@ -92,11 +98,14 @@ def test_submit_stream_and_bad_prompts(server: Server) -> None:
     assert r.error_kind == "bad_request"
 
     async def stream_too_long():
-        return [d async for d in server.stream("word " * 50_000, too_long)]
+        return [
+            d async for d in server.stream("word " * 50_000, too_long, on_response=final.append)
+        ]
 
     with pytest.raises(RequestError, match="node 0 failed") as info:
         asyncio.run(stream_too_long())
     assert info.value.kind == "bad_request" and info.value.response.error == info.value.args[0]
+    assert final[-1] is info.value.response  # handed over before the error is raised
     with pytest.raises(KeyError, match="unknown workflow"):
         server.run("q", "nope")
 

@@ -68,6 +68,9 @@ class FakeBackend:
         self.questions.append((question, graph))
         if self.fail_with is not None:
             raise self.fail_with
+        return self._response(question, request_id)
+
+    def _response(self, question: str, request_id: str) -> FakeResponse:
         error, kind = self.fail_response or (None, None)
         return FakeResponse(
             request_id,
@@ -80,13 +83,15 @@ class FakeBackend:
             error_kind=kind,
         )
 
-    async def stream(self, question, graph, *, request_id=None):
+    async def stream(self, question, graph, *, request_id=None, on_response=None):
         await self._wait_gate(request_id)
         try:
             self.questions.append((question, graph))
             for i, word in enumerate(answer_for(question).split(" ")):
                 yield word if i == 0 else " " + word
                 await asyncio.sleep(0)
+            if on_response is not None:
+                on_response(self._response(question, request_id))
         finally:
             self.running.discard(request_id)
 

@@ -113,6 +113,12 @@ def test_streaming_chat(client: openai.OpenAI) -> None:
     assert text == answer_for("hi")
     assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
     assert len({c.id for c in chunks}) == 1
+    # the documents ride on the last chunk (the one with finish_reason), as in chat.completion
+    assert chunks[-1].model_extra["documents"] == [
+        {"id": "d1", "title": "Doc one"},
+        {"id": "d2", "title": None},
+    ]
+    assert all("documents" not in c.model_extra for c in chunks[:-1])
 
 
 def test_stream_ends_with_done(url: str) -> None:

@@ -123,6 +123,7 @@ def test_chat_and_streaming_chat_equal_server_run(client: openai.OpenAI, server)
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == alone.output
     assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].model_extra["documents"] == documents  # same passages, same scores
 
 
 def test_concurrent_chats_each_get_their_own_answer(url: str, server) -> None:

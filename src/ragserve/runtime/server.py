@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +83,19 @@ class Server:
         return await fut
 
     async def stream(
-        self, question: str, graph: Any = "oneshot", *, request_id: str | None = None
+        self,
+        question: str,
+        graph: Any = "oneshot",
+        *,
+        request_id: str | None = None,
+        on_response: Callable[[Response], Any] | None = None,
     ) -> AsyncIterator[str]:
         """Yield text deltas of the answer (generation nodes writing ``"output"``).
 
-        A failed request raises ``RequestError`` (a ``RuntimeError``; ``.kind``, ``.response``)
-        after the deltas it produced.
-        Closing the iterator early aborts the request.
+        ``on_response`` gets the final ``Response`` (documents, state, timings) once, after the
+        last delta and before the iterator ends, failed requests included. A failed request
+        then raises ``RequestError`` (a ``RuntimeError``; ``.kind``, ``.response``). Closing
+        the iterator early aborts the request (``on_response`` is then not called).
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -104,6 +110,8 @@ class Server:
                 item = await events.get()
                 if isinstance(item, Response):
                     finished = True
+                    if on_response is not None:
+                        on_response(item)
                     if item.error is not None:
                         raise RequestError(item)
                     return

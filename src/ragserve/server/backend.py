@@ -6,7 +6,7 @@ object that honours it; in production and integration tests it is the real ``Ser
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 
@@ -26,7 +26,8 @@ class ResponseLike(Protocol):
 class ServerBackend(Protocol):
     """``ragserve.runtime.Server``: async requests, abort, upsert, workflows, stats.
 
-    ``stream`` yields text deltas of the answer; ``complete`` yields cumulative
+    ``stream`` yields text deltas of the answer and hands the final ``Response`` to
+    ``on_response`` before it ends; ``complete`` yields cumulative
     ``RequestOutput``s of a plain LLM completion; ``abort`` frees the request's KV blocks.
     ``add_documents`` / ``delete_documents`` return once the change is persisted.
     """
@@ -36,7 +37,12 @@ class ServerBackend(Protocol):
     async def submit(self, question: str, graph: Any, *, request_id: str | None = None) -> Any: ...
 
     def stream(
-        self, question: str, graph: Any, *, request_id: str | None = None
+        self,
+        question: str,
+        graph: Any,
+        *,
+        request_id: str | None = None,
+        on_response: Callable[[Any], Any] | None = None,
     ) -> AsyncIterator[str]: ...
 
     def complete(

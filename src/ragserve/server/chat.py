@@ -2,7 +2,8 @@
 
 The ``model`` field (or the ``workflow`` extension) picks the workflow; the answer comes back
 in OpenAI's ``chat.completion`` shape (or ``chat.completion.chunk`` SSE events ending in
-``[DONE]``), with the retrieved documents in the extension field ``documents``.
+``[DONE]``), with the retrieved documents in the extension field ``documents`` (of the
+response, or of the last chunk, the one with ``finish_reason``, when streaming).
 """
 
 from __future__ import annotations
@@ -119,8 +120,12 @@ async def _events(job: Job, question: str, graph: Any, status: dict[str, str]):
 
     yield chunk({"role": "assistant", "content": ""})
     first = True
+    final: list[Any] = []  # the Response, handed over by the Server before the stream ends
     try:
-        async for delta in job.ctx.server.stream(question, graph, request_id=job.request_id):
+        deltas = job.ctx.server.stream(
+            question, graph, request_id=job.request_id, on_response=final.append
+        )
+        async for delta in deltas:
             if not delta:
                 continue
             if first:
@@ -133,17 +138,26 @@ async def _events(job: Job, question: str, graph: Any, status: dict[str, str]):
         yield sse("[DONE]")
         return
     status["end"] = "ok"
-    yield chunk({}, "stop", workflow=job.label)
+    response = final[0] if final else None
+    documents = documents_of(response) if response is not None else []
+    if response is not None:
+        _observe_retrieval(job, graph, response)
+    yield chunk({}, "stop", workflow=job.label, documents=documents)
     yield sse("[DONE]")
 
 
 def _observe_timings(job: Job, graph: Any, response: Any) -> None:
-    """TTFT and per-run retrieval latency from ``Response.node_timings`` when the runtime
-    gives them, else retrieval latency from the per-node ``timings`` of the contract."""
-    metrics = job.ctx.metrics
+    """TTFT (non-streaming: a stream observes its own first token) and retrieval latency."""
     ttft = getattr(response, "ttft", None)
     if ttft is not None:
-        metrics.ttft.labels(job.label).observe(ttft)
+        job.ctx.metrics.ttft.labels(job.label).observe(ttft)
+    _observe_retrieval(job, graph, response)
+
+
+def _observe_retrieval(job: Job, graph: Any, response: Any) -> None:
+    """Per-run retrieval latency from ``Response.node_timings`` when the runtime gives them,
+    else from the per-node ``timings`` of the contract."""
+    metrics = job.ctx.metrics
     runs = getattr(response, "node_timings", None)
     if runs:
         seconds = [t.duration for t in runs if t.kind == "retrieval" and t.duration is not None]
