@@ -46,3 +46,13 @@ def small_index(tmp_path_factory: pytest.TempPathFactory) -> str:
     index.save(out)
     index.close()
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def local_server(tiny_model: str, small_index: str):
+    """One in-process ``Server`` over the tiny model and the small index, shared by modules."""
+    from ragserve.runtime import Server, ServerConfig
+
+    config = ServerConfig(in_process=True, engine_kwargs={"device": "cpu"})
+    with Server(tiny_model, small_index, config=config) as s:
+        yield s

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ragserve.graph import END, START, RAGraph
-from ragserve.runtime import RequestError, Server, ServerConfig
+from ragserve.runtime import RequestError, Server
 from ragserve.workflows import BUILTIN_WORKFLOWS, get_workflow
 
 SMALL = {"max_tokens": 6}
@@ -23,11 +23,9 @@ def small_workflow(name: str):
     return get_workflow(name, **SMALL, **EXTRA.get(name, {}))
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: str, small_index: str):
-    config = ServerConfig(in_process=True, engine_kwargs={"device": "cpu"})
-    with Server(tiny_model, small_index, config=config) as s:
-        yield s
+@pytest.fixture
+def server(local_server: Server) -> Server:
+    return local_server
 
 
 EXPECTED_KINDS = {

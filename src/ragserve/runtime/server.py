@@ -75,12 +75,18 @@ class Server:
     async def submit(
         self, question: str, graph: Any = "oneshot", *, request_id: str | None = None
     ) -> Response:
-        """Run one request; many may be awaited concurrently."""
+        """Run one request; many may be awaited concurrently. Cancelling the awaiting task
+        aborts the request (even one still on its way to the scheduler)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        on_done = lambda r: loop.call_soon_threadsafe(_set, fut, r)
-        await asyncio.to_thread(self._add, question, graph, request_id, on_done)
-        return await fut
+        on_done = lambda r: _post(loop, _set, fut, r)
+        rid = request_id or uuid.uuid4().hex
+        try:
+            await asyncio.to_thread(self._add, question, graph, rid, on_done)
+            return await fut
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
 
     async def stream(
         self,
@@ -99,13 +105,17 @@ class Server:
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
+        put = lambda item: _post(loop, events.put_nowait, item)
         rid = request_id or uuid.uuid4().hex
-        await asyncio.to_thread(
-            self._add, question, graph, rid, lambda r: put(r), on_delta=lambda d: put(d)
-        )
         finished = False
         try:
+            try:  # inside the ``finally``: a close while registering still aborts
+                await asyncio.to_thread(
+                    self._add, question, graph, rid, lambda r: put(r), on_delta=lambda d: put(d)
+                )
+            except Exception:
+                finished = True  # rejected (unknown workflow, closed): never added
+                raise
             while True:
                 item = await events.get()
                 if isinstance(item, Response):
@@ -131,23 +141,27 @@ class Server:
         metrics = RequestMetrics(arrival_time=time.monotonic())
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        put = lambda item: loop.call_soon_threadsafe(events.put_nowait, item)
+        put = lambda item: _post(loop, events.put_nowait, item)
         rid = request_id or uuid.uuid4().hex
         raw = tuple(prompt) if isinstance(prompt, list) else prompt
-        await asyncio.to_thread(
-            self._add,
-            "",
-            _completion_graph(),
-            rid,
-            lambda r: put(r),
-            on_update=lambda u: put(u),
-            raw=(raw, GenerationParams.from_any(params)),
-        )
         prompt_ids: tuple[int, ...] = ()
         token_ids: list[int] = []
         text = ""
         finished = False
         try:
+            try:  # inside the ``finally``: a close while registering still aborts
+                await asyncio.to_thread(
+                    self._add,
+                    "",
+                    _completion_graph(),
+                    rid,
+                    lambda r: put(r),
+                    on_update=lambda u: put(u),
+                    raw=(raw, GenerationParams.from_any(params)),
+                )
+            except Exception:
+                finished = True  # rejected: never added
+                raise
             while True:
                 item = await events.get()
                 if isinstance(item, Response):
@@ -164,7 +178,9 @@ class Server:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; it finishes with ``error="aborted"`` and frees its KV blocks."""
+        """Stop a request; it finishes with ``error="aborted"`` and frees its KV blocks. An
+        abort that arrives before its request does is remembered (``Scheduler``): the request
+        then finishes at once, aborted."""
         self.scheduler.abort(request_id)
 
     # -- documents --------------------------------------------------------------------------
@@ -259,6 +275,16 @@ class Server:
                 self.scheduler.step()
             except Exception:
                 logger.exception("scheduler step failed")
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """``fn(*args)`` on ``loop`` from the scheduler thread; dropped if the loop has closed
+    (its caller is gone: e.g. a cancelled ``submit`` whose abort arrives later)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 def _set(fut: asyncio.Future, value: Any) -> None:

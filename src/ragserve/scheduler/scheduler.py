@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from ragserve.graph import END, START, GenerationNode, GraphError, Passage, RetrievalNode
@@ -31,12 +32,21 @@ from ragserve.scheduler.transforms import BaseTransform
 
 logger = logging.getLogger(__name__)
 
+ABORT_MEMORY_S = 300.0  # how long an abort of a not-yet-added request id is remembered
+MAX_REMEMBERED_ABORTS = 4096  # and how many such ids at most (oldest forgotten first)
+
 
 class Scheduler:
     """Advances many graph requests at once over one executor.
 
     ``max_node_runs`` bounds the nodes one request may run (a guard against routers that
     never exit); past it the request fails with a clear error.
+
+    ``abort(id)`` of an id not (yet) added is remembered (``abort_memory_s``, at most
+    ``max_remembered_aborts`` ids): a request added later with that id finishes at once,
+    aborted. So an abort that overtakes its request (a client gone while the request was
+    still on its way in) is not lost. Request ids must therefore not be reused soon after
+    they were aborted.
     """
 
     def __init__(
@@ -55,6 +65,9 @@ class Scheduler:
         self._active: dict[str, RequestState] = {}
         self._by_task: dict[str, RequestState] = {}
         self.num_cycles = 0
+        self.abort_memory_s = ABORT_MEMORY_S
+        self.max_remembered_aborts = MAX_REMEMBERED_ABORTS
+        self._early_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when aborted
         for transform in self.transforms:
             transform.bind(self)
 
@@ -114,11 +127,30 @@ class Scheduler:
                 item.error = f"duplicate request id {item.request_id!r}"
                 item.error_kind = "bad_request"
                 item.on_done(item.response())
+            elif kind == "add" and self._take_early_abort(item.request_id):
+                item.error, item.error_kind = "aborted", "aborted"
+                item.on_done(item.response())
             elif kind == "add":
                 self._active[item.request_id] = item
                 self._advance(item, START)
             elif item in self._active:
                 self._finish(self._active[item], "aborted", "aborted")
+            else:
+                self._remember_abort(item)
+
+    def _remember_abort(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._early_aborts[request_id] = now
+        self._early_aborts.move_to_end(request_id)
+        while self._early_aborts and (
+            len(self._early_aborts) > self.max_remembered_aborts
+            or now - next(iter(self._early_aborts.values())) >= self.abort_memory_s
+        ):
+            self._early_aborts.popitem(last=False)
+
+    def _take_early_abort(self, request_id: str) -> bool:
+        aborted_at = self._early_aborts.pop(request_id, None)
+        return aborted_at is not None and time.monotonic() - aborted_at < self.abort_memory_s
 
     def _has_ready(self) -> bool:
         return any(not r.is_dispatched for r in self._active.values())
