@@ -121,6 +121,12 @@ def test_streaming_chat(client: openai.OpenAI) -> None:
     assert all("documents" not in c.model_extra for c in chunks[:-1])
 
 
+def test_chat_usage_needs_node_timings(client: openai.OpenAI) -> None:
+    # the scripted backend's responses have no node timings: no usage rather than zeros
+    out = client.chat.completions.create(model="ragserve/oneshot", messages=MSG)
+    assert out.usage is None
+
+
 def test_stream_ends_with_done(url: str) -> None:
     body = {
         "model": "ragserve/oneshot",

@@ -126,6 +126,32 @@ def test_chat_and_streaming_chat_equal_server_run(client: openai.OpenAI, server)
     assert chunks[-1].model_extra["documents"] == documents  # same passages, same scores
 
 
+def test_chat_usage_counts_the_answer_node(client: openai.OpenAI, server) -> None:
+    question = "What is the capital of Japan?"
+    out = ask(client, question, topk=2)
+    graph = tune_graph(server.workflows["oneshot"], topk=2, max_tokens=6)
+    alone = server.run(question, graph)
+    engine = server.executor.generation.engine
+    chat = engine.apply_chat_template(
+        [{"role": "user", "content": graph.nodes[1].prompt.render(alone.state)}]
+    )
+    assert out.usage.prompt_tokens == len(engine._tokenize(chat))
+    assert 0 < out.usage.completion_tokens <= 6
+    assert out.usage.completion_tokens == alone.node_timings[-1].num_tokens
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    chunks = list(
+        client.chat.completions.create(
+            model="ragserve/oneshot",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"topk": 2},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage == out.usage
+
+
 def test_concurrent_chats_each_get_their_own_answer(url: str, server) -> None:
     questions = [f"What is the capital of {country}?" for country, _ in FACTS[:MAX_INFLIGHT]]
 

@@ -202,6 +202,8 @@ class Scheduler:
             if update.new_token_ids and timing.first_token_at is None:
                 timing.first_token_at = now
             timing.num_tokens += len(update.new_token_ids)
+            if update.prompt_token_ids:
+                timing.num_prompt_tokens = len(update.prompt_token_ids)
             req.partial_text += update.text_delta
             if req.on_update is not None:
                 req.on_update(update)

@@ -67,7 +67,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     job = Job.admit(ctx, "chatcmpl", name, body.model)
     if body.stream:
         status: dict[str, str] = {}
-        events = _events(job, body.question(), graph, status)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _events(job, body.question(), graph, status, include_usage)
         return GuardedStream(events, on_close=lambda: job.end(status.get("end", "aborted")))
     status = "error"
     try:
@@ -100,12 +101,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 "logprobs": None,
             }
         ],
+        "usage": usage_of(response),
         "workflow": name,
         "documents": documents_of(response),
     }
 
 
-async def _events(job: Job, question: str, graph: Any, status: dict[str, str]):
+def usage_of(response: Any) -> dict | None:
+    """OpenAI ``usage`` of the answer: prompt and generated tokens of the last answer node run
+    (the generation writing ``"output"``; intermediate generations are not counted), from
+    ``Response.node_timings``; ``None`` when the backend gives no node timings."""
+    runs = [t for t in getattr(response, "node_timings", ()) or () if t.kind == "generation"]
+    answers = [t for t in runs if t.is_answer] or runs
+    if not answers:
+        return None
+    prompt, completion = answers[-1].num_prompt_tokens, answers[-1].num_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def _events(
+    job: Job, question: str, graph: Any, status: dict[str, str], include_usage: bool = False
+):
     """SSE events of one streamed answer; ``status["end"]`` is set when it ends by itself."""
     base = {
         "id": job.request_id,
@@ -143,6 +163,9 @@ async def _events(job: Job, question: str, graph: Any, status: dict[str, str]):
     if response is not None:
         _observe_retrieval(job, graph, response)
     yield chunk({}, "stop", workflow=job.label, documents=documents)
+    if include_usage:  # as OpenAI: one more chunk, no choices, the usage
+        usage = usage_of(response) if response is not None else None
+        yield sse({**base, "choices": [], "usage": usage})
     yield sse("[DONE]")
 
 
