@@ -65,8 +65,6 @@ class Scheduler:
         self._active: dict[str, RequestState] = {}
         self._by_task: dict[str, RequestState] = {}
         self.num_cycles = 0
-        for transform in self.transforms:
-            transform.bind(self)
         self.abort_memory_s = ABORT_MEMORY_S
         self.max_remembered_aborts = MAX_REMEMBERED_ABORTS
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when aborted
