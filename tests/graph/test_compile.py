@@ -133,6 +133,7 @@ def test_router_returning_unknown_or_undeclared_node_fails_at_run_time() -> None
     [
         (lambda g: g.add_generation(0, prompt="x", output="not a key"), "output must be"),
         (lambda g: g.add_generation(0, prompt="x", max_tokens=0), "max_tokens"),
+        (lambda g: g.add_generation(0, prompt="x", top_p=0.0), "top_p"),
         (lambda g: g.add_retrieval(0, query="q q", topk=1, output="d"), "query must be"),
         (lambda g: g.add_retrieval(0, query="input", topk=0, output="d"), "topk"),
         (lambda g: g.add_retrieval(0, query="input", topk=1, output="d", nprobe=0), "nprobe"),

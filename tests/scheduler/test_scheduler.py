@@ -52,6 +52,14 @@ def test_rendered_prompt_holds_the_state() -> None:
     assert prompt.endswith("|{docs} evil {input}") and prompt.startswith("[1] T")
 
 
+def test_node_sampling_reaches_the_generation_task() -> None:
+    ex = FakeExecutor()
+    g = RAGraph().add_generation(0, prompt="{input}", temperature=0.7, top_p=0.9, seed=11)
+    _run(Scheduler(ex), [_req("a", g.add_edge(START, 0).add_edge(0, END).compile())])
+    params = ex.generation_calls[0][0].params
+    assert (params.temperature, params.top_p, params.seed) == (0.7, 0.9, 11)
+
+
 def test_requests_at_different_depths_share_cycles() -> None:
     ex = FakeExecutor()
     sched = Scheduler(ex)

@@ -20,9 +20,12 @@ def test_tune_graph_without_overrides_is_identity() -> None:
 
 def test_tune_graph_touches_retrieval_and_answer_nodes_only() -> None:
     graph = multistep(rounds=2)
-    tuned = tune_graph(graph, topk=7, nprobe=3, max_tokens=5, temperature=0.5, stop=("END",))
+    tuned = tune_graph(
+        graph, topk=7, nprobe=3, max_tokens=5, temperature=0.5, top_p=0.9, seed=3, stop=("END",)
+    )
     assert (tuned.nodes[1].topk, tuned.nodes[1].nprobe) == (7, 3)
     assert tuned.nodes[3].max_tokens == 5 and tuned.nodes[3].temperature == 0.5
+    assert (tuned.nodes[3].top_p, tuned.nodes[3].seed) == (0.9, 3)
     assert tuned.nodes[3].stop == ("END",)
     assert tuned.nodes[0] == graph.nodes[0]  # the sub-question step keeps its own settings
     assert tuned.nodes[0].stop == ("\n",)

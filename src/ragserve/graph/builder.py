@@ -43,16 +43,31 @@ class RAGraph:
         stop: tuple[str, ...] | list[str] = (),
         temperature: float = 0.0,
         append: bool = False,
+        top_p: float = 1.0,
+        seed: int | None = None,
     ) -> RAGraph:
-        """A generation node; ``output=None`` writes the answer key ``"output"``."""
+        """A generation node; ``output=None`` writes the answer key ``"output"``.
+
+        ``temperature``, ``top_p`` and ``seed`` are the node's sampling (temperature 0: greedy).
+        """
         output = "output" if output is None else output
         _check_key(node_id, "output", output)
         if max_tokens < 1:
             raise GraphError(f"node {node_id!r}: max_tokens must be >= 1, got {max_tokens}")
         if temperature < 0:
             raise GraphError(f"node {node_id!r}: temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise GraphError(f"node {node_id!r}: top_p must be in (0, 1], got {top_p}")
         node = GenerationNode(
-            node_id, Template.parse(prompt), output, max_tokens, tuple(stop), temperature, append
+            node_id,
+            Template.parse(prompt),
+            output,
+            max_tokens,
+            tuple(stop),
+            temperature,
+            append,
+            top_p=top_p,
+            seed=seed,
         )
         return self._add(node)
 

@@ -59,6 +59,8 @@ class GenerationNode:
     stop: tuple[str, ...] = ()
     temperature: float = 0.0
     append: bool = False
+    top_p: float = 1.0
+    seed: int | None = None
 
     kind = "generation"
 

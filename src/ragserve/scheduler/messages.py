@@ -26,6 +26,17 @@ class GenerationParams:
     ignore_eos: bool = False
 
     @classmethod
+    def for_node(cls, node: Any) -> GenerationParams:
+        """The sampling a ``GenerationNode`` asks for."""
+        return cls(
+            max_tokens=node.max_tokens,
+            temperature=node.temperature,
+            top_p=node.top_p,
+            seed=node.seed,
+            stop=node.stop,
+        )
+
+    @classmethod
     def from_any(cls, params: Any) -> GenerationParams:
         """Copy the matching attributes of any SamplingParams-like object."""
         if isinstance(params, cls):

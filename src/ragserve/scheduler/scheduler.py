@@ -169,9 +169,7 @@ class Scheduler:
                 task = GenerationTask(req.task_id, req.raw_prompt, req.raw_params, chat=False)
                 wavefront.generation.append(task)
             elif isinstance(node, GenerationNode):
-                params = GenerationParams(
-                    max_tokens=node.max_tokens, temperature=node.temperature, stop=node.stop
-                )
+                params = GenerationParams.for_node(node)
                 prompt = node.prompt.render(req.state)
                 wavefront.generation.append(GenerationTask(req.task_id, prompt, params))
             else:

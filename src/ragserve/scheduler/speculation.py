@@ -232,9 +232,7 @@ class SpeculationTransform(BaseTransform):
         node = req.graph.nodes.get(nxt) if nxt is not END else None
         if not isinstance(node, GenerationNode) or node.temperature != 0.0:
             return None
-        params = GenerationParams(
-            max_tokens=node.max_tokens, temperature=node.temperature, stop=node.stop
-        )
+        params = GenerationParams.for_node(node)
         self._seq += 1
         task_id = f"spec/{self._seq}/{partial.task_id}"
         return GenerationTask(task_id, node.prompt.render(state), params), nxt

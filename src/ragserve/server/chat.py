@@ -62,6 +62,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         nprobe=body.nprobe,
         max_tokens=body.token_limit(),
         temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
         stop=body.stop_strings(),
     )
     job = Job.admit(ctx, "chatcmpl", name, body.model)

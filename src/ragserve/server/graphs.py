@@ -2,9 +2,10 @@
 
 ``model: "ragserve/hyde"`` (or the ``workflow`` extension field) picks ``Server.workflows
 ["hyde"]``. ``topk`` / ``nprobe`` replace those of every retrieval node; ``max_tokens``,
-``temperature`` replace (and ``stop`` adds to) those of the answer nodes (generation nodes writing
-``"output"``), leaving intermediate generations (a HyDE passage, a RECOMP summary) as the
-workflow defines them. The compiled graph is never mutated: a tuned copy is returned.
+``temperature``, ``top_p`` and ``seed`` replace (and ``stop`` adds to) those of the answer
+nodes (generation nodes writing ``"output"``), leaving intermediate generations (a HyDE
+passage, a RECOMP summary) as the workflow defines them. The compiled graph is never
+mutated: a tuned copy is returned.
 """
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ def tune_graph(
     nprobe: int | None = None,
     max_tokens: int | None = None,
     temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
     stop: tuple[str, ...] = (),
 ) -> Any:
     """A copy of ``graph`` with the request's overrides (``graph`` itself if there are none)."""
     retrieval = {k: v for k, v in (("topk", topk), ("nprobe", nprobe)) if v is not None}
-    answer = {
-        k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None
-    }
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    answer = {k: v for k, v in sampling.items() if v is not None}
     if not retrieval and not answer and not stop:
         return graph
     nodes = {}

@@ -89,8 +89,7 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``; ``workflow``, ``topk`` and ``nprobe`` are extensions.
 
     The workflow's question is the last user message (earlier turns are not used);
-    ``max_tokens``, ``temperature`` and ``stop`` apply to its answer nodes; ``top_p`` and
-    ``seed`` are accepted but workflow nodes do not take them.
+    ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` apply to its answer nodes.
     """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
