@@ -7,17 +7,15 @@ half-written model and concurrent processes convert once.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from ragserve.generation.errors import ModelLoadError
-from ragserve.paths import ragserve_home
+from ragserve.paths import file_lock, ragserve_home
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +74,7 @@ def _ensure(target: Path, convert: Callable[[Path], None]) -> Path:
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if target.is_dir():
             return target
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-tmp-"))
@@ -86,16 +84,6 @@ def _ensure(target: Path, convert: Callable[[Path], None]) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _convert_tokenizer(name: str, out: Path) -> None:

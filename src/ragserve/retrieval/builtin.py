@@ -6,15 +6,12 @@ an IVF-Flat inner-product index.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from ragserve.paths import ragserve_home
+from ragserve.paths import file_lock, ragserve_home
 from ragserve.retrieval.storage import read_manifest
 
 logger = logging.getLogger(__name__)
@@ -36,7 +33,7 @@ def builtin_index(name: str = "factbook", *, progress: bool = False, embedder=No
     if name not in BUILTIN_INDEXES:
         raise ValueError(f"unknown built-in index {name!r}; available: {BUILTIN_INDEXES}")
     out = builtin_index_dir(name)
-    with _file_lock(out.parent / f".{name}.lock"):
+    with file_lock(out.parent / f".{name}.lock"):
         if _is_current(out):
             return out
         _build_factbook(out, progress=progress, embedder=embedder)
@@ -73,14 +70,3 @@ def _build_factbook(out: Path, *, progress: bool, embedder) -> None:
         shutil.rmtree(old, ignore_errors=True)
     fresh.rename(out)
     logger.info("factbook index ready at %s in %.1f s", out, time.perf_counter() - start)
-
-
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
