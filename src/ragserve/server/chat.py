@@ -15,20 +15,22 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response as HTTPResponse
 
 from ragserve.server.context import (
-    ClientDisconnected,
     GuardedStream,
     Job,
-    backend_error,
     get_context,
     response_error,
     sse,
     sse_error,
-    until_disconnect,
 )
 from ragserve.server.graphs import resolve_workflow, retrieval_node_ids, tune_graph
 from ragserve.server.protocol import ChatCompletionRequest
 
 router = APIRouter()
+
+
+def _raise_if_failed(response: Any) -> None:
+    if response.error is not None:
+        raise response_error(response)
 
 
 def documents_of(response: Any) -> list[dict]:
@@ -72,23 +74,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(job, body.question(), graph, status, include_usage)
         return GuardedStream(events, on_close=lambda: job.end(status.get("end", "aborted")))
-    status = "error"
-    try:
-        response = await until_disconnect(
-            request,
-            ctx.server.submit(body.question(), graph, request_id=job.request_id),
-            ctx.config.disconnect_poll_s,
-        )
-        if response.error is not None:
-            raise response_error(response)
-        status = "ok"
-    except ClientDisconnected:
-        status = "aborted"
+    response = await job.wait(
+        request,
+        ctx.server.submit(body.question(), graph, request_id=job.request_id),
+        check=_raise_if_failed,
+    )
+    if response is None:
         return HTTPResponse(status_code=499)
-    except Exception as exc:
-        raise backend_error(exc) from exc
-    finally:
-        job.end(status)
     _observe_timings(job, graph, response)
     return {
         "id": job.request_id,

@@ -10,14 +10,11 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response as HTTPResponse
 
 from ragserve.server.context import (
-    ClientDisconnected,
     GuardedStream,
     Job,
-    backend_error,
     get_context,
     sse,
     sse_error,
-    until_disconnect,
 )
 from ragserve.server.errors import APIError
 from ragserve.server.graphs import workflow_model_ids
@@ -78,20 +75,13 @@ async def completions(body: CompletionRequest, request: Request):
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(job, body.prompt_input(), params, include_usage, final)
         return GuardedStream(events, on_close=lambda: _end_stream(job, final))
-    status = "error"
-    try:
-        out = await until_disconnect(
-            request, _last_output(job, body.prompt_input(), params), ctx.config.disconnect_poll_s
-        )
-        _count_tokens(job, out)
-        status = "ok"
-    except ClientDisconnected:
-        status = "aborted"
+    out = await job.wait(
+        request,
+        _last_output(job, body.prompt_input(), params),
+        check=lambda out: _count_tokens(job, out),
+    )
+    if out is None:
         return HTTPResponse(status_code=499)
-    except Exception as exc:
-        raise backend_error(exc) from exc
-    finally:
-        job.end(status)
     return {
         "id": job.request_id,
         "object": "text_completion",

@@ -88,6 +88,29 @@ class Job:
             self.ctx.metrics.e2e.labels(self.label).observe(now() - self.arrival)
         self.ctx.metrics.requests.labels(self.label, status).inc()
 
+    async def wait(
+        self, request: Request, work: Awaitable[T], check: Callable[[T], None] | None = None
+    ) -> T | None:
+        """Await ``work`` (a non-streamed answer), then end the job.
+
+        ``None`` if the client disconnected first (the job ends ``"aborted"``); ``check`` may
+        raise on a result that is an error; any failure is raised as an ``APIError``.
+        """
+        status = "error"
+        try:
+            result = await until_disconnect(request, work, self.ctx.config.disconnect_poll_s)
+            if check is not None:
+                check(result)
+            status = "ok"
+            return result
+        except ClientDisconnected:
+            status = "aborted"
+            return None
+        except Exception as exc:
+            raise backend_error(exc) from exc
+        finally:
+            self.end(status)
+
 
 class ClientDisconnected(Exception):
     """The client went away before the answer was ready; the request was aborted."""
