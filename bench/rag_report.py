@@ -7,9 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
+SLO_TARGET = 0.9  # "throughput at SLO": the highest rate at which this share met the SLO
+
 
 def summarize(responses: list, *, slo: float, wall: float) -> dict:
-    """Mean/p90 end-to-end latency and TTFT, throughput, SLO attainment, errors."""
+    """Mean/p90 end-to-end latency and TTFT of the completed requests, throughput, SLO
+    attainment over ALL requests (failed and timed-out ones count as misses), errors."""
     ok = [r for r in responses if r.error is None]
     lat = np.array([r.latency for r in ok]) if ok else np.array([np.nan])
     ttft = np.array([r.ttft for r in ok if r.ttft is not None] or [np.nan])
@@ -21,13 +24,14 @@ def summarize(responses: list, *, slo: float, wall: float) -> dict:
     return {
         "num_requests": len(responses),
         "num_errors": len(responses) - len(ok),
+        "num_timed_out": sum(r.error == "aborted" for r in responses),
         "errors": sorted({r.error for r in responses if r.error is not None})[:3],
         "latency_mean_s": float(np.mean(lat)),
         "latency_p90_s": float(np.percentile(lat, 90)),
         "ttft_mean_s": float(np.mean(ttft)),
         "ttft_p90_s": float(np.percentile(ttft, 90)),
         "throughput_rps": len(ok) / span if span > 0 else None,
-        "slo_attainment": float(np.mean([r.latency <= slo for r in ok])) if ok else 0.0,
+        "slo_attainment": sum(r.latency <= slo for r in ok) / max(len(responses), 1),
         "span_s": span,
     }
 
@@ -41,7 +45,10 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
 
     groups: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        groups[(r["workflow"], r["nprobe"])][r["system"]].append((r["rate"], r["latency_mean_s"]))
+        if "skipped" not in r:
+            groups[(r["workflow"], r["nprobe"])][r["system"]].append(
+                (r["rate"], r["latency_mean_s"])
+            )
     paths = []
     for (wf, nprobe), systems in sorted(groups.items()):
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -63,10 +70,11 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
 
 def markdown(rows: list[dict], baseline: str = "sequential") -> str:
     """Tables per workflow: each system's metrics per rate, and mean-latency ratios."""
-    lines = []
-    for wf in sorted({r["workflow"] for r in rows}):
-        sub = [r for r in rows if r["workflow"] == wf]
-        lines += [f"**{wf}** (nprobe {sub[0]['nprobe']})", ""]
+    lines = [*slo_table(rows, baseline), ""]
+    rows = [r for r in rows if "skipped" not in r]
+    for wf, nprobe in sorted({(r["workflow"], r["nprobe"]) for r in rows}):
+        sub = [r for r in rows if r["workflow"] == wf and r["nprobe"] == nprobe]
+        lines += [f"**{wf}** (nprobe {nprobe})", ""]
         lines += [
             "| rate (req/s) | system | mean / p90 latency (s) | mean TTFT (s) | throughput "
             "(req/s) | SLO met | spec. accuracy | sched. ms/node |",
@@ -83,6 +91,50 @@ def markdown(rows: list[dict], baseline: str = "sequential") -> str:
         lines.append("")
         lines += _ratios(sub, baseline)
     return "\n".join(lines)
+
+
+def throughput_at_slo(rows: list[dict], target: float = SLO_TARGET) -> dict[tuple, float]:
+    """(workflow, nprobe, system) -> the highest measured rate whose SLO attainment reached
+    ``target`` with every lower measured rate also reaching it (0.0: not even the lowest)."""
+    out: dict[tuple, float] = {}
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in rows:
+        groups[(r["workflow"], r["nprobe"], r["system"])].append(r)
+    for key, sub in groups.items():
+        best = 0.0
+        for r in sorted(sub, key=lambda r: r["rate"]):
+            if "skipped" in r or r["slo_attainment"] < target:
+                break
+            best = r["rate"]
+        out[key] = best
+    return out
+
+
+def slo_table(rows: list[dict], baseline: str = "sequential") -> list[str]:
+    """Throughput at SLO per system and its ratio to ``baseline`` and to ``stagewise``."""
+    tput = throughput_at_slo(rows)
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    out = [
+        f"Throughput at SLO (highest swept rate with >= {SLO_TARGET:.0%} of requests within "
+        "the SLO; ratio vs `sequential` / vs `stagewise` in brackets):",
+        "",
+        "| workflow | nprobe | " + " | ".join(systems) + " |",
+        "| --- | --- |" + " --- |" * len(systems),
+    ]
+    for wf, nprobe in sorted({(r["workflow"], r["nprobe"]) for r in rows}):
+        cells = []
+        for s in systems:
+            x = tput.get((wf, nprobe, s))
+            if x is None:
+                cells.append("-")
+                continue
+            ratios = []
+            for b in (baseline, "stagewise"):
+                y = tput.get((wf, nprobe, b))
+                ratios.append("-" if not y else f"{x / y:.1f}x")
+            cells.append(f"{x:g} ({' / '.join(ratios)})")
+        out.append(f"| {wf} | {nprobe} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _ratios(sub: list[dict], baseline: str) -> list[str]:

@@ -190,13 +190,15 @@ def prepare(p: Preset, dataset: str, out: Path, *, nprobe: int | None = None) ->
     model = write_model(out / "model", p.model)
     if dataset == "synthetic":
         index, _ = synthetic_index(p, out)
-        questions = synthetic_questions(512)
+        questions = synthetic_questions(1 << 15)
     else:
         from ragserve.retrieval.builtin import builtin_index
 
         index = builtin_index("factbook", progress=True)
         questions = factbook_questions()
-    engine = {"load_format": "dummy", **p.engine}
+    # NOTE: no prefix caching: every system runs the same questions on one engine, and a KV
+    # prefix left by the previous system must not speed up the next one
+    engine = {"load_format": "dummy", "enable_prefix_caching": False, **p.engine}
     return {
         "model": str(model),
         "index": str(index),

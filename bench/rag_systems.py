@@ -3,6 +3,9 @@
 - ``sequential``: one request at a time per stage (a retrieval service and an LLM that each
   take the next request only when the previous one is done), like LangChain/FlashRAG
   pipelines over vLLM + Faiss with no co-scheduling.
+- ``stagewise``: stages of one kind at a time, each as one batch run to completion, then the
+  other kind (generation and retrieval never overlap), like FlashRAG's batch pipeline over
+  vLLM + Faiss: batching, but no CPU-GPU overlap.
 - ``async``: every ready stage is submitted at once (the scheduler's default): naive async.
 - ``ragserve``: split + similarity + speculation; ``split``/``similarity``/``speculation``:
   each alone (ablation).
@@ -20,7 +23,7 @@ from collections import deque
 from ragserve.scheduler import BaseTransform, GenerationUpdate, RetrievalResult, Wavefront
 from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
 
-SYSTEMS = ("sequential", "async", "ragserve", "split", "similarity", "speculation")
+SYSTEMS = ("sequential", "stagewise", "async", "ragserve", "split", "similarity", "speculation")
 
 
 class SerialStagesTransform(BaseTransform):
@@ -55,6 +58,44 @@ class SerialStagesTransform(BaseTransform):
                 self._busy["ret"] = None
             elif isinstance(u, GenerationUpdate) and u.finished and u.task_id == self._busy["gen"]:
                 self._busy["gen"] = None
+        return updates
+
+
+class StagewiseTransform(BaseTransform):
+    """Alternate batch phases: release every held task of one kind at once, wait until all of
+    them finished, then do the same for the other kind. New tasks wait for their kind's turn."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, deque] = {"gen": deque(), "ret": deque()}
+        self._in_flight: set[str] = set()
+        self._last = "ret"
+        self._scheduler = None
+
+    def bind(self, scheduler) -> None:
+        self._scheduler = scheduler
+
+    def apply(self, wavefront: Wavefront) -> Wavefront:
+        self._held["gen"].extend(wavefront.generation)
+        self._held["ret"].extend(wavefront.retrieval)
+        alive = self._scheduler.request_of_task
+        self._in_flight = {t for t in self._in_flight if alive(t) is not None}
+        out = Wavefront()
+        if self._in_flight:
+            return out
+        for kind in ("gen", "ret") if self._last == "ret" else ("ret", "gen"):
+            tasks = [t for t in self._held[kind] if alive(t.task_id) is not None]
+            self._held[kind].clear()
+            if tasks:
+                self._last = kind
+                self._in_flight = {t.task_id for t in tasks}
+                (out.generation if kind == "gen" else out.retrieval).extend(tasks)
+                break
+        return out
+
+    def on_updates(self, updates: list) -> list:
+        for u in updates:
+            if isinstance(u, RetrievalResult) or (isinstance(u, GenerationUpdate) and u.finished):
+                self._in_flight.discard(u.task_id)
         return updates
 
 
@@ -107,6 +148,8 @@ def system_transforms(name: str, *, first_clusters: int, budget_s: float | None 
     }
     if name == "sequential":
         chain: tuple = (SerialStagesTransform(),)
+    elif name == "stagewise":
+        chain = (StagewiseTransform(),)
     elif name == "async":
         chain = ()
     elif name in configs:

@@ -20,7 +20,7 @@ def test_rag_bench_smoke(tmp_path: Path) -> None:
     assert rag_bench.main(["--preset", "smoke", "--in-process", "--out", str(out)]) == 0
     data = json.loads((out / "results.json").read_text())
     rows = data["rows"]
-    systems = {"sequential", "async", "ragserve", "split", "similarity", "speculation"}
+    systems = {"sequential", "stagewise", "async", "ragserve", "split", "similarity", "speculation"}
     assert {(r["system"], r["workflow"]) for r in rows} == {(s, "mix") for s in systems}
     for r in rows:
         assert r["num_requests"] == 4 and r["num_errors"] == 0, r["errors"]
@@ -31,3 +31,33 @@ def test_rag_bench_smoke(tmp_path: Path) -> None:
     assert by[("async", "mix")]["spec_accuracy"] is None
     assert data["meta"]["preset"]["nprobes"] == [8]
     assert [p.name for p in out.glob("*.png")] == ["latency_mix_nprobe8.png"]
+
+
+def test_rag_bench_plan_timeouts_and_saturation(tmp_path: Path) -> None:
+    """A plan's phases run on one server; requests past the point timeout are aborted and
+    count as SLO misses; a system below ``--stop-below`` skips its higher rates."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import rag_bench
+    finally:
+        sys.path.remove(str(BENCH))
+    plan = tmp_path / "plan.json"
+    phases = [
+        {"name": "cut", "systems": ["stagewise", "async"], "workflows": ["oneshot"],
+         "rates": [16, 8], "nprobes": [4], "timeout": 0.0},
+        {"name": "full", "systems": ["sequential", "ragserve"], "workflows": ["irg"],
+         "rates": [8], "nprobes": [8]},
+    ]  # fmt: skip
+    plan.write_text(json.dumps(phases))
+    out = tmp_path / "rag"
+    argv = ["--preset", "smoke", "--in-process", "--plan", str(plan), "--out", str(out),
+            "--stop-below", "0.99"]  # fmt: skip
+    assert rag_bench.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    cut = [r for r in rows if r["phase"] == "cut"]
+    assert [(r["rate"], "skipped" in r) for r in cut] == [(8, False)] * 2 + [(16, True)] * 2
+    for r in cut[:2]:
+        assert r["num_timed_out"] >= 1 and r["slo_attainment"] <= 0.75
+    full = [r for r in rows if r["phase"] == "full"]
+    assert {(r["system"], r["nprobe"]) for r in full} == {("sequential", 8), ("ragserve", 8)}
+    assert all(r["num_errors"] == 0 and r["slo_attainment"] == 1.0 for r in full)

@@ -156,3 +156,29 @@ def test_transforms_rewrite_the_wavefront() -> None:
     done = _run(Scheduler(FakeExecutor(), [t]), [_req("o", get_workflow("oneshot", topk=4))])
     assert len(done["o"].doc_ids) == 1
     assert t.seen[:2] == [1, 1]
+
+
+def test_set_transforms_waits_for_the_old_chains_work_and_applies_to_later_requests() -> None:
+    sched = Scheduler(FakeExecutor())
+    done: dict = {}
+    keep = lambda r: done.__setitem__(r.request_id, r)  # noqa: E731
+    first = _req("a", get_workflow("oneshot", topk=4))
+    first.on_done = keep
+    sched.add_request(first)
+    sched.step()  # "a" is active, its retrieval in flight
+    t = _SmallerTopK()
+    switched = sched.set_transforms([t])
+    later, dropped = _req("b", get_workflow("oneshot", topk=4)), _req("c", get_workflow("oneshot"))
+    later.on_done = dropped.on_done = keep
+    sched.add_request(later)
+    sched.add_request(dropped)
+    sched.abort("c")  # aborted while it waits behind the switch: still answered
+    for _ in range(50):
+        sched.step()
+        if not sched.has_unfinished():
+            break
+    assert switched.done() and switched.result() is None
+    assert len(done["a"].doc_ids) == 4  # finished under the old (empty) chain
+    assert len(done["b"].doc_ids) == 1  # admitted after the swap
+    assert done["c"].error == "aborted"
+    assert sched.transforms == (t,)

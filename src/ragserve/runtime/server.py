@@ -183,6 +183,11 @@ class Server:
         then finishes at once, aborted."""
         self.scheduler.abort(request_id)
 
+    def set_transforms(self, transforms: Sequence[Any], timeout: float | None = None) -> None:
+        """Swap the scheduler's transform chain (``ServerConfig.transforms``) once the requests
+        already in flight have finished; requests submitted meanwhile run under the new one."""
+        self.scheduler.set_transforms(transforms).result(timeout)
+
     # -- documents --------------------------------------------------------------------------
     def add_documents(self, docs: Sequence[Any]) -> Any:
         """Upsert documents into the index; returns once they are persisted."""

@@ -17,6 +17,7 @@ import queue
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from ragserve.graph import END, START, GenerationNode, GraphError, Passage, RetrievalNode
 from ragserve.scheduler.executor import BaseExecutor, Update
@@ -68,6 +69,8 @@ class Scheduler:
         self.abort_memory_s = ABORT_MEMORY_S
         self.max_remembered_aborts = MAX_REMEMBERED_ABORTS
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when aborted
+        self._pending_transforms: tuple | None = None  # (chain, future) until it can swap
+        self._deferred: list[RequestState] = []  # adds that arrived behind a pending swap
         for transform in self.transforms:
             transform.bind(self)
 
@@ -77,6 +80,17 @@ class Scheduler:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def set_transforms(self, transforms: Sequence[BaseTransform]) -> Future:
+        """Replace the transform chain between requests (e.g. a benchmark switching systems).
+
+        Takes effect in the scheduler thread at the next cycle with no active request and no
+        task in flight; the returned future resolves then. Requests added after this call
+        wait until the switch is done; those added before finish under the old chain.
+        """
+        done: Future = Future()
+        self._inbox.put(("transforms", (tuple(transforms), done)))
+        return done
 
     # -- the control loop (scheduler thread only) -----------------------------------------
     def step(self) -> None:
@@ -95,7 +109,7 @@ class Scheduler:
         self.num_cycles += 1
 
     def has_unfinished(self) -> bool:
-        return bool(self._active) or not self._inbox.empty()
+        return bool(self._active or self._deferred) or not self._inbox.empty()
 
     @property
     def num_active(self) -> int:
@@ -114,6 +128,11 @@ class Scheduler:
     def _admit(self) -> None:
         idle = not self._active and not self._by_task
         while True:
+            if self._pending_transforms is not None and not self._active and not self._by_task:
+                self._swap_transforms()
+                deferred, self._deferred = self._deferred, []
+                for item in deferred:
+                    self._admit_one("add", item)
             try:
                 kind, item = (
                     self._inbox.get(timeout=self.poll_timeout)
@@ -123,20 +142,45 @@ class Scheduler:
             except queue.Empty:
                 return
             idle = False
-            if kind == "add" and item.request_id in self._active:
-                item.error = f"duplicate request id {item.request_id!r}"
-                item.error_kind = "bad_request"
-                item.on_done(item.response())
-            elif kind == "add" and self._take_early_abort(item.request_id):
-                item.error, item.error_kind = "aborted", "aborted"
-                item.on_done(item.response())
-            elif kind == "add":
-                self._active[item.request_id] = item
-                self._advance(item, START)
-            elif item in self._active:
-                self._finish(self._active[item], "aborted", "aborted")
+            if kind == "transforms":
+                self._pending_transforms = item
+            elif kind == "add" and self._pending_transforms is not None:
+                self._deferred.append(item)  # admitted under the new chain
             else:
-                self._remember_abort(item)
+                self._admit_one(kind, item)
+
+    def _admit_one(self, kind: str, item) -> None:
+        if kind == "add" and item.request_id in self._active:
+            item.error = f"duplicate request id {item.request_id!r}"
+            item.error_kind = "bad_request"
+            item.on_done(item.response())
+        elif kind == "add" and self._take_early_abort(item.request_id):
+            item.error, item.error_kind = "aborted", "aborted"
+            item.on_done(item.response())
+        elif kind == "add":
+            self._active[item.request_id] = item
+            self._advance(item, START)
+        elif item in self._active:
+            self._finish(self._active[item], "aborted", "aborted")
+        elif any(r.request_id == item for r in self._deferred):
+            for req in [r for r in self._deferred if r.request_id == item]:
+                self._deferred.remove(req)
+                req.error, req.error_kind = "aborted", "aborted"
+                req.on_done(req.response())
+        else:
+            self._remember_abort(item)
+
+    def _swap_transforms(self) -> None:
+        transforms, done = self._pending_transforms
+        self._pending_transforms = None
+        try:
+            for transform in transforms:
+                transform.bind(self)
+        except Exception as exc:
+            done.set_exception(exc)
+            return
+        self.transforms = transforms
+        done.set_result(None)
 
     def _remember_abort(self, request_id: str) -> None:
         now = time.monotonic()
