@@ -8,6 +8,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import queue
+import time
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
@@ -49,14 +50,20 @@ class LocalExecutor(BaseExecutor):
         self.generation.abort(task_ids)
 
     def poll(self, timeout: float) -> list[Update]:
+        """The pending search (or next retrieval sub-stage) and one engine step; while that
+        yields no update (chunked generation tasks hold theirs), more of both until one comes
+        or ``timeout`` has passed, as the worker processes would keep running meanwhile."""
         updates: list[Update] = list(self._errors)
         self._errors.clear()
-        if self._pending or self.retrieval.has_pending():
-            tasks, self._pending = self._pending, []
-            updates.extend(self.retrieval.run(tasks)[0])
-        if self.generation.has_work():
-            updates.extend(self.generation.step())
-        return updates
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._pending or self.retrieval.has_pending():
+                tasks, self._pending = self._pending, []
+                updates.extend(self.retrieval.run(tasks)[0])
+            if self.generation.has_work():
+                updates.extend(self.generation.step())
+            if updates or not self.generation.has_work() or time.monotonic() >= deadline:
+                return updates
 
     def engine_stats(self) -> dict[str, Any]:
         return self.generation.engine.stats()

@@ -1,15 +1,18 @@
 """The work itself, shared by the in-process executor and the worker processes.
 
 ``GenerationRunner`` turns tasks into ``LLMEngine`` requests and engine outputs into
-``GenerationUpdate`` deltas. ``RetrievalRunner`` embeds one batch of queries and searches them
-together (one search per distinct ``nprobe``).
+``GenerationUpdate`` deltas (per engine step, or per chunk of decode steps).
+``RetrievalRunner`` embeds one batch of queries and searches them together (one search per
+distinct ``nprobe``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -20,16 +23,43 @@ from ragserve.scheduler import GenerationTask, GenerationUpdate, RetrievalResult
 logger = logging.getLogger(__name__)
 
 
-class GenerationRunner:
-    """Owns one ``LLMEngine``; mutates it through ``add``/``abort``/``step``."""
+@dataclass
+class _Progress:
+    """What one task has been sent so far (mutated by ``GenerationRunner`` only)."""
 
-    def __init__(self, engine: Any) -> None:
+    holdback: int  # characters kept back while a stop string may still be cut
+    chunk_s: float | None
+    chars: int = 0
+    tokens: int = 0
+    waited_s: float = 0.0  # engine-step seconds since the last update (chunked tasks)
+
+
+class GenerationRunner:
+    """Owns one ``LLMEngine``; mutates it through ``add``/``abort``/``step``.
+
+    ``step()`` runs one engine step and returns the tasks' ``GenerationUpdate`` deltas. A task
+    with ``chunk_s`` is a sequence of decode-step sub-stages (HedraRAG §4.2): each engine step
+    that gives it a token adds that step's duration (``clock`` before and after the step) to
+    its wait, and a non-final update is sent only when the wait reaches ``chunk_s`` (then it
+    restarts from 0). The first update (the first token: TTFT is not delayed), the final one
+    and errors are sent at once. Deltas are always taken from the engine's cumulative text and
+    token ids, so skipping steps changes the grouping, never the concatenation.
+
+    ```
+    engine steps:   1   2   3   4   5   6   7   8(final)     chunk_s = 3 step times
+    per step:       u   u   u   u   u   u   u   u
+    chunked:        u           u           u   u            (first, 4, 7, final)
+    ```
+    """
+
+    def __init__(self, engine: Any, *, clock: Callable[[], float] = time.perf_counter) -> None:
         from ragserve.generation import SamplingParams
 
         self.engine = engine
         self._params_cls = SamplingParams
-        self._sent: dict[str, tuple[int, int]] = {}  # task id -> (chars sent, tokens sent)
-        self._holdback: dict[str, int] = {}
+        self._clock = clock
+        self._progress: dict[str, _Progress] = {}
+        self.num_updates = 0  # updates returned by ``step`` so far
 
     def add(self, tasks: list[GenerationTask]) -> list[GenerationUpdate]:
         """Add tasks to the engine; returns error updates for those it rejected."""
@@ -49,48 +79,59 @@ class GenerationRunner:
                     )
                 )
                 continue
-            self._sent[t.task_id] = (0, 0)
-            self._holdback[t.task_id] = max((len(s) for s in t.params.stop), default=1) - 1
+            holdback = max((len(s) for s in t.params.stop), default=1) - 1
+            self._progress[t.task_id] = _Progress(holdback, t.chunk_s)
         return errors
 
     def abort(self, task_ids: list[str]) -> None:
         for tid in task_ids:
-            if self._sent.pop(tid, None) is not None:
-                self._holdback.pop(tid, None)
+            if self._progress.pop(tid, None) is not None:
                 self.engine.abort(tid)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
 
     def step(self) -> list[GenerationUpdate]:
+        start = self._clock()
+        outputs = self.engine.step()
+        seconds = self._clock() - start
         updates = []
-        for out in self.engine.step():
-            if out.request_id not in self._sent:
+        for out in outputs:
+            progress = self._progress.get(out.request_id)
+            if progress is None or self._holds(progress, out, seconds):
                 continue
-            updates.append(self._delta(out))
+            updates.append(self._delta(out, progress))
+        self.num_updates += len(updates)
         return updates
 
-    def _delta(self, out: Any) -> GenerationUpdate:
-        chars, ntok = self._sent[out.request_id]
+    @staticmethod
+    def _holds(progress: _Progress, out: Any, seconds: float) -> bool:
+        """Whether this output's tokens wait for a later update (chunked tasks only)."""
+        if progress.chunk_s is None or out.finished or progress.tokens == 0:
+            return False
+        progress.waited_s += seconds
+        return progress.waited_s < progress.chunk_s
+
+    def _delta(self, out: Any, progress: _Progress) -> GenerationUpdate:
         text = out.text
         # NOTE: a stop string may still be cut from the end; hold back that many characters.
-        holdback = 0 if out.finished else self._holdback[out.request_id]
-        visible = max(chars, len(text) - holdback)
-        delta = text[chars:visible]
-        first = ntok == 0 and (out.token_ids or out.finished)
+        holdback = 0 if out.finished else progress.holdback
+        visible = max(progress.chars, len(text) - holdback)
+        first = progress.tokens == 0 and (out.token_ids or out.finished)
         update = GenerationUpdate(
             task_id=out.request_id,
-            text_delta=delta,
-            new_token_ids=tuple(out.token_ids[ntok:]),
+            text_delta=text[progress.chars : visible],
+            new_token_ids=tuple(out.token_ids[progress.tokens :]),
             finished=out.finished,
             finish_reason=out.finish_reason,
             prompt_token_ids=tuple(out.prompt_token_ids) if first else None,
             final_text=text if out.finished else None,
         )
         if out.finished:
-            del self._sent[out.request_id], self._holdback[out.request_id]
+            del self._progress[out.request_id]
         else:
-            self._sent[out.request_id] = (visible, len(out.token_ids))
+            progress.chars, progress.tokens = visible, len(out.token_ids)
+            progress.waited_s = 0.0
         return update
 
 

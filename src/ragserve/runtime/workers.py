@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import time
 import traceback
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,6 +30,8 @@ from ragserve.runtime.runners import GenerationRunner, RetrievalRunner
 from ragserve.runtime.shm import ShmRef, ShmWriter
 
 logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.05  # engine stats while busy without updates: at most this often
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ def _drain(inbox: Any, block: bool) -> list[Any]:
 
 def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: ShmWriter) -> None:
     was_busy = False
+    last_stats = 0.0
     while True:
         updates = []
         for msg in _drain(inbox, block=not runner.has_work()):
@@ -107,8 +111,12 @@ def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: Sh
         if updates:
             _send_generation(conn, writer, updates)
         busy = runner.has_work()
-        if busy or was_busy or updates:
+        now = time.monotonic()
+        # NOTE: every message wakes the scheduler; steps whose updates are held back (chunked
+        # tasks) send stats at most every STATS_INTERVAL_S, so a chunk costs one wake-up.
+        if updates or (was_busy and not busy) or (busy and now - last_stats >= STATS_INTERVAL_S):
             conn.send(("stats", runner.engine.stats()))
+            last_stats = now
         was_busy = busy
 
 

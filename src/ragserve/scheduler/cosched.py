@@ -21,6 +21,11 @@ class CoScheduleConfig:
 
     - ``enable_split``: retrieval sub-stages under the budget ``mb`` (``budget_s``; ``None``:
       Eq. 1 from the worker's measurements).
+    - ``enable_gen_chunks`` (with ``enable_split``; no effect without it): generation
+      sub-stages too: generation tasks report in chunks of decode steps of ``mb`` seconds
+      instead of one update per token (``budget_s``, or with ``None`` the ``mb`` learned from
+      split retrieval results; per-token updates until one is known). First token and final
+      update are never delayed; outputs are identical.
     - ``enable_similarity``: per-request local cache of the top-``cache_topk`` clusters and
       cluster reordering.
     - ``enable_speculation``: generation on partial top-k when in-flight generation tasks /
@@ -31,6 +36,7 @@ class CoScheduleConfig:
     """
 
     enable_split: bool = True
+    enable_gen_chunks: bool = True
     enable_similarity: bool = True
     enable_speculation: bool = True
     budget_s: float | None = None
@@ -55,7 +61,7 @@ def make_transforms(config: CoScheduleConfig) -> tuple[BaseTransform, ...]:
     """The transforms for ``config``, in the order the scheduler must apply them."""
     out: list[BaseTransform] = []
     if config.enable_split:
-        out.append(SplitTransform(config.budget_s))
+        out.append(SplitTransform(config.budget_s, gen_chunks=config.enable_gen_chunks))
     if config.enable_similarity:
         similarity = SimilarityTransform(config.cache_topk)
         out.append(similarity)

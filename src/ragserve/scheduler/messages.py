@@ -50,12 +50,24 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class GenerationTask:
-    """Generate for ``prompt``; ``chat`` wraps it as one user message with the chat template."""
+    """Generate for ``prompt``; ``chat`` wraps it as one user message with the chat template.
+
+    ``chunk_s`` (node splitting, generation side): ``None`` sends an update after every engine
+    step that gives the task a token. A number coalesces them into sub-stages of decode steps:
+    a non-final update goes out once the engine steps since the task's last update add up to
+    ``chunk_s`` seconds; the first token, the final update and errors go out at once. The
+    concatenated deltas and token ids are the same either way.
+    """
 
     task_id: str
     prompt: str | tuple[int, ...]
     params: GenerationParams
     chat: bool = True
+    chunk_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_s is not None and not self.chunk_s > 0:
+            raise ValueError(f"chunk_s must be > 0 or None, got {self.chunk_s}")
 
 
 @dataclass(frozen=True)
