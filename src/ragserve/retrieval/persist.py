@@ -166,8 +166,33 @@ def _write_snapshot(
 ) -> dict[str, Any]:
     name = snapshot_name(generation)
     atomic_write_bytes(directory / name, memoryview(data))
-    spec = vi.spec
-    manifest = {
+    manifest = build_manifest(
+        vi.spec,
+        vi._index,
+        snapshot=name,
+        sha256=hashlib.sha256(memoryview(data)).hexdigest(),
+        num_bytes=int(data.nbytes),
+        applied_seq=applied_seq,
+        generation=generation,
+        metadata=vi.metadata,
+    )
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def build_manifest(
+    spec: IndexSpec,
+    index: faiss.IndexIVF,
+    *,
+    snapshot: str,
+    sha256: str,
+    num_bytes: int,
+    applied_seq: int,
+    generation: int,
+    metadata: dict[str, Any],
+) -> dict[str, Any]:
+    """The manifest of a snapshot file `snapshot` of `index` (written by the caller)."""
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "dim": spec.dim,
@@ -176,19 +201,17 @@ def _write_snapshot(
         "nlist": spec.nlist,
         "nprobe": spec.nprobe,
         "embedder": spec.embedder,
-        "num_vectors": int(vi._index.ntotal),
-        "code_size_bytes": int(vi._index.code_size),
-        "snapshot": name,
-        "snapshot_sha256": hashlib.sha256(memoryview(data)).hexdigest(),
-        "snapshot_bytes": int(data.nbytes),
+        "num_vectors": int(index.ntotal),
+        "code_size_bytes": int(index.code_size),
+        "snapshot": snapshot,
+        "snapshot_sha256": sha256,
+        "snapshot_bytes": int(num_bytes),
         "applied_seq": int(applied_seq),
         "generation": generation,
         "written_at": time.time(),
-        "metadata": vi.metadata,
+        "metadata": metadata,
         "versions": {"ragserve": __version__, "faiss": faiss.__version__, "numpy": np.__version__},
     }
-    write_manifest(directory, manifest)
-    return manifest
 
 
 def _replay(index: faiss.IndexIVF, store: DocStore, applied_seq: int) -> None:

@@ -1,0 +1,238 @@
+"""Bulk build of a NEW persisted index directory from precomputed vectors, without the copies
+`VectorIndex.from_vectors(...).save(dir)` makes (in-memory SQLite + backup, serialized index).
+
+```
+vectors [n, d] ─┬─ thread: DocStore.bulk_load ─────────────────────────> docs.sqlite
+  (host, f32)   └─ train (Faiss or torch k-means on a 256·nlist sample)
+                   assign (Faiss, or torch on the GPU) ─> add_preassigned ─> write_index
+                   (streamed to index-000001.faiss.tmp, sha256 on the fly) ─> rename
+                                                       both done ─> manifest.json ─> rename DIR
+```
+
+The result is the same format `save_index` writes (generation 1, `applied_seq = n`, rows 1..n)
+and loads with `VectorIndex.load`. With `backend="faiss"` (the default on CPU) the index equals
+`VectorIndex.from_vectors` on the same data bit for bit; with `backend="torch"` (the default on
+CUDA) k-means is ours and the assignment may differ from Faiss's only on float-rounding ties.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import faiss
+import numpy as np
+
+from ragserve.retrieval import stepwise
+from ragserve.retrieval.docstore import DocStore
+from ragserve.retrieval.index import IndexSpec, auto_nlist
+from ragserve.retrieval.persist import build_manifest
+from ragserve.retrieval.storage import DOCSTORE, fsync_dir, snapshot_name, write_manifest
+from ragserve.retrieval.types import Document
+
+logger = logging.getLogger(__name__)
+
+ADD_CHUNK_ROWS = 1 << 18  # bounds Faiss's per-call scratch (PQ residuals) to ~chunk·d floats
+
+
+class BulkBuildResult(NamedTuple):
+    directory: Path
+    seconds: dict[str, float]  # per phase; "docstore" overlaps the index phases
+
+
+def build_index_directory(
+    directory: str | Path,
+    docs: Sequence[Document],
+    vectors: np.ndarray,
+    *,
+    embedder_name: str,
+    nlist: int | None = None,
+    kind: str = "ivf_flat",
+    metric: str = "ip",
+    nprobe: int | None = None,
+    device: str = "cpu",
+    backend: str | None = None,
+    seed: int = 0,
+    centroids: np.ndarray | None = None,
+    metadata: dict[str, Any] | None = None,
+    **index_kwargs: Any,
+) -> BulkBuildResult:
+    """Write `docs` and `vectors` (float32 `[len(docs), d]`, C-contiguous: never copied) as a
+    new index in `directory` (absent or empty), atomically: a crash leaves no `directory`.
+
+    `backend` trains and assigns with "faiss" (CPU) or "torch" (on `device`); default: faiss on
+    "cpu", torch otherwise. `centroids` (`[nlist, d]`) skip training. `nlist`, `nprobe` and
+    `**index_kwargs` (pq_m, pq_nbits) mean what they mean in `VectorIndex.from_vectors`.
+    """
+    x = vectors
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or len(x) != len(docs):
+        raise ValueError(f"need one vector per document: {len(docs)} docs, {x.shape} vectors")
+    backend = backend or ("faiss" if device == "cpu" else "torch")
+    if backend not in ("faiss", "torch") or (backend == "faiss" and device != "cpu"):
+        raise ValueError(f"backend {backend!r} cannot run on device {device!r}")
+    nlist = nlist or auto_nlist(len(x))
+    spec = IndexSpec(x.shape[1], nlist, kind, metric, embedder_name, nprobe or max(1, nlist // 4))
+    directory = Path(directory).absolute()
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise FileExistsError(f"{directory} exists and is not empty")
+    tmp = _scratch_dir(directory)
+    seconds: dict[str, float] = {}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            store_job = pool.submit(_write_store, tmp / DOCSTORE, docs, x, seconds)
+            index = _build_faiss(x, spec, device, backend, seed, centroids, seconds, index_kwargs)
+            name = snapshot_name(1)
+            t0 = time.perf_counter()
+            sha256, num_bytes = _write_faiss(index, tmp / name)
+            seconds["write_index"] = time.perf_counter() - t0
+            applied_seq = store_job.result()
+        manifest = build_manifest(
+            spec,
+            index,
+            snapshot=name,
+            sha256=sha256,
+            num_bytes=num_bytes,
+            applied_seq=applied_seq,
+            generation=1,
+            metadata=dict(metadata or {}),
+        )
+        write_manifest(tmp, manifest)
+        if directory.exists():
+            directory.rmdir()
+        os.rename(tmp, directory)
+        fsync_dir(directory.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info(
+        "bulk-built %s: %d vectors, %s",
+        directory,
+        len(x),
+        ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()),
+    )
+    return BulkBuildResult(directory, seconds)
+
+
+def _scratch_dir(directory: Path) -> Path:
+    """A fresh `.NAME.tmp-PID` next to `directory`; leftovers of dead builds are removed first
+    (a 5M x 768 build is ~32 GB of disk)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    for old in directory.parent.glob(f".{directory.name}.tmp-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _is_alive(int(pid))):
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    return tmp
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_store(path: Path, docs: Sequence[Document], x: np.ndarray, seconds: dict) -> int:
+    t0 = time.perf_counter()
+    store = DocStore(path)
+    try:
+        n = store.bulk_load(docs, x)
+    finally:
+        store.close()
+    seconds["docstore"] = time.perf_counter() - t0
+    return n
+
+
+def _build_faiss(
+    x: np.ndarray,
+    spec: IndexSpec,
+    device: str,
+    backend: str,
+    seed: int,
+    centroids: np.ndarray | None,
+    seconds: dict,
+    index_kwargs: dict,
+) -> faiss.IndexIVF:
+    t0 = time.perf_counter()
+    index = stepwise.make_ivf(spec.dim, spec.nlist, spec.kind, spec.metric, **index_kwargs)
+    max_train = 256 * spec.nlist
+    if centroids is None and backend == "faiss":
+        stepwise.train(index, x, max_train=max_train, seed=seed)  # as `from_vectors` does
+    else:
+        sample = _train_sample(x, max_train, seed)
+        if centroids is None:
+            from ragserve.retrieval import gpu_kmeans
+
+            centroids = gpu_kmeans.kmeans(sample, spec.nlist, spec.metric, device=device, seed=seed)
+        c = np.ascontiguousarray(centroids, dtype=np.float32)
+        if c.shape != (spec.nlist, spec.dim):
+            raise ValueError(f"centroids must have shape ({spec.nlist}, {spec.dim}), got {c.shape}")
+        index.quantizer.add(c)
+        index.train(sample)  # the quantizer is full: trains only SQ/PQ codebooks
+    seconds["train"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    labels = _assign(index, x, spec.metric, device, backend)
+    seconds["assign"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for a in range(0, len(x), ADD_CHUNK_ROWS):
+        b = min(a + ADD_CHUNK_ROWS, len(x))
+        ids = np.arange(a + 1, b + 1, dtype=np.int64)  # DocStore.bulk_load's row ids
+        index.add_core(
+            b - a, faiss.swig_ptr(x[a:b]), faiss.swig_ptr(ids), faiss.swig_ptr(labels[a:b])
+        )
+    seconds["add"] = time.perf_counter() - t0
+    return index
+
+
+def _train_sample(x: np.ndarray, max_train: int, seed: int) -> np.ndarray:
+    """The rows `stepwise.train` samples for the same `max_train` and `seed`."""
+    if len(x) <= max_train:
+        return x
+    pick = np.random.default_rng(seed).choice(len(x), size=max_train, replace=False)
+    return x[np.sort(pick)]
+
+
+def _assign(index: faiss.IndexIVF, x: np.ndarray, metric: str, device: str, backend: str):
+    if backend == "torch":
+        from ragserve.retrieval import gpu_kmeans
+
+        centroids = index.quantizer.reconstruct_n(0, index.nlist)
+        return gpu_kmeans.assign(x, centroids, metric, device=device)
+    labels = np.empty(len(x), dtype=np.int64)
+    for a in range(0, len(x), ADD_CHUNK_ROWS):
+        labels[a : a + ADD_CHUNK_ROWS] = index.quantizer.assign(x[a : a + ADD_CHUNK_ROWS], 1)[:, 0]
+    return labels
+
+
+def _write_faiss(index: faiss.IndexIVF, path: Path) -> tuple[str, int]:
+    """Stream `index` into `path` (tmp → fsync → rename → fsync dir); returns (sha256, bytes)."""
+    tmp = path.with_name(path.name + ".tmp")
+    digest = hashlib.sha256()
+    num_bytes = 0
+    with open(tmp, "wb") as f:
+
+        def write(chunk: bytes) -> None:
+            nonlocal num_bytes
+            f.write(chunk)
+            digest.update(chunk)
+            num_bytes += len(chunk)
+
+        faiss.write_index(index, faiss.PyCallbackIOWriter(write))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return digest.hexdigest(), num_bytes
