@@ -64,9 +64,10 @@ def test_generation_updates_cross_with_token_ids_in_shared_memory() -> None:
             GenerationUpdate("b", "llo", (7,), True, "stop", final_text="hello"),
         ]
         conn = _Conn()
-        _send_generation(conn, writer, updates)
-        kind, slim, ref = conn.sent[0]
+        _send_generation(conn, writer, updates, {"running": 1})
+        kind, slim, ref, stats = conn.sent[0]
         assert kind == "gen" and all(u.new_token_ids == () for u in slim)
+        assert stats == {"running": 1}  # the engine stats ride on the update message
         assert unpack_generation(slim, ring.read(ref)) == updates
     finally:
         ring.close()

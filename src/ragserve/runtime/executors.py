@@ -264,6 +264,8 @@ class ProcessExecutor(BaseExecutor):
         payload, arrays = msg[1], msg[2]
         if arrays is not None and not isinstance(arrays, list):
             arrays = worker.ring.read(arrays)
+        if kind == "gen" and msg[3] is not None:
+            worker.engine_stats = msg[3]
         updates = unpack_generation(payload, arrays) if kind == "gen" else payload
         done = [u.task_id for u in updates if getattr(u, "finished", True)]
         worker.in_flight.difference_update(done)

@@ -8,8 +8,9 @@ ring instead of pickling them. Messages in:
     ("ret", [RetrievalTask])    ("call", token, name, args)   retrieval worker
     None                                                      shut down
 
-Messages out: ("ready", info), ("fatal", traceback), ("gen", updates, ShmRef | arrays),
-("ret", results, ShmRef | arrays), ("reply", token, value, error).
+Messages out: ("ready", info), ("fatal", traceback), ("gen", updates, ShmRef | arrays,
+stats | None), ("stats", stats), ("ret", results, ShmRef | arrays), ("reply", token, value,
+error).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ragserve.runtime.shm import ShmRef, ShmWriter
 
 logger = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 0.05  # engine stats while busy without updates: at most this often
+STATS_INTERVAL_S = 0.25  # engine stats while busy without updates: at most this often
 
 
 @dataclass(frozen=True)
@@ -108,20 +109,26 @@ def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: Sh
                 runner.abort(msg[1])
         if runner.has_work():
             updates.extend(runner.step())
-        if updates:
-            _send_generation(conn, writer, updates)
         busy = runner.has_work()
         now = time.monotonic()
-        # NOTE: every message wakes the scheduler; steps whose updates are held back (chunked
-        # tasks) send stats at most every STATS_INTERVAL_S, so a chunk costs one wake-up.
+        # NOTE: every message wakes the scheduler. Stats ride on the update message; steps
+        # whose updates are held back (chunked tasks) send them at most every
+        # STATS_INTERVAL_S, so a chunk of decode steps costs one wake-up, not one per step.
+        stats = None
         if updates or (was_busy and not busy) or (busy and now - last_stats >= STATS_INTERVAL_S):
-            conn.send(("stats", runner.engine.stats()))
-            last_stats = now
+            stats, last_stats = runner.engine.stats(), now
+        if updates:
+            _send_generation(conn, writer, updates, stats)
+        elif stats is not None:
+            conn.send(("stats", stats))
         was_busy = busy
 
 
-def _send_generation(conn: Any, writer: ShmWriter, updates: list) -> None:
-    """Token ids of all updates go into one shared-memory slot as ``lengths [n, 2]`` + ids."""
+def _send_generation(
+    conn: Any, writer: ShmWriter, updates: list, stats: dict | None = None
+) -> None:
+    """Token ids of all updates go into one shared-memory slot as ``lengths [n, 2]`` + ids;
+    ``stats`` (the engine's, or ``None``) ride along."""
     prompts = [u.prompt_token_ids or () for u in updates]
     pairs = zip(prompts, updates, strict=True)
     lengths = np.array([[len(p), len(u.new_token_ids)] for p, u in pairs])
@@ -129,7 +136,7 @@ def _send_generation(conn: Any, writer: ShmWriter, updates: list) -> None:
     arrays = [lengths.astype(np.int64).reshape(-1, 2), np.asarray(flat, dtype=np.int64)]
     slim = [replace(u, new_token_ids=(), prompt_token_ids=None) for u in updates]
     ref = writer.write(arrays, timeout=1.0)
-    conn.send(("gen", slim, ref if ref is not None else arrays))
+    conn.send(("gen", slim, ref if ref is not None else arrays, stats))
 
 
 def unpack_generation(slim: list, arrays: list[np.ndarray]) -> list:
