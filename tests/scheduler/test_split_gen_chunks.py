@@ -4,18 +4,22 @@
 from __future__ import annotations
 
 import pytest
+from test_split import HashEmbedder, StagedExecutor, make_index, run_requests
 
+from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import (
     GenerationParams,
     GenerationTask,
     GenerationUpdate,
     RetrievalResult,
     RetrievalTask,
+    Scheduler,
     Wavefront,
 )
 from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
 from ragserve.scheduler.split import SplitTransform
 from ragserve.scheduler.staged_messages import RetrievalPartial, StagedRetrievalResult
+from ragserve.workflows import get_workflow
 
 
 def gen(task_id: str, chunk_s: float | None = None) -> GenerationTask:
@@ -96,3 +100,32 @@ def test_bad_values_are_rejected() -> None:
         SplitTransform(alpha=0.0)
     with pytest.raises(ValueError, match="budget_s"):
         SplitTransform(budget_s=-1.0)
+
+
+def test_learned_chunk_reaches_generation_tasks_through_the_chain() -> None:
+    """Eq. 1 path end to end: the worker cuts retrievals (its budget pinned to 60 vectors, in
+    cost units), the chain's ``SplitTransform`` learns ``mb`` from the results, and the
+    generation tasks dispatched after them carry it; outputs equal the unsplit run."""
+
+    def run(transforms):
+        runner = StagedRetrievalRunner(make_index("ivf_flat", "ip"), HashEmbedder(), 16)
+        runner.cost.seconds_per_vector = 1.0
+        runner.cost.observe_scan = lambda *args: None
+        runner.cost.budget = lambda override=None: 60.0 if override is None else override
+        ex = StagedExecutor(runner)
+        graph = get_workflow("oneshot", topk=3)
+        done = run_requests(
+            Scheduler(ex, transforms), [(f"r{i}", graph, f"q {i}") for i in range(6)]
+        )
+        return done, ex
+
+    plain, _ = run([])
+    transforms = make_transforms(CoScheduleConfig(enable_speculation=False))
+    split = transforms[0]
+    chunked, ex = run(list(transforms))
+    assert {r: d.output for r, d in chunked.items()} == {r: d.output for r, d in plain.items()}
+    assert isinstance(split, SplitTransform) and split.budget_s is None
+    assert split.learned_budget_s is not None and split.learned_budget_s > 0
+    tasks = [t for call in ex.generation_calls for t in call]
+    assert len(tasks) == 6 and all(t.chunk_s is not None and t.chunk_s > 0 for t in tasks)
+    assert all(t.split and t.budget_s is None for c in ex.retrieval_calls for t in c)

@@ -25,7 +25,10 @@ class CoScheduleConfig:
       sub-stages too: generation tasks report in chunks of decode steps of ``mb`` seconds
       instead of one update per token (``budget_s``, or with ``None`` the ``mb`` learned from
       split retrieval results; per-token updates until one is known). First token and final
-      update are never delayed; outputs are identical.
+      update are never delayed; outputs are identical. Speculative generations (started by
+      the speculation transform, after the split) keep per-token updates; speculative
+      retrieval fires on the first update at or past its fraction, so up to one chunk later
+      (not at all when the rest of the generation fits in one chunk).
     - ``enable_similarity``: per-request local cache of the top-``cache_topk`` clusters and
       cluster reordering.
     - ``enable_speculation``: generation on partial top-k when in-flight generation tasks /
