@@ -95,7 +95,7 @@ def measure(server, clock: dict, transforms: tuple, system: str, p: Preset, data
     """One point: Poisson arrivals of workflow ``point["workflow"]`` (or a mix) at
     ``point["rate"]``; questions ``offset``.. (the same for every system at this point)."""
     wf, rate, nprobe = point["workflow"], point["rate"], point["nprobe"]
-    n = num_requests(rate, point, args)
+    n = num_requests(rate, point, p, args)
     rng = np.random.default_rng(args.seed + offset)
     names = [wf] * n if wf != "mix" else list(rng.choice(WORKFLOWS, n))
     qs = [data["questions"][(offset + j) % len(data["questions"])] for j in range(n)]
@@ -115,12 +115,15 @@ def measure(server, clock: dict, transforms: tuple, system: str, p: Preset, data
     return row
 
 
-def num_requests(rate: float, point: dict, args) -> int:
-    """``--num-requests`` when given, else ``duration`` seconds of arrivals, clamped."""
+def num_requests(rate: float, point: dict, p: Preset, args) -> int:
+    """``--num-requests`` when given, else ``duration`` (the phase's, or ``--duration``)
+    seconds of arrivals clamped to ``--min/max-requests``, else the preset's count."""
     if args.num_requests:
         return args.num_requests
-    n = round(rate * point.get("duration", args.duration))
-    return int(min(max(n, args.min_requests), args.max_requests))
+    duration = point.get("duration", args.duration)
+    if not duration:
+        return p.num_requests
+    return int(min(max(round(rate * duration), args.min_requests), args.max_requests))
 
 
 def phases(p: Preset, data: dict, args) -> list[dict]:
@@ -298,7 +301,6 @@ def run(args) -> int:
     p = PRESETS[args.preset]
     args.workflows = args.workflows or list(p.workflows)
     args.rates = args.rates or list(p.rates)
-    args.num_requests = args.num_requests or (None if args.duration else p.num_requests)
     args.duration = args.duration or 0.0
     args.point_timeout = args.point_timeout if args.point_timeout is not None else 2 * p.slo
     args.out.mkdir(parents=True, exist_ok=True)

@@ -101,26 +101,47 @@ PRESETS: dict[str, Preset] = {
     ),
     "h200": Preset(
         model=LLAMA_31_8B,
-        # NOTE: 16 GB weights + 20 GiB KV per server: three interleaved servers fit one H200
+        # NOTE: one server for all systems: 16 GB of weights + 40 GiB of KV cache
         engine={
             "device": "cuda",
             "dtype": "bfloat16",
             "max_num_seqs": 256,
-            "kv_cache_bytes": 20 << 30,
+            "kv_cache_bytes": 40 << 30,
         },
         num_docs=5_000_000,
         dim=768,
         nlist=4096,
-        nprobes=(128, 256, 512),
+        nprobes=(256, 128, 512),
         num_topics=16384,
         max_tokens=128,
         topk=1,
-        num_requests=64,
-        rates=(4.0, 8.0, 16.0, 24.0),
+        num_requests=32,
+        rates=(1.0, 2.0, 4.0, 8.0, 16.0),
         workflows=("oneshot", "multistep", "irg", "mix"),
         first_clusters=32,
-        notes="one H200, Llama-3.1-8B shape with random bf16 weights, CPU IVF (faiss-cpu, all "
-        "host threads); one run per --nprobe and per workflow to fit 10-minute calls",
+        notes="one H200, Llama-3.1-8B shape with random bf16 weights, CPU IVF (faiss-cpu, "
+        "OMP_NUM_THREADS host threads); the full run is bench/plans/h200.json",
+    ),
+    "h200-smoke": Preset(
+        model=LLAMA_31_8B,
+        engine={
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "max_num_seqs": 256,
+            "kv_cache_bytes": 40 << 30,
+        },
+        num_docs=200_000,
+        dim=768,
+        nlist=1024,
+        nprobes=(64,),
+        num_topics=4096,
+        max_tokens=32,
+        topk=1,
+        num_requests=8,
+        rates=(4.0,),
+        workflows=("oneshot", "irg"),
+        first_clusters=8,
+        notes="the h200 pipeline end to end at a small index: checks the device path",
     ),
 }
 
