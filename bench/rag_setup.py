@@ -41,6 +41,13 @@ CPU_SMALL_MODEL = {
     "rms_norm_eps": 1e-5,
     "vocab_size": 49152,
 }
+# NOTE: one server for all systems: 16 GB of weights + 40 GiB of KV cache on one H200
+H200_ENGINE = {
+    "device": "cuda",
+    "dtype": "bfloat16",
+    "max_num_seqs": 256,
+    "kv_cache_bytes": 40 << 30,
+}
 SMOKE_MODEL = {**CPU_SMALL_MODEL, "hidden_size": 64, "intermediate_size": 128,
                "num_hidden_layers": 2, "head_dim": 16}  # fmt: skip
 
@@ -101,13 +108,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "h200": Preset(
         model=LLAMA_31_8B,
-        # NOTE: one server for all systems: 16 GB of weights + 40 GiB of KV cache
-        engine={
-            "device": "cuda",
-            "dtype": "bfloat16",
-            "max_num_seqs": 256,
-            "kv_cache_bytes": 40 << 30,
-        },
+        engine=H200_ENGINE,
         num_docs=5_000_000,
         dim=768,
         nlist=4096,
@@ -124,12 +125,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "h200-smoke": Preset(
         model=LLAMA_31_8B,
-        engine={
-            "device": "cuda",
-            "dtype": "bfloat16",
-            "max_num_seqs": 256,
-            "kv_cache_bytes": 40 << 30,
-        },
+        engine=H200_ENGINE,
         num_docs=200_000,
         dim=768,
         nlist=1024,

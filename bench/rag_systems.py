@@ -26,20 +26,30 @@ from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
 SYSTEMS = ("sequential", "stagewise", "async", "ragserve", "split", "similarity", "speculation")
 
 
-class SerialStagesTransform(BaseTransform):
-    """Hold tasks back so at most one retrieval and one generation run at a time (FIFO)."""
+class _HoldingTransform(BaseTransform):
+    """A baseline that holds tasks back (``_held`` per kind, FIFO) and releases them later."""
 
     def __init__(self) -> None:
         self._held: dict[str, deque] = {"gen": deque(), "ret": deque()}
-        self._busy: dict[str, str | None] = {"gen": None, "ret": None}
         self._scheduler = None
 
     def bind(self, scheduler) -> None:
         self._scheduler = scheduler
 
-    def apply(self, wavefront: Wavefront) -> Wavefront:
+    def _hold(self, wavefront: Wavefront) -> None:
         self._held["gen"].extend(wavefront.generation)
         self._held["ret"].extend(wavefront.retrieval)
+
+
+class SerialStagesTransform(_HoldingTransform):
+    """Hold tasks back so at most one retrieval and one generation run at a time (FIFO)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._busy: dict[str, str | None] = {"gen": None, "ret": None}
+
+    def apply(self, wavefront: Wavefront) -> Wavefront:
+        self._hold(wavefront)
         out = Wavefront()
         for kind, target in (("gen", out.generation), ("ret", out.retrieval)):
             alive = self._scheduler.request_of_task
@@ -61,22 +71,17 @@ class SerialStagesTransform(BaseTransform):
         return updates
 
 
-class StagewiseTransform(BaseTransform):
+class StagewiseTransform(_HoldingTransform):
     """Alternate batch phases: release every held task of one kind at once, wait until all of
     them finished, then do the same for the other kind. New tasks wait for their kind's turn."""
 
     def __init__(self) -> None:
-        self._held: dict[str, deque] = {"gen": deque(), "ret": deque()}
+        super().__init__()
         self._in_flight: set[str] = set()
         self._last = "ret"
-        self._scheduler = None
-
-    def bind(self, scheduler) -> None:
-        self._scheduler = scheduler
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
-        self._held["gen"].extend(wavefront.generation)
-        self._held["ret"].extend(wavefront.retrieval)
+        self._hold(wavefront)
         alive = self._scheduler.request_of_task
         self._in_flight = {t for t in self._in_flight if alive(t) is not None}
         out = Wavefront()

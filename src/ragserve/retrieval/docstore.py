@@ -15,7 +15,6 @@ partial search result can never come to mean another passage. A committed transa
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ragserve.retrieval.storage import fsync_dir
 from ragserve.retrieval.types import Document
 
 SCHEMA = """
@@ -148,7 +148,7 @@ class DocStore:
             if self.path is not None:
                 conn.execute("PRAGMA synchronous=FULL")
                 conn.execute("PRAGMA journal_mode=WAL")
-                _fsync_file(self.path)
+                fsync_dir(self.path)
         return len(x)
 
     def truncate_log(self, upto_seq: int) -> None:
@@ -280,14 +280,6 @@ def _bulk_rows(docs: Sequence[Document], x: np.ndarray) -> Iterator[tuple]:
     for row_id, (doc, vec) in enumerate(zip(docs, x, strict=True), start=1):
         meta = json.dumps(doc.metadata) if doc.metadata else "{}"
         yield row_id, doc.id, doc.title, doc.text, meta, vec  # vec: buffer, stored as a BLOB
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _chunks(items: list, size: int):

@@ -50,6 +50,7 @@ def sha256_file(path: Path) -> str:
 
 
 def fsync_dir(path: Path) -> None:
+    """fsync a directory (its entries) or a file (its data), by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
