@@ -1,0 +1,364 @@
+"""VectorLiteRAG §V-A: piecewise-linear latency models of IVF search and the hybrid Eq. 1.
+
+CPU search of a batch of ``b`` queries at a fixed ``nprobe`` has two stages, each modelled as
+a piecewise-linear function of ``b`` fitted to measurements (the paper's Fig. 8, left):
+
+- ``T_CQ(b)``: coarse quantization (``VectorIndex.assign``), seconds;
+- ``T_LUT(b)``: scanning the probed lists (``VectorIndex.scan``; the LUT stage for PQ, the
+  list scan for IVF-Flat), seconds.
+
+With the hot clusters on the GPU their scan overlaps the CPU work, so a batch whose slowest
+query has hit rate ``eta`` (fraction of its probed clusters on the GPU) takes (Eq. 1)::
+
+    tau_s(b) = T_CQ(b) + (1 - eta) * T_LUT(b)
+
+Nothing here imports faiss or torch: measurements come in as arrays, or through
+``measure_cpu_model`` (any object with ``assign``/``scan``, e.g. ``VectorIndex``) and
+``measure_scan_grid`` (any scan callable, e.g. the GPU tier's, with its ``synchronize``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ragserve.retrieval.profile import SearchProfile
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.index import VectorIndex
+
+# NOTE: past this many breakpoint combinations the candidates are thinned to quantiles of x.
+_MAX_COMBINATIONS = 20_000
+
+
+@dataclass(frozen=True)
+class PiecewiseLinear:
+    """A continuous piecewise-linear function through ``(knots[i], values[i])``.
+
+    ``knots`` strictly ascending; outside ``[knots[0], knots[-1]]`` the end segments extend
+    linearly (a single knot is a constant).
+    """
+
+    knots: tuple[float, ...]
+    values: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.knots) == 0 or len(self.knots) != len(self.values):
+            raise ValueError(
+                f"knots and values must be non-empty and of equal length, "
+                f"got {len(self.knots)} and {len(self.values)}"
+            )
+        k = np.asarray(self.knots, dtype=np.float64)
+        if not np.all(np.isfinite(k)) or not np.all(np.isfinite(self.values)):
+            raise ValueError("knots and values must be finite")
+        if np.any(np.diff(k) <= 0):
+            raise ValueError(f"knots must be strictly ascending, got {self.knots}")
+
+    @property
+    def slopes(self) -> tuple[float, ...]:
+        """Slope of each of the ``len(knots) - 1`` segments."""
+        k, v = np.asarray(self.knots), np.asarray(self.values)
+        return tuple(float(s) for s in np.diff(v) / np.diff(k))
+
+    def __call__(self, x: float) -> float:
+        return float(self.evaluate(np.asarray([x], dtype=np.float64))[0])
+
+    def evaluate(self, x: np.ndarray) -> np.ndarray:
+        """Values at every element of ``x`` (float64, same shape)."""
+        xs = np.asarray(x, dtype=np.float64)
+        k, v = np.asarray(self.knots), np.asarray(self.values)
+        if len(k) == 1:
+            return np.full(xs.shape, v[0])
+        out = np.interp(xs, k, v)
+        lo_slope = (v[1] - v[0]) / (k[1] - k[0])
+        hi_slope = (v[-1] - v[-2]) / (k[-1] - k[-2])
+        out = np.where(xs < k[0], v[0] + lo_slope * (xs - k[0]), out)
+        return np.where(xs > k[-1], v[-1] + hi_slope * (xs - k[-1]), out)
+
+
+def fit_piecewise_linear(
+    x: Sequence[float] | np.ndarray,
+    y: Sequence[float] | np.ndarray,
+    *,
+    num_segments: int | None = None,
+    max_segments: int = 4,
+) -> PiecewiseLinear:
+    """Least-squares continuous piecewise-linear fit of ``y`` against ``x``.
+
+    Breakpoints are chosen among the distinct interior ``x`` values (exhaustively; thinned to
+    quantiles when there are too many). ``num_segments=None`` picks the count in
+    ``1..max_segments`` by BIC (2 parameters per segment), so noise-free data from ``k``
+    segments gets exactly ``k``. The result's knots are ``[min(x), breakpoints..., max(x)]``.
+    """
+    xs, ys = _check_xy(x, y)
+    distinct = np.unique(xs)
+    if num_segments is not None and num_segments < 1:
+        raise ValueError(f"num_segments must be >= 1, got {num_segments}")
+    if max_segments < 1:
+        raise ValueError(f"max_segments must be >= 1, got {max_segments}")
+    counts = [num_segments] if num_segments is not None else range(1, max_segments + 1)
+    candidates = _thin(distinct[1:-1], max(counts) - 1)
+    scale = float(np.ptp(ys)) or float(np.abs(ys).max()) or 1.0
+    floor = (
+        1e-9 * scale
+    ) ** 2  # NOTE: SSE below this is rounding: exact data picks fewest segments
+    best: tuple[float, tuple[float, ...]] | None = None
+    for k in counts:
+        if k - 1 > len(candidates):
+            if num_segments is not None:
+                raise ValueError(
+                    f"num_segments={k} needs {k + 1} distinct x values, got {len(distinct)}"
+                )
+            break
+        sse, breaks = _best_breaks(xs, ys, candidates, k - 1)
+        n = len(xs)
+        score = n * math.log(max(sse / n, floor)) + 2 * k * math.log(n)
+        if best is None or score < best[0]:
+            best = (score, breaks)
+    assert best is not None
+    knots = np.concatenate([[distinct[0]], best[1], [distinct[-1]]])
+    coef = _lstsq(xs, ys, best[1])[1]
+    values = _hinge_basis(knots, best[1]) @ coef
+    return PiecewiseLinear(tuple(float(k) for k in knots), tuple(float(v) for v in values))
+
+
+def _check_xy(x, y) -> tuple[np.ndarray, np.ndarray]:
+    xs, ys = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if xs.ndim != 1 or xs.shape != ys.shape:
+        raise ValueError(f"x and y must be 1-D of equal length, got {xs.shape} and {ys.shape}")
+    if not (np.all(np.isfinite(xs)) and np.all(np.isfinite(ys))):
+        raise ValueError("x and y must be finite")
+    if len(np.unique(xs)) < 2:
+        raise ValueError("x needs at least 2 distinct values")
+    return xs, ys
+
+
+def _thin(candidates: np.ndarray, num_breaks: int) -> np.ndarray:
+    if num_breaks <= 0 or math.comb(len(candidates), num_breaks) <= _MAX_COMBINATIONS:
+        return candidates
+    size = len(candidates)
+    while size > num_breaks and math.comb(size, num_breaks) > _MAX_COMBINATIONS:
+        size -= 1
+    return np.unique(np.quantile(candidates, np.linspace(0, 1, size), method="nearest"))
+
+
+def _hinge_basis(x: np.ndarray, breaks: Sequence[float]) -> np.ndarray:
+    cols = [np.ones_like(x), x] + [np.maximum(0.0, x - b) for b in breaks]
+    return np.stack(cols, axis=1)
+
+
+def _lstsq(x: np.ndarray, y: np.ndarray, breaks: Sequence[float]) -> tuple[float, np.ndarray]:
+    a = _hinge_basis(x, breaks)
+    coef = np.linalg.lstsq(a, y, rcond=None)[0]
+    return float(((a @ coef - y) ** 2).sum()), coef
+
+
+def _best_breaks(
+    x: np.ndarray, y: np.ndarray, candidates: np.ndarray, num_breaks: int
+) -> tuple[float, tuple[float, ...]]:
+    best: tuple[float, tuple[float, ...]] | None = None
+    for breaks in itertools.combinations(candidates.tolist(), num_breaks):
+        sse = _lstsq(x, y, breaks)[0]
+        if best is None or sse < best[0] - 1e-15:
+            best = (sse, tuple(breaks))
+    assert best is not None
+    return best
+
+
+@dataclass(frozen=True)
+class SearchLatencyModel:
+    """VectorLiteRAG's CPU search model at one ``nprobe``: ``T_CQ(b)``, ``T_LUT(b)`` (seconds).
+
+    Predictions are the non-decreasing envelope over batch sizes ``1..b`` of the fitted
+    functions, clamped at zero. NOTE: the envelope (a batch is never predicted faster than a
+    smaller one) makes the partitioner's feasibility monotone in coverage, so Algorithm 1's
+    bisection finds the smallest feasible coverage exactly.
+    """
+
+    nprobe: int
+    cq: PiecewiseLinear
+    lut: PiecewiseLinear
+
+    def __post_init__(self) -> None:
+        if self.nprobe < 1:
+            raise ValueError(f"nprobe must be >= 1, got {self.nprobe}")
+
+    @classmethod
+    def fit(
+        cls,
+        nprobe: int,
+        batch_sizes: Sequence[int] | np.ndarray,
+        cq_seconds: Sequence[float] | np.ndarray,
+        lut_seconds: Sequence[float] | np.ndarray,
+        *,
+        max_segments: int = 4,
+    ) -> SearchLatencyModel:
+        """Fit both stages from measurements (one entry per measured batch, repeats allowed)."""
+        b = np.asarray(batch_sizes, dtype=np.float64)
+        if b.size and b.min() < 1:
+            raise ValueError(f"batch_sizes must be >= 1, got min {b.min()}")
+        for name, s in (("cq_seconds", cq_seconds), ("lut_seconds", lut_seconds)):
+            if np.any(np.asarray(s, dtype=np.float64) < 0):
+                raise ValueError(f"{name} must be >= 0")
+        cq = fit_piecewise_linear(b, cq_seconds, max_segments=max_segments)
+        lut = fit_piecewise_linear(b, lut_seconds, max_segments=max_segments)
+        return cls(nprobe, cq, lut)
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: SearchProfile,
+        nprobe: int,
+        cq_seconds: Sequence[float] | np.ndarray,
+        *,
+        max_segments: int = 4,
+    ) -> SearchLatencyModel:
+        """``T_LUT`` from a measured ``SearchProfile`` at ``nprobe`` clusters/query (its
+        interpolation over cluster counts), ``T_CQ`` from ``cq_seconds`` (one per
+        ``profile.batch_sizes``)."""
+        lut = [profile.predict(b, nprobe) for b in profile.batch_sizes]
+        if len(cq_seconds) != len(profile.batch_sizes):
+            raise ValueError(
+                f"cq_seconds needs one value per profile batch size "
+                f"({len(profile.batch_sizes)}), got {len(cq_seconds)}"
+            )
+        return cls.fit(nprobe, profile.batch_sizes, cq_seconds, lut, max_segments=max_segments)
+
+    def cq_seconds(self, batch_size: float) -> float:
+        """``T_CQ(b)``: coarse quantization of ``b`` queries, seconds."""
+        return float(self.cq_array(np.asarray([batch_size]))[0])
+
+    def lut_seconds(self, batch_size: float) -> float:
+        """``T_LUT(b)``: scan of all ``nprobe`` lists of ``b`` queries on the CPU, seconds."""
+        return float(self.lut_array(np.asarray([batch_size]))[0])
+
+    def cpu_seconds(self, batch_size: float) -> float:
+        """``T_search(b) = T_CQ(b) + T_LUT(b)``: the batch with nothing on the GPU."""
+        return self.cq_seconds(batch_size) + self.lut_seconds(batch_size)
+
+    def hybrid_seconds(self, batch_size: float, tail_hit_rate: float) -> float:
+        """Eq. 1: ``T_CQ(b) + (1 - eta) T_LUT(b)`` for the batch's minimum hit rate ``eta``."""
+        if not 0.0 <= tail_hit_rate <= 1.0:
+            raise ValueError(f"tail_hit_rate must be in [0, 1], got {tail_hit_rate}")
+        return self.cq_seconds(batch_size) + (1.0 - tail_hit_rate) * self.lut_seconds(batch_size)
+
+    def required_hit_rate(self, batch_size: float, seconds: float) -> float | None:
+        """Eq. 1 inverted: the smallest tail hit rate in ``[0, 1]`` that keeps a batch of
+        ``batch_size`` within ``seconds``; ``None`` when even an all-GPU scan is too slow."""
+        eta = float(self.required_hit_rates(np.asarray([batch_size]), np.asarray([seconds]))[0])
+        return None if math.isinf(eta) else eta
+
+    def required_hit_rates(self, batch_sizes: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """Vectorised ``required_hit_rate``; ``inf`` marks the infeasible entries."""
+        b = np.asarray(batch_sizes, dtype=np.float64)
+        cq, lut = self.cq_array(b), self.lut_array(b)
+        budget = np.asarray(seconds, dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            eta = np.where(lut > 0, (cq + lut - budget) / lut, 0.0)
+        eta = np.clip(eta, 0.0, None)
+        return np.where((cq > budget) | (eta > 1.0), np.inf, eta)
+
+    def cq_array(self, batch_sizes: np.ndarray) -> np.ndarray:
+        return _envelope(self.cq, batch_sizes)
+
+    def lut_array(self, batch_sizes: np.ndarray) -> np.ndarray:
+        return _envelope(self.lut, batch_sizes)
+
+
+def _envelope(f: PiecewiseLinear, batch_sizes: np.ndarray) -> np.ndarray:
+    """``max(0, max over x in [1, b] of f(x))`` for every ``b`` (batch sizes ``>= 1``)."""
+    b = np.maximum(np.asarray(batch_sizes, dtype=np.float64), 1.0)
+    knots = np.asarray(f.knots)
+    points = np.concatenate([[1.0], knots[knots > 1.0]])
+    at_points = np.maximum.accumulate(f.evaluate(points))
+    idx = np.searchsorted(points, b, side="right") - 1
+    return np.maximum(0.0, np.maximum(at_points[idx], f.evaluate(b)))
+
+
+def measure_cpu_model(
+    index: VectorIndex,
+    queries: np.ndarray,
+    nprobe: int,
+    *,
+    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    topk: int = 10,
+    repeats: int = 3,
+    max_segments: int = 4,
+) -> SearchLatencyModel:
+    """Time ``index.assign`` (CQ) and ``index.scan`` (LUT) per batch size and fit the model.
+
+    ``queries`` needs ``max(batch_sizes)`` rows; each point is the median of ``repeats``.
+    """
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch_sizes must be non-empty and >= 1, got {batch_sizes}")
+    if len(q) < max(batch_sizes):
+        raise ValueError(f"need {max(batch_sizes)} queries, got {len(q)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    cq, lut = [], []
+    for b in batch_sizes:
+        sub = q[:b]
+        cq_t, lut_t = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            plan = index.assign(sub, nprobe)
+            t1 = time.perf_counter()
+            index.scan(sub, plan, topk)
+            cq_t.append(t1 - t0)
+            lut_t.append(time.perf_counter() - t1)
+        cq.append(float(np.median(cq_t)))
+        lut.append(float(np.median(lut_t)))
+    return SearchLatencyModel.fit(nprobe, batch_sizes, cq, lut, max_segments=max_segments)
+
+
+def measure_scan_grid(
+    run: Callable[[int, int], object],
+    batch_sizes: Sequence[int],
+    cluster_counts: Sequence[int],
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    synchronize: Callable[[], object] | None = None,
+    topk: int = 10,
+) -> SearchProfile:
+    """Time ``run(batch_size, clusters_per_query)`` over the grid into a ``SearchProfile``.
+
+    For a GPU (or CPU-tensor) tier pass a closure that scans ``batch_size`` queries over
+    ``clusters_per_query`` resident lists each, and ``synchronize`` (e.g.
+    ``torch.cuda.synchronize``) so that each timing covers the device work. Each point is the
+    median of ``repeats`` after ``warmup`` untimed calls.
+    """
+    if not batch_sizes or not cluster_counts:
+        raise ValueError("batch_sizes and cluster_counts must be non-empty")
+    if min(batch_sizes) < 1 or min(cluster_counts) < 1:
+        raise ValueError("batch_sizes and cluster_counts must be >= 1")
+    if list(batch_sizes) != sorted(set(batch_sizes)) or list(cluster_counts) != sorted(
+        set(cluster_counts)
+    ):
+        raise ValueError("batch_sizes and cluster_counts must be strictly ascending")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    sync = synchronize or (lambda: None)
+    seconds = []
+    for b in batch_sizes:
+        row = []
+        for c in cluster_counts:
+            for _ in range(warmup):
+                run(b, c)
+            sync()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                run(b, c)
+                sync()
+                times.append(time.perf_counter() - t0)
+            row.append(float(np.median(times)))
+        seconds.append(tuple(row))
+    return SearchProfile(tuple(batch_sizes), tuple(cluster_counts), tuple(seconds), topk)

@@ -1,0 +1,196 @@
+"""HedraRAG Eq. 2: split GPU memory between KV-cache blocks and the index tier.
+
+From offline profiles of generation throughput ``T_G`` against KV-cache size (at the
+workflow's generation request rate ``rps_G``) and of retrieval throughput ``T_R`` against the
+index tier's size (at ``rps_R``), both in workflow requests/s, pick::
+
+    KV_size* = argmax_{KV_size} min{ T_G(KV_size, rps_G), T_R(total - KV_size, rps_R) }   (Eq. 2)
+
+over whole KV blocks; the GPU memory left over goes to the index tier. An explicit
+``kv_cache_bytes`` or ``index_tier_bytes`` overrides the solver. Sizes in bytes, throughputs
+in requests/s. Profiles are interpolated piecewise-linearly and held flat past their ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ThroughputProfile:
+    """Measured throughput (requests/s) at increasing resource sizes (KV blocks or bytes)."""
+
+    sizes: tuple[float, ...]
+    requests_per_second: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        s = np.asarray(self.sizes, dtype=np.float64)
+        r = np.asarray(self.requests_per_second, dtype=np.float64)
+        if s.ndim != 1 or s.size == 0 or s.shape != r.shape:
+            raise ValueError(
+                f"sizes and requests_per_second must be non-empty and of equal length, "
+                f"got {len(self.sizes)} and {len(self.requests_per_second)}"
+            )
+        if not (np.all(np.isfinite(s)) and np.all(np.isfinite(r))):
+            raise ValueError("sizes and requests_per_second must be finite")
+        if np.any(np.diff(s) <= 0) or s[0] < 0:
+            raise ValueError(f"sizes must be >= 0 and strictly ascending, got {self.sizes}")
+        if np.any(r < 0):
+            raise ValueError("requests_per_second must be >= 0")
+
+    def at(self, sizes: np.ndarray) -> np.ndarray:
+        """Throughput at every size (linear between points, flat past the ends)."""
+        return np.interp(np.asarray(sizes, dtype=np.float64), self.sizes, self.requests_per_second)
+
+    @classmethod
+    def from_batch_latency(
+        cls,
+        sizes: Sequence[float],
+        batch_seconds: Sequence[float],
+        batch_size: int,
+        retrievals_per_request: float = 1.0,
+    ) -> ThroughputProfile:
+        """Retrieval throughput from the latency of a batch of ``batch_size`` queries at each
+        tier size: ``batch_size / (seconds * retrievals_per_request)`` requests/s."""
+        if batch_size < 1 or retrievals_per_request <= 0:
+            raise ValueError(
+                f"need batch_size >= 1 and retrievals_per_request > 0, "
+                f"got {batch_size} and {retrievals_per_request}"
+            )
+        secs = np.asarray(batch_seconds, dtype=np.float64)
+        if np.any(secs <= 0):
+            raise ValueError("batch_seconds must be > 0")
+        rps = batch_size / (secs * retrievals_per_request)
+        return cls(tuple(float(s) for s in sizes), tuple(float(r) for r in rps))
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    """GPU bytes for the KV cache (``num_kv_blocks`` whole blocks) and for the index tier.
+
+    ``source`` is ``"eq2"`` (solved) or ``"override"``; the predicted throughputs are the
+    profiles' values at the split (``None`` for an override without profiles).
+    """
+
+    kv_cache_bytes: int
+    index_tier_bytes: int
+    num_kv_blocks: int
+    source: str
+    generation_rps: float | None = None
+    retrieval_rps: float | None = None
+
+    @property
+    def predicted_rps(self) -> float | None:
+        """Eq. 2's objective at the split: ``min(T_G, T_R)``."""
+        if self.generation_rps is None or self.retrieval_rps is None:
+            return None
+        return min(self.generation_rps, self.retrieval_rps)
+
+
+def solve_memory_split(
+    total_bytes: int,
+    block_bytes: int,
+    generation: ThroughputProfile | None,
+    retrieval: ThroughputProfile | None,
+    *,
+    min_kv_blocks: int = 1,
+    max_index_bytes: int | None = None,
+    kv_cache_bytes: int | None = None,
+    index_tier_bytes: int | None = None,
+) -> MemorySplit:
+    """Eq. 2 over ``n`` KV blocks of ``block_bytes`` each, ``n >= min_kv_blocks``.
+
+    ``generation`` is ``T_G`` by number of KV blocks, ``retrieval`` is ``T_R`` by index-tier
+    bytes; ``max_index_bytes`` (the whole index) caps the tier: bytes past it are worth
+    nothing to retrieval, so the tie rule hands them to the KV cache. Ties in
+    ``min(T_G, T_R)`` go to the larger ``T_G + T_R``, then to more KV blocks.
+
+    An override (``kv_cache_bytes`` or ``index_tier_bytes``; both only if they fit) skips the
+    solver, and then the profiles may be ``None``. Raises ``ValueError`` naming the field
+    when the inputs cannot be met.
+    """
+    _check_sizes(total_bytes, block_bytes, min_kv_blocks, max_index_bytes)
+    if kv_cache_bytes is not None or index_tier_bytes is not None:
+        return _override(
+            total_bytes,
+            block_bytes,
+            min_kv_blocks,
+            (kv_cache_bytes, index_tier_bytes, max_index_bytes),
+            generation,
+            retrieval,
+        )
+    if generation is None or retrieval is None:
+        raise ValueError("generation and retrieval profiles are required without an override")
+    blocks = np.arange(min_kv_blocks, total_bytes // block_bytes + 1, dtype=np.int64)
+    tier = total_bytes - blocks * block_bytes
+    if max_index_bytes is not None:
+        tier = np.minimum(tier, max_index_bytes)
+    t_g, t_r = generation.at(blocks), retrieval.at(tier)
+    objective = np.minimum(t_g, t_r)
+    best = objective.max()
+    # NOTE: relative tie tolerance so that plateaus of measured curves count as ties.
+    ties = np.flatnonzero(objective >= best - 1e-9 * max(abs(best), 1.0))
+    total = t_g[ties] + t_r[ties]
+    top = ties[total >= total.max() - 1e-9 * max(abs(total.max()), 1.0)]
+    i = int(top[-1])
+    n = int(blocks[i])
+    kv = n * block_bytes
+    return MemorySplit(kv, int(tier[i]), n, "eq2", float(t_g[i]), float(t_r[i]))
+
+
+def _check_sizes(
+    total_bytes: int, block_bytes: int, min_kv_blocks: int, max_index_bytes: int | None
+) -> None:
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+    if min_kv_blocks < 0:
+        raise ValueError(f"min_kv_blocks must be >= 0, got {min_kv_blocks}")
+    if total_bytes < min_kv_blocks * block_bytes:
+        raise ValueError(
+            f"total_bytes {total_bytes} < min_kv_blocks * block_bytes "
+            f"({min_kv_blocks} * {block_bytes})"
+        )
+    if max_index_bytes is not None and max_index_bytes < 0:
+        raise ValueError(f"max_index_bytes must be >= 0 or None, got {max_index_bytes}")
+
+
+def _override(
+    total_bytes: int,
+    block_bytes: int,
+    min_kv_blocks: int,
+    requested: tuple[int | None, int | None, int | None],
+    generation: ThroughputProfile | None,
+    retrieval: ThroughputProfile | None,
+) -> MemorySplit:
+    """``requested``: (``kv_cache_bytes``, ``index_tier_bytes``, ``max_index_bytes``)."""
+    kv_cache_bytes, index_tier_bytes, max_index_bytes = requested
+    for name, value in (("kv_cache_bytes", kv_cache_bytes), ("index_tier_bytes", index_tier_bytes)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if kv_cache_bytes is None:
+        assert index_tier_bytes is not None
+        if index_tier_bytes > total_bytes:
+            raise ValueError(f"index_tier_bytes {index_tier_bytes} > total_bytes {total_bytes}")
+        kv_cache_bytes = total_bytes - index_tier_bytes
+    n = kv_cache_bytes // block_bytes
+    if n < min_kv_blocks:
+        raise ValueError(
+            f"kv_cache_bytes {kv_cache_bytes} holds {n} blocks < min_kv_blocks {min_kv_blocks}"
+        )
+    kv = n * block_bytes
+    if index_tier_bytes is not None:
+        tier = index_tier_bytes
+    elif max_index_bytes is not None:
+        tier = min(total_bytes - kv, max_index_bytes)
+    else:
+        tier = total_bytes - kv
+    if kv + tier > total_bytes:
+        raise ValueError(
+            f"kv_cache_bytes {kv} + index_tier_bytes {tier} > total_bytes {total_bytes}"
+        )
+    t_g = None if generation is None else float(generation.at(np.asarray([n]))[0])
+    t_r = None if retrieval is None else float(retrieval.at(np.asarray([tier]))[0])
+    return MemorySplit(kv, int(tier), int(n), "override", t_g, t_r)
