@@ -92,9 +92,10 @@ def fit_piecewise_linear(
     """Least-squares continuous piecewise-linear fit of ``y`` against ``x``.
 
     Breakpoints are chosen among the distinct interior ``x`` values (exhaustively; thinned to
-    quantiles when there are too many). ``num_segments=None`` picks the count in
-    ``1..max_segments`` by BIC (2 parameters per segment), so noise-free data from ``k``
-    segments gets exactly ``k``. The result's knots are ``[min(x), breakpoints..., max(x)]``.
+    quantiles when there are too many); residuals are relative (weights ``1 / |y|``), as timing
+    noise is multiplicative. ``num_segments=None`` picks the count in ``1..max_segments`` by
+    BIC (a breakpoint costs two parameters, location and slope change), so noise-free data
+    from ``k`` segments gets exactly ``k``. Knots: ``[min(x), breakpoints..., max(x)]``.
     """
     xs, ys = _check_xy(x, y)
     distinct = np.unique(xs)
@@ -104,10 +105,8 @@ def fit_piecewise_linear(
         raise ValueError(f"max_segments must be >= 1, got {max_segments}")
     counts = [num_segments] if num_segments is not None else range(1, max_segments + 1)
     candidates = _thin(distinct[1:-1], max(counts) - 1)
-    scale = float(np.ptp(ys)) or float(np.abs(ys).max()) or 1.0
-    floor = (
-        1e-9 * scale
-    ) ** 2  # NOTE: SSE below this is rounding: exact data picks fewest segments
+    w = _relative_weights(ys)
+    floor = 1e-18  # NOTE: a relative SSE below this is rounding: exact data gets fewest segments
     best: tuple[float, tuple[float, ...]] | None = None
     for k in counts:
         if k - 1 > len(candidates):
@@ -116,14 +115,14 @@ def fit_piecewise_linear(
                     f"num_segments={k} needs {k + 1} distinct x values, got {len(distinct)}"
                 )
             break
-        sse, breaks = _best_breaks(xs, ys, candidates, k - 1)
+        sse, breaks = _best_breaks(xs, ys, w, candidates, k - 1)
         n = len(xs)
-        score = n * math.log(max(sse / n, floor)) + 2 * k * math.log(n)
+        score = n * math.log(max(sse / n, floor)) + (3 * k - 1) * math.log(n)
         if best is None or score < best[0]:
             best = (score, breaks)
     assert best is not None
     knots = np.concatenate([[distinct[0]], best[1], [distinct[-1]]])
-    coef = _lstsq(xs, ys, best[1])[1]
+    coef = _lstsq(xs, ys, best[1], w)[1]
     values = _hinge_basis(knots, best[1]) @ coef
     return PiecewiseLinear(tuple(float(k) for k in knots), tuple(float(v) for v in values))
 
@@ -153,18 +152,26 @@ def _hinge_basis(x: np.ndarray, breaks: Sequence[float]) -> np.ndarray:
     return np.stack(cols, axis=1)
 
 
-def _lstsq(x: np.ndarray, y: np.ndarray, breaks: Sequence[float]) -> tuple[float, np.ndarray]:
+def _relative_weights(y: np.ndarray) -> np.ndarray:
+    """``1 / |y|`` (floored): timing noise is multiplicative, so fit relative residuals."""
+    top = float(np.abs(y).max())
+    return 1.0 / np.maximum(np.abs(y), 1e-3 * top if top > 0 else 1.0)
+
+
+def _lstsq(
+    x: np.ndarray, y: np.ndarray, breaks: Sequence[float], w: np.ndarray
+) -> tuple[float, np.ndarray]:
     a = _hinge_basis(x, breaks)
-    coef = np.linalg.lstsq(a, y, rcond=None)[0]
-    return float(((a @ coef - y) ** 2).sum()), coef
+    coef = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0]
+    return float((((a @ coef - y) * w) ** 2).sum()), coef
 
 
 def _best_breaks(
-    x: np.ndarray, y: np.ndarray, candidates: np.ndarray, num_breaks: int
+    x: np.ndarray, y: np.ndarray, w: np.ndarray, candidates: np.ndarray, num_breaks: int
 ) -> tuple[float, tuple[float, ...]]:
     best: tuple[float, tuple[float, ...]] | None = None
     for breaks in itertools.combinations(candidates.tolist(), num_breaks):
-        sse = _lstsq(x, y, breaks)[0]
+        sse = _lstsq(x, y, breaks, w)[0]
         if best is None or sse < best[0] - 1e-15:
             best = (sse, tuple(breaks))
     assert best is not None
