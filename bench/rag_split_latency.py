@@ -38,7 +38,7 @@ def run_once(runner, tasks: list, times: np.ndarray) -> np.ndarray:
         if not batch and not runner.has_pending():
             time.sleep(max(0.0, min(times[nxt] - now, 0.01)))
             continue
-        updates, _, _ = runner.run(batch)
+        updates = runner.run(batch)
         end = time.perf_counter() - start
         for u in updates:
             if getattr(u, "finished", True):

@@ -11,13 +11,13 @@ from test_split import (
     run_requests,
 )
 
+from ragserve.retrieval.staged import reorder_probes
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RetrievalTask, Scheduler, Wavefront
 from ragserve.scheduler.similarity import (
     CacheEntry,
     LocalCache,
     SimilarityTransform,
-    reorder_probes,
 )
 from ragserve.scheduler.split import SplitTransform
 from ragserve.scheduler.staged_messages import StagedRetrievalTask
@@ -71,7 +71,7 @@ def test_first_substage_scans_the_cache_hit_clusters() -> None:
     emb = HashEmbedder(noise=0.3)
     runner = StagedRetrievalRunner(index, emb, default_nprobe=16)
     for i in range(5):
-        (r0,), _, _ = runner.run([StagedRetrievalTask("p", f"t{i}\nfirst", 3, cache_topk=20)])
+        (r0,) = runner.run([StagedRetrievalTask("p", f"t{i}\nfirst", 3, cache_topk=20)])
         q = f"t{i}\nsecond"
         probed = index.assign(emb.encode([q]), 16).cluster_ids[0].tolist()
         hits = [c for c in probed if c in r0.hit_clusters]
@@ -84,8 +84,8 @@ def test_first_substage_scans_the_cache_hit_clusters() -> None:
             hit_clusters=r0.hit_clusters,
             previous_clusters=r0.probed_clusters,
         )
-        (partial,), _, _ = runner.run([task])
-        (final,), _, _ = runner.run([])
+        (partial,) = runner.run([task])
+        (final,) = runner.run([])
         rows = [int(x) for x in index.search(emb.encode([q]), 3, nprobe=16).ids[0]]
         assert [p.doc_id for p in final.passages] == doc_ids(index, rows)
         if hits:  # the first sub-stage is exactly the search of the cache-hit clusters

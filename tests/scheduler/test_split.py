@@ -8,6 +8,12 @@ from sched_fakes import FakeExecutor
 
 from ragserve.graph import State
 from ragserve.retrieval import Document, VectorIndex
+from ragserve.retrieval.cost_model import (
+    ScanCostModel,
+    expected_gain,
+    optimal_budget,
+    pack_clusters,
+)
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import (
     RequestState,
@@ -15,12 +21,6 @@ from ragserve.scheduler import (
     RetrievalTask,
     Scheduler,
     Wavefront,
-)
-from ragserve.scheduler.cost_model import (
-    ScanCostModel,
-    expected_gain,
-    optimal_budget,
-    pack_clusters,
 )
 from ragserve.scheduler.split import SplitTransform
 from ragserve.scheduler.staged_messages import (
@@ -103,7 +103,7 @@ def _drive(runner: StagedRetrievalRunner, arrivals: dict[int, list]) -> tuple[di
     finals, partials = {}, {}
     step = 0
     while step <= max(arrivals) or runner.has_pending():
-        updates, _, _ = runner.run(arrivals.get(step, []))
+        updates = runner.run(arrivals.get(step, []))
         for u in updates:
             if isinstance(u, RetrievalPartial):
                 partials.setdefault(u.task_id, []).append(u)
@@ -164,7 +164,7 @@ def test_unsplit_staged_task_is_one_substage_and_plain_tasks_still_work() -> Non
     q = np.random.default_rng(2).normal(size=(2, DIM)).astype(np.float32)
     runner = StagedRetrievalRunner(index, TableEmbedder({"a": q[0], "b": q[1]}))
     staged = StagedRetrievalTask("s", "a", 4, 16)
-    updates, _, _ = runner.run([staged, RetrievalTask("p", "b", 4, 16)])
+    updates = runner.run([staged, RetrievalTask("p", "b", 4, 16)])
     by_id = {u.task_id: u for u in updates}
     assert not runner.has_pending()
     assert by_id["s"].num_substages == 1
@@ -188,9 +188,9 @@ def test_admission_error_fails_only_those_tasks() -> None:
     index = make_index("ivf_flat", "ip", n=500, nlist=8)
     q = np.random.default_rng(4).normal(size=(1, DIM)).astype(np.float32)
     runner = StagedRetrievalRunner(index, TableEmbedder({"a": q[0]}))
-    updates, _, _ = runner.run([StagedRetrievalTask("bad", "missing", 3, 4)])
+    updates = runner.run([StagedRetrievalTask("bad", "missing", 3, 4)])
     assert updates[0].error and "KeyError" in updates[0].error
-    updates, _, _ = runner.run([StagedRetrievalTask("ok", "a", 3, 4)])
+    updates = runner.run([StagedRetrievalTask("ok", "a", 3, 4)])
     assert updates[0].error is None and len(updates[0].passages) == 3
 
 
@@ -231,7 +231,7 @@ class StagedExecutor(FakeExecutor):
         updates: list = []
         if self._queued or self.runner.has_pending():
             tasks, self._queued = self._queued, []
-            updates.extend(self.runner.run(tasks)[0])
+            updates.extend(self.runner.run(tasks))
         return updates + super().poll(timeout)
 
 

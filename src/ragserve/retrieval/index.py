@@ -81,6 +81,7 @@ class VectorIndex:
         self.compact_every = 1000  # log entries past the snapshot before an automatic compaction
         self.metadata: dict[str, Any] = {}  # free-form, JSON-serialisable; kept in the manifest
         self._writer_lock = None  # open file holding DIR/writer.lock once this index writes
+        self._cluster_map: np.ndarray | None = None  # row id -> list, built by clusters_of
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -172,6 +173,11 @@ class VectorIndex:
             part = stepwise.scan(self._index, queries, plan, topk)
         return stepwise.merge(state, part, self.spec.is_l2)
 
+    def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
+        """bool, shaped like ``cluster_ids``: which clusters the GPU tier serves right now
+        (all False without a tier; ``-1`` pads are False)."""
+        return np.zeros(np.shape(cluster_ids), dtype=bool)
+
     def search(self, queries: np.ndarray, topk: int, nprobe: int | None = None) -> TopK:
         """One-shot search: `assign` then one `scan` of all probed clusters."""
         plan = self.assign(queries, nprobe)
@@ -232,6 +238,7 @@ class VectorIndex:
                 if removed:
                     self._index.remove_ids(np.asarray(removed, dtype=np.int64))
                 self._index.add_with_ids(x, np.asarray(added, dtype=np.int64))
+                self._cluster_map = None
             self._maybe_compact()
 
     def delete_documents(self, doc_ids: Iterable[str]) -> int:
@@ -245,6 +252,7 @@ class VectorIndex:
             if removed:
                 with self._rw.write():
                     self._index.remove_ids(np.asarray(removed, dtype=np.int64))
+                    self._cluster_map = None
             self._maybe_compact()
         return len(removed)
 
@@ -302,6 +310,37 @@ class VectorIndex:
                 if n:
                     parts.append(faiss.rev_swig_ptr(invlists.get_ids(c), n).copy())
         return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+    def clusters_of(self, ids: np.ndarray) -> np.ndarray:
+        """int64: the inverted list holding each Faiss row id (``-1`` for unknown ids).
+
+        The id -> list map is built on first use and rebuilt after any upsert or delete.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        with self._rw.read():
+            cmap = self._cluster_map
+            if cmap is None:
+                cmap = self._cluster_map = self._build_cluster_map()
+        known = (ids >= 0) & (ids < len(cmap))
+        return np.where(known, cmap[np.where(known, ids, 0)], -1)
+
+    def _build_cluster_map(self) -> np.ndarray:
+        invlists = self._index.invlists
+        parts: list[tuple[int, np.ndarray]] = []
+        for c in range(self.spec.nlist):
+            n = invlists.list_size(c)
+            if n:
+                parts.append((c, faiss.rev_swig_ptr(invlists.get_ids(c), n).copy()))
+        top = max((int(ids.max()) for _, ids in parts), default=-1)
+        cmap = np.full(top + 1, -1, np.int64)
+        for c, ids in parts:
+            cmap[ids] = c
+        return cmap
+
+    def serialize(self) -> np.ndarray:
+        """The Faiss index serialised (uint8), consistent with concurrent upserts."""
+        with self._rw.read():
+            return faiss.serialize_index(self._index)
 
     def check_integrity(self) -> None:
         """Assert the Faiss index holds exactly the document store's live rows."""

@@ -56,8 +56,7 @@ def save_index(vi: VectorIndex, directory: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     with vi._write_mutex:
-        with vi._rw.read():
-            data = faiss.serialize_index(vi._index)
+        data = vi.serialize()
         seq = vi._store.last_seq()
         vi._store.copy_to(tmp / DOCSTORE)
         copy = DocStore(tmp / DOCSTORE)
@@ -149,8 +148,7 @@ def compact_index(vi: VectorIndex) -> None:
         raise ValueError("the index has no directory yet: call save(dir) first")
     with vi._write_mutex:  # NOTE: upserts wait during a compaction; searches do not.
         vi._claim_writer()
-        with vi._rw.read():
-            data = faiss.serialize_index(vi._index)
+        data = vi.serialize()
         seq = vi._store.last_seq()
         generation = vi.generation + 1
         with snapshot_lock(vi.directory, exclusive=True):  # loads see before or after, whole

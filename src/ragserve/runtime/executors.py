@@ -59,7 +59,7 @@ class LocalExecutor(BaseExecutor):
         while True:
             if self._pending or self.retrieval.has_pending():
                 tasks, self._pending = self._pending, []
-                updates.extend(self.retrieval.run(tasks)[0])
+                updates.extend(self.retrieval.run(tasks))
             if self.generation.has_work():
                 updates.extend(self.generation.step())
             if updates or not self.generation.has_work() or time.monotonic() >= deadline:

@@ -143,10 +143,8 @@ class RetrievalRunner:
         self.embedder = embedder
         self.default_nprobe = default_nprobe
 
-    def run(
-        self, tasks: list[RetrievalTask]
-    ) -> tuple[list[RetrievalResult], np.ndarray, np.ndarray]:
-        """Results (passages) plus the raw ``ids``/``scores`` ``[n, kmax]`` (``-1`` padded)."""
+    def run(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
+        """One result (passages with their scores) per task, in order."""
         kmax = max(t.topk for t in tasks)
         ids = np.full((len(tasks), kmax), -1, dtype=np.int64)
         scores = np.zeros((len(tasks), kmax), dtype=np.float32)
@@ -170,7 +168,7 @@ class RetrievalRunner:
                 if d is not None
             )
             results.append(RetrievalResult(t.task_id, passages))
-        return results, ids, scores
+        return results
 
     def has_pending(self) -> bool:
         """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""

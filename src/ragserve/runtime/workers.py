@@ -1,15 +1,15 @@
 """The persistent worker processes: one owns the LLM engine, one the embedder and the index.
 
 Each worker reads messages from its bounded inbox (``multiprocessing.Queue``), writes results
-to its own pipe, and puts numpy arrays (token ids, search ids/scores) in the shared-memory
-ring instead of pickling them. Messages in:
+to its own pipe, and puts numpy arrays (token ids) in the shared-memory ring instead of
+pickling them; retrieval results carry their passages in the message. Messages in:
 
     ("gen", [GenerationTask])   ("abort", [task_id])          generation worker
     ("ret", [RetrievalTask])    ("call", token, name, args)   retrieval worker
     None                                                      shut down
 
 Messages out: ("ready", info), ("fatal", traceback), ("gen", updates, ShmRef | arrays,
-stats | None), ("stats", stats), ("ret", results, ShmRef | arrays), ("reply", token, value,
+stats | None), ("stats", stats), ("ret", results, None), ("reply", token, value,
 error).
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner
-from ragserve.runtime.shm import ShmRef, ShmWriter
+from ragserve.runtime.shm import ShmWriter
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ def unpack_generation(slim: list, arrays: list[np.ndarray]) -> list:
 
 
 def _retrieval_loop(runner: RetrievalRunner, inbox: Any, conn: Any, writer: ShmWriter) -> None:
+    del writer  # NOTE: the retrieval worker sends no arrays (see ``_send_retrieval``)
     while True:
         tasks = []
         pending = runner.has_pending()  # staged retrievals: next sub-stage, inbox drained first
@@ -167,18 +168,18 @@ def _retrieval_loop(runner: RetrievalRunner, inbox: Any, conn: Any, writer: ShmW
                 except Exception as exc:
                     conn.send(("reply", token, None, f"{type(exc).__name__}: {exc}"))
         if tasks or pending:  # all tasks queued since the last search go out as one batch
-            _send_retrieval(conn, writer, runner, tasks)
+            _send_retrieval(conn, runner, tasks)
 
 
-def _send_retrieval(conn: Any, writer: ShmWriter, runner: RetrievalRunner, tasks: list) -> None:
+def _send_retrieval(conn: Any, runner: RetrievalRunner, tasks: list) -> None:
     from ragserve.scheduler import RetrievalResult
 
+    # NOTE: results carry their passages (ids, text, scores) in the message itself; the raw
+    # id/score arrays are not sent, since nothing on the server side reads them.
     try:
-        results, ids, scores = runner.run(tasks)
+        results = runner.run(tasks)
     except Exception as exc:
         logger.exception("retrieval batch failed")
         err = f"{type(exc).__name__}: {exc}"
-        conn.send(("ret", [RetrievalResult(t.task_id, (), err) for t in tasks], None))
-        return
-    ref: ShmRef | None = writer.write([ids, scores], timeout=1.0) if ids.size else None
-    conn.send(("ret", results, ref if ref is not None else [ids, scores]))
+        results = [RetrievalResult(t.task_id, (), err) for t in tasks]
+    conn.send(("ret", results, None))

@@ -16,10 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass
-
-import numpy as np
 
 from ragserve.scheduler.executor import Update
 from ragserve.scheduler.messages import RetrievalResult, RetrievalTask, Wavefront
@@ -27,24 +24,6 @@ from ragserve.scheduler.staged_messages import StagedRetrievalResult, StagedRetr
 from ragserve.scheduler.transforms import BaseTransform
 
 logger = logging.getLogger(__name__)
-
-
-def reorder_probes(
-    probe_row: np.ndarray, hit_clusters: Iterable[int], previous_clusters: Iterable[int]
-) -> np.ndarray:
-    """Positions (probe ranks) of ``probe_row`` in local-cache order; ``-1`` pads are dropped.
-
-    ```
-    probe_row  = [7, 3, 9, 1, 4]      hit = {9}     previous = {3, 9, 4}
-    groups     =  2  1  0  2  1   ->  ranks [2, 1, 4, 0, 3]  (clusters 9 | 3 4 | 7 1)
-    ```
-    """
-    row = np.asarray(probe_row, dtype=np.int64)
-    hit = np.fromiter(hit_clusters, dtype=np.int64)
-    prev = np.fromiter(previous_clusters, dtype=np.int64)
-    group = np.where(np.isin(row, hit), 0, np.where(np.isin(row, prev), 1, 2))
-    ranks = np.flatnonzero(row >= 0)
-    return ranks[np.argsort(group[ranks], kind="stable")]
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ for the running search, but every sub-stage boundary costs the scheduling overhe
     d gain / d mb = -1/2 + t_R * beta / mb**2 = 0           a plus sign the argmax is mb -> 0,
     mb* = sqrt(2 * t_R * beta)                              so the overhead term must subtract)
 
-All times are seconds. Nothing here imports faiss or torch: the retrieval worker feeds the
-measurements in (``ScanCostModel.observe_*``) and asks for a budget and a packing.
+All times are seconds. Nothing here imports faiss or torch: the staged search
+(``retrieval/staged.py``) feeds the measurements in (``ScanCostModel.observe_*``) and asks for a
+budget and a packing.
 """
 
 from __future__ import annotations
@@ -102,9 +103,11 @@ class ScanCostModel:
             self.mean_stage_seconds, num_vectors * self.seconds_per_vector
         )
 
-    def cluster_seconds(self, sizes: np.ndarray) -> np.ndarray:
-        """Estimated scan time of each cluster (``sizes``: vectors per cluster) for one query."""
-        return np.asarray(sizes, dtype=np.float64) * self.seconds_per_vector
+    def cluster_seconds(self, sizes: np.ndarray, on_gpu: np.ndarray | None = None) -> np.ndarray:
+        """Estimated CPU scan time of each cluster (``sizes``: vectors per cluster) for one
+        query; clusters flagged in ``on_gpu`` (resident in the GPU tier) cost none."""
+        costs = np.asarray(sizes, dtype=np.float64) * self.seconds_per_vector
+        return costs if on_gpu is None else np.where(on_gpu, 0.0, costs)
 
     def budget(self, override: float | None = None) -> float | None:
         """``mb`` for the next sub-stage: ``override`` if given, else Eq. 1's optimum."""
