@@ -175,10 +175,21 @@ def _brute_force_smallest(model, counts, sizes, config) -> int | None:
     return None
 
 
+def random_model(rng) -> SearchLatencyModel:
+    """Piecewise-linear stages with random breaks, dips included (single -> multi-thread)."""
+
+    def stage(scale: float) -> PiecewiseLinear:
+        breaks = np.sort(rng.choice(np.arange(2, 64), size=3, replace=False)).astype(float)
+        values = scale * (1.0 + np.cumsum(rng.uniform(-0.3, 1.0, size=4)))
+        return PiecewiseLinear((1.0, *breaks), tuple(values))
+
+    return SearchLatencyModel(16, stage(rng.uniform(1e-4, 2e-3)), stage(rng.uniform(1e-3, 1e-2)))
+
+
 def test_partition_is_the_smallest_feasible_coverage():
     rng = np.random.default_rng(4)
-    model = linear_model()
-    for trial in range(6):
+    for trial in range(9):
+        model = linear_model() if trial < 6 else random_model(rng)
         counts = 1.0 / np.arange(1, 25) ** rng.uniform(0.5, 1.5)
         counts = counts[rng.permutation(24)]
         sizes = rng.integers(100, 1000, size=24)
@@ -186,7 +197,7 @@ def test_partition_is_the_smallest_feasible_coverage():
             slo_seconds=float(rng.uniform(0.01, 0.06)),
             throughput=float(rng.uniform(50, 400)),
             max_variance=float(rng.uniform(0.01, 0.1)),
-            kv_cache_bytes=None if trial % 2 else 40_000,
+            kv_cache_bytes=(None, 40_000, 6_000)[trial % 3],  # 6,000: mu_LLM reaches 0
         )
         plan = partition(model, counts, sizes, config)
         expected = _brute_force_smallest(model, counts, sizes, config)
@@ -208,14 +219,18 @@ def test_more_slo_slack_never_yields_more_coverage():
         nlist = int(rng.integers(8, 64))
         counts = rng.zipf(rng.uniform(1.2, 2.5), size=nlist).astype(float)
         sizes = rng.integers(1, 100, size=nlist)
-        model = linear_model(
-            cq=(rng.uniform(0, 2e-3), rng.uniform(0, 2e-4)),
-            lut=(rng.uniform(1e-3, 2e-2), rng.uniform(1e-4, 5e-3)),
+        model = (
+            random_model(rng)
+            if rng.random() < 0.5
+            else linear_model(
+                cq=(rng.uniform(0, 2e-3), rng.uniform(0, 2e-4)),
+                lut=(rng.uniform(1e-3, 2e-2), rng.uniform(1e-4, 5e-3)),
+            )
         )
         base = dict(
             throughput=float(rng.uniform(20, 300)),
             max_variance=float(rng.uniform(0.0, 0.2)),
-            kv_cache_bytes=None if rng.random() < 0.5 else int(sizes.sum() * rng.uniform(1, 4)),
+            kv_cache_bytes=None if rng.random() < 0.5 else int(sizes.sum() * rng.uniform(0.5, 4)),
             budget_bytes=None if rng.random() < 0.5 else int(sizes.sum() * rng.uniform(0.2, 1)),
         )
         coverages = []

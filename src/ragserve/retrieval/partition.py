@@ -384,8 +384,9 @@ def partition(
     ``B = ceil(tau_s mu)`` (bound ``tau_s``) and ``floor(tau_s mu)`` (bound ``B / mu``); every
     smaller batch also keeps up, so trying them all contains both and makes the coverage
     monotone in the SLO. Feasibility is monotone in ``k`` (more coverage raises ``eta_min``;
-    a lower ``mu`` only shrinks batches), so bisection over ``k`` replaces the paper's
-    bisection over ``rho`` (whose ``rho_low <- rho`` step can overshoot the fixed point).
+    a lower ``mu`` only shrinks batches) up to the budget and ``MEM_Index < MEM_KVcache``, so
+    bisection over ``k`` replaces the paper's bisection over ``rho`` (whose
+    ``rho_low <- rho`` step can overshoot the fixed point).
     """
     counts, sizes = _check_counts(access_counts), _check_bytes(cluster_bytes, access_counts)
     order = hottest_first(counts)
@@ -393,6 +394,9 @@ def partition(
     cum_bytes = np.concatenate([[0], np.cumsum(sizes[order])])
     budget = config.budget_bytes
     k_max = len(counts) if budget is None else _max_clusters(sizes[order], budget)
+    if config.kv_cache_bytes is not None:
+        # NOTE: an index tier as large as MEM_KVcache leaves mu_LLM = 0: never a candidate.
+        k_max = min(k_max, int(np.searchsorted(cum_bytes, config.kv_cache_bytes)) - 1)
 
     def check(k: int) -> tuple[int, float] | None:
         return _feasible(model, config, float(share[k]), int(cum_bytes[k]))
