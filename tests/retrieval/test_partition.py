@@ -374,3 +374,26 @@ def test_drift_detector_hysteresis_min_accesses_and_plan_reset():
         detector.check(plan, np.ones(3))
     with pytest.raises(ValueError, match="patience"):
         DriftConfig(patience=0)
+
+
+def test_drift_fires_for_a_better_placement_or_a_broken_premise_then_settles():
+    sizes = np.ones(4)
+    cold_start = fill_budget(np.zeros(4), sizes, 2)  # no profile yet: clusters (0, 1), rate 0
+    assert cold_start.cluster_ids == (0, 1) and cold_start.hit_rate == 0.0
+    detector = DriftDetector(DriftConfig(patience=2, min_accesses=10))
+    traffic = np.array([1.0, 1.0, 30.0, 30.0])
+    assert not detector.check(cold_start, traffic).should_repartition
+    assert detector.check(cold_start, traffic).should_repartition  # a better placement exists
+    replan = fill_budget(traffic, sizes, 2)
+    assert replan.cluster_ids == (2, 3)
+    assert not any(detector.check(replan, traffic).should_repartition for _ in range(5))
+
+    peaked = fill_budget(np.array([50.0, 40.0, 5.0, 5.0]), sizes, 2)  # planned for 0.9
+    flatter = np.array([30.0, 30.0, 20.0, 20.0])  # same ranking, live rate 0.6
+    detector = DriftDetector(DriftConfig(patience=2, min_accesses=10))
+    decisions = [detector.check(peaked, flatter) for _ in range(2)]
+    assert decisions[0].best_hit_rate == pytest.approx(decisions[0].live_hit_rate)
+    assert decisions[1].should_repartition  # Algorithm 1 must re-run with the new counts
+    settled = fill_budget(flatter, sizes, 2)
+    assert settled.hit_rate == pytest.approx(0.6)
+    assert not any(detector.check(settled, flatter).should_repartition for _ in range(5))

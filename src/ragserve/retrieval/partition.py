@@ -499,23 +499,25 @@ def _plan(counts: np.ndarray, sizes: np.ndarray, order: np.ndarray, k: int) -> P
 class DriftConfig:
     """When live access counts call for a new plan.
 
-    Trigger after ``patience`` consecutive checks with the plan's live hit rate below
-    ``plan.hit_rate - drop`` *and* the hottest ``len(plan.cluster_ids)`` clusters by live counts
-    beating it by ``min_gain``; a check with the live rate back above
-    ``plan.hit_rate - drop / 2`` clears the streak (hysteresis); checks over fewer than
-    ``min_accesses`` (decayed) accesses are ignored.
+    A check is *drifting* when the plan's live hit rate (its clusters' share of the live
+    counts) is below ``plan.hit_rate - drop`` (the model's premise broke: Algorithm 1 may now
+    want more coverage), or when the hottest ``len(plan.cluster_ids)`` clusters by live counts
+    beat it by ``min_gain`` (a better placement of the same size exists). ``patience``
+    consecutive drifting checks trigger; the streak clears only once both gaps are back under
+    half their thresholds (hysteresis). Checks over fewer than ``min_accesses`` decayed
+    (query, probe) accesses are ignored.
     """
 
     drop: float = 0.1
     min_gain: float = 0.05
     patience: int = 3
-    min_accesses: float = 1000.0
+    min_accesses: float = 256.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.drop <= 1.0:
             raise ValueError(f"drop must be in (0, 1], got {self.drop}")
-        if not 0.0 <= self.min_gain <= 1.0:
-            raise ValueError(f"min_gain must be in [0, 1], got {self.min_gain}")
+        if not 0.0 < self.min_gain <= 1.0:
+            raise ValueError(f"min_gain must be in (0, 1], got {self.min_gain}")
         if self.patience < 1:
             raise ValueError(f"patience must be >= 1, got {self.patience}")
         if self.min_accesses < 0:
@@ -524,8 +526,8 @@ class DriftConfig:
 
 @dataclass(frozen=True)
 class DriftDecision:
-    """One check: the plan's live hit rate, the best at the same cluster count (both ``None``
-    when too few accesses were seen), and whether to re-partition now."""
+    """One check: the plan's live hit rate and the best at the same cluster count (both
+    ``None`` when too few accesses were seen), and whether to re-partition now."""
 
     live_hit_rate: float | None
     best_hit_rate: float | None
@@ -551,16 +553,17 @@ class DriftDetector:
         if plan.cluster_ids != self._plan_clusters:
             self._plan_clusters, self.streak = plan.cluster_ids, 0
         total = counts.sum()
-        if total < max(self.config.min_accesses, 1e-12):
+        if total <= 0 or total < self.config.min_accesses:
             return DriftDecision(None, None, False)
         live = float(counts[list(plan.cluster_ids)].sum() / total)
         best = float(_access_share(counts, hottest_first(counts))[len(plan.cluster_ids)])
-        drifting = live < plan.hit_rate - self.config.drop
-        if drifting and best - live >= self.config.min_gain:
+        fell, gain = plan.hit_rate - live, best - live
+        cfg = self.config
+        if fell > cfg.drop or gain >= cfg.min_gain:
             self.streak += 1
-        elif live >= plan.hit_rate - self.config.drop / 2:
+        elif fell <= cfg.drop / 2 and gain < cfg.min_gain / 2:
             self.streak = 0
-        fire = self.streak >= self.config.patience
+        fire = self.streak >= cfg.patience
         if fire:
             self.streak = 0
         return DriftDecision(live, best, fire)
