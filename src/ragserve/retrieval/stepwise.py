@@ -90,7 +90,7 @@ def train(
 
 def assign(index: faiss.IndexIVF, queries: np.ndarray, nprobe: int) -> ProbePlan:
     """Coarse assignment: each query's `nprobe` nearest clusters, best first."""
-    q = _check_queries(index, queries)
+    q = check_queries(index, queries)
     nprobe = max(1, min(int(nprobe), index.nlist))
     dists, ids = index.quantizer.search(q, nprobe)
     return ProbePlan(ids.astype(np.int64, copy=False), dists.astype(np.float32, copy=False))
@@ -98,7 +98,7 @@ def assign(index: faiss.IndexIVF, queries: np.ndarray, nprobe: int) -> ProbePlan
 
 def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int) -> TopK:
     """Scan the clusters of `plan` (one step) for every query; returns this step's top-k."""
-    q = _check_queries(index, queries)
+    q = check_queries(index, queries)
     n, k = len(q), int(topk)
     if k < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
@@ -152,7 +152,7 @@ def search(
     index: faiss.IndexIVF, queries: np.ndarray, topk: int, nprobe: int, num_steps: int = 1
 ) -> TopK:
     """Assign then scan the probe lists in `num_steps` slices; equals `index.search`."""
-    q = _check_queries(index, queries)
+    q = check_queries(index, queries)
     plan = assign(index, q, nprobe)
     is_l2 = index.metric_type == faiss.METRIC_L2
     state = None
@@ -172,7 +172,7 @@ def _ivf_params(width: int) -> faiss.SearchParametersIVF:
     return faiss.SearchParametersIVF(nprobe=width)
 
 
-def _check_queries(index: faiss.Index, queries: np.ndarray) -> np.ndarray:
+def check_queries(index: faiss.Index, queries: np.ndarray) -> np.ndarray:
     q = np.ascontiguousarray(queries, dtype=np.float32)
     if q.ndim != 2 or q.shape[1] != index.d:
         raise ValueError(f"queries must have shape [n, {index.d}], got {tuple(q.shape)}")

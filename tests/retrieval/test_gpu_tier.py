@@ -1,0 +1,259 @@
+"""GPU tier (run on CPU tensors): any placement, split and order equals Faiss's one-shot search;
+so do searches during swaps and right after upserts and deletes."""
+
+from __future__ import annotations
+
+import threading
+
+import faiss
+import numpy as np
+import pytest
+
+from ragserve.retrieval import Document, VectorIndex
+from ragserve.retrieval.staged import StagedSearch, StageParams
+from ragserve.retrieval.tier_placement import PlacementConfig
+
+DIM, NUM, NLIST, K, NPROBE = 16, 3000, 32, 10, 8
+BIG = 1 << 30
+
+
+def _clustered(rng: np.random.Generator, n: int, centers: np.ndarray) -> np.ndarray:
+    pick = rng.integers(0, len(centers), n)
+    return (centers[pick] + 0.4 * rng.normal(size=(n, centers.shape[1]))).astype(np.float32)
+
+
+def make_index(
+    metric: str, kind: str = "ivf_flat", *, duplicates: bool = False
+) -> tuple[VectorIndex, np.ndarray]:
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(NLIST, DIM)).astype(np.float32)
+    x = _clustered(rng, NUM, centers)
+    if duplicates:
+        x[100:106] = x[7]  # seven equal vectors: a tie across the k-th boundary
+    docs = [Document(f"d{i}", f"passage {i}") for i in range(NUM)]
+    index = VectorIndex.from_vectors(
+        docs, x, embedder_name="none", nlist=NLIST, kind=kind, metric=metric, nprobe=NPROBE
+    )
+    q = np.concatenate([x[7:8] + 1e-3, _clustered(rng, 39, centers)])
+    return index, q
+
+
+def oracle(index: VectorIndex, q: np.ndarray, k: int = K, nprobe: int = NPROBE):
+    params = faiss.SearchParametersIVF(nprobe=nprobe)
+    return index.faiss_index.search(q, k, params=params)
+
+
+def assert_same(found, ref) -> None:
+    ref_d, ref_i = ref
+    np.testing.assert_array_equal(found.ids, ref_i)
+    np.testing.assert_allclose(found.scores, ref_d, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module", params=["ip", "l2"])
+def built(request):
+    index, q = make_index(request.param)
+    yield index, q
+    index.drop_gpu_tier()
+
+
+@pytest.mark.parametrize("placement", ["none", "half", "random", "all"])
+def test_any_placement_equals_faiss(built, placement: str) -> None:
+    index, q = built
+    rng = np.random.default_rng(3)
+    clusters = {
+        "none": [],
+        "half": list(range(0, NLIST, 2)),
+        "random": rng.choice(NLIST, 11, replace=False).tolist(),
+        "all": list(range(NLIST)),
+    }[placement]
+    tier = index.set_gpu_tier(BIG, device="cpu", clusters=clusters)
+    assert tier.clusters == tuple(sorted(clusters))
+    assert index.gpu_tier is tier and tier.device == "cpu"
+    assert (tier.num_bytes > 0) == bool(clusters)  # a pinned tier allocates what it needs
+    for nprobe in (1, NPROBE, NLIST):
+        assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
+    assert_same(index.search(q[:1], 3), oracle(index, q[:1], 3))
+    tier.check_integrity()
+
+
+def test_hit_rate_counts_resident_probes(built) -> None:
+    index, q = built
+    tier = index.set_gpu_tier(BIG, device="cpu", clusters=range(NLIST))
+    index.search(q, K)
+    assert tier.hit_rate == 1.0
+    tier = index.set_gpu_tier(BIG, device="cpu", clusters=[])
+    index.search(q, K)
+    assert tier.hit_rate == 0.0
+
+
+def test_any_split_and_order_equals_faiss(built) -> None:
+    index, q = built
+    rng = np.random.default_rng(5)
+    index.set_gpu_tier(BIG, device="cpu", clusters=rng.choice(NLIST, 16, replace=False))
+    plan = index.assign(q, NPROBE)
+    ref = oracle(index, q)
+    for num_steps in (2, 3, NPROBE):
+        steps = plan.split(num_steps)
+        rng.shuffle(steps)
+        state = None
+        for step in steps:
+            state = index.scan(q, step, K, state)
+        assert_same(state, ref)
+    ranks = np.argsort(rng.random(plan.cluster_ids.shape), axis=1)  # per-query order
+    state = None
+    for a in range(0, NPROBE, 3):
+        state = index.scan(q, plan.take(ranks[:, a : a + 3]), K, state)
+    assert_same(state, ref)
+
+
+def test_staged_search_routes_resident_lists_without_splitting(built) -> None:
+    index, q = built
+    index.set_gpu_tier(BIG, device="cpu", clusters=range(NLIST // 2))
+    search = StagedSearch(index)
+    search.cost.seconds_per_vector = 1.0  # the budget counts CPU vectors
+    search.cost.observe_scan = lambda *args: None
+    for i, row in enumerate(q):
+        search.add(f"q{i}", row, StageParams(k=K, nprobe=NPROBE, budget_s=50.0))
+    plan = index.assign(q, NPROBE)
+    all_gpu = index.resident_mask(plan.cluster_ids).all(1)
+    done: dict[str, object] = {}
+    first_step = search.step()
+    for p in first_step:
+        if p.done:
+            done[p.key] = p
+    # early completion: a query whose lists are all resident finishes in its first sub-stage
+    assert all(f"q{i}" in done for i in np.flatnonzero(all_gpu))
+    while search.has_pending():
+        for p in search.step():
+            if p.done:
+                done[p.key] = p
+    ref_d, ref_i = oracle(index, q)
+    for i in range(len(q)):
+        state = done[f"q{i}"].state
+        np.testing.assert_array_equal(state.ids[0], ref_i[i])
+        np.testing.assert_allclose(state.scores[0], ref_d[i], rtol=1e-5, atol=1e-5)
+
+
+def test_exact_during_swaps(built) -> None:
+    index, q = built
+    config = PlacementConfig(update_every=1, max_swap_bytes=4096)
+    tier = index.set_gpu_tier(tier_bytes(index, 12), device="cpu", placement=config)
+    ref = oracle(index, q)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:  # hot set moves around while searches run
+        rng = np.random.default_rng(11)
+        try:
+            while not stop.is_set():
+                hot = rng.choice(NLIST, 6, replace=False)
+                index.access_counts.observe(np.repeat(hot[None, :], 50, 0))
+                index.tier_updater.update_now(force=True)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(30):
+            assert_same(index.search(q, K), ref)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+    assert index.tier_updater.num_replans > 1
+    tier.wait_idle()
+    tier.check_integrity()
+
+
+def test_upserts_and_deletes_are_visible_at_once(built) -> None:
+    index, q = built
+    rng = np.random.default_rng(9)
+    tier = index.set_gpu_tier(BIG, device="cpu", clusters=range(NLIST))
+    new = (q[:5] + 1e-4 * rng.normal(size=(5, DIM))).astype(np.float32)
+    index.add_documents([Document(f"new{i}", f"new {i}") for i in range(5)], new)
+    assert_same(index.search(q, K), oracle(index, q))
+    assert len(tier.clusters) < NLIST  # changed lists left the tier
+    top = index.search(q[:5], 2).ids
+    docs = index.get_documents(top.ravel().tolist())
+    index.delete_documents({d.id for d in docs if d is not None})
+    assert_same(index.search(q, K), oracle(index, q))
+    index.add_documents([Document("d7", "replaced")], new[:1])  # upsert of an existing id
+    assert_same(index.search(q, K), oracle(index, q))
+    tier.check_integrity()
+    index.check_integrity()
+
+
+def test_updater_places_the_hot_lists_again(built) -> None:
+    index, q = built
+    tier = index.set_gpu_tier(tier_bytes(index, 10), device="cpu")
+    hot = [3, 5, 8]
+    index.access_counts.observe(np.tile(np.array(hot), (5000, 1)))
+    index.tier_updater.update_now(force=True)
+    tier.wait_idle()
+    assert set(hot) <= set(tier.clusters)
+    index.search(q, K)
+    tier.check_integrity()
+
+
+def test_half_precision_recall(built) -> None:
+    index, q = built
+    _, ref_i = oracle(index, q)
+    for dtype in ("float16", "bfloat16"):
+        index.set_gpu_tier(BIG, device="cpu", clusters=range(NLIST), dtype=dtype)
+        found = index.search(q, K).ids
+        recall = np.mean([len(set(a) & set(b)) / K for a, b in zip(found, ref_i, strict=True)])
+        assert recall >= 0.9, (dtype, recall)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_equal_vectors_tie_within_rounding(metric: str) -> None:
+    """NOTE: the tier's matmul may score bit-equal vectors an ulp apart (BLAS tiles), so among
+    exact ties Faiss's id order is not guaranteed; the top-k is still correct up to ties."""
+    index, q = make_index(metric, duplicates=True)
+    index.set_gpu_tier(BIG, device="cpu", clusters=range(0, NLIST, 2))
+    ref_d, _ = oracle(index, q)
+    found = index.search(q, K)
+    np.testing.assert_allclose(found.scores, ref_d, rtol=1e-5, atol=1e-5)
+    row_ids, vectors = index._store.vectors()
+    x = vectors[np.searchsorted(row_ids, found.ids[0])]
+    exact = x @ q[0] if metric == "ip" else ((x - q[0]) ** 2).sum(1)
+    np.testing.assert_allclose(exact, ref_d[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_refused(built) -> None:
+    index, _ = built
+    with pytest.raises(ValueError, match="clusters"):
+        index.set_gpu_tier(BIG, device="cpu", clusters=[NLIST])
+    with pytest.raises(ValueError, match="budget_bytes"):
+        index.set_gpu_tier(1000, device="cpu", clusters=[0, 1])
+    with pytest.raises(ValueError, match="budget_bytes"):
+        index.set_gpu_tier(-1, device="cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        index.set_gpu_tier(BIG, device="cpu", dtype="int8")
+    sq8, _ = make_index("ip", kind="ivf_sq8")
+    with pytest.raises(ValueError, match="kind"):
+        sq8.set_gpu_tier(BIG, device="cpu")
+    index.drop_gpu_tier()
+    assert index.gpu_tier is None
+
+
+def tier_bytes(index: VectorIndex, num_lists: int) -> int:
+    """Bytes for about ``num_lists`` average lists (chunks of 256 rows, float32)."""
+    per_chunk = 256 * (DIM * 4 + 12)
+    chunks = int(np.ceil(index.cluster_sizes() / 256).mean() * num_lists)
+    return chunks * per_chunk
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_cuda_tier_equals_faiss(metric: str) -> None:
+    index, q = make_index(metric)
+    for clusters in ([], range(0, NLIST, 3), range(NLIST)):
+        index.set_gpu_tier(BIG, device="cuda", clusters=clusters)
+        assert_same(index.search(q, K), oracle(index, q))
+    index.set_gpu_tier(tier_bytes(index, 12), device="cuda", placement=PlacementConfig(1))
+    for _ in range(5):
+        assert_same(index.search(q, K), oracle(index, q))
+        index.tier_updater.update_now(force=True)
+    index.close()
