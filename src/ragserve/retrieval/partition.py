@@ -13,7 +13,7 @@
   ``eta_min``) stays within ``tau_s = SLO_search / (1 + epsilon)`` (Eq. 4) while the retriever
   keeps up with ``mu_LLM(rho) = (MEM_KV - MEM_Index(rho)) / MEM_KV * mu_LLM0``.
 - Drift (``DriftDetector``): live access counts against a plan; re-partition when the plan's
-  live hit rate has dropped and a new plan would gain, with hysteresis.
+  live hit rate has dropped or a better placement of the same size exists, with hysteresis.
 
 Pure NumPy (the regularised incomplete beta function is computed here); no torch, no faiss.
 """
@@ -39,7 +39,9 @@ def count_accesses(probe_ids: np.ndarray, nlist: int) -> np.ndarray:
     ids = np.asarray(probe_ids)
     if ids.ndim != 2:
         raise ValueError(f"probe_ids must be [n, nprobe], got shape {ids.shape}")
-    valid = ids[ids >= 0]
+    if nlist < 1:
+        raise ValueError(f"nlist must be >= 1, got {nlist}")
+    valid = ids[ids >= 0].astype(np.int64)
     if valid.size and valid.max() >= nlist:
         raise ValueError(f"probe_ids has cluster {valid.max()} >= nlist {nlist}")
     return np.bincount(valid, minlength=nlist).astype(np.float64)
