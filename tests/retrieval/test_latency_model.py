@@ -158,3 +158,11 @@ def test_measure_scan_grid_calls_every_point_and_synchronizes():
         measure_scan_grid(lambda b, c: None, (4, 1), (2,))
     with pytest.raises(ValueError, match=">= 1"):
         measure_scan_grid(lambda b, c: None, (0, 1), (2,))
+
+
+def test_model_round_trips_through_json(tmp_path):
+    m = _model()
+    m.save(tmp_path / "model.json")
+    assert SearchLatencyModel.load(tmp_path / "model.json") == m
+    with pytest.raises(ValueError, match="SearchLatencyModel"):
+        SearchLatencyModel.from_json('{"nprobe": 4}')

@@ -20,10 +20,12 @@ Nothing here imports faiss or torch: measurements come in as arrays, or through
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -272,10 +274,37 @@ class SearchLatencyModel:
         return np.where((cq > budget) | (eta > 1.0), np.inf, eta)
 
     def cq_array(self, batch_sizes: np.ndarray) -> np.ndarray:
+        """``T_CQ`` at every batch size (seconds)."""
         return _envelope(self.cq, batch_sizes)
 
     def lut_array(self, batch_sizes: np.ndarray) -> np.ndarray:
+        """``T_LUT`` at every batch size (seconds)."""
         return _envelope(self.lut, batch_sizes)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> SearchLatencyModel:
+        raw = json.loads(text)
+        try:
+            cq, lut = raw["cq"], raw["lut"]
+            return cls(
+                int(raw["nprobe"]),
+                PiecewiseLinear(tuple(cq["knots"]), tuple(cq["values"])),
+                PiecewiseLinear(tuple(lut["knots"]), tuple(lut["values"])),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a SearchLatencyModel: missing or bad field {e}") from e
+
+    def save(self, path: Path) -> None:
+        from ragserve.retrieval.storage import atomic_write_bytes
+
+        atomic_write_bytes(Path(path), self.to_json().encode())
+
+    @classmethod
+    def load(cls, path: Path) -> SearchLatencyModel:
+        return cls.from_json(Path(path).read_text())
 
 
 def _envelope(f: PiecewiseLinear, batch_sizes: np.ndarray) -> np.ndarray:
