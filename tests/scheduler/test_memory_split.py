@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ragserve.scheduler.memory_split import MemorySplit, ThroughputProfile, solve_memory_split
+from ragserve.retrieval.latency_model import PiecewiseLinear, SearchLatencyModel
+from ragserve.retrieval.partition import BetaHitRate
+from ragserve.scheduler.memory_split import (
+    MemorySplit,
+    ThroughputProfile,
+    modelled_retrieval_profile,
+    solve_memory_split,
+)
 
 GB = 1 << 30
 BLOCK = 2 << 20  # 2 MiB per KV block
@@ -126,3 +133,30 @@ def test_throughput_profiles_validate_and_convert_latency():
         ThroughputProfile.from_batch_latency((0, GB), (0.0, 0.1), 32)
     with pytest.raises(ValueError, match="batch_size"):
         ThroughputProfile.from_batch_latency((0, GB), (0.5, 0.1), 0)
+
+
+def test_modelled_retrieval_profile_feeds_eq2():
+    model = SearchLatencyModel(
+        64,
+        PiecewiseLinear((1.0, 64.0), (0.002, 0.010)),
+        PiecewiseLinear((1.0, 64.0), (0.020, 0.500)),
+    )
+    counts = 1.0 / np.arange(1, 129)  # cluster i is the (i+1)-th hottest
+    cluster_bytes = np.full(128, GB // 8)
+    prof = modelled_retrieval_profile(
+        model, counts, cluster_bytes, 0.05, [0, 4 * GB, 16 * GB], batch_size=32
+    )
+    assert prof.sizes == (0, 4 * GB, 16 * GB)
+    assert prof.requests_per_second[0] == pytest.approx(32 / model.cpu_seconds(32))
+    assert prof.requests_per_second[2] == pytest.approx(32 / model.cq_seconds(32))  # all on GPU
+    share = counts[:32].sum() / counts.sum()
+    tail = BetaHitRate.from_mean(share, 0.05).expected_min(32)
+    assert prof.requests_per_second[1] == pytest.approx(32 / model.hybrid_seconds(32, tail))
+    assert np.all(np.diff(prof.requests_per_second) > 0)
+    gen = ThroughputProfile((0, 20_000), (0.0, 400.0))
+    split = solve_memory_split(40 * GB, BLOCK, gen, prof, max_index_bytes=16 * GB)
+    assert split.predicted_rps == pytest.approx(
+        _brute_force(40 * GB, BLOCK, gen, prof, max_index=16 * GB)
+    )
+    with pytest.raises(ValueError, match="tier_sizes"):
+        modelled_retrieval_profile(model, counts, cluster_bytes, 0.05, [], batch_size=32)

@@ -9,6 +9,11 @@ index tier's size (at ``rps_R``), both in workflow requests/s, pick::
 over whole KV blocks; the GPU memory left over goes to the index tier. An explicit
 ``kv_cache_bytes`` or ``index_tier_bytes`` overrides the solver. Sizes in bytes, throughputs
 in requests/s. Profiles are interpolated piecewise-linearly and held flat past their ends.
+
+NOTE: the paper writes ``T_R(rps_R)`` for the CPU retriever alone; with a GPU tier the
+retrieval throughput depends on the tier's bytes, which is what the split trades, so ``T_R``
+here is a function of them. It can be measured, or modelled from VectorLiteRAG's latency
+model and the access counts (``modelled_retrieval_profile``), which needs no run per size.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from ragserve.retrieval.latency_model import SearchLatencyModel
+from ragserve.retrieval.partition import BetaHitRate, fill_budget
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,33 @@ class ThroughputProfile:
             raise ValueError("batch_seconds must be > 0")
         rps = batch_size / (secs * retrievals_per_request)
         return cls(tuple(float(s) for s in sizes), tuple(float(r) for r in rps))
+
+
+def modelled_retrieval_profile(
+    model: SearchLatencyModel,
+    access_counts: np.ndarray,
+    cluster_bytes: np.ndarray,
+    max_variance: float,
+    tier_sizes: Sequence[int],
+    *,
+    batch_size: int,
+    retrievals_per_request: float = 1.0,
+) -> ThroughputProfile:
+    """``T_R`` by tier bytes from the latency model: at each size the hottest clusters that
+    fit (``fill_budget``) give a mean hit rate, Eq. 2 its tail over ``batch_size`` queries and
+    Eq. 1 the batch's seconds; back-to-back batches then serve
+    ``batch_size / (seconds * retrievals_per_request)`` requests/s."""
+    sizes = sorted({int(s) for s in tier_sizes})
+    if not sizes or sizes[0] < 0:
+        raise ValueError(f"tier_sizes must be non-empty and >= 0, got {tier_sizes}")
+    seconds = []
+    for size in sizes:
+        plan = fill_budget(access_counts, cluster_bytes, size)
+        tail = BetaHitRate.from_mean(plan.hit_rate, max_variance).expected_min(batch_size)
+        seconds.append(model.hybrid_seconds(batch_size, tail))
+    if min(seconds) <= 0:
+        raise ValueError("the latency model predicts a zero-second batch: cannot give a rate")
+    return ThroughputProfile.from_batch_latency(sizes, seconds, batch_size, retrievals_per_request)
 
 
 @dataclass(frozen=True)
