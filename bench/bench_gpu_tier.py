@@ -1,0 +1,256 @@
+"""Retrieval alone with the GPU tier (issue 10): queries/s and p90 latency vs GPU coverage, next
+to CPU-only Faiss and exhaustive GPU search (the ceiling), on a synthetic Zipf-skewed corpus.
+
+    python bench/bench_gpu_tier.py --num-docs 5000000 --dim 768 --nlist 4096 --topics 16384 \
+        --nprobe 128 256 512 --coverage 0 5 10 20 50 100 --out bench/results/gpu_tier_h200.json
+
+Every figure is measured in this one process, side by side: the same index, queries and batch
+size. Coverage = share of lists on the GPU, hottest first by the access counts of a warm-up
+query sample (the placement `set_gpu_tier` would make). Each point also checks its ids against
+the CPU-only result (`exact_ids`: share of identical rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("bench_gpu_tier")
+
+
+def build_index(args: argparse.Namespace, device: str) -> tuple[Any, Any, dict]:
+    """An in-memory VectorIndex (no document store rows: search only) and the synthetic spec."""
+    import faiss
+
+    from ragserve.retrieval import gpu_kmeans, stepwise
+    from ragserve.retrieval.docstore import DocStore
+    from ragserve.retrieval.index import IndexSpec, VectorIndex
+    from ragserve.retrieval.synthetic import SyntheticSpec, synthetic_corpus
+
+    seconds: dict[str, float] = {}
+    spec = SyntheticSpec(dim=args.dim, num_topics=args.topics, zipf_a=args.zipf)
+    t0 = time.perf_counter()
+    _, x = synthetic_corpus(spec, args.num_docs, device=device)
+    seconds["generate"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    sample = x[np.sort(rng.choice(len(x), min(len(x), 256 * args.nlist), replace=False))]
+    centroids = gpu_kmeans.kmeans(sample, args.nlist, "ip", device=device, seed=0)
+    labels = gpu_kmeans.assign(x, centroids, "ip", device=device)
+    seconds["kmeans_assign"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    index = stepwise.make_ivf(args.dim, args.nlist, "ivf_flat", "ip")
+    index.quantizer.add(np.ascontiguousarray(centroids, dtype=np.float32))
+    index.is_trained = True
+    step = 1 << 20
+    for a in range(0, len(x), step):
+        b = min(a + step, len(x))
+        ids = np.arange(a + 1, b + 1, dtype=np.int64)
+        lab = np.ascontiguousarray(labels[a:b], dtype=np.int64)
+        index.add_core(b - a, faiss.swig_ptr(x[a:b]), faiss.swig_ptr(ids), faiss.swig_ptr(lab))
+    seconds["add"] = time.perf_counter() - t0
+    ispec = IndexSpec(args.dim, args.nlist, "ivf_flat", "ip", spec.name, 256)
+    return VectorIndex(index, DocStore(None), ispec), (spec, x), seconds
+
+
+def make_queries(spec: Any, n: int, seed: int) -> np.ndarray:
+    from ragserve.retrieval.synthetic import SyntheticEmbedder
+
+    emb = SyntheticEmbedder(spec)
+    return emb.encode([f"Question {seed}-{i}: what about it?" for i in range(n)])
+
+
+def timed(fn: Any, q: np.ndarray, batch: int, min_s: float, max_batches: int) -> dict:
+    """Consecutive batches of ``q`` through ``fn`` (after one warm-up batch): queries/s and
+    per-batch latency percentiles (seconds)."""
+    fn(q[:batch])
+    lat = []
+    start = time.perf_counter()
+    pos = batch
+    while len(lat) < max_batches and (len(lat) < 2 or time.perf_counter() - start < min_s):
+        if pos + batch > len(q):
+            pos = 0
+        t0 = time.perf_counter()
+        fn(q[pos : pos + batch])
+        lat.append(time.perf_counter() - t0)
+        pos += batch
+    total = time.perf_counter() - start
+    a = np.asarray(lat)
+    return {
+        "batch": batch,
+        "num_batches": len(lat),
+        "qps": batch * len(lat) / total,
+        "p50_s": float(np.percentile(a, 50)),
+        "p90_s": float(np.percentile(a, 90)),
+    }
+
+
+def exact_share(found: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.mean(np.all(found == ref, axis=1)))
+
+
+def recall(found: np.ndarray, ref: np.ndarray) -> float:
+    k = ref.shape[1]
+    return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(found, ref, strict=True)]))
+
+
+class Results:
+    """The JSON document, rewritten after each section (partial runs keep what they got)."""
+
+    def __init__(self, path: Path, meta: dict) -> None:
+        self.path, self.doc = path, {"meta": meta, "points": []}
+
+    def add(self, **point: Any) -> None:
+        self.doc["points"].append(point)
+        logger.info("%s", json.dumps(point))
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.doc, indent=1))
+
+
+def exhaustive(res: Results, x: np.ndarray, q: np.ndarray, args: argparse.Namespace) -> None:
+    """The ceiling: every vector scored (no IVF), torch matmul + topk on the GPU."""
+    import torch
+
+    for dtype in ("float16", "float32"):
+        xd = torch.from_numpy(x).to("cuda").to(getattr(torch, dtype))
+
+        def run(batch: np.ndarray, xd=xd) -> np.ndarray:
+            qd = torch.from_numpy(batch).to("cuda").to(xd.dtype)
+            return (qd @ xd.T).float().topk(args.topk, dim=1).indices.cpu().numpy()
+
+        for batch in [*args.batch, args.peak_batch]:
+            stats = timed(run, q, batch, args.min_seconds, args.max_batches)
+            res.add(system="exhaustive_gpu", dtype=dtype, **stats)
+        del xd
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-docs", type=int, default=200_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--nlist", type=int, default=1024)
+    ap.add_argument("--topics", type=int, default=4096)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--nprobe", type=int, nargs="+", default=[128, 256, 512])
+    ap.add_argument("--coverage", type=float, nargs="+", default=[0, 5, 10, 20, 50, 100])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--peak-batch", type=int, default=256, help="also at 100%% coverage")
+    ap.add_argument("--topk", type=int, default=10)
+    ap.add_argument("--num-queries", type=int, default=4096)
+    ap.add_argument("--min-seconds", type=float, default=4.0)
+    ap.add_argument("--max-batches", type=int, default=200)
+    ap.add_argument("--device", default=None, help="tier device (default cuda when present)")
+    ap.add_argument("--skip-exhaustive", action="store_true")
+    ap.add_argument(
+        "--skip-cpu",
+        action="store_true",
+        help="no CPU-only points; ids are checked against the float32 whole-index tier",
+    )
+    ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_tier.json"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    import faiss
+    import torch
+
+    from ragserve.retrieval.partition import hottest_first
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    index, (spec, x), build_s = build_index(args, "cuda" if torch.cuda.is_available() else "cpu")
+    meta = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "faiss_threads": faiss.omp_get_max_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "build_seconds": build_s,
+        "cluster_size_max": int(index.cluster_sizes().max()),
+    }
+    res = Results(args.out, meta)
+    q = make_queries(spec, args.num_queries, seed=1)
+    warm = make_queries(spec, 2048, seed=2)
+    for nprobe in args.nprobe:  # the placement profile: probes of a warm-up sample
+        index.access_counts.observe(index.assign(warm, nprobe).cluster_ids)
+    hot = hottest_first(index.access_counts.snapshot())
+    check = q[: min(256, len(q))]
+    refs = {}
+    index.drop_gpu_tier()
+    if args.skip_cpu:
+        index.set_gpu_tier(1 << 40, device=device, clusters=range(args.nlist))
+    for nprobe in args.nprobe:
+        refs[nprobe] = index.search(check, args.topk, nprobe).ids
+        for batch in [] if args.skip_cpu else args.batch:
+            stats = timed(
+                lambda b, n=nprobe: index.search(b, args.topk, n),
+                q,
+                batch,
+                args.min_seconds,
+                args.max_batches,
+            )
+            res.add(system="cpu_faiss", nprobe=nprobe, coverage=0.0, **stats)
+    for cov in args.coverage:
+        if cov == 0:
+            continue
+        num = int(round(cov / 100 * args.nlist))
+        t0 = time.perf_counter()
+        tier = index.set_gpu_tier(1 << 40, device=device, clusters=hot[:num].tolist())
+        load_s = time.perf_counter() - t0
+        for nprobe in args.nprobe:
+            found = index.search(check, args.topk, nprobe).ids
+            batches = [*args.batch, args.peak_batch] if cov == 100 else args.batch
+            for batch in batches:
+                stats = timed(
+                    lambda b, n=nprobe: index.search(b, args.topk, n),
+                    q,
+                    batch,
+                    args.min_seconds,
+                    args.max_batches,
+                )
+                res.add(
+                    system="gpu_tier",
+                    dtype="float32",
+                    nprobe=nprobe,
+                    coverage=cov,
+                    num_clusters=num,
+                    tier_bytes=tier.num_bytes,
+                    load_seconds=load_s,
+                    probe_hit_rate=tier.hit_rate,
+                    exact_ids=exact_share(found, refs[nprobe]),
+                    **stats,
+                )
+    index.set_gpu_tier(1 << 40, device=device, clusters=range(args.nlist), dtype="float16")
+    for nprobe in args.nprobe:
+        found = index.search(check, args.topk, nprobe).ids
+        stats = timed(
+            lambda b, n=nprobe: index.search(b, args.topk, n),
+            q,
+            args.batch[0],
+            args.min_seconds,
+            args.max_batches,
+        )
+        res.add(
+            system="gpu_tier",
+            dtype="float16",
+            nprobe=nprobe,
+            coverage=100.0,
+            recall_vs_float32=recall(found, refs[nprobe]),
+            **stats,
+        )
+    index.drop_gpu_tier()
+    if torch.cuda.is_available() and not args.skip_exhaustive:
+        exhaustive(res, x, q, args)
+    logger.info("done: %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
