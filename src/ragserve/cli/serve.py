@@ -37,7 +37,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, default=64, help="admission bound; past it 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain at exit")
+    tier = p.add_argument_group("GPU index tier (hot IVF-Flat lists in GPU memory)")
+    tier.add_argument(
+        "--gpu-index-gb", type=float, default=None, help="tier size in GB (overrides Eq. 2)"
+    )
+    tier.add_argument(
+        "--gpu-index-profile",
+        default=None,
+        help="JSON with generation_profile and retrieval_profile: Eq. 2 splits the GPU memory "
+        "between the KV cache and the tier",
+    )
+    tier.add_argument("--gpu-index-device", default="cuda", help="tier device (cuda, cuda:N, cpu)")
+    tier.add_argument(
+        "--gpu-index-dtype", default="float32", choices=("float32", "float16", "bfloat16")
+    )
     p.set_defaults(func=handler)
+
+
+def gpu_tier_config(args: argparse.Namespace):
+    """``GpuTierConfig`` from the flags, or None when neither a size nor a profile is given."""
+    from ragserve.runtime import GpuTierConfig
+    from ragserve.runtime.memory_plan import load_profiles
+
+    if args.gpu_index_gb is None and args.gpu_index_profile is None:
+        return None
+    if args.gpu_index_gb is not None and args.gpu_index_gb < 0:
+        raise ValueError(f"--gpu-index-gb must be >= 0, got {args.gpu_index_gb}")
+    profiles = load_profiles(args.gpu_index_profile) if args.gpu_index_profile else {}
+    budget = None if args.gpu_index_gb is None else int(args.gpu_index_gb * 1e9)
+    return GpuTierConfig(
+        budget_bytes=budget, device=args.gpu_index_device, dtype=args.gpu_index_dtype, **profiles
+    )
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -60,14 +90,15 @@ def handler(args: argparse.Namespace) -> int:
     engine_kwargs = {"device": args.device}
     if args.cpu_threads is not None:
         engine_kwargs["cpu_threads"] = args.cpu_threads
-    runtime = ServerConfig(
-        engine_kwargs=engine_kwargs,
-        max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight),
-    )
     if not Path(args.index).is_dir():
         logger.error("no index directory at %s (build one with `ragserve index build`)", args.index)
         return 2
     try:
+        runtime = ServerConfig(
+            engine_kwargs=engine_kwargs,
+            max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight),
+            gpu_tier=gpu_tier_config(args),
+        )
         server = Server(model=args.model, index=args.index, embedder=args.embedder, config=runtime)
     except (RuntimeError, ValueError, OSError) as exc:
         logger.debug("Server failed to start", exc_info=True)

@@ -1,8 +1,16 @@
 """The runtime: ``Server``, persistent generation/retrieval worker processes, bounded queues
 and the shared-memory data plane."""
 
-from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.config import GpuTierConfig, ServerConfig
 from ragserve.runtime.server import Server
 from ragserve.scheduler.request import ErrorKind, NodeTiming, RequestError, Response
 
-__all__ = ["ErrorKind", "NodeTiming", "RequestError", "Response", "Server", "ServerConfig"]
+__all__ = [
+    "ErrorKind",
+    "GpuTierConfig",
+    "NodeTiming",
+    "RequestError",
+    "Response",
+    "Server",
+    "ServerConfig",
+]

@@ -7,13 +7,42 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class GpuTierConfig:
+    """The retrieval worker's GPU index tier (``VectorIndex.set_gpu_tier``).
+
+    ``budget_bytes`` fixes the tier's size. ``None`` lets HedraRAG's Eq. 2
+    (``scheduler.memory_split``) split ``gpu_memory_bytes`` (the memory left for the KV cache
+    and the tier together; measured on ``device`` minus the model's weights when ``None``)
+    from measured profiles: ``generation_profile`` ``((kv_blocks, requests/s), ...)`` and
+    ``retrieval_profile`` ``((tier_bytes, requests/s), ...)``. The engine's ``kv_cache_bytes``
+    then comes from the same split (an explicit one in ``engine_kwargs`` wins).
+    """
+
+    budget_bytes: int | None = None
+    device: str = "cuda"
+    dtype: str = "float32"
+    gpu_memory_bytes: int | None = None
+    generation_profile: tuple[tuple[float, float], ...] | None = None
+    retrieval_profile: tuple[tuple[float, float], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None and self.budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
+            raise ValueError(f"gpu_memory_bytes must be > 0, got {self.gpu_memory_bytes}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Runtime knobs. ``in_process`` runs the engine and the index in the server's own process
     (tests, debugging); the default runs each in a persistent worker process.
 
     ``engine_kwargs`` go to ``LLMEngine`` as keyword arguments (``device``, ``max_num_seqs``,
     ``kv_cache_bytes``, ...). ``default_nprobe`` applies to retrieval nodes with
-    ``nprobe=None`` (``None``: the index's own default).
+    ``nprobe=None`` (``None``: the index's own default). ``gpu_tier`` puts hot IVF lists on
+    the GPU (``GpuTierConfig``; ``None``: CPU only).
     """
 
     in_process: bool = False
@@ -27,6 +56,7 @@ class ServerConfig:
     max_node_runs: int = 256
     poll_timeout: float = 0.02
     transforms: tuple[Any, ...] = field(default=())
+    gpu_tier: GpuTierConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_kwargs, dict):

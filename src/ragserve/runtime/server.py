@@ -330,12 +330,17 @@ def _request_output(rid: str, prompt_ids, token_ids, text, update, metrics) -> A
 
 def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) -> Any:
     from ragserve.runtime.executors import LocalExecutor, ProcessExecutor
+    from ragserve.runtime.memory_plan import plan_gpu_memory
     from ragserve.runtime.workers import WorkerSpec
 
     if isinstance(index, str) and index == "factbook" and not Path(index).is_dir():
         from ragserve.retrieval import builtin_index
 
         index = builtin_index("factbook")
+    config, plan = plan_gpu_memory(config, model, index)
+    tier = None
+    if plan.tier_bytes is not None:
+        tier = (plan.tier_bytes, config.gpu_tier.device, config.gpu_tier.dtype)
     if config.in_process:
         from ragserve.runtime.runners import GenerationRunner
         from ragserve.runtime.staged_retrieval import StagedRetrievalRunner as RetrievalRunner
@@ -355,6 +360,8 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
             from ragserve.retrieval import load_embedder
 
             emb = load_embedder(str(emb) if emb is not None else vindex.embedder_name)
+        if tier is not None:
+            vindex.set_gpu_tier(tier[0], device=tier[1], dtype=tier[2])
         return LocalExecutor(
             GenerationRunner(engine), RetrievalRunner(vindex, emb, config.default_nprobe)
         )
@@ -370,5 +377,6 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         index=str(index),
         embedder=None if embedder is None else str(embedder),
         default_nprobe=config.default_nprobe,
+        tier=tier,
     )
     return ProcessExecutor(gen, ret, config)

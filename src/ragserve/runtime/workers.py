@@ -45,6 +45,7 @@ class WorkerSpec:
     index: str | None = None
     embedder: str | None = None
     default_nprobe: int | None = None
+    tier: tuple[int, str, str] | None = None  # (budget_bytes, device, dtype) of the GPU tier
 
 
 def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
@@ -56,6 +57,9 @@ def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
     from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 
     index = VectorIndex.load(spec.index)
+    if spec.tier is not None:
+        budget, device, dtype = spec.tier
+        index.set_gpu_tier(budget, device=device, dtype=dtype)
     embedder = load_embedder(spec.embedder or index.embedder_name)
     return StagedRetrievalRunner(index, embedder, spec.default_nprobe)
 

@@ -1,0 +1,98 @@
+"""The GPU index tier through the runtime: ServerConfig.gpu_tier, the Eq. 2 memory plan and the
+`ragserve serve` flags (tier on CPU tensors here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from ragserve.runtime import GpuTierConfig, Server, ServerConfig
+from ragserve.runtime.memory_plan import load_profiles, plan_gpu_memory
+
+ENGINE = {"device": "cpu", "enable_prefix_caching": False}
+
+
+def test_in_process_server_serves_through_the_tier(local_server, tiny_model, small_index) -> None:
+    config = ServerConfig(
+        in_process=True,
+        engine_kwargs=ENGINE,
+        gpu_tier=GpuTierConfig(budget_bytes=1 << 26, device="cpu"),
+    )
+    with Server(tiny_model, small_index, config=config) as s:
+        tier = s.executor.retrieval.index.gpu_tier
+        assert tier is not None and tier.device == "cpu" and len(tier.clusters) == 4
+        for q in ("What is the capital of Kenya?", "Which countries are in Europe?"):
+            with_tier = s.run(q, "oneshot")
+            plain = local_server.run(q, "oneshot")
+            assert with_tier.error is None
+            assert with_tier.doc_ids == plain.doc_ids
+        assert tier.hit_rate == 1.0
+
+
+def test_worker_process_builds_the_tier(tiny_model, small_index) -> None:
+    config = ServerConfig(
+        engine_kwargs=ENGINE, gpu_tier=GpuTierConfig(budget_bytes=1 << 26, device="cpu")
+    )
+    with Server(tiny_model, small_index, config=config) as s:
+        r = s.run("What is the capital of Peru?", "oneshot")
+        assert r.error is None and r.doc_ids
+
+
+def test_eq2_sets_the_kv_cache_and_the_tier(tiny_model, small_index) -> None:
+    gen = ((16, 1.0), (64, 4.0), (256, 8.0))
+    ret = ((0, 2.0), (1 << 20, 6.0), (1 << 22, 9.0))
+    tier = GpuTierConfig(
+        device="cpu", gpu_memory_bytes=1 << 23, generation_profile=gen, retrieval_profile=ret
+    )
+    resolved, plan = plan_gpu_memory(
+        ServerConfig(engine_kwargs=ENGINE, gpu_tier=tier), tiny_model, small_index
+    )
+    kv = dict(resolved.engine_kwargs)["kv_cache_bytes"]
+    assert plan.source == "eq2" and plan.kv_cache_bytes == kv
+    assert kv + plan.tier_bytes <= 1 << 23 and plan.tier_bytes > 0
+
+
+def test_overrides_and_missing_profiles(tiny_model, small_index) -> None:
+    off, plan = plan_gpu_memory(ServerConfig(engine_kwargs=ENGINE), tiny_model, small_index)
+    assert (
+        plan.tier_bytes is None
+        and off.engine_kwargs == ServerConfig(engine_kwargs=ENGINE).engine_kwargs
+    )
+    fixed = GpuTierConfig(budget_bytes=1 << 20, device="cpu")
+    _, plan = plan_gpu_memory(ServerConfig(gpu_tier=fixed), tiny_model, small_index)
+    assert (plan.tier_bytes, plan.source) == (1 << 20, "override")
+    bare = GpuTierConfig(device="cpu", gpu_memory_bytes=1 << 23)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        plan_gpu_memory(ServerConfig(gpu_tier=bare), tiny_model, small_index)
+    with pytest.raises(ValueError, match="dtype"):
+        GpuTierConfig(dtype="int8")
+    with pytest.raises(ValueError, match="budget_bytes"):
+        GpuTierConfig(budget_bytes=-1)
+
+
+def test_serve_flags(tmp_path) -> None:
+    from ragserve.cli.serve import gpu_tier_config
+
+    def args(**kw):
+        base = {
+            "gpu_index_gb": None,
+            "gpu_index_profile": None,
+            "gpu_index_device": "cuda",
+            "gpu_index_dtype": "float32",
+        }
+        return argparse.Namespace(**{**base, **kw})
+
+    assert gpu_tier_config(args()) is None
+    assert gpu_tier_config(args(gpu_index_gb=1.5)).budget_bytes == 1_500_000_000
+    path = tmp_path / "profiles.json"
+    path.write_text(json.dumps({"generation_profile": [[1, 2.0]], "retrieval_profile": [[0, 1.0]]}))
+    cfg = gpu_tier_config(args(gpu_index_profile=str(path), gpu_index_dtype="float16"))
+    assert cfg.budget_bytes is None and cfg.dtype == "float16"
+    assert cfg.generation_profile == ((1.0, 2.0),)
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="generation_profile"):
+        load_profiles(path)
+    with pytest.raises(ValueError, match="gpu-index-gb"):
+        gpu_tier_config(args(gpu_index_gb=-1.0))
