@@ -30,9 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rag_report import summarize, write_plots  # noqa: E402
 from rag_setup import PRESETS, Preset, prepare, write_model  # noqa: E402
 from rag_systems import SYSTEMS, system_transforms  # noqa: E402
+from sustained import find_capacity, window_stats  # noqa: E402
 
 logger = logging.getLogger("rag_bench")
 WORKFLOWS = ("oneshot", "hyde", "multistep", "irg", "recomp")
+CAPACITY_WORKFLOWS = (*WORKFLOWS, "llm")  # "llm": the LLM-alone roofline (capacity phases)
 
 
 def workflow_graphs(p: Preset, nprobe: int | None = None) -> dict:
@@ -47,7 +49,20 @@ def workflow_graphs(p: Preset, nprobe: int | None = None) -> dict:
         ),
         "irg": get_workflow("irg", topk=k, rounds=2, max_tokens=t, nprobe=n),
         "recomp": get_workflow("recomp", topk=k, max_tokens=t, summary_tokens=t, nprobe=n),
+        "llm": llm_alone(p),
     }
+
+
+def llm_alone(p: Preset):
+    """The roofline: oneshot's answer prompt with ``topk`` passages of the synthetic corpus's
+    form already in it (retrieval precomputed and skipped), the same output length."""
+    from ragserve.graph import END, START, RAGraph
+    from ragserve.workflows.builtin import ANSWER
+
+    docs = "\n".join(f"Synthetic passage {i} about topic {i % 97}." for i in range(p.topk))
+    g = RAGraph("llm-alone")
+    g.add_generation(0, prompt=ANSWER.replace("{docs}", docs), max_tokens=p.max_tokens)
+    return g.add_edge(START, 0).add_edge(0, END).compile()
 
 
 def arrivals(rate: float, n: int, seed: int) -> np.ndarray:
@@ -60,6 +75,13 @@ async def run_point(server, graphs: dict, names: list[str], questions: list[str]
     """Submit at Poisson times; requests unfinished ``timeout`` s after the last arrival are
     aborted (they come back with ``error="aborted"`` and count as SLO misses)."""
     times = arrivals(rate, len(questions), seed)
+    responses, _ = await run_arrivals(server, graphs, names, questions, times, timeout)
+    return responses
+
+
+async def run_arrivals(server, graphs: dict, names: list[str], questions: list[str],
+                       times: np.ndarray, timeout: float) -> tuple[list, float]:  # fmt: skip
+    """``run_point`` at given arrival offsets; also returns the start (monotonic seconds)."""
     start = time.monotonic()
     tag = uuid.uuid4().hex[:8]
 
@@ -72,7 +94,7 @@ async def run_point(server, graphs: dict, names: list[str], questions: list[str]
     for i, task in enumerate(tasks):
         if task in pending:
             server.abort(f"{tag}-{i}")
-    return list(await asyncio.gather(*tasks))
+    return list(await asyncio.gather(*tasks)), start
 
 
 def start_server(p: Preset, data: dict, args):
@@ -115,6 +137,59 @@ def measure(server, clock: dict, transforms: tuple, system: str, p: Preset, data
     return row
 
 
+def measure_capacity(server, transforms: tuple, system: str, p: Preset, data: dict, args,
+                     point: dict, offset: int) -> dict:  # fmt: skip
+    """Sustained capacity of one (system, workflow, nprobe) by bisection (``sustained.py``):
+    each probed rate offers ``warmup + window`` seconds of Poisson arrivals."""
+    wf, nprobe = point["workflow"], point["nprobe"]
+    lo, hi = point["capacity"]
+    warmup, window = point["warmup"], point["window"]
+    graphs = workflow_graphs(p, nprobe)
+    timeout = point.get("timeout", args.point_timeout)
+
+    def one_rate(rate: float) -> dict:
+        n = max(2, int(np.ceil(rate * (warmup + window))))
+        times = arrivals(rate, n, args.seed)
+        times = times[times <= warmup + window] if (times <= warmup + window).sum() > 1 else times
+        qs = [data["questions"][(offset + j) % len(data["questions"])] for j in range(len(times))]
+        t0 = time.monotonic()
+        responses, start = asyncio.run(
+            run_arrivals(server, graphs, [wf] * len(times), qs, times, timeout)
+        )
+        stats = summarize(responses, slo=p.slo, wall=time.monotonic() - t0)
+        stats.update(window_stats(responses, times, start, warmup, p.slo), rate=rate)
+        logger.info("%s %s nprobe=%s %s", system, wf, nprobe, json.dumps(stats))
+        return stats
+
+    cap = find_capacity(one_rate, lo, hi, max_points=point.get("max_points", 7))
+    row = {
+        "system": system,
+        "workflow": wf,
+        "nprobe": nprobe,
+        "tier": point.get("tier"),
+        "capacity_rps": cap.rate,
+        "capacity_bound": cap.bound,
+        "first_unsustained_rps": cap.upper,
+        "warmup_s": warmup,
+        "window_s": window,
+        "points": [{"rate": r, "sustained": ok, **st} for r, ok, st in cap.points],
+    }
+    logger.info("capacity %s", json.dumps({k: v for k, v in row.items() if k != "points"}))
+    return row
+
+
+def set_tier(server, point: dict, args) -> None:
+    """Turn the retrieval worker's GPU tier on (``--tier-gb`` on ``--tier-device``) or off."""
+    if point.get("tier") is None:
+        return
+    if point["tier"]:
+        budget = int(args.tier_gb * 1e9)
+        info = server.executor.call_retrieval("set_gpu_tier", budget, args.tier_device).result()
+        logger.info("GPU tier on: %s", info)
+    else:
+        server.executor.call_retrieval("drop_gpu_tier").result()
+
+
 def num_requests(rate: float, point: dict, p: Preset, args) -> int:
     """``--num-requests`` when given, else ``duration`` (the phase's, or ``--duration``)
     seconds of arrivals clamped to ``--min/max-requests``, else the preset's count."""
@@ -137,26 +212,40 @@ def phases(args, default_nprobe: int) -> list[dict]:
     out = []
     for ph in raw:
         unknown = set(ph) - {"name", "systems", "workflows", "rates", "nprobes", "duration",
-                             "timeout"}  # fmt: skip
+                             "timeout", "capacity", "warmup", "window", "tier",
+                             "max_points"}  # fmt: skip
         if unknown:
             raise ValueError(f"unknown keys in plan phase: {sorted(unknown)}")
         systems = ph.get("systems", args.systems)
-        bad = set(systems) - set(SYSTEMS) or set(ph.get("workflows", ())) - {*WORKFLOWS, "mix"}
+        known = {*CAPACITY_WORKFLOWS} if "capacity" in ph else {*WORKFLOWS, "mix"}
+        bad = set(systems) - set(SYSTEMS) or set(ph.get("workflows", ())) - known
         if bad:
             raise ValueError(f"unknown systems/workflows in plan: {sorted(bad)}")
         if min(ph.get("rates", args.rates)) <= 0 or ph.get("duration", 1) <= 0:
             raise ValueError(f"rates and duration must be > 0 in plan phase {ph}")
+        if "capacity" in ph:
+            lo, hi = ph["capacity"]
+            if not 0 < lo < hi or ph.get("window", 30) < args.min_window or ph.get("warmup", 5) < 0:
+                raise ValueError(
+                    f"capacity needs 0 < lo < hi and window >= {args.min_window} s: {ph}"
+                )
+        extra = ("duration", "timeout", "capacity", "warmup", "window", "tier", "max_points")
+        rates = [None] if "capacity" in ph else sorted(ph.get("rates", args.rates))
         points = [
             {
                 "workflow": w,
-                "rate": float(r),
+                "rate": None if r is None else float(r),
                 "nprobe": int(n),
-                **{k: ph[k] for k in ("duration", "timeout") if k in ph},
+                **{k: ph[k] for k in extra if k in ph},
             }  # fmt: skip
             for n in ph.get("nprobes", args.nprobes or [default_nprobe])
             for w in ph.get("workflows", args.workflows)
-            for r in sorted(ph.get("rates", args.rates))
+            for r in rates
         ]
+        if "capacity" in ph:
+            for pt in points:
+                pt.setdefault("warmup", 5.0)
+                pt.setdefault("window", 30.0)
         out.append({"name": ph.get("name", "main"), "systems": systems, "points": points})
     return out
 
@@ -180,13 +269,19 @@ def bench_all(p: Preset, data: dict, args, plan: list[dict], on_row=None) -> lis
             for s in systems:
                 chains.setdefault(s, system_transforms(s, first_clusters=p.first_clusters))
             saturated: set = set()
+            if phase["points"]:
+                set_tier(server, phase["points"][0], args)
             for point in phase["points"]:
                 order = systems[k % len(systems) :] + systems[: k % len(systems)]
                 if not args.interleave:
                     order = systems
                 for system in order:
                     key = (system, point["workflow"], point["nprobe"])
-                    if key in saturated:
+                    if "capacity" in point:
+                        server.set_transforms(chains[system])
+                        row = measure_capacity(server, chains[system], system, p, data, args,
+                                               point, offset=k * per_point)  # fmt: skip
+                    elif key in saturated:
                         row = {"system": system, **point, "skipped": "saturated"}
                     else:
                         server.set_transforms(chains[system])
@@ -286,6 +381,11 @@ def build_parser(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="skip a system's higher rates once its SLO attainment is below this",
     )
     ap.add_argument("--plan", type=Path, default=None, help="JSON list of phases (see phases())")
+    ap.add_argument("--tier-gb", type=float, default=0.0,
+                    help="GPU index tier size for plan phases with \"tier\": true")  # fmt: skip
+    ap.add_argument("--tier-device", default="cuda", help="GPU index tier device")
+    ap.add_argument("--min-window", type=float, default=30.0,
+                    help="shortest capacity window allowed (the method says 30 s)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--in-process", action="store_true", help="no worker processes (tests)")
     ap.add_argument(

@@ -45,7 +45,7 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
 
     groups: dict[tuple, dict] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if "skipped" not in r:
+        if "skipped" not in r and "capacity_rps" not in r:  # capacity rows have no rate
             groups[(r["workflow"], r["nprobe"])][r["system"]].append(
                 (r["rate"], r["latency_mean_s"])
             )

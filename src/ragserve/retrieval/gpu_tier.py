@@ -70,7 +70,7 @@ class GpuTier:
 
     Public state: ``clusters`` (resident now, sorted), ``loading`` (in transit), ``num_bytes``
     (device bytes allocated), ``budget_bytes``, ``device``, ``dtype``, ``hit_rate`` (decayed
-    share of probes served here). Mutated by ``begin_load``/``load``/``evict``/``invalidate``/
+    share of probes served here). Mutated by ``begin_load``/``evict``/``invalidate``/
     ``poll``/``observe``; ``scan`` only reads. Thread-safe.
     """
 
@@ -175,15 +175,6 @@ class GpuTier:
             self._probes = self._probes * decay + float((c >= 0).sum())
 
     # -- placement ------------------------------------------------------------------------------
-
-    def load(self, cluster: int, vectors: np.ndarray, ids: np.ndarray) -> bool:
-        """Place a list now (start-up placement); False when the free chunks do not suffice."""
-        if not self.begin_load(cluster, vectors, ids, pin=False):
-            return False
-        if self._is_cuda:
-            self._side.synchronize()
-        self.poll()
-        return True
 
     def begin_load(
         self, cluster: int, vectors: np.ndarray, ids: np.ndarray, *, pin: bool = True
@@ -349,41 +340,58 @@ class GpuTier:
         per_row = np.bincount(rows, minlength=n)
         col = np.arange(len(rows)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
         width, kk = int(per_row.max()), min(k, self.chunk_size)
+        groups, flat = self._plan_groups(rows, chunks, rows * width + col, kk, n * width)
         dev = self._vectors.device
-        qd = torch.from_numpy(q).to(dev).to(self._tdtype)
-        keys = torch.full((n * width * kk,), -np.inf, device=dev)
-        ids = torch.full((n * width * kk,), -1, dtype=torch.int64, device=dev)
-        target = rows * width + col  # candidate block of each pair
+        # NOTE: one upload of every index array before the first kernel, and no boolean
+        # masks on the device: nothing here waits for the GPU, so the CPU part of a hybrid
+        # scan runs while these kernels do.
+        qd = torch.from_numpy(q).to(dev, non_blocking=True).to(self._tdtype)
+        qidx, ch, dest = (torch.from_numpy(a).to(dev, non_blocking=True) for a in flat)
+        keys = torch.full(((n * width + 1) * kk,), -np.inf, device=dev)  # + one dump block
+        ids = torch.full(((n * width + 1) * kk,), -1, dtype=torch.int64, device=dev)
+        ar = torch.arange(kk, device=dev)
+        scale = 2.0 if self.is_l2 else 1.0
+        for g, mpad, qa, ca in groups:
+            gq = qidx[qa : qa + g * mpad].view(g, mpad)
+            gc = ch[ca : ca + g]
+            s = torch.bmm(qd[gq], self._vectors[gc].transpose(1, 2)).float()
+            s = s * scale + self._bias[gc][:, None, :]
+            vals, pos = s.topk(kk, dim=-1)
+            found = self._ids[gc].gather(1, pos.view(g, mpad * kk))
+            idx = (dest[qa : qa + g * mpad, None] * kk + ar).view(-1)
+            keys[idx] = vals.reshape(-1)
+            ids[idx] = found.reshape(-1)
+        keys = keys[: n * width * kk].view(n, width * kk)
+        ids = ids[: n * width * kk].view(n, width * kk)
+        top_keys, top_ids = _canonical_topk(torch, keys, ids, k, self.is_l2)
+        qnorm = np.einsum("nd,nd->n", q, q) if self.is_l2 else None
+        return PendingScan(top_keys, top_ids, qnorm)
+
+    def _plan_groups(
+        self, rows: np.ndarray, chunks: np.ndarray, target: np.ndarray, kk: int, dump: int
+    ) -> tuple[list[tuple[int, int, int, int]], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """bmm groups ``(num_chunks, padded queries, offset in qidx/dest, offset in chunks)``
+        and the flat arrays: query row per slot, chunk per group entry, candidate block per
+        slot (``dump`` for padding slots)."""
         order = np.argsort(chunks, kind="stable")
         uniq, first, m = np.unique(chunks[order], return_index=True, return_counts=True)
         by_m = np.argsort(m, kind="stable")  # chunks probed by similar numbers of queries
-        a = 0
-        ar = torch.arange(kk, device=dev)
-        scale = 2.0 if self.is_l2 else 1.0
+        groups, qparts, dparts = [], [], []
+        a = qa = 0
         while a < len(by_m):
             b = self._group_end(m, by_m, a)
             sel = by_m[a:b]
             mpad = int(m[sel].max())
-            g = len(sel)
             slot = np.arange(mpad)[None, :]
             valid = slot < m[sel][:, None]
             pair = order[np.where(valid, first[sel][:, None] + slot, 0)]
-            qidx = torch.from_numpy(np.where(valid, rows[pair], 0)).to(dev)
-            ch = torch.from_numpy(uniq[sel]).to(dev)
-            s = torch.bmm(qd[qidx], self._vectors[ch].transpose(1, 2)).float()
-            s = s * scale + self._bias[ch][:, None, :]
-            vals, pos = s.topk(kk, dim=-1)
-            found = self._ids[ch].gather(1, pos.view(g, mpad * kk)).view(g, mpad, kk)
-            vmask = torch.from_numpy(valid).to(dev)
-            base = torch.from_numpy(target[pair[valid]] * kk).to(dev)
-            idx = (base[:, None] + ar).view(-1)
-            keys[idx] = vals[vmask].view(-1)
-            ids[idx] = found[vmask].view(-1)
+            qparts.append(np.where(valid, rows[pair], 0).ravel())
+            dparts.append(np.where(valid, target[pair], dump).ravel())
+            groups.append((len(sel), mpad, qa, a))
+            qa += len(sel) * mpad
             a = b
-        keys, ids = keys.view(n, width * kk), ids.view(n, width * kk)
-        top_keys, top_ids = _canonical_topk(torch, keys, ids, k, self.is_l2)
-        qnorm = np.einsum("nd,nd->n", q, q) if self.is_l2 else None
-        return PendingScan(top_keys, top_ids, qnorm)
+        flat = (np.concatenate(qparts), uniq[by_m], np.concatenate(dparts))
+        return groups, flat
 
     def _group_end(self, m: np.ndarray, by_m: np.ndarray, a: int) -> int:
         """End of the bmm group starting at ``by_m[a]`` (groups of ascending query counts)."""

@@ -272,9 +272,9 @@ class VectorIndex:
         with self._rw.read():
             for c in want:
                 vectors, ids = self._list_data(c)
-                tier.load(c, vectors, ids)
+                tier.begin_load(c, vectors, ids, pin=False)  # copied before it returns
+            tier.wait_idle()
             self._tier = tier
-        tier.wait_idle()
         if pinned is None:
             self._tier_updater = TierUpdater(
                 tier,

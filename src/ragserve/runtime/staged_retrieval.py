@@ -58,6 +58,26 @@ class StagedRetrievalRunner(RetrievalRunner):
     def has_pending(self) -> bool:
         return self.search.has_pending()
 
+    def set_gpu_tier(
+        self, budget_bytes: int, device: str = "cuda", dtype: str = "float32"
+    ) -> dict[str, Any]:
+        """Place the index's GPU tier (called through the worker's ``call`` message)."""
+        tier = self.index.set_gpu_tier(budget_bytes, device=device, dtype=dtype)
+        return {"clusters": len(tier.clusters), "num_bytes": tier.num_bytes, "device": tier.device}
+
+    def drop_gpu_tier(self) -> None:
+        self.index.drop_gpu_tier()
+
+    def gpu_tier_stats(self) -> dict[str, Any] | None:
+        tier = self.index.gpu_tier
+        if tier is None:
+            return None
+        return {
+            "clusters": len(tier.clusters),
+            "num_bytes": tier.num_bytes,
+            "hit_rate": tier.hit_rate,
+        }
+
     def run(self, tasks: list[RetrievalTask]) -> list:
         plain = [t for t in tasks if not isinstance(t, StagedRetrievalTask)]
         staged = [t for t in tasks if isinstance(t, StagedRetrievalTask)]
