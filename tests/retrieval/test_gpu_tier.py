@@ -196,6 +196,30 @@ def test_updater_places_the_hot_lists_again(built) -> None:
     tier.check_integrity()
 
 
+def test_drift_in_the_live_stream_moves_the_tier(built) -> None:
+    """No forced round: the updater's drift detector fires on the live counts alone, and the
+    new placement serves more of the probes (a higher hit rate), exactly."""
+    index, q = built
+    index.access_counts = type(index.access_counts)(NLIST)  # a fresh stream
+    config = PlacementConfig(update_every=1)
+    tier = index.set_gpu_tier(tier_bytes(index, 8), device="cpu", placement=config)
+    start = set(tier.clusters)
+    plan = index.assign(q, NPROBE)
+    hot = [c for c in np.unique(plan.cluster_ids) if c not in start][:3]
+    assert hot
+    rows = np.tile(np.array(hot), (400, 1))
+    for _ in range(6):  # each search wakes the background updater (update_every=1)
+        index.access_counts.observe(rows)
+        assert_same(index.search(q, K), oracle(index, q))
+        index.tier_updater.update_now()
+    tier.wait_idle()
+    assert index.tier_updater.num_replans >= 1
+    assert set(hot) <= set(tier.clusters)  # the hot probes' hit rate went from 0 to 1
+    assert index.resident_mask(rows).all()
+    assert_same(index.search(q, K), oracle(index, q))
+    tier.check_integrity()
+
+
 def test_half_precision_recall(built) -> None:
     index, q = built
     _, ref_i = oracle(index, q)
