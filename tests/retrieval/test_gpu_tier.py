@@ -220,6 +220,35 @@ def test_drift_in_the_live_stream_moves_the_tier(built) -> None:
     tier.check_integrity()
 
 
+def test_algorithm_1_places_the_smallest_coverage_meeting_the_slo(built) -> None:
+    from ragserve.retrieval.latency_model import SearchLatencyModel
+    from ragserve.retrieval.partition import PartitionConfig, partition
+
+    index, q = built
+    index.access_counts = type(index.access_counts)(NLIST)
+    index.access_counts.observe(index.assign(q, NPROBE).cluster_ids)
+    batches = [1, 8, 32, 64]
+    model = SearchLatencyModel.fit(
+        NPROBE, batches, [1e-4 * b for b in batches], [2e-3 * b for b in batches]
+    )
+    for slo in (0.02, 0.05, 1.0):
+        config = PlacementConfig(
+            latency_model=model,
+            partition=PartitionConfig(slo_seconds=slo, throughput=200.0, max_variance=0.01),
+        )
+        tier = index.set_gpu_tier(BIG, device="cpu", placement=config)
+        chunk = 256 * (DIM * 4 + 12)
+        sizes = index.cluster_sizes()
+        want = partition(
+            model,
+            index.access_counts.snapshot(),
+            np.where(sizes > 0, np.ceil(sizes / 256) * chunk, 0).astype(np.int64),
+            PartitionConfig(slo, 200.0, 0.01, budget_bytes=tier.capacity_chunks * chunk),
+        )
+        assert tier.clusters == tuple(sorted(want.cluster_ids)), slo
+        assert_same(index.search(q, K), oracle(index, q))
+
+
 def test_half_precision_recall(built) -> None:
     index, q = built
     _, ref_i = oracle(index, q)

@@ -258,8 +258,9 @@ class VectorIndex:
             dtype=dtype,
         )
         counts = self.access_counts.snapshot()
+        placement = placement or PlacementConfig()
         if pinned is None:
-            plan = plan_placement(counts, tier, sizes)
+            plan = plan_placement(counts, tier, sizes, placement)
             want = list(plan.cluster_ids)
         else:
             want = [int(c) for c in pinned if sizes[c] > 0]
@@ -282,7 +283,7 @@ class VectorIndex:
                 plan,
                 self._load_lists,
                 self.cluster_sizes,
-                placement or PlacementConfig(),
+                placement,
             )
         return tier
 

@@ -15,6 +15,7 @@ lock, so upserts wait, searches do not).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -23,13 +24,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragserve.retrieval.gpu_tier import GpuTier
+from ragserve.retrieval.latency_model import SearchLatencyModel
 from ragserve.retrieval.partition import (
     DriftConfig,
     DriftDetector,
+    PartitionConfig,
     PartitionPlan,
     count_accesses,
     decay_counts,
     fill_budget,
+    partition,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,12 +44,19 @@ LoadLists = Callable[[Sequence[int]], int]  # begin_load each list under the ind
 @dataclass(frozen=True)
 class PlacementConfig:
     """``decay`` per query of the access counts; the updater checks every ``update_every``
-    scans (HedraRAG: 50 sub-stages) and moves at most ``max_swap_bytes`` a round."""
+    scans (HedraRAG: 50 sub-stages) and moves at most ``max_swap_bytes`` a round.
+
+    With ``latency_model`` and ``partition`` (VectorLiteRAG), a plan is Algorithm 1's smallest
+    coverage meeting the search SLO within the tier (``retrieval.partition.partition``);
+    without them, the hottest lists that fill the tier (``fill_budget``).
+    """
 
     decay: float = 0.999
     update_every: int = 50
     max_swap_bytes: int = 1 << 30
     drift: DriftConfig = DriftConfig()
+    latency_model: SearchLatencyModel | None = None
+    partition: PartitionConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay <= 1.0:
@@ -76,11 +87,24 @@ class AccessCounts:
             return self._counts.copy()
 
 
-def plan_placement(counts: np.ndarray, tier: GpuTier, sizes: np.ndarray) -> PartitionPlan:
-    """Hottest lists first, as many as the tier's chunks hold (``fill_budget``)."""
+def plan_placement(
+    counts: np.ndarray,
+    tier: GpuTier,
+    sizes: np.ndarray,
+    config: PlacementConfig | None = None,
+) -> PartitionPlan:
+    """Hottest lists first within the tier's chunks: Algorithm 1 when ``config`` has a latency
+    model and partition inputs, else as many as fit (``fill_budget``)."""
     chunk_bytes = np.maximum(1, -(-sizes // tier.chunk_size)) * tier.chunk_bytes
     chunk_bytes = np.where(sizes > 0, chunk_bytes, 0)
-    return fill_budget(counts, chunk_bytes, tier.capacity_chunks * tier.chunk_bytes)
+    capacity = tier.capacity_chunks * tier.chunk_bytes
+    if config is None or config.latency_model is None or config.partition is None:
+        return fill_budget(counts, chunk_bytes, capacity)
+    budget = config.partition.budget_bytes
+    bounded = dataclasses.replace(
+        config.partition, budget_bytes=capacity if budget is None else min(budget, capacity)
+    )
+    return partition(config.latency_model, counts, chunk_bytes, bounded)
 
 
 class TierUpdater:
@@ -138,7 +162,7 @@ class TierUpdater:
         live = self.counts.snapshot()
         decision = self._detector.check(self.plan, live)
         if force or decision.should_repartition:
-            self.plan = plan_placement(live, self.tier, self._sizes())
+            self.plan = plan_placement(live, self.tier, self._sizes(), self.config)
             self._detector = DriftDetector(self.config.drift)
             self.num_replans += 1
         self._apply(self.plan)
