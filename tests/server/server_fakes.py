@@ -56,6 +56,7 @@ class FakeBackend:
         self.questions: list[tuple[str, Any]] = []
         self.fail_with: Exception | None = None  # raised by submit/stream/complete
         self.fail_response: tuple[str, str] | None = None  # (error, error_kind) of submit
+        self.problems: list[str] = []  # what health() reports
 
     async def _wait_gate(self, request_id: str) -> None:
         self.running.add(request_id)
@@ -129,6 +130,9 @@ class FakeBackend:
             "engine": {"running": len(self.running)},
             "queues": {"generation_queue": 0},
         }
+
+    def health(self) -> dict:
+        return {"status": "unhealthy" if self.problems else "ok", "problems": list(self.problems)}
 
     def close(self) -> None:
         self.closed = True

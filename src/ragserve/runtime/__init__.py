@@ -2,7 +2,16 @@
 and the shared-memory data plane."""
 
 from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.server import Server
 from ragserve.scheduler.request import ErrorKind, NodeTiming, RequestError, Response
 
-__all__ = ["ErrorKind", "NodeTiming", "RequestError", "Response", "Server", "ServerConfig"]
+__all__ = [
+    "ErrorKind",
+    "NodeTiming",
+    "RequestError",
+    "Response",
+    "Server",
+    "ServerConfig",
+    "WorkerError",
+]

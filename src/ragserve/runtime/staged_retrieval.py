@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ragserve.graph import Passage
+from ragserve.runtime.errors import error_kind_of
 from ragserve.runtime.runners import RetrievalRunner
 from ragserve.scheduler import RetrievalResult, RetrievalTask
 from ragserve.scheduler.cost_model import ScanCostModel, pack_clusters
@@ -95,30 +96,46 @@ class StagedRetrievalRunner(RetrievalRunner):
 
     # -- admission --------------------------------------------------------------------------
     def _add(self, tasks: list[StagedRetrievalTask]) -> list[RetrievalResult]:
+        """Embed and plan ``tasks``; one whose query cannot be embedded or planned fails alone
+        (the batch is embedded again without it)."""
         try:
             self._refresh_sizes()
             vectors = self.embedder.encode([t.query for t in tasks], is_query=True)
-            for i, t in enumerate(tasks):
-                plan = self.index.assign(vectors[i : i + 1], t.nprobe or self.default_nprobe)
-                row, dists = plan.cluster_ids[0], plan.coarse_dists[0]
-                order = reorder_probes(row, t.hit_clusters, t.previous_clusters)
-                stage = _Stage(
-                    task=t,
-                    query=vectors[i],
-                    cluster_ids=row[order],
-                    coarse_dists=dists[order],
-                    probed=tuple(int(c) for c in row if c >= 0),
-                    k=max(t.topk, t.cache_topk),
-                )
-                self.cost.observe_stage(int(self._sizes[stage.cluster_ids].sum()))
-                self._active[t.task_id] = stage
         except Exception as exc:
-            logger.exception("staged retrieval admission failed")
-            err = f"{type(exc).__name__}: {exc}"
-            for t in tasks:
+            if len(tasks) == 1:
+                return [self._failed(tasks[0], exc)]
+            logger.warning("staged embedding of %d failed (%s); one by one", len(tasks), exc)
+            return [r for t in tasks for r in self._add([t])]
+        failed = []
+        for i, t in enumerate(tasks):
+            try:
+                self._plan(t, vectors[i])
+            except Exception as exc:
                 self._active.pop(t.task_id, None)
-            return [RetrievalResult(t.task_id, (), err) for t in tasks]
-        return []
+                failed.append(self._failed(t, exc))
+        return failed
+
+    def _plan(self, t: StagedRetrievalTask, vector: np.ndarray) -> None:
+        plan = self.index.assign(vector[None, :], t.nprobe or self.default_nprobe)
+        row, dists = plan.cluster_ids[0], plan.coarse_dists[0]
+        order = reorder_probes(row, t.hit_clusters, t.previous_clusters)
+        stage = _Stage(
+            task=t,
+            query=vector,
+            cluster_ids=row[order],
+            coarse_dists=dists[order],
+            probed=tuple(int(c) for c in row if c >= 0),
+            k=max(t.topk, t.cache_topk),
+        )
+        self.cost.observe_stage(int(self._sizes[stage.cluster_ids].sum()))
+        self._active[t.task_id] = stage
+
+    @staticmethod
+    def _failed(t: StagedRetrievalTask, exc: BaseException) -> RetrievalResult:
+        logger.warning("staged retrieval %s failed: %s: %s", t.task_id, type(exc).__name__, exc)
+        kind = error_kind_of(exc)
+        message = str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"
+        return RetrievalResult(t.task_id, (), message, error_kind=kind)
 
     # -- one sub-stage ----------------------------------------------------------------------
     def _step(self) -> list:

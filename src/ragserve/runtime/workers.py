@@ -11,6 +11,10 @@ ring instead of pickling them. Messages in:
 Messages out: ("ready", info), ("fatal", traceback), ("gen", updates, ShmRef | arrays,
 stats | None), ("stats", stats), ("ret", results, ShmRef | arrays), ("reply", token, value,
 error).
+
+Messages in arrive pickled by the sender (``encode``), so a message that cannot be pickled
+fails in the caller's thread with an error, never silently in the queue's feeder thread. A
+message out that cannot be pickled is replaced by errors for the tasks (or call) it carried.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -27,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ragserve.runtime.runners import GenerationRunner, RetrievalRunner
+from ragserve.runtime.errors import error_kind_of
+from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmRef, ShmWriter
 
 logger = logging.getLogger(__name__)
@@ -79,6 +85,22 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
         loop(runner, inbox, conn, writer)
 
 
+def encode(msg: Any) -> bytes:
+    """A message for a worker's inbox, pickled now (``pickle`` errors, a ``RecursionError``
+    for data nested too deep, raise here, in the sender)."""
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _send(conn: Any, msg: tuple, fallback: Any) -> None:
+    """``conn.send(msg)``; if ``msg`` cannot be pickled, ``fallback()`` is sent instead."""
+    try:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        logger.error("a %r message cannot be pickled (%s); sending errors instead", msg[0], exc)
+        data = pickle.dumps(fallback(f"the result cannot be sent back: {type(exc).__name__}"))
+    conn.send_bytes(data)
+
+
 def _drain(inbox: Any, block: bool) -> list[Any]:
     """Queued messages (waiting up to 0.5 s for one when ``block``); ``[None]`` (shut down)
     once the server process is gone, so a killed server leaves no orphan workers."""
@@ -92,7 +114,7 @@ def _drain(inbox: Any, block: bool) -> list[Any]:
             msgs.append(inbox.get_nowait())
     except queue.Empty:
         pass
-    return msgs
+    return [pickle.loads(m) if isinstance(m, bytes) else m for m in msgs]
 
 
 def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: ShmWriter) -> None:
@@ -163,9 +185,16 @@ def _retrieval_loop(runner: RetrievalRunner, inbox: Any, conn: Any, writer: ShmW
             elif msg[0] == "call":
                 _, token, name, args = msg
                 try:
-                    conn.send(("reply", token, getattr(runner, name)(*args), None))
+                    reply = ("reply", token, getattr(runner, name)(*args), None)
                 except Exception as exc:
-                    conn.send(("reply", token, None, f"{type(exc).__name__}: {exc}"))
+                    logger.exception("retrieval call %s failed", name)
+                    reply = (
+                        "reply",
+                        token,
+                        None,
+                        (error_kind_of(exc), f"{type(exc).__name__}: {exc}"),
+                    )
+                _send(conn, reply, lambda err, t=token: ("reply", t, None, ("internal", err)))
         if tasks or pending:  # all tasks queued since the last search go out as one batch
             _send_retrieval(conn, writer, runner, tasks)
 
@@ -173,12 +202,10 @@ def _retrieval_loop(runner: RetrievalRunner, inbox: Any, conn: Any, writer: ShmW
 def _send_retrieval(conn: Any, writer: ShmWriter, runner: RetrievalRunner, tasks: list) -> None:
     from ragserve.scheduler import RetrievalResult
 
-    try:
-        results, ids, scores = runner.run(tasks)
-    except Exception as exc:
-        logger.exception("retrieval batch failed")
-        err = f"{type(exc).__name__}: {exc}"
-        conn.send(("ret", [RetrievalResult(t.task_id, (), err) for t in tasks], None))
-        return
+    results, ids, scores = run_isolated(runner, tasks)
     ref: ShmRef | None = writer.write([ids, scores], timeout=1.0) if ids.size else None
-    conn.send(("ret", results, ref if ref is not None else [ids, scores]))
+
+    def failed(err: str) -> tuple:
+        return ("ret", [RetrievalResult(r.task_id, (), err) for r in results], None)
+
+    _send(conn, ("ret", results, ref if ref is not None else [ids, scores]), failed)
