@@ -57,6 +57,8 @@ class FakeBackend:
         self.fail_with: Exception | None = None  # raised by submit/stream/complete
         self.fail_response: tuple[str, str] | None = None  # (error, error_kind) of submit
         self.problems: list[str] = []  # what health() reports
+        self.stuck_upserts = False
+        self.unstuck = threading.Event()  # set by close()
 
     async def _wait_gate(self, request_id: str) -> None:
         self.running.add(request_id)
@@ -115,6 +117,9 @@ class FakeBackend:
         self.running.discard(request_id)
 
     def add_documents(self, docs) -> None:
+        if self.stuck_upserts:  # a worker that never answers, until the Server closes
+            self.unstuck.wait()
+            raise RuntimeError("the Server is closing")
         for doc in docs:
             self.docs[doc.id] = doc
 
@@ -136,3 +141,4 @@ class FakeBackend:
 
     def close(self) -> None:
         self.closed = True
+        self.unstuck.set()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
 import httpx
@@ -253,3 +255,24 @@ def test_fuzzed_bodies_never_5xx(bg, case) -> None:
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert r.json()["error"]["message"]
+
+
+def test_shutdown_is_bounded_with_stuck_requests() -> None:
+    """SIGTERM's path (uvicorn's graceful exit): drain for ``drain_timeout_s``, cancel, close
+    the Server, which frees the threads blocked in it; the process can then exit."""
+    backend = FakeBackend()
+    backend.stuck_upserts = True
+    config = ServeConfig(port=0, served_model_name="tiny", drain_timeout_s=1.0)
+    server = BackgroundServer(create_app(backend, config, own_server=True), config).start()
+    body = {"documents": [{"id": f"s{i}", "text": "A passage."} for i in range(1)]}
+    with ThreadPoolExecutor(4) as pool:
+        stuck = [pool.submit(post, server.url, DOCS, body) for _ in range(4)]
+        time.sleep(0.5)
+        start = time.monotonic()
+        server.stop(timeout_s=30)
+        assert not server._thread.is_alive(), "shutdown did not finish"
+        assert time.monotonic() - start < 15 and backend.closed
+        for f in stuck:
+            with pytest.raises(httpx.HTTPError):
+                f.result(timeout=30).raise_for_status()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ragserve-http")]

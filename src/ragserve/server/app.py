@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,13 +45,13 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # NOTE: the Server's async methods hand work to threads (asyncio.to_thread); size the
         # pool so admitted requests, upserts and scrapes never queue behind each other.
-        asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(config.max_num_inflight + 8, thread_name_prefix="ragserve-http")
-        )
+        num_threads = config.max_num_inflight + config.max_num_upserts + 8
+        pool = ThreadPoolExecutor(num_threads, thread_name_prefix="ragserve-http")
+        asyncio.get_running_loop().set_default_executor(pool)
         yield
+        pool.shutdown(wait=False, cancel_futures=True)
         if own_server:
-            logger.info("closing the Server")
-            await asyncio.to_thread(server.close)
+            await _close_backend(server)
 
     app = FastAPI(title="ragserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     admission = Admission(config.max_num_inflight, config.retry_after_s)
@@ -125,6 +126,17 @@ def _add_admin_routes(app: FastAPI) -> None:
         if result is not None and not result:
             raise APIError(404, f"document {doc_id!r} does not exist", code="document_not_found")
         return {"id": doc_id, "object": "document", "deleted": True}
+
+
+async def _close_backend(server: ServerBackend) -> None:
+    """``server.close()`` on a thread of its own: the pool's threads may all be blocked in
+    backend calls, which closing the Server is what wakes (they fail, and the process can
+    exit)."""
+    logger.info("closing the Server")
+    closer = threading.Thread(target=server.close, name="ragserve-close", daemon=True)
+    closer.start()
+    while closer.is_alive():
+        await asyncio.sleep(0.05)
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
