@@ -73,6 +73,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
     # instead. Set before torch/Faiss load; an explicit OMP_WAIT_POLICY wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.WARNING)
+    _thread_local_progress_lock()
     try:
         runner = build_runner(spec)
         writer = ShmWriter(ring_handle)
@@ -99,6 +100,19 @@ def _send(conn: Any, msg: tuple, fallback: Any) -> None:
         logger.error("a %r message cannot be pickled (%s); sending errors instead", msg[0], exc)
         data = pickle.dumps(fallback(f"the result cannot be sent back: {type(exc).__name__}"))
     conn.send_bytes(data)
+
+
+def _thread_local_progress_lock() -> None:
+    """tqdm (the model loaders' progress bars) creates a process-shared lock, a named
+    semaphore the server's resource tracker records; a worker killed with SIGKILL never
+    releases it. A worker's bars need no cross-process lock."""
+    try:
+        import threading
+
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _drain(inbox: Any, block: bool) -> list[Any]:
