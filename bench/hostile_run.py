@@ -82,13 +82,18 @@ def fuzz(url: str, server, num: int, hang_s: float, seed: int) -> dict:
         "status_counts": {str(c): codes.count(c) for c in sorted(set(codes), key=str)},
         "responses_5xx": sum(1 for c in codes if c is not None and c >= 500),
         "hangs": codes.count(None) + good.count(None),
+        "hung_requests": [
+            f"{p} {str(b)[:300]}" for (p, b), c in zip(cases, codes, strict=True) if c is None
+        ],
         "worker_crashes": restarts(server) - before,
         "innocent_requests": len(good),
         "innocent_failed": sum(1 for c in good if c != 200),
     }
 
 
-def kill_cycles(url: str, server, cycles: int) -> dict:
+def kill_cycles(url: str, server, cycles: int) -> dict | None:
+    if cycles < 1:
+        return None
     acked: list[str] = []
     stop = threading.Event()
     counter = iter(range(10**9))
