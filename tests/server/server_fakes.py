@@ -56,6 +56,9 @@ class FakeBackend:
         self.questions: list[tuple[str, Any]] = []
         self.fail_with: Exception | None = None  # raised by submit/stream/complete
         self.fail_response: tuple[str, str] | None = None  # (error, error_kind) of submit
+        self.problems: list[str] = []  # what health() reports
+        self.stuck_upserts = False
+        self.unstuck = threading.Event()  # set by close()
 
     async def _wait_gate(self, request_id: str) -> None:
         self.running.add(request_id)
@@ -114,6 +117,9 @@ class FakeBackend:
         self.running.discard(request_id)
 
     def add_documents(self, docs) -> None:
+        if self.stuck_upserts:  # a worker that never answers, until the Server closes
+            self.unstuck.wait()
+            raise RuntimeError("the Server is closing")
         for doc in docs:
             self.docs[doc.id] = doc
 
@@ -130,5 +136,9 @@ class FakeBackend:
             "queues": {"generation_queue": 0},
         }
 
+    def health(self) -> dict:
+        return {"status": "unhealthy" if self.problems else "ok", "problems": list(self.problems)}
+
     def close(self) -> None:
         self.closed = True
+        self.unstuck.set()

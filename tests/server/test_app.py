@@ -60,7 +60,7 @@ def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_health_and_models(client: openai.OpenAI, url: str) -> None:
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "problems": []}
     ids = [m.id for m in client.models.list()]
     assert ids == ["ragserve/oneshot", "ragserve/recomp", "tiny"]
     assert client.models.retrieve("ragserve/recomp").id == "ragserve/recomp"
@@ -172,9 +172,11 @@ def test_backend_errors_map_to_status(url: str, backend: FakeBackend) -> None:
     try:
         r = httpx.post(f"{url}/v1/chat/completions", json=body)
         assert r.status_code == 400 and "exceeds the context" in r.json()["error"]["message"]
-        backend.fail_with = RuntimeError("worker died")
+        backend.fail_with = RuntimeError("secret internal detail")
         r = httpx.post(f"{url}/v1/chat/completions", json=body)
-        assert r.status_code == 500 and "worker died" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert r.status_code == 500 and "secret internal detail" not in message
+        assert "request id chatcmpl-" in message
     finally:
         backend.fail_with = None
 
@@ -201,7 +203,11 @@ def test_response_error_kind_sets_status(
     finally:
         backend.fail_response = None
     assert r.status_code == status
-    assert r.json()["error"]["code"] == code and r.json()["error"]["message"] == message
+    assert r.json()["error"]["code"] == code
+    if kind == "internal":  # the log keeps the text; the client gets the request id
+        assert "request id" in r.json()["error"]["message"] and "tokens" not in r.text
+    else:
+        assert r.json()["error"]["message"] == message
 
 
 @pytest.mark.parametrize(("path", "body", "mentions"), MALFORMED)

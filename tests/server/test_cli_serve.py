@@ -24,6 +24,26 @@ def test_serve_refuses_a_missing_index(tmp_path, caplog: pytest.LogCaptureFixtur
     assert "no index directory" in caplog.text
 
 
+def test_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:
+    from ragserve.cli.serve import read_api_key
+
+    monkeypatch.delenv("RAGSERVE_API_KEY", raising=False)
+    assert read_api_key(None) is None
+    monkeypatch.setenv("RAGSERVE_API_KEY", " env-key\n")
+    assert read_api_key(None) == "env-key"
+    key_file = tmp_path / "key"
+    key_file.write_text("file-key\n")
+    assert read_api_key(str(key_file)) == "file-key"
+    monkeypatch.setenv("RAGSERVE_API_KEY", "")
+    with pytest.raises(ValueError, match="empty"):
+        read_api_key(None)
+    key_file.write_text("  \n")
+    with pytest.raises(ValueError, match="empty"):
+        read_api_key(str(key_file))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_api_key(str(tmp_path / "missing"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,10 +73,11 @@ def test_serve_process_auth_and_sigterm_drain(assets: tuple[str, str], tmp_path)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "ragserve.cli.main", "serve", "--model", model, "--index", index]
-    cmd += ["--port", str(port), "--api-key", "k3y", "--served-model-name", "tiny"]
+    cmd += ["--port", str(port), "--served-model-name", "tiny"]
     cmd += ["--drain-timeout", "180", "--device", "cpu", "--cpu-threads", "1"]
     with open(tmp_path / "serve.log", "w") as log:  # a file, not a pipe: a full pipe blocks
-        proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "RAGSERVE_API_KEY": "k3y"}  # a secret never goes on argv
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             _exercise(proc, url, tmp_path)
         finally:

@@ -27,9 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else no auth)",
+        "--api-key-file",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY', KEY read from this file (or from "
+        f"${API_KEY_ENV}; never from the command line, where `ps` shows it). Default: no auth",
     )
     p.add_argument(
         "--served-model-name", default=None, help="model id for /v1/completions (default: --model)"
@@ -70,21 +71,43 @@ def gpu_tier_config(args: argparse.Namespace):
     )
 
 
+def read_api_key(path: str | None) -> str | None:
+    """The API key from ``path`` (surrounding whitespace stripped), else from
+    ``$RAGSERVE_API_KEY``, else ``None`` (no auth). An empty key is an error, never "no auth"."""
+    if path is not None:
+        try:
+            key = Path(path).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {path} is empty")
+        return key
+    key = os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"${API_KEY_ENV} is set but empty (unset it to serve without auth)")
+    return None if key is None else key.strip()
+
+
 def handler(args: argparse.Namespace) -> int:
     from ragserve.runtime import Server, ServerConfig
     from ragserve.server import ServeConfig, serve
 
+    try:
+        api_key = read_api_key(args.api_key_file)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     config = ServeConfig(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_key=api_key,
         served_model_name=args.served_model_name or Path(args.model).name,
         max_num_inflight=args.max_inflight,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
     )
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
-        logger.warning("binding %s without --api-key: anyone who reaches it may use it", args.host)
+        logger.warning("binding %s without an API key: anyone who reaches it may use it", args.host)
     # NOTE: the Server's own bound must not be below HTTP admission, or admitted requests
     # would wait in threads for a Server slot instead of being refused with 429.
     engine_kwargs = {"device": args.device}

@@ -60,6 +60,7 @@ class Sampler:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above
             drop_sorted = before >= top_ps[:, None]
+            drop_sorted[:, 0] = False  # the nucleus always holds the most likely token
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)

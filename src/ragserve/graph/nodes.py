@@ -6,6 +6,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ragserve.graph.checks import check_retrieval, check_sampling
 from ragserve.graph.template import Template
 
 
@@ -64,6 +65,14 @@ class GenerationNode:
 
     kind = "generation"
 
+    def __post_init__(self) -> None:
+        check_sampling(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+        )
+
     @property
     def inputs(self) -> frozenset[str]:
         return self.prompt.variables
@@ -85,6 +94,9 @@ class RetrievalNode:
     append: bool = False
 
     kind = "retrieval"
+
+    def __post_init__(self) -> None:
+        check_retrieval(topk=self.topk, nprobe=self.nprobe)
 
     @property
     def inputs(self) -> frozenset[str]:

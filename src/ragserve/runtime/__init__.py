@@ -2,6 +2,7 @@
 and the shared-memory data plane."""
 
 from ragserve.runtime.config import GpuTierConfig, ServerConfig
+from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.server import Server
 from ragserve.scheduler.request import ErrorKind, NodeTiming, RequestError, Response
 
@@ -13,4 +14,5 @@ __all__ = [
     "Response",
     "Server",
     "ServerConfig",
+    "WorkerError",
 ]

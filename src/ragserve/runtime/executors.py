@@ -8,15 +8,17 @@ import itertools
 import logging
 import multiprocessing as mp
 import queue
+import threading
 import time
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
 
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.runners import GenerationRunner, RetrievalRunner
+from ragserve.runtime.errors import WorkerError
+from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmRing
-from ragserve.runtime.workers import WorkerSpec, unpack_generation, worker_main
+from ragserve.runtime.workers import WorkerSpec, encode, unpack_generation, worker_main
 from ragserve.scheduler import (
     BaseExecutor,
     GenerationTask,
@@ -59,7 +61,7 @@ class LocalExecutor(BaseExecutor):
         while True:
             if self._pending or self.retrieval.has_pending():
                 tasks, self._pending = self._pending, []
-                updates.extend(self.retrieval.run(tasks))
+                updates.extend(run_isolated(self.retrieval, tasks))
             if self.generation.has_work():
                 updates.extend(self.generation.step())
             if updates or not self.generation.has_work() or time.monotonic() >= deadline:
@@ -126,11 +128,17 @@ class WorkerHandle:
         self.ready = True
 
     def send(self, msg: Any) -> None:
-        self.pending.append(msg)
+        """Queue ``msg`` (pickled now: ``encode`` raises here if it cannot be) and flush."""
+        self.pending.append(encode(msg))
         self.flush()
 
+    @property
+    def is_up(self) -> bool:
+        return self.broken is None and self.ready and self.proc.is_alive()
+
     def flush(self) -> None:
-        """Move pending messages into the bounded inbox while it has room (never blocks)."""
+        """Move pending messages into the bounded inbox while it has room (never blocks).
+        Called from the scheduler thread only."""
         while self.pending and self.ready:
             try:
                 self.inbox.put_nowait(self.pending[0])
@@ -174,6 +182,7 @@ class ProcessExecutor(BaseExecutor):
         self.workers = {"gen": WorkerHandle(gen_spec, config, ctx)}
         self.workers["ret"] = WorkerHandle(ret_spec, config, ctx)
         self._replies: dict[int, Future] = {}
+        self._replies_lock = threading.Lock()  # call_retrieval runs in callers' threads
         self._errors: list[Update] = []
         self._tokens = itertools.count()
         try:
@@ -190,12 +199,34 @@ class ProcessExecutor(BaseExecutor):
         self._submit(self.workers["ret"], ("ret", tasks))
 
     def _submit(self, worker: WorkerHandle, msg: tuple) -> None:
-        ids = [t.task_id for t in msg[1]]
+        tasks = msg[1]
         if worker.broken is not None:
-            self._errors.extend(self._failed(worker, ids, worker.broken))
+            self._errors.extend(self._failed(worker, [t.task_id for t in tasks], worker.broken))
             return
-        worker.in_flight.update(ids)
-        worker.send(msg)
+        try:
+            data = encode(msg)
+        except Exception:
+            data, tasks = self._encode_each(worker, msg[0], tasks)
+            if not tasks:
+                return
+        worker.in_flight.update(t.task_id for t in tasks)
+        worker.pending.append(data)
+        worker.flush()
+
+    def _encode_each(self, worker: WorkerHandle, kind: str, tasks: list) -> tuple[bytes, list]:
+        """The batch could not be pickled: the tasks that can go in one message; each that
+        cannot fails alone (``bad_request``)."""
+        good = []
+        for t in tasks:
+            try:
+                encode(t)
+            except Exception as exc:
+                reason = f"the task cannot be sent to the worker: {type(exc).__name__}"
+                logger.warning("task %s: %s (%s)", t.task_id, reason, exc)
+                self._errors.extend(self._failed(worker, [t.task_id], reason, "bad_request"))
+            else:
+                good.append(t)
+        return (encode((kind, good)) if good else b""), good
 
     def abort(self, task_ids: list[str]) -> None:
         gen = self.workers["gen"]
@@ -203,15 +234,32 @@ class ProcessExecutor(BaseExecutor):
         gen.send(("abort", list(task_ids)))
 
     def call_retrieval(self, name: str, *args: Any) -> Future:
-        """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe)."""
+        """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
+        blocks). The future fails with ``WorkerError``: ``bad_request`` when the arguments
+        cannot be pickled, ``worker_died`` when the worker dies first or is broken."""
         token = next(self._tokens)
         fut: Future = Future()
-        if self.workers["ret"].broken is not None:
-            fut.set_exception(RuntimeError(self.workers["ret"].broken))
+        worker = self.workers["ret"]
+        if worker.broken is not None:
+            fut.set_exception(WorkerError(worker.broken, "worker_died"))
             return fut
-        self._replies[token] = fut
-        self.workers["ret"].inbox.put(("call", token, name, args))
+        try:
+            data = encode(("call", token, name, args))
+        except Exception as exc:
+            reason = f"the arguments cannot be sent to the retrieval worker: {type(exc).__name__}"
+            fut.set_exception(WorkerError(reason, "bad_request"))
+            return fut
+        with self._replies_lock:
+            self._replies[token] = fut
+        worker.pending.append(data)  # NOTE: flushed by the scheduler thread's next poll
         return fut
+
+    def _fail_replies(self, reason: str, kind: str) -> None:
+        with self._replies_lock:
+            replies, self._replies = self._replies, {}
+        for fut in replies.values():
+            if not fut.done():
+                fut.set_exception(WorkerError(reason, kind))
 
     def poll(self, timeout: float) -> list[Update]:
         live = [w for w in self.workers.values() if w.broken is None]
@@ -255,11 +303,15 @@ class ProcessExecutor(BaseExecutor):
             worker.last_error = msg[1].strip().splitlines()[-1]
             return []
         if kind == "reply":
-            fut = self._replies.pop(msg[1], None)
-            if fut is not None and msg[3] is None:
+            with self._replies_lock:
+                fut = self._replies.pop(msg[1], None)
+            if fut is None or fut.done():
+                return []
+            if msg[3] is None:
                 fut.set_result(msg[2])
-            elif fut is not None:
-                fut.set_exception(RuntimeError(msg[3]))
+            else:
+                error_kind, message = msg[3]
+                fut.set_exception(WorkerError(message, error_kind))
             return []
         payload, arrays = msg[1], msg[2]
         if arrays is not None and not isinstance(arrays, list):
@@ -286,13 +338,12 @@ class ProcessExecutor(BaseExecutor):
         lost, worker.in_flight = worker.in_flight, set()
         worker.pending.clear()  # their tasks are all in ``lost``
         if worker is self.workers["ret"]:
-            for fut in self._replies.values():
-                fut.set_exception(RuntimeError(reason))
-            self._replies.clear()
+            self._fail_replies(reason, "worker_died")
         return self._failed(worker, lost, reason)
 
-    def _failed(self, worker: WorkerHandle, task_ids: Any, reason: str) -> list[Update]:
-        kind = "worker_died"
+    def _failed(
+        self, worker: WorkerHandle, task_ids: Any, reason: str, kind: str = "worker_died"
+    ) -> list[Update]:
         if worker is self.workers["gen"]:
             return [
                 GenerationUpdate(t, "", (), True, "error", error=reason, error_kind=kind)
@@ -310,11 +361,25 @@ class ProcessExecutor(BaseExecutor):
                 "pending": len(w.pending),
                 "restarts": w.num_restarts,
                 "alive": w.proc.is_alive(),
+                "ready": w.ready,
                 "broken": w.broken is not None,
             }
             for name, w in self.workers.items()
         }
 
+    def health(self) -> list[str]:
+        """What keeps the workers from serving now (empty: both are up)."""
+        problems = []
+        for w in self.workers.values():
+            if w.broken is not None:
+                problems.append(w.broken)
+            elif not w.proc.is_alive():
+                problems.append(f"{w.spec.kind} worker is not running")
+            elif not w.ready:
+                problems.append(f"{w.spec.kind} worker is starting")
+        return problems
+
     def close(self) -> None:
+        self._fail_replies("the Server is closing", "worker_died")
         for w in self.workers.values():
             w.close()

@@ -4,6 +4,11 @@
 ``GenerationUpdate`` deltas (per engine step, or per chunk of decode steps).
 ``RetrievalRunner`` embeds one batch of queries and searches them together (one search per
 distinct ``nprobe``).
+
+One request never fails another: a task the engine or tokenizer rejects on ``add`` fails
+alone; a retrieval batch that raises is retried task by task (``run_isolated``), so only the
+task that still fails gets an error; an engine step that raises fails the tasks it held (the
+engine and the worker survive; requests added later run normally).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ragserve.graph import Passage
+from ragserve.runtime.errors import error_kind_of
 from ragserve.scheduler import GenerationTask, GenerationUpdate, RetrievalResult, RetrievalTask
 
 logger = logging.getLogger(__name__)
@@ -72,10 +78,14 @@ class GenerationRunner:
                 elif isinstance(prompt, tuple):
                     prompt = list(prompt)
                 self.engine.add_request(t.task_id, prompt, self._params_cls(**asdict(t.params)))
-            except (ValueError, TypeError) as exc:
+            except Exception as exc:
+                # NOTE: tokenizers raise TypeError for text they cannot encode (a lone
+                # surrogate); whatever this task's input does, it fails alone.
+                logger.warning("generation task %s rejected: %s", t.task_id, exc)
+                kind = error_kind_of(exc)
                 errors.append(
                     GenerationUpdate(
-                        t.task_id, "", (), True, "error", error=str(exc), error_kind="bad_request"
+                        t.task_id, "", (), True, "error", error=_message(exc, kind), error_kind=kind
                     )
                 )
                 continue
@@ -93,7 +103,10 @@ class GenerationRunner:
 
     def step(self) -> list[GenerationUpdate]:
         start = self._clock()
-        outputs = self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            return self._fail_all(exc)
         seconds = self._clock() - start
         updates = []
         for out in outputs:
@@ -103,6 +116,18 @@ class GenerationRunner:
             updates.append(self._delta(out, progress))
         self.num_updates += len(updates)
         return updates
+
+    def _fail_all(self, exc: Exception) -> list[GenerationUpdate]:
+        """An engine step raised: every task in the engine ends with an error (and is aborted,
+        freeing its blocks); the engine stays usable for the tasks that come next."""
+        logger.exception("engine step failed; failing the %d tasks it held", len(self._progress))
+        failed = list(self._progress)
+        self.abort(failed)
+        message = f"the engine step failed: {type(exc).__name__}"
+        return [
+            GenerationUpdate(t, "", (), True, "error", error=message, error_kind="internal")
+            for t in failed
+        ]
 
     @staticmethod
     def _holds(progress: _Progress, out: Any, seconds: float) -> bool:
@@ -179,3 +204,34 @@ class RetrievalRunner:
 
     def delete_documents(self, doc_ids: list[str]) -> Any:
         return self.index.delete_documents(doc_ids)
+
+
+def _message(exc: BaseException, kind: str) -> str:
+    """A bad request's own message; for anything else only the exception's type (the details
+    go to the worker's log, not to the client)."""
+    return str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"
+
+
+def run_isolated(runner: RetrievalRunner, tasks: list[RetrievalTask]) -> list[Any]:
+    """``runner.run(tasks)``; if the batch raises, each task is run alone, so one task whose
+    query cannot be embedded or searched fails alone (its ``RetrievalResult`` holds the error)
+    and every other task gets its passages."""
+    try:
+        return runner.run(tasks)
+    except Exception as exc:
+        if len(tasks) <= 1:
+            return [_failed_result(t, exc) for t in tasks]
+        logger.warning("retrieval batch of %d failed (%s); retrying task by task", len(tasks), exc)
+    results: list[Any] = []
+    for t in tasks:
+        try:
+            results.extend(runner.run([t]))
+        except Exception as exc:
+            results.append(_failed_result(t, exc))
+    return results
+
+
+def _failed_result(task: RetrievalTask, exc: BaseException) -> RetrievalResult:
+    logger.warning("retrieval task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+    kind = error_kind_of(exc)
+    return RetrievalResult(task.task_id, (), _message(exc, kind), error_kind=kind)

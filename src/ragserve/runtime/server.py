@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.graph import CompiledGraph, RAGraph, State
+from ragserve.retrieval.limits import check_document
 from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.errors import WorkerError
 from ragserve.scheduler import GenerationParams, RequestState, Response, Scheduler
 from ragserve.scheduler.request import RequestError
 from ragserve.workflows import BUILTIN_WORKFLOWS, get_workflow
@@ -55,7 +58,9 @@ class Server:
         )
         self.workflows: dict[str, CompiledGraph] = {n: get_workflow(n) for n in BUILTIN_WORKFLOWS}
         self._slots = threading.BoundedSemaphore(self.config.max_active_requests)
+        self._call_slots = threading.BoundedSemaphore(self.config.max_num_calls)
         self._closed = threading.Event()
+        self._last_cycle = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="ragserve-scheduler", daemon=True)
         self._thread.start()
         ref = weakref.ref(self)
@@ -69,7 +74,9 @@ class Server:
         done = threading.Event()
         box: list[Response] = []
         self._add(question, graph, request_id, on_done=lambda r: (box.append(r), done.set()))
-        done.wait()
+        while not done.wait(0.5):
+            if self._closed.is_set():
+                raise WorkerError("the Server closed before the request finished", "aborted")
         return box[0]
 
     async def submit(
@@ -190,12 +197,41 @@ class Server:
 
     # -- documents --------------------------------------------------------------------------
     def add_documents(self, docs: Sequence[Any]) -> Any:
-        """Upsert documents into the index; returns once they are persisted."""
-        return self.executor.call_retrieval("add_documents", list(docs)).result()
+        """Upsert documents into the index; returns once they are persisted.
+
+        Each document is checked against ``config.document_limits`` first (``ValueError``
+        naming ``documents[i].<field>``). Fails with ``WorkerError`` (``.kind``) when the
+        retrieval worker dies, does not answer within ``call_timeout_s``, or too many calls
+        are in flight."""
+        docs = list(docs)
+        for i, doc in enumerate(docs):
+            check_document(doc, self.config.document_limits, f"documents[{i}].")
+        return self._call("add_documents", docs)
 
     def delete_documents(self, doc_ids: Sequence[str]) -> Any:
-        """Delete documents by id; returns once the deletion is persisted."""
-        return self.executor.call_retrieval("delete_documents", list(doc_ids)).result()
+        """Delete documents by id; returns once the deletion is persisted (errors as
+        ``add_documents``)."""
+        return self._call("delete_documents", list(doc_ids))
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._closed.is_set():
+            raise WorkerError("the Server is closed", "worker_died")
+        if not self._call_slots.acquire(blocking=False):
+            raise WorkerError(
+                f"{self.config.max_num_calls} document calls are already in flight", "overloaded"
+            )
+        try:
+            future = self.executor.call_retrieval(name, *args)
+            try:
+                return future.result(timeout=self.config.call_timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise WorkerError(
+                    f"the retrieval worker did not answer {name} within "
+                    f"{self.config.call_timeout_s:g} s",
+                    "timeout",
+                ) from None
+        finally:
+            self._call_slots.release()
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -214,6 +250,22 @@ class Server:
         if hasattr(self.executor, "stats"):
             out["workers"] = self.executor.stats()
         return out
+
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | "unhealthy", "problems": [...]}``: unhealthy while the Server
+        is closed, its scheduler loop has stopped or made no cycle for ``health_stall_s``, or
+        a worker is down (dead, restarting, or given up). Thread-safe."""
+        problems = []
+        if self._closed.is_set():
+            problems.append("the Server is closed")
+        if not self._thread.is_alive():
+            problems.append("the scheduler loop is not running")
+        elif (stall := time.monotonic() - self._last_cycle) > self.config.health_stall_s:
+            problems.append(f"the scheduler loop has made no progress for {stall:.0f} s")
+        check = getattr(self.executor, "health", None)
+        if check is not None:
+            problems.extend(check())
+        return {"status": "unhealthy" if problems else "ok", "problems": problems}
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -243,7 +295,11 @@ class Server:
         if self._closed.is_set():
             raise RuntimeError("Server is closed")
         compiled = self._resolve(graph)
-        self._slots.acquire()  # NOTE: admission bound; blocks the caller, not the scheduler
+        # NOTE: admission bound; blocks the caller (bounded), never the scheduler
+        if not self._slots.acquire(timeout=self.config.call_timeout_s):
+            raise WorkerError(
+                f"no request slot freed within {self.config.call_timeout_s:g} s", "overloaded"
+            )
 
         def done(response: Response) -> None:
             self._slots.release()
@@ -276,6 +332,7 @@ class Server:
 
     def _loop(self) -> None:
         while not self._closed.is_set():
+            self._last_cycle = time.monotonic()
             try:
                 self.scheduler.step()
             except Exception:

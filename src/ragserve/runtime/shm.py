@@ -50,6 +50,10 @@ class ShmRing:
         return out
 
     def close(self) -> None:
+        # NOTE: the free-slot queue owns semaphores; closing it lets them be released when the
+        # ring is dropped (a restarted worker's old ring would otherwise leak them).
+        self.free.cancel_join_thread()
+        self.free.close()
         try:
             self.shm.close()
             self.shm.unlink()

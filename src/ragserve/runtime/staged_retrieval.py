@@ -22,6 +22,7 @@ import numpy as np
 from ragserve.graph import Passage
 from ragserve.retrieval.cost_model import ScanCostModel
 from ragserve.retrieval.staged import StagedSearch, StageParams, StageProgress
+from ragserve.runtime.errors import error_kind_of
 from ragserve.runtime.runners import RetrievalRunner
 from ragserve.scheduler import RetrievalResult, RetrievalTask
 from ragserve.scheduler.staged_messages import (
@@ -91,29 +92,41 @@ class StagedRetrievalRunner(RetrievalRunner):
         return updates
 
     def _add(self, tasks: list[StagedRetrievalTask]) -> list[RetrievalResult]:
+        """Embed and plan ``tasks``; one whose query cannot be embedded or planned fails alone
+        (the batch is embedded again without it)."""
         try:
             vectors = self.embedder.encode([t.query for t in tasks], is_query=True)
-            for i, t in enumerate(tasks):
-                params = StageParams(
-                    k=max(t.topk, t.cache_topk),
-                    nprobe=t.nprobe or self.default_nprobe,
-                    split=t.split,
-                    budget_s=t.budget_s,
-                    first_clusters=t.first_clusters,
-                    hit_clusters=tuple(t.hit_clusters),
-                    previous_clusters=tuple(t.previous_clusters),
-                )
+        except Exception as exc:
+            if len(tasks) == 1:
+                return [self._failed(tasks[0], exc)]
+            logger.warning("staged embedding of %d failed (%s); one by one", len(tasks), exc)
+            return [r for t in tasks for r in self._add([t])]
+        failed = []
+        for i, t in enumerate(tasks):
+            params = StageParams(
+                k=max(t.topk, t.cache_topk),
+                nprobe=t.nprobe or self.default_nprobe,
+                split=t.split,
+                budget_s=t.budget_s,
+                first_clusters=t.first_clusters,
+                hit_clusters=tuple(t.hit_clusters),
+                previous_clusters=tuple(t.previous_clusters),
+            )
+            try:
                 self.search.add(t.task_id, vectors[i], params)
                 self._tasks[t.task_id] = t
-        except Exception as exc:
-            logger.exception("staged retrieval admission failed")
-            err = f"{type(exc).__name__}: {exc}"
-            keys = [t.task_id for t in tasks]
-            self.search.discard(keys)
-            for key in keys:
-                self._tasks.pop(key, None)
-            return [RetrievalResult(t.task_id, (), err) for t in tasks]
-        return []
+            except Exception as exc:
+                self.search.discard([t.task_id])
+                self._tasks.pop(t.task_id, None)
+                failed.append(self._failed(t, exc))
+        return failed
+
+    @staticmethod
+    def _failed(t: StagedRetrievalTask, exc: BaseException) -> RetrievalResult:
+        logger.warning("staged retrieval %s failed: %s: %s", t.task_id, type(exc).__name__, exc)
+        kind = error_kind_of(exc)
+        message = str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"
+        return RetrievalResult(t.task_id, (), message, error_kind=kind)
 
     def _step(self) -> list:
         try:

@@ -11,6 +11,10 @@ pickling them; retrieval results carry their passages in the message. Messages i
 Messages out: ("ready", info), ("fatal", traceback), ("gen", updates, ShmRef | arrays,
 stats | None), ("stats", stats), ("ret", results, None), ("reply", token, value,
 error).
+
+Messages in arrive pickled by the sender (``encode``), so a message that cannot be pickled
+fails in the caller's thread with an error, never silently in the queue's feeder thread. A
+message out that cannot be pickled is replaced by errors for the tasks (or call) it carried.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -27,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ragserve.runtime.runners import GenerationRunner, RetrievalRunner
+from ragserve.runtime.errors import error_kind_of
+from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmWriter
 
 logger = logging.getLogger(__name__)
@@ -71,6 +77,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
     # instead. Set before torch/Faiss load; an explicit OMP_WAIT_POLICY wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.WARNING)
+    _thread_local_progress_lock()
     try:
         runner = build_runner(spec)
         writer = ShmWriter(ring_handle)
@@ -81,6 +88,35 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
     loop = _generation_loop if spec.kind == "generation" else _retrieval_loop
     with contextlib.suppress(EOFError, BrokenPipeError, KeyboardInterrupt):
         loop(runner, inbox, conn, writer)
+
+
+def encode(msg: Any) -> bytes:
+    """A message for a worker's inbox, pickled now (``pickle`` errors, a ``RecursionError``
+    for data nested too deep, raise here, in the sender)."""
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _send(conn: Any, msg: tuple, fallback: Any) -> None:
+    """``conn.send(msg)``; if ``msg`` cannot be pickled, ``fallback()`` is sent instead."""
+    try:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        logger.error("a %r message cannot be pickled (%s); sending errors instead", msg[0], exc)
+        data = pickle.dumps(fallback(f"the result cannot be sent back: {type(exc).__name__}"))
+    conn.send_bytes(data)
+
+
+def _thread_local_progress_lock() -> None:
+    """tqdm (the model loaders' progress bars) creates a process-shared lock, a named
+    semaphore the server's resource tracker records; a worker killed with SIGKILL never
+    releases it. A worker's bars need no cross-process lock."""
+    try:
+        import threading
+
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _drain(inbox: Any, block: bool) -> list[Any]:
@@ -96,7 +132,7 @@ def _drain(inbox: Any, block: bool) -> list[Any]:
             msgs.append(inbox.get_nowait())
     except queue.Empty:
         pass
-    return msgs
+    return [pickle.loads(m) if isinstance(m, bytes) else m for m in msgs]
 
 
 def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: ShmWriter) -> None:
@@ -168,9 +204,16 @@ def _retrieval_loop(runner: RetrievalRunner, inbox: Any, conn: Any, writer: ShmW
             elif msg[0] == "call":
                 _, token, name, args = msg
                 try:
-                    conn.send(("reply", token, getattr(runner, name)(*args), None))
+                    reply = ("reply", token, getattr(runner, name)(*args), None)
                 except Exception as exc:
-                    conn.send(("reply", token, None, f"{type(exc).__name__}: {exc}"))
+                    logger.exception("retrieval call %s failed", name)
+                    reply = (
+                        "reply",
+                        token,
+                        None,
+                        (error_kind_of(exc), f"{type(exc).__name__}: {exc}"),
+                    )
+                _send(conn, reply, lambda err, t=token: ("reply", t, None, ("internal", err)))
         if tasks or pending:  # all tasks queued since the last search go out as one batch
             _send_retrieval(conn, runner, tasks)
 
@@ -180,10 +223,9 @@ def _send_retrieval(conn: Any, runner: RetrievalRunner, tasks: list) -> None:
 
     # NOTE: results carry their passages (ids, text, scores) in the message itself; the raw
     # id/score arrays are not sent, since nothing on the server side reads them.
-    try:
-        results = runner.run(tasks)
-    except Exception as exc:
-        logger.exception("retrieval batch failed")
-        err = f"{type(exc).__name__}: {exc}"
-        results = [RetrievalResult(t.task_id, (), err) for t in tasks]
-    conn.send(("ret", results, None))
+    results = run_isolated(runner, tasks)
+
+    def failed(err: str) -> tuple:
+        return ("ret", [RetrievalResult(r.task_id, (), err) for r in results], None)
+
+    _send(conn, ("ret", results, None), failed)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ragserve.graph import Passage
+from ragserve.graph.checks import check_sampling
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,15 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        check_sampling(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+        )
 
     @classmethod
     def for_node(cls, node: Any) -> GenerationParams:

@@ -2,7 +2,8 @@
 
 Routes: ``/v1/chat/completions`` and ``/v1/completions`` (``chat.py``, ``completions.py``),
 ``/v1/models``, ``/v1/documents`` (upsert, delete), ``/metrics``, ``/health``. Every request
-passes ``GuardMiddleware`` (auth, body size) first; errors use OpenAI's error format.
+passes ``GuardMiddleware`` (request id, auth, body size, deadline and depth) first; errors use
+OpenAI's error format. ``/health`` is 200 only while the backend says it can make progress.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +19,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
 from ragserve.server import chat, completions
@@ -42,21 +45,26 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # NOTE: the Server's async methods hand work to threads (asyncio.to_thread); size the
         # pool so admitted requests, upserts and scrapes never queue behind each other.
-        asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(config.max_num_inflight + 8, thread_name_prefix="ragserve-http")
-        )
+        num_threads = config.max_num_inflight + config.max_num_upserts + 8
+        pool = ThreadPoolExecutor(num_threads, thread_name_prefix="ragserve-http")
+        asyncio.get_running_loop().set_default_executor(pool)
         yield
+        pool.shutdown(wait=False, cancel_futures=True)
         if own_server:
-            logger.info("closing the Server")
-            await asyncio.to_thread(server.close)
+            await _close_backend(server)
 
     app = FastAPI(title="ragserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     admission = Admission(config.max_num_inflight, config.retry_after_s)
     metrics = ServerMetrics(server.stats, lambda: admission.num_inflight)
     app.state.ctx = AppContext(server, config, metrics, admission)
     install_error_handlers(app)
+    app.state.upserts = Admission(config.max_num_upserts, config.retry_after_s)
     app.add_middleware(
-        GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes
+        GuardMiddleware,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        body_timeout_s=config.body_timeout_s,
+        max_json_depth=config.max_json_depth,
     )
     app.include_router(chat.router)
     app.include_router(completions.router)
@@ -66,8 +74,11 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
 
 def _add_admin_routes(app: FastAPI) -> None:
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health(request: Request) -> HTTPResponse:
+        ctx = get_context(request)
+        report = ctx.server.health()  # cheap and thread-safe: no thread pool needed
+        status = 200 if report.get("status") == "ok" else 503
+        return JSONResponse(report, status_code=status)
 
     def model_cards(request: Request) -> list[dict]:
         ctx = get_context(request)
@@ -100,7 +111,8 @@ def _add_admin_routes(app: FastAPI) -> None:
         docs = [Document(d.id, d.text, d.title, dict(d.metadata)) for d in body.documents]
         if len({d.id for d in docs}) != len(docs):
             raise APIError(400, "documents: duplicate ids in one request", param="documents")
-        await _call(ctx.server.add_documents, docs)
+        with request.app.state.upserts.admit():
+            await _call(ctx.server.add_documents, docs)
         return {
             "object": "list",
             "data": [{"id": d.id, "object": "document", "status": "persisted"} for d in docs],
@@ -109,10 +121,22 @@ def _add_admin_routes(app: FastAPI) -> None:
     @app.delete("/v1/documents/{doc_id}")
     async def delete(doc_id: str, request: Request) -> dict:
         ctx = get_context(request)
-        result = await _call(ctx.server.delete_documents, [doc_id])
+        with request.app.state.upserts.admit():
+            result = await _call(ctx.server.delete_documents, [doc_id])
         if result is not None and not result:
             raise APIError(404, f"document {doc_id!r} does not exist", code="document_not_found")
         return {"id": doc_id, "object": "document", "deleted": True}
+
+
+async def _close_backend(server: ServerBackend) -> None:
+    """``server.close()`` on a thread of its own: the pool's threads may all be blocked in
+    backend calls, which closing the Server is what wakes (they fail, and the process can
+    exit)."""
+    logger.info("closing the Server")
+    closer = threading.Thread(target=server.close, name="ragserve-close", daemon=True)
+    closer.start()
+    while closer.is_alive():
+        await asyncio.sleep(0.05)
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:

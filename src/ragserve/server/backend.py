@@ -29,7 +29,8 @@ class ServerBackend(Protocol):
     ``stream`` yields text deltas of the answer and hands the final ``Response`` to
     ``on_response`` before it ends; ``complete`` yields cumulative
     ``RequestOutput``s of a plain LLM completion; ``abort`` frees the request's KV blocks.
-    ``add_documents`` / ``delete_documents`` return once the change is persisted.
+    ``add_documents`` / ``delete_documents`` return once the change is persisted; their
+    failures carry a ``kind`` (``ragserve.runtime.WorkerError``) the front maps to a status.
     """
 
     workflows: Mapping[str, Any]
@@ -56,5 +57,10 @@ class ServerBackend(Protocol):
     def delete_documents(self, doc_ids: Sequence[str]) -> Any: ...
 
     def stats(self) -> Mapping[str, Any]: ...
+
+    def health(self) -> Mapping[str, Any]:
+        """``{"status": "ok" | "unhealthy", "problems": [...]}`` (``/health`` answers 503
+        unless ``"ok"``)."""
+        ...
 
     def close(self) -> None: ...

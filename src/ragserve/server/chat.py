@@ -22,7 +22,7 @@ from ragserve.server.context import (
     sse,
     sse_error,
 )
-from ragserve.server.graphs import resolve_workflow, retrieval_node_ids, tune_graph
+from ragserve.server.graphs import resolve_workflow, retrieval_node_ids, tune_graph_or_400
 from ragserve.server.protocol import ChatCompletionRequest
 
 router = APIRouter()
@@ -58,7 +58,7 @@ def documents_of(response: Any) -> list[dict]:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = get_context(request)
     name, graph = resolve_workflow(ctx.server.workflows, body.model, body.workflow)
-    graph = tune_graph(
+    graph = tune_graph_or_400(
         graph,
         topk=body.topk,
         nprobe=body.nprobe,
@@ -148,7 +148,7 @@ async def _events(
             yield chunk({"content": delta})
     except Exception as exc:
         status["end"] = "error"
-        yield sse_error(exc)
+        yield sse_error(exc, job.request_id)
         yield sse("[DONE]")
         return
     status["end"] = "ok"

@@ -134,7 +134,7 @@ async def _events(job: Job, prompt, params, include_usage: bool, final: dict[str
             raise RuntimeError("the engine ended the completion without a finished output")
     except Exception as exc:
         final["end"] = "error"
-        yield sse_error(exc)
+        yield sse_error(exc, job.request_id)
         yield sse("[DONE]")
         return
     final["end"], final["output"] = "ok", last

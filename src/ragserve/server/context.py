@@ -107,7 +107,7 @@ class Job:
             status = "aborted"
             return None
         except Exception as exc:
-            raise backend_error(exc) from exc
+            raise backend_error(exc, self.request_id) from exc
         finally:
             self.end(status)
 
@@ -135,36 +135,48 @@ async def until_disconnect(request: Request, work: Awaitable[T], poll_s: float) 
 # ``Response.error_kind`` (or ``RequestError.kind``) -> (HTTP status, error code)
 KIND_STATUS: dict[str, tuple[int, str]] = {
     "bad_request": (400, "invalid_request"),
+    "overloaded": (429, "too_many_requests"),
     "worker_died": (503, "worker_died"),
+    "timeout": (503, "worker_timeout"),
     "aborted": (499, "aborted"),
     "internal": (500, "internal_error"),
 }
+# Kinds whose message is the runtime's own sentence (no exception text): sent as is.
+_PUBLIC_KINDS = frozenset({"bad_request", "overloaded", "worker_died", "timeout", "aborted"})
 
 
-def error_for_kind(kind: str | None, message: str) -> APIError:
-    """The HTTP error for a failed request of ``kind`` (an ``ErrorKind``; unknown: 500)."""
-    status, code = KIND_STATUS.get(kind or "internal", KIND_STATUS["internal"])
+def error_for_kind(kind: str | None, message: str, request_id: str | None = None) -> APIError:
+    """The HTTP error for a failed request of ``kind`` (an ``ErrorKind``; unknown: 500).
+
+    An internal error's message stays in the server log under the request id; the client gets
+    the id, never the exception text."""
+    kind = kind if kind in KIND_STATUS else "internal"
+    status, code = KIND_STATUS[kind]
     if status >= 500:
-        logger.error("request failed in the backend (%s): %s", kind, message)
+        request_id = request_id or new_request_id("error")
+        logger.error("request %s failed in the backend (%s): %s", request_id, kind, message)
+        if kind not in _PUBLIC_KINDS:
+            message = f"internal error (request id {request_id}); details are in the server log"
     return APIError(status, message, code=code)
 
 
 def response_error(response: Any) -> APIError:
     """The HTTP error of a ``Response`` whose ``error`` is set, by its ``error_kind``."""
-    return error_for_kind(getattr(response, "error_kind", None), str(response.error))
+    kind = getattr(response, "error_kind", None)
+    return error_for_kind(kind, str(response.error), getattr(response, "request_id", None))
 
 
-def backend_error(exc: BaseException) -> APIError:
+def backend_error(exc: BaseException, request_id: str | None = None) -> APIError:
     """A backend failure as an HTTP error: by the exception's ``kind`` (``RequestError``),
     else a ``ValueError`` is 400 (bad input) and anything else 500."""
     if isinstance(exc, APIError):
         return exc
     kind = getattr(exc, "kind", None)
     if kind in KIND_STATUS:
-        return error_for_kind(kind, str(exc))
+        return error_for_kind(kind, str(exc), request_id)
     if isinstance(exc, ValueError):
-        return error_for_kind("bad_request", str(exc))
-    return error_for_kind("internal", f"{type(exc).__name__}: {exc}")
+        return error_for_kind("bad_request", str(exc), request_id)
+    return error_for_kind("internal", f"{type(exc).__name__}: {exc}", request_id)
 
 
 def sse(payload: dict | str) -> str:
@@ -172,8 +184,8 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def sse_error(exc: BaseException) -> str:
-    err = backend_error(exc)
+def sse_error(exc: BaseException, request_id: str | None = None) -> str:
+    err = backend_error(exc, request_id)
     return sse(error_body(err.status_code, err.message, code=err.code))
 
 

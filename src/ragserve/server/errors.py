@@ -22,6 +22,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     499: "request_aborted",
@@ -104,6 +105,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in the HTTP front")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        request_id = request.scope.get("state", {}).get("request_id", "unknown")
+        logger.exception("request %s: unhandled error in the HTTP front", request_id)
+        message = f"internal error (request id {request_id}); details are in the server log"
+        return error_response(500, message, code="internal_error")

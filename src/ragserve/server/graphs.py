@@ -67,5 +67,13 @@ def tune_graph(
     return dataclasses.replace(graph, nodes=MappingProxyType(nodes))
 
 
+def tune_graph_or_400(graph: Any, **overrides: Any) -> Any:
+    """``tune_graph``; an override out of a node's range (``ValueError``) is a 400."""
+    try:
+        return tune_graph(graph, **overrides)
+    except ValueError as exc:
+        raise APIError(400, f"invalid request parameters: {exc}", code="invalid_request") from exc
+
+
 def retrieval_node_ids(graph: Any) -> tuple[Any, ...]:
     return tuple(n.node_id for n in graph.nodes.values() if n.kind == "retrieval")

@@ -12,6 +12,7 @@ import uvicorn
 
 from ragserve.server.backend import ServerBackend
 from ragserve.server.config import ServeConfig
+from ragserve.server.connections import header_timeout_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,9 @@ def _uvicorn_server(app, config: ServeConfig) -> uvicorn.Server:
         access_log=False,
         timeout_graceful_shutdown=config.drain_timeout_s,
         lifespan="on",
+        http=header_timeout_protocol(config.header_timeout_s),
+        timeout_keep_alive=config.keep_alive_s,
+        limit_concurrency=config.max_connections,
     )
     return uvicorn.Server(uv_config)
 

@@ -1,4 +1,5 @@
-"""Raw ASGI middleware in front of every route: API-key auth, then the body size limit.
+"""Raw ASGI middleware in front of every route: a request id, API-key auth, then the body
+limits (size, read deadline, JSON nesting depth).
 
 Pure ASGI (not Starlette's ``BaseHTTPMiddleware``) so streaming responses and client
 disconnects pass through untouched.
@@ -6,9 +7,15 @@ disconnects pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import re
+import time
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+import numpy as np
 
 from ragserve.server.errors import error_bytes
 
@@ -19,6 +26,40 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})
+REQUEST_ID_HEADER = b"x-request-id"
+# JSON bytes -> +1 (opening bracket), 255 (closing: -1 as int8), 0 (anything else)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)  # possessive: linear
+_DEPTH_TABLE = bytes(1 if c in b"[{" else 255 if c in b"]}" else 0 for c in range(256))
+
+
+def json_depth(body: bytes) -> int:
+    """How deep ``body``'s arrays/objects nest (brackets inside strings are skipped); the
+    check runs before any parser recurses into it."""
+    if b"[" not in body and b"{" not in body:
+        return 0
+    if b'"' in body:
+        body = _strip_strings(body)
+    return _bracket_depth(body)
+
+
+def _bracket_depth(body: bytes) -> int:
+    """Depth counting every bracket, strings included: an upper bound of ``json_depth``."""
+    steps = np.frombuffer(body.translate(_DEPTH_TABLE), dtype=np.int8)
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+def _strip_strings(body: bytes) -> bytes:
+    """``body`` without its JSON strings; an unterminated string ends it (invalid JSON, which
+    the parser rejects). Linear: each string is matched once from its opening quote."""
+    parts, pos = [], 0
+    while (start := body.find(b'"', pos)) >= 0:
+        parts.append(body[pos:start])
+        match = _JSON_STRING.match(body, start)
+        if match is None:
+            return b"".join(parts)
+        pos = match.end()
+    parts.append(body[pos:])
+    return b"".join(parts)
 
 
 async def _send_error(send: Send, status: int, message: str, headers=()) -> None:
@@ -33,22 +74,39 @@ async def _send_error(send: Send, status: int, message: str, headers=()) -> None
 
 
 class GuardMiddleware:
-    """Rejects unauthenticated requests (401) and bodies over ``max_body_bytes`` (413).
+    """Rejects unauthenticated requests (401), bodies over ``max_body_bytes`` (413), bodies
+    not received within ``body_timeout_s`` (408) and JSON nested deeper than
+    ``max_json_depth`` (400).
 
-    With ``api_key`` set, every path but ``/health`` needs ``Authorization: Bearer <key>``.
-    The request body is read in full here (it is small by construction) and replayed to the
-    app; after it, ``receive`` is the server's own, so disconnects still reach the app.
+    Every response carries ``X-Request-Id`` (also in ``scope["state"]["request_id"]``, where
+    handlers and error logs find it). With ``api_key`` set, every path but ``/health`` needs
+    ``Authorization: Bearer <key>``. The request body is read in full here (it is small by
+    construction) and replayed to the app; after it, ``receive`` is the server's own, so
+    disconnects still reach the app.
     """
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        body_timeout_s: float = 30.0,
+        max_json_depth: int = 64,
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.max_json_depth = max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        send = _with_request_id(send, request_id.encode())
         if not self._authorized(scope):
             await _send_error(
                 send, 401, "missing or invalid API key", [(b"www-authenticate", b"Bearer")]
@@ -59,8 +117,14 @@ class GuardMiddleware:
             await _send_error(send, 413, self._too_large(declared))
             return
         chunks, size, tail = [], 0, None
+        deadline = time.monotonic() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                msg = f"request body not received within {self.body_timeout_s:g} s"
+                await _send_error(send, 408, msg, [(b"connection", b"close")])
+                return
             if message["type"] != "http.request":
                 tail = message  # an early disconnect: hand it to the app as is
                 break
@@ -72,7 +136,16 @@ class GuardMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), tail, receive), send)
+        body = b"".join(chunks)
+        # NOTE: the bracket count is a fast upper bound; only a body over it (brackets inside
+        # strings, or a hostile one) pays for the exact count, off the event loop.
+        if _bracket_depth(body) > self.max_json_depth and (
+            await asyncio.to_thread(json_depth, body) > self.max_json_depth
+        ):
+            msg = f"request body nests deeper than {self.max_json_depth} levels"
+            await _send_error(send, 400, msg)
+            return
+        await self.app(scope, _replay(body, tail, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
         if self.expected is None or scope.get("path") in OPEN_PATHS:
@@ -84,6 +157,17 @@ class GuardMiddleware:
 
     def _too_large(self, size: int) -> str:
         return f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes"
+
+
+def _with_request_id(send: Send, request_id: bytes) -> Send:
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            headers.append((REQUEST_ID_HEADER, request_id))
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -3,6 +3,12 @@
 Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients keep working;
 known fields are validated strictly enough that a malformed value is a 400 naming the field.
 Features we do not implement (``n > 1``, tools, logprobs) are rejected rather than ignored.
+
+Limits (validation only; 400 naming the field): numbers are strict (``"10"`` and ``true`` are
+not numbers), floats finite; sampling ranges are the engine's (``ragserve.graph.checks``);
+every string must be valid Unicode (no unpaired surrogates), and no list or string is
+unbounded (``MAX_MESSAGES``, ``MAX_PROMPT_CHARS``); documents follow
+``ragserve.retrieval.limits``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -20,22 +27,65 @@ from pydantic import (
     model_validator,
 )
 
-PositiveInt = Annotated[int, Field(ge=1)]
-StopStr = Annotated[StrictStr, Field(min_length=1)]
+from ragserve.graph.checks import MAX_SEED, check_sampling
+from ragserve.retrieval.limits import DEFAULT_LIMITS, check_document
+
+MAX_MESSAGES = 1_024  # chat messages per request
+MAX_PROMPT_CHARS = 262_144  # characters of a prompt or of one message, before tokenization
+MAX_TOKEN_IDS = 131_072  # token ids of a pre-tokenized prompt
+MAX_DOCUMENTS = 10_000  # documents per upsert
+
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+StopStr = Annotated[StrictStr, Field(min_length=1, max_length=1_024)]
+Text = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+
+
+def _unpaired_surrogate(value: object, path: str) -> str | None:
+    """The path of the first string in a JSON value that is not valid Unicode (an unpaired
+    surrogate such as ``"\\ud800"``), or ``None``. Iterative: any depth is safe."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+            stack.extend((k, where or "(key)") for k in item if isinstance(k, str))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(item))
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class _Request(_Body):
+    """A whole request body: every string in it (known field or not) must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        where = _unpaired_surrogate(data, "")
+        if where is not None:
+            raise ValueError(
+                f"{where or 'body'}: string holds an unpaired surrogate (invalid Unicode)"
+            )
+        return data
+
+
 class TextPart(_Body):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -61,22 +111,27 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-class _Sampling(_Body):
-    model: StrictStr
+class _Sampling(_Request):
+    model: Annotated[StrictStr, Field(max_length=256)]
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, lt=MAX_SEED)] | None = None
     stop: StopStr | Annotated[list[StopStr], Field(max_length=16)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    user: StrictStr | None = None
-    logprobs: StrictBool | int | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    user: Annotated[StrictStr, Field(max_length=256)] | None = None
+    logprobs: StrictBool | StrictInt | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs are not supported")
+        check_sampling(
+            max_tokens=1,
+            temperature=0.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+        )
         return self
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -92,11 +147,11 @@ class ChatCompletionRequest(_Sampling):
     ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` apply to its answer nodes.
     """
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    workflow: StrictStr | None = None
-    topk: Annotated[int, Field(ge=1, le=1000)] | None = None
+    workflow: Annotated[StrictStr, Field(max_length=256)] | None = None
+    topk: Annotated[StrictInt, Field(ge=1, le=1000)] | None = None
     nprobe: PositiveInt | None = None
     tools: list | None = None
 
@@ -123,9 +178,11 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a plain LLM completion, no retrieval."""
 
     prompt: (
-        StrictStr
-        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
-        | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=1)]
+        | Annotated[
+            list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1, max_length=MAX_TOKEN_IDS)
+        ]
     )
     max_tokens: PositiveInt = 16
     echo: StrictBool = False
@@ -159,13 +216,20 @@ class CompletionRequest(_Sampling):
 
 
 class DocumentIn(_Body):
-    id: Annotated[str, Field(min_length=1, max_length=512)]
-    text: Annotated[str, Field(min_length=1)]
+    """One document; its limits are ``ragserve.retrieval.limits.DEFAULT_LIMITS``."""
+
+    id: StrictStr
+    text: StrictStr
     title: StrictStr | None = None
     metadata: dict = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _limits(self):
+        check_document(self, DEFAULT_LIMITS)
+        return self
 
-class DocumentsRequest(_Body):
+
+class DocumentsRequest(_Request):
     """``POST /v1/documents``: upsert; acknowledged (200) means persisted."""
 
-    documents: Annotated[list[DocumentIn], Field(min_length=1, max_length=10_000)]
+    documents: Annotated[list[DocumentIn], Field(min_length=1, max_length=MAX_DOCUMENTS)]

@@ -1,0 +1,76 @@
+"""Range checks of the per-request knobs, shared by graph nodes and the scheduler's messages.
+
+Every check raises ``ValueError`` naming the field. The ranges are the engine's (see
+``ragserve.generation.SamplingParams``, which checks the same ranges on its own):
+
+- ``max_tokens``, ``topk``: int >= 1; ``top_k``, ``nprobe``: ``None`` or int >= 1;
+- ``temperature``: finite, ``0`` (greedy) or in ``[MIN_TEMPERATURE, inf)``;
+- ``top_p``: finite, in ``[MIN_TOP_P, 1]``;
+- ``seed``: ``None`` or int in ``[0, 2**64)`` (what ``torch.Generator.manual_seed`` takes).
+
+Booleans are not numbers here (``True`` is not a ``max_tokens`` of 1).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+# NOTE: below ~1e-37 ``logits / temperature`` overflows float32 and the softmax is NaN; any
+# temperature under 1e-5 samples the argmax anyway (vLLM's greedy epsilon), so the gap
+# (0, 1e-5) is rejected rather than silently rounded.
+MIN_TEMPERATURE = 1e-5
+# NOTE: a subnormal top_p becomes 0 in float32 and the nucleus would be empty.
+MIN_TOP_P = 1e-6
+MAX_SEED = 1 << 64
+
+
+def check_int(name: str, value: Any, *, low: int = 1, high: int | None = None) -> None:
+    """``value`` is an int (not a bool) in ``[low, high)``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < low or (high is not None and value >= high):
+        upper = "" if high is None else f", below {high}"
+        raise ValueError(f"{name} must be >= {low}{upper}, got {value}")
+
+
+def check_float(name: str, value: Any) -> float:
+    """``value`` is a finite real number (not a bool); returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return number
+
+
+def check_sampling(
+    *,
+    max_tokens: Any,
+    temperature: Any,
+    top_p: Any,
+    top_k: Any = None,
+    seed: Any = None,
+) -> None:
+    """The sampling knobs of one generation, or ``ValueError`` naming the first bad one."""
+    check_int("max_tokens", max_tokens)
+    temp = check_float("temperature", temperature)
+    if temp != 0.0 and temp < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature}"
+        )
+    p = check_float("top_p", top_p)
+    if not MIN_TOP_P <= p <= 1.0:
+        raise ValueError(f"top_p must be in [{MIN_TOP_P:g}, 1], got {top_p}")
+    if top_k is not None:
+        check_int("top_k", top_k)
+    if seed is not None:
+        check_int("seed", seed, low=0, high=MAX_SEED)
+
+
+def check_retrieval(*, topk: Any, nprobe: Any = None) -> None:
+    """The knobs of one retrieval, or ``ValueError`` naming the first bad one."""
+    check_int("topk", topk)
+    if nprobe is not None:
+        check_int("nprobe", nprobe)

@@ -1,0 +1,133 @@
+"""One request never fails another inside the workers' code (``runners.py``): a batch that
+raises is retried without the task that broke it; an engine step that raises fails the tasks
+it held and leaves the engine usable; a task that cannot be pickled fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ragserve.graph import Passage
+from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
+from ragserve.scheduler import GenerationParams, GenerationTask, RetrievalTask
+
+
+class PickyEmbedder:
+    """Fails a whole batch when any query holds ``"poison"``, as a tokenizer does."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def encode(self, texts, is_query=False):
+        self.num_calls += 1
+        if any("poison" in t for t in texts):
+            raise TypeError("TextEncodeInput must be Union[...]")
+        return np.ones((len(texts), 4), np.float32)
+
+
+class OneDocIndex:
+    def search(self, vectors, k, **_):
+        from ragserve.retrieval import TopK
+
+        n = len(vectors)
+        return TopK(np.zeros((n, k), np.int64), np.ones((n, k), np.float32))
+
+    def get_documents(self, ids):
+        from ragserve.retrieval import Document
+
+        return [Document("d0", "text", "T") for _ in ids]
+
+
+def test_a_poison_query_fails_alone_and_the_batch_is_retried() -> None:
+    runner = RetrievalRunner(OneDocIndex(), PickyEmbedder())
+    tasks = [RetrievalTask(f"t{i}", "poison" if i == 2 else f"q{i}", 1) for i in range(5)]
+    results = run_isolated(runner, tasks)
+    by_id = {r.task_id: r for r in results}
+    assert sorted(by_id) == [t.task_id for t in tasks]
+    assert by_id["t2"].error is not None and by_id["t2"].error_kind == "bad_request"
+    for i in (0, 1, 3, 4):
+        assert by_id[f"t{i}"].error is None
+        assert by_id[f"t{i}"].passages == (Passage("d0", "text", "T", 1.0),)
+
+
+def test_a_healthy_batch_runs_once_as_a_batch() -> None:
+    embedder = PickyEmbedder()
+    runner = RetrievalRunner(OneDocIndex(), embedder)
+    tasks = [RetrievalTask("a", "q", 1), RetrievalTask("b", "r", 1)]
+    results = run_isolated(runner, tasks)
+    assert [r.error for r in results] == [None, None] and embedder.num_calls == 1
+
+
+class FlakyEngine:
+    """A stand-in ``LLMEngine`` whose next ``step`` raises when ``fail`` is set."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, object] = {}
+        self.fail = False
+
+    def add_request(self, rid, prompt, params):
+        if "\ud800" in prompt:
+            raise TypeError("TextEncodeInput must be Union[...]")
+        self.requests[rid] = params
+
+    def apply_chat_template(self, messages):
+        return messages[0]["content"]
+
+    def abort(self, rid):
+        self.requests.pop(rid, None)
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def step(self):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("probability tensor contains either inf, nan")
+        return []
+
+
+def test_a_task_the_tokenizer_rejects_fails_alone() -> None:
+    runner = GenerationRunner(FlakyEngine())
+    params = GenerationParams(max_tokens=2)
+    errors = runner.add(
+        [GenerationTask("bad", "What \ud800 is", params), GenerationTask("ok", "Hi", params)]
+    )
+    assert [(u.task_id, u.error_kind) for u in errors] == [("bad", "bad_request")]
+    assert runner.has_work()
+
+
+def test_a_failed_engine_step_fails_its_tasks_and_the_engine_goes_on() -> None:
+    engine = FlakyEngine()
+    runner = GenerationRunner(engine)
+    params = GenerationParams(max_tokens=2)
+    runner.add([GenerationTask("a", "x", params), GenerationTask("b", "y", params)])
+    engine.fail = True
+    failed = runner.step()
+    assert sorted(u.task_id for u in failed) == ["a", "b"]
+    assert all(u.finished and u.error_kind == "internal" for u in failed)
+    assert "inf, nan" not in failed[0].error  # details stay in the worker's log
+    assert not engine.has_unfinished()  # aborted: their blocks are free
+    runner.add([GenerationTask("c", "z", params)])
+    assert runner.step() == [] and engine.has_unfinished()
+
+
+def test_surrogate_question_fails_alone_in_process(local_server) -> None:
+    async def together():
+        bad = local_server.submit("What \ud800 is Python?", "oneshot")
+        good = [
+            local_server.submit(f"What is the capital of Peru? {i}", "oneshot") for i in range(3)
+        ]
+        return await asyncio.gather(bad, *good)
+
+    bad, *good = asyncio.run(asyncio.wait_for(together(), 120))
+    assert bad.error_kind == "bad_request"
+    assert [r.error for r in good] == [None] * 3
+
+
+def test_bad_sampling_never_reaches_a_worker() -> None:
+    with pytest.raises(ValueError, match="seed"):
+        GenerationParams(seed=2**64)
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationParams(temperature=float("nan"))
