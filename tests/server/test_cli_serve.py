@@ -17,11 +17,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def test_serve_refuses_a_missing_index(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+def test_serve_refuses_a_missing_index(tmp_path, capsys: pytest.CaptureFixture) -> None:
     from ragserve.cli.main import main
 
-    assert main(["serve", "--model", "tiny", "--index", str(tmp_path / "none")]) == 2
-    assert "no index directory" in caplog.text
+    argv = ["serve", "--model", "tiny", "--index", str(tmp_path / "none"), "--port", "0"]
+    assert main(argv) == 2
+    assert "no index directory" in capsys.readouterr().err
 
 
 def free_port() -> int:

@@ -1,77 +1,131 @@
-"""``ragserve serve``: the OpenAI-compatible HTTP front over a Server (model + index)."""
+"""``ragserve serve``: the OpenAI-compatible HTTP front over a co-scheduled Server."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import socket
+import sys
 from pathlib import Path
+from typing import Any
+
+from ragserve.cli.main import UsageError
+from ragserve.cli.options import add_server_args, build_server, launch_config
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAGSERVE_API_KEY"
+# flag dest -> ServeConfig field
+_SERVE_FLAGS = {
+    "host": "host",
+    "port": "port",
+    "api_key": "api_key",
+    "served_model_name": "served_model_name",
+    "max_inflight": "max_num_inflight",
+    "max_body_bytes": "max_body_bytes",
+    "drain_timeout": "drain_timeout_s",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API",
-        description="Serve /v1/chat/completions (RAG workflows), /v1/completions (plain LLM), "
-        "/v1/models, /v1/documents, /metrics and /health.",
+        description="Serve /v1/chat/completions (RAG workflows, or the LLM itself), "
+        "/v1/completions (plain LLM), /v1/embeddings, /v1/models, /v1/documents, /metrics and "
+        "/health. Co-scheduled by default (--cosched).",
     )
-    p.add_argument("--model", required=True, help="HF model folder or built-in name")
-    p.add_argument("--index", required=True, help="index folder (ragserve index build)")
-    p.add_argument("--embedder", default=None, help="embedder (default: the index's own)")
-    p.add_argument("--device", default="auto", help="LLM device: auto, cpu, cuda, cuda:N")
-    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the LLM on CPU")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    p.add_argument("--port", type=int, default=8000)
+    add_server_args(p)
     p.add_argument(
+        "--workflow",
+        dest="workflows",
+        action="append",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="serve a user graph as model ragserve/<name> (repeatable; [name=]module:function)",
+    )
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default=None, help="bind address (default: loopback)")
+    h.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    h.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
+        default=None,
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else no auth)",
     )
-    p.add_argument(
-        "--served-model-name", default=None, help="model id for /v1/completions (default: --model)"
+    h.add_argument(
+        "--served-model-name", default=None, help="model id of the LLM itself (default: --model)"
     )
-    p.add_argument("--max-inflight", type=int, default=64, help="admission bound; past it 429")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain at exit")
+    h.add_argument("--max-inflight", type=int, default=None, help="admission bound; past it 429")
+    h.add_argument("--max-body-bytes", type=int, default=None, help="larger bodies get 413")
+    h.add_argument("--drain-timeout", type=float, default=None, help="seconds to drain at exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration as TOML (a --config file) and exit",
+    )
     p.set_defaults(func=handler)
 
 
-def handler(args: argparse.Namespace) -> int:
-    from ragserve.runtime import Server, ServerConfig
-    from ragserve.server import ServeConfig, serve
-
-    config = ServeConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or None,
-        served_model_name=args.served_model_name or Path(args.model).name,
-        max_num_inflight=args.max_inflight,
-        max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout,
-    )
-    if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
-        logger.warning("binding %s without --api-key: anyone who reaches it may use it", args.host)
+def serve_launch_config(args: argparse.Namespace) -> Any:
+    """The ``LaunchConfig`` of ``serve``: the shared settings, then the HTTP flags."""
+    config = launch_config(args)
+    if args.workflows:
+        config = dataclasses.replace(config, workflows=(*config.workflows, *args.workflows))
+    changes = {
+        field: getattr(args, dest)
+        for dest, field in _SERVE_FLAGS.items()
+        if getattr(args, dest) is not None
+    }
+    if "api_key" not in changes and config.serve.api_key is None and os.environ.get(API_KEY_ENV):
+        changes["api_key"] = os.environ[API_KEY_ENV]
+    if "served_model_name" not in changes and config.serve.served_model_name == "ragserve":
+        changes["served_model_name"] = Path(config.model).name
+    try:
+        serve = dataclasses.replace(config.serve, **changes)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     # NOTE: the Server's own bound must not be below HTTP admission, or admitted requests
     # would wait in threads for a Server slot instead of being refused with 429.
-    engine_kwargs = {"device": args.device}
-    if args.cpu_threads is not None:
-        engine_kwargs["cpu_threads"] = args.cpu_threads
-    runtime = ServerConfig(
-        engine_kwargs=engine_kwargs,
-        max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight),
-    )
-    if not Path(args.index).is_dir():
-        logger.error("no index directory at %s (build one with `ragserve index build`)", args.index)
-        return 2
+    runtime = config.runtime
+    if runtime.max_active_requests < serve.max_num_inflight:
+        runtime = dataclasses.replace(runtime, max_active_requests=serve.max_num_inflight)
+    return dataclasses.replace(config, serve=serve, runtime=runtime)
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before loading anything if ``host:port`` cannot be bound (in use, bad host)."""
+    if port == 0:
+        return
     try:
-        server = Server(model=args.model, index=args.index, embedder=args.embedder, config=runtime)
-    except (RuntimeError, ValueError, OSError) as exc:
-        logger.debug("Server failed to start", exc_info=True)
-        logger.error("cannot start the Server: %s", str(exc).strip().splitlines()[-1])
-        return 1
-    serve(server, config)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UsageError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise UsageError(
+                f"cannot listen on {host}:{port}: {exc.strerror} (is another server running? "
+                "pick another --port)"
+            ) from None
+
+
+def handler(args: argparse.Namespace) -> int:
+    from ragserve.cli.launch_config import dump_toml
+    from ragserve.server import serve
+
+    config = serve_launch_config(args)
+    if args.print_config:
+        sys.stdout.write(dump_toml(config))
+        return 0
+    if config.serve.host not in ("127.0.0.1", "localhost", "::1") and config.serve.api_key is None:
+        logger.warning("binding %s without --api-key: anyone who reaches it may use it", args.host)
+    check_port(config.serve.host, config.serve.port)
+    server = build_server(config)
+    logger.info("Server ready; co-scheduling: %s", ", ".join(server.stats()["cosched"]) or "off")
+    serve(server, config.serve)
     return 0

@@ -2,7 +2,18 @@
 and the shared-memory data plane."""
 
 from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.main_guard import MainGuardError
 from ragserve.runtime.server import Server
+from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.scheduler.request import ErrorKind, NodeTiming, RequestError, Response
 
-__all__ = ["ErrorKind", "NodeTiming", "RequestError", "Response", "Server", "ServerConfig"]
+__all__ = [
+    "CoScheduleConfig",
+    "ErrorKind",
+    "MainGuardError",
+    "NodeTiming",
+    "RequestError",
+    "Response",
+    "Server",
+    "ServerConfig",
+]

@@ -1,8 +1,9 @@
 """``create_app(server, config)``: the OpenAI-compatible ASGI app in front of a ``Server``.
 
-Routes: ``/v1/chat/completions`` and ``/v1/completions`` (``chat.py``, ``completions.py``),
-``/v1/models``, ``/v1/documents`` (upsert, delete), ``/metrics``, ``/health``. Every request
-passes ``GuardMiddleware`` (auth, body size) first; errors use OpenAI's error format.
+Routes: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings`` (``chat.py``,
+``completions.py``, ``embeddings.py``), ``/v1/models``, ``/v1/documents`` (upsert, delete),
+``/metrics``, ``/health``. Every request passes ``GuardMiddleware`` (auth, body size) first;
+errors use OpenAI's error format.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response as HTTPResponse
 
-from ragserve.server import chat, completions
+from ragserve.server import chat, completions, embeddings
 from ragserve.server.admission import Admission
 from ragserve.server.backend import ServerBackend
 from ragserve.server.config import ServeConfig
@@ -60,14 +61,17 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
     )
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(embeddings.router)
     _add_admin_routes(app)
     return app
 
 
 def _add_admin_routes(app: FastAPI) -> None:
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health(request: Request) -> dict:
+        """``status`` and ``cosched``: the co-scheduling optimizations that run."""
+        stats = await asyncio.to_thread(get_context(request).server.stats)
+        return {"status": "ok", "cosched": list(stats.get("cosched", ()))}
 
     def model_cards(request: Request) -> list[dict]:
         ctx = get_context(request)
