@@ -108,7 +108,7 @@ def test_finish_reason_stop_when_a_stop_string_ends_the_answer(client, oracle) -
     chunks = list(client.chat.completions.create(**kwargs, stop=[stop], stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "stop"
-    cut = list(client.chat.completions.create(**kwargs, max_tokens=2, stream=True))
+    cut = list(client.chat.completions.create(**{**kwargs, "max_tokens": 2}, stream=True))
     assert cut[-1].choices[0].finish_reason == "length"
 
 

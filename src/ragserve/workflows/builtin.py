@@ -27,6 +27,7 @@ def hyde(
         prompt="Write a short encyclopedia passage that answers this question: {input}",
         output="hypo",
         max_tokens=hypo_tokens,
+        with_history=True,  # the search passage follows the conversation
     )
     g.add_retrieval(1, query="hypo", topk=topk, output="docs", nprobe=nprobe)
     g.add_generation(2, prompt=ANSWER, max_tokens=max_tokens)
@@ -53,6 +54,7 @@ def multistep(
         output="subquestion",
         max_tokens=step_tokens,
         stop=("\n",),
+        with_history=True,  # the search query follows the conversation
     )
     g.add_retrieval(1, query="subquestion", topk=topk, output="docs", nprobe=nprobe)
     g.add_generation(
