@@ -46,6 +46,8 @@ def configure_logging(verbose: bool) -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if "transformers" in sys.modules:  # imported already (main() called from Python)
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
