@@ -129,3 +129,29 @@ def test_cosched_from_names() -> None:
     assert both.enabled == ("split", "speculation") and both.budget_s == 0.01
     with pytest.raises(ValueError, match="spec_retrieval warms"):
         CoScheduleConfig.from_names("spec_retrieval")
+
+
+def test_workflow_specs_load_user_graphs(tmp_path, monkeypatch) -> None:
+    from ragserve.cli.main import UsageError
+    from ragserve.cli.options import load_workflow
+    from ragserve.graph import CompiledGraph
+
+    (tmp_path / "my_graphs_p15.py").write_text(
+        "from ragserve.graph import END, START, RAGraph\n"
+        "def agent():\n"
+        "    g = RAGraph('agent').add_retrieval(0, query='input', topk=2, output='docs')\n"
+        "    g.add_generation(1, prompt='{docs} {input}')\n"
+        "    return g.add_edge(START, 0).add_edge(0, 1).add_edge(1, END)\n"
+        "def broken():\n"
+        "    return 42\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name, graph = load_workflow("my_graphs_p15:agent")
+    assert name == "agent" and isinstance(graph, CompiledGraph)
+    assert load_workflow("helper=my_graphs_p15:agent")[0] == "helper"
+    with pytest.raises(UsageError, match="not a RAGraph"):
+        load_workflow("my_graphs_p15:broken")
+    with pytest.raises(UsageError, match="module:function"):
+        load_workflow("my_graphs_p15")
+    with pytest.raises(UsageError, match="nope"):
+        load_workflow("my_graphs_p15:nope")

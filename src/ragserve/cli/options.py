@@ -12,9 +12,12 @@ import importlib
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragserve.cli.main import UsageError
+
+if TYPE_CHECKING:  # imported lazily at run time: it loads the server packages
+    from ragserve.cli.launch_config import LaunchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +60,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def launch_config(
     args: argparse.Namespace,
-    base: Any = None,
+    base: LaunchConfig | None = None,
     engine_defaults: dict[str, Any] | None = None,
-) -> Any:
+) -> LaunchConfig:
     """The ``LaunchConfig``: ``base`` + ``engine_defaults`` (the command's), then
     ``--config``, then the flags. Imported here, not at parse time (it loads the server)."""
     from ragserve.cli.launch_config import LaunchConfig, from_mapping, read_file
@@ -72,7 +75,7 @@ def launch_config(
     return apply_flags(config, args)
 
 
-def apply_flags(config: Any, args: argparse.Namespace) -> Any:
+def apply_flags(config: LaunchConfig, args: argparse.Namespace) -> LaunchConfig:
     top = {k: getattr(args, k) for k in ("model", "index", "embedder") if getattr(args, k)}
     engine = dict(config.runtime.engine_kwargs)
     engine.update({k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None})
@@ -110,7 +113,7 @@ def _positive(flag: str, value: float) -> None:
         raise UsageError(f"{flag} must be > 0, got {value}")
 
 
-def _with_runtime(config: Any, **changes: Any) -> Any:
+def _with_runtime(config: LaunchConfig, **changes: Any) -> LaunchConfig:
     return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, **changes))
 
 
@@ -189,7 +192,7 @@ def load_workflow(spec: str) -> tuple[str, Any]:
     return name, graph
 
 
-def build_server(config: Any) -> Any:
+def build_server(config: LaunchConfig) -> Any:
     """The ``Server`` of ``config`` (user workflows registered); the index is checked first."""
     # NOTE: set before torch/Faiss load here (index build, in-process mode): OpenMP
     # spin-waiting on a busy machine makes small CPU matmuls many times slower.

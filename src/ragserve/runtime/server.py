@@ -238,7 +238,8 @@ class Server:
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Scheduler, engine (``num_running``/``num_waiting``/``num_blocks_*``) and worker
-        counters. In process mode call it from the thread that drives nothing else."""
+        counters; ``cosched``: the co-scheduling optimizations that run. In process mode call
+        it from the thread that drives nothing else."""
         engine = self.executor.engine_stats()
         out: dict[str, Any] = {
             "num_active_requests": self.scheduler.num_active,
