@@ -23,6 +23,7 @@ def _run(cmd: list, env: dict, timeout: int = 1800) -> str:
 
 @pytest.mark.slow
 @pytest.mark.integration
+@pytest.mark.timeout(3600)
 def test_pip_install_builtin_then_ask(tmp_path: Path) -> None:
     source = tmp_path / "src-copy"  # pip builds in the source tree: keep the checkout clean
     source.mkdir()
