@@ -155,3 +155,12 @@ def test_workflow_specs_load_user_graphs(tmp_path, monkeypatch) -> None:
         load_workflow("my_graphs_p15")
     with pytest.raises(UsageError, match="nope"):
         load_workflow("my_graphs_p15:nope")
+
+
+def test_api_key_from_the_environment_is_used_but_not_printed(monkeypatch, capsys) -> None:
+    from ragserve.cli.main import main
+
+    monkeypatch.setenv("RAGSERVE_API_KEY", "s3cret")
+    assert serve_launch_config(build_parser().parse_args(["serve"])).serve.api_key == "s3cret"
+    assert main(["serve", "--print-config"]) == 0
+    assert "s3cret" not in capsys.readouterr().out

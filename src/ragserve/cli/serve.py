@@ -68,8 +68,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handler)
 
 
-def serve_launch_config(args: argparse.Namespace) -> Any:
-    """The ``LaunchConfig`` of ``serve``: the shared settings, then the HTTP flags."""
+def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) -> Any:
+    """The ``LaunchConfig`` of ``serve``: the shared settings, then the HTTP flags (and the
+    API key from ``$RAGSERVE_API_KEY`` when none is given, if ``key_from_env``)."""
     config = launch_config(args)
     if args.workflows:
         config = dataclasses.replace(config, workflows=(*config.workflows, *args.workflows))
@@ -78,8 +79,9 @@ def serve_launch_config(args: argparse.Namespace) -> Any:
         for dest, field in _SERVE_FLAGS.items()
         if getattr(args, dest) is not None
     }
-    if "api_key" not in changes and config.serve.api_key is None and os.environ.get(API_KEY_ENV):
-        changes["api_key"] = os.environ[API_KEY_ENV]
+    env_key = os.environ.get(API_KEY_ENV) if key_from_env else None
+    if "api_key" not in changes and config.serve.api_key is None and env_key:
+        changes["api_key"] = env_key
     if "served_model_name" not in changes and config.serve.served_model_name == "ragserve":
         changes["served_model_name"] = Path(config.model).name
     try:
@@ -118,10 +120,10 @@ def handler(args: argparse.Namespace) -> int:
     from ragserve.cli.launch_config import dump_toml
     from ragserve.server import serve
 
-    config = serve_launch_config(args)
-    if args.print_config:
-        sys.stdout.write(dump_toml(config))
+    if args.print_config:  # NOTE: a key from the environment is not written out
+        sys.stdout.write(dump_toml(serve_launch_config(args, key_from_env=False)))
         return 0
+    config = serve_launch_config(args)
     if config.serve.host not in ("127.0.0.1", "localhost", "::1") and config.serve.api_key is None:
         logger.warning("binding %s without --api-key: anyone who reaches it may use it", args.host)
     check_port(config.serve.host, config.serve.port)
