@@ -66,3 +66,14 @@ def test_a_call_from_a_function_passes_the_check() -> None:
     from ragserve.runtime.main_guard import check_main_guard
 
     check_main_guard()
+
+
+@pytest.mark.integration
+def test_a_main_without_a_file_is_not_refused() -> None:
+    # `python -c`, a REPL or a notebook: spawned workers do not re-import such a __main__
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = "from ragserve.runtime.main_guard import check_main_guard; check_main_guard()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -39,8 +39,9 @@ def check_main_guard() -> None:
             raise MainGuardError(GUARD_HELP)
         return
     filename = frame.f_globals.get("__file__")
-    if not filename or not _is_guarded(filename, frame.f_lineno):
-        raise MainGuardError(f"{GUARD_HELP} ({filename or '__main__'}:{frame.f_lineno})")
+    # NOTE: no file (a REPL, a notebook, `python -c`): spawn does not re-import such a main.
+    if filename and not _is_guarded(filename, frame.f_lineno):
+        raise MainGuardError(f"{GUARD_HELP} ({filename}:{frame.f_lineno})")
 
 
 def _main_module_frame(names: tuple[str, ...]) -> FrameType | None:
