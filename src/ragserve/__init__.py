@@ -16,6 +16,8 @@ _EXPORTS = {
     "START": "ragserve.graph",
     "END": "ragserve.graph",
     "Server": "ragserve.runtime",
+    "ServerConfig": "ragserve.runtime",
+    "CoScheduleConfig": "ragserve.runtime",
     "Response": "ragserve.runtime",
     "LLMEngine": "ragserve.generation",
     "SamplingParams": "ragserve.generation",

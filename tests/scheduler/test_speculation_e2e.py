@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from ragserve.runtime import Server, ServerConfig
-from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
+from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.scheduler.similarity import SimilarityTransform
 from ragserve.scheduler.speculation import SpeculationTransform
 from ragserve.scheduler.split import SplitTransform
@@ -52,12 +52,12 @@ def _workflows():
     ]
 
 
-def _serve(model: str, index: str, transforms: tuple) -> tuple[dict, dict]:
+def _serve(model: str, index: str, cosched: CoScheduleConfig) -> tuple[dict, dict, tuple]:
     config = ServerConfig(
         in_process=True,
         engine_kwargs={"device": "cpu"},
         default_nprobe=4,
-        transforms=transforms,
+        cosched=cosched,
     )
     questions = [f"What is the capital of {c}?" for c, _ in CAPITALS[:6]]
     flows = _workflows()
@@ -75,17 +75,18 @@ def _serve(model: str, index: str, transforms: tuple) -> tuple[dict, dict]:
         engine = server.executor.generation.engine
         stats = engine.stats()
         engine.check_integrity()
-    return {r.request_id: (r.error, r.output, r.doc_ids) for r in responses}, stats
+        transforms = server.scheduler.transforms
+    return {r.request_id: (r.error, r.output, r.doc_ids) for r in responses}, stats, transforms
 
 
 def test_all_optimizations_give_identical_greedy_outputs(setup) -> None:
     model, index = setup
-    plain, _ = _serve(model, index, ())
+    plain, _, none = _serve(model, index, CoScheduleConfig.none())
+    assert none == ()
     cfg = CoScheduleConfig(spec_capacity=1000, spec_first_clusters=1, spec_max_restarts=2)
-    transforms = make_transforms(cfg)
+    fast, stats, transforms = _serve(model, index, cfg)
     kinds = [SplitTransform, SimilarityTransform, SpeculationTransform]
     assert [type(t) for t in transforms] == kinds
-    fast, stats = _serve(model, index, transforms)
     spec = transforms[-1]
     assert all(err is None for err, _, _ in plain.values())
     assert fast == plain

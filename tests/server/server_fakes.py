@@ -54,6 +54,7 @@ class FakeBackend:
         self.docs: dict[str, Any] = {}
         self.closed = False
         self.questions: list[tuple[str, Any]] = []
+        self.histories: list[tuple] = []  # the ``history`` of each submit / stream
         self.fail_with: Exception | None = None  # raised by submit/stream/complete
         self.fail_response: tuple[str, str] | None = None  # (error, error_kind) of submit
         self.problems: list[str] = []  # what health() reports
@@ -65,10 +66,11 @@ class FakeBackend:
         while not self.gate.is_set():
             await asyncio.sleep(0.005)
 
-    async def submit(self, question, graph, *, request_id=None):
+    async def submit(self, question, graph, *, request_id=None, history=()):
         await self._wait_gate(request_id)
         self.running.discard(request_id)
         self.questions.append((question, graph))
+        self.histories.append(tuple(history))
         if self.fail_with is not None:
             raise self.fail_with
         return self._response(question, request_id)
@@ -86,10 +88,11 @@ class FakeBackend:
             error_kind=kind,
         )
 
-    async def stream(self, question, graph, *, request_id=None, on_response=None):
+    async def stream(self, question, graph, *, request_id=None, on_response=None, history=()):
         await self._wait_gate(request_id)
         try:
             self.questions.append((question, graph))
+            self.histories.append(tuple(history))
             for i, word in enumerate(answer_for(question).split(" ")):
                 yield word if i == 0 else " " + word
                 await asyncio.sleep(0)
@@ -132,12 +135,17 @@ class FakeBackend:
             "num_waiting": 0,
             "num_blocks_used": 4 * len(self.running),
             "num_blocks_total": 64,
+            "cosched": ["split", "similarity"],
             "engine": {"running": len(self.running)},
             "queues": {"generation_queue": 0},
         }
 
     def health(self) -> dict:
-        return {"status": "unhealthy" if self.problems else "ok", "problems": list(self.problems)}
+        return {
+            "status": "unhealthy" if self.problems else "ok",
+            "problems": list(self.problems),
+            "cosched": ["split", "similarity"],
+        }
 
     def close(self) -> None:
         self.closed = True

@@ -60,7 +60,11 @@ def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_health_and_models(client: openai.OpenAI, url: str) -> None:
-    assert httpx.get(f"{url}/health").json() == {"status": "ok", "problems": []}
+    assert httpx.get(f"{url}/health").json() == {
+        "status": "ok",
+        "problems": [],
+        "cosched": ["split", "similarity"],  # the backend's health()["cosched"]
+    }
     ids = [m.id for m in client.models.list()]
     assert ids == ["ragserve/oneshot", "ragserve/recomp", "tiny"]
     assert client.models.retrieve("ragserve/recomp").id == "ragserve/recomp"
@@ -87,6 +91,7 @@ def test_chat_completion(client: openai.OpenAI, backend: FakeBackend) -> None:
     question, graph = backend.questions[-1]
     assert question == "what is rag?"
     assert graph is backend.workflows["oneshot"]  # no overrides: the compiled graph itself
+    assert backend.histories[-1] == (("system", "be brief"),)  # the turns before the question
 
 
 def test_chat_extensions_tune_the_workflow(client: openai.OpenAI, backend: FakeBackend) -> None:

@@ -17,11 +17,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def test_serve_refuses_a_missing_index(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+def test_serve_refuses_a_missing_index(tmp_path, capsys: pytest.CaptureFixture) -> None:
     from ragserve.cli.main import main
 
-    assert main(["serve", "--model", "tiny", "--index", str(tmp_path / "none")]) == 2
-    assert "no index directory" in caplog.text
+    argv = ["serve", "--model", "tiny", "--index", str(tmp_path / "none"), "--port", "0"]
+    assert main(argv) == 2
+    assert "no index directory" in capsys.readouterr().err
 
 
 def test_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:
@@ -98,6 +99,9 @@ def _exercise(proc: subprocess.Popen, url: str, tmp_path) -> None:
         assert time.monotonic() < deadline, "ragserve serve did not come up"
         time.sleep(0.5)
     assert httpx.get(f"{url}/v1/models").status_code == 401
+    # `serve` is co-scheduled by default: /health lists what runs
+    cosched = httpx.get(f"{url}/health").json()["cosched"]
+    assert cosched == ["split", "gen_chunks", "similarity", "speculation"]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0, timeout=120)
     out = client.chat.completions.create(
         model="ragserve/oneshot",
@@ -135,4 +139,7 @@ def _exercise(proc: subprocess.Popen, url: str, tmp_path) -> None:
     assert text  # the answer kept arriving after SIGTERM
     # uvicorn re-raises the captured SIGTERM after its graceful shutdown
     assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
+    log = (tmp_path / "serve.log").read_text()
+    assert "[generation worker] ragserve.generation.llm_engine: engine ready" in log  # INFO
+    assert "Loading weights" not in log  # third-party progress bars are off without -v
     assert "timeout graceful shutdown exceeded" not in (tmp_path / "serve.log").read_text()

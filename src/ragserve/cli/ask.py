@@ -5,34 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from typing import Any
 
+from ragserve.cli.main import UsageError
+from ragserve.cli.options import add_server_args, build_server, launch_config, load_workflow
+
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_INDEX = "factbook"
-
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"HF folder or built-in name ({DEFAULT_MODEL})"
-    )
-    p.add_argument("--index", default=DEFAULT_INDEX, help="index folder, or 'factbook' (built-in)")
-    p.add_argument("--embedder", default=None, help="embedder (default: the index's own)")
-    p.add_argument("--device", default="auto", help="LLM device: auto, cpu, cuda")
-    p.add_argument(
-        "--kv-cache-mb", type=int, default=None, help="LLM KV cache size (default: engine's)"
-    )
-    p.add_argument("--max-model-len", type=int, default=None, help="LLM context bound")
-    p.add_argument("--in-process", action="store_true", help="no worker processes (debugging)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("ask", help="answer one question with a RAG workflow")
     p.add_argument("question")
-    p.add_argument("--workflow", default="oneshot", help="oneshot, hyde, multistep, irg, recomp")
+    p.add_argument(
+        "--workflow",
+        default="oneshot",
+        help="oneshot, hyde, multistep, irg, recomp, or module:function (a user graph)",
+    )
     p.add_argument("--topk", type=int, default=None, help="passages per retrieval")
     p.add_argument("--max-tokens", type=int, default=None, help="answer length bound")
     p.add_argument("--json", action="store_true", help="print the response as JSON")
@@ -40,40 +29,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handler)
 
 
-def resolve_index(index: str) -> str:
-    """A saved index folder; the built-in name ``factbook`` is built on first use."""
-    if index == DEFAULT_INDEX:
-        from ragserve.retrieval import builtin_index
-
-        return str(builtin_index(index, progress=sys.stderr.isatty()))
-    return index
+def make_server(args: argparse.Namespace, engine_defaults: dict[str, Any] | None = None) -> Any:
+    """The ``Server`` of the command's flags and ``--config`` (co-scheduled by default)."""
+    return build_server(launch_config(args, engine_defaults=engine_defaults))
 
 
-def make_server(args: argparse.Namespace) -> Any:
-    # NOTE: set before torch/Faiss load here (index build, in-process mode): OpenMP
-    # spin-waiting on a busy machine makes small CPU matmuls many times slower.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from ragserve.runtime import Server, ServerConfig
+def resolve_graph(args: argparse.Namespace) -> Any:
+    """The built-in workflow (with ``--topk`` / ``--max-tokens``) or a ``module:function``."""
+    from ragserve.server.graphs import tune_graph
+    from ragserve.workflows import get_workflow
 
-    engine: dict[str, Any] = {"device": args.device}
-    if args.kv_cache_mb is not None:
-        engine["kv_cache_bytes"] = args.kv_cache_mb << 20
-    if args.max_model_len is not None:
-        engine["max_model_len"] = args.max_model_len
-    config = ServerConfig(in_process=args.in_process, engine_kwargs=engine)
-    index = resolve_index(args.index)
-    return Server(model=args.model, index=index, embedder=args.embedder, config=config)
+    for flag in ("topk", "max_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    knobs = {k: v for k, v in (("topk", args.topk), ("max_tokens", args.max_tokens)) if v}
+    if ":" in args.workflow:
+        _, graph = load_workflow(args.workflow)
+        return tune_graph(graph, topk=args.topk, max_tokens=args.max_tokens)
+    try:
+        return get_workflow(args.workflow, **knobs)
+    except KeyError as exc:
+        raise UsageError(exc.args[0]) from None
 
 
 def handler(args: argparse.Namespace) -> int:
-    from ragserve.workflows import get_workflow
-
-    knobs = {k: v for k, v in (("topk", args.topk), ("max_tokens", args.max_tokens)) if v}
-    try:
-        graph = get_workflow(args.workflow, **knobs)
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return 2
+    graph = resolve_graph(args)
     with make_server(args) as server:
         response = server.run(args.question, graph)
     if args.json:

@@ -1,24 +1,39 @@
 """``ragserve bench``: the RAG co-scheduling benchmark (``bench/rag_bench.py``).
 
-The harness lives in the repository's ``bench/`` folder (next to the other benchmarks), so
-this command needs a source checkout (``pip install -e .``); its flags are the script's.
+The harness lives in the repository's ``bench/`` folder (next to the other benchmarks and
+their plans and results), which a wheel does not ship. The command finds it in
+``$RAGSERVE_BENCH_DIR``, in the source checkout ragserve runs from (``pip install -e .``), or
+in ``./bench``; otherwise it says how to get it. Its flags are the script's.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parents[3] / "bench"
+BENCH_DIR_ENV = "RAGSERVE_BENCH_DIR"
+CHECKOUT_BENCH_DIR = Path(__file__).resolve().parents[3] / "bench"
+
+
+def bench_dir() -> Path | None:
+    """The first folder holding ``rag_bench.py``: ``$RAGSERVE_BENCH_DIR``, the checkout's,
+    ``./bench``."""
+    candidates = [os.environ.get(BENCH_DIR_ENV), CHECKOUT_BENCH_DIR, Path.cwd() / "bench"]
+    for folder in candidates:
+        if folder and (Path(folder) / "rag_bench.py").is_file():
+            return Path(folder)
+    return None
 
 
 def _harness():
-    if not (BENCH_DIR / "rag_bench.py").is_file():
+    folder = bench_dir()
+    if folder is None:
         return None
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
     return importlib.import_module("rag_bench")
 
 
@@ -38,7 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _missing(args: argparse.Namespace) -> int:
-    print(
-        f"ragserve bench needs the source checkout's bench/ folder ({BENCH_DIR})", file=sys.stderr
+    from ragserve.cli.main import UsageError
+
+    raise UsageError(
+        "ragserve bench runs the harness in the source repository's bench/ folder, which the "
+        "installed package does not include: run it from a checkout (git clone ...; "
+        f"pip install -e '.[dev]'), or set {BENCH_DIR_ENV} to that folder; it also needs "
+        "matplotlib (the [dev] extra)"
     )
-    return 2

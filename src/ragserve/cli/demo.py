@@ -15,7 +15,8 @@ import sys
 import time
 from typing import Any
 
-from ragserve.cli.ask import add_server_args, make_server
+from ragserve.cli.ask import make_server
+from ragserve.cli.options import add_server_args
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="answer length bound")
     p.add_argument("--topk", type=int, default=2, help="passages per retrieval")
     add_server_args(p)
-    # NOTE: a small context and KV pool keep the CPU engine fast on short RAG prompts.
-    p.set_defaults(func=handler, kv_cache_mb=192, max_model_len=2048)
+    p.set_defaults(func=handler)
+
+
+# NOTE: a small context and KV pool keep the CPU engine fast on short RAG prompts; a config
+# file or the flags override them.
+DEMO_ENGINE = {"kv_cache_bytes": 192 << 20, "max_model_len": 2048}
 
 
 def demo_workflows(max_tokens: int, topk: int) -> dict[str, Any]:
@@ -57,7 +62,7 @@ def handler(args: argparse.Namespace) -> int:
     out = sys.stdout
     out.write("ragserve demo: loading model, embedder and the factbook index ...\n")
     out.flush()
-    with make_server(args) as server:
+    with make_server(args, engine_defaults=DEMO_ENGINE) as server:
         ready = time.perf_counter() - start
         out.write(f"ready in {ready:.1f} s\n\n")
         questions = QUESTIONS[: max(1, args.questions)]

@@ -86,27 +86,28 @@ def _build(args: argparse.Namespace) -> int:
             )
             return 2
         shutil.rmtree(out)
-    embedder = load_embedder(args.embedder)
+    # NOTE: the corpus is read before the embedder loads, so a bad path fails at once.
     if args.corpus == "factbook":
         from ragserve.retrieval.factbook import factbook_documents
 
         docs = list(factbook_documents())
     else:
         docs = list(load_corpus(args.corpus))
-        if args.chunk_size:
-            tok = embedder.tokenizer if args.chunk_unit == "token" else None
-            docs = list(
-                chunk_documents(
-                    docs,
-                    size=args.chunk_size,
-                    overlap=args.chunk_overlap,
-                    unit=args.chunk_unit,
-                    tokenizer=tok,
-                )
-            )
     if not docs:
         print(f"error: no documents in {args.corpus}", file=sys.stderr)
         return 2
+    embedder = load_embedder(args.embedder)
+    if args.corpus != "factbook" and args.chunk_size:
+        tok = embedder.tokenizer if args.chunk_unit == "token" else None
+        docs = list(
+            chunk_documents(
+                docs,
+                size=args.chunk_size,
+                overlap=args.chunk_overlap,
+                unit=args.chunk_unit,
+                tokenizer=tok,
+            )
+        )
     print(f"embedding {len(docs)} passages with {embedder.name}")
     index = VectorIndex.build(
         docs,

@@ -1,7 +1,10 @@
 """``ragserve`` entry point: one sub-command per module in this package.
 
 Each module named in ``COMMANDS`` defines ``register(subparsers)``, which adds its parser and
-sets ``func`` (called with the parsed namespace, returning an exit code).
+sets ``func`` (called with the parsed namespace, returning an exit code). An error a user can
+cause (a missing or damaged index, an unknown model, a bad flag or config file, a port in
+use, a worker that cannot start) ends the command with one ``error: ...`` line on stderr and
+exit code 1 (2 for usage errors); ``-v`` adds the traceback and debug logging.
 """
 
 from __future__ import annotations
@@ -9,29 +12,81 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # NOTE: sub-command modules are imported only when the parser is built, and each module
 # imports its heavy dependencies (torch, faiss) inside its handler, so `ragserve --help` is fast.
-COMMANDS: tuple[str, ...] = ("index", "serve", "ask", "demo", "bench")
+COMMANDS: tuple[str, ...] = ("index", "serve", "ask", "demo", "bench", "setup")
+# Third-party loggers that report progress or load details at INFO: quiet unless -v.
+_QUIET_LOGGERS = ("faiss", "faiss.loader", "httpx", "urllib3", "transformers", "torch")
+
+
+class UsageError(ValueError):
+    """A command-line mistake the handler found (exit code 2)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ragserve import __version__
+
     parser = argparse.ArgumentParser(prog="ragserve", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks")
+    parser.add_argument("--version", action="version", version=f"ragserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"ragserve.cli.{name}").register(subparsers)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def configure_logging(verbose: bool) -> None:
+    """INFO from ragserve (progress of long first-run steps), WARNING from everyone else;
+    third-party progress bars off unless ``verbose`` (set before transformers is imported,
+    and inherited by the worker processes)."""
+    if not verbose:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if "transformers" in sys.modules:  # imported already (main() called from Python)
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return int(args.func(args) or 0)
+    logging.getLogger("ragserve").setLevel(logging.DEBUG if verbose else logging.INFO)
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.verbose:
+            logging.getLogger("ragserve.cli").exception("%s failed", args.command)
+        hint = " (run with -v for the traceback)" if _unexpected(exc) and not args.verbose else ""
+        print(f"error: {one_line(exc)}{hint}", file=sys.stderr)
+        return 2 if isinstance(exc, UsageError) else 1
+
+
+def one_line(exc: BaseException) -> str:
+    """The error as one line: for a worker's start failure, the last line of its traceback
+    (``ModelLoadError: ...``); a ``KeyError``'s message without the quotes."""
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) == 1:
+        return lines[0]
+    return f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
+def _unexpected(exc: BaseException) -> bool:
+    return not isinstance(exc, (ValueError, KeyError, OSError, RuntimeError, ImportError))
 
 
 if __name__ == "__main__":

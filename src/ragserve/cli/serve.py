@@ -1,43 +1,65 @@
-"""``ragserve serve``: the OpenAI-compatible HTTP front over a Server (model + index)."""
+"""``ragserve serve``: the OpenAI-compatible HTTP front over a co-scheduled Server."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import socket
+import sys
 from pathlib import Path
+from typing import Any
+
+from ragserve.cli.main import UsageError
+from ragserve.cli.options import add_server_args, build_server, launch_config
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAGSERVE_API_KEY"
+# flag dest -> ServeConfig field
+_SERVE_FLAGS = {
+    "host": "host",
+    "port": "port",
+    "served_model_name": "served_model_name",
+    "max_inflight": "max_num_inflight",
+    "max_body_bytes": "max_body_bytes",
+    "drain_timeout": "drain_timeout_s",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API",
-        description="Serve /v1/chat/completions (RAG workflows), /v1/completions (plain LLM), "
-        "/v1/models, /v1/documents, /metrics and /health.",
+        description="Serve /v1/chat/completions (RAG workflows, or the LLM itself), "
+        "/v1/completions (plain LLM), /v1/embeddings, /v1/models, /v1/documents, /metrics and "
+        "/health. Co-scheduled by default (--cosched).",
     )
-    p.add_argument("--model", required=True, help="HF model folder or built-in name")
-    p.add_argument("--index", required=True, help="index folder (ragserve index build)")
-    p.add_argument("--embedder", default=None, help="embedder (default: the index's own)")
-    p.add_argument("--device", default="auto", help="LLM device: auto, cpu, cuda, cuda:N")
-    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the LLM on CPU")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    p.add_argument("--port", type=int, default=8000)
+    add_server_args(p)
     p.add_argument(
+        "--workflow",
+        dest="workflows",
+        action="append",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="serve a user graph as model ragserve/<name> (repeatable; [name=]module:function)",
+    )
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default=None, help="bind address (default: loopback)")
+    h.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    h.add_argument(
         "--api-key-file",
         default=None,
         help=f"require 'Authorization: Bearer KEY', KEY read from this file (or from "
         f"${API_KEY_ENV}; never from the command line, where `ps` shows it). Default: no auth",
     )
-    p.add_argument(
-        "--served-model-name", default=None, help="model id for /v1/completions (default: --model)"
+    h.add_argument(
+        "--served-model-name", default=None, help="model id of the LLM itself (default: --model)"
     )
-    p.add_argument("--max-inflight", type=int, default=64, help="admission bound; past it 429")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain at exit")
+    h.add_argument("--max-inflight", type=int, default=None, help="admission bound; past it 429")
+    h.add_argument("--max-body-bytes", type=int, default=None, help="larger bodies get 413")
+    h.add_argument("--drain-timeout", type=float, default=None, help="seconds to drain at exit")
     tier = p.add_argument_group("GPU index tier (hot IVF-Flat lists in GPU memory)")
     tier.add_argument(
         "--gpu-index-gb", type=float, default=None, help="tier size in GB (overrides Eq. 2)"
@@ -52,10 +74,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tier.add_argument(
         "--gpu-index-dtype", default="float32", choices=("float32", "float16", "bfloat16")
     )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration as TOML (a --config file) and exit",
+    )
     p.set_defaults(func=handler)
 
 
-def gpu_tier_config(args: argparse.Namespace):
+def gpu_tier_config(args: argparse.Namespace) -> Any:
     """``GpuTierConfig`` from the flags, or None when neither a size nor a profile is given."""
     from ragserve.runtime import GpuTierConfig
     from ragserve.runtime.memory_plan import load_profiles
@@ -63,7 +90,7 @@ def gpu_tier_config(args: argparse.Namespace):
     if args.gpu_index_gb is None and args.gpu_index_profile is None:
         return None
     if args.gpu_index_gb is not None and args.gpu_index_gb < 0:
-        raise ValueError(f"--gpu-index-gb must be >= 0, got {args.gpu_index_gb}")
+        raise UsageError(f"--gpu-index-gb must be >= 0, got {args.gpu_index_gb}")
     profiles = load_profiles(args.gpu_index_profile) if args.gpu_index_profile else {}
     budget = None if args.gpu_index_gb is None else int(args.gpu_index_gb * 1e9)
     return GpuTierConfig(
@@ -71,61 +98,92 @@ def gpu_tier_config(args: argparse.Namespace):
     )
 
 
-def read_api_key(path: str | None) -> str | None:
+def read_api_key(path: str | None, *, from_env: bool = True) -> str | None:
     """The API key from ``path`` (surrounding whitespace stripped), else from
-    ``$RAGSERVE_API_KEY``, else ``None`` (no auth). An empty key is an error, never "no auth"."""
+    ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``. An empty key is an error, never
+    "no auth"."""
     if path is not None:
         try:
             key = Path(path).read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise ValueError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
+            raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
         if not key:
-            raise ValueError(f"--api-key-file: {path} is empty")
+            raise UsageError(f"--api-key-file: {path} is empty")
         return key
-    key = os.environ.get(API_KEY_ENV)
+    key = os.environ.get(API_KEY_ENV) if from_env else None
     if key is not None and not key.strip():
-        raise ValueError(f"${API_KEY_ENV} is set but empty (unset it to serve without auth)")
+        raise UsageError(f"${API_KEY_ENV} is set but empty (unset it to serve without auth)")
     return None if key is None else key.strip()
 
 
-def handler(args: argparse.Namespace) -> int:
-    from ragserve.runtime import Server, ServerConfig
-    from ragserve.server import ServeConfig, serve
-
+def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) -> Any:
+    """The ``LaunchConfig`` of ``serve``: the shared settings, then the HTTP and GPU-tier
+    flags, and the API key from ``--api-key-file`` or (if ``key_from_env``)
+    ``$RAGSERVE_API_KEY`` when the config file gives none."""
+    config = launch_config(args)
+    tier = gpu_tier_config(args)
+    if tier is not None:
+        config = dataclasses.replace(
+            config, runtime=dataclasses.replace(config.runtime, gpu_tier=tier)
+        )
+    if args.workflows:
+        config = dataclasses.replace(config, workflows=(*config.workflows, *args.workflows))
+    changes = {
+        field: getattr(args, dest)
+        for dest, field in _SERVE_FLAGS.items()
+        if getattr(args, dest) is not None
+    }
+    key = read_api_key(args.api_key_file, from_env=key_from_env)
+    if key is not None and (args.api_key_file is not None or config.serve.api_key is None):
+        changes["api_key"] = key
+    if "served_model_name" not in changes and config.serve.served_model_name == "ragserve":
+        changes["served_model_name"] = Path(config.model).name
     try:
-        api_key = read_api_key(args.api_key_file)
+        serve = dataclasses.replace(config.serve, **changes)
     except ValueError as exc:
-        logger.error("%s", exc)
-        return 2
-    config = ServeConfig(
-        host=args.host,
-        port=args.port,
-        api_key=api_key,
-        served_model_name=args.served_model_name or Path(args.model).name,
-        max_num_inflight=args.max_inflight,
-        max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout,
-    )
-    if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
-        logger.warning("binding %s without an API key: anyone who reaches it may use it", args.host)
+        raise UsageError(str(exc)) from None
     # NOTE: the Server's own bound must not be below HTTP admission, or admitted requests
     # would wait in threads for a Server slot instead of being refused with 429.
-    engine_kwargs = {"device": args.device}
-    if args.cpu_threads is not None:
-        engine_kwargs["cpu_threads"] = args.cpu_threads
-    if not Path(args.index).is_dir():
-        logger.error("no index directory at %s (build one with `ragserve index build`)", args.index)
-        return 2
+    runtime = config.runtime
+    if runtime.max_active_requests < serve.max_num_inflight:
+        runtime = dataclasses.replace(runtime, max_active_requests=serve.max_num_inflight)
+    return dataclasses.replace(config, serve=serve, runtime=runtime)
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before loading anything if ``host:port`` cannot be bound (in use, bad host)."""
+    if port == 0:
+        return
     try:
-        runtime = ServerConfig(
-            engine_kwargs=engine_kwargs,
-            max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight),
-            gpu_tier=gpu_tier_config(args),
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UsageError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise UsageError(
+                f"cannot listen on {host}:{port}: {exc.strerror} (is another server running? "
+                "pick another --port)"
+            ) from None
+
+
+def handler(args: argparse.Namespace) -> int:
+    from ragserve.cli.launch_config import dump_toml
+    from ragserve.server import serve
+
+    if args.print_config:  # NOTE: a key from the environment is not written out
+        sys.stdout.write(dump_toml(serve_launch_config(args, key_from_env=False)))
+        return 0
+    config = serve_launch_config(args)
+    if config.serve.host not in ("127.0.0.1", "localhost", "::1") and config.serve.api_key is None:
+        logger.warning(
+            "binding %s without an API key: anyone who reaches it may use it", config.serve.host
         )
-        server = Server(model=args.model, index=args.index, embedder=args.embedder, config=runtime)
-    except (RuntimeError, ValueError, OSError) as exc:
-        logger.debug("Server failed to start", exc_info=True)
-        logger.error("cannot start the Server: %s", str(exc).strip().splitlines()[-1])
-        return 1
-    serve(server, config)
+    check_port(config.serve.host, config.serve.port)
+    server = build_server(config)
+    logger.info("Server ready; co-scheduling: %s", ", ".join(server.stats()["cosched"]) or "off")
+    serve(server, config.serve)
     return 0

@@ -50,7 +50,10 @@ def _gguf_path(name: str) -> Path:
     package, filename = BUILTIN_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"built-in model {name!r} needs the {package!r} package installed")
+        raise ModelLoadError(
+            f"built-in model {name!r} needs the {package!r} package installed "
+            "(run `ragserve setup`)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise ModelLoadError(f"built-in model {name!r}: {path} is missing")

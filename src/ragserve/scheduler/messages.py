@@ -60,7 +60,8 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class GenerationTask:
-    """Generate for ``prompt``; ``chat`` wraps it as one user message with the chat template.
+    """Generate for ``prompt``; ``chat`` wraps it as a user message with the chat template,
+    after the ``(role, content)`` turns of ``history`` (a system message, earlier turns).
 
     ``chunk_s`` (node splitting, generation side): ``None`` sends an update after every engine
     step that gives the task a token. A number coalesces them into sub-stages of decode steps:
@@ -74,6 +75,7 @@ class GenerationTask:
     params: GenerationParams
     chat: bool = True
     chunk_s: float | None = None
+    history: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.chunk_s is not None and not self.chunk_s > 0:

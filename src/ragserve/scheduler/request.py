@@ -31,6 +31,7 @@ class NodeTiming:
     num_tokens: int = 0
     is_answer: bool = False
     num_prompt_tokens: int = 0  # generation: the prompt's tokens (chat template applied)
+    finish_reason: str | None = None  # generation: the engine's ("stop", "length", ...)
 
     @property
     def duration(self) -> float | None:

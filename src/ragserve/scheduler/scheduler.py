@@ -215,7 +215,9 @@ class Scheduler:
             elif isinstance(node, GenerationNode):
                 params = GenerationParams.for_node(node)
                 prompt = node.prompt.render(req.state)
-                wavefront.generation.append(GenerationTask(req.task_id, prompt, params))
+                history = node.history(req.state)
+                task = GenerationTask(req.task_id, prompt, params, history=history)
+                wavefront.generation.append(task)
             else:
                 query = node.query.render(req.state)
                 task = RetrievalTask(req.task_id, query, node.topk, node.nprobe)
@@ -253,6 +255,7 @@ class Scheduler:
                 req.on_delta(update.text_delta)
             if not update.finished:
                 return
+            timing.finish_reason = update.finish_reason
             text = req.partial_text if update.final_text is None else update.final_text
             _write(req, node, text)
             req.partial_text = ""

@@ -125,7 +125,11 @@ class SpeculationTransform(BaseTransform):
         spec = self._by_request(req.request_id) if req is not None else None
         if spec is None or not spec.confirmed or spec.adopted_as is not None:
             return False
-        if spec.node_id != req.node_id or spec.task.prompt != task.prompt:
+        if (
+            spec.node_id != req.node_id
+            or spec.task.prompt != task.prompt
+            or spec.task.history != task.history
+        ):
             return False
         if spec.task.params != task.params or spec.task.chat != task.chat:
             return False
@@ -235,7 +239,8 @@ class SpeculationTransform(BaseTransform):
         params = GenerationParams.for_node(node)
         self._seq += 1
         task_id = f"spec/{self._seq}/{partial.task_id}"
-        return GenerationTask(task_id, node.prompt.render(state), params), nxt
+        prompt, history = node.prompt.render(state), node.history(state)
+        return GenerationTask(task_id, prompt, params, history=history), nxt
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _abort(self, spec: _Spec) -> None:

@@ -1,9 +1,11 @@
 """``create_app(server, config)``: the OpenAI-compatible ASGI app in front of a ``Server``.
 
-Routes: ``/v1/chat/completions`` and ``/v1/completions`` (``chat.py``, ``completions.py``),
-``/v1/models``, ``/v1/documents`` (upsert, delete), ``/metrics``, ``/health``. Every request
-passes ``GuardMiddleware`` (request id, auth, body size, deadline and depth) first; errors use
-OpenAI's error format. ``/health`` is 200 only while the backend says it can make progress.
+Routes: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings`` (``chat.py``,
+``completions.py``, ``embeddings.py``), ``/v1/models``, ``/v1/documents`` (upsert, delete),
+``/metrics``, ``/health``. Every request passes ``GuardMiddleware`` (request id, auth, body
+size, deadline and depth) first; errors use OpenAI's error format. ``/health`` is 200 only
+while the backend says it can make progress, and lists the co-scheduling optimizations that
+run under ``cosched``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
-from ragserve.server import chat, completions
+from ragserve.server import chat, completions, embeddings
 from ragserve.server.admission import Admission
 from ragserve.server.backend import ServerBackend
 from ragserve.server.config import ServeConfig
@@ -68,6 +70,7 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
     )
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(embeddings.router)
     _add_admin_routes(app)
     return app
 
@@ -76,7 +79,8 @@ def _add_admin_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> HTTPResponse:
         ctx = get_context(request)
-        report = ctx.server.health()  # cheap and thread-safe: no thread pool needed
+        report = dict(ctx.server.health())  # cheap and thread-safe: no thread pool needed
+        report.setdefault("cosched", [])
         status = 200 if report.get("status") == "ok" else 503
         return JSONResponse(report, status_code=status)
 

@@ -31,11 +31,21 @@ class ServerBackend(Protocol):
     ``RequestOutput``s of a plain LLM completion; ``abort`` frees the request's KV blocks.
     ``add_documents`` / ``delete_documents`` return once the change is persisted; their
     failures carry a ``kind`` (``ragserve.runtime.WorkerError``) the front maps to a status.
+    ``history`` (``(role, content)`` turns before the question) is passed only when a chat
+    has any. ``embed(texts)`` (optional: ``/v1/embeddings`` is a 404 without it) returns
+    ``Embeddings(vectors, num_tokens, model)``; ``stats()["cosched"]`` feeds ``/health``.
     """
 
     workflows: Mapping[str, Any]
 
-    async def submit(self, question: str, graph: Any, *, request_id: str | None = None) -> Any: ...
+    async def submit(
+        self,
+        question: str,
+        graph: Any,
+        *,
+        request_id: str | None = None,
+        history: Sequence[tuple[str, str]] = (),
+    ) -> Any: ...
 
     def stream(
         self,
@@ -44,6 +54,7 @@ class ServerBackend(Protocol):
         *,
         request_id: str | None = None,
         on_response: Callable[[Any], Any] | None = None,
+        history: Sequence[tuple[str, str]] = (),
     ) -> AsyncIterator[str]: ...
 
     def complete(

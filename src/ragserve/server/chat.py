@@ -1,9 +1,13 @@
 """``POST /v1/chat/completions``: a RAG workflow answers the last user message.
 
-The ``model`` field (or the ``workflow`` extension) picks the workflow; the answer comes back
-in OpenAI's ``chat.completion`` shape (or ``chat.completion.chunk`` SSE events ending in
-``[DONE]``), with the retrieved documents in the extension field ``documents`` (of the
-response, or of the last chunk, the one with ``finish_reason``, when streaming).
+The ``model`` field (or the ``workflow`` extension) picks the workflow; the served model name
+(the LLM's own id) chats with the LLM without retrieval. The messages before the question
+(system message, earlier turns) reach the answer node through the chat template. The answer
+comes back in OpenAI's ``chat.completion`` shape (or ``chat.completion.chunk`` SSE events
+ending in ``[DONE]``), with the retrieved documents in the extension field ``documents`` (of
+the response, or of the last chunk, the one with ``finish_reason``, when streaming).
+``finish_reason`` is the answer node's (``length`` when ``max_tokens`` cut it); ``usage``
+counts every generation node's tokens, broken down per node run in ``usage_by_node``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,12 @@ from ragserve.server.context import (
     sse,
     sse_error,
 )
-from ragserve.server.graphs import resolve_workflow, retrieval_node_ids, tune_graph_or_400
+from ragserve.server.graphs import (
+    LLM_LABEL,
+    resolve_workflow,
+    retrieval_node_ids,
+    tune_graph_or_400,
+)
 from ragserve.server.protocol import ChatCompletionRequest
 
 router = APIRouter()
@@ -57,31 +66,40 @@ def documents_of(response: Any) -> list[dict]:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = get_context(request)
-    name, graph = resolve_workflow(ctx.server.workflows, body.model, body.workflow)
+    llm_id = ctx.config.served_model_name
+    name, graph = resolve_workflow(ctx.server.workflows, body.model, body.workflow, llm_id)
+    is_llm = name == LLM_LABEL and body.workflow is None and body.model == llm_id
+    temperature = body.temperature
+    if is_llm and temperature is None:
+        temperature = 1.0  # OpenAI's default, as /v1/completions
     graph = tune_graph_or_400(
         graph,
         topk=body.topk,
         nprobe=body.nprobe,
-        max_tokens=body.token_limit(),
-        temperature=body.temperature,
+        max_tokens=body.token_limit() or (ctx.config.default_max_tokens if is_llm else None),
+        temperature=temperature,
         top_p=body.top_p,
         seed=body.seed,
         stop=body.stop_strings(),
     )
+    # NOTE: ``history`` only when there is one, so a single-turn chat is the same call (and
+    # the same state, prompts and outputs) as before conversations were passed on.
+    extra = {"history": history} if (history := body.history()) else {}
     job = Job.admit(ctx, "chatcmpl", name, body.model)
     if body.stream:
         status: dict[str, str] = {}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _events(job, body.question(), graph, status, include_usage)
+        events = _events(job, body.question(), graph, status, include_usage, extra)
         return GuardedStream(events, on_close=lambda: job.end(status.get("end", "aborted")))
     response = await job.wait(
         request,
-        ctx.server.submit(body.question(), graph, request_id=job.request_id),
+        ctx.server.submit(body.question(), graph, request_id=job.request_id, **extra),
         check=_raise_if_failed,
     )
     if response is None:
         return HTTPResponse(status_code=499)
     _observe_timings(job, graph, response)
+    _count_tokens(job, response)
     return {
         "id": job.request_id,
         "object": "chat.completion",
@@ -91,25 +109,39 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": response.output},
-                "finish_reason": "stop",
+                "finish_reason": finish_reason_of(response),
                 "logprobs": None,
             }
         ],
         "usage": usage_of(response),
+        "usage_by_node": usage_by_node(response),
         "workflow": name,
         "documents": documents_of(response),
     }
 
 
-def usage_of(response: Any) -> dict | None:
-    """OpenAI ``usage`` of the answer: prompt and generated tokens of the last answer node run
-    (the generation writing ``"output"``; intermediate generations are not counted), from
-    ``Response.node_timings``; ``None`` when the backend gives no node timings."""
-    runs = [t for t in getattr(response, "node_timings", ()) or () if t.kind == "generation"]
+def _generation_runs(response: Any) -> list[Any]:
+    return [t for t in getattr(response, "node_timings", ()) or () if t.kind == "generation"]
+
+
+def finish_reason_of(response: Any) -> str:
+    """``"length"`` when the last answer-node run stopped at its ``max_tokens`` (or the
+    context), else ``"stop"`` (also when the backend gives no node timings)."""
+    runs = _generation_runs(response)
     answers = [t for t in runs if t.is_answer] or runs
-    if not answers:
+    reason = getattr(answers[-1], "finish_reason", None) if answers else None
+    return "length" if reason == "length" else "stop"
+
+
+def usage_of(response: Any) -> dict | None:
+    """OpenAI ``usage`` of the whole request: the prompt and generated tokens of every
+    generation node run (query writing, summaries, drafts and the answer), from
+    ``Response.node_timings``; ``None`` when the backend gives no node timings."""
+    runs = _generation_runs(response)
+    if not runs:
         return None
-    prompt, completion = answers[-1].num_prompt_tokens, answers[-1].num_tokens
+    prompt = sum(t.num_prompt_tokens for t in runs)
+    completion = sum(t.num_tokens for t in runs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -117,8 +149,42 @@ def usage_of(response: Any) -> dict | None:
     }
 
 
+def usage_by_node(response: Any) -> list[dict] | None:
+    """The extension ``usage_by_node``: one entry per generation node run, in order."""
+    runs = _generation_runs(response)
+    if not runs:
+        return None
+    return [
+        {
+            "node": t.node_id if isinstance(t.node_id, (int, str)) else str(t.node_id),
+            "is_answer": t.is_answer,
+            "prompt_tokens": t.num_prompt_tokens,
+            "completion_tokens": t.num_tokens,
+        }
+        for t in runs
+    ]
+
+
+def _count_tokens(job: Job, response: Any) -> None:
+    """Token counters (``model_name`` label) and the answer's inter-token latency."""
+    usage = usage_of(response)
+    if usage is None:
+        return
+    metrics = job.ctx.metrics
+    metrics.prompt_tokens.labels(job.model).inc(usage["prompt_tokens"])
+    metrics.generation_tokens.labels(job.model).inc(usage["completion_tokens"])
+    for t in _generation_runs(response):
+        if t.is_answer and t.first_token_at is not None and t.finished_at is not None:
+            metrics.observe_itl(job.model, t.finished_at - t.first_token_at, t.num_tokens)
+
+
 async def _events(
-    job: Job, question: str, graph: Any, status: dict[str, str], include_usage: bool = False
+    job: Job,
+    question: str,
+    graph: Any,
+    status: dict[str, str],
+    include_usage: bool = False,
+    extra: dict[str, Any] | None = None,
 ):
     """SSE events of one streamed answer; ``status["end"]`` is set when it ends by itself."""
     base = {
@@ -137,7 +203,7 @@ async def _events(
     final: list[Any] = []  # the Response, handed over by the Server before the stream ends
     try:
         deltas = job.ctx.server.stream(
-            question, graph, request_id=job.request_id, on_response=final.append
+            question, graph, request_id=job.request_id, on_response=final.append, **(extra or {})
         )
         async for delta in deltas:
             if not delta:
@@ -156,10 +222,13 @@ async def _events(
     documents = documents_of(response) if response is not None else []
     if response is not None:
         _observe_retrieval(job, graph, response)
-    yield chunk({}, "stop", workflow=job.label, documents=documents)
+        _count_tokens(job, response)
+    reason = finish_reason_of(response) if response is not None else "stop"
+    yield chunk({}, reason, workflow=job.label, documents=documents)
     if include_usage:  # as OpenAI: one more chunk, no choices, the usage
         usage = usage_of(response) if response is not None else None
-        yield sse({**base, "choices": [], "usage": usage})
+        by_node = usage_by_node(response) if response is not None else None
+        yield sse({**base, "choices": [], "usage": usage, "usage_by_node": by_node})
     yield sse("[DONE]")
 
 

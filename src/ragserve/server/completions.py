@@ -144,8 +144,13 @@ async def _events(job: Job, prompt, params, include_usage: bool, final: dict[str
 
 
 def _count_tokens(job: Job, out: Any) -> None:
-    job.ctx.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-    job.ctx.metrics.generation_tokens.inc(len(out.token_ids))
+    metrics = job.ctx.metrics
+    metrics.prompt_tokens.labels(job.model).inc(len(out.prompt_token_ids))
+    metrics.generation_tokens.labels(job.model).inc(len(out.token_ids))
+    timing = getattr(out, "metrics", None)
+    first, last = getattr(timing, "first_token_time", None), getattr(timing, "finish_time", None)
+    if first is not None and last is not None:
+        metrics.observe_itl(job.model, last - first, len(out.token_ids))
 
 
 def _end_stream(job: Job, final: dict[str, Any]) -> None:

@@ -18,6 +18,19 @@ from typing import Any
 from ragserve.server.errors import APIError
 
 MODEL_PREFIX = "ragserve/"
+LLM_LABEL = "llm"  # the ``workflow`` label in /metrics of chats with the LLM itself
+_LLM_GRAPH: list[Any] = []
+
+
+def llm_chat_graph() -> Any:
+    """Chat with the LLM itself, no retrieval: one answer node whose prompt is the question
+    (the conversation before it reaches the chat template as history)."""
+    if not _LLM_GRAPH:
+        from ragserve.graph import END, START, RAGraph
+
+        g = RAGraph(LLM_LABEL).add_generation(0, prompt="{input}")
+        _LLM_GRAPH.append(g.add_edge(START, 0).add_edge(0, END).compile())
+    return _LLM_GRAPH[0]
 
 
 def workflow_model_ids(workflows: Mapping[str, Any]) -> list[str]:
@@ -25,13 +38,18 @@ def workflow_model_ids(workflows: Mapping[str, Any]) -> list[str]:
 
 
 def resolve_workflow(
-    workflows: Mapping[str, Any], model: str, workflow: str | None
+    workflows: Mapping[str, Any], model: str, workflow: str | None, llm_id: str | None = None
 ) -> tuple[str, Any]:
-    """``(name, compiled graph)`` for the request, or a 404 naming the known workflows."""
+    """``(name, compiled graph)`` for the request, or a 404 naming the known models. ``model``
+    equal to ``llm_id`` (the served model name) is a chat with the LLM itself
+    (``(LLM_LABEL, llm_chat_graph())``)."""
+    if workflow is None and llm_id is not None and model == llm_id:
+        return LLM_LABEL, llm_chat_graph()
     name = workflow if workflow is not None else model.removeprefix(MODEL_PREFIX)
     graph = workflows.get(name)
     if graph is None:
-        known = ", ".join(workflow_model_ids(workflows)) or "(none)"
+        known = ", ".join([*workflow_model_ids(workflows), *([llm_id] if llm_id else [])])
+        known = known or "(none)"
         what = f"workflow {workflow!r}" if workflow is not None else f"model {model!r}"
         raise APIError(
             404, f"{what} does not exist; known: {known}", param="model", code="model_not_found"

