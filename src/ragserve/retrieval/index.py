@@ -8,6 +8,7 @@ serialised by a mutex so that the log order equals the order applied in memory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -137,16 +138,21 @@ class VectorIndex:
         if len({d.id for d in docs}) != len(docs):
             raise ValueError("document ids must be unique")
         nlist = nlist or auto_nlist(len(docs))
-        spec = IndexSpec(
-            x.shape[1], nlist, kind, metric, embedder_name, nprobe or max(1, nlist // 4)
-        )
+        spec = IndexSpec(x.shape[1], nlist, kind, metric, embedder_name, nprobe or 1)
         index = stepwise.make_ivf(spec.dim, nlist, kind, metric, **index_kwargs)
         stepwise.train(index, x, max_train=256 * nlist)
         store = DocStore(None)
         store.set_meta("dim", str(spec.dim))
         row_ids, _ = store.upsert(docs, x)
         index.add_with_ids(x, np.asarray(row_ids, dtype=np.int64))
-        return cls(index, store, spec, embedder=embedder)
+        vi = cls(index, store, spec, embedder=embedder)
+        if nprobe is None:  # exhaustive when small, else measured (calibrate.py)
+            from ragserve.retrieval.calibrate import calibrate_nprobe
+
+            calibration = calibrate_nprobe(index, x)
+            vi.spec = dataclasses.replace(spec, nprobe=calibration.nprobe)
+            vi.metadata["nprobe_calibration"] = calibration.to_dict()
+        return vi
 
     # -- step-wise search -----------------------------------------------------------------------
 

@@ -146,7 +146,23 @@ class RetrievalRunner:
     def run(
         self, tasks: list[RetrievalTask]
     ) -> tuple[list[RetrievalResult], np.ndarray, np.ndarray]:
-        """Results (passages) plus the raw ``ids``/``scores`` ``[n, kmax]`` (``-1`` padded)."""
+        """Results (passages) plus the raw ``ids``/``scores`` ``[n, kmax]`` (``-1`` padded).
+
+        Tasks with a filter or a non-dense mode (``_by_text``) leave their raw rows at ``-1``.
+        """
+        default_mode = getattr(self.index, "default_mode", "dense")
+        by_text = [t for t in tasks if (t.mode or default_mode) != "dense" or t.filter]
+        if by_text:
+            vector = [t for t in tasks if t not in by_text]
+            results, ids, scores = RetrievalRunner.run(self, vector) if vector else ([], None, None)
+            done = {r.task_id: r for r in (*results, *self._by_text(by_text))}
+            kmax = max(t.topk for t in tasks)
+            full_ids = np.full((len(tasks), kmax), -1, dtype=np.int64)
+            full_scores = np.zeros((len(tasks), kmax), dtype=np.float32)
+            rows = [i for i, t in enumerate(tasks) if t not in by_text]
+            if rows:
+                full_ids[rows, : ids.shape[1]], full_scores[rows, : ids.shape[1]] = ids, scores
+            return [done[t.task_id] for t in tasks], full_ids, full_scores
         kmax = max(t.topk for t in tasks)
         ids = np.full((len(tasks), kmax), -1, dtype=np.int64)
         scores = np.zeros((len(tasks), kmax), dtype=np.float32)
@@ -171,6 +187,26 @@ class RetrievalRunner:
             )
             results.append(RetrievalResult(t.task_id, passages))
         return results, ids, scores
+
+    def _by_text(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
+        """One ``search_text`` per task (modes and filters are per task); a bad filter fails
+        its task only."""
+        out = []
+        for t in tasks:
+            try:
+                hits = self.index.search_text(
+                    [t.query],
+                    t.topk,
+                    nprobe=t.nprobe or self.default_nprobe,
+                    mode=t.mode,
+                    filter=t.filter,
+                )[0]
+            except ValueError as exc:
+                out.append(RetrievalResult(t.task_id, (), f"ValueError: {exc}"))
+                continue
+            passages = tuple(Passage(h.id, h.text, h.title, h.score) for h in hits)
+            out.append(RetrievalResult(t.task_id, passages))
+        return out
 
     def has_pending(self) -> bool:
         """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""

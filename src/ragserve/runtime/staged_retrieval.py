@@ -79,8 +79,10 @@ class StagedRetrievalRunner(RetrievalRunner):
         return bool(self._active)
 
     def run(self, tasks: list[RetrievalTask]) -> tuple[list, np.ndarray, np.ndarray]:
-        plain = [t for t in tasks if not isinstance(t, StagedRetrievalTask)]
-        staged = [t for t in tasks if isinstance(t, StagedRetrievalTask)]
+        default_mode = getattr(self.index, "default_mode", "dense")
+        by_text = [t for t in tasks if (t.mode or default_mode) != "dense" or t.filter]
+        plain = [t for t in tasks if not isinstance(t, StagedRetrievalTask) or t in by_text]
+        staged = [t for t in tasks if t not in plain]
         updates: list = []
         ids = np.full((0, 1), -1, np.int64)
         scores = np.zeros((0, 1), np.float32)

@@ -218,7 +218,9 @@ class Scheduler:
                 wavefront.generation.append(GenerationTask(req.task_id, prompt, params))
             else:
                 query = node.query.render(req.state)
-                task = RetrievalTask(req.task_id, query, node.topk, node.nprobe)
+                task = RetrievalTask(
+                    req.task_id, query, node.topk, node.nprobe, node.mode, node.filter
+                )
                 wavefront.retrieval.append(task)
         return wavefront
 

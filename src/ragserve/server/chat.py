@@ -62,6 +62,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         graph,
         topk=body.topk,
         nprobe=body.nprobe,
+        mode=body.mode,
+        filter=body.filter,
         max_tokens=body.token_limit(),
         temperature=body.temperature,
         top_p=body.top_p,

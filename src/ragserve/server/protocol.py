@@ -7,7 +7,7 @@ Features we do not implement (``n > 1``, tools, logprobs) are rejected rather th
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -86,7 +86,8 @@ class _Sampling(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``; ``workflow``, ``topk`` and ``nprobe`` are extensions.
+    """``POST /v1/chat/completions``; ``workflow``, ``topk``, ``nprobe``, ``mode`` and ``filter``
+    (retrieval mode and metadata filter, as ``VectorIndex.search_text``) are extensions.
 
     The workflow's question is the last user message (earlier turns are not used);
     ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` apply to its answer nodes.
@@ -98,12 +99,18 @@ class ChatCompletionRequest(_Sampling):
     workflow: StrictStr | None = None
     topk: Annotated[int, Field(ge=1, le=1000)] | None = None
     nprobe: PositiveInt | None = None
+    mode: Literal["dense", "bm25", "hybrid"] | None = None
+    filter: dict[str, Any] | None = None
     tools: list | None = None
 
     @model_validator(mode="after")
     def _check(self):
         if self.tools:
             raise ValueError("tools are not supported")
+        if self.filter is not None:
+            from ragserve.retrieval.filters import validate_filter
+
+            validate_filter(self.filter)
         if not any(m.role == "user" and m.text().strip() for m in self.messages):
             raise ValueError("messages must contain a non-empty user message")
         return self

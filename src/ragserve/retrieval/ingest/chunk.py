@@ -25,6 +25,7 @@ from ragserve.retrieval.types import Document
 
 logger = logging.getLogger(__name__)
 
+_PARAGRAPH = re.compile(r"\n\s*\n")
 _SENTENCE = re.compile(r"(?<=[.!?:;])\s+(?=\S)")
 MIN_TEXT_TOKENS = 32  # a heading path longer than window - this is shortened to its last part
 
@@ -104,6 +105,22 @@ class Chunker:
                 yield Document(f"{source}#{n}", text, title, meta)
                 self.stats.num_passages += 1
                 n += 1
+
+    def chunk_document(self, doc: Document) -> Iterator[Document]:
+        """Passages of a plain record (JSONL/Parquet): paragraphs at blank lines under its
+        title; one passage keeps `doc.id`, several get `<id>#<n>` and `source_id`/`chunk`."""
+        paragraphs = tuple(Block(p) for p in _PARAGRAPH.split(doc.text) if p.strip())
+        title = doc.title or ""
+        budget, title = self._budget(title, (title,) if title else ())
+        texts = [self._fit(title, t) for t in self._pack(paragraphs, budget)] or [doc.text]
+        self.stats.num_documents += 1
+        self.stats.num_passages += len(texts)
+        if len(texts) == 1:
+            yield Document(doc.id, texts[0], doc.title, doc.metadata)
+            return
+        for i, text in enumerate(texts):
+            meta = {**doc.metadata, "source_id": doc.id, "chunk": i}
+            yield Document(f"{doc.id}#{i}", text, doc.title, meta)
 
     # -- sizes ----------------------------------------------------------------------------------
 
