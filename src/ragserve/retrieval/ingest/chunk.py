@@ -187,10 +187,15 @@ class Chunker:
             text, add_special_tokens=False, return_offsets_mapping=True, verbose=False
         )
         spans = [s for s in enc["offset_mapping"] if s[1] > s[0]]
-        out = []
-        for a in range(0, len(spans), budget):
+        out, a = [], 0
+        while a < len(spans):
             b = min(a + budget, len(spans))
+            while a + 1 < b < len(spans) and spans[b][0] == spans[b - 1][1]:
+                b -= 1  # never cut inside a word (its word pieces touch)
+            if b == a + 1 and a + budget < len(spans):
+                b = a + budget  # one word longer than the budget: cut it after all
             out.append((text[spans[a][0] : spans[b - 1][1]], b - a))
+            a = b
         return out
 
     def _overlap(self, previous: list[_Unit], room: int) -> list[_Unit]:
