@@ -13,8 +13,8 @@ from ragserve.retrieval.bm25 import BM25Index, passage_text
 from ragserve.retrieval.calibrate import calibrate_nprobe
 from ragserve.retrieval.filters import matches, validate_filter
 
-WORDS = ("apple banana cherry grape lemon mango olive peach plum quince raisin "
-         "sugar tomato vanilla walnut yam zucchini").split()  # fmt: skip
+WORDS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "olive", "peach", "plum",
+         "quince", "raisin", "sugar", "tomato", "vanilla", "walnut", "yam", "zucchini")  # fmt: skip
 
 
 class BagOfWordsEmbedder:
@@ -37,7 +37,8 @@ def corpus(n: int, seed: int = 0, prefix: str = "d") -> list[Document]:
     docs = []
     for i in range(n):
         text = " ".join(rng.choice(WORDS, 6))
-        meta = {"source": f"s{i % 5}.md", "year": 2000 + i % 12, "tags": ["odd" if i % 2 else "even"]}
+        tags = ["odd" if i % 2 else "even"]
+        meta = {"source": f"s{i % 5}.md", "year": 2000 + i % 12, "tags": tags}
         docs.append(Document(f"{prefix}{i}", text, f"Title {i % 7}", meta))
     return docs
 

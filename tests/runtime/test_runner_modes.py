@@ -25,7 +25,7 @@ class Bow:
 
 
 def _index() -> VectorIndex:
-    words = "red green blue cyan magenta yellow black white".split()
+    words = ["red", "green", "blue", "cyan", "magenta", "yellow", "black", "white"]
     docs = [
         Document(f"d{i}", f"{words[i % 8]} {words[(i * 3) % 8]} item{i}", None, {"k": i % 3})
         for i in range(120)

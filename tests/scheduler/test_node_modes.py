@@ -12,8 +12,11 @@ from ragserve.scheduler import RequestState, Scheduler
 
 def _graph(**retrieval):
     g = RAGraph().add_retrieval(0, query="input", topk=3, output="docs", **retrieval)
-    return g.add_generation(1, prompt="{docs}|{input}").add_edge(START, 0).add_edge(0, 1).add_edge(
-        1, END
+    return (
+        g.add_generation(1, prompt="{docs}|{input}")
+        .add_edge(START, 0)
+        .add_edge(0, 1)
+        .add_edge(1, END)
     )
 
 
