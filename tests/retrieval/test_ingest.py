@@ -112,14 +112,14 @@ def test_folder_reports_skipped_files():
     ]  # sorted; hidden files ignored
     assert report.num_files == 7
     assert report.skipped == [
-        ("broken.md", "not UTF-8 text"),
+        ("broken.txt", "not UTF-8 text"),
         ("slides.pptx", "unsupported type"),
     ]
-    assert report.summary().startswith("2 file(s) skipped: broken.md (not UTF-8 text)")
+    assert report.summary().startswith("2 file(s) skipped: broken.txt (not UTF-8 text)")
 
 
 def test_strict_ingest_fails_naming_the_files():
-    with pytest.raises(IngestError, match=r"2 file\(s\) skipped: broken.md .* slides.pptx"):
+    with pytest.raises(IngestError, match=r"2 file\(s\) skipped: broken.txt .* slides.pptx"):
         ingest_folder(DOCS, strict=True)
 
 
