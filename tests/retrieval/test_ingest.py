@@ -132,6 +132,13 @@ def test_unreadable_pdf_is_reported(tmp_path):
     assert report.skipped[0][0] == "bad.pdf" and report.skipped[0][1].startswith("unreadable")
 
 
+def test_a_file_without_text_is_empty_not_skipped(tmp_path):
+    (tmp_path / "index.rst").write_text("Contents\n========\n\n.. toctree::\n\n   a\n")
+    report = IngestReport()
+    assert ingest_folder(tmp_path, strict=True, report=report) == []
+    assert report.empty == ["index.rst"] and report.skipped == []
+
+
 def test_missing_folder():
     with pytest.raises(FileNotFoundError, match="no corpus folder"):
         ingest_folder(DOCS / "nope")

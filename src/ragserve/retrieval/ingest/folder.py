@@ -36,10 +36,13 @@ class IngestError(ValueError):
 
 @dataclass
 class IngestReport:
-    """What a folder ingest read and what it could not use (`(relative path, reason)`)."""
+    """What a folder ingest read, what it could not use (`skipped`: unsupported or unreadable,
+    `(relative path, reason)`) and which readable files hold no text (`empty`, e.g. a page of
+    only a table of contents)."""
 
     num_files: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    empty: list[str] = field(default_factory=list)
 
     def summary(self, first: int = 5) -> str:
         names = ", ".join(f"{p} ({why})" for p, why in self.skipped[:first])
@@ -68,9 +71,9 @@ def ingest_folder(
 ) -> list[tuple[str, ParsedDocument]]:
     """`(path relative to root, parsed document)` for every usable file under `root`, sorted.
 
-    Hidden files and folders are ignored. Unsupported, unreadable or empty files go into
+    Hidden files and folders are ignored. Unsupported or unreadable files go into
     `report.skipped` (and are logged); with `strict` they raise `IngestError` instead, after the
-    whole folder was checked.
+    whole folder was checked. Files without text go into `report.empty`.
     """
     root = Path(root)
     if not root.is_dir():
@@ -85,6 +88,8 @@ def ingest_folder(
         doc, why = _try_parse(path)
         if doc is None:
             report.skipped.append((rel, why))
+        elif not doc.sections:
+            report.empty.append(rel)
         else:
             out.append((rel, doc))
     if report.skipped:
@@ -103,8 +108,6 @@ def _try_parse(path: Path) -> tuple[ParsedDocument | None, str]:
         return None, "not UTF-8 text"
     except Exception as exc:  # noqa: BLE001 - any parser failure makes the file unusable
         return None, f"unreadable: {type(exc).__name__}: {exc}"[:200]
-    if not doc.sections:
-        return None, "no text"
     return doc, ""
 
 
