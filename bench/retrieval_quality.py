@@ -183,8 +183,10 @@ def evaluate(index: VectorIndex, questions: list[Question], mode: str, nprobe: i
         n = max(1, len(ranks))
         out[split] = {
             "num_questions": len(ranks),
-            **{f"recall@{k}": round(sum(r is not None and r <= k for r in ranks) / n, 4)
-               for k in (1, 5, 10)},  # fmt: skip
+            **{
+                f"recall@{k}": round(sum(r is not None and r <= k for r in ranks) / n, 4)
+                for k in (1, 5, 10)
+            },  # fmt: skip
             "mrr@10": round(sum(1 / r for r in ranks if r is not None) / n, 4),
         }
     return out

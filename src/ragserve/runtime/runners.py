@@ -8,6 +8,7 @@ distinct ``nprobe``).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import defaultdict
@@ -189,23 +190,29 @@ class RetrievalRunner:
         return results, ids, scores
 
     def _by_text(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
-        """One ``search_text`` per task (modes and filters are per task); a bad filter fails
-        its task only."""
-        out = []
+        """One ``search_text`` per group of tasks with the same mode, filter and nprobe; a bad
+        filter fails its own group's tasks only."""
+        groups: dict[str, list[RetrievalTask]] = defaultdict(list)
         for t in tasks:
+            key = json.dumps([t.mode, t.filter, t.nprobe], sort_keys=True, default=str)
+            groups[key].append(t)
+        out = []
+        for group in groups.values():
+            t0 = group[0]
             try:
-                hits = self.index.search_text(
-                    [t.query],
-                    t.topk,
-                    nprobe=t.nprobe or self.default_nprobe,
-                    mode=t.mode,
-                    filter=t.filter,
-                )[0]
+                found = self.index.search_text(
+                    [t.query for t in group],
+                    max(t.topk for t in group),
+                    nprobe=t0.nprobe or self.default_nprobe,
+                    mode=t0.mode,
+                    filter=t0.filter,
+                )
             except ValueError as exc:
-                out.append(RetrievalResult(t.task_id, (), f"ValueError: {exc}"))
+                out.extend(RetrievalResult(t.task_id, (), f"ValueError: {exc}") for t in group)
                 continue
-            passages = tuple(Passage(h.id, h.text, h.title, h.score) for h in hits)
-            out.append(RetrievalResult(t.task_id, passages))
+            for t, hits in zip(group, found, strict=True):
+                passages = tuple(Passage(h.id, h.text, h.title, h.score) for h in hits[: t.topk])
+                out.append(RetrievalResult(t.task_id, passages))
         return out
 
     def has_pending(self) -> bool:
