@@ -3,7 +3,7 @@
 Corpora and questions:
 
 - **pydocs**: the CPython 3.11 documentation sources (Debian package `python3.11-doc`,
-  `/usr/share/doc/python3.11/html/_sources`: FAQ, tutorial, how-tos, language reference, "using")
+  `/usr/share/doc/python3.11/html/_sources`: the FAQ and the tutorial; `--parts` adds more)
   and the FAQ's own questions, written by the documentation's authors. Each FAQ question is a
   section heading whose body answers it; the heading is replaced by a neutral "FAQ entry <n>"
   before ingest so that the question text is not in the corpus (a passage is relevant when it
@@ -40,7 +40,7 @@ from ragserve.retrieval import VectorIndex, chunk_documents, load_corpus, load_e
 from ragserve.retrieval.ingest import ChunkConfig, Chunker, ingest_folder
 
 PYDOCS = Path("/usr/share/doc/python3.11/html/_sources")
-PYDOCS_PARTS = ("faq", "tutorial", "howto", "reference", "using")
+PYDOCS_PARTS = ("faq", "tutorial")  # --parts adds more (howto, reference, using, library)
 MODES = ("dense", "bm25", "hybrid")
 K = 10
 # an rST heading: a text line followed by an underline of one repeated punctuation character
@@ -61,14 +61,14 @@ def split_of(text: str) -> str:
 # -- pydocs ----------------------------------------------------------------------------------------
 
 
-def prepare_pydocs(source: Path, work: Path) -> dict[str, tuple[str, str]]:
+def prepare_pydocs(source: Path, work: Path, parts=PYDOCS_PARTS) -> dict[str, tuple[str, str]]:
     """Copy the documentation parts into `work/docs` as `.rst`, FAQ question headings replaced by
     "FAQ entry <n>"; returns placeholder -> (file, question)."""
     if not source.is_dir():
         raise SystemExit(f"{source} missing: apt-get install python3.11-doc")
     out = work / "docs"
     hidden: dict[str, tuple[str, str]] = {}
-    for part in PYDOCS_PARTS:
+    for part in parts:
         for path in sorted((source / part).rglob("*.rst.txt")):
             rel = path.relative_to(source).as_posix()[: -len(".txt")]
             text = path.read_text(encoding="utf-8")
@@ -230,26 +230,27 @@ def main() -> None:
     p.add_argument("--pydocs", type=Path, default=PYDOCS)
     p.add_argument(
         "--chunk-settings",
-        default="none/0,none/32,128/16,128/0",
+        default="none/32,none/0,128/16",
         help="max_tokens/overlap pairs for the token chunker (none = the embedder's window)",
     )
+    p.add_argument("--parts", default=",".join(PYDOCS_PARTS), help="pydocs folders to index")
     p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_quality.json"))
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     embedder = load_embedder("all-minilm-l6-v2")
     rows: list[dict] = []
+
+    def save() -> None:  # after every setting: a partial run keeps what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"embedder": embedder.name, "pydocs_parts": args.parts.split(",")}
+        args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+
     corpora = args.corpora.split(",")
-    if "factbook" in corpora:
-        docs, questions = factbook()
-        run_setting("factbook", docs, questions, embedder, rows, chunking="factbook passages")
     if "pydocs" in corpora:
         work = Path(tempfile.mkdtemp(prefix="pydocs-"))
         try:
-            hidden = prepare_pydocs(args.pydocs, work)
-            docs, questions = pydocs_legacy(work, hidden)
-            run_setting("pydocs legacy 200 words/40", docs, questions, embedder, rows,
-                        chunking="words 200/40 over raw files")  # fmt: skip
+            hidden = prepare_pydocs(args.pydocs, work, args.parts.split(","))
             for setting in args.chunk_settings.split(","):
                 size, overlap = setting.split("/")
                 config = ChunkConfig(None if size == "none" else int(size), int(overlap))
@@ -259,10 +260,17 @@ def main() -> None:
                             rows, chunking=f"ingest, max_tokens {size}, overlap {overlap}",
                             max_passage_tokens=chunker.stats.max_passage_tokens,
                             num_truncated=chunker.stats.num_truncated)  # fmt: skip
+                save()
+            docs, questions = pydocs_legacy(work, hidden)
+            run_setting("pydocs legacy 200 words/40", docs, questions, embedder, rows,
+                        chunking="words 200/40 over raw files")  # fmt: skip
+            save()
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"embedder": embedder.name, "rows": rows}, indent=2) + "\n")
+    if "factbook" in corpora:
+        docs, questions = factbook()
+        run_setting("factbook", docs, questions, embedder, rows, chunking="factbook passages")
+        save()
     logging.info("wrote %s", args.out)
 
 
