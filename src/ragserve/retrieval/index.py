@@ -221,10 +221,8 @@ class VectorIndex:
         self, queries: np.ndarray, topk: int, nprobe: int, row_ids: np.ndarray
     ) -> TopK:
         """IVF search restricted to `row_ids` (Faiss id selector), `nprobe` clusters."""
-        params = faiss.SearchParametersIVF(
-            sel=faiss.IDSelectorBatch(np.ascontiguousarray(row_ids, dtype=np.int64)),
-            nprobe=nprobe,
-        )
+        selector = faiss.IDSelectorBatch(np.ascontiguousarray(row_ids, dtype=np.int64))
+        params = faiss.SearchParametersIVF(sel=selector, nprobe=nprobe)  # keeps no reference
         with self._rw.read():
             scores, ids = self._index.search(
                 np.ascontiguousarray(queries, dtype=np.float32), topk, params=params
@@ -236,7 +234,8 @@ class VectorIndex:
         from ragserve.retrieval.filters import filter_sql, validate_filter
 
         flt = validate_filter(filter)
-        return self._store.row_ids_where(*filter_sql(flt)) if flt else self._store.vectors()[0]
+        where, args = filter_sql(flt) if flt else ("1", [])
+        return self._store.row_ids_where(where, args)
 
     def vectors_of(self, row_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """(live row ids, their stored float32 vectors) among `row_ids`, by row id."""
@@ -254,7 +253,7 @@ class VectorIndex:
 
         with self._write_mutex:
             if self._bm25 is None:
-                rows = self._store.vectors()[0]
+                rows = self._store.row_ids_where("1")
                 docs = self._store.get([int(r) for r in rows])
                 self._bm25 = BM25Index.from_texts(rows, [passage_text(d) for d in docs])
             return self._bm25
