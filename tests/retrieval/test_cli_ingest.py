@@ -1,5 +1,5 @@
 """`ragserve index build` on a folder of documents: per-format ingest, skipped files named,
-`--strict`, BM25 built and hybrid by default; `index search --mode --filter`."""
+`--strict`, BM25 built next to the dense index; `index search --mode --filter`."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_info_shows_nprobe_rule_mode_and_bm25(built, capsys):
     live = info["live"]
     assert live["nprobe"] == live["nlist"]  # a small index is searched exhaustively
     assert live["nprobe_calibration"]["rule"] == "exhaustive"
-    assert live["default_mode"] == "hybrid" and live["has_bm25"]
+    assert live["default_mode"] == "dense" and live["has_bm25"]
     assert info["manifest"]["metadata"]["bm25_snapshot"] == "bm25-000001"
 
 
@@ -63,3 +63,5 @@ def test_no_bm25_build_is_dense(tmp_path, capsys):
     assert main(["index", "info", str(out)]) == 0
     live = json.loads(capsys.readouterr().out)["live"]
     assert live["default_mode"] == "dense" and not live["has_bm25"]
+    args = ["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "x"), "--no-bm25"]
+    assert main([*args, "--default-mode", "hybrid"]) == 2

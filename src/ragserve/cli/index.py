@@ -43,6 +43,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--chunk-overlap", type=int, default=32, help="tokens repeated between passages")
     b.add_argument("--strict", action="store_true", help="fail on unsupported/unreadable files")
     b.add_argument("--no-bm25", action="store_true", help="build no BM25 index (dense only)")
+    b.add_argument(
+        "--default-mode",
+        default="dense",
+        choices=["dense", "bm25", "hybrid"],
+        help="search mode when a query names none (dense: best on the eval sets, BENCHMARKS.md)",
+    )
     b.add_argument("--force", action="store_true", help="replace an existing index at --out")
     b.set_defaults(func=_build)
 
@@ -120,9 +126,12 @@ def _build(args: argparse.Namespace) -> int:
         nprobe=args.nprobe,
         progress=True,
     )
+    if args.no_bm25 and args.default_mode != "dense":
+        print("error: --default-mode bm25/hybrid needs the BM25 index", file=sys.stderr)
+        return 2
     if not args.no_bm25:
         index.bm25()
-        index.metadata["default_mode"] = "hybrid"
+    index.metadata["default_mode"] = args.default_mode
     index.save(out)
     print(
         f"index at {out}: {index.num_documents} passages, nlist={index.nlist}, "
