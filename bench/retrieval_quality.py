@@ -224,6 +224,28 @@ def run_setting(name: str, docs, questions, embedder, rows: list, **info) -> Non
     index.close()
 
 
+def table(path: Path) -> str:
+    """The results file as a Markdown table (test split; tune R@5 alongside)."""
+    rows = json.loads(path.read_text())["rows"]
+    out = [
+        "| corpus / chunking | passages | nprobe | mode | R@1 | R@5 | R@10 | MRR@10 | tune R@5 |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        t = r["test"]
+        probe = f"{r['nprobe']}/{r['nlist']}" + (
+            " (old)" if "previous" in r["nprobe_setting"] else ""
+        )
+        if r["mode"] == "bm25":
+            probe = "-"
+        out.append(
+            f"| {r['corpus_setting']} | {r['num_passages']} | {probe} | {r['mode']} | "
+            f"{t['recall@1']:.3f} | {t['recall@5']:.3f} | {t['recall@10']:.3f} | "
+            f"{t['mrr@10']:.3f} | {r['tune']['recall@5']:.3f} |"
+        )
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpora", default="pydocs,factbook")
@@ -235,7 +257,11 @@ def main() -> None:
     )
     p.add_argument("--parts", default=",".join(PYDOCS_PARTS), help="pydocs folders to index")
     p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_quality.json"))
+    p.add_argument("--table", action="store_true", help="print --out as a Markdown table, exit")
     args = p.parse_args()
+    if args.table:
+        print(table(args.out))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     embedder = load_embedder("all-minilm-l6-v2")
