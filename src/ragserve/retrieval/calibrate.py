@@ -34,20 +34,27 @@ class NprobeCalibration:
 
 
 def calibrate_nprobe(
-    index: faiss.IndexIVF, x: np.ndarray, *, target: float = RECALL_TARGET, seed: int = 0
+    index: faiss.IndexIVF,
+    x: np.ndarray,
+    ids: np.ndarray | None = None,
+    *,
+    target: float = RECALL_TARGET,
+    seed: int = 0,
 ) -> NprobeCalibration:
-    """Pick the default nprobe for `index` holding the rows of `x` (ids 1..n or any: only the
-    neighbours' identity matters, compared between exhaustive and probed search)."""
+    """Pick the default nprobe for `index` holding the rows of `x` under Faiss ids `ids`
+    (default 1..n). Each query is a stored passage whose own id is removed from the results,
+    so it stands for a held-out passage near its neighbours."""
     nlist, n = int(index.nlist), len(x)
     if n <= EXHAUSTIVE_MAX_VECTORS or nlist == 1:
         return NprobeCalibration(nlist, "exhaustive")
+    ids = np.arange(1, n + 1, dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
     rng = np.random.default_rng(seed)
-    q = np.ascontiguousarray(x[rng.choice(n, min(NUM_QUERIES, n), replace=False)])
-    k = RECALL_AT + 1  # the query passage itself is found first: drop it
-    truth = _search(index, q, k, nlist)[:, 1:]
+    rows = rng.choice(n, min(NUM_QUERIES, n), replace=False)
+    q, self_ids = np.ascontiguousarray(x[rows]), ids[rows]
+    truth = _neighbours(index, q, self_ids, nlist)
     probe = 1
     while True:
-        found = _search(index, q, k, probe)[:, 1:]
+        found = _neighbours(index, q, self_ids, probe)
         hits = sum(
             len(np.intersect1d(a[a >= 0], b[b >= 0])) for a, b in zip(found, truth, strict=True)
         )
@@ -57,6 +64,12 @@ def calibrate_nprobe(
         probe = min(nlist, probe * 2)
 
 
-def _search(index: faiss.IndexIVF, q: np.ndarray, k: int, nprobe: int) -> np.ndarray:
-    _, ids = index.search(q, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
-    return ids
+def _neighbours(index: faiss.IndexIVF, q: np.ndarray, self_ids: np.ndarray, nprobe: int):
+    """Top-`RECALL_AT` ids per query without the query's own id (`-1` pads)."""
+    params = faiss.SearchParametersIVF(nprobe=nprobe)
+    _, found = index.search(q, RECALL_AT + 1, params=params)
+    out = np.full((len(q), RECALL_AT), -1, dtype=np.int64)
+    for i, (row, own) in enumerate(zip(found, self_ids, strict=True)):
+        keep = row[row != own][:RECALL_AT]
+        out[i, : len(keep)] = keep
+    return out

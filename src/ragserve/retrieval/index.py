@@ -149,7 +149,7 @@ class VectorIndex:
         if nprobe is None:  # exhaustive when small, else measured (calibrate.py)
             from ragserve.retrieval.calibrate import calibrate_nprobe
 
-            calibration = calibrate_nprobe(index, x)
+            calibration = calibrate_nprobe(index, x, np.asarray(row_ids, dtype=np.int64))
             vi.spec = dataclasses.replace(spec, nprobe=calibration.nprobe)
             vi.metadata["nprobe_calibration"] = calibration.to_dict()
         return vi
