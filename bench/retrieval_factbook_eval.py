@@ -59,7 +59,7 @@ def main() -> None:
         "answer_at_5": {},
     }
     for nprobe in (1, 2, 4, index.spec.nprobe, index.nlist):
-        hits = index.search_text(questions, 5, nprobe)
+        hits = index.search_text(questions, 5, nprobe=nprobe)
         ok = [
             any(h.document.metadata["code"] == d.metadata["code"] and cap in h.text for h in r)
             for d, cap, r in zip(pick, capitals, hits, strict=True)

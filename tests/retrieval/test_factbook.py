@@ -19,7 +19,7 @@ def _capital_questions(docs, num, seed=0):
 
 
 def _answer_at_5(index, pick, capitals, questions, nprobe=None) -> float:
-    results = index.search_text(questions, 5, nprobe)
+    results = index.search_text(questions, 5, nprobe=nprobe)
     hits = [
         any(h.document.metadata["code"] == d.metadata["code"] and cap in h.text for h in res)
         for d, cap, res in zip(pick, capitals, results, strict=True)

@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--corpus",
         required=True,
-        help="a .jsonl or .parquet file, a folder of .txt/.md/.rst, or 'factbook'",
+        help="a .jsonl or .parquet file, a folder of documents (.rst .md .html .pdf .txt), "
+        "or 'factbook'",
     )
     b.add_argument(
         "--out", default=None, help="index folder (default for factbook: the built-in location)"
@@ -33,9 +34,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--kind", default="ivf_flat", choices=["ivf_flat", "ivf_sq8", "ivf_pq"])
     b.add_argument("--metric", default="ip", choices=["ip", "l2"])
     b.add_argument("--embedder", default="all-minilm-l6-v2", help="built-in name or HF folder")
-    b.add_argument("--chunk-size", type=int, default=200, help="window size; 0 = no chunking")
-    b.add_argument("--chunk-overlap", type=int, default=40)
-    b.add_argument("--chunk-unit", default="word", choices=["word", "token"])
+    b.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="text tokens per passage (default: what the embedder's window leaves); 0 = none",
+    )
+    b.add_argument("--chunk-overlap", type=int, default=32, help="tokens repeated between passages")
+    b.add_argument("--strict", action="store_true", help="fail on unsupported/unreadable files")
+    b.add_argument("--no-bm25", action="store_true", help="build no BM25 index (dense only)")
+    b.add_argument(
+        "--default-mode",
+        default="dense",
+        choices=["dense", "bm25", "hybrid"],
+        help="search mode when a query names none (dense: best on the eval sets, BENCHMARKS.md)",
+    )
     b.add_argument("--force", action="store_true", help="replace an existing index at --out")
     b.set_defaults(func=_build)
 
@@ -48,6 +61,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("query", nargs="+", help="query text (several = several queries)")
     s.add_argument("-k", "--topk", type=int, default=5)
     s.add_argument("--nprobe", type=int, default=None)
+    s.add_argument(
+        "--mode", default=None, choices=["dense", "bm25", "hybrid"], help="default: the index's"
+    )
+    s.add_argument(
+        "--filter",
+        default=None,
+        help='metadata filter as JSON, e.g. \'{"source": "faq.md", "year": {"gte": 2020}}\'',
+    )
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(func=_search)
 
@@ -67,7 +88,7 @@ def _resolve_dir(name: str) -> Path:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ragserve.retrieval import VectorIndex, chunk_documents, load_corpus, load_embedder
+    from ragserve.retrieval import VectorIndex, load_embedder
     from ragserve.retrieval.builtin import builtin_index, builtin_index_dir
 
     start = time.perf_counter()
@@ -86,28 +107,19 @@ def _build(args: argparse.Namespace) -> int:
             )
             return 2
         shutil.rmtree(out)
-    # NOTE: the corpus is read before the embedder loads, so a bad path fails at once.
-    if args.corpus == "factbook":
-        from ragserve.retrieval.factbook import factbook_documents
-
-        docs = list(factbook_documents())
-    else:
-        docs = list(load_corpus(args.corpus))
+    # NOTE: a missing corpus fails before the embedder loads (its tokenizer cuts the chunks).
+    if args.corpus != "factbook" and not Path(args.corpus).exists():
+        print(f"error: no corpus at {args.corpus}", file=sys.stderr)
+        return 2
+    embedder = load_embedder(args.embedder)
+    try:
+        docs = _passages(args, embedder)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not docs:
         print(f"error: no documents in {args.corpus}", file=sys.stderr)
         return 2
-    embedder = load_embedder(args.embedder)
-    if args.corpus != "factbook" and args.chunk_size:
-        tok = embedder.tokenizer if args.chunk_unit == "token" else None
-        docs = list(
-            chunk_documents(
-                docs,
-                size=args.chunk_size,
-                overlap=args.chunk_overlap,
-                unit=args.chunk_unit,
-                tokenizer=tok,
-            )
-        )
     print(f"embedding {len(docs)} passages with {embedder.name}")
     index = VectorIndex.build(
         docs,
@@ -118,6 +130,12 @@ def _build(args: argparse.Namespace) -> int:
         nprobe=args.nprobe,
         progress=True,
     )
+    if args.no_bm25 and args.default_mode != "dense":
+        print("error: --default-mode bm25/hybrid needs the BM25 index", file=sys.stderr)
+        return 2
+    if not args.no_bm25:
+        index.bm25()
+    index.metadata["default_mode"] = args.default_mode
     index.save(out)
     print(
         f"index at {out}: {index.num_documents} passages, nlist={index.nlist}, "
@@ -125,6 +143,40 @@ def _build(args: argparse.Namespace) -> int:
     )
     index.close()
     return 0
+
+
+def _passages(args: argparse.Namespace, embedder) -> list:
+    """The corpus as passages: a folder is parsed per format and cut by heading, paragraph and
+    sentence to the embedder's window; JSONL/Parquet records are cut at paragraphs."""
+    from ragserve.retrieval import load_corpus
+    from ragserve.retrieval.ingest import ChunkConfig, Chunker, IngestReport, ingest_folder
+
+    if args.corpus == "factbook":
+        from ragserve.retrieval.factbook import factbook_documents
+
+        return list(factbook_documents())
+    config = ChunkConfig(args.chunk_tokens or None, args.chunk_overlap)
+    chunker = Chunker(embedder.tokenizer, embedder.max_length, config)
+    if Path(args.corpus).is_dir():
+        report = IngestReport()
+        parsed = ingest_folder(args.corpus, strict=args.strict, report=report)
+        if report.skipped:
+            print(f"warning: {report.summary()}", file=sys.stderr)
+        if args.chunk_tokens == 0:
+            raise ValueError("--chunk-tokens 0 needs a .jsonl/.parquet corpus")
+        docs = list(chunker.chunk_all(parsed))
+        print(f"{len(parsed)} of {report.num_files} files ingested")
+    else:
+        records = list(load_corpus(args.corpus))
+        if args.chunk_tokens == 0:
+            return records
+        docs = [p for doc in records for p in chunker.chunk_document(doc)]
+    stats = chunker.stats
+    print(
+        f"{stats.num_passages} passages of <= {embedder.max_length} tokens "
+        f"(longest {stats.max_passage_tokens}, {stats.num_truncated} truncated)"
+    )
+    return docs
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -142,14 +194,35 @@ def _info(args: argparse.Namespace) -> int:
 def _search(args: argparse.Namespace) -> int:
     from ragserve.retrieval import VectorIndex
 
+    try:
+        flt = json.loads(args.filter) if args.filter else None
+    except json.JSONDecodeError as exc:
+        print(f"error: --filter is not valid JSON ({exc.msg})", file=sys.stderr)
+        return 2
     index = VectorIndex.load(_resolve_dir(args.dir))
-    results = index.search_text(args.query, args.topk, args.nprobe)
-    index.close()
+    try:
+        results = index.search_text(
+            args.query, args.topk, nprobe=args.nprobe, mode=args.mode, filter=flt
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        index.close()
     if args.json:
         print(
             json.dumps(
                 [
-                    [{"id": h.id, "title": h.title, "score": h.score, "text": h.text} for h in hits]
+                    [
+                        {
+                            "id": h.id,
+                            "title": h.title,
+                            "score": h.score,
+                            "text": h.text,
+                            "metadata": h.document.metadata,
+                        }
+                        for h in hits
+                    ]
                     for hits in results
                 ],
                 indent=2,

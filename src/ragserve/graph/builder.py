@@ -84,8 +84,11 @@ class RAGraph:
         *,
         nprobe: int | None = None,
         append: bool = False,
+        mode: str | None = None,
+        filter: dict[str, Any] | None = None,  # noqa: A002 - the retrieval API's name
     ) -> RAGraph:
-        """A retrieval node; ``query`` names a state key (or is a ``{name}`` template)."""
+        """A retrieval node; ``query`` names a state key (or is a ``{name}`` template).
+        ``mode`` / ``filter``: see ``RetrievalNode``."""
         _check_key(node_id, "output", output)
         if "{" not in query:
             _check_key(node_id, "query", query)
@@ -94,9 +97,14 @@ class RAGraph:
             raise GraphError(f"node {node_id!r}: topk must be >= 1, got {topk}")
         if nprobe is not None and nprobe < 1:
             raise GraphError(f"node {node_id!r}: nprobe must be >= 1 or None, got {nprobe}")
-        return self._add(
-            RetrievalNode(node_id, Template.parse(query), topk, output, nprobe, append)
+        if mode not in (None, "dense", "bm25", "hybrid"):
+            raise GraphError(f"node {node_id!r}: mode must be dense, bm25, hybrid or None")
+        if filter is not None and not isinstance(filter, dict):
+            raise GraphError(f"node {node_id!r}: filter must be a dict of metadata conditions")
+        node = RetrievalNode(
+            node_id, Template.parse(query), topk, output, nprobe, append, mode, filter or None
         )
+        return self._add(node)
 
     def add_edge(self, src: Any, dst: Any, *, targets: tuple | list | None = None) -> RAGraph:
         """``src`` → ``dst`` (a node id, ``END``, or a router ``state -> node id | END``)."""

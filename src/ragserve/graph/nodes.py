@@ -92,7 +92,9 @@ class RetrievalNode:
     """Render ``query`` from the state, retrieve ``topk`` passages into ``state[output]``.
 
     ``nprobe=None`` uses the index's default. With ``append`` new passages are added to those
-    already in ``output`` (duplicates by id dropped).
+    already in ``output`` (duplicates by id dropped). ``mode`` ("dense", "bm25", "hybrid";
+    None: the index's default) and ``filter`` (metadata key -> value | list | range) are
+    those of ``VectorIndex.search_text``.
     """
 
     node_id: NodeId
@@ -101,6 +103,8 @@ class RetrievalNode:
     output: str = "docs"
     nprobe: int | None = None
     append: bool = False
+    mode: str | None = None
+    filter: dict[str, Any] | None = None  # noqa: A003 - the retrieval API's name
 
     kind = "retrieval"
 

@@ -17,6 +17,7 @@ CUDA) k-means is ours and the assignment may differ from Faiss's only on float-r
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -31,6 +32,7 @@ import faiss
 import numpy as np
 
 from ragserve.retrieval import stepwise
+from ragserve.retrieval.calibrate import calibrate_nprobe
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.index import IndexSpec, auto_nlist
 from ragserve.retrieval.persist import build_manifest
@@ -76,7 +78,8 @@ def build_index_directory(
     if backend not in ("faiss", "torch") or (backend == "faiss" and device != "cpu"):
         raise ValueError(f"backend {backend!r} cannot run on device {device!r}")
     nlist = nlist or auto_nlist(len(x))
-    spec = IndexSpec(x.shape[1], nlist, kind, metric, embedder_name, nprobe or max(1, nlist // 4))
+    spec = IndexSpec(x.shape[1], nlist, kind, metric, embedder_name, nprobe or 1)
+    metadata = dict(metadata or {})
     directory = Path(directory).absolute()
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise FileExistsError(f"{directory} exists and is not empty")
@@ -91,6 +94,10 @@ def build_index_directory(
             sha256, num_bytes = _write_faiss(index, tmp / name)
             seconds["write_index"] = time.perf_counter() - t0
             applied_seq = store_job.result()
+        if nprobe is None:  # as VectorIndex.from_vectors: exhaustive when small, else measured
+            calibration = calibrate_nprobe(index, x)
+            spec = dataclasses.replace(spec, nprobe=calibration.nprobe)
+            metadata["nprobe_calibration"] = calibration.to_dict()
         manifest = build_manifest(
             spec,
             index,
@@ -99,7 +106,7 @@ def build_index_directory(
             num_bytes=num_bytes,
             applied_seq=applied_seq,
             generation=1,
-            metadata=dict(metadata or {}),
+            metadata=metadata,
         )
         write_manifest(tmp, manifest)
         if directory.exists():

@@ -231,6 +231,12 @@ class DocStore:
             out.append(int(rows[0][0]) if rows else None)
         return out
 
+    def row_ids_where(self, where: str, args: Sequence = ()) -> np.ndarray:
+        """Sorted int64 row ids of live documents matching an SQL `where` over `docs`
+        (`filters.filter_sql` builds it from a metadata filter)."""
+        rows = self._query(f"SELECT row_id FROM docs WHERE {where} ORDER BY row_id", args)
+        return np.array([r[0] for r in rows], dtype=np.int64)
+
     def check(self) -> None:
         """Raise `sqlite3.DatabaseError` if the file fails SQLite's own consistency check."""
         result = self._query("PRAGMA quick_check")

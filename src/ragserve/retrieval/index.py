@@ -8,6 +8,7 @@ serialised by a mutex so that the log order equals the order applied in memory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -26,6 +27,7 @@ from ragserve.retrieval.tier_placement import AccessCounts
 from ragserve.retrieval.types import Document, ProbePlan, ScoredDocument, TopK
 
 if TYPE_CHECKING:
+    from ragserve.retrieval.bm25 import BM25Index
     from ragserve.retrieval.embedder import Embedder
     from ragserve.retrieval.gpu_tier import GpuTier
     from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater
@@ -88,6 +90,7 @@ class VectorIndex:
         self.access_counts = AccessCounts(spec.nlist)  # decayed probes of the live stream
         self._tier: GpuTier | None = None
         self._tier_updater: TierUpdater | None = None
+        self._bm25: BM25Index | None = None  # lexical side index (bm25.py), built on demand
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -142,16 +145,21 @@ class VectorIndex:
         if len({d.id for d in docs}) != len(docs):
             raise ValueError("document ids must be unique")
         nlist = nlist or auto_nlist(len(docs))
-        spec = IndexSpec(
-            x.shape[1], nlist, kind, metric, embedder_name, nprobe or max(1, nlist // 4)
-        )
+        spec = IndexSpec(x.shape[1], nlist, kind, metric, embedder_name, nprobe or 1)
         index = stepwise.make_ivf(spec.dim, nlist, kind, metric, **index_kwargs)
         stepwise.train(index, x, max_train=256 * nlist)
         store = DocStore(None)
         store.set_meta("dim", str(spec.dim))
         row_ids, _ = store.upsert(docs, x)
         index.add_with_ids(x, np.asarray(row_ids, dtype=np.int64))
-        return cls(index, store, spec, embedder=embedder)
+        vi = cls(index, store, spec, embedder=embedder)
+        if nprobe is None:  # exhaustive when small, else measured (calibrate.py)
+            from ragserve.retrieval.calibrate import calibrate_nprobe
+
+            calibration = calibrate_nprobe(index, x, np.asarray(row_ids, dtype=np.int64))
+            vi.spec = dataclasses.replace(spec, nprobe=calibration.nprobe)
+            vi.metadata["nprobe_calibration"] = calibration.to_dict()
+        return vi
 
     # -- step-wise search -----------------------------------------------------------------------
 
@@ -334,17 +342,83 @@ class VectorIndex:
         if self._tier is not None and len(lists):
             self._tier.invalidate(np.unique(lists).tolist())
 
-    def search(self, queries: np.ndarray, topk: int, nprobe: int | None = None) -> TopK:
-        """One-shot search: `assign` then one `scan` of all probed clusters."""
+    def search(
+        self,
+        queries: np.ndarray,
+        topk: int,
+        nprobe: int | None = None,
+        *,
+        filter: dict[str, Any] | None = None,  # noqa: A002 - the API's name (see filters.py)
+    ) -> TopK:
+        """One-shot search: `assign` then one `scan` of all probed clusters. With a metadata
+        `filter` only matching documents are returned, `topk` of them when enough match."""
+        if filter is not None:
+            from ragserve.retrieval.modes import filtered_search
+
+            return filtered_search(self, queries, topk, nprobe, self.allowed_row_ids(filter))
         plan = self.assign(queries, nprobe)
         return self.scan(queries, plan, topk)
 
     def search_text(
-        self, texts: Sequence[str], topk: int, nprobe: int | None = None
+        self,
+        texts: Sequence[str],
+        topk: int,
+        *,
+        nprobe: int | None = None,
+        mode: str | None = None,
+        filter: dict[str, Any] | None = None,  # noqa: A002 - the API's name (see filters.py)
     ) -> list[list[ScoredDocument]]:
-        """Embed `texts` as queries, search, and fetch the documents (best first)."""
-        result = self.search(self.embedder.encode(list(texts), is_query=True), topk, nprobe)
-        return self.documents_of(result)
+        """Search with query texts, best first: `mode` "dense" (Faiss), "bm25" or "hybrid"
+        (both fused by reciprocal rank fusion; None: `default_mode`), optionally `filter`ed
+        on metadata (`filters.py`). See `modes.py`."""
+        mode = mode or self.default_mode
+        if mode == "dense" and filter is None:
+            result = self.search(self.embedder.encode(list(texts), is_query=True), topk, nprobe)
+            return self.documents_of(result)
+        from ragserve.retrieval.modes import search_text
+
+        return search_text(self, texts, topk, nprobe=nprobe, mode=mode, flt=filter)
+
+    def search_selected(
+        self, queries: np.ndarray, topk: int, nprobe: int, row_ids: np.ndarray
+    ) -> TopK:
+        """IVF search restricted to `row_ids` (Faiss id selector), `nprobe` clusters."""
+        selector = faiss.IDSelectorBatch(np.ascontiguousarray(row_ids, dtype=np.int64))
+        params = faiss.SearchParametersIVF(sel=selector, nprobe=nprobe)  # keeps no reference
+        with self._rw.read():
+            scores, ids = self._index.search(
+                np.ascontiguousarray(queries, dtype=np.float32), topk, params=params
+            )
+        return TopK(ids, scores)
+
+    def allowed_row_ids(self, filter: dict[str, Any]) -> np.ndarray:  # noqa: A002
+        """Sorted row ids of the live documents whose metadata passes `filter`."""
+        from ragserve.retrieval.filters import filter_sql, validate_filter
+
+        flt = validate_filter(filter)
+        where, args = filter_sql(flt) if flt else ("1", [])
+        return self._store.row_ids_where(where, args)
+
+    def vectors_of(self, row_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(live row ids, their stored float32 vectors) among `row_ids`, by row id."""
+        return self._store.vectors([int(r) for r in row_ids])
+
+    @property
+    def default_mode(self) -> str:
+        """The search mode of `search_text(mode=None)`: recorded at build (`metadata`), else
+        "dense"."""
+        return str(self.metadata.get("default_mode", "dense"))
+
+    def bm25(self) -> BM25Index:
+        """The BM25 side index; built from the stored passages on first use."""
+        from ragserve.retrieval.bm25 import BM25Index, passage_text
+
+        with self._write_mutex:
+            if self._bm25 is None:
+                rows = self._store.row_ids_where("1")
+                docs = self._store.get([int(r) for r in rows])
+                self._bm25 = BM25Index.from_texts(rows, [passage_text(d) for d in docs])
+            return self._bm25
 
     def documents_of(self, result: TopK) -> list[list[ScoredDocument]]:
         """Resolve a `TopK` into documents, dropping missing slots and deleted documents."""
@@ -400,6 +474,11 @@ class VectorIndex:
                     _, dest = self._index.quantizer.search(x, 1)
                     changed = np.flatnonzero(self._list_sizes() != before)
                     self._invalidate_tier(np.concatenate([changed, dest.ravel()]))
+            if self._bm25 is not None:
+                from ragserve.retrieval.bm25 import passage_text
+
+                texts = [passage_text(d) for d in docs]
+                self._bm25.apply(list(zip(added, texts, strict=True)), removed, self._store)
             self._maybe_compact()
 
     def delete_documents(self, doc_ids: Iterable[str]) -> int:
@@ -417,6 +496,8 @@ class VectorIndex:
                     self._cluster_map = None
                     if before is not None:
                         self._invalidate_tier(np.flatnonzero(self._list_sizes() != before))
+                if self._bm25 is not None:
+                    self._bm25.apply([], removed, self._store)
             self._maybe_compact()
         return len(removed)
 
@@ -518,6 +599,11 @@ class VectorIndex:
             f"index/store mismatch: {len(in_index)} indexed, {len(in_store)} stored, "
             f"{len(np.setxor1d(in_index, in_store))} differ"
         )
+        if self._bm25 is not None:
+            in_bm25 = self._bm25.row_ids()
+            assert np.array_equal(in_bm25, in_store), (
+                f"BM25/store mismatch: {len(in_bm25)} in BM25, {len(in_store)} stored"
+            )
 
     def search_profile(self):
         """The `SearchProfile` measured for this index (`DIR/profile.json`), or None."""
@@ -535,6 +621,9 @@ class VectorIndex:
             "dim": self.spec.dim,
             "nlist": self.spec.nlist,
             "nprobe": self.spec.nprobe,
+            "nprobe_calibration": self.metadata.get("nprobe_calibration"),
+            "default_mode": self.default_mode,
+            "has_bm25": self._bm25 is not None,
             "embedder": self.spec.embedder,
             "num_documents": self.num_documents,
             "code_size_bytes": int(self._index.code_size),

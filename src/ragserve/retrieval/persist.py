@@ -20,6 +20,7 @@ import faiss
 import numpy as np
 
 from ragserve import __version__
+from ragserve.retrieval import bm25
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.storage import (
@@ -62,6 +63,7 @@ def save_index(vi: VectorIndex, directory: Path) -> Path:
         copy = DocStore(tmp / DOCSTORE)
         copy.truncate_log(seq)
         copy.close()
+        bm25.save_snapshot(vi, tmp, generation=1)
         _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
         if directory.exists():
             directory.rmdir()
@@ -118,10 +120,14 @@ def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | N
         with store.read_snapshot():
             _replay(index, store, manifest["applied_seq"])
             count = store.count()
+            lexical = _load_bm25(store, directory, manifest)
     except sqlite3.DatabaseError as exc:
         if store is not None:
             store.close()
         raise IndexCorruptError(store_path, f"SQLite error: {exc}") from None
+    except IndexCorruptError:
+        store.close()
+        raise
     if count != index.ntotal:
         store.close()
         raise IndexCorruptError(
@@ -139,7 +145,16 @@ def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | N
     vi.generation = int(manifest.get("generation", 1))
     vi.applied_seq = int(manifest["applied_seq"])
     vi.metadata = dict(manifest.get("metadata") or {})
+    vi._bm25 = lexical
     return vi
+
+
+def _load_bm25(store: DocStore, directory: Path, manifest: dict[str, Any]):
+    metadata = manifest.get("metadata") or {}
+    try:
+        return bm25.load_snapshot(store, directory, metadata, manifest["applied_seq"])
+    except ValueError as exc:
+        raise IndexCorruptError(directory / metadata[bm25.SNAPSHOT_KEY], str(exc)) from None
 
 
 def compact_index(vi: VectorIndex) -> None:
@@ -151,9 +166,11 @@ def compact_index(vi: VectorIndex) -> None:
         data = vi.serialize()
         seq = vi._store.last_seq()
         generation = vi.generation + 1
+        bm25.save_snapshot(vi, vi.directory, generation)
         with snapshot_lock(vi.directory, exclusive=True):  # loads see before or after, whole
             manifest = _write_snapshot(vi, vi.directory, data, generation, seq)
             remove_stale_files(vi.directory, manifest)
+            bm25.remove_stale(vi.directory, manifest)
             vi._store.truncate_log(seq)
         vi.generation, vi.applied_seq = generation, seq
     logger.info("compacted %s to generation %d (log seq %d)", vi.directory, generation, seq)

@@ -13,6 +13,7 @@ engine and the worker survive; requests added later run normally).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import defaultdict
@@ -180,7 +181,15 @@ class RetrievalRunner:
         self.default_nprobe = default_nprobe
 
     def run(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
-        """One result (passages with their scores) per task, in order."""
+        """One result (passages with their scores) per task, in order. Tasks with a filter or
+        a non-dense mode go through ``search_text`` (``_by_text``)."""
+        default_mode = getattr(self.index, "default_mode", "dense")
+        by_text = [t for t in tasks if (t.mode or default_mode) != "dense" or t.filter]
+        if by_text:
+            vector = [t for t in tasks if t not in by_text]
+            results = RetrievalRunner.run(self, vector) if vector else []
+            done = {r.task_id: r for r in (*results, *self._by_text(by_text))}
+            return [done[t.task_id] for t in tasks]
         kmax = max(t.topk for t in tasks)
         ids = np.full((len(tasks), kmax), -1, dtype=np.int64)
         scores = np.zeros((len(tasks), kmax), dtype=np.float32)
@@ -205,6 +214,35 @@ class RetrievalRunner:
             )
             results.append(RetrievalResult(t.task_id, passages))
         return results
+
+    def _by_text(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
+        """One ``search_text`` per group of tasks with the same mode, filter and nprobe; a bad
+        filter fails its own group's tasks only."""
+        groups: dict[str, list[RetrievalTask]] = defaultdict(list)
+        for t in tasks:
+            key = json.dumps([t.mode, t.filter, t.nprobe], sort_keys=True, default=str)
+            groups[key].append(t)
+        out = []
+        for group in groups.values():
+            t0 = group[0]
+            try:
+                found = self.index.search_text(
+                    [t.query for t in group],
+                    max(t.topk for t in group),
+                    nprobe=t0.nprobe or self.default_nprobe,
+                    mode=t0.mode,
+                    filter=t0.filter,
+                )
+            except ValueError as exc:
+                out.extend(
+                    RetrievalResult(t.task_id, (), str(exc), error_kind="bad_request")
+                    for t in group
+                )
+                continue
+            for t, hits in zip(group, found, strict=True):
+                passages = tuple(Passage(h.id, h.text, h.title, h.score) for h in hits[: t.topk])
+                out.append(RetrievalResult(t.task_id, passages))
+        return out
 
     def has_pending(self) -> bool:
         """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""

@@ -80,8 +80,10 @@ class StagedRetrievalRunner(RetrievalRunner):
         }
 
     def run(self, tasks: list[RetrievalTask]) -> list:
-        plain = [t for t in tasks if not isinstance(t, StagedRetrievalTask)]
-        staged = [t for t in tasks if isinstance(t, StagedRetrievalTask)]
+        default_mode = getattr(self.index, "default_mode", "dense")
+        by_text = [t for t in tasks if (t.mode or default_mode) != "dense" or t.filter]
+        plain = [t for t in tasks if not isinstance(t, StagedRetrievalTask) or t in by_text]
+        staged = [t for t in tasks if t not in plain]
         updates: list = []
         if plain:
             updates.extend(super().run(plain))

@@ -84,12 +84,15 @@ class GenerationTask:
 
 @dataclass(frozen=True)
 class RetrievalTask:
-    """Embed ``query`` and return its ``topk`` passages (``nprobe=None``: index default)."""
+    """Embed ``query`` and return its ``topk`` passages (``nprobe=None``: index default;
+    ``mode``/``filter``: as ``VectorIndex.search_text``, None = dense, unfiltered)."""
 
     task_id: str
     query: str
     topk: int
     nprobe: int | None = None
+    mode: str | None = None
+    filter: dict | None = None  # noqa: A003 - the retrieval API's name
 
 
 @dataclass(frozen=True)

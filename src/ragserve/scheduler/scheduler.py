@@ -220,7 +220,9 @@ class Scheduler:
                 wavefront.generation.append(task)
             else:
                 query = node.query.render(req.state)
-                task = RetrievalTask(req.task_id, query, node.topk, node.nprobe)
+                task = RetrievalTask(
+                    req.task_id, query, node.topk, node.nprobe, node.mode, node.filter
+                )
                 wavefront.retrieval.append(task)
         return wavefront
 

@@ -95,6 +95,8 @@ class SpeculativeRetrievalTransform(BaseTransform):
         target = req.graph.nodes.get(nxt) if nxt is not END else None
         if not isinstance(target, RetrievalNode) or node.output not in target.inputs:
             return None
+        if target.mode not in (None, "dense") or target.filter is not None:
+            return None  # speculation reuses dense probe plans only
         spec_id = f"{PREFIX}{next(self._seq)}/{task_id}"
         self._pending[spec_id] = req.request_id
         self.num_issued += 1

@@ -76,6 +76,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         graph,
         topk=body.topk,
         nprobe=body.nprobe,
+        mode=body.mode,
+        filter=body.filter,
         max_tokens=body.token_limit() or (ctx.config.default_max_tokens if is_llm else None),
         temperature=temperature,
         top_p=body.top_p,

@@ -62,6 +62,8 @@ def tune_graph(
     *,
     topk: int | None = None,
     nprobe: int | None = None,
+    mode: str | None = None,
+    filter: dict | None = None,  # noqa: A002 - the retrieval API's name
     max_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -69,7 +71,8 @@ def tune_graph(
     stop: tuple[str, ...] = (),
 ) -> Any:
     """A copy of ``graph`` with the request's overrides (``graph`` itself if there are none)."""
-    retrieval = {k: v for k, v in (("topk", topk), ("nprobe", nprobe)) if v is not None}
+    pairs = (("topk", topk), ("nprobe", nprobe), ("mode", mode), ("filter", filter))
+    retrieval = {k: v for k, v in pairs if v is not None}
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
     answer = {k: v for k, v in sampling.items() if v is not None}
     if not retrieval and not answer and not stop:

@@ -13,7 +13,7 @@ unbounded (``MAX_MESSAGES``, ``MAX_PROMPT_CHARS``); documents follow
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -154,7 +154,8 @@ class _Sampling(_Request):
 
 
 class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``; ``workflow``, ``topk`` and ``nprobe`` are extensions.
+    """``POST /v1/chat/completions``; ``workflow``, ``topk``, ``nprobe``, ``mode`` and ``filter``
+    (retrieval mode and metadata filter, as ``VectorIndex.search_text``) are extensions.
 
     The workflow's question is the last user message; the messages before it (``history()``)
     go to the answer node (and to nodes with ``with_history``) through the chat template;
@@ -167,6 +168,8 @@ class ChatCompletionRequest(_Sampling):
     workflow: Annotated[StrictStr, Field(max_length=256)] | None = None
     topk: Annotated[StrictInt, Field(ge=1, le=1000)] | None = None
     nprobe: PositiveInt | None = None
+    mode: Literal["dense", "bm25", "hybrid"] | None = None
+    filter: dict[str, Any] | None = None
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
     top_logprobs: int | None = None
@@ -203,6 +206,10 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _check(self):
+        if self.filter is not None:
+            from ragserve.retrieval.filters import validate_filter
+
+            validate_filter(self.filter)
         if not any(m.role == "user" and m.text().strip() for m in self.messages):
             raise ValueError("messages must contain a non-empty user message")
         return self

@@ -1,0 +1,219 @@
+"""BM25 over the live passages (bm25s, English Snowball stemming), kept beside the Faiss index.
+
+The document store is the truth: the BM25 index mirrors its live rows (`apply` runs inside the
+index's write path, after the store committed), is rebuilt lazily after writes, and is saved
+as `DIR/bm25-<gen>/` next to each Faiss snapshot. A load replays the store's log past the
+snapshot, exactly as the Faiss side does, so both recover to the same acknowledged state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ragserve.retrieval.storage import fsync_dir
+from ragserve.retrieval.types import TopK
+
+logger = logging.getLogger(__name__)
+
+ROW_IDS = "row_ids.npy"
+
+
+def tokenize(texts: Sequence[str]) -> list[list[str]]:
+    """Lower-cased word tokens, English stop words dropped, Snowball-stemmed."""
+    import bm25s
+    import Stemmer
+
+    return bm25s.tokenize(
+        list(texts),
+        stopwords="en",
+        stemmer=Stemmer.Stemmer("english"),
+        return_ids=False,
+        show_progress=False,
+    )
+
+
+class BM25Index:
+    """Lexical scores of queries against the live passages, by Faiss row id.
+
+    Thread-safe: `apply` (writes) and `search` (reads) may run concurrently; a search after a
+    write sees it. `_tokens` (row id → tokens) is filled from the store on the first write
+    after a load, so a read-only index never re-tokenizes its corpus.
+    """
+
+    def __init__(self, row_ids: np.ndarray, retriever, tokens: dict[int, list[str]] | None):
+        self._row_ids = np.asarray(row_ids, dtype=np.int64)
+        self._retriever = retriever
+        self._tokens = tokens
+        self._dirty = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_texts(cls, row_ids: Sequence[int], texts: Sequence[str]) -> BM25Index:
+        tokens = dict(zip((int(r) for r in row_ids), tokenize(texts), strict=True))
+        index = cls(np.zeros(0, np.int64), None, tokens)
+        index._dirty = True
+        return index
+
+    @property
+    def num_documents(self) -> int:
+        with self._lock:
+            return len(self._tokens) if self._tokens is not None else len(self._row_ids)
+
+    def row_ids(self) -> np.ndarray:
+        """Sorted int64 row ids of the passages this index scores."""
+        with self._lock:
+            if self._tokens is not None:
+                return np.array(sorted(self._tokens), dtype=np.int64)
+            return np.sort(self._row_ids)
+
+    def apply(self, added: Sequence[tuple[int, str]], removed: Sequence[int], store) -> None:
+        """Mirror a committed upsert/delete: `added` (row id, passage text), `removed` row ids."""
+        with self._lock:
+            if self._tokens is None:
+                self._tokens = _tokens_of(store, self._row_ids)
+            for row_id in removed:
+                self._tokens.pop(int(row_id), None)
+            if added:
+                new = tokenize([text for _, text in added])
+                self._tokens.update(zip((int(r) for r, _ in added), new, strict=True))
+            self._dirty = True
+
+    def search(self, texts: Sequence[str], topk: int, allowed: np.ndarray | None = None) -> TopK:
+        """Top-`topk` row ids per query by BM25 score (best first; `-1` pads: fewer passages
+        share a term with the query). `allowed`: sorted row ids a hit must be one of."""
+        queries = tokenize(texts)
+        ids = np.full((len(queries), topk), -1, dtype=np.int64)
+        scores = np.zeros((len(queries), topk), dtype=np.float32)
+        with self._lock:
+            self._refresh()
+            row_ids, retriever = self._row_ids, self._retriever
+        if retriever is None or not len(row_ids):
+            return TopK(ids, scores)
+        mask = None if allowed is None else np.isin(row_ids, allowed)
+        for q, terms in enumerate(queries):
+            if not terms:
+                continue
+            s = np.asarray(retriever.get_scores(terms), dtype=np.float32)
+            if mask is not None:
+                s = np.where(mask, s, 0.0)
+            hits = np.flatnonzero(s > 0)
+            best = hits[np.argsort(-s[hits], kind="stable")[:topk]]
+            ids[q, : len(best)] = row_ids[best]
+            scores[q, : len(best)] = s[best]
+        return TopK(ids, scores)
+
+    def _refresh(self) -> None:
+        if not self._dirty:
+            return
+        import bm25s
+
+        rows = sorted(self._tokens)
+        self._row_ids = np.array(rows, dtype=np.int64)
+        self._retriever = None
+        if rows:
+            self._retriever = bm25s.BM25()
+            self._retriever.index([self._tokens[r] for r in rows], show_progress=False)
+        self._dirty = False
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def save(self, directory: Path, name: str) -> None:
+        """Write `directory/name/` atomically (tmp folder, fsync'd files, rename, fsync)."""
+        with self._lock:
+            self._refresh()
+            tmp = directory / f"{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            np.save(tmp / ROW_IDS, self._row_ids)
+            if self._retriever is not None:
+                self._retriever.save(str(tmp), show_progress=False)
+            for path in tmp.iterdir():
+                fsync_dir(path)
+            fsync_dir(tmp)
+            final = directory / name
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            fsync_dir(directory)
+
+    @classmethod
+    def load(cls, path: Path) -> BM25Index:
+        """Read a saved snapshot; raises `ValueError` naming the file if it is unreadable."""
+        import bm25s
+
+        try:
+            row_ids = np.load(path / ROW_IDS)
+            retriever = None
+            if len(row_ids):
+                retriever = bm25s.BM25.load(str(path), show_progress=False)
+                if retriever.scores["num_docs"] != len(row_ids):
+                    raise ValueError(f"{len(row_ids)} row ids for {retriever.scores['num_docs']}")
+        except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+            raise ValueError(f"unreadable BM25 snapshot {path}: {exc}") from None
+        return cls(row_ids, retriever, None)
+
+
+def _tokens_of(store, row_ids: np.ndarray) -> dict[int, list[str]]:
+    docs = store.get([int(r) for r in row_ids])
+    live = [(int(r), d) for r, d in zip(row_ids, docs, strict=True) if d is not None]
+    return dict(
+        zip((r for r, _ in live), tokenize([passage_text(d) for _, d in live]), strict=True)
+    )
+
+
+def passage_text(doc) -> str:
+    """What BM25 indexes of a passage: its heading path and its text."""
+    return f"{doc.title}\n{doc.text}" if doc.title else doc.text
+
+
+# -- snapshots beside the Faiss snapshot (called by persist.py) -----------------------------------
+
+SNAPSHOT_KEY = "bm25_snapshot"  # manifest metadata: the folder of the BM25 snapshot
+
+
+def snapshot_name(generation: int) -> str:
+    return f"bm25-{generation:06d}"
+
+
+def save_snapshot(vi, directory: Path, generation: int) -> None:
+    """Before a Faiss snapshot of `generation` is written: save the BM25 index (if the index
+    has one) and name it in `vi.metadata`, which goes into the same manifest."""
+    if vi._bm25 is None:
+        vi.metadata.pop(SNAPSHOT_KEY, None)
+        return
+    name = snapshot_name(generation)
+    vi._bm25.save(directory, name)
+    vi.metadata[SNAPSHOT_KEY] = name
+
+
+def remove_stale(directory: Path, manifest: dict) -> None:
+    """Delete BM25 snapshot folders (and leftovers) the manifest no longer names."""
+    keep = (manifest.get("metadata") or {}).get(SNAPSHOT_KEY)
+    for path in directory.iterdir():
+        if path.name.startswith("bm25-") and path.name != keep and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_snapshot(store, directory: Path, metadata: dict, applied_seq: int) -> BM25Index | None:
+    """The manifest's BM25 snapshot with the store's log past `applied_seq` replayed into it
+    (as `persist._replay` does for Faiss; call inside the same store read snapshot), or None
+    when the index has none. Raises `ValueError` for an unreadable snapshot."""
+    name = metadata.get(SNAPSHOT_KEY)
+    if not name:
+        return None
+    index = BM25Index.load(directory / name)
+    ops = store.ops_after(applied_seq)
+    if ops:
+        touched = sorted({row_id for _, _, row_id in ops})
+        added = sorted({r for _, op, r in ops if op == "add"})
+        docs = store.get(added)
+        live = [(r, passage_text(d)) for r, d in zip(added, docs, strict=True) if d is not None]
+        index.apply(live, touched, store)
+    return index

@@ -1,0 +1,74 @@
+"""What every format parser returns: a document cut into sections, each a heading path and the
+blocks (paragraphs, list items, code) under it, in reading order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Block:
+    """One paragraph, list item, table row group or code block; `is_code` keeps its lines."""
+
+    text: str
+    is_code: bool = False
+
+
+@dataclass(frozen=True)
+class Section:
+    """The blocks directly under one heading; `path` is the heading path from the document's
+    title down (`("Tutorial", "Data Structures", "Sets")`)."""
+
+    path: tuple[str, ...]
+    blocks: tuple[Block, ...]
+
+    @property
+    def title(self) -> str:
+        return " > ".join(self.path)
+
+
+@dataclass(frozen=True)
+class ParsedDocument:
+    """A parsed file: its sections and document-level metadata (e.g. Markdown front matter)."""
+
+    sections: tuple[Section, ...]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class SectionBuilder:
+    """Collects blocks under a heading stack: `heading(level, text)` opens a section at `level`
+    (1 = document title), closing deeper ones; `add(text)` appends to the current section.
+    Blocks under no heading get the path `(fallback_title,)` (e.g. the file name)."""
+
+    def __init__(self, fallback_title: str | None = None) -> None:
+        self._fallback = fallback_title
+        self._stack: list[tuple[int, str]] = []
+        self._blocks: list[Block] = []
+        self._sections: list[Section] = []
+
+    def heading(self, level: int, text: str) -> None:
+        text = " ".join(text.split())
+        if not text:
+            return
+        self._flush()
+        while self._stack and self._stack[-1][0] >= level:
+            self._stack.pop()
+        self._stack.append((level, text))
+
+    def add(self, text: str, *, is_code: bool = False) -> None:
+        text = text.strip("\n") if is_code else " ".join(text.split())
+        if text.strip():
+            self._blocks.append(Block(text, is_code))
+
+    def build(self) -> tuple[Section, ...]:
+        self._flush()
+        return tuple(self._sections)
+
+    def _flush(self) -> None:
+        if self._blocks:
+            path = tuple(t for _, t in self._stack)
+            if not path and self._fallback:
+                path = (self._fallback,)
+            self._sections.append(Section(path, tuple(self._blocks)))
+            self._blocks = []

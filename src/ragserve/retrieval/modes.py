@@ -1,0 +1,110 @@
+"""Search modes beyond one-shot dense search: metadata-filtered dense search, BM25, and hybrid
+(dense + BM25 fused by reciprocal rank fusion).
+
+Filtered dense search is exact over the matching subset when it is small (brute force over
+the stored vectors) and otherwise probes the IVF index with an id selector, doubling `nprobe`
+until every query has `topk` hits or every cluster was probed, so a filtered search returns
+`topk` results whenever that many documents match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ragserve.retrieval.types import ScoredDocument, TopK
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.filters import Filter
+    from ragserve.retrieval.index import VectorIndex
+
+MODES = ("dense", "bm25", "hybrid")
+RRF_K = 60  # the constant of Cormack et al. (2009): fused score = sum 1 / (RRF_K + rank)
+HYBRID_DEPTH = 50  # hits taken from each ranking before fusion
+EXHAUSTIVE_FILTER_MAX = 65536  # matching passages scored by brute force up to this many
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def rrf_fuse(rankings: Sequence[np.ndarray], topk: int, k: int = RRF_K) -> list[tuple[int, float]]:
+    """Reciprocal rank fusion of id rankings (best first, `-1` ignored): `(id, score)` best
+    first, score = sum over rankings of 1 / (k + rank), rank from 1; ties by first appearance."""
+    fused: dict[int, float] = {}
+    for ranking in rankings:
+        for rank, doc_id in enumerate(int(i) for i in ranking if i >= 0):
+            fused[doc_id] = fused.get(doc_id, 0.0) + 1.0 / (k + rank + 1)
+    order = sorted(fused.items(), key=lambda item: -item[1])  # stable: first seen wins ties
+    return order[:topk]
+
+
+def filtered_search(
+    index: VectorIndex, queries: np.ndarray, topk: int, nprobe: int | None, allowed: np.ndarray
+) -> TopK:
+    """Dense top-`topk` among the row ids `allowed` (sorted int64)."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if len(allowed) <= EXHAUSTIVE_FILTER_MAX:
+        return _brute_force(index, q, topk, allowed)
+    probe = nprobe or index.spec.nprobe
+    while True:
+        found = index.search_selected(q, topk, probe, allowed)
+        if probe >= index.nlist or (found.ids >= 0).all():
+            return found
+        probe = min(index.nlist, probe * 2)
+
+
+def _brute_force(index: VectorIndex, q: np.ndarray, topk: int, allowed: np.ndarray) -> TopK:
+    ids = np.full((len(q), topk), -1, dtype=np.int64)
+    scores = np.zeros((len(q), topk), dtype=np.float32)
+    row_ids, x = index.vectors_of(allowed)
+    if not len(row_ids):
+        return TopK(ids, scores)
+    if index.spec.is_l2:
+        s = (q * q).sum(1)[:, None] - 2 * q @ x.T + (x * x).sum(1)[None, :]
+        order = np.argsort(s, axis=1, kind="stable")[:, :topk]
+    else:
+        s = q @ x.T
+        order = np.argsort(-s, axis=1, kind="stable")[:, :topk]
+    n = order.shape[1]
+    ids[:, :n] = row_ids[order]
+    scores[:, :n] = np.take_along_axis(s, order, axis=1)
+    return TopK(ids, scores)
+
+
+def search_text(
+    index: VectorIndex,
+    texts: Sequence[str],
+    topk: int,
+    *,
+    nprobe: int | None,
+    mode: str,
+    flt: Filter | None,
+) -> list[list[ScoredDocument]]:
+    """`VectorIndex.search_text` for every mode and filter (scores: dense → the Faiss score,
+    bm25 → the BM25 score, hybrid → the fused RRF score)."""
+    check_mode(mode)
+    allowed = index.allowed_row_ids(flt) if flt is not None else None
+    texts = list(texts)
+    if mode == "bm25":
+        return index.documents_of(index.bm25().search(texts, topk, allowed))
+    depth = topk if mode == "dense" else max(topk, HYBRID_DEPTH)
+    vectors = index.embedder.encode(texts, is_query=True)
+    if allowed is None:
+        dense = index.search(vectors, depth, nprobe)
+    else:
+        dense = filtered_search(index, vectors, depth, nprobe, allowed)
+    if mode == "dense":
+        return index.documents_of(dense)
+    lexical = index.bm25().search(texts, depth, allowed)
+    fused = [rrf_fuse([d, b], topk) for d, b in zip(dense.ids, lexical.ids, strict=True)]
+    ids = np.full((len(texts), topk), -1, dtype=np.int64)
+    scores = np.zeros((len(texts), topk), dtype=np.float32)
+    for q, hits in enumerate(fused):
+        ids[q, : len(hits)] = [i for i, _ in hits]
+        scores[q, : len(hits)] = [s for _, s in hits]
+    return index.documents_of(TopK(ids, scores))

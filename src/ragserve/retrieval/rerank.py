@@ -1,0 +1,78 @@
+"""Reranking: re-score a query's hits with a model that reads query and passage together.
+
+`BaseReranker` is the plug point (a graph operator that calls it belongs to the graph layer);
+`CrossEncoderReranker` runs any Hugging Face sequence-classification cross-encoder from a
+local folder (e.g. an MS MARCO MiniLM cross-encoder). None ships: no cross-encoder with its
+weights inside a package is installable from the registries this project uses, and nothing is
+downloaded at run time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ragserve.retrieval.types import ScoredDocument
+
+
+class BaseReranker(ABC):
+    """Scores (query, passage) pairs; higher is more relevant. `rerank` orders hits by it."""
+
+    @abstractmethod
+    def score(self, query: str, texts: Sequence[str]) -> np.ndarray:
+        """float32 `[len(texts)]` relevance of each text to `query`."""
+
+    def rerank(
+        self, query: str, hits: Sequence[ScoredDocument], topk: int | None = None
+    ) -> list[ScoredDocument]:
+        """`hits` re-ordered by `score` (ties keep their order), cut to `topk`; each hit's
+        score becomes the reranker's."""
+        if not hits:
+            return []
+        texts = [f"{h.title}: {h.text}" if h.title else h.text for h in hits]
+        scores = np.asarray(self.score(query, texts), dtype=np.float32)
+        if scores.shape != (len(hits),):
+            raise ValueError(f"reranker returned {scores.shape} scores for {len(hits)} hits")
+        order = np.argsort(-scores, kind="stable")[: topk if topk is not None else len(hits)]
+        return [ScoredDocument(hits[i].document, float(scores[i])) for i in order]
+
+
+class CrossEncoderReranker(BaseReranker):
+    """A cross-encoder (`AutoModelForSequenceClassification`, one logit per pair) from a local
+    folder; pairs longer than `max_length` tokens are truncated (passage side first)."""
+
+    def __init__(self, model_dir: str | Path, *, max_length: int = 512, batch_size: int = 32):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        path = Path(model_dir).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no cross-encoder model at {path} (config.json missing)")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model.to(self.device)
+        self.max_length = max_length
+        self.batch_size = batch_size
+
+    def score(self, query: str, texts: Sequence[str]) -> np.ndarray:
+        import torch
+
+        out = np.zeros(len(texts), dtype=np.float32)
+        with torch.inference_mode():
+            for a in range(0, len(texts), self.batch_size):
+                batch = list(texts[a : a + self.batch_size])
+                enc = self.tokenizer(
+                    [query] * len(batch),
+                    batch,
+                    padding=True,
+                    truncation="only_second",
+                    max_length=self.max_length,
+                    return_tensors="pt",
+                ).to(self.device)
+                logits = self.model(**enc).logits.float()
+                out[a : a + len(batch)] = logits[:, 0].cpu().numpy()
+        return out

@@ -1,0 +1,67 @@
+"""`ragserve index build` on a folder of documents: per-format ingest, skipped files named,
+`--strict`, BM25 built next to the dense index; `index search --mode --filter`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ragserve.cli.main import main
+
+DOCS = Path(__file__).parent / "fixtures" / "docs"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "idx"
+    assert main(["index", "build", "--corpus", str(DOCS), "--out", str(out)]) == 0
+    return out
+
+
+def test_build_reports_skipped_files_and_strict_fails(tmp_path, capsys):
+    out = tmp_path / "strict"
+    assert main(["index", "build", "--corpus", str(DOCS), "--out", str(out), "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert "2 file(s) skipped: broken.txt (not UTF-8 text), slides.pptx (unsupported type)" in err
+    assert not out.exists()
+
+
+def test_info_shows_nprobe_rule_mode_and_bm25(built, capsys):
+    assert main(["index", "info", str(built)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    live = info["live"]
+    assert live["nprobe"] == live["nlist"]  # a small index is searched exhaustively
+    assert live["nprobe_calibration"]["rule"] == "exhaustive"
+    assert live["default_mode"] == "dense" and live["has_bm25"]
+    assert info["manifest"]["metadata"]["bm25_snapshot"] == "bm25-000001"
+
+
+def test_search_modes_and_filter(built, capsys):
+    args = ["index", "search", str(built), "how do I install with pip?", "-k", "3", "--json"]
+    for mode in ("dense", "bm25", "hybrid"):
+        assert main([*args, "--mode", mode]) == 0
+        hits = json.loads(capsys.readouterr().out)[0]
+        assert hits[0]["metadata"]["source"] == "guide/install.md", mode
+        assert all(h["metadata"]["section"] == h["title"] for h in hits)
+    assert main([*args, "--filter", '{"source": "tutorial.rst"}']) == 0
+    hits = json.loads(capsys.readouterr().out)[0]
+    assert hits and all(h["metadata"]["source"] == "tutorial.rst" for h in hits)
+    assert main([*args, "--filter", '{"source": {"near": 1}}']) == 2
+    assert "filter['source']" in capsys.readouterr().err
+    assert main([*args, "--filter", "{bad json"]) == 2
+
+
+def test_no_bm25_build_is_dense(tmp_path, capsys):
+    corpus = tmp_path / "docs"
+    shutil.copytree(DOCS, corpus, ignore=shutil.ignore_patterns("broken.txt", "slides.pptx"))
+    out = tmp_path / "idx"
+    assert main(["index", "build", "--corpus", str(corpus), "--out", str(out), "--no-bm25"]) == 0
+    assert "5 of 5 files ingested" in capsys.readouterr().out
+    assert main(["index", "info", str(out)]) == 0
+    live = json.loads(capsys.readouterr().out)["live"]
+    assert live["default_mode"] == "dense" and not live["has_bm25"]
+    args = ["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "x"), "--no-bm25"]
+    assert main([*args, "--default-mode", "hybrid"]) == 2

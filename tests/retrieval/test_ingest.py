@@ -1,0 +1,144 @@
+"""Format parsers strip markup and keep text and code; heading paths become titles; files that
+cannot be used are reported (or fail a strict ingest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ragserve.retrieval.ingest import IngestError, IngestReport, ingest_folder, parse_file
+
+DOCS = Path(__file__).parent / "fixtures" / "docs"
+MARKUP = ("::", ".. ", ":func:", ":ref:", ":class:", "``", "**", "](", "<b>", "</", "&amp;",
+          "¶", "---", "|---")  # fmt: skip
+
+
+def _text(doc) -> str:
+    return "\n".join(b.text for s in doc.sections for b in s.blocks)
+
+
+def _titles(doc) -> list[str]:
+    return [s.title for s in doc.sections]
+
+
+@pytest.mark.parametrize("name", ["tutorial.rst", "guide/install.md", "page.html", "notes.txt"])
+def test_markup_is_stripped(name):
+    text = _text(parse_file(DOCS / name, "stem"))
+    assert text.strip()
+    assert not [m for m in MARKUP if m in text], text
+
+
+def test_rst_keeps_roles_code_and_directive_content():
+    doc = parse_file(DOCS / "tutorial.rst")
+    assert _titles(doc) == ["Tutorial", "Tutorial > Data Structures > Sets"]
+    blocks = [b for s in doc.sections for b in s.blocks]
+    text = _text(doc)
+    assert "Intro paragraph with len and the guide and code." in text  # roles → display text
+    assert "Shown only in HTML." in text  # `.. only::` content kept
+    assert "See Set." in text  # `~collections.abc.Set` → `Set`
+    code = [b.text for b in blocks if b.is_code]
+    assert code == ["basket = {'apple', 'orange'}\nprint(basket)", ">>> x = 1"]
+    assert "Note: Sets have no order." in text
+    assert "len(s)" in text and "Return the length." in text  # `function::` signature + body
+    assert "single: set" not in text and "foo" not in text  # index / toctree dropped
+
+
+def test_markdown_front_matter_lists_tables_and_code():
+    doc = parse_file(DOCS / "guide" / "install.md")
+    assert doc.metadata == {
+        "title": "Install Guide",
+        "date": "2024-05-01",
+        "tags": ["setup", "pip"],
+    }
+    assert _titles(doc) == ["Installing", "Installing > From PyPI"]
+    blocks = doc.sections[1].blocks
+    assert [b.text for b in blocks] == [
+        "- create a virtual environment",
+        "- install the package",
+        "pip install ragserve",
+        "option | meaning",
+        "--user | per-user install",
+    ]
+    assert blocks[2].is_code
+
+
+def test_html_main_content_only():
+    doc = parse_file(DOCS / "page.html")
+    text = _text(doc)
+    assert _titles(doc) == ["Library Reference", "Library Reference > Functions"]
+    assert "The json module encodes & decodes JSON." in text
+    assert 'print(json.dumps({"a": 1}))' in text
+    for chrome in ("Home", "Sidebar", "Copyright", "tracking", "color"):
+        assert chrome not in text
+
+
+def test_html_without_h1_is_titled_by_the_page_title():
+    doc = parse_file(DOCS / "page.html")
+    assert doc.sections[0].path[0] == "Library Reference"
+    from ragserve.retrieval.ingest.html import parse_html
+
+    bare = parse_html("<html><head><title>Only Title</title></head><body><p>x y</p></body></html>")
+    assert _titles(bare) == ["Only Title"]
+
+
+def test_pdf_text_and_title():
+    doc = parse_file(DOCS / "report.pdf", "report")
+    assert _titles(doc) == ["Annual Report"]
+    text = _text(doc)
+    assert "Revenue grew by ten percent this year." in text
+    assert "The board approved a new plan." in text
+
+
+def test_plain_text_paragraphs_under_the_file_name():
+    doc = parse_file(DOCS / "notes.txt", "notes")
+    assert _titles(doc) == ["notes"]
+    assert [b.text for b in doc.sections[0].blocks] == [
+        "Plain notes",
+        "First paragraph of notes.",
+        "Second paragraph.",
+    ]
+
+
+def test_folder_reports_skipped_files():
+    report = IngestReport()
+    docs = ingest_folder(DOCS, report=report)
+    assert [rel for rel, _ in docs] == [
+        "guide/install.md",
+        "notes.txt",
+        "page.html",
+        "report.pdf",
+        "tutorial.rst",
+    ]  # sorted; hidden files ignored
+    assert report.num_files == 7
+    assert report.skipped == [
+        ("broken.txt", "not UTF-8 text"),
+        ("slides.pptx", "unsupported type"),
+    ]
+    assert report.summary().startswith("2 file(s) skipped: broken.txt (not UTF-8 text)")
+
+
+def test_strict_ingest_fails_naming_the_files():
+    with pytest.raises(IngestError, match=r"2 file\(s\) skipped: broken.txt .* slides.pptx"):
+        ingest_folder(DOCS, strict=True)
+
+
+def test_unreadable_pdf_is_reported(tmp_path):
+    (tmp_path / "bad.pdf").write_bytes(b"%PDF-1.4 truncated")
+    (tmp_path / "ok.md").write_text("# T\n\ntext\n")
+    report = IngestReport()
+    docs = ingest_folder(tmp_path, report=report)
+    assert [rel for rel, _ in docs] == ["ok.md"]
+    assert report.skipped[0][0] == "bad.pdf" and report.skipped[0][1].startswith("unreadable")
+
+
+def test_a_file_without_text_is_empty_not_skipped(tmp_path):
+    (tmp_path / "index.rst").write_text("Contents\n========\n\n.. toctree::\n\n   a\n")
+    report = IngestReport()
+    assert ingest_folder(tmp_path, strict=True, report=report) == []
+    assert report.empty == ["index.rst"] and report.skipped == []
+
+
+def test_missing_folder():
+    with pytest.raises(FileNotFoundError, match="no corpus folder"):
+        ingest_folder(DOCS / "nope")
