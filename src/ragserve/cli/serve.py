@@ -37,6 +37,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, default=64, help="admission bound; past it 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain at exit")
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run on Ray: join the cluster at ADDRESS, or start a local one without it",
+    )
+    p.add_argument("--llm-replicas", type=int, default=1, help="LLM engine replicas (--ray)")
+    p.add_argument("--index-shards", type=int, default=1, help="index shards (--ray)")
     p.set_defaults(func=handler)
 
 
@@ -60,10 +70,15 @@ def handler(args: argparse.Namespace) -> int:
     engine_kwargs = {"device": args.device}
     if args.cpu_threads is not None:
         engine_kwargs["cpu_threads"] = args.cpu_threads
-    runtime = ServerConfig(
-        engine_kwargs=engine_kwargs,
-        max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight),
-    )
+    try:
+        runtime = ServerConfig(
+            engine_kwargs=engine_kwargs,
+            max_active_requests=max(ServerConfig.max_active_requests, args.max_inflight),
+            **_scale_out(args),
+        )
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     if not Path(args.index).is_dir():
         logger.error("no index directory at %s (build one with `ragserve index build`)", args.index)
         return 2
@@ -75,3 +90,15 @@ def handler(args: argparse.Namespace) -> int:
         return 1
     serve(server, config)
     return 0
+
+
+def _scale_out(args: argparse.Namespace) -> dict:
+    """``ServerConfig`` fields of ``--ray [ADDRESS] --llm-replicas N --index-shards M``."""
+    if args.ray is None:
+        return {"num_llm_replicas": args.llm_replicas, "num_index_shards": args.index_shards}
+    return {
+        "backend": "ray",
+        "ray_address": args.ray or None,
+        "num_llm_replicas": args.llm_replicas,
+        "num_index_shards": args.index_shards,
+    }

@@ -91,8 +91,8 @@ def balance_lists(costs: np.ndarray, num_shards: int) -> tuple[int, ...]:
     return tuple(int(o) for o in owners)
 
 
-def read_layout(root: Path) -> ShardLayout:
-    data = json.loads((root / LAYOUT).read_text())
+def read_layout(root: str | Path) -> ShardLayout:
+    data = json.loads((Path(root) / LAYOUT).read_text())
     owners = data.get("owners")
     return ShardLayout(int(data["num_shards"]), data["partition"], owners and tuple(owners))
 

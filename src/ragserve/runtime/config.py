@@ -27,6 +27,12 @@ class ServerConfig:
     max_node_runs: int = 256
     poll_timeout: float = 0.02
     transforms: tuple[Any, ...] = field(default=())
+    backend: str = "process"
+    num_llm_replicas: int = 1
+    num_index_shards: int = 1
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    shard_partition: str = "list"
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_kwargs, dict):
@@ -34,3 +40,21 @@ class ServerConfig:
         for name in ("max_active_requests", "queue_size", "shm_slots", "shm_slot_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_backend()
+
+    def _check_backend(self) -> None:
+        if self.backend not in ("process", "ray"):
+            raise ValueError(f"backend must be 'process' or 'ray', got {self.backend!r}")
+        for name in ("num_llm_replicas", "num_index_shards"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.backend == "process" and (self.num_llm_replicas, self.num_index_shards) != (1, 1):
+            raise ValueError("num_llm_replicas and num_index_shards > 1 need backend='ray'")
+        if self.backend == "ray" and self.in_process:
+            raise ValueError("backend='ray' runs actors; it cannot be combined with in_process")
+        if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
+            raise ValueError(f"ray_num_cpus must be >= 1 or None, got {self.ray_num_cpus}")
+        if self.shard_partition not in ("list", "document"):
+            raise ValueError(
+                f"shard_partition must be 'list' or 'document', got {self.shard_partition!r}"
+            )
