@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ragserve.runtime.ray_shards import ShardDiedError
 from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RetrievalResult
@@ -204,7 +205,8 @@ class RetrievalCoordinator(_ActorLoop):
         except Exception as exc:
             logger.exception("retrieval batch failed")
             err = f"{type(exc).__name__}: {exc}"
-            results = [RetrievalResult(t.task_id, (), err) for t in tasks]
+            kind = "worker_died" if isinstance(exc, ShardDiedError) else None
+            results = [RetrievalResult(t.task_id, (), err, error_kind=kind) for t in tasks]
         self._emit(results)
 
     def stats(self) -> dict[str, Any]:

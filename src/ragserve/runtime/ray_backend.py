@@ -88,6 +88,8 @@ class RayExecutor(BaseExecutor):
         self._retrievals: dict[str, tuple[RetrievalTask, int]] = {}  # task -> (task, attempts)
         self._errors: list[Update] = []
         self._restarts: dict[str, int] = {}
+        self._down: set[str] = set()  # actors whose last poll failed (restarting)
+        self._held: list[RetrievalTask] = []  # retrievals waiting for the coordinator
         self._engine_stats: dict[str, dict[str, Any]] = {}
         self._actor_stats: dict[str, dict[str, Any]] = {}
         self._pg = None
@@ -181,7 +183,10 @@ class RayExecutor(BaseExecutor):
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
         for t in tasks:
             self._retrievals[t.task_id] = (t, 1)
-        self.actors[RETRIEVAL].submit.remote(list(tasks))
+        if RETRIEVAL in self._down:
+            self._held.extend(tasks)  # sent once the restarted coordinator answers a poll
+        else:
+            self.actors[RETRIEVAL].submit.remote(list(tasks))
 
     def abort(self, task_ids: list[str]) -> None:
         groups: dict[int, list[str]] = {}
@@ -216,6 +221,8 @@ class RayExecutor(BaseExecutor):
         except RayActorError as exc:
             return self._on_death(name, exc)
         self._actor_stats[name] = stats
+        if name in self._down:
+            self._on_back(name)
         for u in items:
             if not getattr(u, "finished", True):
                 continue
@@ -225,20 +232,37 @@ class RayExecutor(BaseExecutor):
                 self.router.finish(u.task_id)
         return items
 
+    def _on_back(self, name: str) -> None:
+        """A restarted actor answered: route to it again, send the retrievals held for it."""
+        self._down.discard(name)
+        logger.info("%s actor is back", name)
+        if name != RETRIEVAL:
+            self.router.set_available(int(name.rsplit("_", 1)[1]), True)
+        elif self._held:
+            held, self._held = self._held, []
+            self.actors[RETRIEVAL].submit.remote(held)
+
     def _on_death(self, name: str, exc: Exception) -> list[Update]:
-        self._restarts[name] = self._restarts.get(name, 0) + 1
+        """A poll failed: the actor died (or is still restarting: then nothing is lost)."""
+        if name not in self._down:
+            self._down.add(name)
+            self._restarts[name] = self._restarts.get(name, 0) + 1
+            logger.warning("%s actor died (%s); Ray restarts it", name, type(exc).__name__)
         reason = f"{name} actor died ({type(exc).__name__}); Ray restarts it"
-        logger.warning("%s", reason)
         if name == RETRIEVAL:
-            again = [t for t, n in self._retrievals.values() if n < 2]
-            failed = [t for t, n in self._retrievals.values() if n >= 2]
-            self._retrievals = {t.task_id: (t, 2) for t in again}
-            if again:
-                self.actors[RETRIEVAL].submit.remote(again)
-            return [
-                RetrievalResult(t.task_id, (), reason, error_kind="worker_died") for t in failed
-            ]
+            held = {t.task_id for t in self._held}
+            lost = [(t, n) for t, n in self._retrievals.values() if t.task_id not in held]
+            again = [t for t, n in lost if n < 2]  # idempotent: one retry each
+            failed = [t for t, n in lost if n >= 2]
+            for t in again:
+                self._retrievals[t.task_id] = (t, 2)
+            for t in failed:
+                del self._retrievals[t.task_id]
+            self._held.extend(again)
+            kind = "worker_died"
+            return [RetrievalResult(t.task_id, (), reason, error_kind=kind) for t in failed]
         replica = int(name.rsplit("_", 1)[1])
+        self.router.set_available(replica, False)
         lost = self.router.tasks_on(replica)
         for tid in lost:
             self.router.finish(tid)
@@ -272,6 +296,7 @@ class RayExecutor(BaseExecutor):
         for name in self.actors:
             entry = dict(self._actor_stats.get(name, {}))
             entry["restarts"] = self._restarts.get(name, 0)
+            entry["alive"] = name not in self._down
             if name.startswith("llm_"):
                 entry["in_flight"] = self.router.loads[int(name.rsplit("_", 1)[1])]
             else:

@@ -2,7 +2,8 @@
 
 A task goes to the replica its *affinity key* hashes to (rendezvous hashing: adding a replica
 moves only the keys it wins), unless that replica holds ``overload_slack`` more tasks than
-the least loaded one; then it goes to the least loaded (lowest index on ties).
+the least loaded one, or is down (restarting); then it goes to the least loaded replica that
+is up (lowest index on ties).
 
 The key approximates "the replica whose KV cache holds this prompt's documents": the first
 ``affinity_chars`` characters of the prompt (token ids: the first ``affinity_chars // 4``).
@@ -34,6 +35,7 @@ class ReplicaRouter:
         self.overload_slack = overload_slack
         self.loads = [0] * num_replicas
         self._replica_of: dict[str, int] = {}
+        self._down: set[int] = set()
         self.num_affinity = 0  # tasks sent to their affinity replica
         self.num_spilled = 0  # tasks sent elsewhere because it was overloaded
 
@@ -42,8 +44,9 @@ class ReplicaRouter:
         if task_id in self._replica_of:
             raise ValueError(f"task {task_id!r} is already routed")
         preferred = self.preferred(prompt)
-        least = min(range(self.num_replicas), key=lambda i: (self.loads[i], i))
-        if self.loads[preferred] - self.loads[least] > self.overload_slack:
+        up = [i for i in range(self.num_replicas) if i not in self._down] or [preferred]
+        least = min(up, key=lambda i: (self.loads[i], i))
+        if preferred not in up or self.loads[preferred] - self.loads[least] > self.overload_slack:
             choice = least
             self.num_spilled += 1
         else:
@@ -60,6 +63,13 @@ class ReplicaRouter:
         else:
             key = repr(list(prompt[: self.affinity_chars // 4])).encode()
         return max(range(self.num_replicas), key=lambda i: _weight(key, i))
+
+    def set_available(self, replica: int, available: bool) -> None:
+        """A replica that is down (restarting) gets no new tasks while another is up."""
+        if available:
+            self._down.discard(replica)
+        else:
+            self._down.add(replica)
 
     def replica_of(self, task_id: str) -> int | None:
         return self._replica_of.get(task_id)
