@@ -124,6 +124,57 @@ def test_killing_a_shard_retries_only_its_searches(ray_server: Server, local_ser
     assert ray_server.stats()["workers"]["shard_0"]["alive"]
 
 
+@pytest.mark.slow
+def test_killing_the_retrieval_coordinator_retries_its_searches_once(
+    ray_server: Server, local_server: Server
+) -> None:
+    async def go():
+        jobs = [
+            asyncio.ensure_future(ray_server.submit(q, small_workflow("multistep")))
+            for q in QUESTIONS * 2
+        ]
+        await asyncio.sleep(0.05)
+        ray.kill(ray_server.executor.actors["retrieval"], no_restart=False)
+        return await asyncio.wait_for(asyncio.gather(*jobs), timeout=300)
+
+    results = asyncio.run(go())
+    assert {r.error_kind for r in results} <= {None, "worker_died"}, [r.error for r in results]
+    _next_requests_succeed(ray_server, local_server)
+    assert ray_server.stats()["workers"]["retrieval"]["restarts"] == 1
+
+
+def test_a_shard_call_is_retried_once_after_its_actor_restarts(
+    ray_server: Server, tmp_path
+) -> None:
+    from ragserve.runtime.ray_shards import RayShard, ShardDiedError
+
+    @ray.remote(max_restarts=2)
+    class Flaky:
+        """Dies in ``scan`` the first time (a marker file remembers it across restarts)."""
+
+        def __init__(self, marker: str) -> None:
+            self.marker = marker
+
+        def stats(self) -> dict:
+            return {}
+
+        def scan(self, x: int) -> int:
+            import os
+            from pathlib import Path
+
+            if not Path(self.marker).exists():
+                Path(self.marker).touch()
+                os._exit(1)
+            return x + 1
+
+    shard = RayShard(Flaky.remote(str(tmp_path / "died-once")))
+    assert shard.call("scan", 41) == 42 and shard.num_retries == 1
+    writer = RayShard(Flaky.remote(str(tmp_path / "died-twice")))
+    with pytest.raises(ShardDiedError, match="died during scan"):
+        writer.call("scan", 1, idempotent=False)  # writes are not retried
+    assert writer.call("scan", 1) == 2  # restarted; the marker is there now
+
+
 def _wait_busy(server: Server, names: tuple[str, ...], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
