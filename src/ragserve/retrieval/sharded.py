@@ -165,7 +165,7 @@ class ShardedIndex:
     ) -> TopK:
         """Scan ``plan``'s clusters on the shards holding them; merged into ``state``."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
-        waits = [s.submit("scan", q, p, topk) for s, p in self._fan_out(plan)]
+        waits = [s.submit("scan", q, p, topk) for s, p in self.fan_out(plan)]
         parts = [w() for w in waits]
         for part in parts:
             state = stepwise.merge(state, part, self.spec.is_l2)
@@ -174,7 +174,8 @@ class ShardedIndex:
     def search(self, queries: np.ndarray, topk: int, nprobe: int | None = None) -> TopK:
         return self.scan(queries, self.assign(queries, nprobe), topk)
 
-    def _fan_out(self, plan: ProbePlan) -> list[tuple[BaseShard, ProbePlan]]:
+    def fan_out(self, plan: ProbePlan) -> list[tuple[BaseShard, ProbePlan]]:
+        """The shards ``plan`` touches, each with its part (other shards' clusters ``-1``)."""
         if self.layout.partition == "document":
             return [(s, plan) for s in self.shards]
         owners = self.layout.owners_of_clusters(plan.cluster_ids)

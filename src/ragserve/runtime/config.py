@@ -32,7 +32,7 @@ class ServerConfig:
     num_index_shards: int = 1
     ray_address: str | None = None
     ray_num_cpus: int | None = None
-    shard_partition: str = "list"
+    shard_partition: str = "document"
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_kwargs, dict):
