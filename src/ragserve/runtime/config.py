@@ -14,6 +14,12 @@ class ServerConfig:
     ``engine_kwargs`` go to ``LLMEngine`` as keyword arguments (``device``, ``max_num_seqs``,
     ``kv_cache_bytes``, ...). ``default_nprobe`` applies to retrieval nodes with
     ``nprobe=None`` (``None``: the index's own default).
+
+    ``backend="ray"`` runs ``num_llm_replicas`` engines and ``num_index_shards`` index shards
+    as Ray actors (``runtime/ray_backend.py``), joining the cluster at ``ray_address`` or
+    starting a local one (``ray_num_cpus`` CPUs; ``None``: all of them). ``shard_partition``
+    is ``"document"`` (doc-id hash; the default, chosen by measurement: docs/scale_out.md) or
+    ``"list"`` (inverted lists balanced by scan cost).
     """
 
     in_process: bool = False
