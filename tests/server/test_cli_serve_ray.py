@@ -50,3 +50,10 @@ def test_server_config_validates_the_backend_fields() -> None:
     ]:
         with pytest.raises(ValueError, match=field):
             ServerConfig(**kwargs)
+
+
+def test_ray_backend_needs_paths_not_live_objects() -> None:
+    from ragserve.runtime import Server, ServerConfig
+
+    with pytest.raises(TypeError, match="index must be a name or a path for Ray actors"):
+        Server("tiny", object(), config=ServerConfig(backend="ray"))  # before any cluster
