@@ -10,10 +10,10 @@ import time
 
 import pytest
 from test_server_processes import _long_graph, _plain
-from test_workflows_e2e import small_workflow
+from test_workflows_e2e import EXTRA, small_workflow
 
 from ragserve.runtime import Server, ServerConfig
-from ragserve.workflows import BUILTIN_WORKFLOWS
+from ragserve.workflows import BUILTIN_WORKFLOWS, get_workflow
 
 ray = pytest.importorskip("ray")
 
@@ -54,6 +54,36 @@ def test_five_workflows_answer_like_the_single_process_backend(
     workers = ray_server.stats()["workers"]
     assert workers["llm_0"]["tasks"] > 0 and workers["llm_1"]["tasks"] > 0  # both replicas used
     assert workers["shard_0"]["num_scans"] + workers["shard_1"]["num_scans"] > 0
+
+
+def test_co_scheduling_transforms_work_across_shards_and_stay_exact(
+    ray_server: Server, local_server: Server
+) -> None:
+    """Split sub-stages, similarity reordering (cluster ids asked of the shards) and
+    speculation on partial top-k, all over 2 shards: answers equal the plain single-process
+    ones."""
+    from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
+
+    jobs = [(q, n) for q in QUESTIONS[:2] for n in ("oneshot", "irg", "multistep")]
+    graph = lambda n: get_workflow(n, max_tokens=6, nprobe=4, **EXTRA.get(n, {}))  # noqa: E731
+    config = CoScheduleConfig(budget_s=1e-4, spec_first_clusters=1)  # many small sub-stages
+    ray_server.set_transforms(make_transforms(config), timeout=60)
+    try:
+
+        async def together():
+            graphs = [graph(n) for _, n in jobs]
+            return await asyncio.gather(
+                *(ray_server.submit(q, g) for (q, _), g in zip(jobs, graphs, strict=True))
+            )
+
+        got = asyncio.run(asyncio.wait_for(together(), timeout=300))
+    finally:
+        ray_server.set_transforms((), timeout=60)
+    want = [local_server.run(q, graph(n)) for q, n in jobs]
+    assert [r.error for r in got] == [None] * len(jobs)
+    assert [r.output for r in got] == [r.output for r in want]
+    assert [r.doc_ids for r in got] == [r.doc_ids for r in want]
+    assert ray_server.stats()["workers"]["shard_1"]["num_scanned_clusters"] > 0
 
 
 def test_upserts_are_visible_across_shards_then_deleted(ray_server: Server) -> None:
