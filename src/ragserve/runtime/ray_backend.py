@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3  # per actor; past it the actor stays dead and its tasks fail at once
 POLL_S = 0.5  # an actor's long-poll: it answers at once with results, else after this
+REPOLL_S = 0.2  # pause before polling an actor whose last poll failed
 RETRIEVAL = "retrieval"
 
 
@@ -81,21 +83,9 @@ class RayExecutor(BaseExecutor):
     def __init__(self, model: str, index: str, embedder: str | None, config: ServerConfig):
         import ray
 
-        self.config = config
+        self._init_state(config)
         self._owns_ray = start_ray(config)
         self._ray = ray
-        self.router = ReplicaRouter(config.num_llm_replicas)
-        self._retrievals: dict[str, tuple[RetrievalTask, int]] = {}  # task -> (task, attempts)
-        self._errors: list[Update] = []
-        self._restarts: dict[str, int] = {}
-        self._down: set[str] = set()  # actors whose last poll failed (restarting)
-        self._held: list[RetrievalTask] = []  # retrievals waiting for the coordinator
-        self._engine_stats: dict[str, dict[str, Any]] = {}
-        self._actor_stats: dict[str, dict[str, Any]] = {}
-        self._pg = None
-        self._shard_root: Path | None = None
-        self._shard_names: list[str] = []
-        self._prefix = f"ragserve-{uuid.uuid4().hex[:12]}"
         try:
             self.shards = self._start_shards(index)
             self.actors = {RETRIEVAL: self._start_coordinator(index, embedder)}
@@ -107,7 +97,28 @@ class RayExecutor(BaseExecutor):
         except BaseException:
             self.close()
             raise
-        self._polls = {self._poll(name): name for name in self.actors}
+        self._polls.update({self._poll(name): name for name in self.actors})
+
+    def _init_state(self, config: ServerConfig) -> None:
+        """The executor's bookkeeping (no Ray: tests drive it with fake actors)."""
+        self.config = config
+        self.router = ReplicaRouter(config.num_llm_replicas)
+        self._retrievals: dict[str, tuple[RetrievalTask, int]] = {}  # task -> (task, attempts)
+        self._errors: list[Update] = []
+        self._restarts: dict[str, int] = {}
+        self._down: set[str] = set()  # actors whose last poll failed (restarting)
+        self._down_since: dict[str, float] = {}
+        self._repoll_at: dict[str, float] = {}  # down actors: when to poll them again
+        self._held: list[RetrievalTask] = []  # retrievals waiting for the coordinator
+        self._actor_stats: dict[str, dict[str, Any]] = {}
+        self._pg = None
+        self._shard_root: Path | None = None
+        self._shard_names: list[str] = []
+        self._prefix = f"ragserve-{uuid.uuid4().hex[:12]}"
+        self._owns_ray = False
+        self.actors: dict[str, Any] = {}
+        self.shards: list = []
+        self._polls: dict[Any, str] = {}  # in-flight long-poll ref -> actor name
 
     # -- start ------------------------------------------------------------------------------
     def _start_shards(self, index: str) -> list:
@@ -183,7 +194,9 @@ class RayExecutor(BaseExecutor):
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
         for t in tasks:
             self._retrievals[t.task_id] = (t, 1)
-        if RETRIEVAL in self._down:
+        if self._is_given_up(RETRIEVAL):
+            self._errors.extend(self._on_death(RETRIEVAL, RuntimeError("gone")))
+        elif RETRIEVAL in self._down:
             self._held.extend(tasks)  # sent once the restarted coordinator answers a poll
         else:
             self.actors[RETRIEVAL].submit.remote(list(tasks))
@@ -200,14 +213,26 @@ class RayExecutor(BaseExecutor):
     def poll(self, timeout: float) -> list[Update]:
         updates: list[Update] = list(self._errors)
         self._errors.clear()
+        now = time.monotonic()
+        for name, due in list(self._repoll_at.items()):
+            if due <= now:  # NOTE: a dead actor is re-polled after a pause, not in a hot loop
+                del self._repoll_at[name]
+                self._polls[self._poll(name)] = name
         refs = list(self._polls)
-        ready, _ = self._ray.wait(refs, num_returns=1, timeout=0.0 if updates else timeout)
+        wait_s = 0.0 if updates else timeout
+        if not refs:
+            time.sleep(min(wait_s, REPOLL_S))
+            return updates
+        ready, _ = self._ray.wait(refs, num_returns=1, timeout=wait_s)
         if ready:
             ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0.0)
         for ref in ready:
             name = self._polls.pop(ref)
             updates.extend(self._collect(name, ref))
-            self._polls[self._poll(name)] = name
+            if name in self._down:
+                self._repoll_at[name] = time.monotonic() + REPOLL_S
+            else:
+                self._polls[self._poll(name)] = name
         return updates
 
     def _poll(self, name: str) -> Any:
@@ -232,6 +257,12 @@ class RayExecutor(BaseExecutor):
                 self.router.finish(u.task_id)
         return items
 
+    def _is_given_up(self, name: str) -> bool:
+        """Down for longer than a start may take: its restarts are exhausted or failing."""
+        since = self._down_since.get(name)
+        down_s = time.monotonic() - since if since is not None else 0.0
+        return name in self._down and down_s > self.config.worker_start_timeout
+
     def _on_back(self, name: str) -> None:
         """A restarted actor answered: route to it again, send the retrievals held for it."""
         self._down.discard(name)
@@ -246,9 +277,19 @@ class RayExecutor(BaseExecutor):
         """A poll failed: the actor died (or is still restarting: then nothing is lost)."""
         if name not in self._down:
             self._down.add(name)
+            self._down_since[name] = time.monotonic()
             self._restarts[name] = self._restarts.get(name, 0) + 1
             logger.warning("%s actor died (%s); Ray restarts it", name, type(exc).__name__)
         reason = f"{name} actor died ({type(exc).__name__}); Ray restarts it"
+        if name == RETRIEVAL and self._is_given_up(name):
+            failed = [t for t, _ in self._retrievals.values()]
+            self._retrievals.clear()
+            self._held.clear()
+            reason = (
+                f"{name} actor did not come back within {self.config.worker_start_timeout:.0f} s"
+            )
+            kind = "worker_died"
+            return [RetrievalResult(t.task_id, (), reason, error_kind=kind) for t in failed]
         if name == RETRIEVAL:
             held = {t.task_id for t in self._held}
             lost = [(t, n) for t, n in self._retrievals.values() if t.task_id not in held]
@@ -319,7 +360,7 @@ class RayExecutor(BaseExecutor):
         return out
 
     def close(self) -> None:
-        actors = [*getattr(self, "actors", {}).values(), *getattr(self, "shards", [])]
+        actors = [*self.actors.values(), *self.shards]
         for actor in actors:
             try:
                 self._ray.kill(actor, no_restart=True)
