@@ -173,6 +173,7 @@ def test_killing_the_retrieval_coordinator_retries_its_searches_once(
     assert ray_server.stats()["workers"]["retrieval"]["restarts"] == 1
 
 
+@pytest.mark.slow
 def test_a_shard_call_is_retried_once_after_its_actor_restarts(
     ray_server: Server, tmp_path
 ) -> None:
