@@ -91,6 +91,9 @@ def test_metrics_render_stats_as_gauges() -> None:
     assert values[("ragserve:queue_depth", (("queue", "workers.gen.pending"),))] == 7
     assert values[("ragserve:server_stat", (("key", "workers.gen.alive"),))] == 1
     assert values[("ragserve:server_stat", (("key", "workers.gen.in_flight"),))] == 4
+    worker = ("ragserve:worker_stat", (("stat", "in_flight"), ("worker", "gen")))
+    assert values[worker] == 4  # per worker / Ray actor labels (issue 17)
+    assert ("ragserve:worker_stat", (("stat", "inbox_queue"), ("worker", "workers"))) not in values
     assert values[("ragserve:requests_total", (("status", "ok"), ("workflow", "hyde")))] == 1
 
 

@@ -79,6 +79,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the resolved configuration as TOML (a --config file) and exit",
     )
+    scale = p.add_argument_group("scale-out on Ray")
+    scale.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run on Ray: join the cluster at ADDRESS, or start a local one without it",
+    )
+    scale.add_argument("--llm-replicas", type=int, default=1, help="LLM engine replicas (--ray)")
+    scale.add_argument("--index-shards", type=int, default=1, help="index shards (--ray)")
     p.set_defaults(func=handler)
 
 
@@ -147,6 +158,11 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
     runtime = config.runtime
     if runtime.max_active_requests < serve.max_num_inflight:
         runtime = dataclasses.replace(runtime, max_active_requests=serve.max_num_inflight)
+    if args.ray is not None or (args.llm_replicas, args.index_shards) != (1, 1):
+        try:
+            runtime = dataclasses.replace(runtime, **_scale_out(args))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     return dataclasses.replace(config, serve=serve, runtime=runtime)
 
 
@@ -187,3 +203,15 @@ def handler(args: argparse.Namespace) -> int:
     logger.info("Server ready; co-scheduling: %s", ", ".join(server.stats()["cosched"]) or "off")
     serve(server, config.serve)
     return 0
+
+
+def _scale_out(args: argparse.Namespace) -> dict:
+    """``ServerConfig`` fields of ``--ray [ADDRESS] --llm-replicas N --index-shards M``."""
+    if args.ray is None:
+        return {"num_llm_replicas": args.llm_replicas, "num_index_shards": args.index_shards}
+    return {
+        "backend": "ray",
+        "ray_address": args.ray or None,
+        "num_llm_replicas": args.llm_replicas,
+        "num_index_shards": args.index_shards,
+    }

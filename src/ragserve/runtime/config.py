@@ -57,6 +57,12 @@ class ServerConfig:
     ``cosched`` is data (which co-scheduling optimizations run, and their knobs); the
     ``Server`` builds the transforms from it (``make_transforms``). The default runs them all;
     ``CoScheduleConfig.none()`` is the plain wavefront scheduler.
+
+    ``backend="ray"`` runs ``num_llm_replicas`` engines and ``num_index_shards`` index shards
+    as Ray actors (``runtime/ray_backend.py``), joining the cluster at ``ray_address`` or
+    starting a local one (``ray_num_cpus`` CPUs; ``None``: all of them). ``shard_partition``
+    is ``"document"`` (doc-id hash; the default, chosen by measurement: docs/scale_out.md) or
+    ``"list"`` (inverted lists balanced by scan cost).
     """
 
     in_process: bool = False
@@ -75,6 +81,12 @@ class ServerConfig:
     max_num_calls: int = 16
     document_limits: DocumentLimits = field(default_factory=DocumentLimits)
     health_stall_s: float = 10.0
+    backend: str = "process"
+    num_llm_replicas: int = 1
+    num_index_shards: int = 1
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    shard_partition: str = "document"
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_kwargs, dict):
@@ -96,3 +108,23 @@ class ServerConfig:
         for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_backend()
+
+    def _check_backend(self) -> None:
+        if self.backend not in ("process", "ray"):
+            raise ValueError(f"backend must be 'process' or 'ray', got {self.backend!r}")
+        for name in ("num_llm_replicas", "num_index_shards"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.backend == "process" and (self.num_llm_replicas, self.num_index_shards) != (1, 1):
+            raise ValueError("num_llm_replicas and num_index_shards > 1 need backend='ray'")
+        if self.backend == "ray" and self.in_process:
+            raise ValueError("backend='ray' runs actors; it cannot be combined with in_process")
+        if self.backend == "ray" and self.gpu_tier is not None:
+            raise ValueError("gpu_tier: the GPU index tier is not built for backend='ray' yet")
+        if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
+            raise ValueError(f"ray_num_cpus must be >= 1 or None, got {self.ray_num_cpus}")
+        if self.shard_partition not in ("list", "document"):
+            raise ValueError(
+                f"shard_partition must be 'list' or 'document', got {self.shard_partition!r}"
+            )

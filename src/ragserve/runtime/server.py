@@ -466,6 +466,13 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         from ragserve.retrieval import builtin_index
 
         index = builtin_index("factbook")
+    if config.backend == "ray":
+        from ragserve.runtime.ray_backend import RayExecutor
+
+        _check_paths(model, index, embedder, "Ray actors")
+        return RayExecutor(
+            str(model), str(index), None if embedder is None else str(embedder), config
+        )
     config, plan = plan_gpu_memory(config, model, index)
     tier = None
     if plan.tier_bytes is not None:
@@ -494,12 +501,7 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         return LocalExecutor(
             GenerationRunner(engine), RetrievalRunner(vindex, emb, config.default_nprobe)
         )
-    for name, value in (("model", model), ("index", index), ("embedder", embedder)):
-        if value is not None and not isinstance(value, (str, Path)):
-            raise TypeError(
-                f"{name} must be a name or a path for worker processes, got "
-                f"{type(value).__name__}; pass ServerConfig(in_process=True) for live objects"
-            )
+    _check_paths(model, index, embedder, "worker processes")
     log_level = logging.getLogger("ragserve").getEffectiveLevel()
     gen = WorkerSpec(
         "generation", model=str(model), engine_kwargs=config.engine_kwargs, log_level=log_level
@@ -513,3 +515,12 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         log_level=log_level,
     )
     return ProcessExecutor(gen, ret, config)
+
+
+def _check_paths(model: Any, index: Any, embedder: Any, where: str) -> None:
+    for name, value in (("model", model), ("index", index), ("embedder", embedder)):
+        if value is not None and not isinstance(value, (str, Path)):
+            raise TypeError(
+                f"{name} must be a name or a path for {where}, got "
+                f"{type(value).__name__}; pass ServerConfig(in_process=True) for live objects"
+            )

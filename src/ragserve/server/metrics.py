@@ -67,7 +67,15 @@ class StatsCollector(Collector):
         queues = GaugeMetricFamily(
             "ragserve:queue_depth", "Items waiting in the runtime's queues.", labels=["queue"]
         )
+        workers = GaugeMetricFamily(
+            "ragserve:worker_stat",
+            "Per worker / Ray actor (LLM replica, index shard) Server.stats() entries.",
+            labels=["worker", "stat"],
+        )
         for key, value in sorted(flat.items()):
+            parts = key.split(".")
+            if len(parts) == 3 and parts[0] == "workers":
+                workers.add_metric(parts[1:], value)
             if key in _STAT_GAUGES:
                 known[key] = value
             elif _is_queue(key):
@@ -88,6 +96,7 @@ class StatsCollector(Collector):
             value=self._admitted(),
         )
         yield queues
+        yield workers
         yield other
 
 

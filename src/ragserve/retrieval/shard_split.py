@@ -1,0 +1,196 @@
+"""Splitting one saved `VectorIndex` into shard folders that search exactly like it.
+
+```
+ROOT/layout.json        num_shards, partition, owners (cluster -> shard), source, row_id bases
+ROOT/quantizer.faiss    the coarse quantizer every shard shares (assignment happens once)
+ROOT/shard-<i>/         a complete `VectorIndex` folder (manifest, snapshot, docs.sqlite)
+```
+
+Every shard keeps the source's trained quantizer (and SQ/PQ codebooks) and the source's Faiss
+row ids, so the union of the shards' scans is the source's scan and the merged top-k carries
+the same ids. Two partitions:
+
+- ``"list"``: each inverted list lives on one shard; lists are packed onto shards by their scan
+  cost (list size x code size, largest first onto the least loaded shard). A query's probes
+  go only to the shards owning them; an upserted vector goes to the owner of its list.
+- ``"document"``: each document lives on the shard its id hashes to; every shard holds a
+  slice of every list, so every query goes to every shard.
+
+New rows of shard ``i`` get ids from ``(i + 1) << ROW_ID_SHIFT`` on: ids stay unique across
+shards without coordination (the source's ids are below ``1 << ROW_ID_SHIFT``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from ragserve.retrieval.index import VectorIndex
+from ragserve.retrieval.persist import build_manifest
+from ragserve.retrieval.storage import (
+    DOCSTORE,
+    atomic_write_bytes,
+    fsync_dir,
+    snapshot_name,
+    write_manifest,
+)
+
+PARTITIONS = ("list", "document")
+ROW_ID_SHIFT = 40
+LAYOUT = "layout.json"
+QUANTIZER = "quantizer.faiss"
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each cluster (``"list"``) or document (``"document"``) lives."""
+
+    num_shards: int
+    partition: str = "list"
+    owners: tuple[int, ...] | None = None  # cluster -> shard; ``"list"`` only
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        if (self.partition == "list") != (self.owners is not None):
+            raise ValueError("owners must be given for partition='list' and only for it")
+
+    def owner_of_document(self, doc_id: str) -> int:
+        """The shard of a document id (``"document"`` partition): a stable hash."""
+        digest = hashlib.blake2b(doc_id.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") % self.num_shards
+
+    def owners_of_clusters(self, cluster_ids: np.ndarray) -> np.ndarray:
+        """Shard of each cluster id (``-1`` pads stay ``-1``); ``"list"`` only."""
+        owners = np.asarray(self.owners, dtype=np.int64)
+        return np.where(cluster_ids < 0, -1, owners[np.where(cluster_ids < 0, 0, cluster_ids)])
+
+    def shard_dir(self, root: Path, shard: int) -> Path:
+        return root / f"shard-{shard}"
+
+
+def balance_lists(costs: np.ndarray, num_shards: int) -> tuple[int, ...]:
+    """Owner of each list: largest cost first onto the currently cheapest shard (LPT);
+    ties go to the lower shard, so the result is deterministic."""
+    load = np.zeros(num_shards, dtype=np.float64)
+    owners = np.zeros(len(costs), dtype=np.int64)
+    for c in np.argsort(-np.asarray(costs, dtype=np.float64), kind="stable"):
+        s = int(np.argmin(load))
+        owners[c] = s
+        load[s] += float(costs[c])
+    return tuple(int(o) for o in owners)
+
+
+def read_layout(root: str | Path) -> ShardLayout:
+    data = json.loads((Path(root) / LAYOUT).read_text())
+    owners = data.get("owners")
+    return ShardLayout(int(data["num_shards"]), data["partition"], owners and tuple(owners))
+
+
+def split_index(source: Path, root: Path, num_shards: int, partition: str = "list") -> ShardLayout:
+    """Write ``root`` (new) with ``num_shards`` shard folders of the index at ``source``."""
+    source, root = Path(source).absolute(), Path(root).absolute()
+    if root.exists():
+        raise FileExistsError(f"{root} exists; remove it or use its layout")
+    vi = VectorIndex.load(source)
+    try:
+        row_ids, _ = vi._store.vectors()
+        if len(row_ids) and int(row_ids.max()) >= 1 << ROW_ID_SHIFT:
+            raise ValueError(f"{source} has row ids past 2**{ROW_ID_SHIFT}; cannot shard it")
+        layout = _layout_for(vi, num_shards, partition)
+        owner_of_row = _row_owners(vi, layout, row_ids)
+        tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for shard in range(num_shards):
+            keep = row_ids[owner_of_row == shard]
+            _write_shard(vi, layout.shard_dir(tmp, shard), shard, keep, row_ids)
+        faiss.write_index(vi.faiss_index.quantizer, str(tmp / QUANTIZER))
+        meta = {"num_shards": num_shards, "partition": partition, "source": str(source)}
+        meta["owners"] = list(layout.owners) if layout.owners is not None else None
+        atomic_write_bytes(tmp / LAYOUT, json.dumps(meta).encode())
+        os.rename(tmp, root)
+        fsync_dir(root.parent)
+    finally:
+        vi.close()
+    return layout
+
+
+def _layout_for(vi: VectorIndex, num_shards: int, partition: str) -> ShardLayout:
+    if partition == "list":
+        return ShardLayout(num_shards, "list", balance_lists(vi.cluster_cost_bytes(), num_shards))
+    return ShardLayout(num_shards, partition)
+
+
+def _row_owners(vi: VectorIndex, layout: ShardLayout, row_ids: np.ndarray) -> np.ndarray:
+    if layout.partition == "document":
+        docs = vi.get_documents([int(r) for r in row_ids])
+        return np.array([layout.owner_of_document(d.id) for d in docs], dtype=np.int64)
+    cluster_of = cluster_map(vi.faiss_index)
+    return layout.owners_of_clusters(cluster_of[row_ids])
+
+
+def cluster_map(ivf: faiss.IndexIVF) -> np.ndarray:
+    """int64 ``[max_id + 1]``: the inverted list of each row id (``-1`` where none). The caller
+    keeps the index unchanged meanwhile."""
+    parts: list[tuple[int, np.ndarray]] = []
+    for c in range(ivf.nlist):
+        n = ivf.invlists.list_size(c)
+        if n:
+            parts.append((c, faiss.rev_swig_ptr(ivf.invlists.get_ids(c), n).copy()))
+    top = max((int(ids.max()) for _, ids in parts), default=-1)
+    out = np.full(top + 1, -1, np.int64)
+    for c, ids in parts:
+        out[ids] = c
+    return out
+
+
+def _write_shard(
+    vi: VectorIndex, directory: Path, shard: int, keep: np.ndarray, all_rows: np.ndarray
+) -> None:
+    directory.mkdir()
+    drop = np.setdiff1d(all_rows, keep)
+    index = faiss.clone_index(vi.faiss_index)
+    if len(drop):
+        index.remove_ids(drop.astype(np.int64))
+    seq = vi._store.last_seq()
+    vi._store.copy_to(directory / DOCSTORE)
+    conn = sqlite3.connect(str(directory / DOCSTORE), isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("CREATE TEMP TABLE keep (row_id INTEGER PRIMARY KEY)")
+        conn.executemany("INSERT INTO keep VALUES (?)", ((int(r),) for r in keep))
+        conn.execute("DELETE FROM docs WHERE row_id NOT IN (SELECT row_id FROM keep)")
+        conn.execute("DELETE FROM ops")
+        conn.execute("DELETE FROM sqlite_sequence WHERE name IN ('docs', 'ops')")
+        base = (shard + 1) << ROW_ID_SHIFT
+        conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('docs', ?)", (base,))
+        conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('ops', ?)", (seq,))
+        conn.execute("COMMIT")
+        conn.execute("VACUUM")
+    finally:
+        conn.close()
+    data = faiss.serialize_index(index)
+    name = snapshot_name(1)
+    atomic_write_bytes(directory / name, memoryview(data))
+    manifest = build_manifest(
+        vi.spec,
+        index,
+        snapshot=name,
+        sha256=hashlib.sha256(memoryview(data)).hexdigest(),
+        num_bytes=int(data.nbytes),
+        applied_seq=seq,
+        generation=1,
+        metadata={**vi.metadata, "shard": shard},
+    )
+    write_manifest(directory, manifest)

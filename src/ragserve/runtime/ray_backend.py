@@ -1,0 +1,377 @@
+"""``RayExecutor``: the scheduler's tasks on Ray actors (``ServerConfig(backend="ray")``).
+
+```
+Server ─ Scheduler ─ RayExecutor ──route──> LLMReplica 0..N-1   (one LLMEngine each; GPU/PG)
+                          │
+                          └──────────────> RetrievalCoordinator (embedder, staged runner)
+                                               └─ fan-out ─> ShardServer 0..M-1 (a folder each)
+```
+
+One scheduler (this process) drives every actor. Each actor has one long-poll call in flight
+(``poll``); ``RayExecutor.poll`` waits on all of them with ``ray.wait``. An actor that dies
+fails that call: a replica's in-flight generation tasks then end with ``worker_died`` (and are
+aborted on its restarted instance, in case a late submit reached it); the coordinator's
+in-flight retrievals are resubmitted once (they are idempotent), then failed. Ray restarts
+dead actors (``max_restarts``); shards restart from their folders, so acknowledged upserts
+survive. Without ``ray_address`` a local cluster is started (no dashboard) and shut at close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.replica_router import ReplicaRouter
+from ragserve.scheduler import (
+    BaseExecutor,
+    GenerationTask,
+    GenerationUpdate,
+    RetrievalResult,
+    RetrievalTask,
+    Update,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3  # per actor; past it the actor stays dead and its tasks fail at once
+POLL_S = 0.5  # an actor's long-poll: it answers at once with results, else after this
+REPOLL_S = 0.2  # pause before polling an actor whose last poll failed
+RETRIEVAL = "retrieval"
+
+
+def start_ray(config: ServerConfig) -> bool:
+    """Join ``config.ray_address`` or start a local cluster; True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
+    if config.ray_address is not None:
+        ray.init(address=config.ray_address, runtime_env=env, log_to_driver=False)
+        return False
+    ray.init(
+        num_cpus=config.ray_num_cpus or os.cpu_count() or 1,
+        include_dashboard=False,
+        runtime_env=env,
+        log_to_driver=False,
+    )
+    return True
+
+
+def shard_root(index: str | Path, num_shards: int, partition: str) -> Path:
+    """Where the shards of ``index`` live (split on first use, reused afterwards): a sibling
+    folder, so a cluster that sees the index on shared storage sees its shards too."""
+    index = Path(index).absolute()
+    root = index.parent / f"{index.name}.shards-{num_shards}-{partition}"
+    if not root.exists():
+        from ragserve.retrieval.shard_split import split_index
+
+        split_index(index, root, num_shards, partition)
+        logger.info("split %s into %d shards (%s) at %s", index, num_shards, partition, root)
+    return root
+
+
+class RayExecutor(BaseExecutor):
+    """LLM replicas, the retrieval coordinator and index shards as Ray actors (module doc)."""
+
+    def __init__(self, model: str, index: str, embedder: str | None, config: ServerConfig):
+        import ray
+
+        self._init_state(config)
+        self._owns_ray = start_ray(config)
+        self._ray = ray
+        try:
+            self.shards = self._start_shards(index)
+            self.actors = {RETRIEVAL: self._start_coordinator(index, embedder)}
+            for i, actor in enumerate(self._start_replicas(model)):
+                self.actors[f"llm_{i}"] = actor
+            pending = [a.ping.remote() for a in self.actors.values()]
+            pending += [s.stats.remote() for s in self.shards]
+            ray.get(pending, timeout=config.worker_start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self._polls.update({self._poll(name): name for name in self.actors})
+
+    def _init_state(self, config: ServerConfig) -> None:
+        """The executor's bookkeeping (no Ray: tests drive it with fake actors)."""
+        self.config = config
+        self.router = ReplicaRouter(config.num_llm_replicas)
+        self._retrievals: dict[str, tuple[RetrievalTask, int]] = {}  # task -> (task, attempts)
+        self._errors: list[Update] = []
+        self._restarts: dict[str, int] = {}
+        self._down: set[str] = set()  # actors whose last poll failed (restarting)
+        self._down_since: dict[str, float] = {}
+        self._repoll_at: dict[str, float] = {}  # down actors: when to poll them again
+        self._held: list[RetrievalTask] = []  # retrievals waiting for the coordinator
+        self._actor_stats: dict[str, dict[str, Any]] = {}
+        self._pg = None
+        self._shard_root: Path | None = None
+        self._shard_names: list[str] = []
+        self._prefix = f"ragserve-{uuid.uuid4().hex[:12]}"
+        self._owns_ray = False
+        self.actors: dict[str, Any] = {}
+        self.shards: list = []
+        self._polls: dict[Any, str] = {}  # in-flight long-poll ref -> actor name
+
+    # -- start ------------------------------------------------------------------------------
+    def _start_shards(self, index: str) -> list:
+        from ragserve.retrieval.sharded import ShardServer
+
+        if self.config.num_index_shards == 1:
+            return []
+        root = shard_root(index, self.config.num_index_shards, self.config.shard_partition)
+        self._shard_root = root
+        cls = self._ray.remote(ShardServer)
+        self._shard_names = [
+            f"{self._prefix}-shard-{i}" for i in range(self.config.num_index_shards)
+        ]
+        return [
+            cls.options(name=name, num_cpus=0, max_restarts=MAX_RESTARTS, max_concurrency=4).remote(
+                str(root / f"shard-{i}")
+            )
+            for i, name in enumerate(self._shard_names)
+        ]
+
+    def _start_coordinator(self, index: str, embedder: str | None) -> Any:
+        from ragserve.runtime.ray_actors import RetrievalCoordinator
+
+        cls = self._ray.remote(RetrievalCoordinator).options(
+            num_cpus=0, max_restarts=MAX_RESTARTS, max_concurrency=4
+        )
+        root = str(self._shard_root) if self._shard_root is not None else None
+        # NOTE: shards are passed by name, not handle: handles would make the constructor's
+        # arguments objects in the store, which a restart after they are freed cannot read.
+        names = self._shard_names or None
+        return cls.remote(index, embedder, self.config.default_nprobe, root, names)
+
+    def _start_replicas(self, model: str) -> list:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ragserve.runtime.ray_actors import LLMReplica
+
+        n = self.config.num_llm_replicas
+        device = dict(self.config.engine_kwargs).get("device", "auto")
+        gpus = self._ray.cluster_resources().get("GPU", 0)
+        cls = self._ray.remote(LLMReplica)
+        opts: dict[str, Any] = {"max_restarts": MAX_RESTARTS, "max_concurrency": 4}
+        if device == "cpu" or gpus < n:
+            if device not in ("cpu", "auto"):
+                raise ValueError(
+                    f"{n} LLM replicas on {device!r} need {n} GPUs; cluster has {gpus}"
+                )
+            kwargs = self.config.engine_kwargs
+            return [cls.options(num_cpus=0, **opts).remote(model, kwargs) for _ in range(n)]
+        # NOTE: one GPU per replica, reserved together (PACK: on as few nodes as possible).
+        self._pg = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="PACK")
+        self._ray.get(self._pg.ready(), timeout=self.config.worker_start_timeout)
+        kwargs = self.config.engine_kwargs
+        return [
+            cls.options(
+                num_gpus=1,
+                num_cpus=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i),
+                **opts,
+            ).remote(model, kwargs)
+            for i in range(n)
+        ]
+
+    # -- BaseExecutor -----------------------------------------------------------------------
+    def submit_generation(self, tasks: list[GenerationTask]) -> None:
+        groups: dict[int, list[GenerationTask]] = {}
+        for t in tasks:
+            groups.setdefault(self.router.route(t.task_id, t.prompt), []).append(t)
+        for replica, group in groups.items():
+            self.actors[f"llm_{replica}"].submit.remote(group)
+
+    def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
+        for t in tasks:
+            self._retrievals[t.task_id] = (t, 1)
+        if self._is_given_up(RETRIEVAL):
+            self._errors.extend(self._on_death(RETRIEVAL, RuntimeError("gone")))
+        elif RETRIEVAL in self._down:
+            self._held.extend(tasks)  # sent once the restarted coordinator answers a poll
+        else:
+            self.actors[RETRIEVAL].submit.remote(list(tasks))
+
+    def abort(self, task_ids: list[str]) -> None:
+        groups: dict[int, list[str]] = {}
+        for tid in task_ids:
+            replica = self.router.finish(tid)
+            if replica is not None:
+                groups.setdefault(replica, []).append(tid)
+        for replica, ids in groups.items():
+            self.actors[f"llm_{replica}"].abort.remote(ids)
+
+    def poll(self, timeout: float) -> list[Update]:
+        updates: list[Update] = list(self._errors)
+        self._errors.clear()
+        now = time.monotonic()
+        for name, due in list(self._repoll_at.items()):
+            if due <= now:  # NOTE: a dead actor is re-polled after a pause, not in a hot loop
+                del self._repoll_at[name]
+                self._polls[self._poll(name)] = name
+        refs = list(self._polls)
+        wait_s = 0.0 if updates else timeout
+        if not refs:
+            time.sleep(min(wait_s, REPOLL_S))
+            return updates
+        ready, _ = self._ray.wait(refs, num_returns=1, timeout=wait_s)
+        if ready:
+            ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0.0)
+        for ref in ready:
+            name = self._polls.pop(ref)
+            updates.extend(self._collect(name, ref))
+            if name in self._down:
+                self._repoll_at[name] = time.monotonic() + REPOLL_S
+            else:
+                self._polls[self._poll(name)] = name
+        return updates
+
+    def _poll(self, name: str) -> Any:
+        return self.actors[name].poll.remote(POLL_S)
+
+    def _collect(self, name: str, ref: Any) -> list[Update]:
+        from ray.exceptions import RayActorError
+
+        try:
+            items, stats = self._ray.get(ref)
+        except RayActorError as exc:
+            return self._on_death(name, exc)
+        self._actor_stats[name] = stats
+        if name in self._down:
+            self._on_back(name)
+        for u in items:
+            if not getattr(u, "finished", True):
+                continue
+            if name == RETRIEVAL:
+                self._retrievals.pop(u.task_id, None)
+            else:
+                self.router.finish(u.task_id)
+        return items
+
+    def _is_given_up(self, name: str) -> bool:
+        """Down for longer than a start may take: its restarts are exhausted or failing."""
+        since = self._down_since.get(name)
+        down_s = time.monotonic() - since if since is not None else 0.0
+        return name in self._down and down_s > self.config.worker_start_timeout
+
+    def _on_back(self, name: str) -> None:
+        """A restarted actor answered: route to it again, send the retrievals held for it."""
+        self._down.discard(name)
+        logger.info("%s actor is back", name)
+        if name != RETRIEVAL:
+            self.router.set_available(int(name.rsplit("_", 1)[1]), True)
+        elif self._held:
+            held, self._held = self._held, []
+            self.actors[RETRIEVAL].submit.remote(held)
+
+    def _on_death(self, name: str, exc: Exception) -> list[Update]:
+        """A poll failed: the actor died (or is still restarting: then nothing is lost)."""
+        if name not in self._down:
+            self._down.add(name)
+            self._down_since[name] = time.monotonic()
+            self._restarts[name] = self._restarts.get(name, 0) + 1
+            logger.warning("%s actor died (%s); Ray restarts it", name, type(exc).__name__)
+        reason = f"{name} actor died ({type(exc).__name__}); Ray restarts it"
+        if name == RETRIEVAL and self._is_given_up(name):
+            failed = [t for t, _ in self._retrievals.values()]
+            self._retrievals.clear()
+            self._held.clear()
+            reason = (
+                f"{name} actor did not come back within {self.config.worker_start_timeout:.0f} s"
+            )
+            kind = "worker_died"
+            return [RetrievalResult(t.task_id, (), reason, error_kind=kind) for t in failed]
+        if name == RETRIEVAL:
+            held = {t.task_id for t in self._held}
+            lost = [(t, n) for t, n in self._retrievals.values() if t.task_id not in held]
+            again = [t for t, n in lost if n < 2]  # idempotent: one retry each
+            failed = [t for t, n in lost if n >= 2]
+            for t in again:
+                self._retrievals[t.task_id] = (t, 2)
+            for t in failed:
+                del self._retrievals[t.task_id]
+            self._held.extend(again)
+            kind = "worker_died"
+            return [RetrievalResult(t.task_id, (), reason, error_kind=kind) for t in failed]
+        replica = int(name.rsplit("_", 1)[1])
+        self.router.set_available(replica, False)
+        lost = self.router.tasks_on(replica)
+        for tid in lost:
+            self.router.finish(tid)
+        if lost:  # a submit that raced the death may have reached the restarted instance
+            self.actors[name].abort.remote(lost)
+        return [
+            GenerationUpdate(t, "", (), True, "error", error=reason, error_kind="worker_died")
+            for t in lost
+        ]
+
+    # -- documents, stats, close ------------------------------------------------------------
+    def call_retrieval(self, name: str, *args: Any) -> Future:
+        """``RetrievalRunner.<name>(*args)`` on the coordinator (upserts go to the owning
+        shards, durable there when the future resolves)."""
+        return self.actors[RETRIEVAL].call.remote(name, args).future()
+
+    def engine_stats(self) -> dict[str, Any]:
+        total: dict[str, Any] = {}
+        for name, stats in self._actor_stats.items():
+            if name == RETRIEVAL:
+                continue
+            for key, value in stats.items():
+                if isinstance(value, (int, float)) and key != "tasks":
+                    total[key] = total.get(key, 0) + value
+        return total
+
+    def stats(self) -> dict[str, Any]:
+        """Per actor: ``llm_<i>`` (engine counters, routed/in-flight tasks), ``retrieval``,
+        ``shard_<j>`` (documents, scans); ``restarts`` seen by this executor, ``alive``."""
+        out: dict[str, Any] = {}
+        for name in self.actors:
+            entry = dict(self._actor_stats.get(name, {}))
+            entry["restarts"] = self._restarts.get(name, 0)
+            entry["alive"] = name not in self._down
+            if name.startswith("llm_"):
+                entry["in_flight"] = self.router.loads[int(name.rsplit("_", 1)[1])]
+            else:
+                entry["in_flight"] = len(self._retrievals)
+            out[name] = entry
+        out["router"] = self.router.stats()
+        out.update(self._shard_stats())
+        return out
+
+    def _shard_stats(self) -> dict[str, Any]:
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        out: dict[str, Any] = {}
+        refs = [s.stats.remote() for s in self.shards]
+        for i, ref in enumerate(refs):
+            try:
+                out[f"shard_{i}"] = {**self._ray.get(ref, timeout=1.0), "alive": True}
+            except (GetTimeoutError, RayActorError):
+                out[f"shard_{i}"] = {"alive": False}
+        return out
+
+    def close(self) -> None:
+        actors = [*self.actors.values(), *self.shards]
+        for actor in actors:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                logger.debug("kill failed", exc_info=True)
+        self.actors, self.shards = {}, []
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._pg)
+            self._pg = None
+        if self._owns_ray:
+            self._ray.shutdown()
+            self._owns_ray = False
