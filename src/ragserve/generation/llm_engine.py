@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from ragserve.generation.block_manager import BlockManager
 from ragserve.generation.builtin import resolve_model
 from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from ragserve.generation.detokenizer import IncrementalDetokenizer, check_finished, find_stop
 from ragserve.generation.errors import PromptTooLongError
+from ragserve.generation.kv_cache_manager import TieredBlockManager
+from ragserve.generation.kv_setup import kv_tier_stats, make_kv_tiers
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import (
     ModelRunner,
@@ -84,11 +85,18 @@ class LLMEngine:
         )
         if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
             self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+        self.block_manager, self.host_kv_cache = make_kv_tiers(
+            config, self.model_config, self.model_runner, self.tokenizer, folder, num_blocks
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            fairness_window=(
+                config.cache_aware_fairness_window
+                if config.enable_cache_aware_scheduling and config.enable_prefix_caching
+                else None
+            ),
         )
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -144,6 +152,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that got a token (or finished) this step."""
         out = self.scheduler.schedule()
+        self._run_swaps()
         if out.is_empty:
             return []
         tokens = self.model_runner.execute_model(out)
@@ -155,6 +164,12 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self.block_manager.check_integrity()
         return outputs
+
+    def _run_swaps(self) -> None:
+        if isinstance(self.block_manager, TieredBlockManager):
+            ops = self.block_manager.take_swap_ops()
+            if ops:
+                self.host_kv_cache.run(ops)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.append_token(token)
@@ -220,8 +235,10 @@ class LLMEngine:
         return text + ("assistant:" if add_generation_prompt else "")
 
     def stats(self) -> dict[str, int]:
+        """Queue and KV counters (ints). Hit tokens count reused KV per tier; swap counts are
+        blocks (bytes in ``*_bytes``); evictions count blocks leaving a tier."""
         bm, sched = self.block_manager, self.scheduler
-        return {
+        stats = {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "kv_blocks_used": bm.num_used_blocks,
@@ -229,7 +246,9 @@ class LLMEngine:
             "preemptions": sched.num_preemptions,
             "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
             "prefix_cache_query_tokens": sched.prefix_cache_query_tokens,
+            "num_prefill_tokens_saved": sched.prefix_cache_hit_tokens,
         }
+        return stats | kv_tier_stats(bm, self.host_kv_cache, sched.prefix_cache_hit_tokens)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
