@@ -29,7 +29,7 @@ def find_segment_ends(token_ids: Sequence[int], newline_counts: dict[int, int]) 
     for i, tok in enumerate(token_ids):
         n = newline_counts.get(tok)
         if n is None:
-            if run >= 2 and i > 0:
+            if run >= 2:
                 ends.append(i)
             run = 0
         else:
