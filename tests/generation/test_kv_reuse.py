@@ -13,7 +13,20 @@ from oracle_cases import pool_bytes
 from ragserve.generation import LLMEngine, SamplingParams
 
 MAX_TOKENS = 5
-WORDS = "river stone market city winter harbor coal wheat census border mountain tariff".split()
+WORDS = [
+    "river",
+    "stone",
+    "market",
+    "city",
+    "winter",
+    "harbor",
+    "coal",
+    "wheat",
+    "census",
+    "border",
+    "mountain",
+    "tariff",
+]
 
 
 def _requests() -> list[tuple[list[int], str]]:
