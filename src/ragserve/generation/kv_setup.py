@@ -90,6 +90,31 @@ def make_kv_tiers(
     return manager, host
 
 
+def profile_prefill_cost(engine: Any, lengths: tuple[int, ...] = (64, 256)) -> PrefillCostModel:
+    """Fit ``PrefillCostModel`` to the engine's measured prefill times: prompts of each length
+    after no prefix and after a cached prefix of each length (an idle engine; it ends empty)."""
+    import time
+
+    from ragserve.generation.sampling_params import SamplingParams
+
+    limit = engine.max_model_len - 2
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    samples = []
+    for context in (0, *lengths):
+        for n in lengths:
+            if context + n > limit:
+                continue
+            prefix = rng.integers(3, min(engine.model_config.vocab_size, 30000), context + n)
+            if context:
+                engine.generate([prefix[:context].tolist() + [5]], params)
+            start = time.perf_counter()
+            engine.generate([prefix.tolist()], params)
+            samples.append((n, context, time.perf_counter() - start))
+    engine.block_manager.reset_prefix_cache()
+    return PrefillCostModel.fit(samples)
+
+
 def _tokenizer_digest(folder: Path) -> str | None:
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence as Sequence_
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,12 @@ from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig,
 from ragserve.generation.detokenizer import IncrementalDetokenizer, check_finished, find_stop
 from ragserve.generation.errors import PromptTooLongError
 from ragserve.generation.kv_cache_manager import TieredBlockManager
-from ragserve.generation.kv_setup import kv_tier_stats, make_kv_tiers
+from ragserve.generation.kv_setup import (
+    PrefillCostModel,
+    kv_tier_stats,
+    make_kv_tiers,
+    profile_prefill_cost,
+)
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import (
     ModelRunner,
@@ -116,9 +122,20 @@ class LLMEngine:
         return self.config.max_model_len
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        segment_ends: Sequence_[int] | None = None,
+    ) -> None:
         """Queue a request. Raises ``ValueError`` (``PromptTooLongError`` for a prompt that
-        leaves no room to generate) and then changes nothing."""
+        leaves no room to generate) and then changes nothing.
+
+        ``segment_ends``: the prompt's documents for the knowledge tree, as increasing
+        exclusive token ends, the last one the prompt length (default: found from blank lines,
+        ``segments.py``); it groups cached blocks and never changes an output."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if (params.stop or isinstance(prompt, str)) and self.tokenizer is None:
@@ -135,6 +152,8 @@ class LLMEngine:
                 f"{self.max_model_len} (room for at least one generated token is needed)"
             )
         seq = Sequence(request_id, ids, params)
+        if segment_ends is not None:
+            seq.segment_ends = _check_segment_ends(request_id, segment_ends, len(ids))
         self._seqs[request_id] = seq
         self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq)
         self.scheduler.add(seq)
@@ -252,6 +271,30 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+
+    def profile_prefill_cost(self, lengths: tuple[int, ...] = (64, 256)) -> PrefillCostModel | None:
+        """Measure prefill times (with and without a cached prefix), fit PGDSF's cost model
+        and use it for nodes created from now on; ``None`` without the knowledge tree. Run it
+        on an idle engine: it adds and drops its own requests and empties the cache."""
+        if not isinstance(self.block_manager, TieredBlockManager):
+            return None
+        model = profile_prefill_cost(self, lengths)
+        self.block_manager.cost_fn = model
+        return model
+
+
+def _check_segment_ends(request_id: str, ends: Sequence_[int], num_tokens: int) -> tuple[int, ...]:
+    out = tuple(int(e) for e in ends)
+    if (
+        not out
+        or out[-1] != num_tokens
+        or any(b <= a for a, b in zip((0, *out[:-1]), out, strict=True))
+    ):
+        raise ValueError(
+            f"request {request_id!r}: segment_ends must increase from above 0 and end at the "
+            f"prompt length {num_tokens}, got {list(out)}"
+        )
+    return out
 
 
 def _is_dummy_dir(config: EngineConfig) -> bool:
