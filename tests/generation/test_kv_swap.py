@@ -92,3 +92,34 @@ def test_kv_config_errors_name_the_field(kwargs, field):
 
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="m", **kwargs)
+
+
+def test_evidence_order_greedy_walk():
+    from ragserve.generation.evidence_order import order_evidence
+
+    passages = {0: [10, 11], 1: [20, 21], 2: [30, 31], 3: [40, 41]}
+    cached = [[1, 2], [1, 2, 30, 31], [1, 2, 30, 31, 10, 11]]  # prefixes in the cache
+
+    def render(order):
+        return [1, 2] + [t for i in order for t in passages[i]]
+
+    def cached_tokens(ids):
+        return max(
+            (len(c) for c in cached if ids[: len(c)] == c),
+            default=0,
+        )
+
+    # 2 then 0 extend the cached prefix; 1 and 3 follow in relevance order
+    assert order_evidence(4, render, cached_tokens) == [2, 0, 1, 3]
+    assert order_evidence(2, render, lambda ids: 0) == [0, 1]  # nothing cached: unchanged
+    assert order_evidence(0, render, cached_tokens) == []
+    with pytest.raises(ValueError, match="num_passages"):
+        order_evidence(-1, render, cached_tokens)
+
+
+def test_cached_prefix_tokens_counts_whole_cached_blocks():
+    bm = _cached_manager()
+    assert bm.cached_prefix_tokens(list(range(12))) == 12
+    assert bm.cached_prefix_tokens(list(range(11))) == 8
+    assert bm.cached_prefix_tokens(list(range(4)) + [99] * 8) == 4
+    assert bm.cached_prefix_tokens([]) == 0

@@ -148,6 +148,17 @@ class TieredBlockManager:
             hit.append(entry)
         return hit
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` have cached KV (whole blocks, any tier)."""
+        bs = self.block_size
+        parent, n = None, 0
+        for i in range(len(token_ids) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            if parent not in self.entries:
+                break
+            n += bs
+        return n
+
     # ------------------------------------------------------------------ allocation
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[CachedBlock] = ()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from ragserve.generation.builtin import resolve_model
 from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from ragserve.generation.detokenizer import IncrementalDetokenizer, check_finished, find_stop
 from ragserve.generation.errors import PromptTooLongError
+from ragserve.generation.evidence_order import order_evidence
 from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.kv_setup import (
     PrefillCostModel,
@@ -271,6 +273,19 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+
+    def order_passages(
+        self, render: Callable[[Sequence_[int]], str], num_passages: int
+    ) -> list[int]:
+        """CacheWeaver: the order of ``num_passages`` passages (relevance order in) whose
+        prompt ``render(order)`` (text up to the passages) matches the longest cached prefix;
+        relevance order without the knowledge tree. Changes nothing."""
+        bm = self.block_manager
+        if not isinstance(bm, TieredBlockManager) or self.tokenizer is None:
+            return list(range(num_passages))
+        return order_evidence(
+            num_passages, lambda order: self._tokenize(render(order)), bm.cached_prefix_tokens
+        )
 
     def profile_prefill_cost(self, lengths: tuple[int, ...] = (64, 256)) -> PrefillCostModel | None:
         """Measure prefill times (with and without a cached prefix), fit PGDSF's cost model
