@@ -49,7 +49,7 @@ PRESETS = {
     "h200-llama8b": dict(
         model="llama-3.1-8b-dummy", device="cuda", dtype="bfloat16", docs=2000,
         passage_tokens=1024, topk=5, question_tokens=64, num_requests=600, rate=4.0,
-        max_tokens=32, gpu_kv_tokens=60000, host_kv_tokens=600000, zipf=1.1, cpu_threads=None,
+        max_tokens=32, gpu_kv_tokens=60000, host_kv_tokens=200000, zipf=1.1, cpu_threads=None,
         max_num_batched_tokens=8192,
     ),
 }  # fmt: skip

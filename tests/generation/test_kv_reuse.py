@@ -121,3 +121,27 @@ def test_reuse_matches_transformers(arch, config, tiny_models, prompts, expected
         assert stats["num_swap_out_bytes"] == stats["num_swapped_out_blocks"] * pool_bytes(
             path, 1, 16
         )
+
+
+@pytest.mark.slow
+def test_smollm2_reuse_with_host_tier_matches_full_prefill():
+    """Real weights: the tree with a tiny GPU pool and a host tier answers exactly as full
+    prefill does (greedy, the same RAG prompts)."""
+    from transformers import AutoTokenizer
+
+    from ragserve.generation.builtin import resolve_model
+
+    folder = resolve_model("smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(folder)
+    rng = random.Random(3)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(6)]
+    prompts = [tok(_prompt(docs, o, q))["input_ids"] for o, q in _requests()]
+    per_block = pool_bytes(folder, 1, 16)
+    common = dict(device="cpu", max_model_len=384, cpu_threads=1)
+    full = LLMEngine(folder, enable_prefix_caching=False, kv_cache_bytes=64 * per_block, **common)
+    tiered = LLMEngine(
+        folder, kv_cache_bytes=24 * per_block, host_kv_cache_bytes=64 * per_block, **common
+    )
+    assert run(tiered, prompts) == run(full, prompts)
+    stats = tiered.stats()
+    assert stats["num_host_hit_tokens"] > 0 and stats["num_gpu_hit_tokens"] > 0
