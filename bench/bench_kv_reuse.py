@@ -19,7 +19,8 @@ Outputs are compared token by token with the no-reuse run (``identical`` in the 
 
     # CPU, SmolLM2 (ratios only)
     PYTHONPATH=src python bench/bench_kv_reuse.py --preset cpu-smollm2 --out kv_cpu.json
-    # H200, Llama-3.1-8B shape with random weights
+    # H200, Llama-3.1-8B shape with random weights (a few minutes per configuration: run
+    # subsets with --configs to stay within a 10-minute command limit)
     PYTHONPATH=src python bench/bench_kv_reuse.py --preset h200-llama8b --out kv_h200.json
 """
 
@@ -51,7 +52,7 @@ PRESETS = {
     ),
     "h200-llama8b": dict(
         model="llama-3.1-8b-dummy", device="cuda", dtype="bfloat16", docs=2000,
-        passage_tokens=1024, topk=5, question_tokens=64, num_requests=600, rate=4.0,
+        passage_tokens=1024, topk=5, question_tokens=64, num_requests=200, rate=2.0,
         max_tokens=32, gpu_kv_tokens=60000, host_kv_tokens=200000, zipf=1.1, cpu_threads=None,
         max_num_batched_tokens=8192,
     ),
