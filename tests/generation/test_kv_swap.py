@@ -12,9 +12,10 @@ from ragserve.generation.scheduler import Scheduler
 from ragserve.generation.sequence import Sequence
 
 
-def test_swapped_kv_comes_back_byte_identical():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_swapped_kv_comes_back_byte_identical(device):
     torch.manual_seed(0)
-    gpu = torch.randn(2, 3, 6, 4, 2, 8, dtype=torch.bfloat16)  # [2, L, blocks, bs, heads, dim]
+    gpu = torch.randn(2, 3, 6, 4, 2, 8, dtype=torch.bfloat16).to(device)  # [2, L, blocks, ...]
     original = gpu.clone()
     host = HostKVCache(gpu, num_host_blocks=3)
     assert host.bytes_per_block == 2 * 3 * 4 * 2 * 8 * 2
@@ -22,12 +23,16 @@ def test_swapped_kv_comes_back_byte_identical():
     host.run([SwapOp("out", 1, 0), SwapOp("out", 4, 2), SwapOp("out", 5, 2), SwapOp("out", 3, 1)])
     gpu.zero_()
     host.run([SwapOp("in", 0, 0), SwapOp("in", 2, 2), SwapOp("in", 5, 1)])
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert torch.equal(gpu[:, :, 0], original[:, :, 1])
     assert torch.equal(gpu[:, :, 2], original[:, :, 5])
     assert torch.equal(gpu[:, :, 5], original[:, :, 3])
     assert torch.count_nonzero(gpu[:, :, [1, 3, 4]]) == 0
     # a mixed run keeps its order: out then in through the same slot
     host.run([SwapOp("out", 0, 1), SwapOp("in", 4, 1)])
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert torch.equal(gpu[:, :, 4], original[:, :, 1])
 
 
