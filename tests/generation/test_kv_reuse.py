@@ -145,3 +145,43 @@ def test_smollm2_reuse_with_host_tier_matches_full_prefill():
     assert run(tiered, prompts) == run(full, prompts)
     stats = tiered.stats()
     assert stats["num_host_hit_tokens"] > 0 and stats["num_gpu_hit_tokens"] > 0
+
+
+def test_explicit_segment_ends_make_the_nodes(tiny_models):
+    engine = LLMEngine(tiny_models["llama"], device="cpu", block_size=4, max_model_len=128)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    ids = list(range(100, 124))
+    for bad in ([], [10, 10, 24], [0, 24], [10, 23], [30]):
+        with pytest.raises(ValueError, match="segment_ends"):
+            engine.add_request("r", ids, params, segment_ends=bad)
+    assert not engine.has_unfinished()
+    engine.add_request("r", ids, params, segment_ends=[8, 20, 24])
+    while engine.has_unfinished():
+        engine.step()
+    engine.generate([ids[:20] + [7, 8, 9]], params)  # shares r's first two segments
+    nodes = sorted((n.start, n.num_tokens, n.freq) for n in engine.block_manager.nodes.values())
+    # r made [0, 8) [8, 20) [20, 24); the second prompt hit 20 tokens (both nodes used twice)
+    # and its own block [20, 24) went to its single detected segment [0, 23)
+    assert nodes == [(0, 8, 2), (0, 23, 1), (8, 12, 2), (20, 4, 1)]
+    assert engine.stats()["num_gpu_hit_tokens"] == 20
+    engine.check_integrity()
+
+
+def test_prefill_cost_model_fit_and_flops():
+    from ragserve.generation.kv_setup import PrefillCostModel
+
+    truth = PrefillCostModel(per_token_s=2e-4, per_token_context_s=1e-7, fixed_s=3e-3)
+    samples = [(n, c, truth(n, c)) for n in (64, 256) for c in (0, 64, 256)]
+    fitted = PrefillCostModel.fit(samples)
+    assert fitted(128, 512) == pytest.approx(truth(128, 512), rel=1e-6)
+    with pytest.raises(ValueError, match="samples"):
+        PrefillCostModel.fit(samples[:2])
+    flops = PrefillCostModel.from_flops(engine_config_of_tiny())
+    assert flops(64, 1024) > flops(64, 0) > 0  # attention over a longer prefix costs more
+
+
+def engine_config_of_tiny():
+    from ragserve.generation import ModelConfig
+    from ragserve.generation.testing import _ARCHS, _BASE
+
+    return ModelConfig.from_dict({**_BASE, **_ARCHS["llama"]})
