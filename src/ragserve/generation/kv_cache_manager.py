@@ -28,7 +28,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from ragserve.generation.block_manager import hash_block_tokens
+from ragserve.generation.kv_integrity import check_tiered_integrity
 from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, KVNode, make_policy
+from ragserve.generation.segments import find_segment_ends
 from ragserve.generation.sequence import Sequence
 
 
@@ -359,8 +361,6 @@ class TieredBlockManager:
         return parent
 
     def _segments(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        from ragserve.generation.segments import find_segment_ends
-
         cached = self._node_keys.get(seq.request_id)
         if cached is None:
             prompt = seq.prompt_token_ids
@@ -423,6 +423,4 @@ class TieredBlockManager:
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if ref counts, pools, the tree or the nodes disagree."""
-        from ragserve.generation.kv_integrity import check_tiered_integrity
-
         check_tiered_integrity(self)
