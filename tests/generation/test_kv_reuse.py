@@ -124,6 +124,7 @@ def test_reuse_matches_transformers(arch, config, tiny_models, prompts, expected
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_smollm2_reuse_with_host_tier_matches_full_prefill():
     """Real weights: the tree with a tiny GPU pool and a host tier answers exactly as full
     prefill does (greedy, the same RAG prompts)."""
