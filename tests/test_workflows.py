@@ -75,3 +75,25 @@ def test_unknown_workflow_and_bad_rounds() -> None:
         get_workflow("nope")
     with pytest.raises(ValueError, match="rounds"):
         get_workflow("irg", rounds=0)
+
+
+@pytest.mark.parametrize("name", ["oneshot", "hyde", "multistep", "irg", "recomp"])
+def test_passage_prompts_are_prefix_stable(name):
+    """Issue 12: fixed instructions, then the passages (own paragraphs), then the question."""
+    from ragserve.graph.nodes import GenerationNode
+    from ragserve.graph.template import Passage
+    from ragserve.workflows import get_workflow
+
+    graph = get_workflow(name)
+    prompts = [n.prompt for n in graph.nodes.values() if isinstance(n, GenerationNode)]
+    with_docs = [t for t in prompts if "docs" in t.variables]
+    assert with_docs
+    docs = [Passage("a", "Alpha text.", "A"), Passage("b", "Beta text.", "B")]
+    for template in with_docs:
+        head, _, tail = template.source.partition("{docs}")
+        assert head and "{" not in head and head.endswith("\n\n")
+        assert tail.startswith("\n\n")
+        one = template.render({"docs": docs, "input": "q1", "subquestion": "s1"})
+        two = template.render({"docs": docs, "input": "other", "subquestion": "s2"})
+        shared = head + "[1] A\nAlpha text.\n\n[2] B\nBeta text.\n\n"
+        assert one.startswith(shared) and two.startswith(shared)

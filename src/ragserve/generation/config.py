@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.generation.errors import ModelLoadError
+from ragserve.generation.kv_tree import KV_EVICTION_POLICIES
 
 # HF architecture name -> (has q/k per-head RMSNorm, default attention bias)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -38,6 +39,15 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.85  # CUDA: share of free memory after weights
     enable_prefix_caching: bool = True
+    # Knowledge tree (RAGCache): document nodes over the prefix cache, a host tier and PGDSF.
+    # False keeps the plain hashed-block prefix cache (LRU, GPU only).
+    enable_knowledge_tree: bool = True
+    host_kv_cache_bytes: int = 0  # host tier (pinned CPU memory on CUDA); 0: GPU tier only
+    kv_eviction_policy: str = "pgdsf"  # "pgdsf" | "lru"
+    # Admit waiting requests with a larger cached share first; none is passed over more than
+    # ``cache_aware_fairness_window`` times.
+    enable_cache_aware_scheduling: bool = True
+    cache_aware_fairness_window: int = 8
     attention_backend: str = "auto"
     enable_cuda_graphs: bool = True  # CUDA: decode steps replay captured graphs (cuda_graph.py)
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
@@ -57,6 +67,21 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes must be positive")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("cpu_threads must be None or >= 1")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError("host_kv_cache_bytes must be >= 0")
+        if self.host_kv_cache_bytes and not (
+            self.enable_prefix_caching and self.enable_knowledge_tree
+        ):
+            raise ValueError(
+                "host_kv_cache_bytes needs enable_prefix_caching and enable_knowledge_tree"
+            )
+        if self.kv_eviction_policy not in KV_EVICTION_POLICIES:
+            raise ValueError(
+                f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; "
+                f"use one of {KV_EVICTION_POLICIES}"
+            )
+        if self.cache_aware_fairness_window < 0:
+            raise ValueError("cache_aware_fairness_window must be >= 0")
 
 
 @dataclass(frozen=True)

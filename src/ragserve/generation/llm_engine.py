@@ -9,17 +9,26 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ragserve.generation.block_manager import BlockManager
 from ragserve.generation.builtin import resolve_model
 from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from ragserve.generation.detokenizer import IncrementalDetokenizer, check_finished, find_stop
 from ragserve.generation.errors import PromptTooLongError
+from ragserve.generation.evidence_order import order_evidence
+from ragserve.generation.kv_cache_manager import TieredBlockManager
+from ragserve.generation.kv_setup import (
+    PrefillCostModel,
+    kv_tier_stats,
+    make_kv_tiers,
+    profile_prefill_cost,
+)
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import (
     ModelRunner,
@@ -84,11 +93,18 @@ class LLMEngine:
         )
         if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
             self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+        self.block_manager, self.host_kv_cache = make_kv_tiers(
+            config, self.model_config, self.model_runner, self.tokenizer, folder, num_blocks
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            fairness_window=(
+                config.cache_aware_fairness_window
+                if config.enable_cache_aware_scheduling and config.enable_prefix_caching
+                else None
+            ),
         )
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -108,9 +124,20 @@ class LLMEngine:
         return self.config.max_model_len
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        segment_ends: Sequence_[int] | None = None,
+    ) -> None:
         """Queue a request. Raises ``ValueError`` (``PromptTooLongError`` for a prompt that
-        leaves no room to generate) and then changes nothing."""
+        leaves no room to generate) and then changes nothing.
+
+        ``segment_ends``: the prompt's documents for the knowledge tree, as increasing
+        exclusive token ends, the last one the prompt length (default: found from blank lines,
+        ``segments.py``); it groups cached blocks and never changes an output."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if (params.stop or isinstance(prompt, str)) and self.tokenizer is None:
@@ -127,6 +154,8 @@ class LLMEngine:
                 f"{self.max_model_len} (room for at least one generated token is needed)"
             )
         seq = Sequence(request_id, ids, params)
+        if segment_ends is not None:
+            seq.segment_ends = _check_segment_ends(request_id, segment_ends, len(ids))
         self._seqs[request_id] = seq
         self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq)
         self.scheduler.add(seq)
@@ -144,6 +173,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that got a token (or finished) this step."""
         out = self.scheduler.schedule()
+        self._run_swaps()
         if out.is_empty:
             return []
         tokens = self.model_runner.execute_model(out)
@@ -155,6 +185,12 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self.block_manager.check_integrity()
         return outputs
+
+    def _run_swaps(self) -> None:
+        if isinstance(self.block_manager, TieredBlockManager):
+            ops = self.block_manager.take_swap_ops()
+            if ops:
+                self.host_kv_cache.run(ops)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         seq.append_token(token)
@@ -220,8 +256,10 @@ class LLMEngine:
         return text + ("assistant:" if add_generation_prompt else "")
 
     def stats(self) -> dict[str, int]:
+        """Queue and KV counters (ints). Hit tokens count reused KV per tier; swap counts are
+        blocks (bytes in ``*_bytes``); evictions count blocks leaving a tier."""
         bm, sched = self.block_manager, self.scheduler
-        return {
+        stats = {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "kv_blocks_used": bm.num_used_blocks,
@@ -229,10 +267,49 @@ class LLMEngine:
             "preemptions": sched.num_preemptions,
             "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
             "prefix_cache_query_tokens": sched.prefix_cache_query_tokens,
+            "num_prefill_tokens_saved": sched.prefix_cache_hit_tokens,
         }
+        return stats | kv_tier_stats(bm, self.host_kv_cache, sched.prefix_cache_hit_tokens)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+
+    def order_passages(
+        self, render: Callable[[Sequence_[int]], str], num_passages: int
+    ) -> list[int]:
+        """CacheWeaver: the order of ``num_passages`` passages (relevance order in) whose
+        prompt ``render(order)`` (text up to the passages) matches the longest cached prefix;
+        relevance order without the knowledge tree. Changes nothing."""
+        bm = self.block_manager
+        if not isinstance(bm, TieredBlockManager) or self.tokenizer is None:
+            return list(range(num_passages))
+        return order_evidence(
+            num_passages, lambda order: self._tokenize(render(order)), bm.cached_prefix_tokens
+        )
+
+    def profile_prefill_cost(self, lengths: tuple[int, ...] = (64, 256)) -> PrefillCostModel | None:
+        """Measure prefill times (with and without a cached prefix), fit PGDSF's cost model
+        and use it for nodes created from now on; ``None`` without the knowledge tree. Run it
+        on an idle engine: it adds and drops its own requests and empties the cache."""
+        if not isinstance(self.block_manager, TieredBlockManager):
+            return None
+        model = profile_prefill_cost(self, lengths)
+        self.block_manager.cost_fn = model
+        return model
+
+
+def _check_segment_ends(request_id: str, ends: Sequence_[int], num_tokens: int) -> tuple[int, ...]:
+    out = tuple(int(e) for e in ends)
+    if (
+        not out
+        or out[-1] != num_tokens
+        or any(b <= a for a, b in zip((0, *out[:-1]), out, strict=True))
+    ):
+        raise ValueError(
+            f"request {request_id!r}: segment_ends must increase from above 0 and end at the "
+            f"prompt length {num_tokens}, got {list(out)}"
+        )
+    return out
 
 
 def _is_dummy_dir(config: EngineConfig) -> bool:

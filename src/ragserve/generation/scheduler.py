@@ -5,6 +5,10 @@ total tokens, as far as the token budget allows. Running requests go first, in a
 order; when the KV pool is full the newest running request is preempted (its blocks are
 freed, it returns to the front of the waiting queue and is recomputed later, its prefix
 usually still cached). Waiting requests are admitted only when nobody was preempted.
+
+Cache-aware admission (RAGCache, switchable): among the first ``lookahead`` waiting requests
+the one with the largest cached share of its tokens goes first (ties: arrival order); a
+request passed over ``fairness_window`` times is admitted next whatever its share.
 """
 
 from __future__ import annotations
@@ -43,8 +47,19 @@ class Scheduler:
     ``num_computed_tokens``; ``update_after_step`` advances ``num_computed_tokens``.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        fairness_window: int | None = None,
+        lookahead: int = 64,
+    ):
         self.block_manager = block_manager
+        self.fairness_window = fairness_window  # None: first come, first served
+        self.lookahead = lookahead
+        self._num_passed: dict[str, int] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -82,13 +97,15 @@ class Scheduler:
         while (
             not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
-            seq = self.waiting[0]
-            hit_blocks = self.block_manager.get_computed_blocks(seq)
+            index, hit_blocks = self._pick_waiting()
+            seq = self.waiting[index]
             num_hit = len(hit_blocks) * self.block_manager.block_size
             n = min(seq.num_tokens - num_hit, budget)
             if not self.block_manager.allocate_slots(seq, n, hit_blocks):
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
+            self._pass_over(index)
+            self._num_passed.pop(seq.request_id, None)
             seq.num_computed_tokens = num_hit
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
@@ -103,6 +120,30 @@ class Scheduler:
             s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts, strict=True)
         ]
         return SchedulerOutput(seqs, counts, sample)
+
+    def _pick_waiting(self) -> tuple[int, list]:
+        """Index in ``waiting`` of the request to admit next, and its cached blocks."""
+        bm = self.block_manager
+        if self.fairness_window is None or len(self.waiting) == 1:
+            return 0, bm.get_computed_blocks(self.waiting[0])
+        best, best_hit, best_share = 0, [], -1.0
+        for i in range(min(len(self.waiting), self.lookahead)):
+            seq = self.waiting[i]
+            hit = bm.get_computed_blocks(seq)
+            if self._num_passed.get(seq.request_id, 0) >= self.fairness_window:
+                return i, hit
+            share = len(hit) * bm.block_size / seq.num_tokens
+            if share > best_share:
+                best, best_hit, best_share = i, hit, share
+        return best, best_hit
+
+    def _pass_over(self, index: int) -> None:
+        """The requests ahead of the admitted one were passed over once more."""
+        if self.fairness_window is None:
+            return
+        for i in range(index):
+            rid = self.waiting[i].request_id
+            self._num_passed[rid] = self._num_passed.get(rid, 0) + 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -125,6 +166,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._num_passed.pop(seq.request_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finish_time = time.monotonic()

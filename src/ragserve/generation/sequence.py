@@ -79,6 +79,9 @@ class Sequence:
         self.text = ""
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.num_preemptions = 0
+        # exclusive ends of the prompt's segments (documents) for the knowledge tree; None:
+        # detected from the tokens (``segments.py``)
+        self.segment_ends: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from ragserve.graph import END, START, CompiledGraph, RAGraph
 
+# NOTE: prompts that hold passages are prefix-stable for the knowledge tree (issue 12): fixed
+# instructions first, then the passages (each rendered from itself and its position only, in
+# its own paragraph), then the question.
 ANSWER = (
     "Use the passages to answer the question in one short sentence.\n\n{docs}\n\nQuestion: {input}"
 )
@@ -59,7 +62,7 @@ def multistep(
     g.add_retrieval(1, query="subquestion", topk=topk, output="docs", nprobe=nprobe)
     g.add_generation(
         2,
-        prompt="{docs}\n\nUsing the passages above, answer briefly: {subquestion}",
+        prompt="Use the passages to answer briefly.\n\n{docs}\n\nQuestion: {subquestion}",
         output="notes",
         max_tokens=step_tokens,
         append=True,
@@ -104,7 +107,10 @@ def recomp(
     g.add_retrieval(0, query="input", topk=topk, output="docs", nprobe=nprobe)
     g.add_generation(
         1,
-        prompt="{docs}\n\nSummarize the facts above that help answer: {input}",
+        prompt=(
+            "Summarize the facts in the passages that help answer the question.\n\n{docs}"
+            "\n\nQuestion: {input}"
+        ),
         output="summary",
         max_tokens=summary_tokens,
     )

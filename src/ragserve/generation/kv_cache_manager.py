@@ -1,0 +1,426 @@
+"""GPU + host KV tiers under the knowledge tree (RAGCache), with the ``BlockManager`` interface.
+
+The GPU pool holds ``num_blocks`` blocks: free ones, blocks in use (ref count > 0), and cached
+blocks nobody uses (evictable). The host pool (``num_host_blocks``, pinned CPU memory on
+CUDA) holds copies of cached blocks evicted from the GPU::
+
+    GPU  [ in use (ref > 0) | cached, ref 0 (evictable, by node priority) | free ]
+    host [ copies of evicted cached blocks (evictable leaves first)       | free ]
+
+- A hit on a GPU block shares it (ref + 1); a hit on a host-only block gets a GPU block and a
+  swap-in copy. A hit is always a prefix of the prompt, so ancestors come first.
+- Eviction takes the lowest-priority leaf block (no child on the GPU). With a host tier it is
+  copied out **once**: a block that already has a host copy (it was swapped in earlier) just
+  drops its GPU copy. Without room on the host the block (and its host-only subtree) is gone.
+- Preemption frees a request's blocks into this cache (generated blocks included), so a
+  preempted request swaps its KV back in instead of recomputing it whenever it was evicted
+  to the host meanwhile; only its last partial block is recomputed.
+
+Copies are not done here: each mutation appends ``SwapOp``s, in the order they must run,
+and the engine runs them (``take_swap_ops``) before the step's forward pass writes any block.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from ragserve.generation.block_manager import hash_block_tokens
+from ragserve.generation.kv_integrity import check_tiered_integrity
+from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, KVNode, make_policy
+from ragserve.generation.segments import find_segment_ends
+from ragserve.generation.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SwapOp:
+    """Copy one block: ``"out"`` GPU ``gpu_block`` -> host ``host_block``; ``"in"`` back."""
+
+    kind: str
+    gpu_block: int
+    host_block: int
+
+
+def _flop_cost(num_tokens: int, num_context_tokens: int) -> float:
+    """Relative prefill cost when no profile is given: linear layers + attention."""
+    return num_tokens * (1.0 + (num_context_tokens + num_tokens / 2) / 4096)
+
+
+class TieredBlockManager:
+    """Owns the GPU block pool and the host pool, with cached blocks in the knowledge tree.
+
+    Same contract as ``BlockManager`` (``get_computed_blocks`` returns opaque cached blocks;
+    ``allocate_slots`` returns ``False`` and changes nothing when a request does not fit);
+    mutates ``seq.block_table`` only.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        num_host_blocks: int = 0,
+        policy: str = "pgdsf",
+        cost_fn: CostFn | None = None,
+        newline_counts: dict[int, int] | None = None,
+    ):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        if num_host_blocks < 0:
+            raise ValueError("num_host_blocks must be >= 0")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.enable_prefix_caching = True
+        self.policy = make_policy(policy)
+        self.cost_fn = cost_fn or _flop_cost
+        self.newline_counts = newline_counts or {}
+        self.ref_cnt = [0] * num_blocks
+        self.gpu_entry: list[CachedBlock | None] = [None] * num_blocks
+        self.host_entry: list[CachedBlock | None] = [None] * num_host_blocks
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_host_blocks: deque[int] = deque(range(num_host_blocks))
+        self.entries: dict[int, CachedBlock] = {}  # block hash -> cached block
+        self.nodes: dict[int, KVNode] = {}  # node key -> node
+        self._gpu_heap = EvictionHeap(self._is_gpu_candidate)
+        self._host_heap = EvictionHeap(self._is_host_candidate)
+        self._num_evictable = 0
+        self._node_ids = 0
+        self._ops: list[SwapOp] = []
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}
+        self._stopped: set[str] = set()  # requests whose blocks no longer chain to the cache
+        self._node_keys: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (ends, keys)
+        self._counted: dict[str, set[int]] = {}  # rid -> ids of nodes it has accessed
+        self.num_gpu_hit_tokens = 0
+        self.num_host_hit_tokens = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.num_evicted_gpu_blocks = 0
+        self.num_evicted_host_blocks = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get: free plus cached-and-unused (evictable)."""
+        return len(self.free_blocks) + self._num_evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(1 for e in self.entries.values() if e.gpu_block is not None)
+
+    @property
+    def num_host_used_blocks(self) -> int:
+        return self.num_host_blocks - len(self.free_host_blocks)
+
+    def take_swap_ops(self) -> list[SwapOp]:
+        """The copies planned since the last call, in execution order (clears them)."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    # ------------------------------------------------------------------ lookups
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        hashes = self._hashes.setdefault(seq.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, seq: Sequence) -> list[CachedBlock]:
+        """The longest cached prefix (GPU or host) of a sequence that holds no blocks yet.
+
+        At most ``num_tokens - 1`` tokens: the last token's logits are needed. Changes nothing.
+        """
+        if seq.block_table:
+            return []
+        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        hit = []
+        for h in hashes:
+            entry = self.entries.get(h)
+            if entry is None:
+                break
+            hit.append(entry)
+        return hit
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` have cached KV (whole blocks, any tier)."""
+        bs = self.block_size
+        parent, n = None, 0
+        for i in range(len(token_ids) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            if parent not in self.entries:
+                break
+            n += bs
+        return n
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[CachedBlock] = ()
+    ) -> bool:
+        """Make room for ``num_new_tokens`` after the computed ones; ``computed_blocks`` (from
+        ``get_computed_blocks``) are shared (GPU) or swapped in (host) first."""
+        table = seq.block_table
+        bs = self.block_size
+        if not computed_blocks and seq.num_computed_tokens + num_new_tokens <= len(table) * bs:
+            return True
+        num_computed = max(seq.num_computed_tokens, len(computed_blocks) * bs)
+        num_new = -(-(num_computed + num_new_tokens) // bs) - len(table) - len(computed_blocks)
+        on_gpu = [e for e in computed_blocks if e.gpu_block is not None]
+        on_host = [e for e in computed_blocks if e.gpu_block is None]
+        reclaimed = sum(1 for e in on_gpu if self.ref_cnt[e.gpu_block] == 0)
+        if max(num_new, 0) + len(on_host) > self.num_free_blocks - reclaimed:
+            return False
+        for entry in on_host:
+            entry.locked = True
+        for entry in computed_blocks:
+            if entry.gpu_block is None:
+                self._swap_in(entry)
+            else:
+                self._acquire(entry.gpu_block)
+            table.append(entry.gpu_block)
+        if computed_blocks:
+            self._num_hashed[seq.request_id] = len(computed_blocks)
+            self.num_gpu_hit_tokens += len(on_gpu) * bs
+            self.num_host_hit_tokens += len(on_host) * bs
+            self._access(seq, {e.node.node_id: e.node for e in computed_blocks}.values())
+        for _ in range(max(num_new, 0)):
+            block = self._pop_block()
+            self.ref_cnt[block] = 1
+            table.append(block)
+        self._tables[seq.request_id] = table
+        return True
+
+    def _acquire(self, block: int) -> None:
+        if self.ref_cnt[block] == 0:
+            self._num_evictable -= 1
+        self.ref_cnt[block] += 1
+
+    def _swap_in(self, entry: CachedBlock) -> None:
+        block = self._pop_block()
+        entry.locked = False
+        self._attach_gpu(entry, block)
+        self.ref_cnt[block] = 1
+        self._ops.append(SwapOp("in", block, entry.host_block))
+        self.num_swapped_in_blocks += 1
+
+    def _attach_gpu(self, entry: CachedBlock, block: int) -> None:
+        entry.gpu_block = block
+        self.gpu_entry[block] = entry
+        if entry.parent is not None:
+            entry.parent.num_gpu_children += 1
+
+    def _pop_block(self) -> int:
+        """A GPU block for new KV: a free one, else the evicted lowest-priority leaf's."""
+        if self.free_blocks:
+            return self.free_blocks.popleft()
+        victim = self._gpu_heap.pop()
+        if victim is None:
+            raise AssertionError("no evictable block although the pool count said so")
+        block = victim.gpu_block
+        self._evict_gpu(victim)
+        return block
+
+    def _evict_gpu(self, entry: CachedBlock, swap: bool = True) -> None:
+        block = entry.gpu_block
+        self._num_evictable -= 1
+        self.num_evicted_gpu_blocks += 1
+        self.policy.on_evict(entry.node)
+        if swap and entry.host_block is None and self.num_host_blocks:
+            host = self._pop_host_block()
+            if host is not None:
+                entry.host_block = host
+                self.host_entry[host] = entry
+                self._ops.append(SwapOp("out", block, host))
+                self.num_swapped_out_blocks += 1
+        entry.gpu_block = None
+        self.gpu_entry[block] = None
+        parent = entry.parent
+        if parent is not None:
+            parent.num_gpu_children -= 1
+            if self._is_gpu_candidate(parent):
+                self._gpu_heap.push(parent)
+        if entry.host_block is None:
+            self._remove(entry)
+        elif not entry.children:
+            self._host_heap.push(entry)
+
+    def _pop_host_block(self) -> int | None:
+        if self.free_host_blocks:
+            return self.free_host_blocks.popleft()
+        victim = self._host_heap.pop()
+        if victim is None:
+            return None
+        host = victim.host_block
+        victim.host_block = None
+        self.host_entry[host] = None
+        self.num_evicted_host_blocks += 1
+        self._remove(victim)
+        return host
+
+    def _remove(self, entry: CachedBlock) -> None:
+        """Forget a block with no copy left, and its (host-only) descendants."""
+        for child in list(entry.children):
+            self.host_entry[child.host_block] = None
+            self.free_host_blocks.append(child.host_block)
+            child.host_block = None
+            self._remove(child)
+        entry.is_alive = False
+        del self.entries[entry.block_hash]
+        node = entry.node
+        node.num_blocks -= 1
+        self._maybe_drop_node(node)
+        parent = entry.parent
+        if parent is not None:
+            parent.children.discard(entry)
+            if self._is_host_candidate(parent):
+                self._host_heap.push(parent)
+
+    def _is_gpu_candidate(self, entry: CachedBlock) -> bool:
+        block = entry.gpu_block
+        return block is not None and self.ref_cnt[block] == 0 and entry.num_gpu_children == 0
+
+    def _is_host_candidate(self, entry: CachedBlock) -> bool:
+        return (
+            entry.gpu_block is None
+            and entry.host_block is not None
+            and not entry.children
+            and not entry.locked
+        )
+
+    # ------------------------------------------------------------------ registration
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's full, computed blocks in the tree (after a step)."""
+        rid = seq.request_id
+        table = seq.block_table
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        start = self._num_hashed.get(rid, 0)
+        if num_full <= start or rid in self._stopped:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(start, num_full):
+            parent = self.gpu_entry[table[i - 1]] if i else None
+            if i and (parent is None or parent.block_hash != hashes[i - 1]):
+                self._stopped.add(rid)
+                return
+            entry = self.entries.get(hashes[i])
+            if entry is None:
+                node = self._node_for(seq, i)
+                entry = CachedBlock(hashes[i], parent, node, depth=i)
+                self.entries[hashes[i]] = entry
+                node.num_blocks += 1
+                if parent is not None:
+                    parent.children.add(entry)
+                self._attach_gpu(entry, table[i])
+                self._access(seq, (node,))
+            elif entry.gpu_block is None:
+                self._attach_gpu(entry, table[i])  # recomputed a host-only block: adopt it
+            else:
+                self._stopped.add(rid)  # computed twice at once: keep the first copy
+                return
+            self._num_hashed[rid] = i + 1
+
+    def _access(self, seq: Sequence, nodes) -> None:
+        counted = self._counted.setdefault(seq.request_id, set())
+        for node in nodes:
+            if node.node_id not in counted:
+                counted.add(node.node_id)
+                self.policy.on_access(node)
+
+    def _node_for(self, seq: Sequence, block_index: int) -> KVNode:
+        """The node owning block ``block_index`` of ``seq`` (its last token's segment)."""
+        ends, keys = self._segments(seq)
+        last_token = (block_index + 1) * self.block_size - 1
+        index = min(bisect.bisect_right(ends, last_token), len(ends) - 1)
+        parent = None
+        for j in range(index + 1):
+            node = self.nodes.get(keys[j])
+            if node is None:
+                start = ends[j - 1] if j else 0
+                num_tokens = ends[j] - start
+                self._node_ids += 1
+                node = KVNode(
+                    self._node_ids,
+                    keys[j],
+                    parent,
+                    start,
+                    num_tokens,
+                    self.cost_fn(num_tokens, start),
+                )
+                self.nodes[keys[j]] = node
+                if parent is not None:
+                    parent.children[keys[j]] = node
+            parent = node
+        return parent
+
+    def _segments(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        cached = self._node_keys.get(seq.request_id)
+        if cached is None:
+            prompt = seq.prompt_token_ids
+            ends = list(seq.segment_ends or find_segment_ends(prompt, self.newline_counts))
+            keys, key, start = [], None, 0
+            for end in ends:
+                key = hash((key, tuple(prompt[start:end])))
+                keys.append(key)
+                start = end
+            cached = self._node_keys[seq.request_id] = (ends, keys)
+        return cached
+
+    def _maybe_drop_node(self, node: KVNode | None) -> None:
+        while node is not None and node.num_blocks == 0 and not node.children:
+            del self.nodes[node.key]
+            if node.parent is not None:
+                del node.parent.children[node.key]
+            node = node.parent
+
+    # ------------------------------------------------------------------ release
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; its cached blocks become evictable, tail first."""
+        released: KVNode | None = None
+        for block in reversed(seq.block_table):
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block]:
+                continue
+            entry = self.gpu_entry[block]
+            if entry is None:
+                self.free_blocks.appendleft(block)
+                continue
+            self._num_evictable += 1
+            if entry.node is not released:
+                released = entry.node
+                self.policy.on_release(released)
+            if entry.num_gpu_children == 0:
+                self._gpu_heap.push(entry)
+        seq.block_table.clear()
+        for store in (self._tables, self._hashes, self._num_hashed, self._node_keys, self._counted):
+            store.pop(seq.request_id, None)
+        self._stopped.discard(seq.request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody uses (GPU and host); blocks in use stay cached.
+
+        Planned swap-outs are cancelled (their host copies are forgotten too)."""
+        self._ops = [op for op in self._ops if op.kind == "in"]
+        for entry in sorted(self.entries.values(), key=lambda e: e.depth):
+            if entry.is_alive and entry.host_block is not None and not entry.locked:
+                self.host_entry[entry.host_block] = None
+                self.free_host_blocks.append(entry.host_block)
+                entry.host_block = None
+                if entry.gpu_block is None:
+                    self._remove(entry)
+        while (victim := self._gpu_heap.pop()) is not None:
+            block = victim.gpu_block
+            self._evict_gpu(victim, swap=False)
+            self.free_blocks.append(block)
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if ref counts, pools, the tree or the nodes disagree."""
+        check_tiered_integrity(self)

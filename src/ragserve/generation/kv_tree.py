@@ -1,0 +1,163 @@
+"""The knowledge tree's data: document nodes, cached blocks, and the eviction policies.
+
+RAGCache's knowledge tree, built on chained block hashes. A prompt is cut into segments
+(the instructions, each passage, the question; ``segments.py``); a **node** is one segment
+given the path of segments above it, so two requests share a node only when everything
+before it is identical (exact and position-consistent). A **cached block** is one full KV
+block, keyed by its chained hash; it belongs to the node holding its last token::
+
+    tokens   [ instructions ....... | passage A ............. | passage B ..... | question ]
+    blocks   [ b0      ][ b1      ][ b2      ][ b3      ][ b4      ][ b5      ][ b6 ...
+    nodes    root-> I : b0 b1      A : b2 b3 (b2 ends in A)  B : b4 b5         Q : b6 ...
+
+Blocks chain like the tokens (``parent`` is the block before), so the set of cached blocks
+is closed under prefixes in each tier: a block is on the GPU only if its parent is, and it is
+cached at all only if its parent is. Eviction is therefore leaf-first (a block leaves a tier
+only once no child holds that tier) and ordered by its node's priority: RAGCache's PGDSF
+(``clock + frequency * cost / size``) or LRU.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# cost of prefilling ``num_tokens`` tokens after ``num_context_tokens`` cached ones (seconds)
+CostFn = Callable[[int, int], float]
+
+KV_EVICTION_POLICIES = ("pgdsf", "lru")
+
+
+@dataclass(eq=False)
+class KVNode:
+    """One document edge of the tree: a segment of ``num_tokens`` tokens at ``start``.
+
+    ``priority`` is recomputed by the policy on every access (hit or insert) and never
+    decreases; ``freq`` counts the requests that used the node.
+    """
+
+    node_id: int
+    key: int
+    parent: KVNode | None
+    start: int
+    num_tokens: int
+    cost: float
+    freq: int = 0
+    priority: float = 0.0
+    num_blocks: int = 0  # cached blocks (any tier) owned by this node
+    children: dict[int, KVNode] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class CachedBlock:
+    """One full block's KV, identified by its chained hash, in one or both tiers.
+
+    ``gpu_block`` / ``host_block`` are slot ids in the GPU pool / host pool (``None``: not in
+    that tier); ``num_gpu_children`` counts children with a GPU copy; ``locked`` pins a
+    host-only block while a swap-in of its path is being planned.
+    """
+
+    block_hash: int
+    parent: CachedBlock | None
+    node: KVNode
+    depth: int
+    gpu_block: int | None = None
+    host_block: int | None = None
+    children: set[CachedBlock] = field(default_factory=set)
+    num_gpu_children: int = 0
+    locked: bool = False
+    is_alive: bool = True
+
+
+class EvictionPolicy:
+    """Priority of a node at its latest access; the lowest priority is evicted first."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+
+    def on_access(self, node: KVNode) -> None:
+        raise NotImplementedError
+
+    def on_release(self, node: KVNode) -> None:
+        """A request stopped using the node (LRU counts it as a use)."""
+
+    def on_evict(self, node: KVNode) -> None:
+        """A block of ``node`` was evicted (PGDSF advances its clock)."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used (acquired or released) first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ticks = itertools.count(1)
+
+    def on_access(self, node: KVNode) -> None:
+        node.freq += 1
+        node.priority = float(next(self._ticks))
+
+    def on_release(self, node: KVNode) -> None:
+        node.priority = float(next(self._ticks))
+
+
+class PGDSFPolicy(EvictionPolicy):
+    """RAGCache's prefix-aware greedy-dual-size-frequency: ``clock + freq * cost / size``.
+
+    ``cost`` is the node's prefill time given its cached prefix (a profiled model), ``size``
+    its tokens; ``clock`` rises to the priority of each evicted node, so old, once-hot nodes
+    age out.
+    """
+
+    name = "pgdsf"
+
+    def on_access(self, node: KVNode) -> None:
+        node.freq += 1
+        node.priority = self.clock + node.freq * node.cost / max(node.num_tokens, 1)
+
+    def on_evict(self, node: KVNode) -> None:
+        self.clock = max(self.clock, node.priority)
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    if name == "pgdsf":
+        return PGDSFPolicy()
+    if name == "lru":
+        return LRUPolicy()
+    raise ValueError(f"unknown kv_eviction_policy {name!r}; use one of {KV_EVICTION_POLICIES}")
+
+
+class EvictionHeap:
+    """Lazy min-heap of eviction candidates keyed by ``(node priority, -depth)``.
+
+    Priorities only grow, so a stale entry is re-pushed with its current key when popped;
+    ``is_candidate`` decides at pop time whether a block may still leave this tier.
+    """
+
+    def __init__(self, is_candidate: Callable[[CachedBlock], bool]):
+        self._heap: list[tuple[float, int, int, CachedBlock]] = []
+        self._order = itertools.count()
+        self._is_candidate = is_candidate
+
+    def push(self, block: CachedBlock) -> None:
+        key = (block.node.priority, -block.depth, next(self._order), block)
+        heapq.heappush(self._heap, key)
+
+    def pop(self) -> CachedBlock | None:
+        while self._heap:
+            priority, _, _, block = heapq.heappop(self._heap)
+            if not block.is_alive or not self._is_candidate(block):
+                continue
+            if priority != block.node.priority:
+                self.push(block)
+                continue
+            return block
+        return None
+
+    def __len__(self) -> int:
+        return len(self._heap)

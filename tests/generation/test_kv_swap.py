@@ -1,0 +1,130 @@
+"""Host tier copies: swapped-out KV comes back byte-identical; cache-aware admission."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragserve.generation import SamplingParams
+from ragserve.generation.kv_cache_manager import SwapOp, TieredBlockManager
+from ragserve.generation.kv_swap import HostKVCache
+from ragserve.generation.scheduler import Scheduler
+from ragserve.generation.sequence import Sequence
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_swapped_kv_comes_back_byte_identical(device):
+    torch.manual_seed(0)
+    gpu = torch.randn(2, 3, 6, 4, 2, 8, dtype=torch.bfloat16).to(device)  # [2, L, blocks, ...]
+    original = gpu.clone()
+    host = HostKVCache(gpu, num_host_blocks=3)
+    assert host.bytes_per_block == 2 * 3 * 4 * 2 * 8 * 2
+    # slot 2 is written twice in one run: the later copy wins, in order
+    host.run([SwapOp("out", 1, 0), SwapOp("out", 4, 2), SwapOp("out", 5, 2), SwapOp("out", 3, 1)])
+    gpu.zero_()
+    host.run([SwapOp("in", 0, 0), SwapOp("in", 2, 2), SwapOp("in", 5, 1)])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(gpu[:, :, 0], original[:, :, 1])
+    assert torch.equal(gpu[:, :, 2], original[:, :, 5])
+    assert torch.equal(gpu[:, :, 5], original[:, :, 3])
+    assert torch.count_nonzero(gpu[:, :, [1, 3, 4]]) == 0
+    # a mixed run keeps its order: out then in through the same slot
+    host.run([SwapOp("out", 0, 1), SwapOp("in", 4, 1)])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(gpu[:, :, 4], original[:, :, 1])
+
+
+def test_host_tier_needs_a_block():
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        HostKVCache(torch.zeros(2, 1, 2, 4, 1, 2), 0)
+
+
+def _seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=2))
+
+
+def _cached_manager() -> TieredBlockManager:
+    """A manager whose cache holds the prompt ``range(12)`` (3 full blocks of 4)."""
+    bm = TieredBlockManager(32, 4)
+    warm = _seq("warm", list(range(13)))
+    assert bm.allocate_slots(warm, 13)
+    warm.num_computed_tokens = 13
+    bm.cache_blocks(warm)
+    bm.free(warm)
+    return bm
+
+
+@pytest.mark.parametrize("window", [None, 0, 1, 8])
+def test_cache_aware_admission_with_a_fairness_window(window):
+    bm = _cached_manager()
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64, fairness_window=window)
+    cold = _seq("cold", list(range(100, 113)))
+    hot1, hot2 = _seq("hot1", list(range(12)) + [50]), _seq("hot2", list(range(12)) + [60])
+    for s in (cold, hot1, hot2):
+        sched.add(s)
+    order = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        (seq,) = out.seqs
+        order.append(seq.request_id)
+        sched.update_after_step(out)
+        sched.finish(seq, "length")
+        bm.check_integrity()
+    expected = {
+        None: ["cold", "hot1", "hot2"],  # first come, first served
+        0: ["cold", "hot1", "hot2"],  # a window of 0 passes nobody over
+        1: ["hot1", "cold", "hot2"],  # cold is passed over once, then goes first
+        8: ["hot1", "hot2", "cold"],
+    }[window]
+    assert order == expected
+    assert bm.num_gpu_hit_tokens == 24
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(host_kv_cache_bytes=-1), "host_kv_cache_bytes"),
+        (dict(host_kv_cache_bytes=1024, enable_knowledge_tree=False), "host_kv_cache_bytes"),
+        (dict(host_kv_cache_bytes=1024, enable_prefix_caching=False), "host_kv_cache_bytes"),
+        (dict(kv_eviction_policy="fifo"), "kv_eviction_policy"),
+        (dict(cache_aware_fairness_window=-1), "cache_aware_fairness_window"),
+    ],
+)
+def test_kv_config_errors_name_the_field(kwargs, field):
+    from ragserve.generation.config import EngineConfig
+
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="m", **kwargs)
+
+
+def test_evidence_order_greedy_walk():
+    from ragserve.generation.evidence_order import order_evidence
+
+    passages = {0: [10, 11], 1: [20, 21], 2: [30, 31], 3: [40, 41]}
+    cached = [[1, 2], [1, 2, 30, 31], [1, 2, 30, 31, 10, 11]]  # prefixes in the cache
+
+    def render(order):
+        return [1, 2] + [t for i in order for t in passages[i]]
+
+    def cached_tokens(ids):
+        return max(
+            (len(c) for c in cached if ids[: len(c)] == c),
+            default=0,
+        )
+
+    # 2 then 0 extend the cached prefix; 1 and 3 follow in relevance order
+    assert order_evidence(4, render, cached_tokens) == [2, 0, 1, 3]
+    assert order_evidence(2, render, lambda ids: 0) == [0, 1]  # nothing cached: unchanged
+    assert order_evidence(0, render, cached_tokens) == []
+    with pytest.raises(ValueError, match="num_passages"):
+        order_evidence(-1, render, cached_tokens)
+
+
+def test_cached_prefix_tokens_counts_whole_cached_blocks():
+    bm = _cached_manager()
+    assert bm.cached_prefix_tokens(list(range(12))) == 12
+    assert bm.cached_prefix_tokens(list(range(11))) == 8
+    assert bm.cached_prefix_tokens(list(range(4)) + [99] * 8) == 4
+    assert bm.cached_prefix_tokens([]) == 0
