@@ -28,12 +28,13 @@ def test_ray_flags_map_to_server_config_fields() -> None:
     assert joined["ray_address"] == "10.0.0.1:6379" and joined["num_llm_replicas"] == 1
 
 
-def test_replicas_without_ray_are_refused(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+def test_replicas_without_ray_are_refused(tmp_path, capsys: pytest.CaptureFixture) -> None:
     from ragserve.cli.main import main
 
     argv = ["serve", "--model", "m", "--index", str(tmp_path), "--llm-replicas", "2"]
     assert main(argv) == 2
-    assert "need backend='ray'" in caplog.text
+    err = capsys.readouterr().err
+    assert "need backend='ray'" in err and "Traceback" not in err
 
 
 def test_server_config_validates_the_backend_fields() -> None:

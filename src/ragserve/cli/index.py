@@ -110,7 +110,7 @@ def _build(args: argparse.Namespace) -> int:
     # NOTE: a missing corpus fails before the embedder loads (its tokenizer cuts the chunks).
     if args.corpus != "factbook" and not Path(args.corpus).exists():
         print(f"error: no corpus at {args.corpus}", file=sys.stderr)
-        return 2
+        return 1
     embedder = load_embedder(args.embedder)
     try:
         docs = _passages(args, embedder)

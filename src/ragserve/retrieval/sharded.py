@@ -252,6 +252,21 @@ class ShardedIndex:
     def num_documents(self) -> int:
         return int(self.cluster_sizes().sum())
 
+    # NOTE: no GPU tier on shards yet (issue 10's tier lives in one ``VectorIndex``): every
+    # list is scanned by its shard on the CPU.
+    gpu_tier = None
+
+    def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
+        """No list is GPU-resident (all False), as ``VectorIndex.resident_mask`` without a tier."""
+        return np.zeros(np.shape(cluster_ids), dtype=bool)
+
+    def search_text(self, texts: Sequence[str], topk: int, **kwargs: Any) -> list:
+        """Text search with a ``mode`` or ``filter`` is not built for sharded indexes yet."""
+        raise ValueError(
+            "mode/filter: BM25, hybrid and filtered search are not built for a sharded index "
+            "yet; use mode='dense' without a filter"
+        )
+
     def clusters_of(self, ids: np.ndarray) -> np.ndarray:
         """The inverted list of each row id (``-1`` where no shard holds it)."""
         out = np.full(len(ids), -1, np.int64)
