@@ -203,3 +203,70 @@ def test_bad_fusion_inputs(tiny_models):
     with pytest.raises(ValueError, match="fusion_selector"):
         _engine(tiny_models["llama"], fusion_selector="nope")
     assert not engine.has_unfinished()
+
+
+def test_paragraph_segments_key_the_middle_paragraphs():
+    from ragserve.generation.fusion import paragraph_segments
+
+    text = "Use the passages.\n\n[1] Alpha\nriver\n\n[2] Beta\n\nQuestion: why?"
+    segs = paragraph_segments(text)
+    assert "".join(s.content for s in segs) == text
+    assert [s.key is None for s in segs] == [True, False, False, True]
+    again = paragraph_segments("Other.\n\n[2] Beta\n\nQ?")
+    assert again[1].key == segs[2].key
+    assert paragraph_segments("no blank lines") == [Segment("no blank lines")]
+
+
+def test_workflow_node_fusion_ratio_reaches_the_engine(tiny_models):
+    """``add_generation(fusion_ratio=...)`` -> ``GenerationParams`` -> runner -> engine."""
+    from ragserve.graph import END, START, RAGraph
+    from ragserve.runtime.runners import GenerationRunner
+    from ragserve.scheduler.messages import GenerationParams, GenerationTask
+
+    graph = RAGraph("g").add_generation(0, prompt="{input}", max_tokens=2, fusion_ratio=0.5)
+    node = graph.add_edge(START, 0).add_edge(0, END).compile().nodes[0]
+    params = GenerationParams.for_node(node)
+    assert params.fusion_ratio == 0.5
+    engine = _engine(tiny_models["llama"])
+    runner = GenerationRunner(engine)
+    prompt = "Answer.\n\nfirst passage here\n\nsecond passage\n\nQuestion: what?"
+    assert runner.add([GenerationTask("t", prompt, params, chat=False)]) == []
+    while engine.has_unfinished():
+        runner.step()
+    assert engine.stats()["num_fused_tokens"] > 0
+    with pytest.raises(Exception, match="fusion_ratio"):
+        RAGraph("h").add_generation(0, prompt="{input}", fusion_ratio=2.0)
+
+
+@pytest.mark.slow
+def test_smollm2_ratio_one_equals_full_prefill():
+    """Real weights: text segments with keyed passages, reused in other orders, at ratio
+    1.0 give exactly the greedy tokens of a full prefill of the same tokens."""
+    from ragserve.generation.builtin import resolve_model
+
+    folder = resolve_model("smollm2-135m-instruct")
+    passages = [
+        "Kenya: the capital is Nairobi; Swahili and English are official.\n\n",
+        "Peru: the capital is Lima; Spanish and Quechua are spoken.\n\n",
+        "Norway: the capital is Oslo; the climate is temperate along the coast.\n\n",
+    ]
+    engine = LLMEngine(folder, device="cpu", max_model_len=512, cpu_threads=1)
+    params = SamplingParams(max_tokens=8)
+    for order, question in (([0, 1, 2], "capital of Peru"), ([2, 0, 1], "capital of Kenya")):
+        segs = [Segment("Answer from the passages.\n\n")]
+        segs += [Segment(passages[i], key=f"p{i}") for i in order]
+        segs.append(Segment(f"Question: What is the {question}?"))
+        engine.add_request("fused", segs, params, fusion_ratio=1.0)
+        fused = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                fused = out.token_ids
+        (full,) = engine.generate([_ids(engine, segs)], params)
+        assert fused == full.token_ids
+    assert engine.stats()["num_fusion_store_hits"] == 3
+
+
+def _ids(engine: LLMEngine, segs: list[Segment]) -> list[int]:
+    from ragserve.generation.fusion import tokenize_segments
+
+    return tokenize_segments(segs, engine._tokenize_segment)[0]

@@ -171,7 +171,8 @@ class ModelRunner:
 
 
 def _drop(out: SchedulerOutput, indices: list[int]) -> SchedulerOutput:
-    keep = [i for i in range(len(out.seqs)) if i not in set(indices)]
+    dropped = set(indices)
+    keep = [i for i in range(len(out.seqs)) if i not in dropped]
     return SchedulerOutput(
         [out.seqs[i] for i in keep],
         [out.num_scheduled_tokens[i] for i in keep],

@@ -61,6 +61,7 @@ class GenerationNode:
     append: bool = False
     top_p: float = 1.0
     seed: int | None = None
+    fusion_ratio: float | None = None  # cache fusion of the prompt's passages; None: off
 
     kind = "generation"
 

@@ -54,9 +54,11 @@ class GenerationRunner:
 
     def __init__(self, engine: Any, *, clock: Callable[[], float] = time.perf_counter) -> None:
         from ragserve.generation import SamplingParams
+        from ragserve.generation.fusion import paragraph_segments
 
         self.engine = engine
         self._params_cls = SamplingParams
+        self._paragraph_segments = paragraph_segments
         self._clock = clock
         self._progress: dict[str, _Progress] = {}
         self.num_updates = 0  # updates returned by ``step`` so far
@@ -71,7 +73,13 @@ class GenerationRunner:
                     prompt = self.engine.apply_chat_template([{"role": "user", "content": prompt}])
                 elif isinstance(prompt, tuple):
                     prompt = list(prompt)
-                self.engine.add_request(t.task_id, prompt, self._params_cls(**asdict(t.params)))
+                sampling = asdict(t.params)
+                ratio = sampling.pop("fusion_ratio")
+                if ratio is not None and isinstance(prompt, str):
+                    prompt = self._paragraph_segments(prompt)
+                self.engine.add_request(
+                    t.task_id, prompt, self._params_cls(**sampling), fusion_ratio=ratio
+                )
             except (ValueError, TypeError) as exc:
                 errors.append(
                     GenerationUpdate(

@@ -24,6 +24,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    fusion_ratio: float | None = None  # engine ``add_request(fusion_ratio=...)``, not sampling
 
     @classmethod
     def for_node(cls, node: Any) -> GenerationParams:
@@ -34,6 +35,7 @@ class GenerationParams:
             top_p=node.top_p,
             seed=node.seed,
             stop=node.stop,
+            fusion_ratio=node.fusion_ratio,
         )
 
     @classmethod

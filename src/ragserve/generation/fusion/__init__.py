@@ -7,7 +7,7 @@ recomputed with full attention over the whole prompt; every unkeyed token is com
 """
 
 from ragserve.generation.fusion.prefill import FusionPlan, FusionRunner
-from ragserve.generation.fusion.segment import Segment, tokenize_segments
+from ragserve.generation.fusion.segment import Segment, paragraph_segments, tokenize_segments
 from ragserve.generation.fusion.selectors import FUSION_SELECTORS
 from ragserve.generation.fusion.store import PassageKVStore
 
@@ -17,5 +17,6 @@ __all__ = [
     "FusionRunner",
     "PassageKVStore",
     "Segment",
+    "paragraph_segments",
     "tokenize_segments",
 ]

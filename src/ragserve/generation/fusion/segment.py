@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,19 @@ class Segment:
             raise ValueError("Segment.content is empty")
         if self.key is not None and (not isinstance(self.key, str) or not self.key):
             raise ValueError(f"Segment.key must be a non-empty string or None, got {self.key!r}")
+
+
+def paragraph_segments(text: str) -> list[Segment]:
+    """``text`` as segments split after blank lines (``"\\n\\n"``): the paragraphs between
+    the first and the last (a rendered answer template's passages) keyed by a digest of their
+    text, so the same passage anywhere in any prompt reuses its stored KV."""
+    parts = [p + "\n\n" for p in text.split("\n\n")]
+    parts[-1] = parts[-1][:-2]
+    parts = [p for p in parts if p]
+    if len(parts) < 3:
+        return [Segment(text)]
+    keyed = [Segment(p, key=hashlib.sha1(p.encode()).hexdigest()) for p in parts[1:-1]]
+    return [Segment(parts[0]), *keyed, Segment(parts[-1])]
 
 
 def tokenize_segments(

@@ -56,6 +56,6 @@ def pick_rows(
             continue
         seg = scores[start:end].float()
         # NOTE: stable descending sort so equal scores keep the earlier token first.
-        order = torch.sort(-seg, stable=True).indices[:num]
-        picked.extend(start + int(i) for i in order)
+        order = torch.sort(-seg, stable=True).indices[:num].tolist()
+        picked.extend(start + i for i in order)
     return sorted(picked)
