@@ -22,6 +22,13 @@ from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig,
 from ragserve.generation.detokenizer import IncrementalDetokenizer, check_finished, find_stop
 from ragserve.generation.errors import PromptTooLongError
 from ragserve.generation.evidence_order import order_evidence
+from ragserve.generation.fusion import (
+    FusionPlan,
+    FusionRunner,
+    PassageKVStore,
+    Segment,
+    tokenize_segments,
+)
 from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.kv_setup import (
     PrefillCostModel,
@@ -91,6 +98,17 @@ class LLMEngine:
             block_size=config.block_size,
             seed=config.seed,
         )
+        self.model_runner.fusion = FusionRunner(
+            model,
+            PassageKVStore(
+                f"{config.model}:{dtype}",
+                device,
+                config.fusion_kv_cache_bytes,
+                config.fusion_host_kv_cache_bytes,
+            ),
+            selector=config.fusion_selector,
+            probe_layer=config.fusion_probe_layer,
+        )
         if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
             self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
         self.block_manager, self.host_kv_cache = make_kv_tiers(
@@ -127,13 +145,19 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | list[Segment],
         params: SamplingParams,
         *,
         segment_ends: Sequence_[int] | None = None,
+        fusion_ratio: float | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` (``PromptTooLongError`` for a prompt that
         leaves no room to generate) and then changes nothing.
+
+        ``prompt`` may be a list of ``Segment``s (their concatenation; their bounds are the
+        default ``segment_ends``). ``fusion_ratio`` (default: the engine's ``fusion_ratio``;
+        ``None`` there too: off) turns on cache fusion for the keyed segments: their stored KV
+        is reused and that share of their tokens recomputed (1.0: all, a full prefill).
 
         ``segment_ends``: the prompt's documents for the knowledge tree, as increasing
         exclusive token ends, the last one the prompt length (default: found from blank lines,
@@ -142,7 +166,17 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if (params.stop or isinstance(prompt, str)) and self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids and no stop strings")
-        ids = self._tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ratio = self.config.fusion_ratio if fusion_ratio is None else float(fusion_ratio)
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"request {request_id!r}: fusion_ratio must be in [0, 1], got {ratio}")
+        spans = None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], Segment):
+            tokenize = None if self.tokenizer is None else self._tokenize_segment
+            ids, spans = tokenize_segments(prompt, tokenize)
+        elif isinstance(prompt, str):
+            ids = self._tokenize(prompt)
+        else:
+            ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
         vocab = self.model_config.vocab_size
@@ -154,8 +188,12 @@ class LLMEngine:
                 f"{self.max_model_len} (room for at least one generated token is needed)"
             )
         seq = Sequence(request_id, ids, params)
+        if segment_ends is None and spans is not None:
+            segment_ends = [end for _, end, _ in spans]
         if segment_ends is not None:
             seq.segment_ends = _check_segment_ends(request_id, segment_ends, len(ids))
+        if spans is not None and ratio is not None and any(k is not None for *_, k in spans):
+            seq.fusion = FusionPlan(tuple(spans), ratio)
         self._seqs[request_id] = seq
         self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq)
         self.scheduler.add(seq)
@@ -239,6 +277,11 @@ class LLMEngine:
         return [final[rid] for rid in ids]
 
     # ------------------------------------------------------------------ helpers
+    def _tokenize_segment(self, text: str, is_first: bool) -> list[int]:
+        if is_first:
+            return self._tokenize(text)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _tokenize(self, prompt: str) -> list[int]:
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = not (bos and prompt.startswith(bos))
@@ -257,7 +300,9 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Queue and KV counters (ints). Hit tokens count reused KV per tier; swap counts are
-        blocks (bytes in ``*_bytes``); evictions count blocks leaving a tier."""
+        blocks (bytes in ``*_bytes``); evictions count blocks leaving a tier. Cache fusion:
+        ``num_fused_tokens`` keyed-segment tokens prefilled from stored passage KV, of which
+        ``num_recomputed_tokens`` were recomputed; store hits/misses count passages."""
         bm, sched = self.block_manager, self.scheduler
         stats = {
             "running": len(sched.running),
@@ -268,6 +313,13 @@ class LLMEngine:
             "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
             "prefix_cache_query_tokens": sched.prefix_cache_query_tokens,
             "num_prefill_tokens_saved": sched.prefix_cache_hit_tokens,
+        }
+        fusion = self.model_runner.fusion
+        stats |= {
+            "num_fused_tokens": fusion.num_fused_tokens,
+            "num_recomputed_tokens": fusion.num_recomputed_tokens,
+            "num_fusion_store_hits": fusion.store.num_hits,
+            "num_fusion_store_misses": fusion.store.num_misses,
         }
         return stats | kv_tier_stats(bm, self.host_kv_cache, sched.prefix_cache_hit_tokens)
 

@@ -22,6 +22,7 @@ from ragserve.generation.attention import (
 )
 from ragserve.generation.config import ModelConfig
 from ragserve.generation.cuda_graph import CUDAGraphRunner
+from ragserve.generation.fusion import FusionRunner
 from ragserve.generation.sampler import Sampler
 from ragserve.generation.scheduler import SchedulerOutput
 from ragserve.generation.sequence import Sequence
@@ -72,6 +73,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.logits_hook: LogitsHook | None = None  # debug/test tap on last-position logits
         self.graph_runner: CUDAGraphRunner | None = None  # set by capture_cuda_graphs
+        self.fusion: FusionRunner | None = None  # cache fusion, set by the engine
 
     def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> None:
         """Record decode forwards for batch sizes up to ``max_batch`` (``cuda_graph.py``)."""
@@ -133,15 +135,49 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> list[int]:
-        input_ids, positions, metadata, logits_rows = self.prepare_inputs(out)
-        hidden = self.run_model(input_ids, positions, metadata)
-        if logits_rows.numel() == 0:
-            return []
-        logits = self.model.compute_logits(hidden[logits_rows])
+        """Sampled tokens of the sequences with ``out.sample`` set, in order. A sequence with a
+        fusion plan and nothing computed yet takes the fused prefill (``fusion/``) instead of
+        the batched forward; the rest of the step runs batched as usual."""
+        fused = [
+            i
+            for i, s in enumerate(out.seqs)
+            if s.fusion is not None and s.num_computed_tokens == 0 and self.fusion is not None
+        ]
+        plain = _drop(out, fused) if fused else out
+        rows: dict[int, torch.Tensor] = {}
+        if not plain.is_empty:
+            input_ids, positions, metadata, logits_rows = self.prepare_inputs(plain)
+            hidden = self.run_model(input_ids, positions, metadata)
+            sampled_ids = [id(s) for s, f in zip(plain.seqs, plain.sample, strict=True) if f]
+            rows = dict(zip(sampled_ids, hidden[logits_rows], strict=True))
+        for i in fused:
+            rows[id(out.seqs[i])] = self._fused_prefill(out.seqs[i])
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
+        if not sampled:
+            return []
+        logits = self.model.compute_logits(torch.stack([rows[id(s)] for s in sampled]))
         if self.logits_hook is not None:
             self.logits_hook(sampled, logits)
         return self.sampler(logits, [s.request_id for s in sampled], [s.params for s in sampled])
+
+    def _fused_prefill(self, seq: Sequence) -> torch.Tensor:
+        """Final hidden state of the last token after a fused prefill of the whole sequence."""
+        bs = self.block_size
+        pos = np.arange(seq.num_tokens)
+        slots = np.asarray(seq.block_table)[pos // bs] * bs + pos % bs
+        return self.fusion.prefill(
+            seq.token_ids, seq.fusion, self.kv_caches, _to(slots.astype(np.int64), self.device)
+        )
+
+
+def _drop(out: SchedulerOutput, indices: list[int]) -> SchedulerOutput:
+    dropped = set(indices)
+    keep = [i for i in range(len(out.seqs)) if i not in dropped]
+    return SchedulerOutput(
+        [out.seqs[i] for i in keep],
+        [out.num_scheduled_tokens[i] for i in keep],
+        [out.sample[i] for i in keep],
+    )
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

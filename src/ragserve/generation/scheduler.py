@@ -6,6 +6,9 @@ order; when the KV pool is full the newest running request is preempted (its blo
 freed, it returns to the front of the waiting queue and is recomputed later, its prefix
 usually still cached). Waiting requests are admitted only when nobody was preempted.
 
+A request with a fusion plan (cache fusion) is admitted only when its whole prompt can be
+prefilled in one step, and never touches the prefix cache (its KV is approximate).
+
 Cache-aware admission (RAGCache, switchable): among the first ``lookahead`` waiting requests
 the one with the largest cached share of its tokens goes first (ties: arrival order); a
 request passed over ``fairness_window`` times is admitted next whatever its share.
@@ -101,6 +104,11 @@ class Scheduler:
             seq = self.waiting[index]
             num_hit = len(hit_blocks) * self.block_manager.block_size
             n = min(seq.num_tokens - num_hit, budget)
+            if seq.fusion is not None and n < seq.num_tokens:
+                # NOTE: a fused prefill runs whole; alone in a step it may pass the budget.
+                if seqs:
+                    break
+                n = seq.num_tokens
             if not self.block_manager.allocate_slots(seq, n, hit_blocks):
                 break
             del self.waiting[index]
@@ -125,17 +133,22 @@ class Scheduler:
         """Index in ``waiting`` of the request to admit next, and its cached blocks."""
         bm = self.block_manager
         if self.fairness_window is None or len(self.waiting) == 1:
-            return 0, bm.get_computed_blocks(self.waiting[0])
+            return 0, self._computed_blocks(self.waiting[0])
         best, best_hit, best_share = 0, [], -1.0
         for i in range(min(len(self.waiting), self.lookahead)):
             seq = self.waiting[i]
-            hit = bm.get_computed_blocks(seq)
+            hit = self._computed_blocks(seq)
             if self._num_passed.get(seq.request_id, 0) >= self.fairness_window:
                 return i, hit
             share = len(hit) * bm.block_size / seq.num_tokens
             if share > best_share:
                 best, best_hit, best_share = i, hit, share
         return best, best_hit
+
+    def _computed_blocks(self, seq: Sequence) -> list:
+        # NOTE: fused KV is approximate: a fused request neither reuses nor shares cached
+        # blocks, so the prefix cache stays exact for everyone else.
+        return [] if seq.fusion is not None else self.block_manager.get_computed_blocks(seq)
 
     def _pass_over(self, index: int) -> None:
         """The requests ahead of the admitted one were passed over once more."""
@@ -157,7 +170,8 @@ class Scheduler:
         """The scheduled tokens now have KV in the cache; register full blocks for reuse."""
         for seq, n in zip(output.seqs, output.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += n
-            self.block_manager.cache_blocks(seq)
+            if seq.fusion is None:
+                self.block_manager.cache_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a request (running or waiting): free its blocks and drop it from the queues."""

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ragserve.generation.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ragserve.generation.fusion import FusionPlan
 
 
 class SequenceStatus(enum.Enum):
@@ -82,6 +86,8 @@ class Sequence:
         # exclusive ends of the prompt's segments (documents) for the knowledge tree; None:
         # detected from the tokens (``segments.py``)
         self.segment_ends: tuple[int, ...] | None = None
+        # cache fusion: its prefill reuses stored passage KV (``fusion/``); None: plain
+        self.fusion: FusionPlan | None = None
 
     @property
     def num_tokens(self) -> int:

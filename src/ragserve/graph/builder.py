@@ -46,12 +46,15 @@ class RAGraph:
         top_p: float = 1.0,
         seed: int | None = None,
         with_history: bool | None = None,
+        fusion_ratio: float | None = None,
     ) -> RAGraph:
         """A generation node; ``output=None`` writes the answer key ``"output"``.
 
         ``temperature``, ``top_p`` and ``seed`` are the node's sampling (temperature 0: greedy).
         ``with_history`` puts the conversation (``state["history"]``) before the prompt
         (``None``: answer nodes only); set it on nodes that write queries from the question.
+        ``fusion_ratio`` turns on cache fusion for the prompt's paragraphs between the first
+        and the last (the passages): the share of their tokens recomputed (None: off).
         """
         output = "output" if output is None else output
         _check_key(node_id, "output", output)
@@ -61,6 +64,10 @@ class RAGraph:
             raise GraphError(f"node {node_id!r}: temperature must be >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise GraphError(f"node {node_id!r}: top_p must be in (0, 1], got {top_p}")
+        if fusion_ratio is not None and not 0.0 <= fusion_ratio <= 1.0:
+            raise GraphError(
+                f"node {node_id!r}: fusion_ratio must be in [0, 1], got {fusion_ratio}"
+            )
         node = GenerationNode(
             node_id,
             Template.parse(prompt),
@@ -72,6 +79,7 @@ class RAGraph:
             top_p=top_p,
             seed=seed,
             with_history=with_history,
+            fusion_ratio=fusion_ratio,
         )
         return self._add(node)
 

@@ -66,6 +66,7 @@ class GenerationNode:
     top_p: float = 1.0
     seed: int | None = None
     with_history: bool | None = None
+    fusion_ratio: float | None = None  # cache fusion of the prompt's passages; None: off
 
     kind = "generation"
 

@@ -61,9 +61,11 @@ class GenerationRunner:
 
     def __init__(self, engine: Any, *, clock: Callable[[], float] = time.perf_counter) -> None:
         from ragserve.generation import SamplingParams
+        from ragserve.generation.fusion import paragraph_segments
 
         self.engine = engine
         self._params_cls = SamplingParams
+        self._paragraph_segments = paragraph_segments
         self._clock = clock
         self._progress: dict[str, _Progress] = {}
         self.num_updates = 0  # updates returned by ``step`` so far
@@ -81,7 +83,13 @@ class GenerationRunner:
                     )
                 elif isinstance(prompt, tuple):
                     prompt = list(prompt)
-                self.engine.add_request(t.task_id, prompt, self._params_cls(**asdict(t.params)))
+                sampling = asdict(t.params)
+                ratio = sampling.pop("fusion_ratio")
+                if ratio is not None and isinstance(prompt, str):
+                    prompt = self._paragraph_segments(prompt)
+                self.engine.add_request(
+                    t.task_id, prompt, self._params_cls(**sampling), fusion_ratio=ratio
+                )
             except Exception as exc:
                 # NOTE: tokenizers raise TypeError for text they cannot encode (a lone
                 # surrogate); whatever this task's input does, it fails alone.

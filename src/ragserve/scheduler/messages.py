@@ -25,6 +25,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    fusion_ratio: float | None = None  # engine ``add_request(fusion_ratio=...)``, not sampling
 
     def __post_init__(self) -> None:
         check_sampling(
@@ -44,6 +45,7 @@ class GenerationParams:
             top_p=node.top_p,
             seed=node.seed,
             stop=node.stop,
+            fusion_ratio=node.fusion_ratio,
         )
 
     @classmethod

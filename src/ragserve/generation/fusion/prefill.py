@@ -1,0 +1,165 @@
+"""The fused prefill of one request: stored passage KV + selective recompute -> paged cache.
+
+1. Each keyed segment's KV comes from the ``PassageKVStore`` (computed alone at positions
+   ``0..n-1`` on a miss and stored), keys re-rotated to the segment's start.
+2. The selector scores the tokens; ``ceil(ratio * n)`` of each keyed segment are recomputed
+   together with every unkeyed token (and the last token, whose logits are sampled).
+3. One dense forward over those rows (``forward.py``); then every token's KV is written into
+   the request's blocks, so decoding continues on the paged cache like any request.
+
+``ratio = 1.0`` recomputes every token: a full prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ragserve.generation.attention.base import store_kv
+from ragserve.generation.fusion.forward import forward_rows, project_kv, rotate_keys
+from ragserve.generation.fusion.selectors import (
+    FUSION_SELECTORS,
+    attention_scores,
+    kv_deviation,
+    pick_rows,
+    query_rows,
+)
+from ragserve.generation.fusion.store import PassageKVStore
+
+Span = tuple[int, int, str | None]
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """A request's segments as ``(start, end, key)`` token spans and its recompute ratio."""
+
+    spans: tuple[Span, ...]
+    ratio: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"fusion_ratio must be in [0, 1], got {self.ratio}")
+
+    @property
+    def num_keyed_tokens(self) -> int:
+        return sum(e - s for s, e, key in self.spans if key is not None)
+
+
+class FusionRunner:
+    """Runs fused prefills on a model's paged KV cache; owns the passage store and counters.
+
+    ``prefill`` mutates the cache blocks named by the request's block table and the store.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        store: PassageKVStore,
+        *,
+        selector: str = "qcfuse",
+        probe_layer: int | None = None,
+    ):
+        num_layers = len(model.model.layers)
+        if selector not in FUSION_SELECTORS:
+            raise ValueError(f"unknown fusion_selector {selector!r}; use one of {FUSION_SELECTORS}")
+        if probe_layer is not None and not 0 <= probe_layer < num_layers:
+            raise ValueError(f"fusion_probe_layer must be in [0, {num_layers}), got {probe_layer}")
+        self.model = model
+        self.store = store
+        self.selector = selector
+        self.probe_layer = max(1, num_layers // 4) if probe_layer is None else probe_layer
+        self.probe_layer = min(self.probe_layer, num_layers - 1)
+        self.num_fused_tokens = 0
+        self.num_recomputed_tokens = 0
+
+    def passage_kv(self, key: str, token_ids: list[int]) -> torch.Tensor:
+        """Stored KV of a passage at positions ``0..n-1`` (computed and stored on a miss)."""
+        kv = self.store.get(key, token_ids)
+        if kv is None:
+            kv = self._compute_alone(token_ids)
+            self.store.put(key, token_ids, kv)
+        return kv
+
+    def _compute_alone(self, token_ids: list[int]) -> torch.Tensor:
+        kv = self._empty_kv(len(token_ids))
+        ids = torch.tensor(token_ids, dtype=torch.long, device=kv.device)
+        forward_rows(self.model, ids, kv, torch.arange(len(token_ids), device=kv.device))
+        return kv
+
+    def _empty_kv(self, num_tokens: int) -> torch.Tensor:
+        attn = self.model.model.layers[0].self_attn
+        param = next(self.model.parameters())
+        shape = (2, len(self.model.model.layers), num_tokens, attn.num_kv_heads, attn.head_dim)
+        return torch.zeros(shape, dtype=param.dtype, device=param.device)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: list[int],
+        plan: FusionPlan,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Fill ``slots`` (one flat cache slot per token) with the fused KV of ``token_ids``
+        and return the last token's final hidden state ``[hidden]`` (after the final norm).
+        Tokens past the planned spans (generated before a preemption) are computed like
+        unkeyed ones."""
+        kv = self._empty_kv(len(token_ids))
+        dev = kv.device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        rotary = self.model.model.rotary
+        keyed = [(s, e, key) for s, e, key in plan.spans if key is not None]
+        for start, end, key in keyed:
+            stored = self.passage_kv(key, token_ids[start:end])
+            kv[0, :, start:end] = rotate_keys(stored[0], rotary, start)
+            kv[1, :, start:end] = stored[1]
+        in_keyed = torch.zeros(len(token_ids), dtype=torch.bool, device=dev)
+        for start, end, _ in keyed:
+            in_keyed[start:end] = True
+        fused = in_keyed.clone()
+        in_keyed[-1] = False  # the last token's logits are sampled: always computed
+        base = (~in_keyed).nonzero().flatten()
+        extra = self._select(ids, kv, base, plan)
+        rows = torch.unique(torch.cat([base, torch.tensor(extra, dtype=torch.long, device=dev)]))
+        hidden, _ = forward_rows(self.model, ids, kv, rows)
+        for layer, (k_cache, v_cache) in enumerate(kv_caches):
+            store_kv(kv[0, layer], kv[1, layer], k_cache, v_cache, slots)
+        self.num_fused_tokens += plan.num_keyed_tokens
+        self.num_recomputed_tokens += int(fused[rows].sum())
+        return self.model.model.norm(hidden[-1])
+
+    def _select(
+        self, ids: torch.Tensor, kv: torch.Tensor, base: torch.Tensor, plan: FusionPlan
+    ) -> list[int]:
+        """Positions of keyed tokens to recompute (``plan.ratio`` of each keyed segment)."""
+        if plan.ratio == 0.0:
+            return []
+        num_tokens = kv.shape[2]
+        if plan.ratio == 1.0:
+            scores = torch.zeros(num_tokens, device=kv.device)
+        elif self.selector == "qcfuse":
+            scores = self._query_attention(ids, kv, base, plan)
+        else:
+            scores = self._kv_deviation(ids, kv)
+        return pick_rows(scores, plan.spans, plan.ratio)
+
+    def _query_attention(
+        self, ids: torch.Tensor, kv: torch.Tensor, base: torch.Tensor, plan: FusionPlan
+    ) -> torch.Tensor:
+        # NOTE: the probe writes fresh KV of the unkeyed rows up to the probe layer; the main
+        # forward recomputes those rows at every layer, so nothing of the probe survives.
+        _, probs = forward_rows(self.model, ids, kv, base, probe_layer=self.probe_layer)
+        query = torch.tensor(query_rows(plan.spans, kv.shape[2]), device=kv.device)
+        return attention_scores(probs, base, query)
+
+    def _kv_deviation(self, ids: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        everything = torch.arange(kv.shape[2], device=kv.device)
+        stored = kv[:, 1].clone()
+        hidden, _ = forward_rows(self.model, ids, kv.clone(), everything, num_layers=1)
+        layer = min(1, len(self.model.model.layers) - 1)
+        if layer == 0:  # one layer: nothing deviates but RoPE, already exact
+            return torch.zeros(kv.shape[2], device=kv.device)
+        fresh_k, fresh_v = project_kv(self.model.model.layers[layer], hidden, everything)
+        return kv_deviation(torch.stack([fresh_k, fresh_v]), stored)

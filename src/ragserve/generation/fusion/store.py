@@ -1,0 +1,113 @@
+"""Per-passage KV store for cache fusion: device tier and host tier, LRU, byte budgets.
+
+An entry is one keyed passage's KV computed alone at positions ``0..n-1``:
+``[2, num_layers, n, num_kv_heads, head_dim]`` (keys after RoPE), keyed by (model tag,
+passage key) and checked against the passage's token ids (a key reused for other tokens is a
+miss, and the new KV replaces the old). The device tier keeps the most recently used
+entries within ``device_bytes``; an entry pushed out moves to the host tier (pinned memory
+on CUDA) when ``host_bytes`` allows, else it is dropped; a host hit moves back to the device.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _Entry:
+    token_ids: tuple[int, ...]
+    kv: torch.Tensor
+    on_device: bool
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+class PassageKVStore:
+    """Owns stored passage KV; ``get`` may move entries between tiers, ``put`` may evict."""
+
+    def __init__(self, model_tag: str, device: torch.device, device_bytes: int, host_bytes: int):
+        if device_bytes < 0 or host_bytes < 0:
+            raise ValueError("device_bytes and host_bytes must be >= 0")
+        self.model_tag = model_tag
+        self.device = device
+        self.device_bytes = device_bytes
+        self.host_bytes = host_bytes
+        self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()  # LRU first
+        self.num_hits = 0
+        self.num_host_hits = 0
+        self.num_misses = 0
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return (self.model_tag, key) in self._entries
+
+    @property
+    def num_device_bytes(self) -> int:
+        return sum(e.num_bytes for e in self._entries.values() if e.on_device)
+
+    @property
+    def num_host_bytes(self) -> int:
+        return sum(e.num_bytes for e in self._entries.values() if not e.on_device)
+
+    def get(self, key: str, token_ids: list[int]) -> torch.Tensor | None:
+        """The stored KV of passage ``key`` on the device if it holds exactly ``token_ids``."""
+        entry = self._entries.get((self.model_tag, key))
+        if entry is None or entry.token_ids != tuple(token_ids):
+            self.num_misses += 1
+            return None
+        self._entries.move_to_end((self.model_tag, key))
+        self.num_hits += 1
+        if not entry.on_device:
+            self.num_host_hits += 1
+            entry.kv = entry.kv.to(self.device, non_blocking=True)
+            entry.on_device = True
+            self._fit()
+        return entry.kv
+
+    def put(self, key: str, token_ids: list[int], kv: torch.Tensor) -> None:
+        """Store (or replace) passage ``key``; an entry larger than the device budget is not
+        kept. Evicts least recently used entries to fit."""
+        full_key = (self.model_tag, key)
+        self._entries.pop(full_key, None)
+        entry = _Entry(tuple(token_ids), kv, on_device=True)
+        if entry.num_bytes > self.device_bytes:
+            return
+        self._entries[full_key] = entry
+        self._fit()
+
+    def _fit(self) -> None:
+        device_used = self.num_device_bytes
+        for full_key, entry in list(self._entries.items()):
+            if device_used <= self.device_bytes:
+                break
+            if entry.on_device and entry is not self._newest():
+                device_used -= entry.num_bytes
+                self._to_host(full_key, entry)
+        host_used = self.num_host_bytes
+        for full_key, entry in list(self._entries.items()):
+            if host_used <= self.host_bytes:
+                break
+            if not entry.on_device:
+                host_used -= entry.num_bytes
+                del self._entries[full_key]
+                self.num_evicted += 1
+
+    def _newest(self) -> _Entry:
+        return next(reversed(self._entries.values()))
+
+    def _to_host(self, full_key: tuple[str, str], entry: _Entry) -> None:
+        if entry.num_bytes > self.host_bytes:
+            del self._entries[full_key]
+            self.num_evicted += 1
+            return
+        host = entry.kv.to("cpu")
+        entry.kv = host.pin_memory() if self.device.type == "cuda" else host
+        entry.on_device = False

@@ -1,0 +1,272 @@
+"""Cache fusion: ratio 1.0 equals full prefill, re-rotated stored KV equals KV computed at the
+target position, blocks are freed exactly, and the selectors pick the expected tokens."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from oracle_cases import pool_bytes
+
+from ragserve.generation import LLMEngine, SamplingParams, Segment
+from ragserve.generation.fusion import FusionPlan, PassageKVStore
+from ragserve.generation.fusion.forward import rotate_keys
+from ragserve.generation.fusion.selectors import (
+    attention_scores,
+    kv_deviation,
+    pick_rows,
+    query_rows,
+)
+
+MAX_TOKENS = 6
+
+
+def _segments(seed: int, order: list[int]) -> list[Segment]:
+    """Instructions, passages (keyed, in ``order``) and a question, as token ids."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(3, 49152) for _ in range(rng.randrange(9, 30))] for _ in range(4)]
+    head = [rng.randrange(3, 49152) for _ in range(7)]
+    question = [rng.randrange(3, 49152) for _ in range(5)]
+    passages = [Segment(docs[d], key=f"doc-{d}") for d in order]
+    return [Segment(head), *passages, Segment(question)]
+
+
+def _flat(segments: list[Segment]) -> list[int]:
+    return [t for s in segments for t in s.content]
+
+
+ORDERS = [[0, 1, 2], [2, 0, 1], [1, 3], [3, 2, 1, 0]]
+
+
+def _engine(path, **kw) -> LLMEngine:
+    blocks = kw.pop("num_blocks", 96)
+    kw.setdefault("max_model_len", 384)
+    return LLMEngine(path, device="cpu", kv_cache_bytes=pool_bytes(path, blocks, 16), **kw)
+
+
+def _run(engine: LLMEngine, prompts: list, ratios: list[float | None]) -> list[list[int]]:
+    """Two requests arrive per step (continuous batching); integrity checked every step."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    results: dict[int, list[int]] = {}
+    step = 0
+    while step * 2 < len(prompts) or engine.has_unfinished():
+        for i in range(step * 2, min(step * 2 + 2, len(prompts))):
+            engine.add_request(str(i), prompts[i], params, fusion_ratio=ratios[i])
+        for output in engine.step():
+            if output.finished:
+                results[int(output.request_id)] = output.token_ids
+        engine.check_integrity()
+        step += 1
+    return [results[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_ratio_one_equals_full_prefill(arch, tiny_models):
+    path = tiny_models[arch]
+    segs = [_segments(5, o) for o in ORDERS]
+    full = _run(_engine(path, enable_prefix_caching=False), [_flat(s) for s in segs], [None] * 4)
+    engine = _engine(path)
+    # fused and plain requests batched together; passages reused across requests
+    prompts = segs + [_flat(s) for s in segs]
+    fused = _run(engine, prompts, [1.0] * 4 + [None] * 4)
+    assert fused == full + full
+    stats = engine.stats()
+    keyed = sum(len(p.content) for s in segs for p in s if p.key is not None)
+    assert stats["num_fused_tokens"] == keyed
+    assert stats["num_recomputed_tokens"] == keyed
+    assert stats["num_fusion_store_misses"] == 4 and stats["num_fusion_store_hits"] == 8
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_ratio_counts_and_blocks_freed(tiny_models):
+    engine = _engine(tiny_models["llama"], fusion_ratio=0.3)
+    segs = [_segments(5, o) for o in ORDERS]
+    outs = _run(engine, segs, [None, 0.0, 0.3, None])
+    assert all(len(o) == MAX_TOKENS for o in outs)
+    stats = engine.stats()
+    lengths = [[len(p.content) for p in s if p.key] for s in segs]
+    ratios = [0.3, 0.0, 0.3, 0.3]
+    expect = sum(math.ceil(r * n) for ls, r in zip(lengths, ratios, strict=True) for n in ls)
+    assert stats["num_fused_tokens"] == sum(map(sum, lengths))
+    assert stats["num_recomputed_tokens"] == expect
+    assert stats["kv_blocks_used"] == 0
+    engine.check_integrity()
+
+
+def test_fusion_off_by_default_and_without_keys(tiny_models):
+    engine = _engine(tiny_models["llama"])
+    segs = _segments(5, [0, 1])
+    engine.generate([_flat(segs)])
+    engine.add_request("a", segs, SamplingParams(max_tokens=2))
+    engine.add_request("b", [Segment(_flat(segs))], SamplingParams(max_tokens=2), fusion_ratio=0)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["num_fused_tokens"] == 0
+
+
+def test_preempted_fused_request_recomputes(tiny_models):
+    """A pool too small for all requests preempts fused ones; ratio 1.0 stays exact."""
+    path = tiny_models["llama"]
+    segs = [_segments(9, o) for o in ORDERS]
+    full = _run(_engine(path, enable_prefix_caching=False), [_flat(s) for s in segs], [None] * 4)
+    engine = _engine(path, num_blocks=10, max_model_len=128)
+    assert _run(engine, segs, [1.0] * 4) == full
+    assert engine.stats()["preemptions"] > 0
+
+
+def test_rerotated_keys_equal_keys_at_target_position(tiny_models, hf_oracles):
+    """Stored KV (passage alone at 0..n-1), re-rotated by ``s``, equals the KV transformers
+    computes for the passage alone at ``s..s+n-1``, every layer."""
+    for arch in ("llama", "qwen3"):
+        engine = _engine(tiny_models[arch])
+        runner = engine.model_runner.fusion
+        rotary = engine.model_runner.model.model.rotary
+        tokens = _segments(1, [0])[1].content
+        stored = runner.passage_kv("p", tokens)
+        for start in (0, 37, 200):
+            pos = torch.arange(start, start + len(tokens))[None]
+            out = hf_oracles[arch](torch.tensor([tokens]), position_ids=pos, use_cache=True)
+            cache = out.past_key_values
+            for layer in range(stored.shape[1]):
+                hf_k, hf_v = _layer_kv(cache, layer)
+                ours_k = rotate_keys(stored[0, layer], rotary, start)
+                tight = dict(atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(ours_k, hf_k[0].transpose(0, 1), **tight)
+                torch.testing.assert_close(stored[1, layer], hf_v[0].transpose(0, 1), **tight)
+
+
+def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def test_pick_rows_takes_top_share_of_each_keyed_segment():
+    spans = [(0, 3, None), (3, 8, "a"), (8, 10, "b"), (10, 12, None)]
+    scores = torch.tensor([9, 9, 9, 0.1, 0.5, 0.5, 0.9, 0.0, 0.2, 0.3, 9, 9])
+    assert pick_rows(scores, spans, 0.0) == []
+    assert pick_rows(scores, spans, 0.2) == [6, 9]  # ceil(0.2*5)=1, ceil(0.2*2)=1
+    assert pick_rows(scores, spans, 0.5) == [4, 5, 6, 9]  # tie 4/5: both taken (3 of 5)
+    assert pick_rows(scores, spans, 0.25) == [4, 6, 9]  # ceil(1.25)=2: tie keeps the earlier
+    assert pick_rows(scores, spans, 1.0) == [3, 4, 5, 6, 7, 8, 9]
+
+
+def test_query_attention_and_kv_deviation_scores():
+    spans = [(0, 2, None), (2, 6, "a"), (6, 8, None)]
+    assert query_rows(spans, 8) == [6, 7]
+    assert query_rows([(0, 4, "a")], 4) == [3]
+    rows = torch.tensor([0, 1, 6, 7])
+    probs = torch.zeros(2, 4, 8)
+    probs[:, 2, 4] = 0.7  # the query token at 6 attends to passage token 4
+    probs[:, 3, 3] = 0.2
+    probs[:, 0, 5] = 1.0  # an instruction row: not a query, ignored
+    scores = attention_scores(probs, rows, torch.tensor([6, 7]))
+    assert pick_rows(scores, spans, 0.25) == [4]
+    assert pick_rows(scores, spans, 0.5) == [3, 4]
+    fresh = torch.zeros(2, 8, 2, 4)
+    stored = fresh.clone()
+    stored[1, 5] += 3.0  # token 5's values moved most
+    stored[0, 2] += 1.0
+    dev = kv_deviation(fresh, stored)
+    assert dev.argmax().item() == 5
+    assert pick_rows(dev, spans, 0.5) == [2, 5]
+
+
+def test_store_tiers_and_token_check():
+    one = torch.zeros(2, 1, 4, 1, 2)  # 64 bytes
+    store = PassageKVStore("m", torch.device("cpu"), device_bytes=128, host_bytes=64)
+    store.put("a", [1, 2, 3, 4], one)
+    store.put("b", [5, 6, 7, 8], one.clone())
+    store.put("c", [9, 9, 9, 9], one.clone())  # a -> host
+    assert store.num_device_bytes == 128 and store.num_host_bytes == 64
+    assert store.get("a", [1, 2, 3, 0]) is None  # same key, other tokens: a miss
+    assert store.get("a", [1, 2, 3, 4]) is not None  # host hit: back on the device, b out
+    assert store.num_host_hits == 1 and len(store) == 3 and "b" in store
+    store.put("d", [1], one.clone())  # c -> host, b (host, LRU) dropped
+    assert "b" not in store and store.num_evicted == 1
+    store.put("big", [1], torch.zeros(2, 1, 9, 1, 2))  # over the device budget: not kept
+    assert "big" not in store
+
+
+def test_bad_fusion_inputs(tiny_models):
+    engine = _engine(tiny_models["llama"])
+    with pytest.raises(ValueError, match="fusion_ratio"):
+        engine.add_request("x", _segments(1, [0]), SamplingParams(), fusion_ratio=1.5)
+    with pytest.raises(ValueError, match="content is empty"):
+        Segment([])
+    with pytest.raises(ValueError, match="Segment.key"):
+        Segment([1], key="")
+    with pytest.raises(ValueError, match="fusion_ratio"):
+        FusionPlan(((0, 1, "a"),), -0.1)
+    with pytest.raises(ValueError, match="fusion_selector"):
+        _engine(tiny_models["llama"], fusion_selector="nope")
+    assert not engine.has_unfinished()
+
+
+def test_paragraph_segments_key_the_middle_paragraphs():
+    from ragserve.generation.fusion import paragraph_segments
+
+    text = "Use the passages.\n\n[1] Alpha\nriver\n\n[2] Beta\n\nQuestion: why?"
+    segs = paragraph_segments(text)
+    assert "".join(s.content for s in segs) == text
+    assert [s.key is None for s in segs] == [True, False, False, True]
+    again = paragraph_segments("Other.\n\n[2] Beta\n\nQ?")
+    assert again[1].key == segs[2].key
+    assert paragraph_segments("no blank lines") == [Segment("no blank lines")]
+
+
+def test_workflow_node_fusion_ratio_reaches_the_engine(tiny_models):
+    """``add_generation(fusion_ratio=...)`` -> ``GenerationParams`` -> runner -> engine."""
+    from ragserve.graph import END, START, RAGraph
+    from ragserve.runtime.runners import GenerationRunner
+    from ragserve.scheduler.messages import GenerationParams, GenerationTask
+
+    graph = RAGraph("g").add_generation(0, prompt="{input}", max_tokens=2, fusion_ratio=0.5)
+    node = graph.add_edge(START, 0).add_edge(0, END).compile().nodes[0]
+    params = GenerationParams.for_node(node)
+    assert params.fusion_ratio == 0.5
+    engine = _engine(tiny_models["llama"])
+    runner = GenerationRunner(engine)
+    prompt = "Answer.\n\nfirst passage here\n\nsecond passage\n\nQuestion: what?"
+    assert runner.add([GenerationTask("t", prompt, params, chat=False)]) == []
+    while engine.has_unfinished():
+        runner.step()
+    assert engine.stats()["num_fused_tokens"] > 0
+    with pytest.raises(Exception, match="fusion_ratio"):
+        RAGraph("h").add_generation(0, prompt="{input}", fusion_ratio=2.0)
+
+
+@pytest.mark.slow
+def test_smollm2_ratio_one_equals_full_prefill():
+    """Real weights: text segments with keyed passages, reused in other orders, at ratio
+    1.0 give exactly the greedy tokens of a full prefill of the same tokens."""
+    from ragserve.generation.builtin import resolve_model
+
+    folder = resolve_model("smollm2-135m-instruct")
+    passages = [
+        "Kenya: the capital is Nairobi; Swahili and English are official.\n\n",
+        "Peru: the capital is Lima; Spanish and Quechua are spoken.\n\n",
+        "Norway: the capital is Oslo; the climate is temperate along the coast.\n\n",
+    ]
+    engine = LLMEngine(folder, device="cpu", max_model_len=512, cpu_threads=1)
+    params = SamplingParams(max_tokens=8)
+    for order, question in (([0, 1, 2], "capital of Peru"), ([2, 0, 1], "capital of Kenya")):
+        segs = [Segment("Answer from the passages.\n\n")]
+        segs += [Segment(passages[i], key=f"p{i}") for i in order]
+        segs.append(Segment(f"Question: What is the {question}?"))
+        engine.add_request("fused", segs, params, fusion_ratio=1.0)
+        fused = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                fused = out.token_ids
+        (full,) = engine.generate([_ids(engine, segs)], params)
+        assert fused == full.token_ids
+    assert engine.stats()["num_fusion_store_hits"] == 3
+
+
+def _ids(engine: LLMEngine, segs: list[Segment]) -> list[int]:
+    from ragserve.generation.fusion import tokenize_segments
+
+    return tokenize_segments(segs, engine._tokenize_segment)[0]
