@@ -67,7 +67,7 @@ class FlakyEngine:
         self.requests: dict[str, object] = {}
         self.fail = False
 
-    def add_request(self, rid, prompt, params):
+    def add_request(self, rid, prompt, params, *, fusion_ratio=None):
         if "\ud800" in prompt:
             raise TypeError("TextEncodeInput must be Union[...]")
         self.requests[rid] = params
