@@ -34,7 +34,8 @@ def _check_refs(bm: TieredBlockManager) -> None:
 
 def _check_gpu_pool(bm: TieredBlockManager) -> None:
     free = list(bm.free_blocks)
-    if len(set(free)) != len(free):
+    free_set = set(free)  # NOTE: membership below must not scan the free list (O(n^2))
+    if len(free_set) != len(free):
         raise AssertionError("a GPU block is free twice")
     for block in free:
         if bm.ref_cnt[block] or bm.gpu_entry[block] is not None:
@@ -44,7 +45,7 @@ def _check_gpu_pool(bm: TieredBlockManager) -> None:
         entry = bm.gpu_entry[block]
         if entry is not None and entry.gpu_block != block:
             raise AssertionError(f"GPU block {block} maps to a cached block stored elsewhere")
-        if bm.ref_cnt[block] == 0 and block not in bm.free_blocks:
+        if bm.ref_cnt[block] == 0 and block not in free_set:
             if entry is None:
                 raise AssertionError(f"GPU block {block} is neither used, cached nor free")
             evictable += 1
