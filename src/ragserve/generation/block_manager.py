@@ -25,6 +25,18 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Seq[int], extra_keys: 
     return hash((parent_hash, tuple(token_ids), extra_keys))
 
 
+def extend_block_hashes(
+    hashes: list[int], token_ids: Seq[int], num_full_blocks: int, block_size: int
+) -> list[int]:
+    """Extend ``hashes`` (a sequence's chained hashes so far, mutated) to its first
+    ``num_full_blocks`` full blocks; returns it."""
+    for i in range(len(hashes), num_full_blocks):
+        parent = hashes[i - 1] if i else None
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block_tokens(parent, block))
+    return hashes
+
+
 class BlockManager:
     """Owns the KV block pool; ``allocate_slots`` returns ``False`` when a request does not fit
     (the scheduler then preempts), and has changed nothing in that case."""
@@ -53,11 +65,7 @@ class BlockManager:
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         hashes = self._hashes.setdefault(seq.request_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
-        return hashes
+        return extend_block_hashes(hashes, seq.token_ids, num_full_blocks, self.block_size)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """The longest cached prefix of a sequence that holds no blocks yet, as block ids.

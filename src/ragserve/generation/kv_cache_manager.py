@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from ragserve.generation.block_manager import hash_block_tokens
+from ragserve.generation.block_manager import extend_block_hashes, hash_block_tokens
 from ragserve.generation.kv_integrity import check_tiered_integrity
 from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, KVNode, make_policy
 from ragserve.generation.segments import find_segment_ends
@@ -128,11 +128,7 @@ class TieredBlockManager:
     # ------------------------------------------------------------------ lookups
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         hashes = self._hashes.setdefault(seq.request_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
-        return hashes
+        return extend_block_hashes(hashes, seq.token_ids, num_full_blocks, self.block_size)
 
     def get_computed_blocks(self, seq: Sequence) -> list[CachedBlock]:
         """The longest cached prefix (GPU or host) of a sequence that holds no blocks yet.
