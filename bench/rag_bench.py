@@ -34,7 +34,9 @@ from sustained import find_capacity, window_stats  # noqa: E402
 
 logger = logging.getLogger("rag_bench")
 WORKFLOWS = ("oneshot", "hyde", "multistep", "irg", "recomp")
-CAPACITY_WORKFLOWS = (*WORKFLOWS, "llm")  # "llm": the LLM-alone roofline (capacity phases)
+# "llm", "llm-irg", "llm-multistep": LLM-alone rooflines of oneshot, IRG and multistep
+# (capacity phases only)
+CAPACITY_WORKFLOWS = (*WORKFLOWS, "llm", "llm-irg", "llm-multistep")
 
 
 def workflow_graphs(p: Preset, nprobe: int | None = None) -> dict:
@@ -50,6 +52,8 @@ def workflow_graphs(p: Preset, nprobe: int | None = None) -> dict:
         "irg": get_workflow("irg", topk=k, rounds=2, max_tokens=t, nprobe=n),
         "recomp": get_workflow("recomp", topk=k, max_tokens=t, summary_tokens=t, nprobe=n),
         "llm": llm_alone(p),
+        "llm-irg": llm_alone_irg(p),
+        "llm-multistep": llm_alone_multistep(p),
     }
 
 
@@ -59,10 +63,64 @@ def llm_alone(p: Preset):
     from ragserve.graph import END, START, RAGraph
     from ragserve.workflows.builtin import ANSWER
 
-    docs = "\n".join(f"Synthetic passage {i} about topic {i % 97}." for i in range(p.topk))
     g = RAGraph("llm-alone")
-    g.add_generation(0, prompt=ANSWER.replace("{docs}", docs), max_tokens=p.max_tokens)
+    g.add_generation(0, prompt=ANSWER.replace("{docs}", _passages(p)), max_tokens=p.max_tokens)
     return g.add_edge(START, 0).add_edge(0, END).compile()
+
+
+def _passages(p: Preset) -> str:
+    return "\n".join(f"Synthetic passage {i} about topic {i % 97}." for i in range(p.topk))
+
+
+def llm_alone_irg(p: Preset):
+    """IRG's roofline: its generations (the draft, then the answer; ``rounds=2``) with the
+    passages already in the prompts, the retrievals skipped; prompts, history and output
+    lengths as in ``workflows.builtin.irg``."""
+    from ragserve.graph import END, START, RAGraph
+    from ragserve.workflows.builtin import ANSWER
+
+    prompt = ANSWER.replace("{docs}", _passages(p))
+    g = RAGraph("llm-alone-irg")
+    g.add_generation(1, prompt=prompt, output="draft", max_tokens=p.max_tokens, with_history=True)
+    g.add_generation(3, prompt=prompt, max_tokens=p.max_tokens)
+    return g.add_edge(START, 1).add_edge(1, 3).add_edge(3, END).compile()
+
+
+def llm_alone_multistep(p: Preset, rounds: int = 2):
+    """Multistep's roofline: ``rounds`` x (sub-question, note from fixed passages), then the
+    answer -- ``workflows.builtin.multistep`` with its retrieval node removed."""
+    from ragserve.graph import END, START, RAGraph
+
+    t = p.max_tokens
+    g = RAGraph("llm-alone-multistep")
+    g.add_generation(
+        0,
+        prompt=(
+            "Question: {input}\nNotes so far:\n{notes}\n\n"
+            "Write one short search query for a fact still needed to answer the question."
+        ),
+        output="subquestion",
+        max_tokens=t,
+        stop=("\n",),
+        with_history=True,
+    )
+    g.add_generation(
+        2,
+        prompt="Use the passages to answer briefly.\n\n"
+        + _passages(p)
+        + "\n\nQuestion: {subquestion}",
+        output="notes",
+        max_tokens=t,
+        append=True,
+    )
+    g.add_generation(
+        3,
+        prompt="Notes:\n{notes}\n\nUsing the notes, answer in one short sentence: {input}",
+        max_tokens=t,
+    )
+    g.add_edge(START, 0).add_edge(0, 2)
+    g.add_edge(2, lambda s: 0 if s.visit_count(2) < rounds else 3, targets=(0, 3))
+    return g.add_edge(3, END).compile()
 
 
 def arrivals(rate: float, n: int, seed: int) -> np.ndarray:
