@@ -73,6 +73,22 @@ def test_optimal_budget_is_the_argmax_of_eq1() -> None:
     assert optimal_budget(0.2, 0.0) is None
 
 
+def test_budget_survives_a_stage_mean_decayed_to_zero() -> None:
+    # every probed list resident on the GPU tier: the CPU part of each stage scans 0 vectors,
+    # the moving average decays until 2 t_R beta underflows (found on the H200: ValueError
+    # "mb must be > 0" failed every request after ~3,000 stages)
+    from ragserve.retrieval.cost_model import ScanCostModel
+
+    cost = ScanCostModel(beta=1e-5)
+    cost.observe_stage(10_000)
+    assert cost.budget() is not None
+    for _ in range(4000):
+        cost.observe_stage(0)
+    assert 0.0 <= cost.mean_stage_seconds < 1e-300
+    assert cost.budget() is None
+    assert optimal_budget(5e-324, 1e-6) is None
+
+
 def test_pack_clusters_fills_the_budget_and_takes_at_least_one() -> None:
     assert pack_clusters([0.4, 0.3, 0.5, 0.2], 1.0) == 3
     assert pack_clusters([0.4, 0.3, 0.5, 0.2], 5.0) == 4

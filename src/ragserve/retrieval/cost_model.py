@@ -39,7 +39,9 @@ def optimal_budget(t_retrieval: float, beta: float) -> float | None:
     if beta <= 0:
         return None  # NOTE: no measured overhead yet: refuse to split into infinitely many pieces
     mb = math.sqrt(2.0 * t_retrieval * beta)
-    if mb >= t_retrieval or expected_gain(mb, t_retrieval, beta) <= 0:
+    # NOTE: a stage mean decayed towards zero (every probed list resident on the GPU tier costs
+    # the CPU nothing) underflows 2 t_R beta to 0.0: no budget then, not a ValueError per step
+    if not mb > 0 or mb >= t_retrieval or expected_gain(mb, t_retrieval, beta) <= 0:
         return None
     return mb
 
