@@ -65,6 +65,8 @@ class ShardServer:
     def scan(self, queries: np.ndarray, plan: ProbePlan, topk: int) -> TopK:
         self.num_scans += 1
         self.num_scanned_clusters += int((plan.cluster_ids >= 0).sum())
+        if not queries.flags.writeable:  # NOTE: from Ray's object store; torch wants writable
+            queries = queries.copy()
         return self.index.scan(queries, plan, topk)
 
     def get_documents(self, ids: list[int | str]) -> list[Document | None]:
