@@ -65,7 +65,9 @@ waitfor() {
 case ${1:-} in
 start)
     install || { echo "wheel install failed"; exit 1; }
-    "$PYTHON" -c "import ray, faiss, torch; print('ray', ray.__version__, 'faiss', faiss.__version__, 'gpus', torch.cuda.device_count())" || exit 1
+    "$PYTHON" -c "import ray, faiss, torch; n = torch.cuda.device_count()
+print('ray', ray.__version__, 'faiss', faiss.__version__, 'gpus', n)
+assert n >= $GPUS, f'{n} GPUs visible, GPUS={$GPUS}'" || exit 1
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     mkdir -p "$RUN/out/data"
     [ -d "$MODEL" ] && cp -r "$MODEL" "$RUN/out/data/"

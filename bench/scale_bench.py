@@ -316,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     data = prepare(p, args.dataset, args.out / "data", nprobe=args.nprobe)
     import ray
+    import torch
+
+    if torch.cuda.is_available():  # NOTE: the index build's cached blocks: the actors need them
+        torch.cuda.empty_cache()
 
     init_ray(args)
     meta = {
