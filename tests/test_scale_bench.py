@@ -103,7 +103,9 @@ def test_device_script_cpu_twin_runs_one_and_two_replicas(tmp_path: Path) -> Non
     assert [e["config"] for e in data["configs"]] == ["1x1", "2x1"]
     for e in data["configs"]:
         assert "error" not in e, e.get("error")
-        assert len(e["points"]) == 2 and e["bracket"] == [2.0 * e["replicas"], 8.0 * e["replicas"]]
+        assert e["bracket"] == [2.0 * e["replicas"], 8.0 * e["replicas"]]
+        # two rates, or one when the bracket's low end already fails (a busy machine)
+        assert len(e["points"]) == 2 or (len(e["points"]) == 1 and e["bound"] == "<")
         assert all(p["num_errors"] == 0 and p["scheduler_ms_per_node"] > 0 for p in e["points"])
         holder = e["points"][0]["workers"]["retrieval"]
         assert holder["tier_clusters"] > 0  # the coordinator holds the tier (one shard)
