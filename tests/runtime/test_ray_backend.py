@@ -227,7 +227,7 @@ def _shard_docs(server: Server) -> list[int]:
     return [workers[f"shard_{i}"]["num_documents"] for i in range(2)]
 
 
-@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("shards", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_gpu_tier_on_ray_answers_like_the_single_process_backend(
     ray_server: Server,
     local_server: Server,
