@@ -1,6 +1,8 @@
 """Round trip of one Ray actor call on this machine (the floor of every shard fan-out and
 replica submit): ``--calls`` sequential ``ray.get(actor.f.remote(x))`` with x a small int
-and with a ``[32, dim]`` float32 array (the query block a shard receives), median ms.
+and with a ``[32, dim]`` float32 array (the query block a shard receives), median ms; and
+the caller's own cost of one ``actor.f.remote(x)`` without waiting (``submit_us``: what the
+scheduler thread pays per task-list submit; the round trip overlaps other work).
 
     python bench/ray_call_overhead.py --calls 200
 """
@@ -40,8 +42,13 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 ray.get(actor.f.remote(value))
                 times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            refs = [actor.f.remote(value) for _ in range(args.calls)]
+            submit = (time.perf_counter() - t0) / args.calls
+            ray.get(refs)
             out[name] = {"median_ms": 1e3 * float(np.median(times)),
-                         "p90_ms": 1e3 * float(np.percentile(times, 90))}  # fmt: skip
+                         "p90_ms": 1e3 * float(np.percentile(times, 90)),
+                         "submit_us": 1e6 * submit}  # fmt: skip
         print(json.dumps(out))
     finally:
         ray.shutdown()

@@ -1,24 +1,26 @@
 """Scale-out benchmark: sustained RAG capacity with N LLM replicas x M index shards on Ray.
 
 For each configuration ``RxS`` (replicas x shards) one Ray-backed ``Server`` runs the same
-workload (``rag_bench``'s presets, questions and Poisson arrivals) at rising rates for
-``--duration`` seconds (at least ``--min-requests``) each, after a warm-up. A rate is
-*sustained* when SLO attainment is at least ``--target`` (0.9) and completed throughput is at
-least ``--keep-up`` (0.95) x the offered rate (the realized Poisson rate of the point). The
-grid stops at its first failed rate, then ``--bisect`` steps between the last sustained and
-the first failed rate refine the capacity (``grid_bound`` when nothing failed: the top of the
-sweep, a lower bound). Ratios are against the first configuration, measured in the same run
-on the same cluster.
+workload (``rag_bench``'s presets, questions and Poisson arrivals) and its sustained capacity
+is bisected with the method every RAG figure uses (``sustained.py``): each probed rate offers
+``--warmup`` + ``--window`` seconds of arrivals, only the window counts, sustained = completed
+>= 95 % of the offered rate and >= 90 % within the SLO; geometric bisection inside the
+configuration's bracket (``--capacity``). ``--tier-gb`` puts the index in GPU tiers
+(``ServerConfig.gpu_tier``: split over the shards, each beside a replica on its GPU). Every
+point is written to ``results.json`` as it is measured, so a run cut short keeps its data;
+``--budget-s`` stops starting points that would not end in time. Ratios are against the first
+configuration, measured in the same run on the same cluster.
 
-    python bench/scale_bench.py --preset smoke --configs 1x1 2x2 --rates 4 --duration 2 \
-        --min-requests 8                                                          # CPU harness
-    python bench/scale_bench.py --preset h200 --configs 1x1 2x1 1x2 2x2 \\
-        --rates 2 4 8 16 32 --out bench/results/scale_h200                        # 2 GPUs
+    python bench/scale_bench.py --preset smoke --configs 1x1 2x1 --capacity 2:8 \\
+        --warmup 1 --window 4 --min-window 1 --tier-gb 0.01 --tier-device cpu   # CPU twin
+    python bench/scale_bench.py --preset h200 --configs 1x1 2x1 1x2 2x2 --nprobe 256 \\
+        --capacity 40:70 2:70:140 --tier-gb 24 --ray-num-gpus 2 --out /root/scale  # 2 H200s
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -27,13 +29,23 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rag_bench import WORKFLOWS, _time_scheduler, arrivals, measure, workflow_graphs  # noqa: E402
+from rag_bench import _time_scheduler, arrivals, run_arrivals, workflow_graphs  # noqa: E402
+from rag_report import summarize  # noqa: E402
 from rag_setup import PRESETS, prepare  # noqa: E402
 from rag_systems import SYSTEMS, system_transforms  # noqa: E402
+from sustained import find_capacity, is_sustained, window_stats  # noqa: E402
 
 logger = logging.getLogger("scale_bench")
+
+START_ALLOWANCE_S = 90.0  # a configuration's start (actors, engines, tiers), for --budget-s
+
+
+class OutOfTime(Exception):
+    """The next point would end past ``--budget-s``."""
 
 
 def parse_config(text: str) -> tuple[int, int]:
@@ -47,19 +59,45 @@ def parse_config(text: str) -> tuple[int, int]:
     return replicas, shards
 
 
-def capacity(rows: list[dict]) -> tuple[float | None, bool]:
-    """(highest sustained rate below the lowest failed one, whether nothing failed: then the
-    capacity is the top of the sweep, a lower bound)."""
-    failed = [r["rate"] for r in rows if not r["sustained"]]
-    limit = min(failed, default=float("inf"))
-    ok = [r["rate"] for r in rows if r["sustained"] and r["rate"] < limit]
-    return max(ok, default=None), not failed
+def parse_brackets(specs: list[str]) -> dict[int | None, tuple[float, float]]:
+    """``["40:70", "2:70:140"]`` -> {None: (40, 70), 2: (70, 140)}: ``LO:HI`` is one replica's
+    bracket (R replicas: R x it), ``R:LO:HI`` the bracket for R replicas."""
+    out: dict[int | None, tuple[float, float]] = {}
+    for spec in specs:
+        parts = spec.split(":")
+        try:
+            if len(parts) == 2:
+                key, lo, hi = None, float(parts[0]), float(parts[1])
+            elif len(parts) == 3:
+                key, lo, hi = int(parts[0]), float(parts[1]), float(parts[2])
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"capacity: LO:HI or REPLICAS:LO:HI, got {spec!r}") from None
+        if not 0 < lo < hi or (key is not None and key < 1):
+            raise ValueError(f"capacity: need 0 < LO < HI and REPLICAS >= 1, got {spec!r}")
+        out[key] = (lo, hi)
+    return out
+
+
+def bracket(brackets: dict[int | None, tuple[float, float]], replicas: int) -> tuple[float, float]:
+    if replicas in brackets:
+        return brackets[replicas]
+    if None not in brackets:
+        raise ValueError(f"capacity: no bracket for {replicas} replicas (give LO:HI or R:LO:HI)")
+    lo, hi = brackets[None]
+    return lo * replicas, hi * replicas
 
 
 def start_server(replicas: int, shards: int, p, data: dict, args):
     from ragserve.runtime import Server, ServerConfig
+    from ragserve.runtime.config import GpuTierConfig
+    from ragserve.scheduler.cosched import CoScheduleConfig
 
-    chain = system_transforms(args.system, first_clusters=p.first_clusters)
+    tier = None
+    if args.tier_gb:
+        budget = int(args.tier_gb * 1e9)
+        tier = GpuTierConfig(budget_bytes=budget, device=args.tier_device, dtype=args.tier_dtype)
     config = ServerConfig(
         backend="ray",
         num_llm_replicas=replicas,
@@ -68,150 +106,264 @@ def start_server(replicas: int, shards: int, p, data: dict, args):
         shard_partition=args.partition,
         engine_kwargs=data["engine_kwargs"],
         default_nprobe=data["nprobe"],
-        transforms=chain,
+        cosched=CoScheduleConfig.none(),
+        gpu_tier=tier,
         max_active_requests=4096,
     )
     server = Server(data["model"], data["index"], config=config)
-    warm_up(server, replicas, data["questions"], workflow_graphs(p)["oneshot"])
+    chain = system_transforms(args.system, first_clusters=p.first_clusters)
+    try:
+        server.set_transforms(chain, timeout=60)
+        warm_up(server, replicas, data["questions"], workflow_graphs(p)["oneshot"])
+    except BaseException:
+        server.close()
+        raise
     return server, chain
 
 
-def warm_up(server, replicas: int, questions: list[str], graph, max_rounds: int = 8) -> None:
+def warm_up(
+    server, replicas: int, questions: list[str], graph, max_rounds: int = 8, timeout: float = 120
+) -> None:
     """Concurrent requests until every replica has run a task (not measured): a replica's
-    first batch pays one-time costs (allocator, kernels) that must not land in a point."""
-    import asyncio
-
+    first batch pays one-time costs (allocator, kernels) that must not land in a point. A
+    round that does not finish within ``timeout`` seconds fails the configuration."""
     for k in range(max_rounds):
         batch = questions[-(k + 1) * 2 * replicas :][: 2 * replicas]
 
         async def go(batch=batch):
-            return await asyncio.gather(*(server.submit(q, graph) for q in batch))
+            jobs = asyncio.gather(*(server.submit(q, graph) for q in batch))
+            return await asyncio.wait_for(jobs, timeout)
 
-        asyncio.run(go())
+        try:
+            asyncio.run(go())
+        except TimeoutError:
+            raise RuntimeError(f"warm-up: {len(batch)} requests not done in {timeout} s") from None
         workers = server.stats()["workers"]
         if all(workers[f"llm_{i}"].get("tasks", 0) > 0 for i in range(replicas)):
             return
     logger.warning("warm-up: some replica got no task in %d rounds", max_rounds)
 
 
-def bench_config(cfg: str, p, data: dict, args, offset: int) -> list[dict]:
+def bench_config(cfg: str, p, data: dict, args, state: dict, entry: dict, on_point) -> None:
+    """Capacity of one configuration into ``entry`` (filled as points are measured);
+    ``state["offset"]`` hands out fresh questions."""
     replicas, shards = parse_config(cfg)
+    lo, hi = bracket(args.brackets, replicas)
+    entry.update(config=cfg, replicas=replicas, shards=shards, bracket=[lo, hi], points=[])
+    points = entry["points"]
     t0 = time.monotonic()
     server, chain = start_server(replicas, shards, p, data, args)
-    start_s = time.monotonic() - t0
+    entry["start_s"] = time.monotonic() - t0
+    entry["tier"] = {k: v for k, v in server.stats()["workers"].items() if "tier_bytes" in v}
     clock = _time_scheduler(server)
-    rows: list[dict] = []
+    graphs = workflow_graphs(p, data["nprobe"])
+    point_s = args.warmup + args.window + args.timeout + 5.0
 
-    def point(rate: float) -> bool:
-        k = len(rows)
-        pt = {"workflow": args.workflow, "rate": float(rate), "nprobe": data["nprobe"]}
-        first = (offset + k) * args.max_requests  # fresh questions for every point
-        row = measure(server, clock, chain, args.system, p, data, args, pt, first)
-        n = row["num_requests"]
-        offered = n / float(arrivals(rate, n, args.seed)[-1])  # realized Poisson arrival rate
-        tput = row["throughput_rps"] or 0.0
-        row.update(config=cfg, replicas=replicas, shards=shards, start_s=start_s)
-        row["offered_rps"] = offered
-        row["sustained"] = bool(
-            row["slo_attainment"] >= args.target and tput >= args.keep_up * offered
+    def one_rate(rate: float) -> dict:
+        if time.monotonic() + point_s > args.deadline:
+            raise OutOfTime(f"{cfg} at {rate:.1f} req/s would end past --budget-s")
+        n = max(2, int(np.ceil(rate * (args.warmup + args.window))))
+        times = arrivals(rate, n, args.seed)
+        span = args.warmup + args.window
+        times = times[times <= span] if (times <= span).sum() > 1 else times
+        first = state["offset"]
+        state["offset"] += len(times)
+        qs = [data["questions"][(first + j) % len(data["questions"])] for j in range(len(times))]
+        busy0 = clock["step"] - clock["poll"]
+        t = time.monotonic()
+        responses, start = asyncio.run(
+            run_arrivals(server, graphs, [args.workflow] * len(times), qs, times, args.timeout)
         )
-        row["workers"] = server.stats()["workers"]
-        rows.append(row)
-        return row["sustained"]
+        stats = summarize(responses, slo=p.slo, wall=time.monotonic() - t)
+        stats.update(window_stats(responses, times, start, args.warmup, p.slo), rate=rate)
+        nodes = max(sum(len(r.node_timings) for r in responses), 1)
+        stats["scheduler_ms_per_node"] = 1e3 * (clock["step"] - clock["poll"] - busy0) / nodes
+        stats["sustained"] = is_sustained(stats)
+        stats["workers"] = server.stats()["workers"]
+        points.append(stats)
+        logger.info("%s %s", cfg, json.dumps({k: v for k, v in stats.items() if k != "workers"}))
+        on_point()
+        return stats
 
     try:
-        low, high = 0.0, None
-        for rate in sorted(args.rates):
-            if not point(rate):
-                high = rate
-                break
-            low = rate
-        for _ in range(args.bisect if high is not None else 0):
-            mid = (low + high) / 2
-            if point(mid):
-                low = mid
-            else:
-                high = mid
+        cap = find_capacity(one_rate, lo, hi, rel_tol=args.rel_tol, max_points=args.max_points)
+        entry.update(capacity_rps=cap.rate, bound=cap.bound, upper_rps=cap.upper)
+    except OutOfTime as exc:
+        logger.warning("%s", exc)
+        entry.update(from_points(points), cut_short=True)
     finally:
         server.close()
-    return rows
 
 
-def summarize_configs(rows: list[dict], configs: list[str]) -> dict:
+def from_points(points: list[dict]) -> dict:
+    """Capacity, bound and upper of a bisection cut short, read off its measured points."""
+    good = [pt["rate"] for pt in points if pt["sustained"]]
+    bad = [pt["rate"] for pt in points if not pt["sustained"]]
+    upper = min(bad, default=None)
+    rate = max((r for r in good if upper is None or r < upper), default=None)
+    bound = ">=" if upper is None else ("<" if rate is None else "=")
+    return {"capacity_rps": rate, "bound": bound, "upper_rps": upper}
+
+
+def summarize_configs(entries: list[dict]) -> dict:
+    """Per configuration: capacity (``bound`` "=", ">=" or "<"), the first unsustained rate,
+    scheduler ms per node (best point), and the ratio to the first configuration's capacity
+    with the range the brackets allow (``ratio_range``: lowest, highest; None if unbounded)."""
     out = {}
-    for cfg in configs:
-        mine = [r for r in rows if r["config"] == cfg]
-        cap, grid_bound = capacity(mine)
-        ms = [r["scheduler_ms_per_node"] for r in mine]
-        out[cfg] = {
-            "capacity_rps": cap,
-            "grid_bound": grid_bound,
+    for e in entries:
+        ms = [pt["scheduler_ms_per_node"] for pt in e["points"]]
+        out[e["config"]] = {
+            "capacity_rps": e.get("capacity_rps"),
+            "bound": e.get("bound"),
+            "upper_rps": e.get("upper_rps"),
             "scheduler_ms_per_node": min(ms) if ms else None,
         }
-    base = out[configs[0]]["capacity_rps"]
+    if not entries:
+        return out
+    base = out[entries[0]["config"]]
     for entry in out.values():
-        cap = entry["capacity_rps"]
-        entry["ratio_vs_first"] = None if not base or cap is None else cap / base
+        cap, up = entry["capacity_rps"], entry["upper_rps"]
+        b_cap, b_up = base["capacity_rps"], base["upper_rps"]
+        entry["ratio_vs_first"] = cap / b_cap if cap and b_cap else None
+        low = cap / b_up if cap and b_up else None
+        high = up / b_cap if up and b_cap else None
+        entry["ratio_range"] = [low, high]
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     ap.add_argument("--dataset", choices=("synthetic", "factbook"), default="synthetic")
     ap.add_argument("--configs", nargs="+", default=["1x1", "2x1", "1x2", "2x2"])
     ap.add_argument("--system", choices=SYSTEMS, default="ragserve")
-    ap.add_argument("--workflow", choices=(*WORKFLOWS, "mix"), default="oneshot")
-    ap.add_argument("--rates", nargs="+", type=float, required=True)
-    ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
-    ap.add_argument("--min-requests", type=int, default=200)
-    ap.add_argument("--max-requests", type=int, default=4096)
-    ap.add_argument("--target", type=float, default=0.9, help="SLO attainment to sustain")
+    ap.add_argument("--workflow", choices=("oneshot", "hyde", "multistep", "irg", "recomp"),
+                    default="oneshot")  # fmt: skip
+    ap.add_argument("--nprobe", type=int, default=None, help="default: the preset's first")
+    ap.add_argument("--capacity", nargs="+", required=True,
+                    help="bisection brackets: LO:HI for one replica (x R for R replicas) "
+                    "and/or R:LO:HI for R replicas")  # fmt: skip
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window")
+    ap.add_argument("--window", type=float, default=30.0, help="measured seconds per rate")
+    ap.add_argument("--min-window", type=float, default=30.0,
+                    help="shortest --window allowed (the method says 30 s)")  # fmt: skip
     ap.add_argument(
-        "--keep-up", type=float, default=0.95, help="completed / offered rate to sustain"
+        "--timeout",
+        type=float,
+        default=None,
+        help="abort requests this long after the last arrival (default: the SLO)",
     )
-    ap.add_argument("--bisect", type=int, default=3, help="bisection steps past the grid")
+    ap.add_argument("--max-points", type=int, default=4, help="rates per configuration")
+    ap.add_argument("--rel-tol", type=float, default=0.15, help="bisection stops at hi/lo-1")
+    ap.add_argument("--tier-gb", type=float, default=0.0,
+                    help="GPU index tier over all shards (GB; 0: no tier)")  # fmt: skip
+    ap.add_argument("--tier-device", default="cuda")
+    ap.add_argument("--tier-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     ap.add_argument("--partition", choices=("list", "document"), default="document")
     ap.add_argument("--ray-address", default=None, help="join this cluster (default: local)")
     ap.add_argument("--ray-num-cpus", type=int, default=None)
+    ap.add_argument("--ray-num-gpus", type=int, default=None, help="default: Ray's detection")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no configuration or point that would end after this many "
+                    "seconds from the start")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/scale"))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_args(args) -> None:
+    """Bad input fails before the (slow) index and cluster."""
     for cfg in args.configs:
-        parse_config(cfg)  # NOTE: bad input fails before the (slow) index and cluster
-    if min(args.rates) <= 0 or args.duration <= 0:
-        raise ValueError("rates and duration must be > 0")
-    args.num_requests = None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    p = PRESETS[args.preset]
-    args.point_timeout = 2 * p.slo
-    args.out.mkdir(parents=True, exist_ok=True)
-    data = prepare(p, args.dataset, args.out / "data")
+        parse_config(cfg)
+    args.brackets = parse_brackets(args.capacity)
+    for cfg in args.configs:
+        bracket(args.brackets, parse_config(cfg)[0])
+    if args.window < args.min_window or args.warmup < 0:
+        raise ValueError(f"window must be >= {args.min_window} s and warmup >= 0")
+    if args.max_points < 2 or args.rel_tol <= 0:
+        raise ValueError("max_points must be >= 2 and rel_tol > 0")
+    if args.tier_gb < 0:
+        raise ValueError(f"tier_gb must be >= 0, got {args.tier_gb}")
+
+
+def init_ray(args) -> None:
     import ray
 
-    if not ray.is_initialized():  # one cluster for every configuration
-        if args.ray_address:
-            ray.init(address=args.ray_address, log_to_driver=False)
-        else:
-            cpus = args.ray_num_cpus or os.cpu_count()
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    if ray.is_initialized():  # one cluster for every configuration
+        return
+    env = {"env_vars": {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}}
+    env["env_vars"].setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    if args.ray_address:
+        ray.init(address=args.ray_address, runtime_env=env, log_to_driver=False)
+        return
+    ray.init(
+        num_cpus=args.ray_num_cpus or os.cpu_count(),
+        num_gpus=args.ray_num_gpus,
+        include_dashboard=False,
+        runtime_env=env,
+        log_to_driver=False,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.monotonic()
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    p = PRESETS[args.preset]
+    args.timeout = p.slo if args.timeout is None else args.timeout
+    args.deadline = t_start + args.budget_s if args.budget_s else float("inf")
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = prepare(p, args.dataset, args.out / "data", nprobe=args.nprobe)
+    import ray
+    import torch
+
+    if torch.cuda.is_available():  # NOTE: the index build's cached blocks: the actors need them
+        torch.cuda.empty_cache()
+
+    init_ray(args)
     meta = {
         "preset": args.preset,
-        "argv": sys.argv,
+        "argv": sys.argv if argv is None else argv,
         "host": platform.node(),
         "cpus": os.cpu_count(),
+        "nprobe": data["nprobe"],
+        "workflow": args.workflow,
+        "warmup_s": args.warmup,
+        "window_s": args.window,
+        "slo_s": p.slo,
+        "tier_gb": args.tier_gb,
+        "prepare_s": time.monotonic() - t_start,
     }
     meta["cluster"] = {k: float(v) for k, v in ray.cluster_resources().items() if "node" not in k}
-    rows: list[dict] = []
+    entries: list[dict] = []
     path = args.out / "results.json"
+
+    def save() -> None:  # after every point: a cut-off run keeps what it has
+        tmp = path.with_suffix(".tmp")
+        doc = {"meta": meta, "summary": summarize_configs(entries), "configs": entries}
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(path)
+
+    state = {"offset": 0}
     try:
-        for i, cfg in enumerate(args.configs):
-            rows += bench_config(cfg, p, data, args, offset=i * len(args.rates))
-            summary = summarize_configs(rows, args.configs[: i + 1])
-            path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+        for cfg in args.configs:
+            if time.monotonic() + START_ALLOWANCE_S + 2 * args.window > args.deadline:
+                logger.warning("skipping %s and later configurations: --budget-s", cfg)
+                meta["skipped"] = args.configs[args.configs.index(cfg) :]
+                break
+            entry: dict = {"config": cfg, "points": []}
+            entries.append(entry)
+            try:
+                bench_config(cfg, p, data, args, state, entry, save)
+            except Exception as exc:  # noqa: BLE001 - recorded; the next configuration runs
+                logger.exception("%s failed", cfg)
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            save()
     finally:
+        save()
         ray.shutdown()
-    logger.info("capacity: %s", json.dumps(summarize_configs(rows, args.configs)))
+    logger.info("capacity: %s", json.dumps(summarize_configs(entries)))
     return 0
 
 

@@ -106,3 +106,42 @@ def test_balance_lists_is_lpt_and_layout_validates() -> None:
         ShardLayout(2, "list")
     layout = ShardLayout(4, "document")
     assert layout.owner_of_document("abc") == layout.owner_of_document("abc") < 4
+
+
+@pytest.mark.parametrize("partition", ["list", "document"])
+def test_sharded_search_with_gpu_tiers_equals_faiss_one_shot(source, tmp_path, partition):
+    """Each shard holds a tier (CPU twin: ``device="cpu"``): the whole index, then only part
+    of it (hot lists on the tier, the rest on Faiss); step-wise results stay Faiss's."""
+    path, kind = source
+    split_index(path, tmp_path / "shards", 2, partition)
+    sharded = ShardedIndex.open_local(tmp_path / "shards")
+    if kind != "ivf_flat":
+        with pytest.raises(ValueError, match="kind: the GPU tier holds IVF-Flat"):
+            sharded.set_gpu_tier(1 << 20, device="cpu")
+        return
+    one = VectorIndex.load(path)
+    q = _vectors(40, 3)
+    one.faiss_index.nprobe = 8
+    want_scores, want_ids = one.faiss_index.search(q, 10)
+    seen = set()
+    for budget in (1 << 24, 40_000):  # everything resident, then a few lists
+        tier = sharded.set_gpu_tier(budget, device="cpu")
+        assert tier is not None and tier.shards == 2 and tier.device == "cpu"
+        assert 0 < tier.num_bytes <= budget
+        seen.add(len(tier.clusters))
+        plan = sharded.assign(q, 8)
+        for steps in (1, 3):
+            state = None
+            for part in reversed(plan.split(steps)):
+                state = sharded.scan(q, part, 10, state)
+            assert np.array_equal(state.ids, want_ids)  # scores: matmul vs Faiss's kernel
+            np.testing.assert_allclose(state.scores, want_scores, rtol=1e-5, atol=1e-5)
+        mask = sharded.resident_mask(plan.cluster_ids)
+        assert np.array_equal(mask, np.isin(plan.cluster_ids, tier.clusters))
+    assert max(seen) == 16 and min(seen) < 16  # whole index, then part of it
+    assert sum(s["tier_clusters"] for s in sharded.shard_stats()) > 0
+    sharded.drop_gpu_tier()
+    assert sharded.gpu_tier is None and not sharded.resident_mask(plan.cluster_ids).any()
+    with pytest.raises(ValueError, match="budget_bytes must be >= 0"):
+        sharded.set_gpu_tier(-1, device="cpu")
+    one.close()

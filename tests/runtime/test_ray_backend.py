@@ -225,3 +225,39 @@ def _next_requests_succeed(server: Server, reference: Server) -> None:
 def _shard_docs(server: Server) -> list[int]:
     workers = server.stats()["workers"]
     return [workers[f"shard_{i}"]["num_documents"] for i in range(2)]
+
+
+@pytest.mark.parametrize("shards", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_gpu_tier_on_ray_answers_like_the_single_process_backend(
+    ray_server: Server,
+    local_server: Server,
+    tiny_model: str,
+    small_index: str,
+    tmp_path,
+    shards: int,
+) -> None:
+    """``ServerConfig.gpu_tier`` on the Ray backend (CPU twin: ``device="cpu"``): the tier sits
+    in each shard actor (2 shards) or in the coordinator (1 shard), holds only part of the
+    lists, and every answer equals the single-process one."""
+    from ragserve.runtime.config import GpuTierConfig
+
+    index = tmp_path / "small"
+    shutil.copytree(small_index, index)
+    chunk = 256 * (384 * 4 + 12)  # one tier chunk of the small index (all-MiniLM, 384-d)
+    config = ServerConfig(
+        backend="ray",
+        num_llm_replicas=1,
+        num_index_shards=shards,
+        gpu_tier=GpuTierConfig(budget_bytes=2 * shards * chunk, device="cpu"),
+        engine_kwargs={"device": "cpu", "enable_prefix_caching": False},
+    )
+    jobs = [(q, n) for q in QUESTIONS for n in ("oneshot", "irg")]
+    with Server(tiny_model, str(index), config=config) as s:
+        got = [s.run(q, small_workflow(n)) for q, n in jobs]
+        workers = s.stats()["workers"]
+    want = [local_server.run(q, small_workflow(n)) for q, n in jobs]
+    assert [r.error for r in got] == [None] * len(jobs)
+    assert [r.output for r in got] == [r.output for r in want]
+    assert [r.doc_ids for r in got] == [r.doc_ids for r in want]
+    holders = [f"shard_{j}" for j in range(shards)] if shards > 1 else ["retrieval"]
+    assert [workers[h]["tier_clusters"] for h in holders] == [2] * len(holders)  # of 4 lists

@@ -11,14 +11,22 @@ the partial top-k are merged with `stepwise.merge`, so any step-wise slicing of 
 the source index's one-shot result (same ids, same scores). A shard is reached through a
 `BaseShard` (in process: `LocalShard`; across processes: the Ray backend's actor client), which
 runs a `ShardServer` over one shard folder.
+
+GPU tier: each `ShardServer` may hold its own lists' rows in a `GpuTier` (``VectorIndex``'s
+hybrid scan, exact); `ShardedIndex.set_gpu_tier` splits a budget evenly over the shards, and
+``gpu_tier`` / ``resident_mask`` summarise the shards' tiers (a list counts as resident when
+every shard holding part of it serves it from its tier), re-read at most every
+``TIER_REFRESH_S`` since unpinned tiers re-place lists in the background.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +40,24 @@ from ragserve.retrieval.types import Document, ProbePlan, TopK
 
 logger = logging.getLogger(__name__)
 
+TIER_REFRESH_S = 1.0  # how stale `ShardedIndex`'s view of the shards' tiers may get
+
+TierSpec = tuple[int, str, str]  # (budget_bytes, device, dtype) of one shard's GPU tier
+
 
 class ShardServer:
-    """One shard folder opened as a `VectorIndex`; the methods a `ShardedIndex` calls."""
+    """One shard folder opened as a `VectorIndex`; the methods a `ShardedIndex` calls.
 
-    def __init__(self, directory: str | Path) -> None:
+    ``tier`` places a GPU tier at start (so an actor restarted from its folder gets it back).
+    """
+
+    def __init__(self, directory: str | Path, tier: TierSpec | None = None) -> None:
         self.index = VectorIndex.load(directory)
         self.num_scans = 0
         self.num_scanned_clusters = 0
+        if tier is not None:
+            budget, device, dtype = tier
+            self.set_gpu_tier(budget, device, dtype)
 
     def spec(self) -> IndexSpec:
         return self.index.spec
@@ -47,6 +65,8 @@ class ShardServer:
     def scan(self, queries: np.ndarray, plan: ProbePlan, topk: int) -> TopK:
         self.num_scans += 1
         self.num_scanned_clusters += int((plan.cluster_ids >= 0).sum())
+        if not queries.flags.writeable:  # NOTE: from Ray's object store; torch wants writable
+            queries = queries.copy()
         return self.index.scan(queries, plan, topk)
 
     def get_documents(self, ids: list[int | str]) -> list[Document | None]:
@@ -72,15 +92,63 @@ class ShardServer:
     def check_integrity(self) -> None:
         self.index.check_integrity()
 
-    def stats(self) -> dict[str, int]:
+    def set_gpu_tier(
+        self, budget_bytes: int, device: str = "cuda", dtype: str = "float32"
+    ) -> dict[str, Any]:
+        """This shard's lists on ``device`` within ``budget_bytes`` (hottest first, re-placed
+        on drift: ``VectorIndex.set_gpu_tier``); returns ``tier_state()``."""
+        self.index.set_gpu_tier(int(budget_bytes), device=device, dtype=dtype)
+        return self.tier_state()
+
+    def drop_gpu_tier(self) -> None:
+        self.index.drop_gpu_tier()
+
+    def tier_state(self) -> dict[str, Any] | None:
+        """The tier's resident ``clusters`` (int64 array), ``num_bytes``, ``hit_rate``,
+        ``device``; None without a tier."""
+        tier = self.index.gpu_tier
+        if tier is None:
+            return None
+        return {
+            "clusters": np.asarray(tier.clusters, dtype=np.int64),
+            "num_bytes": int(tier.num_bytes),
+            "hit_rate": float(tier.hit_rate),
+            "device": tier.device,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        tier = self.index.gpu_tier
         return {
             "num_documents": self.index.num_documents,
             "num_scans": self.num_scans,
             "num_scanned_clusters": self.num_scanned_clusters,
+            "tier_clusters": 0 if tier is None else len(tier.clusters),
+            "tier_bytes": 0 if tier is None else int(tier.num_bytes),
         }
 
     def close(self) -> None:
         self.index.close()
+
+
+@dataclass(frozen=True)
+class ShardedTier:
+    """The shards' GPU tiers seen as one (what ``VectorIndex.gpu_tier`` offers a runner).
+
+    ``clusters``: lists served from a tier on every shard holding part of them (sorted);
+    ``num_bytes``: device bytes over all shards; ``hit_rate``: the shards' mean; ``device``:
+    the first shard's (inside a Ray actor ``cuda`` is that actor's GPU); ``shards``: how many
+    shards hold a tier.
+    """
+
+    clusters: tuple[int, ...]
+    num_bytes: int
+    hit_rate: float
+    device: str
+    shards: int
+
+    def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
+        cids = np.asarray(cluster_ids)
+        return (cids >= 0) & np.isin(cids, np.asarray(self.clusters, dtype=np.int64))
 
 
 class BaseShard(ABC):
@@ -140,6 +208,8 @@ class ShardedIndex:
         self._embedder = embedder
         self._lock = threading.Lock()
         self._sizes: np.ndarray | None = None  # cached; reset by writes through this object
+        self._tier: ShardedTier | None = None
+        self._tier_read_at: float | None = None  # monotonic time of the last tier read
 
     @classmethod
     def open_local(cls, root: str | Path, *, embedder: Any = None) -> ShardedIndex:
@@ -252,13 +322,67 @@ class ShardedIndex:
     def num_documents(self) -> int:
         return int(self.cluster_sizes().sum())
 
-    # NOTE: no GPU tier on shards yet (issue 10's tier lives in one ``VectorIndex``): every
-    # list is scanned by its shard on the CPU.
-    gpu_tier = None
+    # -- GPU tier ---------------------------------------------------------------------------
+    def set_gpu_tier(
+        self, budget_bytes: int, *, device: str = "cuda", dtype: str = "float32"
+    ) -> ShardedTier | None:
+        """A GPU tier on every shard, each within ``shard_tier_budget(budget_bytes, M)``
+        (the shards place their own hottest lists; IVF-Flat only, as ``VectorIndex``).
+        Results stay exact: each shard merges its tier's and Faiss's parts."""
+        if self.spec.kind != "ivf_flat":
+            raise ValueError(
+                f"kind: the GPU tier holds IVF-Flat lists only, this index is {self.spec.kind!r}"
+            )
+        share = shard_tier_budget(budget_bytes, len(self.shards))
+        for w in [s.submit("set_gpu_tier", share, device, dtype) for s in self.shards]:
+            w()
+        return self._refresh_tier()
+
+    def drop_gpu_tier(self) -> None:
+        for w in [s.submit("drop_gpu_tier") for s in self.shards]:
+            w()
+        self._refresh_tier()
+
+    @property
+    def gpu_tier(self) -> ShardedTier | None:
+        """The shards' tiers as one (``ShardedTier``), or None when no shard holds one."""
+        read_at = self._tier_read_at
+        if read_at is None or time.monotonic() - read_at > TIER_REFRESH_S:
+            return self._refresh_tier()
+        return self._tier
 
     def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
-        """No list is GPU-resident (all False), as ``VectorIndex.resident_mask`` without a tier."""
-        return np.zeros(np.shape(cluster_ids), dtype=bool)
+        """bool like ``cluster_ids``: lists the shards serve from their GPU tiers (a cost
+        hint for sub-stage sizing; results do not depend on it)."""
+        tier = self.gpu_tier
+        if tier is None:
+            return np.zeros(np.shape(cluster_ids), dtype=bool)
+        return tier.resident_mask(cluster_ids)
+
+    def _refresh_tier(self) -> ShardedTier | None:
+        states = [w() for w in [s.submit("tier_state") for s in self.shards]]
+        self._tier_read_at = time.monotonic()
+        held = [st for st in states if st is not None]
+        if not held:
+            self._tier = None
+            return None
+        sets = [np.asarray(st["clusters"], dtype=np.int64) for st in states if st is not None]
+        if len(held) < len(states) and self.layout.partition == "document":
+            resident = np.zeros(0, np.int64)  # a shard without a tier scans every list
+        elif self.layout.partition == "document":
+            resident = sets[0]
+            for other in sets[1:]:
+                resident = np.intersect1d(resident, other)
+        else:  # each list lives on one shard: its owner's tier decides
+            resident = np.unique(np.concatenate(sets))
+        self._tier = ShardedTier(
+            clusters=tuple(int(c) for c in resident),
+            num_bytes=sum(int(st["num_bytes"]) for st in held),
+            hit_rate=float(np.mean([st["hit_rate"] for st in held])),
+            device=str(held[0]["device"]),
+            shards=len(held),
+        )
+        return self._tier
 
     def search_text(self, texts: Sequence[str], topk: int, **kwargs: Any) -> list:
         """Text search with a ``mode`` or ``filter`` is not built for sharded indexes yet."""
@@ -300,6 +424,18 @@ class ShardedIndex:
     @property
     def nlist(self) -> int:
         return self.spec.nlist
+
+
+def shard_tier_budget(budget_bytes: int, num_shards: int) -> int:
+    """One shard's part of a tier budget: an even split (by-document shards hold an equal
+    share of every list; by-list shards are balanced by scan cost, which is size here)."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | np.integer):
+        raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    return int(budget_bytes) // num_shards
 
 
 def read_quantizer(root: str | Path) -> faiss.Index:

@@ -62,7 +62,9 @@ class ServerConfig:
     as Ray actors (``runtime/ray_backend.py``), joining the cluster at ``ray_address`` or
     starting a local one (``ray_num_cpus`` CPUs; ``None``: all of them). ``shard_partition``
     is ``"document"`` (doc-id hash; the default, chosen by measurement: docs/scale_out.md) or
-    ``"list"`` (inverted lists balanced by scan cost).
+    ``"list"`` (inverted lists balanced by scan cost). With ``gpu_tier`` the Ray backend gives
+    every index shard (or the retrieval coordinator, for one shard) a tier of
+    ``budget_bytes / num_index_shards``, on a share of an LLM replica's GPU.
     """
 
     in_process: bool = False
@@ -120,8 +122,12 @@ class ServerConfig:
             raise ValueError("num_llm_replicas and num_index_shards > 1 need backend='ray'")
         if self.backend == "ray" and self.in_process:
             raise ValueError("backend='ray' runs actors; it cannot be combined with in_process")
-        if self.backend == "ray" and self.gpu_tier is not None:
-            raise ValueError("gpu_tier: the GPU index tier is not built for backend='ray' yet")
+        tier = self.gpu_tier
+        if self.backend == "ray" and tier is not None and tier.budget_bytes is None:
+            raise ValueError(
+                "gpu_tier.budget_bytes: backend='ray' needs an explicit tier size (split "
+                "evenly over the index shards; the Eq. 2 split is not run for actors)"
+            )
         if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
             raise ValueError(f"ray_num_cpus must be >= 1 or None, got {self.ray_num_cpus}")
         if self.shard_partition not in ("list", "document"):

@@ -140,7 +140,8 @@ class ShardedRetrievalRunner(StagedRetrievalRunner):
 
 class RetrievalCoordinator(_ActorLoop):
     """The embedder and the retrieval runner: one index folder, or a ``ShardedIndex`` whose
-    shards are Ray actors (named ``shard_names``) laid out under ``shard_root``."""
+    shards are Ray actors (named ``shard_names``) laid out under ``shard_root``. ``tier``
+    places the GPU tier of the one index folder (the shards hold their own)."""
 
     def __init__(
         self,
@@ -149,11 +150,14 @@ class RetrievalCoordinator(_ActorLoop):
         default_nprobe: int | None,
         shard_root: str | None = None,
         shard_names: list[str] | None = None,
+        tier: tuple[int, str, str] | None = None,
     ) -> None:
         from ragserve.retrieval import VectorIndex, load_embedder
 
         if shard_root is None:
             vindex: Any = VectorIndex.load(index)
+            if tier is not None:  # (budget_bytes, device, dtype), placed again on a restart
+                vindex.set_gpu_tier(tier[0], device=tier[1], dtype=tier[2])
             runner_cls: type = StagedRetrievalRunner
         else:
             import ray
@@ -169,6 +173,7 @@ class RetrievalCoordinator(_ActorLoop):
         if shard_root is not None:
             vindex._embedder = emb
         self.runner = runner_cls(vindex, emb, default_nprobe)
+        self._own_index = shard_root is None  # its tier is reported here (shards: their own)
         self.num_tasks = 0
         self.num_batches = 0
         super().__init__()
@@ -210,8 +215,13 @@ class RetrievalCoordinator(_ActorLoop):
         self._emit(results)
 
     def stats(self) -> dict[str, Any]:
-        return {
+        out = {
             "tasks": self.num_tasks,
             "batches": self.num_batches,
             "pending": int(self.runner.has_pending()),
         }
+        tier = self.runner.index.gpu_tier if self._own_index else None
+        if tier is not None:
+            out["tier_clusters"] = len(tier.clusters)
+            out["tier_bytes"] = int(tier.num_bytes)
+        return out

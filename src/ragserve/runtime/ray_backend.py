@@ -14,6 +14,12 @@ aborted on its restarted instance, in case a late submit reached it); the coordi
 in-flight retrievals are resubmitted once (they are idempotent), then failed. Ray restarts
 dead actors (``max_restarts``); shards restart from their folders, so acknowledged upserts
 survive. Without ``ray_address`` a local cluster is started (no dashboard) and shut at close.
+
+GPUs: one placement group of ``{"GPU": 1, "CPU": 1}`` bundles (``plan_gpus``). Replica ``i``
+takes bundle ``i``; with ``ServerConfig.gpu_tier`` on a GPU, index shard ``j`` (or the
+coordinator, for one shard) takes ``TIER_GPU_SHARE`` of bundle ``j``'s GPU beside the replica
+there (Ray's fractional GPUs: both see the same device as ``cuda``) and places its tier in its
+constructor, so a restarted actor gets its tier back.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import time
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +50,37 @@ MAX_RESTARTS = 3  # per actor; past it the actor stays dead and its tasks fail a
 POLL_S = 0.5  # an actor's long-poll: it answers at once with results, else after this
 REPOLL_S = 0.2  # pause before polling an actor whose last poll failed
 RETRIEVAL = "retrieval"
+TIER_GPU_SHARE = 0.25  # Ray's GPU accounting for a tier holder beside an LLM replica
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """How the actors share GPUs: ``num_bundles`` one-GPU bundles (0: no placement group);
+    ``replica_gpus``: each replica's GPU share (0: on CPU); ``tier_gpus``: each tier holder's
+    (0: no tier, or a tier on the CPU). Holder ``j`` (shard ``j``, or the coordinator) sits in
+    bundle ``j``, replica ``i`` in bundle ``i``."""
+
+    num_bundles: int
+    replica_gpus: float
+    tier_gpus: float
+
+
+def plan_gpus(
+    num_replicas: int, num_holders: int, replicas_on_gpu: bool, tier_on_gpu: bool, gpus: float
+) -> GpuPlan:
+    """The ``GpuPlan`` for ``num_replicas`` replicas and ``num_holders`` tier holders on a
+    cluster with ``gpus`` GPUs (``ValueError`` naming the field when they do not fit)."""
+    need = max(num_replicas if replicas_on_gpu else 0, num_holders if tier_on_gpu else 0)
+    if need > gpus:
+        what = f"{num_holders} GPU index tier holders" if tier_on_gpu else "LLM replicas"
+        raise ValueError(
+            f"gpu_tier.device: {what} and {num_replicas} LLM replicas need {need} GPUs; "
+            f"the cluster has {gpus:g}"
+        )
+    replica = 0.0
+    if replicas_on_gpu:
+        replica = 1.0 - TIER_GPU_SHARE if tier_on_gpu else 1.0
+    return GpuPlan(need, replica, TIER_GPU_SHARE if tier_on_gpu else 0.0)
 
 
 def start_ray(config: ServerConfig) -> bool:
@@ -87,6 +125,7 @@ class RayExecutor(BaseExecutor):
         self._owns_ray = start_ray(config)
         self._ray = ray
         try:
+            self._plan_placement()
             self.shards = self._start_shards(index)
             self.actors = {RETRIEVAL: self._start_coordinator(index, embedder)}
             for i, actor in enumerate(self._start_replicas(model)):
@@ -112,6 +151,7 @@ class RayExecutor(BaseExecutor):
         self._held: list[RetrievalTask] = []  # retrievals waiting for the coordinator
         self._actor_stats: dict[str, dict[str, Any]] = {}
         self._pg = None
+        self._gpu_plan = GpuPlan(0, 0.0, 0.0)
         self._shard_root: Path | None = None
         self._shard_names: list[str] = []
         self._prefix = f"ragserve-{uuid.uuid4().hex[:12]}"
@@ -121,20 +161,58 @@ class RayExecutor(BaseExecutor):
         self._polls: dict[Any, str] = {}  # in-flight long-poll ref -> actor name
 
     # -- start ------------------------------------------------------------------------------
+    def _tier_spec(self, num_holders: int) -> tuple[int, str, str] | None:
+        """(budget_bytes, device, dtype) of one tier holder's tier, or None."""
+        from ragserve.retrieval.sharded import shard_tier_budget
+
+        tier = self.config.gpu_tier
+        if tier is None or tier.budget_bytes is None:
+            return None
+        return (shard_tier_budget(tier.budget_bytes, num_holders), tier.device, tier.dtype)
+
+    def _plan_placement(self) -> None:
+        """Decide who gets a GPU (``plan_gpus``) and reserve the bundles in one group."""
+        from ray.util.placement_group import placement_group
+
+        n = self.config.num_llm_replicas
+        device = dict(self.config.engine_kwargs).get("device", "auto")
+        gpus = self._ray.cluster_resources().get("GPU", 0)
+        if device not in ("cpu", "auto") and gpus < n:
+            raise ValueError(f"{n} LLM replicas on {device!r} need {n} GPUs; cluster has {gpus}")
+        replicas_on_gpu = device != "cpu" and gpus >= n
+        tier = self.config.gpu_tier
+        tier_on_gpu = tier is not None and tier.device != "cpu"
+        plan = plan_gpus(n, self.config.num_index_shards, replicas_on_gpu, tier_on_gpu, gpus)
+        self._gpu_plan = plan
+        if plan.num_bundles:
+            # NOTE: one GPU per bundle, reserved together (PACK: on as few nodes as possible).
+            self._pg = placement_group([{"GPU": 1, "CPU": 1}] * plan.num_bundles, strategy="PACK")
+            self._ray.get(self._pg.ready(), timeout=self.config.worker_start_timeout)
+
+    def _bundle(self, index: int, gpus: float) -> dict[str, Any]:
+        """Actor options for ``gpus`` of bundle ``index``'s GPU (none when ``gpus`` is 0)."""
+        if not gpus:
+            return {}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self._pg, index)
+        return {"num_gpus": gpus, "scheduling_strategy": strategy}
+
     def _start_shards(self, index: str) -> list:
         from ragserve.retrieval.sharded import ShardServer
 
-        if self.config.num_index_shards == 1:
+        m = self.config.num_index_shards
+        if m == 1:
             return []
-        root = shard_root(index, self.config.num_index_shards, self.config.shard_partition)
+        root = shard_root(index, m, self.config.shard_partition)
         self._shard_root = root
         cls = self._ray.remote(ShardServer)
-        self._shard_names = [
-            f"{self._prefix}-shard-{i}" for i in range(self.config.num_index_shards)
-        ]
+        self._shard_names = [f"{self._prefix}-shard-{i}" for i in range(m)]
+        tier = self._tier_spec(m)
+        opts = {"num_cpus": 0, "max_restarts": MAX_RESTARTS, "max_concurrency": 4}
         return [
-            cls.options(name=name, num_cpus=0, max_restarts=MAX_RESTARTS, max_concurrency=4).remote(
-                str(root / f"shard-{i}")
+            cls.options(name=name, **opts, **self._bundle(i, self._gpu_plan.tier_gpus)).remote(
+                str(root / f"shard-{i}"), tier
             )
             for i, name in enumerate(self._shard_names)
         ]
@@ -142,45 +220,31 @@ class RayExecutor(BaseExecutor):
     def _start_coordinator(self, index: str, embedder: str | None) -> Any:
         from ragserve.runtime.ray_actors import RetrievalCoordinator
 
+        single = self._shard_root is None  # it opens the index itself (and holds the tier)
+        place = self._bundle(0, self._gpu_plan.tier_gpus) if single else {}
         cls = self._ray.remote(RetrievalCoordinator).options(
-            num_cpus=0, max_restarts=MAX_RESTARTS, max_concurrency=4
+            num_cpus=0, max_restarts=MAX_RESTARTS, max_concurrency=4, **place
         )
-        root = str(self._shard_root) if self._shard_root is not None else None
+        root = None if single else str(self._shard_root)
         # NOTE: shards are passed by name, not handle: handles would make the constructor's
         # arguments objects in the store, which a restart after they are freed cannot read.
         names = self._shard_names or None
-        return cls.remote(index, embedder, self.config.default_nprobe, root, names)
+        tier = self._tier_spec(1) if single else None
+        return cls.remote(index, embedder, self.config.default_nprobe, root, names, tier)
 
     def _start_replicas(self, model: str) -> list:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         from ragserve.runtime.ray_actors import LLMReplica
 
-        n = self.config.num_llm_replicas
-        device = dict(self.config.engine_kwargs).get("device", "auto")
-        gpus = self._ray.cluster_resources().get("GPU", 0)
         cls = self._ray.remote(LLMReplica)
         opts: dict[str, Any] = {"max_restarts": MAX_RESTARTS, "max_concurrency": 4}
-        if device == "cpu" or gpus < n:
-            if device not in ("cpu", "auto"):
-                raise ValueError(
-                    f"{n} LLM replicas on {device!r} need {n} GPUs; cluster has {gpus}"
-                )
-            kwargs = self.config.engine_kwargs
-            return [cls.options(num_cpus=0, **opts).remote(model, kwargs) for _ in range(n)]
-        # NOTE: one GPU per replica, reserved together (PACK: on as few nodes as possible).
-        self._pg = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="PACK")
-        self._ray.get(self._pg.ready(), timeout=self.config.worker_start_timeout)
         kwargs = self.config.engine_kwargs
+        share = self._gpu_plan.replica_gpus
+        if not share:  # on CPU: no Ray CPU reservation (tests share few cores)
+            n = self.config.num_llm_replicas
+            return [cls.options(num_cpus=0, **opts).remote(model, kwargs) for _ in range(n)]
         return [
-            cls.options(
-                num_gpus=1,
-                num_cpus=1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i),
-                **opts,
-            ).remote(model, kwargs)
-            for i in range(n)
+            cls.options(num_cpus=1, **self._bundle(i, share), **opts).remote(model, kwargs)
+            for i in range(self.config.num_llm_replicas)
         ]
 
     # -- BaseExecutor -----------------------------------------------------------------------
