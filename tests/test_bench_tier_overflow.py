@@ -80,7 +80,18 @@ def test_open_loop_batches_what_has_arrived() -> None:
 def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
     mod = _bench()
     out = tmp_path / "ov.json"
-    argv = ["--num-docs", "6000", "--dim", "16", "--nlist", "32", "--topics", "128",
+    profile = tmp_path / "eq2.json"  # a profile-memory file: T_G flat past 40 KV blocks
+    profile.write_text(
+        json.dumps(
+            {
+                "generation_profile": [[10, 5.0], [40, 20.0], [400, 20.0]],
+                "gpu_memory_bytes": 4_000_000,
+                "kv_block_bytes": 1000,
+            }
+        )
+    )
+    argv = ["--eq2-profile", str(profile),
+            "--num-docs", "6000", "--dim", "16", "--nlist", "32", "--topics", "128",
             "--nprobe", "8", "--budget-gb", "0.0002", "--llm-rate", "200",
             "--slo-search", "0.05", "--coverage", "10", "30", "--model-batches", "1", "4", "16",
             "--model-repeats", "1", "--min-seconds", "0.05", "--max-batches", "3",
@@ -90,6 +101,9 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["failures"] == []
     assert doc["budget"]["source"] == "stated" and doc["budget"]["share_of_index"] < 1
+    eq2 = doc["eq2"]
+    assert eq2["source"] == "eq2" and eq2["kv_cache_bytes"] + eq2["budget_bytes"] <= 4_000_000
+    assert eq2["num_kv_blocks"] >= 40  # T_G grows up to 40 blocks: Eq. 2 never starves it
     part = doc["partition"]
     assert part["batch_size"] >= 1 and part["predicted_s"] > 0
     tier = [p for p in doc["points"] if p["system"] == "gpu_tier"]
@@ -104,7 +118,7 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
         assert all("offered_rps" in p for p in doc[key]["points"])
 
 
-def test_overflow_bench_needs_one_budget(tmp_path: Path) -> None:
+def test_overflow_bench_needs_a_budget(tmp_path: Path) -> None:
     mod = _bench()
     with pytest.raises(SystemExit):
         mod.main(["--out", str(tmp_path / "x.json")])
