@@ -114,7 +114,14 @@ class Results:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.doc, indent=1))
+        self.path.write_text(json.dumps(self.doc, indent=1, default=_plain))
+
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars and arrays as JSON numbers, booleans and lists."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
 def exhaustive(res: Results, x: np.ndarray, q: np.ndarray, args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ import sys
 
 # NOTE: sub-command modules are imported only when the parser is built, and each module
 # imports its heavy dependencies (torch, faiss) inside its handler, so `ragserve --help` is fast.
-COMMANDS: tuple[str, ...] = ("index", "serve", "ask", "demo", "bench", "setup")
+COMMANDS: tuple[str, ...] = ("index", "serve", "ask", "demo", "bench", "setup", "profile_memory")
 # Third-party loggers that report progress or load details at INFO: quiet unless -v.
 _QUIET_LOGGERS = ("faiss", "faiss.loader", "httpx", "urllib3", "transformers", "torch")
 

@@ -46,7 +46,7 @@ def plan_gpu_memory(config: ServerConfig, model: Any, index: Any) -> tuple[Serve
     from ragserve.scheduler.memory_split import ThroughputProfile, solve_memory_split
 
     block_bytes = _kv_block_bytes(model, engine)
-    total = tier.gpu_memory_bytes or _free_gpu_bytes(tier.device) - _weight_bytes(model)
+    total = tier.gpu_memory_bytes or free_gpu_bytes(tier.device) - _weight_bytes(model)
     gen = _profile(tier.generation_profile, "generation_profile", ThroughputProfile)
     ret = _profile(tier.retrieval_profile, "retrieval_profile", ThroughputProfile)
     if tier.budget_bytes is None and kv is None and (gen is None or ret is None):
@@ -101,11 +101,13 @@ def _kv_block_bytes(model: Any, engine: dict) -> int:
     from ragserve.generation.model_runner import kv_cache_bytes_per_block
 
     cfg = getattr(model, "model_config", None) or ModelConfig.from_folder(_model_folder(model))
-    dtype = _dtype(engine.get("dtype", "auto"))
+    dtype = kv_dtype(engine.get("dtype", "auto"), engine.get("device", "auto"))
     return int(kv_cache_bytes_per_block(cfg, int(engine.get("block_size", 16)), dtype))
 
 
-def _free_gpu_bytes(device: str) -> int:
+def free_gpu_bytes(device: str) -> int:
+    """92 % of the free memory on CUDA ``device`` (``ValueError`` naming
+    ``gpu_tier.gpu_memory_bytes`` when it cannot be measured)."""
     import torch
 
     if not device.startswith("cuda") or not torch.cuda.is_available():
@@ -145,12 +147,22 @@ def _index_bytes(index: Any) -> int | None:
     return snapshot.stat().st_size if snapshot.is_file() else None
 
 
-def _dtype(name: str) -> Any:
+def kv_dtype(name: str, device: str = "auto") -> Any:
+    """The torch dtype of the KV cache for the engine's ``dtype`` and ``device`` settings
+    (``auto``: bfloat16 on CUDA, float32 on CPU, as ``LLMEngine`` resolves them)."""
     import torch
 
     if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        return torch.bfloat16 if on_cuda else torch.float32
     return getattr(torch, name)
 
 
-__all__ = ["GpuTierConfig", "TierPlan", "load_profiles", "plan_gpu_memory"]
+__all__ = [
+    "GpuTierConfig",
+    "TierPlan",
+    "free_gpu_bytes",
+    "kv_dtype",
+    "load_profiles",
+    "plan_gpu_memory",
+]

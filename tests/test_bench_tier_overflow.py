@@ -1,0 +1,125 @@
+"""``bench/bench_tier_overflow.py``'s CPU twin: the list-by-list build equals Faiss's own add,
+the open-loop dispatcher batches what has arrived, and (slow) every phase runs end to end on
+a tiny corpus so a typo cannot reach the device."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_tier_overflow
+    finally:
+        sys.path.remove(str(BENCH))
+    return bench_tier_overflow
+
+
+def test_build_by_list_equals_faiss_add() -> None:
+    import faiss
+
+    from ragserve.retrieval import gpu_kmeans
+
+    mod = _bench()
+    args = argparse.Namespace(
+        num_docs=3000, dim=16, nlist=16, topics=64, zipf=1.1, train_per_list=64, nprobe=4
+    )
+    index, spec, secs = mod.build_index(args, "cpu")
+    assert set(secs) == {"generate", "kmeans_assign", "add"}
+    x = mod.generate(spec, args.num_docs, "cpu").numpy()
+    ivf = faiss.extract_index_ivf(index._index)
+    centroids = ivf.quantizer.reconstruct_n(0, args.nlist)
+    labels = gpu_kmeans.assign(x, centroids, "ip", device="cpu")
+    ref = faiss.IndexIVFFlat(faiss.IndexFlatIP(16), 16, args.nlist, faiss.METRIC_INNER_PRODUCT)
+    ref.quantizer.add(centroids)
+    ref.is_trained = True
+    ids = np.arange(1, args.num_docs + 1, dtype=np.int64)
+    ref.add_core(args.num_docs, faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(labels))
+    assert ivf.ntotal == ref.ntotal == args.num_docs
+    for c in range(args.nlist):
+        n = ref.invlists.list_size(c)
+        assert ivf.invlists.list_size(c) == n
+        got = faiss.rev_swig_ptr(ivf.invlists.get_ids(c), n)
+        want = faiss.rev_swig_ptr(ref.invlists.get_ids(c), n)
+        np.testing.assert_array_equal(got, want)
+    q = x[:32] + 0.01
+    ref.nprobe = 4
+    _, want_ids = ref.search(q, 5)
+    np.testing.assert_array_equal(index.search(q, 5, 4).ids, want_ids)
+
+
+def test_open_loop_batches_what_has_arrived() -> None:
+    mod = _bench()
+    batches: list[int] = []
+
+    def search(q: np.ndarray) -> None:
+        batches.append(len(q))
+        time.sleep(0.05)
+
+    arrivals = np.array([0.0, 0.001, 0.002, 0.003, 0.2, 0.2005])
+    q = np.zeros((4, 2), dtype=np.float32)
+    finish = mod.serve_open_loop(search, q, arrivals, max_batch=3, timeout=1.0)
+    assert sum(batches[:2]) == 4 and len(batches) >= 3  # the 4 early ones, then the late 2
+    assert sum(batches) == len(arrivals) and max(batches) <= 3
+    assert np.all(finish >= arrivals) and not np.isnan(finish).any()
+    cut = mod.serve_open_loop(search, q, np.array([0.0, 0.0, 0.0]), max_batch=1, timeout=0.0)
+    assert np.isnan(cut).sum() >= 1  # past the timeout the rest is not served
+
+
+@pytest.mark.slow
+def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
+    mod = _bench()
+    out = tmp_path / "ov.json"
+    profile = tmp_path / "eq2.json"  # a profile-memory file: T_G flat past 40 KV blocks
+    profile.write_text(
+        json.dumps(
+            {
+                "generation_profile": [[10, 5.0], [40, 20.0], [400, 20.0]],
+                "gpu_memory_bytes": 4_000_000,
+                "kv_block_bytes": 1000,
+            }
+        )
+    )
+    argv = ["--eq2-profile", str(profile),
+            "--num-docs", "6000", "--dim", "16", "--nlist", "32", "--topics", "128",
+            "--nprobe", "8", "--budget-gb", "0.0002", "--llm-rate", "200",
+            "--slo-search", "0.05", "--coverage", "10", "30", "--model-batches", "1", "4", "16",
+            "--model-repeats", "1", "--min-seconds", "0.05", "--max-batches", "3",
+            "--rate-warmup", "0.2", "--rate-window", "1", "--rate-points", "2",
+            "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert mod.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["failures"] == []
+    assert doc["budget"]["source"] == "stated" and doc["budget"]["share_of_index"] < 1
+    eq2 = doc["eq2"]
+    assert eq2["source"] == "eq2" and eq2["kv_cache_bytes"] + eq2["budget_bytes"] <= 4_000_000
+    assert eq2["num_kv_blocks"] >= 40  # T_G grows up to 40 blocks: Eq. 2 never starves it
+    part = doc["partition"]
+    assert part["batch_size"] >= 1 and part["predicted_s"] > 0
+    tier = [p for p in doc["points"] if p["system"] == "gpu_tier"]
+    assert [p["num_clusters"] for p in tier] == sorted({p["num_clusters"] for p in tier})
+    assert sum(p["partitioner_choice"] for p in tier) == 1
+    for p in tier:
+        assert p["exact_ids"] == 1.0
+        assert 0.0 <= p["tail_hit_rate_measured"] <= p["hit_rate_measured"] <= 1.0
+        assert p["predicted_s"] > 0 and p["p90_s"] > 0
+    for key in ("slo_rate_cpu", "slo_rate_tier"):
+        assert doc[key]["points"], key
+        assert all("offered_rps" in p for p in doc[key]["points"])
+
+
+def test_overflow_bench_needs_a_budget(tmp_path: Path) -> None:
+    mod = _bench()
+    with pytest.raises(SystemExit):
+        mod.main(["--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
