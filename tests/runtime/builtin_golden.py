@@ -51,7 +51,6 @@ def _plain(value):
 
 def build(root: Path) -> tuple[str, str]:
     from conftest import small_corpus
-
     from ragserve.generation.testing import make_tiny_model
     from ragserve.retrieval import VectorIndex, load_embedder
 

@@ -131,7 +131,9 @@ def test_timed_out_calls_do_not_starve_the_pool() -> None:
     sched = Scheduler(FakeExecutor(), operators=config)
     try:
         done = _run(sched, [_req(f"h{i}", hang.compile()) for i in range(3)])
-        assert {r.error for r in done.values()} == {"node 'f' failed: function timed out after 0.1 s"}
+        assert {r.error for r in done.values()} == {
+            "node 'f' failed: function timed out after 0.1 s"
+        }
         done = _run(sched, [_req("ok", ok.compile(), "still served")])
     finally:
         release.set()
@@ -234,7 +236,9 @@ def test_failed_branch_fails_the_request_and_aborts_the_other() -> None:
     ex = FakeExecutor()
     sched = Scheduler(ex)
     done = _run(sched, [_req("r", g.add_edge("join", END).compile())])
-    assert done["r"].error == "node 'bad' failed: function raised ZeroDivisionError: division by zero"
+    assert (
+        done["r"].error == "node 'bad' failed: function raised ZeroDivisionError: division by zero"
+    )
     assert not sched.has_unfinished()
 
 

@@ -166,7 +166,7 @@ class SpeculationTransform(BaseTransform):
             else:
                 if isinstance(u, RetrievalResult):
                     self._on_final(u)
-                elif u.finished:
+                elif isinstance(u, GenerationUpdate) and u.finished:
                     self._running.discard(u.task_id)
                 out.append(u)
         return out
