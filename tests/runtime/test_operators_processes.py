@@ -86,6 +86,20 @@ def test_every_operator_through_the_worker_processes(server: Server) -> None:
     assert other.state["memory"] == []
 
 
+def test_completion_node_through_the_worker_processes(server: Server) -> None:
+    from ragserve.generation import SamplingParams
+
+    async def go():
+        return [o async for o in server.complete([1, 2, 3], SamplingParams(max_tokens=3))]
+
+    outs = asyncio.run(asyncio.wait_for(go(), timeout=120))
+    assert outs[-1].finished and outs[-1].prompt_token_ids == [1, 2, 3]
+    assert outs[-1].finish_reason in ("length", "stop") and 1 <= len(outs[-1].token_ids) <= 3
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    for a, b in zip(outs, outs[1:], strict=False):  # cumulative ids and text
+        assert b.token_ids[: len(a.token_ids)] == a.token_ids and b.text.startswith(a.text)
+
+
 def test_missing_graph_input_is_a_clear_error(server: Server) -> None:
     with pytest.raises(ValueError, match="inputs: the graph needs 'session'"):
         server.run("q", _agent())
