@@ -138,3 +138,9 @@ def test_state_write_is_the_one_write_rule() -> None:
     assert state.write(Node("text", True), "b")["text"] == "a\nb"
     assert state.write(Node("text", False), "b")["text"] == "b"
     assert state.write(Node(None, False), "ignored") == state
+
+
+def test_a_list_of_strings_renders_one_per_line() -> None:
+    from ragserve.graph import Template
+
+    assert Template.parse("{memory}|").render({"memory": ["a", "b"]}) == "a\nb|"
