@@ -144,3 +144,23 @@ def test_a_list_of_strings_renders_one_per_line() -> None:
     from ragserve.graph import Template
 
     assert Template.parse("{memory}|").render({"memory": ["a", "b"]}) == "a\nb|"
+
+
+@pytest.mark.parametrize(
+    ("add", "field"),
+    [
+        (lambda g: g.add_embed(0, text="nope", output="v"), "nope"),
+        (lambda g: g.add_rerank(0, query="input", docs="nope", topk=1, output="v"), "nope"),
+        (lambda g: g.add_rerank(0, query="{nope} x", docs="input", topk=1, output="v"), "nope"),
+        (lambda g: g.add_upsert(0, documents="nope"), "nope"),
+        (lambda g: g.add_memory(0, key="input", mode="append", text="{nope}"), "nope"),
+        (lambda g: g.add_completion(0, params=_Params(), prompt="nope"), "nope"),
+    ],
+)
+def test_operator_inputs_nothing_produces_are_rejected(add, field: str) -> None:
+    g = add(RAGraph()).add_edge(START, 0).add_edge(0, END)
+    _raises(g, rf"node 0 uses \{{{field}\}}, which neither the input nor any node")
+
+
+class _Params:
+    max_tokens, temperature, top_p = 4, 0.0, 1.0
