@@ -31,10 +31,10 @@ class _HoldingTransform(BaseTransform):
 
     def __init__(self) -> None:
         self._held: dict[str, deque] = {"gen": deque(), "ret": deque()}
-        self._scheduler = None
+        self._view = None
 
-    def bind(self, scheduler) -> None:
-        self._scheduler = scheduler
+    def bind(self, view) -> None:
+        self._view = view
 
     def _hold(self, wavefront: Wavefront) -> None:
         self._held["gen"].extend(wavefront.generation)
@@ -52,7 +52,7 @@ class SerialStagesTransform(_HoldingTransform):
         self._hold(wavefront)
         out = Wavefront()
         for kind, target in (("gen", out.generation), ("ret", out.retrieval)):
-            alive = self._scheduler.request_of_task
+            alive = self._view.task
             if self._busy[kind] is not None and alive(self._busy[kind]) is None:
                 self._busy[kind] = None  # its request was aborted or failed
             while self._busy[kind] is None and self._held[kind]:
@@ -82,7 +82,7 @@ class StagewiseTransform(_HoldingTransform):
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
         self._hold(wavefront)
-        alive = self._scheduler.request_of_task
+        alive = self._view.task
         self._in_flight = {t for t in self._in_flight if alive(t) is not None}
         out = Wavefront()
         if self._in_flight:
@@ -124,8 +124,8 @@ class TimedTransform(BaseTransform):
         self.inner = inner
         self.seconds = 0.0
 
-    def bind(self, scheduler) -> None:
-        self.inner.bind(scheduler)
+    def bind(self, view) -> None:
+        self.inner.bind(view)
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
         t0 = time.perf_counter()

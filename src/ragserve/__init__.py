@@ -18,6 +18,7 @@ _EXPORTS = {
     "Server": "ragserve.runtime",
     "ServerConfig": "ragserve.runtime",
     "CoScheduleConfig": "ragserve.runtime",
+    "OperatorConfig": "ragserve.runtime",
     "Response": "ragserve.runtime",
     "LLMEngine": "ragserve.generation",
     "SamplingParams": "ragserve.generation",

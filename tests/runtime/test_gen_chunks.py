@@ -130,12 +130,11 @@ def test_scheduler_with_split_chunks_runs_fewer_cycles_same_outputs(engine) -> N
         executor = LocalExecutor(runner, retrieval=NoRetrieval())
         scheduler = Scheduler(executor, transforms, poll_timeout=60.0)
         done: dict = {}
-        graph = RAGraph().add_generation(0, prompt="{input}").add_edge(START, 0).add_edge(0, END)
-        compiled = graph.compile()
         for i, prompt in enumerate(PROMPTS):
             params = GenerationParams(max_tokens=12 + 5 * i, ignore_eos=True)
-            req = RequestState(f"r{i}", compiled, State(input=""), on_done=None)
-            req.raw_prompt, req.raw_params = prompt, params
+            graph = RAGraph().add_completion(0, params=params).add_edge(START, 0)
+            compiled = graph.add_edge(0, END).compile()
+            req = RequestState(f"r{i}", compiled, State(input=prompt), on_done=None)
             req.on_done = lambda r, done=done: done.__setitem__(r.request_id, r)
             scheduler.add_request(req)
         while scheduler.has_unfinished():

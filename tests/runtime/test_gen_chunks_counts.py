@@ -51,13 +51,13 @@ def serve(
 ) -> dict:
     counting = Counting(executor)
     scheduler = Scheduler(counting, transforms, poll_timeout=poll_timeout)
-    graph = RAGraph().add_generation(0, prompt="{input}").add_edge(START, 0).add_edge(0, END)
+    params = GenerationParams(max_tokens=num_tokens, ignore_eos=True)
+    graph = RAGraph().add_completion(0, params=params).add_edge(START, 0).add_edge(0, END)
     compiled = graph.compile()
     done: dict = {}
     for i in range(num_requests):
-        req = RequestState(f"r{i}", compiled, State(input=""), on_done=None)
-        req.raw_prompt = f"Request number {i}: tell me about country {i}."
-        req.raw_params = GenerationParams(max_tokens=num_tokens, ignore_eos=True)
+        prompt = f"Request number {i}: tell me about country {i}."
+        req = RequestState(f"r{i}", compiled, State(input=prompt), on_done=None)
         req.on_done = lambda r, done=done: done.__setitem__(r.request_id, r)
         scheduler.add_request(req)
     start = time.perf_counter()

@@ -94,12 +94,12 @@ def test_first_substage_scans_the_cache_hit_clusters() -> None:
 
 
 def test_plain_task_becomes_staged_with_request_id() -> None:
-    class _Sched:
-        def request_of_task(self, task_id):
+    class _View:  # the one SchedulerView method the transform uses
+        def task(self, task_id):
             return type("R", (), {"request_id": "req-1"})()
 
     sim = SimilarityTransform()
-    sim.bind(_Sched())
+    sim.bind(_View())
     out = sim.apply(Wavefront(retrieval=[RetrievalTask("t", "q", 3)])).retrieval[0]
     assert isinstance(out, StagedRetrievalTask)
     assert out.request_id == "req-1" and out.cache_topk == 20 and not out.split

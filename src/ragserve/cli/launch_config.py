@@ -15,6 +15,7 @@ dump gives an equal ``LaunchConfig``. The file's layout::
     [serve]     # ServeConfig (``ragserve serve``): host, port, max_num_inflight, ...
     [gpu_tier]  # GpuTierConfig: budget_bytes, device, dtype, gpu_memory_bytes, profiles
     [document_limits]  # DocumentLimits: max_text_chars, max_metadata_depth, ...
+    [operators]  # OperatorConfig: function_workers, function_timeout_s, memory_max_entries, ...
 
 TOML has no null: a field left out keeps its default (``None`` fields are left out by the
 dump). ``kv_cache_gb`` in ``[engine]`` is accepted for ``kv_cache_bytes``; ``cosched`` may
@@ -42,9 +43,17 @@ else:  # Python 3.10: the same parser as the tomli package
     import tomli as tomllib
 
 TOP_LEVEL = ("model", "index", "embedder", "workflows", "cosched")
-SECTIONS = ("engine", "runtime", "cosched", "serve", "gpu_tier", "document_limits")
+SECTIONS = (
+    "engine",
+    "runtime",
+    "cosched",
+    "serve",
+    "gpu_tier",
+    "document_limits",
+    "operators",
+)
 # ServerConfig fields that are sections of their own in the file.
-_RUNTIME_SKIP = ("engine_kwargs", "cosched", "gpu_tier", "document_limits")
+_RUNTIME_SKIP = ("engine_kwargs", "cosched", "gpu_tier", "document_limits", "operators")
 
 
 class ConfigError(UsageError):
@@ -154,12 +163,14 @@ def _apply_runtime(runtime: ServerConfig, data: dict[str, Any]) -> ServerConfig:
                 values[key] = tuple(tuple(p) for p in values[key])
         tier = _replace(tier or GpuTierConfig(), values, "gpu_tier")
     limits = _replace(runtime.document_limits, _section(data, "document_limits"), "document_limits")
+    operators = _replace(runtime.operators, _section(data, "operators"), "operators")
     return dataclasses.replace(
         runtime,
         engine_kwargs=engine_kwargs,
         cosched=cosched,
         gpu_tier=tier,
         document_limits=limits,
+        operators=operators,
     )
 
 
@@ -238,6 +249,7 @@ def dump_toml(config: LaunchConfig) -> str:
         "cosched": dataclasses.asdict(runtime.cosched),
         "serve": dataclasses.asdict(config.serve),
         "document_limits": dataclasses.asdict(runtime.document_limits),
+        "operators": dataclasses.asdict(runtime.operators),
     }
     if runtime.gpu_tier is not None:
         sections["gpu_tier"] = dataclasses.asdict(runtime.gpu_tier)

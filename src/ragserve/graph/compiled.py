@@ -2,18 +2,31 @@
 
 Checks, in order, each raising ``GraphError`` naming the node: unknown endpoints, a node with
 no or several outgoing edges, a loop of plain edges (no conditional exit), a node that cannot
-reach ``END``, a node unreachable from ``START``, and a template variable that neither the
-input nor any node that can run before it produces.
+reach ``END``, a node unreachable from ``START``, a fan-out whose branches do not join (or
+write the same key), and a template variable (or operator input) that neither the inputs nor
+any node that can run before it produces.
+
+Fan-out and join (``add_edge(src, (a, b))``)::
+
+    src ──┬─▶ a ─▶ a2 ─┐
+          └─▶ b ───────┴─▶ join ─▶ ...       join: the first node every branch reaches
+
+Each branch is a chain of plain edges (no router, no nested fan-out inside it) that ends at
+the join; no edge enters a branch from outside. Branches run concurrently, each on its own
+copy of the state taken at the fan-out; the join waits for all of them, then merges their
+writes into the request's state in branch order. Branches must write disjoint keys (checked
+here), so the merge never depends on which branch finished first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ragserve.graph.nodes import END, START, Edge, GraphError, Node, NodeId, State
+from ragserve.graph.nodes import END, START, Edge, GraphError, NodeId, State
+from ragserve.graph.operators import NODE_KINDS, Node
 
 INPUT_KEY = "input"
 
@@ -25,18 +38,22 @@ class CompiledGraph:
     name: str | None
     nodes: MappingProxyType  # node id -> Node
     edges: MappingProxyType  # src (node id or START) -> Edge
+    fanouts: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # -> FanOut
+    inputs: tuple[str, ...] = ()  # state keys every request brings besides input
 
     @property
     def answer_nodes(self) -> tuple[NodeId, ...]:
-        """Generation nodes writing the answer key ``"output"`` (what ``stream`` yields)."""
+        """Generation (and completion) nodes writing the answer key ``"output"`` (what
+        ``stream`` yields)."""
         return tuple(
             n.node_id
             for n in self.nodes.values()
-            if n.kind == "generation" and n.output == "output"
+            if n.kind in ("generation", "completion") and n.output == "output"
         )
 
     def next_node(self, src: Any, state: State) -> Any:
-        """Follow ``src``'s edge for this state: a node id or ``END``."""
+        """Follow ``src``'s edge for this state: a node id, ``END``, or a fan-out's tuple of
+        node ids (``fanouts[src]`` says where they join)."""
         edge: Edge = self.edges[src]
         if not edge.is_conditional:
             return edge.dst
@@ -49,9 +66,32 @@ class CompiledGraph:
         return dst
 
 
-def validate(name: str | None, nodes: dict[NodeId, Node], edges: list[Edge]) -> CompiledGraph:
+@dataclass(frozen=True)
+class FanOut:
+    """A fan-out's branches (each the chain of node ids it runs, in order) and its join."""
+
+    src: Any
+    branches: tuple[tuple[NodeId, ...], ...]
+    join: NodeId
+
+    def branch_of(self, node_id: NodeId) -> int | None:
+        for i, chain in enumerate(self.branches):
+            if node_id in chain:
+                return i
+        return None
+
+
+def validate(
+    name: str | None,
+    nodes: dict[NodeId, Node],
+    edges: list[Edge],
+    inputs: tuple[str, ...] = (),
+) -> CompiledGraph:
     if not nodes:
         raise GraphError("graph has no nodes")
+    for node in nodes.values():
+        if not isinstance(node, NODE_KINDS):
+            raise GraphError(f"node {getattr(node, 'node_id', node)!r} is of an unknown kind")
     out: dict[Any, Edge] = {}
     for edge in edges:
         if edge.src is not START and edge.src not in nodes:
@@ -73,14 +113,22 @@ def validate(name: str | None, nodes: dict[NodeId, Node], edges: list[Edge]) -> 
     for node_id in ids:
         if node_id not in reachable:
             raise GraphError(f"node {node_id!r} is unreachable from START")
-    _check_variables(nodes, succ)
-    return CompiledGraph(name, MappingProxyType(dict(nodes)), MappingProxyType(out))
+    fanouts = {src: _fanout(src, e.dst, nodes, out) for src, e in out.items() if e.is_fanout}
+    _check_entries(fanouts, out)
+    _check_variables(nodes, succ, inputs)
+    return CompiledGraph(
+        name,
+        MappingProxyType(dict(nodes)),
+        MappingProxyType(out),
+        MappingProxyType(fanouts),
+        tuple(inputs),
+    )
 
 
 def _declared_targets(edge: Edge) -> Iterable[Any]:
     if edge.is_conditional:
         return edge.targets or ()
-    return (edge.dst,)
+    return edge.dst if edge.is_fanout else (edge.dst,)
 
 
 def _check_plain_loops(nodes: dict[NodeId, Node], out: dict[Any, Edge]) -> None:
@@ -89,7 +137,7 @@ def _check_plain_loops(nodes: dict[NodeId, Node], out: dict[Any, Edge]) -> None:
         cur = start
         while cur is not END and not out[cur].is_conditional and cur not in seen:
             seen.append(cur)
-            cur = out[cur].dst
+            cur = out[cur].dst[0] if out[cur].is_fanout else out[cur].dst
         if cur is not END and cur in seen:
             loop = seen[seen.index(cur) :]
             raise GraphError(
@@ -104,10 +152,79 @@ def _check_reaches_end(ids: tuple[NodeId, ...], succ: dict[Any, tuple[Any, ...]]
             raise GraphError(f"node {node_id!r} has no path to END")
 
 
-def _check_variables(nodes: dict[NodeId, Node], succ: dict[Any, tuple[Any, ...]]) -> None:
+def _fanout(src: Any, targets: tuple, nodes: dict[NodeId, Node], out: dict[Any, Edge]) -> FanOut:
+    """The branches and join of the fan-out at ``src`` (see the module doc), or GraphError."""
+    chains = [_plain_chain(t, out) for t in targets]
+    common = [n for n in chains[0] if all(n in c for c in chains[1:])]
+    if not common:
+        for chain in chains:
+            _check_plain(src, chain[-1], out)
+        raise GraphError(
+            f"fan-out at {src!r}: branches {targets!r} never join (no node all of them reach "
+            "through plain edges)"
+        )
+    join = common[0]
+    branches = tuple(tuple(c[: c.index(join)]) for c in chains)
+    for target, branch in zip(targets, branches, strict=True):
+        if not branch:
+            raise GraphError(f"fan-out at {src!r}: target {target!r} is the join itself")
+        for node_id in branch:
+            _check_plain(src, node_id, out)
+    writers: dict[str, NodeId] = {}
+    for branch in branches:
+        keys = {nodes[n].output: n for n in branch if nodes[n].output is not None}
+        for key, node_id in keys.items():
+            if key in writers:
+                raise GraphError(
+                    f"fan-out at {src!r}: nodes {writers[key]!r} and {node_id!r} in different "
+                    f"branches both write {key!r}; branches must write disjoint keys"
+                )
+        writers.update(keys)
+    return FanOut(src, branches, join)
+
+
+def _check_plain(src: Any, node_id: NodeId, out: dict[Any, Edge]) -> None:
+    edge = out[node_id]
+    if edge.is_conditional or edge.is_fanout:
+        raise GraphError(
+            f"node {node_id!r} in a branch of the fan-out at {src!r} has a conditional or "
+            "fan-out edge; branches are chains of plain edges"
+        )
+
+
+def _plain_chain(start: NodeId, out: dict[Any, Edge]) -> list[NodeId]:
+    """``start`` and the nodes after it along plain edges (the last one may have any edge)."""
+    chain = [start]
+    while True:
+        edge = out[chain[-1]]
+        if edge.is_conditional or edge.is_fanout or edge.dst is END or edge.dst in chain:
+            return chain
+        chain.append(edge.dst)
+
+
+def _check_entries(fanouts: dict[Any, FanOut], out: dict[Any, Edge]) -> None:
+    """No edge enters a branch except the fan-out itself and the branch's own chain."""
+    inside = {n: (f, chain) for f in fanouts.values() for chain in f.branches for n in chain}
+    for src, edge in out.items():
+        for dst in _declared_targets(edge):
+            if dst not in inside:
+                continue
+            fanout, chain = inside[dst]
+            i = chain.index(dst)
+            ok = src == fanout.src if i == 0 else src == chain[i - 1]
+            if not ok:
+                raise GraphError(
+                    f"edge from {src!r} enters the branch of the fan-out at {fanout.src!r} "
+                    f"at {dst!r}; a branch is entered only by its fan-out"
+                )
+
+
+def _check_variables(
+    nodes: dict[NodeId, Node], succ: dict[Any, tuple[Any, ...]], inputs: tuple[str, ...]
+) -> None:
     for node_id, node in nodes.items():
         before = [n for n in nodes if node_id in _reach(n, succ, strict=True)]
-        available = {INPUT_KEY} | {nodes[n].output for n in before}
+        available = {INPUT_KEY, *inputs} | {nodes[n].output for n in before}
         missing = sorted(node.inputs - available)
         if missing:
             raise GraphError(

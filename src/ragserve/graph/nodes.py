@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.graph.checks import check_retrieval, check_sampling
-from ragserve.graph.template import Template
+from ragserve.graph.template import Passage, Template
 
 
 class GraphError(ValueError):
@@ -35,7 +35,8 @@ class State(dict):
     """A request's state: ``input``, then every node's output under its ``output`` key.
 
     ``visits[node_id]`` counts how many times each node has finished, so conditional edges can
-    bound loops (``lambda s: 1 if s.visits[2] < 3 else END``). The scheduler mutates it.
+    bound loops (``lambda s: 1 if s.visits[2] < 3 else END``). Never mutated in place by the
+    scheduler once routers or transforms may hold it: ``write`` returns a new state.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -44,6 +45,39 @@ class State(dict):
 
     def visit_count(self, node_id: NodeId) -> int:
         return self.visits.get(node_id, 0)
+
+    def fork(self) -> State:
+        """A shallow copy (values shared, ``visits`` copied)."""
+        state = State(self)
+        state.visits = dict(self.visits)
+        return state
+
+    def write(self, node: Any, value: Any) -> State:
+        """The state after ``node`` finished returning ``value`` (a new ``State``; this one is
+        unchanged): ``value`` under ``node.output`` (nothing for a node without one) and the
+        node's visit counted. The one rule every writer uses (the scheduler, speculation):
+
+        - ``append=False`` (or the key is absent): the value replaces what the key held;
+        - ``append=True`` with text: newline-joined to the old text;
+        - ``append=True`` with passages: added after the old ones, duplicates by id dropped.
+        """
+        state = self.fork()
+        key = getattr(node, "output", None)
+        if key is not None:
+            state[key] = _merged(
+                state.get(key), value, getattr(node, "append", False), key in state
+            )
+        state.visits[node.node_id] = state.visit_count(node.node_id) + 1
+        return state
+
+
+def _merged(old: Any, value: Any, append: bool, present: bool) -> Any:
+    if not append or not present:
+        return value
+    if isinstance(value, str):
+        return f"{old}\n{value}"
+    seen = {p.doc_id for p in old}
+    return list(old) + [p for p in value if isinstance(p, Passage) and p.doc_id not in seen]
 
 
 @dataclass(frozen=True)
@@ -69,6 +103,7 @@ class GenerationNode:
     fusion_ratio: float | None = None  # cache fusion of the prompt's passages; None: off
 
     kind = "generation"
+    resource = "engine"
 
     def __post_init__(self) -> None:
         check_sampling(
@@ -108,6 +143,7 @@ class RetrievalNode:
     filter: dict[str, Any] | None = None  # noqa: A003 - the retrieval API's name
 
     kind = "retrieval"
+    resource = "retrieval"
 
     def __post_init__(self) -> None:
         check_retrieval(topk=self.topk, nprobe=self.nprobe)
@@ -117,12 +153,17 @@ class RetrievalNode:
         return self.query.variables
 
 
-Node = GenerationNode | RetrievalNode
+RESOURCES = ("engine", "retrieval", "cpu", "scheduler")
+"""Where a node kind runs, so the scheduler batches one kind across requests: ``engine`` (the
+LLM engine's running batch: generation, completion), ``retrieval`` (the retrieval worker, one
+batch per cycle: retrieval, embed, rerank, upsert), ``cpu`` (the server's bounded thread pool:
+function), ``scheduler`` (inline in the scheduler thread, microseconds: memory)."""
 
 
 @dataclass(frozen=True)
 class Edge:
-    """``src`` → ``dst``: a node id / ``END``, or a router called on the state returning one.
+    """``src`` → ``dst``: a node id / ``END``, a router called on the state returning one, or
+    a tuple of node ids (a fan-out: every one runs, as parallel branches of the request).
 
     ``targets`` lists a router's possible destinations; when given, ``compile()`` checks paths
     with it and the scheduler rejects any other return value. Without it a router is assumed
@@ -137,7 +178,13 @@ class Edge:
     def is_conditional(self) -> bool:
         return callable(self.dst) and not isinstance(self.dst, Terminal)
 
+    @property
+    def is_fanout(self) -> bool:
+        return isinstance(self.dst, tuple)
+
     def possible_targets(self, all_nodes: tuple[Any, ...]) -> tuple[Any, ...]:
+        if self.is_fanout:
+            return self.dst
         if not self.is_conditional:
             return (self.dst,)
         if self.targets is not None:

@@ -65,7 +65,8 @@ class _Var:
 
 
 def render_value(value: Any) -> str:
-    """Text for one state value: passages become numbered passages, None becomes ''."""
+    """Text for one state value: passages become numbered passages, a list of strings one
+    line each, None becomes ''."""
     if value is None:
         return ""
     if isinstance(value, str):
@@ -76,6 +77,8 @@ def render_value(value: Any) -> str:
         return "\n\n".join(_render_passage(i, p) for i, p in enumerate(value, 1))
     if isinstance(value, Sequence) and not value:
         return ""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return "\n".join(value)  # e.g. a memory node's entries: one per line
     return str(value)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -76,3 +77,19 @@ class CrossEncoderReranker(BaseReranker):
                 logits = self.model(**enc).logits.float()
                 out[a : a + len(batch)] = logits[:, 0].cpu().numpy()
         return out
+
+
+class EmbeddingReranker(BaseReranker):
+    """The default scorer when no cross-encoder is configured: the cosine similarity of the
+    query (embedded query side) and each passage (document side) under the index's own
+    embedder, whose vectors are unit-norm, so the score is their dot product. It sees the same
+    evidence as dense retrieval, so it mostly re-orders hits from other sources (BM25, a
+    second index, a function node)."""
+
+    def __init__(self, embedder: Any) -> None:
+        self.embedder = embedder
+
+    def score(self, query: str, texts: Sequence[str]) -> np.ndarray:
+        q = np.asarray(self.embedder.encode([query], is_query=True), dtype=np.float32)
+        d = np.asarray(self.embedder.encode(list(texts), is_query=False), dtype=np.float32)
+        return (d @ q[0]).astype(np.float32)

@@ -6,6 +6,7 @@ from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.main_guard import MainGuardError
 from ragserve.runtime.server import Server
 from ragserve.scheduler.cosched import CoScheduleConfig
+from ragserve.scheduler.operator_config import OperatorConfig
 from ragserve.scheduler.request import ErrorKind, NodeTiming, RequestError, Response
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "GpuTierConfig",
     "MainGuardError",
     "NodeTiming",
+    "OperatorConfig",
     "RequestError",
     "Response",
     "Server",

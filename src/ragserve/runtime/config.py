@@ -7,6 +7,7 @@ from typing import Any
 
 from ragserve.retrieval.limits import DocumentLimits
 from ragserve.scheduler.cosched import CoScheduleConfig
+from ragserve.scheduler.operator_config import OperatorConfig
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class ServerConfig:
     ``Server`` builds the transforms from it (``make_transforms``). The default runs them all;
     ``CoScheduleConfig.none()`` is the plain wavefront scheduler.
 
+    ``operators`` bounds the operators that run in the server process: function nodes'
+    thread pool and timeout, memory nodes' per-session store (``OperatorConfig``).
+
     ``backend="ray"`` runs ``num_llm_replicas`` engines and ``num_index_shards`` index shards
     as Ray actors (``runtime/ray_backend.py``), joining the cluster at ``ray_address`` or
     starting a local one (``ray_num_cpus`` CPUs; ``None``: all of them). ``shard_partition``
@@ -89,6 +93,7 @@ class ServerConfig:
     ray_address: str | None = None
     ray_num_cpus: int | None = None
     shard_partition: str = "document"
+    operators: OperatorConfig = field(default_factory=OperatorConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_kwargs, dict):

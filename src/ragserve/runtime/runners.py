@@ -25,6 +25,7 @@ import numpy as np
 
 from ragserve.graph import Passage
 from ragserve.runtime.errors import error_kind_of
+from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.scheduler import GenerationTask, GenerationUpdate, RetrievalResult, RetrievalTask
 
 logger = logging.getLogger(__name__)
@@ -181,16 +182,30 @@ class Embeddings(NamedTuple):
 
 
 class RetrievalRunner:
-    """Owns the embedder and the ``VectorIndex``; searches a batch of tasks at once."""
+    """Owns the embedder and the ``VectorIndex``; searches a batch of tasks at once, and runs
+    the batch's operator tasks (embed, rerank, upsert: ``operator_runner``) first.
+
+    ``reranker``: the rerank nodes' ``BaseReranker`` (``None``: the embedder's cosine);
+    ``document_limits``: what upsert nodes' documents are checked against."""
 
     def __init__(self, index: Any, embedder: Any, default_nprobe: int | None = None) -> None:
+        from ragserve.retrieval.limits import DocumentLimits
+
         self.index = index
         self.embedder = embedder
         self.default_nprobe = default_nprobe
+        self.reranker: Any = None
+        self.document_limits = DocumentLimits()
 
     def run(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
         """One result (passages with their scores) per task, in order. Tasks with a filter or
-        a non-dense mode go through ``search_text`` (``_by_text``)."""
+        a non-dense mode go through ``search_text`` (``_by_text``); operator tasks get an
+        ``OperatorResult``."""
+        ops, tasks = split_operators(tasks)
+        if ops:
+            done = {r.task_id: r for r in run_operators(self, ops)}
+            done.update((r.task_id, r) for r in (RetrievalRunner.run(self, tasks) if tasks else []))
+            return [done[t.task_id] for t in (*ops, *tasks)]
         default_mode = getattr(self.index, "default_mode", "dense")
         by_text = [t for t in tasks if (t.mode or default_mode) != "dense" or t.filter]
         if by_text:

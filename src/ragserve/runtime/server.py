@@ -15,11 +15,12 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ragserve.graph import CompiledGraph, RAGraph, State
+from ragserve.graph.template import NAME
 from ragserve.retrieval.limits import check_document
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
@@ -59,6 +60,7 @@ class Server:
             make_transforms(self.config.cosched),
             max_node_runs=self.config.max_node_runs,
             poll_timeout=self.config.poll_timeout,
+            operators=self.config.operators,
         )
         self._cosched_names: tuple[str, ...] = self.config.cosched.enabled
         self.workflows: dict[str, CompiledGraph] = {n: get_workflow(n) for n in BUILTIN_WORKFLOWS}
@@ -79,10 +81,13 @@ class Server:
         *,
         request_id: str | None = None,
         history: Sequence[tuple[str, str]] = (),
+        inputs: Mapping[str, Any] | None = None,
     ) -> Response:
         """Run one request to completion (blocking). ``history``: ``(role, content)`` chat
         turns before the question (a system message, earlier turns), ``state["history"]``;
-        answer nodes (and nodes with ``with_history=True``) see them before their prompt."""
+        answer nodes (and nodes with ``with_history=True``) see them before their prompt.
+        ``inputs``: more initial state (e.g. a memory node's session id); every key the
+        graph declares (``RAGraph(inputs=...)``) must be given (``ValueError`` naming it)."""
         done = threading.Event()
         box: list[Response] = []
         self._add(
@@ -91,6 +96,7 @@ class Server:
             request_id,
             on_done=lambda r: (box.append(r), done.set()),
             history=history,
+            inputs=inputs,
         )
         while not done.wait(0.5):
             if self._closed.is_set():
@@ -104,16 +110,19 @@ class Server:
         *,
         request_id: str | None = None,
         history: Sequence[tuple[str, str]] = (),
+        inputs: Mapping[str, Any] | None = None,
     ) -> Response:
         """Run one request; many may be awaited concurrently. Cancelling the awaiting task
-        aborts the request (even one still on its way to the scheduler). ``history`` as in
-        ``run``."""
+        aborts the request (even one still on its way to the scheduler). ``history`` and
+        ``inputs`` as in ``run``."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         on_done = lambda r: _post(loop, _set, fut, r)
         rid = request_id or uuid.uuid4().hex
         try:
-            await asyncio.to_thread(self._add, question, graph, rid, on_done, history=history)
+            await asyncio.to_thread(
+                self._add, question, graph, rid, on_done, history=history, inputs=inputs
+            )
             return await fut
         except asyncio.CancelledError:
             self.abort(rid)
@@ -127,6 +136,7 @@ class Server:
         request_id: str | None = None,
         on_response: Callable[[Response], Any] | None = None,
         history: Sequence[tuple[str, str]] = (),
+        inputs: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[str]:
         """Yield text deltas of the answer (generation nodes writing ``"output"``).
 
@@ -134,7 +144,7 @@ class Server:
         last delta and before the iterator ends, failed requests included. A failed request
         then raises ``RequestError`` (a ``RuntimeError``; ``.kind``, ``.response``). Closing
         the iterator early aborts the request (``on_response`` is then not called).
-        ``history`` as in ``run``.
+        ``history`` and ``inputs`` as in ``run``.
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -151,6 +161,7 @@ class Server:
                     lambda r: put(r),
                     on_delta=lambda d: put(d),
                     history=history,
+                    inputs=inputs,
                 )
             except Exception:
                 finished = True  # rejected (unknown workflow, closed): never added
@@ -183,6 +194,7 @@ class Server:
         put = lambda item: _post(loop, events.put_nowait, item)
         rid = request_id or uuid.uuid4().hex
         raw = tuple(prompt) if isinstance(prompt, list) else prompt
+        graph = completion_graph(GenerationParams.from_any(params))
         prompt_ids: tuple[int, ...] = ()
         token_ids: list[int] = []
         text = ""
@@ -190,13 +202,7 @@ class Server:
         try:
             try:  # inside the ``finally``: a close while registering still aborts
                 await asyncio.to_thread(
-                    self._add,
-                    "",
-                    _completion_graph(),
-                    rid,
-                    lambda r: put(r),
-                    on_update=lambda u: put(u),
-                    raw=(raw, GenerationParams.from_any(params)),
+                    self._add, raw, graph, rid, lambda r: put(r), on_update=lambda u: put(u)
                 )
             except Exception:
                 finished = True  # rejected: never added
@@ -322,6 +328,7 @@ class Server:
             return
         self._closed.set()
         self._thread.join(timeout=10)
+        self.scheduler.close()
         self.executor.close()
 
     def __enter__(self) -> Server:
@@ -333,15 +340,15 @@ class Server:
     # -- internals --------------------------------------------------------------------------
     def _add(
         self,
-        question: str,
+        question: Any,
         graph: Any,
         request_id: str | None,
         on_done: Any,
         *,
         on_delta: Any = None,
         on_update: Any = None,
-        raw: tuple | None = None,
         history: Sequence[tuple[str, str]] = (),
+        inputs: Mapping[str, Any] | None = None,
     ) -> None:
         if self._closed.is_set():
             raise RuntimeError("Server is closed")
@@ -349,6 +356,7 @@ class Server:
         state = State(input=question)
         if history:
             state["history"] = chat_history(history)
+        state.update(request_inputs(compiled, inputs))
         # NOTE: admission bound; blocks the caller (bounded), never the scheduler
         if not self._slots.acquire(timeout=self.config.call_timeout_s):
             raise WorkerError(
@@ -367,8 +375,6 @@ class Server:
             on_delta=on_delta,
             on_update=on_update,
         )
-        if raw is not None:
-            req.raw_prompt, req.raw_params = raw
         self.scheduler.add_request(req)
 
     def _resolve(self, graph: Any) -> CompiledGraph:
@@ -426,16 +432,25 @@ def _set(fut: asyncio.Future, value: Any) -> None:
         fut.set_result(value)
 
 
-_COMPLETION_GRAPH: list[CompiledGraph] = []
+def request_inputs(graph: CompiledGraph, inputs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``inputs`` checked against the graph: state key names other than ``input`` and
+    ``history``, and every key the graph declares present."""
+    given = dict(inputs or {})
+    for key in given:
+        if not isinstance(key, str) or not NAME.match(key) or key in ("input", "history"):
+            raise ValueError(f"inputs: {key!r} must be a state key name other than input/history")
+    missing = [k for k in graph.inputs if k not in given]
+    if missing:
+        raise ValueError(f"inputs: the graph needs {missing[0]!r}")
+    return given
 
 
-def _completion_graph() -> CompiledGraph:
+def completion_graph(params: GenerationParams) -> CompiledGraph:
+    """A plain completion (``Server.complete``): one completion node of ``state["input"]``."""
     from ragserve.graph import END, START
 
-    if not _COMPLETION_GRAPH:
-        g = RAGraph("completion").add_generation(0, prompt="{input}")
-        _COMPLETION_GRAPH.append(g.add_edge(START, 0).add_edge(0, END).compile())
-    return _COMPLETION_GRAPH[0]
+    g = RAGraph("completion").add_completion(0, params=params)
+    return g.add_edge(START, 0).add_edge(0, END).compile()
 
 
 def _request_output(rid: str, prompt_ids, token_ids, text, update, metrics) -> Any:

@@ -23,6 +23,7 @@ from ragserve.graph import Passage
 from ragserve.retrieval.cost_model import ScanCostModel
 from ragserve.retrieval.staged import StagedSearch, StageParams, StageProgress
 from ragserve.runtime.errors import error_kind_of
+from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.runtime.runners import RetrievalRunner
 from ragserve.scheduler import RetrievalResult, RetrievalTask
 from ragserve.scheduler.staged_messages import (
@@ -80,11 +81,12 @@ class StagedRetrievalRunner(RetrievalRunner):
         }
 
     def run(self, tasks: list[RetrievalTask]) -> list:
+        ops, tasks = split_operators(tasks)
         default_mode = getattr(self.index, "default_mode", "dense")
         by_text = [t for t in tasks if (t.mode or default_mode) != "dense" or t.filter]
         plain = [t for t in tasks if not isinstance(t, StagedRetrievalTask) or t in by_text]
         staged = [t for t in tasks if t not in plain]
-        updates: list = []
+        updates: list = run_operators(self, ops) if ops else []
         if plain:
             updates.extend(super().run(plain))
         if staged:

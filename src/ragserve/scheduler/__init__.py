@@ -5,6 +5,7 @@ for tests, worker processes in ``ragserve.runtime``).
 """
 
 from ragserve.scheduler.executor import BaseExecutor, Update
+from ragserve.scheduler.memory_store import MemoryStore
 from ragserve.scheduler.messages import (
     GenerationParams,
     GenerationTask,
@@ -13,22 +14,40 @@ from ragserve.scheduler.messages import (
     RetrievalTask,
     Wavefront,
 )
-from ragserve.scheduler.request import NodeTiming, RequestState, Response
+from ragserve.scheduler.operator_config import OperatorConfig
+from ragserve.scheduler.operator_messages import (
+    EmbedTask,
+    OperatorResult,
+    RerankTask,
+    UpsertTask,
+)
+from ragserve.scheduler.request import NodeRun, NodeTiming, RequestState, Response
 from ragserve.scheduler.scheduler import Scheduler
 from ragserve.scheduler.transforms import BaseTransform
+from ragserve.scheduler.view import NextStep, SchedulerView, TaskView
 
 __all__ = [
     "BaseExecutor",
     "BaseTransform",
+    "EmbedTask",
     "GenerationParams",
     "GenerationTask",
     "GenerationUpdate",
+    "MemoryStore",
+    "NextStep",
+    "NodeRun",
     "NodeTiming",
+    "OperatorConfig",
+    "OperatorResult",
     "RequestState",
+    "RerankTask",
     "Response",
     "RetrievalResult",
     "RetrievalTask",
     "Scheduler",
+    "SchedulerView",
+    "TaskView",
     "Update",
+    "UpsertTask",
     "Wavefront",
 ]

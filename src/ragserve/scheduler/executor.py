@@ -10,8 +10,9 @@ from ragserve.scheduler.messages import (
     RetrievalResult,
     RetrievalTask,
 )
+from ragserve.scheduler.operator_messages import OperatorResult, OperatorTask
 
-Update = GenerationUpdate | RetrievalResult
+Update = GenerationUpdate | RetrievalResult | OperatorResult
 
 
 class BaseExecutor(ABC):
@@ -31,6 +32,12 @@ class BaseExecutor(ABC):
 
     @abstractmethod
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None: ...
+
+    def submit_operators(self, tasks: list[OperatorTask]) -> None:
+        """Embed / rerank / upsert tasks for the retrieval worker, answered with
+        ``OperatorResult``s. By default they share the retrieval batch message (the retrieval
+        runner tells them apart by type)."""
+        self.submit_retrieval(tasks)  # type: ignore[arg-type]
 
     @abstractmethod
     def abort(self, task_ids: list[str]) -> None: ...

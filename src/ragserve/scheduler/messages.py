@@ -124,13 +124,17 @@ class RetrievalResult:
 
 @dataclass
 class Wavefront:
-    """The ready work of one scheduling cycle, across all active requests.
+    """The ready work of one scheduling cycle, across all active requests, by resource:
+    ``generation`` (the engine), ``retrieval`` and ``operators`` (embed / rerank / upsert
+    tasks: the retrieval worker). Function nodes go to the CPU pool and memory nodes run
+    inline; neither passes through the wavefront.
 
     Transformations (``scheduler.transforms``) may rewrite it before dispatch.
     """
 
     generation: list[GenerationTask] = field(default_factory=list)
     retrieval: list[RetrievalTask] = field(default_factory=list)
+    operators: list[Any] = field(default_factory=list)  # ``operator_messages.OperatorTask``
 
     def __bool__(self) -> bool:
-        return bool(self.generation or self.retrieval)
+        return bool(self.generation or self.retrieval or self.operators)

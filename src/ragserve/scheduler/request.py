@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ragserve.graph import CompiledGraph, Passage, State
-from ragserve.scheduler.messages import GenerationParams, GenerationUpdate
+from ragserve.graph import CompiledGraph, FanOut, Passage, State
+from ragserve.scheduler.messages import GenerationUpdate
 
 ErrorKind = Literal["bad_request", "worker_died", "internal", "aborted"]
 """Why a request failed, machine-readable: ``bad_request`` (the engine rejected its input:
@@ -74,31 +74,67 @@ class Response:
 
 
 @dataclass
+class NodeRun:
+    """One run of one node of a request: ready (``task_id`` None) or dispatched.
+
+    ``state`` is what the node reads: the request's state, or inside a fan-out its branch's
+    own copy (``branch`` is then the branch's index). Mutated by the scheduler thread only.
+    """
+
+    node_id: Any
+    state: State
+    timing: NodeTiming
+    task_id: str | None = None
+    partial_text: str = ""  # a running generation's text so far
+    branch: int | None = None
+    seq: int = 0  # the request's run count when this run started (part of its task id)
+
+    @property
+    def is_dispatched(self) -> bool:
+        return self.task_id is not None
+
+
+@dataclass
+class OpenJoin:
+    """A fan-out whose branches are running: what each finished branch left behind."""
+
+    fanout: FanOut
+    states: list[State | None]
+    retrieved: list[dict[str, Passage]]
+
+    @property
+    def is_complete(self) -> bool:
+        return all(s is not None for s in self.states)
+
+
+@dataclass
 class RequestState:
-    """A request inside the scheduler. Mutated only by the scheduler's thread."""
+    """A request inside the scheduler. Mutated only by the scheduler's thread.
+
+    ``runs`` are its node runs now ready or in flight: one, or one per branch inside a
+    fan-out (``join`` then holds the finished branches until all have arrived).
+    ``on_update`` sees every raw ``GenerationUpdate`` of its completion nodes.
+    """
 
     request_id: str
     graph: CompiledGraph
     state: State
     on_done: Callable[[Response], None]
     on_delta: Callable[[str], None] | None = None
-    # plain completions (``Server.complete``): a fixed prompt and params, raw updates
-    raw_prompt: str | tuple[int, ...] | None = None
-    raw_params: GenerationParams | None = None
     on_update: Callable[[GenerationUpdate], None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    node_id: Any = None  # the node to run next, or the one running
-    task_id: str | None = None  # set while the node is dispatched
+    runs: list[NodeRun] = field(default_factory=list)
+    join: OpenJoin | None = None
     timings: list[NodeTiming] = field(default_factory=list)
     retrieved: dict[str, Passage] = field(default_factory=dict)
-    partial_text: str = ""  # the running generation's text so far
     num_node_runs: int = 0
     error: str | None = None
     error_kind: ErrorKind | None = None
 
     @property
     def is_dispatched(self) -> bool:
-        return self.task_id is not None
+        """Every run of the request is in flight (nothing ready to dispatch)."""
+        return all(r.is_dispatched for r in self.runs)
 
     def response(self) -> Response:
         return Response(

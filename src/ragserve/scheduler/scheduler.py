@@ -4,10 +4,13 @@ One thread calls ``step()`` in a loop (the runtime's scheduler thread, or a test
 threads only call ``add_request`` / ``abort``, which go through a thread-safe inbox.
 
     step():  admit new requests and aborts
-             wavefront = ready nodes of every active request (rendered into tasks)
+             wavefront = ready node runs of every active request, lowered to their resource's
+                         tasks (memory nodes run here, function nodes go to the CPU pool)
              wavefront = each transform's rewrite of it
-             dispatch: generation tasks join the engine's batch; retrieval tasks as one batch
-             apply the executor's updates: write outputs, follow edges, finish requests
+             dispatch: generation tasks join the engine's batch; retrieval and operator tasks
+                       go to the retrieval worker as one batch; then the transforms' side tasks
+             apply the executor's and the pool's updates: write outputs (``State.write``),
+             follow edges (fan-outs start branches, joins wait for all), finish requests
 """
 
 from __future__ import annotations
@@ -18,18 +21,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import Any
 
-from ragserve.graph import END, START, GenerationNode, GraphError, Passage, RetrievalNode
+from ragserve.graph import END, START, GraphError, State
+from ragserve.scheduler.cpu_pool import CpuPool
 from ragserve.scheduler.executor import BaseExecutor, Update
-from ragserve.scheduler.messages import (
-    GenerationParams,
-    GenerationTask,
-    GenerationUpdate,
-    RetrievalTask,
-    Wavefront,
-)
-from ragserve.scheduler.request import NodeTiming, RequestState
+from ragserve.scheduler.lowering import lower
+from ragserve.scheduler.memory_store import MemoryStore
+from ragserve.scheduler.messages import GenerationUpdate, RetrievalResult, Wavefront
+from ragserve.scheduler.operator_config import OperatorConfig
+from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState
 from ragserve.scheduler.transforms import BaseTransform
+from ragserve.scheduler.view import NextStep, TaskView, peek_next
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,8 @@ class Scheduler:
     """Advances many graph requests at once over one executor.
 
     ``max_node_runs`` bounds the nodes one request may run (a guard against routers that
-    never exit); past it the request fails with a clear error.
+    never exit); past it the request fails with a clear error. ``operators`` bounds the
+    function pool and the session memory (``self.memory``, a ``MemoryStore``).
 
     ``abort(id)`` of an id not (yet) added is remembered (``abort_memory_s``, at most
     ``max_remembered_aborts`` ids): a request added later with that id finishes at once,
@@ -57,22 +61,33 @@ class Scheduler:
         *,
         max_node_runs: int = 256,
         poll_timeout: float = 0.05,
+        operators: OperatorConfig | None = None,
     ) -> None:
         self.executor = executor
         self.transforms = tuple(transforms)
         self.max_node_runs = max_node_runs
         self.poll_timeout = poll_timeout
+        self.operators = operators or OperatorConfig()
+        self.memory = MemoryStore(
+            self.operators.memory_max_entries,
+            self.operators.memory_max_bytes,
+            self.operators.memory_max_sessions,
+        )
+        self._pool: CpuPool | None = None  # started with the first function node
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, RequestState] = {}
-        self._by_task: dict[str, RequestState] = {}
+        self._by_task: dict[str, tuple[RequestState, NodeRun]] = {}
+        self._side = Wavefront()  # transforms' side tasks, dispatched after the next wavefront
+        self._inline: list[Update] = []  # results made during collection (memory, bad input)
         self.num_cycles = 0
         self.abort_memory_s = ABORT_MEMORY_S
         self.max_remembered_aborts = MAX_REMEMBERED_ABORTS
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when aborted
         self._pending_transforms: tuple | None = None  # (chain, future) until it can swap
         self._deferred: list[RequestState] = []  # adds that arrived behind a pending swap
+        self.view = _View(self)
         for transform in self.transforms:
-            transform.bind(self)
+            transform.bind(self.view)
 
     # -- called from any thread -------------------------------------------------------------
     def add_request(self, request: RequestState) -> None:
@@ -100,8 +115,7 @@ class Scheduler:
         for transform in self.transforms:
             wavefront = transform.apply(wavefront)
         self._dispatch(wavefront)
-        timeout = 0.0 if self._has_ready() else self.poll_timeout
-        updates = self.executor.poll(timeout if self._by_task else 0.0)
+        updates = self._poll()
         for transform in self.transforms:
             updates = transform.on_updates(updates)
         for update in updates:
@@ -115,14 +129,10 @@ class Scheduler:
     def num_active(self) -> int:
         return len(self._active)
 
-    # -- read-only lookups for transforms (scheduler thread only) ----------------------------
-    def request_of_task(self, task_id: str) -> RequestState | None:
-        """The active request a dispatched task belongs to, if any."""
-        return self._by_task.get(task_id)
-
-    def get_request(self, request_id: str) -> RequestState | None:
-        """The active request with this id, if any."""
-        return self._active.get(request_id)
+    def close(self) -> None:
+        """Stop the function pool's threads (calls still running finish on their own)."""
+        if self._pool is not None:
+            self._pool.close()
 
     # -- pieces of the cycle ------------------------------------------------------------------
     def _admit(self) -> None:
@@ -159,7 +169,7 @@ class Scheduler:
             item.on_done(item.response())
         elif kind == "add":
             self._active[item.request_id] = item
-            self._advance(item, START)
+            self._advance(item, START, item.state, None)
         elif item in self._active:
             self._finish(self._active[item], "aborted", "aborted")
         elif any(r.request_id == item for r in self._deferred):
@@ -175,7 +185,7 @@ class Scheduler:
         self._pending_transforms = None
         try:
             for transform in transforms:
-                transform.bind(self)
+                transform.bind(self.view)
         except Exception as exc:
             done.set_exception(exc)
             return
@@ -202,102 +212,160 @@ class Scheduler:
     def _collect_wavefront(self) -> Wavefront:
         wavefront = Wavefront()
         now = time.monotonic()
-        for req in self._active.values():
-            if req.is_dispatched:
-                continue
-            node = req.graph.nodes[req.node_id]
-            req.task_id = f"{req.request_id}/{req.node_id}/{req.num_node_runs}"
-            self._by_task[req.task_id] = req
-            req.timings[-1].dispatched_at = now
-            if req.raw_params is not None:
-                task = GenerationTask(req.task_id, req.raw_prompt, req.raw_params, chat=False)
-                wavefront.generation.append(task)
-            elif isinstance(node, GenerationNode):
-                params = GenerationParams.for_node(node)
-                prompt = node.prompt.render(req.state)
-                history = node.history(req.state)
-                task = GenerationTask(req.task_id, prompt, params, history=history)
-                wavefront.generation.append(task)
-            else:
-                query = node.query.render(req.state)
-                task = RetrievalTask(
-                    req.task_id, query, node.topk, node.nprobe, node.mode, node.filter
-                )
-                wavefront.retrieval.append(task)
+        for req in list(self._active.values()):
+            for run in req.runs:
+                if run.is_dispatched:
+                    continue
+                run.task_id = f"{req.request_id}/{run.node_id}/{run.seq}"
+                self._by_task[run.task_id] = (req, run)
+                run.timing.dispatched_at = now
+                node = req.graph.nodes[run.node_id]
+                lowered = lower(run, node, run.task_id, self.memory)
+                if lowered.resource == "engine":
+                    wavefront.generation.append(lowered.payload)
+                elif lowered.resource == "retrieval":
+                    wavefront.retrieval.append(lowered.payload)
+                elif lowered.resource == "operators":
+                    wavefront.operators.append(lowered.payload)
+                elif lowered.resource == "cpu":
+                    fn, arg, timeout_s = lowered.payload
+                    self._function_pool().submit(run.task_id, fn, arg, timeout_s)
+                else:
+                    self._inline.append(lowered.payload)
         return wavefront
 
+    def _function_pool(self) -> CpuPool:
+        if self._pool is None:
+            ops = self.operators
+            self._pool = CpuPool(
+                ops.function_workers, ops.function_timeout_s, ops.function_max_stuck
+            )
+        return self._pool
+
     def _dispatch(self, wavefront: Wavefront) -> None:
-        if wavefront.generation:
-            self.executor.submit_generation(wavefront.generation)
-        if wavefront.retrieval:
-            self.executor.submit_retrieval(wavefront.retrieval)
+        side, self._side = self._side, Wavefront()
+        generation = [*wavefront.generation, *side.generation]
+        retrieval = [*wavefront.retrieval, *side.retrieval]
+        if generation:
+            self.executor.submit_generation(generation)
+        if retrieval:
+            self.executor.submit_retrieval(retrieval)
+        if wavefront.operators:
+            self.executor.submit_operators(wavefront.operators)
+
+    def _poll(self) -> list[Update]:
+        updates, self._inline = self._inline, []
+        timeout = 0.0 if updates or self._has_ready() else self.poll_timeout
+        if self._pool is not None and self._pool.has_work():
+            timeout = min(timeout, 0.005)  # NOTE: the pool's results are polled, not waited on
+        updates.extend(self.executor.poll(timeout if self._by_task else 0.0))
+        if self._pool is not None:
+            updates.extend(self._pool.poll())
+        return updates
 
     def _apply(self, update: Update) -> None:
-        req = self._by_task.get(update.task_id)
-        if req is None or req.task_id != update.task_id:
-            return  # a task of an aborted or failed request
-        timing = req.timings[-1]
-        now = time.monotonic()
+        entry = self._by_task.get(update.task_id)
+        if entry is None:
+            return  # a task of an aborted or failed request, or a transform's side task
+        req, run = entry
+        timing = run.timing
         if update.error is not None:
             del self._by_task[update.task_id]
+            run.task_id = None
             kind = getattr(update, "error_kind", None) or "internal"
-            self._finish(req, f"node {req.node_id!r} failed: {update.error}", kind)
+            self._finish(req, f"node {run.node_id!r} failed: {update.error}", kind)
             return
-        node = req.graph.nodes[req.node_id]
+        node = req.graph.nodes[run.node_id]
         if isinstance(update, GenerationUpdate):
-            if update.new_token_ids and timing.first_token_at is None:
-                timing.first_token_at = now
-            timing.num_tokens += len(update.new_token_ids)
-            if update.prompt_token_ids:
-                timing.num_prompt_tokens = len(update.prompt_token_ids)
-            req.partial_text += update.text_delta
-            if req.on_update is not None:
-                req.on_update(update)
-            if timing.is_answer and req.on_delta is not None and update.text_delta:
-                req.on_delta(update.text_delta)
-            if not update.finished:
+            if not self._on_tokens(req, run, node, update):
                 return
-            timing.finish_reason = update.finish_reason
-            text = req.partial_text if update.final_text is None else update.final_text
-            _write(req, node, text)
-            req.partial_text = ""
-        else:
+            value = run.partial_text if update.final_text is None else update.final_text
+            run.partial_text = ""
+        elif isinstance(update, RetrievalResult):
+            found = req.retrieved if run.branch is None else req.join.retrieved[run.branch]
             for passage in update.passages:
-                req.retrieved.setdefault(passage.doc_id, passage)
-            _write(req, node, list(update.passages))
-        timing.finished_at = now
+                found.setdefault(passage.doc_id, passage)
+            value = list(update.passages)
+        else:
+            value = update.value
+        timing.finished_at = time.monotonic()
         del self._by_task[update.task_id]
-        req.task_id = None
-        req.state.visits[req.node_id] = req.state.visit_count(req.node_id) + 1
-        self._advance(req, req.node_id)
+        req.runs.remove(run)
+        state = run.state.write(node, value)
+        if run.branch is None:
+            req.state = state
+        self._advance(req, run.node_id, state, run.branch)
 
-    def _advance(self, req: RequestState, src) -> None:
-        """Follow ``src``'s edge: mark the next node ready, or finish at ``END``."""
+    def _on_tokens(self, req: RequestState, run: NodeRun, node: Any, update: Any) -> bool:
+        """Account a generation update; ``True`` when it is the node's last."""
+        timing = run.timing
+        if update.new_token_ids and timing.first_token_at is None:
+            timing.first_token_at = time.monotonic()
+        timing.num_tokens += len(update.new_token_ids)
+        if update.prompt_token_ids:
+            timing.num_prompt_tokens = len(update.prompt_token_ids)
+        run.partial_text += update.text_delta
+        if node.kind == "completion" and req.on_update is not None:
+            req.on_update(update)
+        if timing.is_answer and req.on_delta is not None and update.text_delta:
+            req.on_delta(update.text_delta)
+        if update.finished:
+            timing.finish_reason = update.finish_reason
+        return update.finished
+
+    def _advance(self, req: RequestState, src: Any, state: State, branch: int | None) -> None:
+        """Follow ``src``'s edge: start the next node run(s), wait at a join, or finish."""
         try:
-            nxt = req.graph.next_node(src, req.state)
+            nxt = req.graph.next_node(src, state)
         except Exception as exc:  # a user router raised
             msg = str(exc) if isinstance(exc, GraphError) else f"router after {src!r}: {exc!r}"
             self._finish(req, msg)
             return
         if nxt is END:
             self._finish(req, None)
-            return
+        elif isinstance(nxt, tuple):
+            fanout = req.graph.fanouts[src]
+            n = len(nxt)
+            req.join = OpenJoin(fanout, [None] * n, [{} for _ in range(n)])
+            for i, target in enumerate(nxt):
+                if not self._start(req, target, state.fork(), i):
+                    return
+        elif branch is not None and req.join is not None and nxt == req.join.fanout.join:
+            req.join.states[branch] = state
+            if req.join.is_complete:
+                req.state = _merged(req)
+                req.join = None
+                self._start(req, nxt, req.state, None)
+        else:
+            self._start(req, nxt, state, branch)
+
+    def _start(self, req: RequestState, node_id: Any, state: State, branch: int | None) -> bool:
+        """A ready run of ``node_id``; ``False`` if the request failed instead (run limit)."""
         if req.num_node_runs >= self.max_node_runs:
             self._finish(req, f"request ran {self.max_node_runs} nodes without reaching END")
-            return
+            return False
         req.num_node_runs += 1
-        req.node_id = nxt
-        node = req.graph.nodes[nxt]
-        is_answer = isinstance(node, GenerationNode) and node.output == "output"
-        req.timings.append(NodeTiming(nxt, node.kind, time.monotonic(), is_answer=is_answer))
+        node = req.graph.nodes[node_id]
+        is_answer = node.kind in ("generation", "completion") and node.output == "output"
+        timing = NodeTiming(node_id, node.kind, time.monotonic(), is_answer=is_answer)
+        req.timings.append(timing)
+        req.runs.append(NodeRun(node_id, state, timing, branch=branch, seq=req.num_node_runs))
+        return True
 
     def _finish(self, req: RequestState, error: str | None, kind: str = "internal") -> None:
-        """End ``req``; a failure (``error`` set) is of ``kind``, an ``ErrorKind``."""
-        if req.task_id is not None:
-            self._by_task.pop(req.task_id, None)
-            if isinstance(req.graph.nodes[req.node_id], GenerationNode):
-                self.executor.abort([req.task_id])
-            req.task_id = None
+        """End ``req``; a failure (``error`` set) is of ``kind``, an ``ErrorKind``. Its runs
+        in flight are dropped (generations aborted in the engine, functions abandoned)."""
+        for run in req.runs:
+            if run.task_id is None:
+                continue
+            self._by_task.pop(run.task_id, None)
+            resource = req.graph.nodes[run.node_id].resource
+            if resource == "engine":
+                self.executor.abort([run.task_id])
+            elif resource == "cpu" and self._pool is not None:
+                self._pool.abort([run.task_id])
+        req.runs = []
+        req.join = None
         req.error = error
         req.error_kind = None if error is None else kind  # type: ignore[assignment]
         del self._active[req.request_id]
@@ -309,13 +377,68 @@ class Scheduler:
             logger.exception("on_done callback of request %s raised", req.request_id)
 
 
-def _write(req: RequestState, node: GenerationNode | RetrievalNode, value) -> None:
-    if not node.append or node.output not in req.state:
-        req.state[node.output] = value
-    elif isinstance(value, str):
-        req.state[node.output] = f"{req.state[node.output]}\n{value}"
-    else:
-        seen = {p.doc_id for p in req.state[node.output]}
-        req.state[node.output] = list(req.state[node.output]) + [
-            p for p in value if isinstance(p, Passage) and p.doc_id not in seen
-        ]
+def _merged(req: RequestState) -> State:
+    """The request's state after its fan-out: the state at the fan-out, then each branch's
+    writes (its nodes' output keys and visit counts) and passages, in branch order."""
+    join = req.join
+    merged = req.state.fork()
+    for i, branch_state in enumerate(join.states):
+        for node_id in join.fanout.branches[i]:
+            key = req.graph.nodes[node_id].output
+            if key is not None and key in branch_state:
+                merged[key] = branch_state[key]
+            if branch_state.visit_count(node_id):
+                merged.visits[node_id] = branch_state.visit_count(node_id)
+        for doc_id, passage in join.retrieved[i].items():
+            req.retrieved.setdefault(doc_id, passage)
+    return merged
+
+
+class _View:
+    """The ``SchedulerView`` of one scheduler (scheduler thread only)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._s = scheduler
+
+    def task(self, task_id: str) -> TaskView | None:
+        entry = self._s._by_task.get(task_id)
+        if entry is None:
+            return None
+        req, run = entry
+        return TaskView(
+            task_id,
+            req.request_id,
+            req.graph,
+            run.node_id,
+            run.state,
+            run.partial_text,
+            run.timing.num_tokens,
+        )
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._s._active
+
+    def running_task_ids(self, request_id: str) -> tuple[str, ...]:
+        req = self._s._active.get(request_id)
+        if req is None:
+            return ()
+        return tuple(r.task_id for r in req.runs if r.task_id is not None)
+
+    def peek_next(self, task: TaskView, output: Any) -> NextStep | None:
+        return peek_next(task, output)
+
+    def submit_generation(self, tasks: list) -> None:
+        self._s._side.generation.extend(tasks)
+
+    def submit_retrieval(self, tasks: list) -> None:
+        self._s._side.retrieval.extend(tasks)
+
+    def abort(self, task_ids: list[str]) -> None:
+        ids = set(task_ids)
+        side = self._s._side
+        queued = {t.task_id for t in side.generation} & ids
+        side.generation = [t for t in side.generation if t.task_id not in ids]
+        side.retrieval = [t for t in side.retrieval if t.task_id not in ids]
+        dispatched = [t for t in task_ids if t not in queued]
+        if dispatched:
+            self._s.executor.abort(dispatched)

@@ -22,6 +22,7 @@ from ragserve.scheduler.executor import Update
 from ragserve.scheduler.messages import RetrievalResult, RetrievalTask, Wavefront
 from ragserve.scheduler.staged_messages import StagedRetrievalResult, StagedRetrievalTask
 from ragserve.scheduler.transforms import BaseTransform
+from ragserve.scheduler.view import SchedulerView
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class LocalCache:
 class SimilarityTransform(BaseTransform):
     """Attach each request's local cache to its retrieval tasks; refresh it from the results.
 
-    Needs ``bind(scheduler)`` (the scheduler calls it) to map task ids to request ids.
+    Needs ``bind(view)`` (the scheduler calls it) to map task ids to request ids.
     ``cache_topk`` is the larger top-k kept per retrieval (20 in the paper).
     """
 
@@ -72,17 +73,17 @@ class SimilarityTransform(BaseTransform):
         self.cache = LocalCache(max_requests)
         self._task_request: dict[str, str] = {}
         self.num_reordered = 0
-        self._scheduler = None
+        self._view: SchedulerView | None = None
 
-    def bind(self, scheduler) -> None:
-        self._scheduler = scheduler
+    def bind(self, view: SchedulerView) -> None:
+        self._view = view
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
         wavefront.retrieval = [self._rewrite(t) for t in wavefront.retrieval]
         return wavefront
 
     def _rewrite(self, task: RetrievalTask) -> RetrievalTask:
-        rid = _request_id(self._scheduler, task)
+        rid = _request_id(self._view, task)
         if rid is None:
             return task
         self._task_request[task.task_id] = rid
@@ -117,11 +118,11 @@ def as_staged(task: RetrievalTask, **changes) -> StagedRetrievalTask:
     return StagedRetrievalTask(**base, **changes)
 
 
-def _request_id(scheduler, task: RetrievalTask) -> str | None:
+def _request_id(view: SchedulerView | None, task: RetrievalTask) -> str | None:
     if isinstance(task, StagedRetrievalTask) and task.request_id is not None:
         return task.request_id
-    req = scheduler.request_of_task(task.task_id) if scheduler is not None else None
-    return None if req is None else req.request_id
+    run = view.task(task.task_id) if view is not None else None
+    return None if run is None else run.request_id
 
 
 def _is_final_retrieval(u: Update) -> bool:

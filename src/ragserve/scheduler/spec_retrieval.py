@@ -16,14 +16,14 @@ cache it warms.
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
-from ragserve.graph import END, GenerationNode, RetrievalNode, State
+from ragserve.graph import GenerationNode, RetrievalNode
 from ragserve.scheduler.executor import Update
 from ragserve.scheduler.messages import GenerationUpdate, Wavefront
 from ragserve.scheduler.similarity import CacheEntry, SimilarityTransform
 from ragserve.scheduler.staged_messages import StagedRetrievalResult, StagedRetrievalTask
 from ragserve.scheduler.transforms import BaseTransform
+from ragserve.scheduler.view import SchedulerView
 
 PREFIX = "specret/"
 
@@ -39,13 +39,13 @@ class SpeculativeRetrievalTransform(BaseTransform):
         self.fraction = fraction
         self.num_issued = 0
         self.num_warmed = 0
-        self._scheduler: Any = None
+        self._view: SchedulerView | None = None
         self._done: set[str] = set()  # generation task ids already handled
         self._pending: dict[str, str] = {}  # speculative task id -> request id
         self._seq = itertools.count()
 
-    def bind(self, scheduler: Any) -> None:
-        self._scheduler = scheduler
+    def bind(self, view: SchedulerView) -> None:
+        self._view = view
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
         return wavefront
@@ -68,43 +68,40 @@ class SpeculativeRetrievalTransform(BaseTransform):
             elif isinstance(u, GenerationUpdate):
                 self._done.discard(u.task_id)
         if issue:
-            self._scheduler.executor.submit_retrieval(issue)
+            self._view.submit_retrieval(issue)  # dispatched with the next wavefront
         return out
 
     def _maybe_issue(self, update: GenerationUpdate) -> StagedRetrievalTask | None:
         task_id = update.task_id
         if task_id in self._done:
             return None
-        req = self._scheduler.request_of_task(task_id)
-        node = None if req is None else req.graph.nodes.get(req.node_id)
-        if not isinstance(node, GenerationNode) or req.raw_params is not None:
+        run = self._view.task(task_id)
+        node = None if run is None else run.node
+        if not isinstance(node, GenerationNode):
             return None
         # NOTE: the scheduler applies this update after the transforms: add it here
-        num_tokens = req.timings[-1].num_tokens + len(update.new_token_ids)
+        num_tokens = run.num_tokens + len(update.new_token_ids)
         if num_tokens < self.fraction * node.max_tokens:
             return None
         self._done.add(task_id)
-        state = State(req.state)
-        state.visits = dict(req.state.visits)
-        state[node.output] = req.partial_text + update.text_delta
-        state.visits[req.node_id] = state.visit_count(req.node_id) + 1
-        try:
-            nxt = req.graph.next_node(req.node_id, state)
-        except Exception:
+        # NOTE: the partial text as if it were the node's whole output (written the way the
+        # final text will be, ``State.write``): the search only guesses the next clusters
+        step = self._view.peek_next(run, run.partial_text + update.text_delta)
+        if step is None or isinstance(step.node_id, tuple):
             return None
-        target = req.graph.nodes.get(nxt) if nxt is not END else None
+        target = run.graph.nodes.get(step.node_id)
         if not isinstance(target, RetrievalNode) or node.output not in target.inputs:
             return None
         if target.mode not in (None, "dense") or target.filter is not None:
             return None  # speculation reuses dense probe plans only
         spec_id = f"{PREFIX}{next(self._seq)}/{task_id}"
-        self._pending[spec_id] = req.request_id
+        self._pending[spec_id] = run.request_id
         self.num_issued += 1
         return StagedRetrievalTask(
             spec_id,
-            target.query.render(state),
+            target.query.render(step.state),
             target.topk,
             target.nprobe,
-            request_id=req.request_id,
+            request_id=run.request_id,
             cache_topk=self.similarity.cache_topk,
         )

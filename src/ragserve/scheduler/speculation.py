@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragserve.graph import END, GenerationNode, RetrievalNode, State
+from ragserve.graph import GenerationNode, RetrievalNode
 from ragserve.scheduler.executor import Update
 from ragserve.scheduler.messages import (
     GenerationParams,
@@ -36,6 +36,7 @@ from ragserve.scheduler.messages import (
 from ragserve.scheduler.similarity import as_staged
 from ragserve.scheduler.staged_messages import RetrievalPartial
 from ragserve.scheduler.transforms import BaseTransform
+from ragserve.scheduler.view import SchedulerView, TaskView
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +91,16 @@ class SpeculationTransform(BaseTransform):
         self.tau, self.capacity = tau, capacity
         self.first_clusters, self.max_restarts = first_clusters, max_restarts
         self.stats = SpeculationStats()
-        self._scheduler: Any = None
+        self._view: SchedulerView | None = None
         self._specs: dict[str, _Spec] = {}  # spec id -> spec
         self._by_retrieval: dict[str, _Spec] = {}
         self._restarts: dict[str, int] = {}  # retrieval task id -> replacements so far
-        self._to_start: list[GenerationTask] = []
         self._replay: list[GenerationUpdate] = []
         self._running: set[str] = set()
         self._seq = 0
 
-    def bind(self, scheduler: Any) -> None:
-        self._scheduler = scheduler
+    def bind(self, view: SchedulerView) -> None:
+        self._view = view
 
     # -- dispatch side ----------------------------------------------------------------------
     def apply(self, wavefront: Wavefront) -> Wavefront:
@@ -110,8 +110,6 @@ class SpeculationTransform(BaseTransform):
             if not self._adopt(task):
                 kept.append(task)
         self._drop_stale()
-        kept.extend(self._to_start)
-        self._to_start = []
         self._running.update(t.task_id for t in kept)
         wavefront.generation = kept
         return wavefront
@@ -121,12 +119,12 @@ class SpeculationTransform(BaseTransform):
         return as_staged(task, emit_partials=True, first_clusters=first)
 
     def _adopt(self, task: GenerationTask) -> bool:
-        req = self._scheduler.request_of_task(task.task_id)
-        spec = self._by_request(req.request_id) if req is not None else None
+        run = self._view.task(task.task_id)
+        spec = self._by_request(run.request_id) if run is not None else None
         if spec is None or not spec.confirmed or spec.adopted_as is not None:
             return False
         if (
-            spec.node_id != req.node_id
+            spec.node_id != run.node_id
             or spec.task.prompt != task.prompt
             or spec.task.history != task.history
         ):
@@ -147,14 +145,13 @@ class SpeculationTransform(BaseTransform):
     def _drop_stale(self) -> None:
         """Abort speculations nobody will adopt: request gone, or confirmed but not taken."""
         for spec in list(self._specs.values()):
-            req = self._scheduler.get_request(spec.request_id)
-            if req is None:
+            if not self._view.is_active(spec.request_id):
                 self._abort(spec)
             elif spec.confirmed and spec.adopted_as is None:
                 self._abort(spec)  # the real node was dispatched this cycle and did not match
-            elif spec.adopted_as is not None and req.task_id != spec.adopted_as:
+            elif spec.adopted_as not in (None, *self._view.running_task_ids(spec.request_id)):
                 self._abort(spec)
-        lookup = self._scheduler.request_of_task
+        lookup = self._view.task
         self._running = {t for t in self._running if t in self._specs or lookup(t) is not None}
 
     # -- update side ------------------------------------------------------------------------
@@ -169,7 +166,7 @@ class SpeculationTransform(BaseTransform):
             else:
                 if isinstance(u, RetrievalResult):
                     self._on_final(u)
-                elif u.finished:
+                elif isinstance(u, GenerationUpdate) and u.finished:
                     self._running.discard(u.task_id)
                 out.append(u)
         return out
@@ -197,8 +194,8 @@ class SpeculationTransform(BaseTransform):
             self._abort(spec)
 
     def _on_partial(self, partial: RetrievalPartial) -> None:
-        req = self._scheduler.request_of_task(partial.task_id)
-        if req is None or not partial.passages:
+        run = self._view.task(partial.task_id)
+        if run is None or not partial.passages:
             return
         old = self._by_retrieval.get(partial.task_id)
         if old is not None:
@@ -208,46 +205,40 @@ class SpeculationTransform(BaseTransform):
                 return
             self._restarts[partial.task_id] = self._restarts.get(partial.task_id, 0) + 1
             self._abort(old)
-        if (len(self._running) + len(self._to_start)) / self.capacity >= self.tau:
+        if len(self._running) / self.capacity >= self.tau:
             return
-        made = self._speculative_task(req, partial)
+        made = self._speculative_task(run, partial)
         if made is None:
             return
         task, node_id = made
         spec = _Spec(
-            task.task_id, partial.task_id, req.request_id, node_id, task, _ids(partial.passages)
+            task.task_id, partial.task_id, run.request_id, node_id, task, _ids(partial.passages)
         )
         self._specs[spec.spec_id] = spec
         self._by_retrieval[partial.task_id] = spec
-        self._to_start.append(task)
+        self._view.submit_generation([task])  # dispatched after the next wavefront
+        self._running.add(task.task_id)
         self.stats.num_started += 1
 
-    def _speculative_task(self, req: Any, partial: RetrievalPartial) -> tuple | None:
+    def _speculative_task(self, run: TaskView, partial: RetrievalPartial) -> tuple | None:
         """The (task, node id) the scheduler would run next if ``partial`` were final."""
-        if req.raw_params is not None:
+        if not isinstance(run.node, RetrievalNode):
             return None
-        if not isinstance(req.graph.nodes.get(req.node_id), RetrievalNode):
+        step = self._view.peek_next(run, list(partial.passages))
+        if step is None or isinstance(step.node_id, tuple):
             return None
-        state = _hypothetical(req, partial.passages)
-        try:
-            nxt = req.graph.next_node(req.node_id, state)
-        except Exception:
-            return None
-        node = req.graph.nodes.get(nxt) if nxt is not END else None
+        node = run.graph.nodes.get(step.node_id)
         if not isinstance(node, GenerationNode) or node.temperature != 0.0:
             return None
         params = GenerationParams.for_node(node)
         self._seq += 1
         task_id = f"spec/{self._seq}/{partial.task_id}"
-        prompt, history = node.prompt.render(state), node.history(state)
-        return GenerationTask(task_id, prompt, params, history=history), nxt
+        prompt, history = node.prompt.render(step.state), node.history(step.state)
+        return GenerationTask(task_id, prompt, params, history=history), step.node_id
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _abort(self, spec: _Spec) -> None:
-        queued = [t for t in self._to_start if t.task_id != spec.spec_id]
-        if len(queued) == len(self._to_start):
-            self._scheduler.executor.abort([spec.spec_id])
-        self._to_start = queued
+        self._view.abort([spec.spec_id])  # dropped if not dispatched yet, else aborted
         self.stats.num_aborted += 1
         self._forget(spec)
 
@@ -264,14 +255,3 @@ class SpeculationTransform(BaseTransform):
 
 def _ids(passages) -> tuple[str, ...]:
     return tuple(p.doc_id for p in passages)
-
-
-def _hypothetical(req: Any, passages) -> State:
-    """The request's state as it would be after its retrieval node returned ``passages``."""
-    from ragserve.scheduler.scheduler import _write  # NOTE: the scheduler's own write rule
-
-    state = State(req.state)
-    state.visits = dict(req.state.visits)
-    _write(type("R", (), {"state": state})(), req.graph.nodes[req.node_id], list(passages))
-    state.visits[req.node_id] = state.visit_count(req.node_id) + 1
-    return state

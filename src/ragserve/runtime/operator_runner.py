@@ -1,0 +1,128 @@
+"""The retrieval worker's operators: embed, rerank and upsert tasks (``scheduler.operator_
+messages``), run by ``RetrievalRunner.run`` beside the searches of the same batch.
+
+- embed: every ``EmbedTask`` of the batch is encoded in one embedder call (document side);
+- rerank: the runner's ``reranker`` (a ``retrieval.rerank.BaseReranker``), or by default an
+  ``EmbeddingReranker`` over the index's embedder (cosine); ties keep the input order;
+- upsert: strings become ``Document``s with ids derived from the task id (``uuid5``), so a
+  retried task writes the same ids; every document is checked against the runner's
+  ``document_limits``; ``VectorIndex.add_documents`` returns once the write is durable.
+
+Each task gets its own ``OperatorResult``: one whose input is bad (``ValueError``) fails
+alone as ``bad_request``; nothing here raises out of ``run_operators``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import numpy as np
+
+from ragserve.graph import Passage
+from ragserve.runtime.errors import error_kind_of
+from ragserve.scheduler.operator_messages import (
+    EmbedTask,
+    OperatorResult,
+    RerankTask,
+    UpsertTask,
+)
+
+logger = logging.getLogger(__name__)
+
+OPERATOR_TASKS = (EmbedTask, RerankTask, UpsertTask)
+
+
+def split_operators(tasks: list) -> tuple[list, list]:
+    """``(operator tasks, the other tasks)``, each in order."""
+    ops = [t for t in tasks if isinstance(t, OPERATOR_TASKS)]
+    if not ops:
+        return [], tasks
+    return ops, [t for t in tasks if not isinstance(t, OPERATOR_TASKS)]
+
+
+def run_operators(runner: Any, tasks: list) -> list[OperatorResult]:
+    """One ``OperatorResult`` per task, in order. ``runner`` has ``index``, ``embedder``,
+    ``reranker`` (or ``None``) and ``document_limits``."""
+    results: dict[str, OperatorResult] = {}
+    embeds = [t for t in tasks if isinstance(t, EmbedTask)]
+    if embeds:
+        results.update((r.task_id, r) for r in _embed(runner.embedder, embeds))
+    for t in tasks:
+        if isinstance(t, RerankTask):
+            results[t.task_id] = _guarded(t, _rerank, runner, t)
+        elif isinstance(t, UpsertTask):
+            results[t.task_id] = _guarded(t, _upsert, runner, t)
+    return [results[t.task_id] for t in tasks]
+
+
+def _embed(embedder: Any, tasks: list[EmbedTask]) -> list[OperatorResult]:
+    texts = [text for t in tasks for text in t.texts]
+    try:
+        vectors = np.asarray(embedder.encode(texts, is_query=False), dtype=np.float32)
+    except Exception as exc:
+        if len(tasks) == 1:
+            return [_failed(tasks[0], exc)]
+        logger.warning("embedding a batch of %d tasks failed (%s); one by one", len(tasks), exc)
+        return [r for t in tasks for r in _embed(embedder, [t])]
+    out, pos = [], 0
+    for t in tasks:
+        rows = vectors[pos : pos + len(t.texts)]
+        pos += len(t.texts)
+        out.append(OperatorResult(t.task_id, rows[0].copy() if t.single else rows.copy()))
+    return out
+
+
+def _rerank(runner: Any, task: RerankTask) -> list[Passage]:
+    reranker = runner.reranker
+    if reranker is None:
+        from ragserve.retrieval.rerank import EmbeddingReranker
+
+        reranker = runner.reranker = EmbeddingReranker(runner.embedder)
+    texts = [f"{p.title}: {p.text}" if p.title else p.text for p in task.passages]
+    scores = np.asarray(reranker.score(task.query, texts), dtype=np.float32)
+    if scores.shape != (len(texts),):
+        raise RuntimeError(f"reranker returned {scores.shape} scores for {len(texts)} passages")
+    order = np.argsort(-scores, kind="stable")[: task.topk]
+    return [
+        Passage(
+            task.passages[i].doc_id, task.passages[i].text, task.passages[i].title, float(scores[i])
+        )
+        for i in order
+    ]
+
+
+def _upsert(runner: Any, task: UpsertTask) -> list[str]:
+    from ragserve.retrieval import Document
+    from ragserve.retrieval.limits import check_document
+
+    docs = []
+    for i, item in enumerate(task.documents):
+        if isinstance(item, str):
+            item = Document(uuid.uuid5(uuid.NAMESPACE_URL, f"{task.task_id}/{i}").hex, item)
+        elif not isinstance(item, Document):
+            item = Document(
+                item.id,
+                item.text,
+                getattr(item, "title", None),
+                dict(getattr(item, "metadata", None) or {}),
+            )
+        check_document(item, runner.document_limits, f"documents[{i}].")
+        docs.append(item)
+    runner.index.add_documents(docs)
+    return [d.id for d in docs]
+
+
+def _guarded(task: Any, fn: Any, *args: Any) -> OperatorResult:
+    try:
+        return OperatorResult(task.task_id, fn(*args))
+    except Exception as exc:
+        return _failed(task, exc)
+
+
+def _failed(task: Any, exc: BaseException) -> OperatorResult:
+    kind = error_kind_of(exc)
+    logger.warning("operator task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+    message = str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"
+    return OperatorResult(task.task_id, error=message, error_kind=kind)

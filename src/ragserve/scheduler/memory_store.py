@@ -1,0 +1,96 @@
+"""``MemoryStore``: the per-session memory behind memory nodes, bounded and thread-safe.
+
+A session (any non-empty string id) holds text entries, oldest first. Bounds, each enforced
+on every append by dropping the oldest first:
+
+- ``max_entries`` entries per session;
+- ``max_bytes`` UTF-8 bytes per session (an entry longer than that alone is cut to its last
+  ``max_bytes`` bytes, on a character boundary);
+- ``max_sessions`` sessions (the least recently used session is dropped whole).
+
+In memory only: a restart forgets every session.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+@dataclass
+class _Session:
+    entries: deque
+    num_bytes: int = 0
+
+
+class MemoryStore:
+    """Session id -> entries. ``read``/``append`` are thread-safe."""
+
+    def __init__(
+        self, max_entries: int = 64, max_bytes: int = 65536, max_sessions: int = 10000
+    ) -> None:
+        for name, value in (
+            ("max_entries", max_entries),
+            ("max_bytes", max_bytes),
+            ("max_sessions", max_sessions),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.max_entries, self.max_bytes, self.max_sessions = max_entries, max_bytes, max_sessions
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, session_id: str) -> list[str]:
+        """The session's entries, oldest first (``[]`` for an unknown session)."""
+        _check_session(session_id)
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                return []
+            self._sessions.move_to_end(session_id)
+            return list(session.entries)
+
+    def append(self, session_id: str, text: str) -> str:
+        """Store ``text`` (cut to ``max_bytes``) as the newest entry; returns what was stored."""
+        _check_session(session_id)
+        if not isinstance(text, str):
+            raise ValueError(f"memory text must be a string, got {type(text).__name__}")
+        data = text.encode("utf-8")
+        if len(data) > self.max_bytes:
+            text = data[-self.max_bytes :].decode("utf-8", errors="ignore")
+            data = text.encode("utf-8")
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                session = self._sessions[session_id] = _Session(deque())
+            self._sessions.move_to_end(session_id)
+            session.entries.append(text)
+            session.num_bytes += len(data)
+            while len(session.entries) > self.max_entries or session.num_bytes > self.max_bytes:
+                session.num_bytes -= len(session.entries.popleft().encode("utf-8"))
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        return text
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "num_sessions": len(self._sessions),
+                "num_entries": sum(len(s.entries) for s in self._sessions.values()),
+                "num_bytes": sum(s.num_bytes for s in self._sessions.values()),
+            }
+
+    def check_integrity(self) -> None:
+        """Every bound holds and the byte counts match the entries (tests call it)."""
+        with self._lock:
+            assert len(self._sessions) <= self.max_sessions
+            for sid, s in self._sessions.items():
+                actual = sum(len(e.encode("utf-8")) for e in s.entries)
+                assert s.num_bytes == actual, f"session {sid!r}: {s.num_bytes} != {actual}"
+                assert len(s.entries) <= self.max_entries and s.num_bytes <= self.max_bytes
+
+
+def _check_session(session_id: object) -> None:
+    if not isinstance(session_id, str) or not session_id:
+        raise ValueError(f"memory session id must be a non-empty string, got {session_id!r}")

@@ -1,0 +1,68 @@
+"""The five built-in workflows' outputs on the tiny model and the small index, as plain data.
+
+``python tests/runtime/builtin_golden.py OUT.json`` (with ``PYTHONPATH`` at a ragserve
+``src``) writes them; ``fixtures/builtin_outputs.json`` holds those of the implementation
+before operator nodes (issue 16), which ``test_builtin_golden.py`` compares against.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+QUESTIONS = (
+    "What is the capital of Kenya?",
+    "Which country is in South America?",
+    "Tell me about Japan.",
+)
+
+
+def outputs(model: str, index: str) -> dict:
+    from test_workflows_e2e import small_workflow
+
+    from ragserve.runtime import Server, ServerConfig
+    from ragserve.workflows import BUILTIN_WORKFLOWS
+
+    config = ServerConfig(
+        in_process=True, engine_kwargs={"device": "cpu", "enable_prefix_caching": False}
+    )
+    out: dict = {}
+    with Server(model, index, config=config) as server:
+        for name in sorted(BUILTIN_WORKFLOWS):
+            for q in QUESTIONS:
+                r = server.run(q, small_workflow(name))
+                out[f"{name}|{q}"] = {
+                    "error": r.error,
+                    "output": r.output,
+                    "doc_ids": list(r.doc_ids),
+                    "state": {k: _plain(v) for k, v in r.state.items()},
+                    "kinds": [t.kind for t in r.node_timings],
+                }
+    return out
+
+
+def _plain(value):
+    if isinstance(value, list):
+        return [getattr(p, "doc_id", p) for p in value]
+    return value if isinstance(value, (str, int, float, type(None))) else repr(value)
+
+
+def build(root: Path) -> tuple[str, str]:
+    from conftest import small_corpus
+    from ragserve.generation.testing import make_tiny_model
+    from ragserve.retrieval import VectorIndex, load_embedder
+
+    model = make_tiny_model(root / "tiny-llama", "llama", seed=0)
+    index = VectorIndex.build(small_corpus(), load_embedder("all-minilm-l6-v2"), nlist=4)
+    index.save(root / "small")
+    index.close()
+    return str(model), str(root / "small")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    with tempfile.TemporaryDirectory() as tmp:
+        model, index = build(Path(tmp))
+        Path(sys.argv[1]).write_text(json.dumps(outputs(model, index), indent=1, sort_keys=True))
