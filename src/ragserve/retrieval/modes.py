@@ -1,5 +1,6 @@
 """Search modes beyond one-shot dense search: metadata-filtered dense search, BM25, and hybrid
-(dense + BM25 fused by reciprocal rank fusion).
+(dense + BM25 fused by reciprocal rank fusion); any of them optionally collapsed to one passage
+per section (`collapse.py`).
 
 Filtered dense search is exact over the matching subset when it is small (brute force over
 the stored vectors) and otherwise probes the IVF index with an id selector, doubling `nprobe`
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
 from ragserve.retrieval.types import ScoredDocument, TopK
 
 if TYPE_CHECKING:
@@ -84,12 +86,36 @@ def search_text(
     nprobe: int | None,
     mode: str,
     flt: Filter | None,
+    collapse_sections: bool = False,
 ) -> list[list[ScoredDocument]]:
     """`VectorIndex.search_text` for every mode and filter (scores: dense → the Faiss score,
-    bm25 → the BM25 score, hybrid → the fused RRF score)."""
+    bm25 → the BM25 score, hybrid → the fused RRF score). With `collapse_sections`, at most one
+    passage per section (`collapse.py`): the ranking is fetched deeper, doubling, until every
+    query has `topk` sections or its ranking ran out."""
     check_mode(mode)
     allowed = index.allowed_row_ids(flt) if flt is not None else None
     texts = list(texts)
+    if not collapse_sections:
+        return _ranked(index, texts, topk, nprobe, mode, allowed)
+    limit = max(topk, index.num_documents)
+    depth = min(limit, topk * FETCH_FACTOR)
+    while True:
+        ranked = _ranked(index, texts, depth, nprobe, mode, allowed)
+        out = [collapse_hits(hits, topk) for hits in ranked]
+        short = [len(c) < topk and len(h) == depth for c, h in zip(out, ranked, strict=True)]
+        if depth >= limit or not any(short):
+            return out
+        depth = min(limit, depth * 2)
+
+
+def _ranked(
+    index: VectorIndex,
+    texts: list[str],
+    topk: int,
+    nprobe: int | None,
+    mode: str,
+    allowed: np.ndarray | None,
+) -> list[list[ScoredDocument]]:
     if mode == "bm25":
         return index.documents_of(index.bm25().search(texts, topk, allowed))
     depth = topk if mode == "dense" else max(topk, HYBRID_DEPTH)
