@@ -26,6 +26,7 @@ and search mode (dense, bm25, hybrid).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import html
 import json
 import logging
@@ -37,7 +38,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ragserve.retrieval import VectorIndex, chunk_documents, load_corpus, load_embedder
+from ragserve.retrieval.index import _passage_text
 from ragserve.retrieval.ingest import ChunkConfig, Chunker, ingest_folder
 
 PYDOCS = Path("/usr/share/doc/python3.11/html/_sources")
@@ -244,10 +248,28 @@ def evaluate(index: VectorIndex, questions: list[Question], mode: str, nprobe, c
     return out
 
 
-def run_setting(name: str, docs, questions, embedder, rows: list, old_nprobe=True, **info):
+def build_index(docs, embedder, cache: Path | None) -> VectorIndex:
+    """`VectorIndex.build`, the passage vectors kept in `cache` (keyed by the exact texts) so
+    that a re-run does not embed again."""
+    if cache is None:
+        return VectorIndex.build(docs, embedder)
+    texts = [_passage_text(d) for d in docs]
+    key = hashlib.sha1(("\x00".join(texts) + "False").encode()).hexdigest()[:16]
+    path = cache / embedder.name / f"{key}.npy"
+    if path.is_file():
+        vectors = np.load(path)
+    else:
+        vectors = embedder.encode(texts, is_query=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, vectors)
+    return VectorIndex.from_vectors(docs, vectors, embedder_name=embedder.name, embedder=embedder)
+
+
+def run_setting(name: str, docs, questions, embedder, rows: list, *, cache=None, old_nprobe=True,
+                **info):  # fmt: skip
     """One index over `docs`; every mode x collapse (x the previous nprobe default)."""
     t0 = time.perf_counter()
-    index = VectorIndex.build(docs, embedder)
+    index = build_index(docs, embedder, cache)
     build_s = time.perf_counter() - t0
     index.bm25()
     nprobes = {"default": None}
@@ -319,6 +341,7 @@ def main() -> None:
     p.add_argument("--parts", default=",".join(PYDOCS_PARTS), help="pydocs folders to index")
     p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_quality.json"))
     p.add_argument("--table", action="store_true", help="print --out as a Markdown table, exit")
+    p.add_argument("--cache", type=Path, default=None, help="keep passage vectors here (re-runs)")
     p.add_argument("--split", default="test", choices=["tune", "test", "all"], help="for --table")
     args = p.parse_args()
     if args.table:
@@ -337,7 +360,8 @@ def main() -> None:
     for corpus in args.corpora.split(","):
         if corpus == "factbook":
             docs, questions = factbook()
-            run_setting("factbook", docs, questions, embedder, rows, chunking="factbook passages")
+            run_setting("factbook", docs, questions, embedder, rows, cache=args.cache,
+                        chunking="factbook passages")  # fmt: skip
             save()
             continue
         if corpus not in FAQ_CORPORA:
@@ -354,7 +378,7 @@ def main() -> None:
                 chunker = Chunker(embedder.tokenizer, embedder.max_length, config)
                 docs, questions = pydocs_new(work, hidden, chunker)
                 run_setting(f"{corpus} ingest tokens {size}/{overlap}", docs, questions,
-                            embedder, rows, old_nprobe=is_pydocs,
+                            embedder, rows, cache=args.cache, old_nprobe=is_pydocs,
                             chunking=f"ingest, max_tokens {size}, overlap {overlap}",
                             max_passage_tokens=chunker.stats.max_passage_tokens,
                             num_truncated=chunker.stats.num_truncated)  # fmt: skip
@@ -362,7 +386,7 @@ def main() -> None:
             if is_pydocs and not args.no_legacy:
                 docs, questions = pydocs_legacy(work, hidden)
                 run_setting("pydocs legacy 200 words/40", docs, questions, embedder, rows,
-                            chunking="words 200/40 over raw files")  # fmt: skip
+                            cache=args.cache, chunking="words 200/40 over raw files")  # fmt: skip
                 save()
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 
 from ragserve.retrieval.types import Document, ScoredDocument
 
-FETCH_FACTOR = 4  # a collapsed search first fetches topk * FETCH_FACTOR hits, then doubles
+FETCH_FACTOR = 4  # a query short of sections is searched again this many times deeper
 
 
 def section_key(doc: Document) -> Hashable:
