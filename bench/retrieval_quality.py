@@ -7,7 +7,10 @@ Corpora and questions:
   and the FAQ's own questions, written by the documentation's authors. Each FAQ question is a
   section heading whose body answers it; the heading is replaced by a neutral "FAQ entry <n>"
   before ingest so that the question text is not in the corpus (a passage is relevant when it
-  comes from the answer's section).
+  comes from the answer's section). Defaults were chosen on its `tune` half.
+- **sqlalchemy**, **django**: the same construction over documentation never used for tuning:
+  SQLAlchemy 1.4's FAQ + tutorial (reStructuredText, `python-sqlalchemy-doc`) and Django 3.2's
+  FAQ + intro/tutorial (HTML pages, `python-django-doc`); every question is held out (`all`).
 - **factbook**: the built-in CIA World Factbook passages and the factbook questions ("What is
   the capital / are the languages / is the population / is the climate of <country>?"); the
   relevant passages are the country's section holding the answer (and its overview, which
@@ -16,11 +19,11 @@ Corpora and questions:
 Questions are split in two halves by a hash of their text: defaults are picked on `tune`,
 figures are reported on `test`. Settings: chunking (the previous default of 200-word windows over
 raw files vs ingest + token-sized chunks), nprobe (the index default vs the previous nlist/4),
-and search mode (dense, bm25, hybrid).
+search mode (dense, bm25, hybrid) and section collapsing (on, the default, or off).
 
-    apt-get install python3.11-doc   # once: the documentation sources
-    .venv/bin/python bench/retrieval_quality.py [--corpora pydocs,factbook] \
-        [--out bench/results/retrieval_quality.json]
+    apt-get install python3.11-doc python-sqlalchemy-doc python-django-doc   # once
+    .venv/bin/python bench/retrieval_quality.py [--corpora pydocs,sqlalchemy,django,factbook] \
+        [--cache DIR] [--out bench/results/retrieval_quality.json]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import logging
 import re
 import shutil
+import sys
 import tempfile
 import time
 import zlib
@@ -305,9 +309,12 @@ def run_setting(name: str, docs, questions, embedder, rows: list, *, cache=None,
     index.close()
 
 
-def table(path: Path, split: str = "test") -> str:
-    """The results file as a Markdown table (`split`; tune R@5 alongside)."""
+def table(path: Path, split: str = "test", corpora: str | None = None) -> str:
+    """The results file as a Markdown table (`split`; tune R@5 alongside), optionally only the
+    rows of `corpora` (comma-separated names)."""
     rows = json.loads(path.read_text())["rows"]
+    if corpora:
+        rows = [r for r in rows if r["corpus_setting"].split(" ")[0] in corpora.split(",")]
     out = [
         "| corpus / chunking | passages | nprobe | mode | collapse | R@1 | R@5 | R@10 | MRR@10 "
         "| tune R@5 |",
@@ -345,7 +352,7 @@ def main() -> None:
     p.add_argument("--split", default="test", choices=["tune", "test", "all"], help="for --table")
     args = p.parse_args()
     if args.table:
-        print(table(args.out, args.split))
+        print(table(args.out, args.split, args.corpora if "--corpora" in sys.argv else None))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
