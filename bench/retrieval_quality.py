@@ -7,7 +7,10 @@ Corpora and questions:
   and the FAQ's own questions, written by the documentation's authors. Each FAQ question is a
   section heading whose body answers it; the heading is replaced by a neutral "FAQ entry <n>"
   before ingest so that the question text is not in the corpus (a passage is relevant when it
-  comes from the answer's section).
+  comes from the answer's section). Defaults were chosen on its `tune` half.
+- **sqlalchemy**, **django**: the same construction over documentation never used for tuning:
+  SQLAlchemy 1.4's FAQ + tutorial (reStructuredText, `python-sqlalchemy-doc`) and Django 3.2's
+  FAQ + intro/tutorial (HTML pages, `python-django-doc`); every question is held out (`all`).
 - **factbook**: the built-in CIA World Factbook passages and the factbook questions ("What is
   the capital / are the languages / is the population / is the climate of <country>?"); the
   relevant passages are the country's section holding the answer (and its overview, which
@@ -16,35 +19,72 @@ Corpora and questions:
 Questions are split in two halves by a hash of their text: defaults are picked on `tune`,
 figures are reported on `test`. Settings: chunking (the previous default of 200-word windows over
 raw files vs ingest + token-sized chunks), nprobe (the index default vs the previous nlist/4),
-and search mode (dense, bm25, hybrid).
+search mode (dense, bm25, hybrid) and section collapsing (on, the default, or off).
 
-    apt-get install python3.11-doc   # once: the documentation sources
-    .venv/bin/python bench/retrieval_quality.py [--corpora pydocs,factbook] \
-        [--out bench/results/retrieval_quality.json]
+    apt-get install python3.11-doc python-sqlalchemy-doc python-django-doc   # once
+    .venv/bin/python bench/retrieval_quality.py [--corpora pydocs,sqlalchemy,django,factbook] \
+        [--cache DIR] [--out bench/results/retrieval_quality.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import html
 import json
 import logging
 import re
 import shutil
+import sys
 import tempfile
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ragserve.retrieval import VectorIndex, chunk_documents, load_corpus, load_embedder
+from ragserve.retrieval.index import _passage_text
 from ragserve.retrieval.ingest import ChunkConfig, Chunker, ingest_folder
 
 PYDOCS = Path("/usr/share/doc/python3.11/html/_sources")
 PYDOCS_PARTS = ("faq", "tutorial")  # --parts adds more (howto, reference, using, library)
+
+
+@dataclass(frozen=True)
+class FaqCorpus:
+    """A documentation folder whose `faq` part holds questions as section headings; `parts`
+    are indexed (`faq` + the rest as distractors), files matching `pattern`."""
+
+    source: Path
+    parts: tuple[str, ...]
+    pattern: str
+    package: str  # the Debian package shipping it
+
+
+FAQ_CORPORA = {
+    "pydocs": FaqCorpus(PYDOCS, PYDOCS_PARTS, "*.rst.txt", "python3.11-doc"),
+    # held out: never used while choosing defaults
+    "sqlalchemy": FaqCorpus(
+        Path("/usr/share/doc/python-sqlalchemy-doc/rst"),
+        ("faq", "tutorial"),
+        "*.rst",
+        "python-sqlalchemy-doc",
+    ),
+    "django": FaqCorpus(
+        Path("/usr/share/doc/python-django-doc/html"),
+        ("faq", "intro"),
+        "*.html",
+        "python-django-doc",
+    ),
+}
 MODES = ("dense", "bm25", "hybrid")
 K = 10
 # an rST heading: a text line followed by an underline of one repeated punctuation character
 _HEADING = re.compile(r"^(?P<title>[^\n]+)\n(?P<line>([=\-~^\"'`#*+<>])\3{2,})[ \t]*$", re.M)
+# an HTML section heading (Sphinx adds a permalink anchor inside it)
+_HTML_HEADING = re.compile(r"<(?P<tag>h[2-4])(?P<attrs>[^>]*)>(?P<inner>.*?)</(?P=tag)>", re.S)
 
 
 @dataclass(frozen=True)
@@ -61,23 +101,30 @@ def split_of(text: str) -> str:
 # -- pydocs ----------------------------------------------------------------------------------------
 
 
-def prepare_pydocs(source: Path, work: Path, parts=PYDOCS_PARTS) -> dict[str, tuple[str, str]]:
-    """Copy the documentation parts into `work/docs` as `.rst`, FAQ question headings replaced by
-    "FAQ entry <n>"; returns placeholder -> (file, question)."""
-    if not source.is_dir():
-        raise SystemExit(f"{source} missing: apt-get install python3.11-doc")
+def prepare_faq(corpus: FaqCorpus, work: Path, parts=None) -> dict[str, tuple[str, str]]:
+    """Copy the documentation parts into `work/docs`, FAQ question headings (those ending in
+    "?") replaced by "FAQ entry <n>"; returns placeholder -> (file, question)."""
+    if not corpus.source.is_dir():
+        raise SystemExit(f"{corpus.source} missing: apt-get install {corpus.package}")
     out = work / "docs"
     hidden: dict[str, tuple[str, str]] = {}
-    for part in parts:
-        for path in sorted((source / part).rglob("*.rst.txt")):
-            rel = path.relative_to(source).as_posix()[: -len(".txt")]
+    for part in parts or corpus.parts:
+        for path in sorted((corpus.source / part).rglob(corpus.pattern)):
+            rel = path.relative_to(corpus.source).as_posix().removesuffix(".txt")
             text = path.read_text(encoding="utf-8")
             if part == "faq":
-                text = _hide_questions(text, rel, hidden)
+                hide = _hide_html_questions if path.suffix == ".html" else _hide_questions
+                text = hide(text, rel, hidden)
             dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(text, encoding="utf-8")
     return hidden
+
+
+def _placeholder(rel: str, question: str, hidden: dict) -> str:
+    name = f"FAQ entry {len(hidden) + 1}"  # unique (a hash collided: questions were lost)
+    hidden[name] = (rel, question)
+    return name
 
 
 def _hide_questions(text: str, rel: str, hidden: dict) -> str:
@@ -85,11 +132,22 @@ def _hide_questions(text: str, rel: str, hidden: dict) -> str:
         title = m.group("title").strip()
         if not title.endswith("?"):
             return m.group(0)
-        name = f"FAQ entry {zlib.crc32(f'{rel}:{title}'.encode()) % 100000}"
-        hidden[name] = (rel, title)
+        name = _placeholder(rel, title, hidden)
         return f"{name}\n{m.group('line')[0] * len(name)}"
 
     return _HEADING.sub(swap, text)
+
+
+def _hide_html_questions(text: str, rel: str, hidden: dict) -> str:
+    def swap(m: re.Match) -> str:
+        inner = re.sub(r'<a class="headerlink".*?</a>', "", m.group("inner"), flags=re.S)
+        title = " ".join(html.unescape(re.sub(r"<[^>]+>", "", inner)).split())
+        if not title.endswith("?"):
+            return m.group(0)
+        name = _placeholder(rel, title, hidden)
+        return f"<{m.group('tag')}{m.group('attrs')}>{name}</{m.group('tag')}>"
+
+    return _HTML_HEADING.sub(swap, text)
 
 
 def pydocs_new(work: Path, hidden: dict, chunker: Chunker):
@@ -170,14 +228,16 @@ def factbook():
 # -- evaluation ------------------------------------------------------------------------------------
 
 
-def evaluate(index: VectorIndex, questions: list[Question], mode: str, nprobe: int | None):
-    """recall@1/5/10 and MRR@10 per split."""
-    hits = index.search_text([q.text for q in questions], K, nprobe=nprobe, mode=mode)
+def evaluate(index: VectorIndex, questions: list[Question], mode: str, nprobe, collapse: bool):
+    """recall@1/5/10 and MRR@10 per split ("all": every question, for the held-out corpora)."""
+    hits = index.search_text(
+        [q.text for q in questions], K, nprobe=nprobe, mode=mode, collapse_sections=collapse
+    )
     out = {}
-    for split in ("tune", "test"):
+    for split in ("tune", "test", "all"):
         ranks = []
         for q, found in zip(questions, hits, strict=True):
-            if q.split == split:
+            if split in ("all", q.split):
                 rank = next((r for r, h in enumerate(found, 1) if h.id in q.relevant), None)
                 ranks.append(rank)
         n = max(1, len(ranks))
@@ -192,54 +252,84 @@ def evaluate(index: VectorIndex, questions: list[Question], mode: str, nprobe: i
     return out
 
 
-def run_setting(name: str, docs, questions, embedder, rows: list, **info) -> None:
+def build_index(docs, embedder, cache: Path | None) -> VectorIndex:
+    """`VectorIndex.build`, the passage vectors kept in `cache` (keyed by the exact texts) so
+    that a re-run does not embed again."""
+    if cache is None:
+        return VectorIndex.build(docs, embedder)
+    texts = [_passage_text(d) for d in docs]
+    key = hashlib.sha1(("\x00".join(texts) + "False").encode()).hexdigest()[:16]
+    path = cache / embedder.name / f"{key}.npy"
+    if path.is_file():
+        vectors = np.load(path)
+    else:
+        vectors = embedder.encode(texts, is_query=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, vectors)
+    return VectorIndex.from_vectors(docs, vectors, embedder_name=embedder.name, embedder=embedder)
+
+
+def run_setting(name: str, docs, questions, embedder, rows: list, *, cache=None, old_nprobe=True,
+                **info):  # fmt: skip
+    """One index over `docs`; every mode x collapse (x the previous nprobe default)."""
     t0 = time.perf_counter()
-    index = VectorIndex.build(docs, embedder)
+    index = build_index(docs, embedder, cache)
     build_s = time.perf_counter() - t0
     index.bm25()
-    nprobes = {"default": None, "nlist/4 (previous default)": max(1, index.nlist // 4)}
+    nprobes = {"default": None}
+    if old_nprobe:
+        nprobes["nlist/4 (previous default)"] = max(1, index.nlist // 4)
     for nprobe_name, nprobe in nprobes.items():
         for mode in MODES:
-            if mode == "bm25" and nprobe is not None:
-                continue  # no probes in BM25
-            result = evaluate(index, questions, mode, nprobe)
-            row = {
-                "corpus_setting": name,
-                "num_passages": index.num_documents,
-                "nlist": index.nlist,
-                "nprobe": nprobe or index.spec.nprobe,
-                "nprobe_setting": nprobe_name,
-                "mode": mode,
-                "build_seconds": round(build_s, 1),
-                **info,
-                **result,
-            }
-            rows.append(row)
-            t = row["test"]
-            logging.info(
-                "%-34s %-26s %-6s test R@1 %.3f R@5 %.3f R@10 %.3f MRR %.3f | tune R@5 %.3f",
-                name, nprobe_name, mode, t["recall@1"], t["recall@5"], t["recall@10"],
-                t["mrr@10"], row["tune"]["recall@5"],
-            )  # fmt: skip
+            for collapse in (True, False):
+                if mode == "bm25" and nprobe is not None:
+                    continue  # no probes in BM25
+                result = evaluate(index, questions, mode, nprobe, collapse)
+                row = {
+                    "corpus_setting": name,
+                    "num_passages": index.num_documents,
+                    "nlist": index.nlist,
+                    "nprobe": nprobe or index.spec.nprobe,
+                    "nprobe_setting": nprobe_name,
+                    "mode": mode,
+                    "collapse_sections": collapse,
+                    "build_seconds": round(build_s, 1),
+                    **info,
+                    **result,
+                }
+                rows.append(row)
+                t, a = row["test"], row["all"]
+                logging.info(
+                    "%-30s %-11s %-6s collapse %-5s test R@1 %.3f R@5 %.3f R@10 %.3f MRR %.3f "
+                    "| tune R@5 %.3f | all R@5 %.3f (%d)",
+                    name, nprobe_name[:11], mode, collapse, t["recall@1"], t["recall@5"],
+                    t["recall@10"], t["mrr@10"], row["tune"]["recall@5"], a["recall@5"],
+                    a["num_questions"],
+                )  # fmt: skip
     index.close()
 
 
-def table(path: Path) -> str:
-    """The results file as a Markdown table (test split; tune R@5 alongside)."""
+def table(path: Path, split: str = "test", corpora: str | None = None) -> str:
+    """The results file as a Markdown table (`split`; tune R@5 alongside), optionally only the
+    rows of `corpora` (comma-separated names)."""
     rows = json.loads(path.read_text())["rows"]
+    if corpora:
+        rows = [r for r in rows if r["corpus_setting"].split(" ")[0] in corpora.split(",")]
     out = [
-        "| corpus / chunking | passages | nprobe | mode | R@1 | R@5 | R@10 | MRR@10 | tune R@5 |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|",
+        "| corpus / chunking | passages | nprobe | mode | collapse | R@1 | R@5 | R@10 | MRR@10 "
+        "| tune R@5 |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        t = r["test"]
+        t = r[split]
         probe = f"{r['nprobe']}/{r['nlist']}" + (
             " (old)" if "previous" in r["nprobe_setting"] else ""
         )
         if r["mode"] == "bm25":
             probe = "-"
+        collapse = {True: "on", False: "off", None: "-"}[r.get("collapse_sections")]
         out.append(
-            f"| {r['corpus_setting']} | {r['num_passages']} | {probe} | {r['mode']} | "
+            f"| {r['corpus_setting']} | {r['num_passages']} | {probe} | {r['mode']} | {collapse} | "
             f"{t['recall@1']:.3f} | {t['recall@5']:.3f} | {t['recall@10']:.3f} | "
             f"{t['mrr@10']:.3f} | {r['tune']['recall@5']:.3f} |"
         )
@@ -249,18 +339,20 @@ def table(path: Path) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpora", default="pydocs,factbook")
-    p.add_argument("--pydocs", type=Path, default=PYDOCS)
     p.add_argument(
         "--chunk-settings",
         default="none/32,none/0,128/16",
         help="max_tokens/overlap pairs for the token chunker (none = the embedder's window)",
     )
+    p.add_argument("--no-legacy", action="store_true", help="skip pydocs' legacy 200-word windows")
     p.add_argument("--parts", default=",".join(PYDOCS_PARTS), help="pydocs folders to index")
     p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_quality.json"))
     p.add_argument("--table", action="store_true", help="print --out as a Markdown table, exit")
+    p.add_argument("--cache", type=Path, default=None, help="keep passage vectors here (re-runs)")
+    p.add_argument("--split", default="test", choices=["tune", "test", "all"], help="for --table")
     args = p.parse_args()
     if args.table:
-        print(table(args.out))
+        print(table(args.out, args.split, args.corpora if "--corpora" in sys.argv else None))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
@@ -272,31 +364,39 @@ def main() -> None:
         meta = {"embedder": embedder.name, "pydocs_parts": args.parts.split(",")}
         args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
 
-    corpora = args.corpora.split(",")
-    if "pydocs" in corpora:
-        work = Path(tempfile.mkdtemp(prefix="pydocs-"))
+    for corpus in args.corpora.split(","):
+        if corpus == "factbook":
+            docs, questions = factbook()
+            run_setting("factbook", docs, questions, embedder, rows, cache=args.cache,
+                        chunking="factbook passages")  # fmt: skip
+            save()
+            continue
+        if corpus not in FAQ_CORPORA:
+            raise SystemExit(f"unknown corpus {corpus!r}: factbook, {', '.join(FAQ_CORPORA)}")
+        is_pydocs = corpus == "pydocs"
+        work = Path(tempfile.mkdtemp(prefix=f"{corpus}-"))
         try:
-            hidden = prepare_pydocs(args.pydocs, work, args.parts.split(","))
-            for setting in args.chunk_settings.split(","):
+            parts = args.parts.split(",") if is_pydocs else None
+            hidden = prepare_faq(FAQ_CORPORA[corpus], work, parts)
+            settings = args.chunk_settings.split(",") if is_pydocs else ["none/32"]
+            for setting in settings:
                 size, overlap = setting.split("/")
                 config = ChunkConfig(None if size == "none" else int(size), int(overlap))
                 chunker = Chunker(embedder.tokenizer, embedder.max_length, config)
                 docs, questions = pydocs_new(work, hidden, chunker)
-                run_setting(f"pydocs ingest tokens {size}/{overlap}", docs, questions, embedder,
-                            rows, chunking=f"ingest, max_tokens {size}, overlap {overlap}",
+                run_setting(f"{corpus} ingest tokens {size}/{overlap}", docs, questions,
+                            embedder, rows, cache=args.cache, old_nprobe=is_pydocs,
+                            chunking=f"ingest, max_tokens {size}, overlap {overlap}",
                             max_passage_tokens=chunker.stats.max_passage_tokens,
                             num_truncated=chunker.stats.num_truncated)  # fmt: skip
                 save()
-            docs, questions = pydocs_legacy(work, hidden)
-            run_setting("pydocs legacy 200 words/40", docs, questions, embedder, rows,
-                        chunking="words 200/40 over raw files")  # fmt: skip
-            save()
+            if is_pydocs and not args.no_legacy:
+                docs, questions = pydocs_legacy(work, hidden)
+                run_setting("pydocs legacy 200 words/40", docs, questions, embedder, rows,
+                            cache=args.cache, chunking="words 200/40 over raw files")  # fmt: skip
+                save()
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    if "factbook" in corpora:
-        docs, questions = factbook()
-        run_setting("factbook", docs, questions, embedder, rows, chunking="factbook passages")
-        save()
     logging.info("wrote %s", args.out)
 
 

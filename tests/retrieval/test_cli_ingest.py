@@ -36,6 +36,7 @@ def test_info_shows_nprobe_rule_mode_and_bm25(built, capsys):
     assert live["nprobe"] == live["nlist"]  # a small index is searched exhaustively
     assert live["nprobe_calibration"]["rule"] == "exhaustive"
     assert live["default_mode"] == "dense" and live["has_bm25"]
+    assert live["collapse_sections"] is True  # one passage per section unless told otherwise
     assert info["manifest"]["metadata"]["bm25_snapshot"] == "bm25-000001"
 
 
@@ -58,10 +59,20 @@ def test_no_bm25_build_is_dense(tmp_path, capsys):
     corpus = tmp_path / "docs"
     shutil.copytree(DOCS, corpus, ignore=shutil.ignore_patterns("broken.txt", "slides.pptx"))
     out = tmp_path / "idx"
-    assert main(["index", "build", "--corpus", str(corpus), "--out", str(out), "--no-bm25"]) == 0
+    build = ["index", "build", "--corpus", str(corpus), "--out", str(out), "--no-bm25"]
+    assert main([*build, "--no-collapse-sections"]) == 0
     assert "5 of 5 files ingested" in capsys.readouterr().out
     assert main(["index", "info", str(out)]) == 0
     live = json.loads(capsys.readouterr().out)["live"]
     assert live["default_mode"] == "dense" and not live["has_bm25"]
+    assert live["collapse_sections"] is False
+    query = ["index", "search", str(out), "install", "-k", "20", "--json"]
+    assert main(query) == 0
+    plain = json.loads(capsys.readouterr().out)[0]
+    assert main([*query, "--collapse-sections"]) == 0
+    collapsed = json.loads(capsys.readouterr().out)[0]
+    sections = [(h["metadata"]["source"], h["metadata"]["section"]) for h in collapsed]
+    assert len(set(sections)) == len(sections) <= len(plain)
+    assert collapsed[0]["id"] == plain[0]["id"]
     args = ["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "x"), "--no-bm25"]
     assert main([*args, "--default-mode", "hybrid"]) == 2

@@ -82,6 +82,18 @@ def test_html_without_h1_is_titled_by_the_page_title():
     assert _titles(bare) == ["Only Title"]
 
 
+def test_html_sphinx_toctree_dropped_like_rst_toctree():
+    from ragserve.retrieval.ingest.html import parse_html
+
+    page = parse_html(
+        '<html><body><div role="main"><h1>FAQ</h1><p>Questions by topic.</p>'
+        '<div class="toctree-wrapper compound"><ul><li class="toctree-l1">'
+        '<a href="general.html">Why does this project exist?</a></li></ul></div>'
+        "</div></body></html>"
+    )
+    assert _text(page) == "Questions by topic."
+
+
 def test_pdf_text_and_title():
     doc = parse_file(DOCS / "report.pdf", "report")
     assert _titles(doc) == ["Annual Report"]

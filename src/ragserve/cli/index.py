@@ -49,6 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["dense", "bm25", "hybrid"],
         help="search mode when a query names none (dense: best on the eval sets, BENCHMARKS.md)",
     )
+    b.add_argument(
+        "--collapse-sections",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="text searches return at most one passage per section by default (BENCHMARKS.md)",
+    )
     b.add_argument("--force", action="store_true", help="replace an existing index at --out")
     b.set_defaults(func=_build)
 
@@ -68,6 +74,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--filter",
         default=None,
         help='metadata filter as JSON, e.g. \'{"source": "faq.md", "year": {"gte": 2020}}\'',
+    )
+    s.add_argument(
+        "--collapse-sections",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="at most one passage per section (default: the index's)",
     )
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(func=_search)
@@ -136,6 +148,7 @@ def _build(args: argparse.Namespace) -> int:
     if not args.no_bm25:
         index.bm25()
     index.metadata["default_mode"] = args.default_mode
+    index.metadata["collapse_sections"] = args.collapse_sections
     index.save(out)
     print(
         f"index at {out}: {index.num_documents} passages, nlist={index.nlist}, "
@@ -202,7 +215,12 @@ def _search(args: argparse.Namespace) -> int:
     index = VectorIndex.load(_resolve_dir(args.dir))
     try:
         results = index.search_text(
-            args.query, args.topk, nprobe=args.nprobe, mode=args.mode, filter=flt
+            args.query,
+            args.topk,
+            nprobe=args.nprobe,
+            mode=args.mode,
+            filter=flt,
+            collapse_sections=args.collapse_sections,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -221,17 +221,30 @@ class VectorIndex(GpuTierMixin):
         nprobe: int | None = None,
         mode: str | None = None,
         filter: dict[str, Any] | None = None,  # noqa: A002 - the API's name (see filters.py)
+        collapse_sections: bool | None = None,
     ) -> list[list[ScoredDocument]]:
         """Search with query texts, best first: `mode` "dense" (Faiss), "bm25" or "hybrid"
         (both fused by reciprocal rank fusion; None: `default_mode`), optionally `filter`ed
-        on metadata (`filters.py`). See `modes.py`."""
+        on metadata (`filters.py`), with at most one passage per section when
+        `collapse_sections` (None: the index's `collapse_sections`; `collapse.py`). Dense,
+        unfiltered and uncollapsed, this is exactly `search`. See `modes.py`."""
         mode = mode or self.default_mode
-        if mode == "dense" and filter is None:
+        if collapse_sections is None:
+            collapse_sections = self.collapse_sections
+        if mode == "dense" and filter is None and not collapse_sections:
             result = self.search(self.embedder.encode(list(texts), is_query=True), topk, nprobe)
             return self.documents_of(result)
         from ragserve.retrieval.modes import search_text
 
-        return search_text(self, texts, topk, nprobe=nprobe, mode=mode, flt=filter)
+        return search_text(
+            self,
+            texts,
+            topk,
+            nprobe=nprobe,
+            mode=mode,
+            flt=filter,
+            collapse_sections=collapse_sections,
+        )
 
     def search_selected(
         self, queries: np.ndarray, topk: int, nprobe: int, row_ids: np.ndarray
@@ -262,6 +275,12 @@ class VectorIndex(GpuTierMixin):
         """The search mode of `search_text(mode=None)`: recorded at build (`metadata`), else
         "dense"."""
         return str(self.metadata.get("default_mode", "dense"))
+
+    @property
+    def collapse_sections(self) -> bool:
+        """Whether `search_text(collapse_sections=None)` keeps one passage per section:
+        recorded at build (`metadata`), else True (also for indexes built before the switch)."""
+        return bool(self.metadata.get("collapse_sections", True))
 
     def bm25(self) -> BM25Index:
         """The BM25 side index; built from the stored passages on first use."""
@@ -477,6 +496,7 @@ class VectorIndex(GpuTierMixin):
             "nprobe": self.spec.nprobe,
             "nprobe_calibration": self.metadata.get("nprobe_calibration"),
             "default_mode": self.default_mode,
+            "collapse_sections": self.collapse_sections,
             "has_bm25": self._bm25 is not None,
             "embedder": self.spec.embedder,
             "num_documents": self.num_documents,

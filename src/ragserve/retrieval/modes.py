@@ -1,5 +1,6 @@
 """Search modes beyond one-shot dense search: metadata-filtered dense search, BM25, and hybrid
-(dense + BM25 fused by reciprocal rank fusion).
+(dense + BM25 fused by reciprocal rank fusion); any of them optionally collapsed to one passage
+per section (`collapse.py`).
 
 Filtered dense search is exact over the matching subset when it is small (brute force over
 the stored vectors) and otherwise probes the IVF index with an id selector, doubling `nprobe`
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
 from ragserve.retrieval.types import ScoredDocument, TopK
 
 if TYPE_CHECKING:
@@ -84,16 +86,47 @@ def search_text(
     nprobe: int | None,
     mode: str,
     flt: Filter | None,
+    collapse_sections: bool = False,
 ) -> list[list[ScoredDocument]]:
     """`VectorIndex.search_text` for every mode and filter (scores: dense → the Faiss score,
-    bm25 → the BM25 score, hybrid → the fused RRF score)."""
+    bm25 → the BM25 score, hybrid → the fused RRF score). With `collapse_sections`, at most one
+    passage per section (`collapse.py`): a query whose top `topk` hold a section twice is
+    searched again `FETCH_FACTOR` times deeper, until it has `topk` sections or its ranking
+    ran out; a query whose top `topk` are distinct sections gets exactly them."""
     check_mode(mode)
     allowed = index.allowed_row_ids(flt) if flt is not None else None
     texts = list(texts)
+    vectors = None if mode == "bm25" else index.embedder.encode(texts, is_query=True)
+    if not collapse_sections:
+        return _ranked(index, texts, vectors, topk, nprobe, mode, allowed)
+    out: list[list[ScoredDocument]] = [[] for _ in texts]
+    limit = max(topk, index.num_documents)
+    todo, depth = list(range(len(texts))), topk
+    while todo:
+        part = None if vectors is None else vectors[todo]
+        ranked = _ranked(index, [texts[i] for i in todo], part, depth, nprobe, mode, allowed)
+        deeper = []
+        for i, hits in zip(todo, ranked, strict=True):
+            out[i] = collapse_hits(hits, topk)
+            if len(out[i]) < topk and len(hits) == depth and depth < limit:
+                deeper.append(i)
+        todo, depth = deeper, min(limit, depth * FETCH_FACTOR)
+    return out
+
+
+def _ranked(
+    index: VectorIndex,
+    texts: list[str],
+    vectors: np.ndarray | None,
+    topk: int,
+    nprobe: int | None,
+    mode: str,
+    allowed: np.ndarray | None,
+) -> list[list[ScoredDocument]]:
+    """Uncollapsed top `topk` per query (`vectors`: the embedded `texts`, None for bm25)."""
     if mode == "bm25":
         return index.documents_of(index.bm25().search(texts, topk, allowed))
     depth = topk if mode == "dense" else max(topk, HYBRID_DEPTH)
-    vectors = index.embedder.encode(texts, is_query=True)
     if allowed is None:
         dense = index.search(vectors, depth, nprobe)
     else:

@@ -10,8 +10,10 @@ from ragserve.retrieval.ingest.sections import ParsedDocument
 # page chrome: never part of a page's content
 _DROP = ("script", "style", "noscript", "nav", "header", "footer", "aside", "form", "button",
          "iframe", "svg", "template")  # fmt: skip
+# "toctree-wrapper": a Sphinx table of contents in the page body (links to other pages'
+# headings), dropped as the rST parser drops `.. toctree::`
 _DROP_CLASSES = ("headerlink", "sphinxsidebar", "related", "footer", "navigation", "toctree",
-                 "breadcrumb", "sidebar", "skip-link", "mobile-nav")  # fmt: skip
+                 "toctree-wrapper", "breadcrumb", "sidebar", "skip-link", "mobile-nav")  # fmt: skip
 _MAIN = ("main", "[role=main]", "article", "div.body", "div.document", "body")
 
 

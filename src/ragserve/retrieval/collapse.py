@@ -1,0 +1,51 @@
+"""Section collapsing: at most one passage per section in a ranked result (field collapsing, as
+in a search engine's "group by document").
+
+A long section is cut into several passages that share its words, so they tend to rank next to
+each other and push other sections out of the top k. Collapsing keeps each section's best
+passage and lets the next sections move up:
+
+```
+ranked:    A#3  A#4  B#0  A#5  C#1  D#0  B#1  E#2 ...
+collapsed: A#3  B#0  C#1  D#0  E#2                    (topk = 5)
+```
+
+A passage's section is `(metadata["source"], metadata["section"])` for ingested files (both
+present), `metadata["source_id"]` for a chunked JSONL/Parquet record, and otherwise the passage
+itself (never collapsed: e.g. factbook passages, whose `section` is shared across countries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from ragserve.retrieval.types import Document, ScoredDocument
+
+FETCH_FACTOR = 4  # a query short of sections is searched again this many times deeper
+
+
+def section_key(doc: Document) -> Hashable:
+    """The group a passage collapses with (see the module docstring)."""
+    meta = doc.metadata
+    if "source" in meta and "section" in meta:
+        return ("section", str(meta["source"]), str(meta["section"]))
+    if "source_id" in meta:
+        return ("record", str(meta["source_id"]))
+    return ("passage", doc.id)
+
+
+def collapse_hits(hits: Sequence[ScoredDocument], topk: int) -> list[ScoredDocument]:
+    """The first hit of each section, in rank order, cut to `topk`."""
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    seen: set[Hashable] = set()
+    out: list[ScoredDocument] = []
+    for hit in hits:
+        key = section_key(hit.document)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(hit)
+        if len(out) == topk:
+            break
+    return out
