@@ -14,9 +14,7 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. Then it",
     "Paris is the capital of",
     "One, two, three, four,",
-    "A short story about a robot who",
     "def fibonacci(n):",
-    "The weather today is",
 ]
 POISON = "<poison>"
 
@@ -38,8 +36,14 @@ def engine(tiny_models):
     eng.check_integrity()
 
 
-def params(n: int = 10, **kw) -> SamplingParams:
+def params(n: int = 8, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def oracle(engine) -> list[list[int]]:
+    """The innocent requests' greedy tokens, run together without any poison request."""
+    return tokens_by_prompt(run(engine, innocents("o")), "o")
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
@@ -65,20 +69,18 @@ def tokens_by_prompt(final: dict, tag: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_poison_request_fails_alone_at_every_stage(engine, monkeypatch, stage) -> None:
-    oracle = run(engine, innocents("o"))
+def test_a_poison_request_fails_alone_at_every_stage(engine, oracle, monkeypatch, stage) -> None:
     monkeypatch.setenv(FAULT_ENV, f"{stage}:{POISON}")
     poison = {"bad": ("Tell me a story about", params(stop=(POISON,)))}
     final = run(engine, {**innocents("i"), **poison})
     assert final["bad"].finish_reason == "error"
     assert InjectedFault.__name__ in final["bad"].error
-    assert tokens_by_prompt(final, "i") == tokens_by_prompt(oracle, "o")
+    assert tokens_by_prompt(final, "i") == oracle
     assert all(final[f"i{i}"].finish_reason == "length" for i in range(len(PROMPTS)))
 
 
-def test_a_fault_after_some_decode_steps_fails_only_then(engine) -> None:
+def test_a_fault_after_some_decode_steps_fails_only_then(engine, oracle) -> None:
     """The poison decodes normally for three steps, then its logits hook raises."""
-    oracle = run(engine, innocents("o"))
     steps = {"n": 0}
 
     def hook(seqs, logits) -> None:
@@ -94,11 +96,10 @@ def test_a_fault_after_some_decode_steps_fails_only_then(engine) -> None:
         engine.model_runner.logits_hook = None
     assert final["late"].finish_reason == "error"
     assert len(final["late"].token_ids) == 3  # its first three tokens were kept
-    assert tokens_by_prompt(final, "i") == tokens_by_prompt(oracle, "o")
+    assert tokens_by_prompt(final, "i") == oracle
 
 
-def test_several_culprits_each_fail_alone(engine, monkeypatch) -> None:
-    oracle = run(engine, innocents("o"))
+def test_several_culprits_each_fail_alone(engine, oracle, monkeypatch) -> None:
     monkeypatch.setenv(FAULT_ENV, f"forward:{POISON},append:<also>")
     bad = {
         "bad1": ("Tell me", params(stop=(POISON,))),
@@ -107,15 +108,13 @@ def test_several_culprits_each_fail_alone(engine, monkeypatch) -> None:
     }
     final = run(engine, {**bad, **innocents("i")})
     assert [final[b].finish_reason for b in bad] == ["error"] * 3
-    assert tokens_by_prompt(final, "i") == tokens_by_prompt(oracle, "o")
+    assert tokens_by_prompt(final, "i") == oracle
 
 
 def test_seeded_sampling_draws_what_it_would_have_drawn(engine, monkeypatch) -> None:
     """The sampler's random state is rewound before each retry of the step."""
     sampled = {"temperature": 0.8, "top_p": 0.9}
-    oracle = run(
-        engine, {f"o{i}": (p, params(seed=i, **sampled)) for i, p in enumerate(PROMPTS)}
-    )
+    expected = run(engine, {f"o{i}": (p, params(seed=i, **sampled)) for i, p in enumerate(PROMPTS)})
     monkeypatch.setenv(FAULT_ENV, f"sample:{POISON}")
     final = run(
         engine,
@@ -125,7 +124,7 @@ def test_seeded_sampling_draws_what_it_would_have_drawn(engine, monkeypatch) -> 
         },
     )
     assert final["bad"].finish_reason == "error"
-    assert tokens_by_prompt(final, "i") == tokens_by_prompt(oracle, "o")
+    assert tokens_by_prompt(final, "i") == tokens_by_prompt(expected, "o")
 
 
 def test_a_failure_no_single_request_causes_leaves_step(engine) -> None:

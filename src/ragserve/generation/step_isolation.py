@@ -77,12 +77,14 @@ def _bisect(attempt: Execute, part: SchedulerOutput, failed: list) -> None:
     """Append to ``failed`` the sequences of ``part`` that raise when run alone."""
     try:
         attempt(part)
+        return
     except Exception as exc:
-        if len(part.seqs) == 1:
-            failed.append((part.seqs[0], exc))
-            return
-        for half in _halves(part):
-            _bisect(attempt, half, failed)
+        error = exc
+    if len(part.seqs) == 1:
+        failed.append((part.seqs[0], error))
+        return
+    for half in _halves(part):  # NOTE: outside the except block: no chained tracebacks
+        _bisect(attempt, half, failed)
 
 
 def _halves(out: SchedulerOutput) -> list[SchedulerOutput]:
