@@ -169,6 +169,16 @@ def test_kept_alive_connection_with_partial_next_request_is_cut(bg) -> None:
     assert data.startswith(b"HTTP/1.1 408")
 
 
+def test_idle_kept_alive_connection_is_closed(bg) -> None:
+    """After a complete request, an idle keep-alive connection is closed by the server once
+    ``keep_alive_s`` (1 s here) has passed, without a further request."""
+    with socket.create_connection((bg.host, bg.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert _closed_within(sock, 1.0 + 5) == b""
+
+
 def test_connections_past_the_limit_get_503(bg) -> None:
     socks = [socket.create_connection((bg.host, bg.port)) for _ in range(16)]
     try:
