@@ -163,12 +163,17 @@ def gen_kill_cycles(url: str, server, cycles: int) -> dict | None:
         return None
     stop = threading.Event()
     oks: list[tuple[float, float]] = []  # (sent, answered) of each 200 chat
+    hangs = []  # chats not answered within 120 s
 
     def chatter() -> None:
         with httpx.Client(base_url=url, timeout=120) as client:
             while not stop.is_set():
                 sent = time.monotonic()
-                r = client.post(CHAT, json=chat(messages=[{"role": "user", "content": "Hi"}]))
+                try:
+                    r = client.post(CHAT, json=chat(messages=[{"role": "user", "content": "Hi"}]))
+                except httpx.TimeoutException:
+                    hangs.append(sent)
+                    continue
                 if r.status_code == 200:
                     oks.append((sent, time.monotonic()))
                 elif r.status_code not in (503, 429):
@@ -188,6 +193,7 @@ def gen_kill_cycles(url: str, server, cycles: int) -> dict | None:
     thread.join(120)
     return {
         "kill_cycles": cycles,
+        "chat_hangs": len(hangs),
         "recovery_s": {"median": sorted(recoveries)[len(recoveries) // 2], "max": max(recoveries)},
     }
 

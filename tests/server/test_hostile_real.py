@@ -203,6 +203,27 @@ def test_retrieval_worker_death_is_503_then_recovers(bg, server) -> None:
     assert r.status_code == 200
 
 
+def test_a_stuck_retrieval_worker_is_a_timeout_not_a_hang(bg, server) -> None:
+    """A retrieval worker that stops answering (SIGSTOP) costs a document call a 503
+    ``worker_timeout`` after ``call_timeout_s`` and ``Server.embed`` a ``WorkerError``; once it
+    runs again, calls succeed."""
+    from ragserve.runtime.errors import WorkerError
+
+    pid = server.executor.workers["ret"].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        body = {"documents": [{"id": "stuck", "text": "The capital of Chile is Santiago."}]}
+        r = post(bg.url, DOCS, body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_timeout", r.text
+        with pytest.raises(WorkerError) as info:
+            server.embed(["a text"])
+        assert info.value.kind == "timeout"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert post(bg.url, DOCS, body).status_code == 200
+    assert server.embed(["a text"]).vectors.shape[0] == 1
+
+
 def test_generation_worker_death_is_503_then_recovers(bg, server) -> None:
     """A killed generation worker costs the requests it held a 503 ``worker_died``; it is
     restarted and the next requests are served."""
