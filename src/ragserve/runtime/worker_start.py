@@ -1,8 +1,9 @@
 """How worker processes start: forked from a fork server that has already imported torch,
 Faiss, transformers and ragserve (``worker_preload.py``), or spawned afresh.
 
-A spawned worker spends most of its start importing those libraries (about 20 s of a 25 s
-restart on a loaded 2-core machine), which is the whole outage of a worker kill. With
+A spawned worker spends most of its start importing those libraries (about 20 s of a 28 s
+restart on this 2-core machine at load average ~7, docs/reliability.md), and that start is
+the whole outage of a worker kill. With
 ``"forkserver"`` that import happens once, in the fork server, and every start and restart
 forks from it. The fork server keeps the environment it started with, so each worker gets the
 server's environment of the moment it is started (as a spawned one would) before it runs.
