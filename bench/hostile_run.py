@@ -3,11 +3,17 @@ processes; tiny seeded model, small real index) behind uvicorn on loopback.
 
 1. Fuzz: ``--num-fuzz`` requests drawn (seeded) from the poison corpus of
    tests/server/hostile_cases.py and random mutations of valid bodies, sent 8 at a time,
-   with an innocent chat request after every third one. Counts 5xx, hangs (no answer within
-   ``--hang-s``), worker crashes (restarts), innocent requests that failed.
+   with an innocent chat request after every third one and a completion whose engine step
+   raises (an injected fault, ``generation/faults.py``) after every thirtieth. Counts 5xx
+   among the fuzzed requests, hangs (no answer within ``--hang-s``), worker crashes
+   (restarts), innocent requests that failed.
 2. Kill cycles: upserts run continuously while the retrieval worker is killed with SIGKILL
    ``--kill-cycles`` times; every acknowledged (200) upsert must be present afterwards
    (checked by deleting it: 200, not 404). Recovery time = kill -> first 200 upsert.
+3. Generation kill cycles (``--gen-kill-cycles``): chats run continuously while the
+   generation worker is killed with SIGKILL; recovery = kill -> first 200 chat sent after it.
+
+``--worker-start-method spawn`` measures the workers started without the fork server.
 
     PYTHONPATH=src python bench/hostile_run.py --out bench/results/hostile_run.json
 """
@@ -34,6 +40,10 @@ from hostile_cases import CHAT, CMPL, DOCS, POISON, chat, cmpl  # noqa: E402
 
 CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Kenya", "Nairobi"), ("Peru", "Lima")]
 ODD = [None, True, -1, 0, 2**64, 1e-45, 5e-324, 1e308, "10", "", "\u0000", [], {}, [[[]]]]
+# NOTE: completions with this stop string raise inside the engine's forward pass
+# ($RAGSERVE_FAULT_INJECT, set below before the workers start): step isolation must fail them
+# alone (500 internal_error) while the innocent chats in the same steps finish.
+STEP_POISON = "<ragserve-step-poison>"
 FIELDS = {
     CHAT: ["messages", "max_tokens", "temperature", "top_p", "seed", "stop", "topk", "nprobe"],
     CMPL: ["prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "stream"],
@@ -75,8 +85,13 @@ def fuzz(url: str, server, num: int, hang_s: float, seed: int) -> dict:
             pool.submit(send, client, CHAT, chat(messages=[{"role": "user", "content": f"Q{i}"}]))
             for i in range(num // 3)
         ]
+        poisoned = [
+            pool.submit(send, client, CMPL, cmpl(prompt=f"P{i}", stop=[STEP_POISON]))
+            for i in range(num // 30)
+        ]
         codes = [f.result() for f in fuzzed]
         good = [f.result() for f in innocent]
+        steps = [f.result() for f in poisoned]
     return {
         "requests_fuzzed": num,
         "status_counts": {str(c): codes.count(c) for c in sorted(set(codes), key=str)},
@@ -86,6 +101,8 @@ def fuzz(url: str, server, num: int, hang_s: float, seed: int) -> dict:
             f"{p} {str(b)[:300]}" for (p, b), c in zip(cases, codes, strict=True) if c is None
         ],
         "worker_crashes": restarts(server) - before,
+        "step_poison_requests": len(steps),
+        "step_poison_status_counts": {str(c): steps.count(c) for c in sorted(set(steps), key=str)},
         "innocent_requests": len(good),
         "innocent_failed": sum(1 for c in good if c != 200),
     }
@@ -139,12 +156,56 @@ def kill_cycles(url: str, server, cycles: int) -> dict | None:
     }
 
 
+def gen_kill_cycles(url: str, server, cycles: int) -> dict | None:
+    """Chats run continuously while the generation worker is killed ``cycles`` times;
+    recovery = kill -> the first 200 chat sent after the kill."""
+    if cycles < 1:
+        return None
+    stop = threading.Event()
+    oks: list[tuple[float, float]] = []  # (sent, answered) of each 200 chat
+    hangs = []  # chats not answered within 120 s
+
+    def chatter() -> None:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:
+                    r = client.post(CHAT, json=chat(messages=[{"role": "user", "content": "Hi"}]))
+                except httpx.TimeoutException:
+                    hangs.append(sent)
+                    continue
+                if r.status_code == 200:
+                    oks.append((sent, time.monotonic()))
+                elif r.status_code not in (503, 429):
+                    raise RuntimeError(f"unexpected chat status {r.status_code}: {r.text}")
+
+    thread = threading.Thread(target=chatter, daemon=True)
+    thread.start()
+    recoveries = []
+    for _ in range(cycles):
+        time.sleep(1.0)
+        killed = time.monotonic()
+        os.kill(server.executor.workers["gen"].proc.pid, signal.SIGKILL)
+        while not any(sent > killed for sent, _ in oks):
+            time.sleep(0.05)
+        recoveries.append(min(done for sent, done in oks if sent > killed) - killed)
+    stop.set()
+    thread.join(120)
+    return {
+        "kill_cycles": cycles,
+        "chat_hangs": len(hangs),
+        "recovery_s": {"median": sorted(recoveries)[len(recoveries) // 2], "max": max(recoveries)},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-fuzz", type=int, default=600)
     ap.add_argument("--kill-cycles", type=int, default=10)
+    ap.add_argument("--gen-kill-cycles", type=int, default=0)
     ap.add_argument("--hang-s", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--worker-start-method", default="forkserver", choices=["forkserver", "spawn"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -153,6 +214,7 @@ def main() -> None:
     from ragserve.runtime import Server, ServerConfig
     from ragserve.server import BackgroundServer, ServeConfig, create_app
 
+    os.environ["RAGSERVE_FAULT_INJECT"] = f"forward:{STEP_POISON}"
     root = Path(tempfile.mkdtemp(prefix="hostile-"))
     os.environ.setdefault("RAGSERVE_HOME", str(root / "home"))
     model = make_tiny_model(root / "tiny-llama", "llama", seed=0)
@@ -160,7 +222,9 @@ def main() -> None:
     index = VectorIndex.build(docs, load_embedder("all-minilm-l6-v2"), nlist=2)
     index.save(root / "index")
     index.close()
-    config = ServerConfig(engine_kwargs={"device": "cpu"})
+    config = ServerConfig(
+        engine_kwargs={"device": "cpu"}, worker_start_method=args.worker_start_method
+    )
     serve = ServeConfig(port=0, served_model_name="tiny", max_num_inflight=64)
     with (
         Server(str(model), str(root / "index"), config=config) as server,
@@ -168,6 +232,8 @@ def main() -> None:
     ):
         result = {"fuzz": fuzz(bg.url, server, args.num_fuzz, args.hang_s, args.seed)}
         result["kill"] = kill_cycles(bg.url, server, args.kill_cycles)
+        result["gen_kill"] = gen_kill_cycles(bg.url, server, args.gen_kill_cycles)
+        result["worker_start_method"] = args.worker_start_method
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -1,6 +1,8 @@
 """One request never fails another inside the workers' code (``runners.py``): a batch that
-raises is retried without the task that broke it; an engine step that raises fails the tasks
-it held and leaves the engine usable; a task that cannot be pickled fails alone."""
+raises is retried without the task that broke it; a task the real engine fails alone in a
+step gets an error update while the others finish as they would have without it; an engine
+step that still raises fails the tasks it held and leaves the engine usable; a task that
+cannot be pickled fails alone."""
 
 from __future__ import annotations
 
@@ -111,6 +113,40 @@ def test_a_failed_engine_step_fails_its_tasks_and_the_engine_goes_on() -> None:
     assert not engine.has_unfinished()  # aborted: their blocks are free
     runner.add([GenerationTask("c", "z", params)])
     assert runner.step() == [] and engine.has_unfinished()
+
+
+def run_to_end(runner: GenerationRunner, tasks: list[GenerationTask]) -> dict:
+    """task id -> its final update (error or finished), through ``add`` and ``step``."""
+    final = {u.task_id: u for u in runner.add(tasks)}
+    while runner.has_work():
+        final.update((u.task_id, u) for u in runner.step() if u.finished)
+    return final
+
+
+def test_a_task_the_engine_fails_in_a_step_fails_alone(tiny_model, monkeypatch) -> None:
+    """A real engine whose forward pass raises for one task (``$RAGSERVE_FAULT_INJECT``): that
+    task ends with an ``internal`` error, the others with the text of a run without it."""
+    from ragserve.generation import LLMEngine
+    from ragserve.generation.faults import FAULT_ENV
+
+    engine = LLMEngine(
+        tiny_model, device="cpu", kv_cache_bytes=8 * 1024**2, enable_prefix_caching=False
+    )
+    runner = GenerationRunner(engine)
+    params = GenerationParams(max_tokens=6, ignore_eos=True)
+    prompts = ["The capital of Peru is", "Hello there", "One two three"]
+    oracle = run_to_end(runner, [GenerationTask(f"o{i}", p, params) for i, p in enumerate(prompts)])
+    monkeypatch.setenv(FAULT_ENV, "forward:<poison>")
+    poison = GenerationParams(max_tokens=6, stop=("<poison>",))
+    tasks = [GenerationTask(f"i{i}", p, params) for i, p in enumerate(prompts)]
+    final = run_to_end(runner, [tasks[0], GenerationTask("bad", "Tell me", poison), *tasks[1:]])
+    assert final["bad"].error_kind == "internal" and "InjectedFault" not in final["bad"].error
+    assert [final[f"i{i}"].final_text for i in range(3)] == [
+        oracle[f"o{i}"].final_text for i in range(3)
+    ]
+    assert [final[f"i{i}"].error for i in range(3)] == [None] * 3
+    assert engine.stats()["kv_blocks_used"] == 0
+    engine.check_integrity()
 
 
 def test_surrogate_question_fails_alone_in_process(local_server) -> None:

@@ -169,11 +169,24 @@ def test_kept_alive_connection_with_partial_next_request_is_cut(bg) -> None:
     assert data.startswith(b"HTTP/1.1 408")
 
 
+def test_idle_kept_alive_connection_is_closed(bg) -> None:
+    """After a complete request, an idle keep-alive connection is closed by the server once
+    ``keep_alive_s`` (1 s here) has passed, without a further request."""
+    with socket.create_connection((bg.host, bg.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert _closed_within(sock, 1.0 + 5) == b""
+
+
 def test_connections_past_the_limit_get_503(bg) -> None:
     socks = [socket.create_connection((bg.host, bg.port)) for _ in range(16)]
     try:
-        time.sleep(0.1)
-        assert httpx.get(f"{bg.url}/health", timeout=5).status_code == 503
+        # NOTE: on a loaded machine the server may take a while to accept all 16.
+        deadline = time.monotonic() + 10
+        while (status := httpx.get(f"{bg.url}/health", timeout=5).status_code) != 503:
+            assert status == 200 and time.monotonic() < deadline
+            time.sleep(0.1)
     finally:
         for s in socks:
             s.close()
@@ -254,6 +267,33 @@ def test_fuzzed_bodies_never_5xx(bg, case) -> None:
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert r.json()["error"]["message"]
+
+
+def test_upserts_past_the_limit_get_429() -> None:
+    """``max_num_upserts`` document calls may wait on the backend; the next one is a 429 with
+    ``Retry-After`` at once; once the backend answers, the slots are free again."""
+    backend = FakeBackend()
+    backend.stuck_upserts = True
+    config = ServeConfig(port=0, served_model_name="tiny", max_num_upserts=2)
+    app = create_app(backend, config, own_server=True)
+    server = BackgroundServer(app, config).start()
+    body = {"documents": [{"id": "u", "text": "A passage."}]}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            stuck = [pool.submit(post, server.url, DOCS, body) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while app.state.upserts.num_inflight < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            r = post(server.url, DOCS, body)
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            backend.stuck_upserts = False
+            backend.unstuck.set()
+            for f in stuck:
+                f.result()  # answered (the fake's stuck calls end with an error)
+        assert post(server.url, DOCS, body).status_code == 200
+    finally:
+        server.stop(timeout_s=30)
 
 
 def test_shutdown_is_bounded_with_stuck_requests() -> None:

@@ -15,11 +15,13 @@ import httpx
 import pytest
 from hostile_cases import CHAT, CMPL, DOCS, POISON, chat, nested
 
+from ragserve.generation.faults import FAULT_ENV
 from ragserve.server import BackgroundServer, ServeConfig, create_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 HEADER_TIMEOUT = 1.0
+STEP_POISON = "<step-poison>"
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,18 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     index.save(root / "index")
     index.close()
     config = ServerConfig(engine_kwargs={"device": "cpu"}, call_timeout_s=60.0)
-    with Server(str(model), str(root / "index"), config=config) as s:
-        yield s
+    # NOTE: the generation worker's forward pass raises for requests with this stop string
+    # (``generation/faults.py``); the worker takes the environment of its start.
+    before = os.environ.get(FAULT_ENV)
+    os.environ[FAULT_ENV] = f"forward:{STEP_POISON}"
+    try:
+        with Server(str(model), str(root / "index"), config=config) as s:
+            yield s
+    finally:
+        if before is None:
+            os.environ.pop(FAULT_ENV, None)
+        else:
+            os.environ[FAULT_ENV] = before
 
 
 CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Kenya", "Nairobi"), ("Peru", "Lima")]
@@ -75,6 +87,26 @@ def test_poison_alongside_innocents_fails_alone(bg, server) -> None:
     assert statuses == [400] * len(POISON)
     assert restarts(server) == before
     assert httpx.get(f"{bg.url}/health").status_code == 200
+
+
+def test_a_request_whose_engine_step_raises_fails_alone(bg, server) -> None:
+    """A completion whose forward pass raises inside the generation worker (an injected
+    fault) is a 500 without the exception's text; innocent chats and completions in the same
+    engine steps all get 200 and the worker does not restart."""
+    before = restarts(server)
+    poison = {"model": "tiny", "prompt": "Tell me", "max_tokens": 8, "stop": [STEP_POISON]}
+    with ThreadPoolExecutor(8) as pool:
+        innocents = [pool.submit(innocent, bg.url, i) for i in range(6)]
+        bad = [pool.submit(post, bg.url, CMPL, poison) for _ in range(3)]
+        plain = {"model": "tiny", "prompt": "The capital of", "max_tokens": 8}
+        others = [pool.submit(post, bg.url, CMPL, plain) for _ in range(3)]
+        assert [f.result() for f in innocents] == [200] * 6
+        assert [f.result().status_code for f in others] == [200] * 3
+        for f in bad:
+            r = f.result()
+            assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+            assert "InjectedFault" not in r.text
+    assert restarts(server) == before
 
 
 def test_lone_surrogate_past_the_edge_fails_alone_in_the_worker(server) -> None:
@@ -169,3 +201,77 @@ def test_retrieval_worker_death_is_503_then_recovers(bg, server) -> None:
     assert innocent(bg.url, 1) == 200
     r = post(bg.url, CMPL, {"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_a_stuck_retrieval_worker_is_a_timeout_not_a_hang(bg, server) -> None:
+    """A retrieval worker that stops answering (SIGSTOP) costs a document call a 503
+    ``worker_timeout`` after ``call_timeout_s`` and ``Server.embed`` a ``WorkerError``; once it
+    runs again, calls succeed."""
+    from ragserve.runtime.errors import WorkerError
+
+    pid = server.executor.workers["ret"].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        body = {"documents": [{"id": "stuck", "text": "The capital of Chile is Santiago."}]}
+        r = post(bg.url, DOCS, body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_timeout", r.text
+        with pytest.raises(WorkerError) as info:
+            server.embed(["a text"])
+        assert info.value.kind == "timeout"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert post(bg.url, DOCS, body).status_code == 200
+    assert server.embed(["a text"]).vectors.shape[0] == 1
+
+
+def test_generation_worker_death_is_503_then_recovers(bg, server) -> None:
+    """A killed generation worker costs the requests it held a 503 ``worker_died``; it is
+    restarted and the next requests are served."""
+    worker = server.executor.workers["gen"]
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    worker.proc.join(10)
+    body = {"model": "tiny", "prompt": "The capital of", "max_tokens": 4}
+    deadline = time.monotonic() + 120
+    while (r := post(bg.url, CMPL, body)).status_code != 200:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_died", r.text
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert innocent(bg.url, 2) == 200
+
+
+KILL_SCRIPT = """
+import os, signal, sys, time
+from ragserve.runtime import Server, ServerConfig
+
+if __name__ == "__main__":
+    config = ServerConfig(engine_kwargs={"device": "cpu"})
+    with Server(sys.argv[1], sys.argv[2], config=config) as server:
+        for name in ("ret", "gen", "ret"):
+            proc = server.executor.workers[name].proc
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(30)
+            while server.health()["status"] != "ok":
+                time.sleep(0.1)
+        assert sum(w["restarts"] for w in server.stats()["workers"].values()) == 3
+    print("closed")
+"""
+
+
+def test_worker_restarts_leak_no_semaphores(tmp_path, server) -> None:
+    """Three SIGKILLed workers, restarted, then a clean exit: the resource tracker reports no
+    leaked semaphore (tqdm's process-shared lock, fork server included)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "kill_workers.py"
+    script.write_text(KILL_SCRIPT)
+    spec = server.executor.workers["gen"].spec, server.executor.workers["ret"].spec
+    run = subprocess.run(
+        [sys.executable, str(script), spec[0].model, spec[1].index],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={k: v for k, v in os.environ.items() if k != FAULT_ENV},
+    )
+    assert run.returncode == 0 and "closed" in run.stdout, run.stderr[-3000:]
+    assert "leaked semaphore" not in run.stderr, run.stderr[-3000:]

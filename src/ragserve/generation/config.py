@@ -65,6 +65,9 @@ class EngineConfig:
     fusion_probe_layer: int | None = None
     fusion_kv_cache_bytes: int = 256 * 1024**2
     fusion_host_kv_cache_bytes: int = 0
+    # A step that raises fails only the requests that make it raise (``step_isolation.py``);
+    # off: the exception leaves ``step()`` and the caller fails the whole step.
+    enable_step_isolation: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:

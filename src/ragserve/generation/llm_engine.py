@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ragserve.generation import faults
 from ragserve.generation.builtin import resolve_model
 from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from ragserve.generation.detokenizer import IncrementalDetokenizer, check_finished, find_stop
@@ -43,8 +44,9 @@ from ragserve.generation.model_runner import (
     select_backend,
 )
 from ragserve.generation.sampling_params import SamplingParams
-from ragserve.generation.scheduler import Scheduler
+from ragserve.generation.scheduler import Scheduler, SchedulerOutput
 from ragserve.generation.sequence import RequestOutput, Sequence
+from ragserve.generation.step_isolation import execute_isolated
 
 logger = logging.getLogger(__name__)
 
@@ -209,20 +211,43 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that got a token (or finished) this step."""
+        """One iteration; returns the requests that got a token (or finished) this step.
+
+        With ``enable_step_isolation`` a request whose forward pass, sampling or token
+        handling raises finishes alone with ``finish_reason == "error"`` (its blocks freed)
+        and the others' tokens are those of the step without it (``step_isolation.py``)."""
         out = self.scheduler.schedule()
         self._run_swaps()
         if out.is_empty:
             return []
-        tokens = self.model_runner.execute_model(out)
+        if not self.config.enable_step_isolation:
+            return self._postprocess(out, self.model_runner.execute_model(out))
+        ran = execute_isolated(self.model_runner.execute_model, out, self.model_runner.sampler)
+        failed = [self._fail(seq, exc) for seq, exc in ran.failed]
+        return failed + self._postprocess(ran.out, ran.tokens)
+
+    def _postprocess(self, out: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
         self.scheduler.update_after_step(out)
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
         outputs = []
         for seq, token in zip(sampled, tokens, strict=True):
-            outputs.append(self._append_token(seq, token))
+            try:
+                outputs.append(self._append_token(seq, token))
+            except Exception as exc:
+                if not self.config.enable_step_isolation:
+                    raise
+                outputs.append(self._fail(seq, exc))
         if not self.scheduler.has_unfinished():
             self.block_manager.check_integrity()
         return outputs
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """End ``seq`` alone with ``finish_reason == "error"`` (its blocks are freed)."""
+        logger.error("request %s failed in an engine step", seq.request_id, exc_info=exc)
+        seq.error = f"{type(exc).__name__}: {exc}"
+        if seq.request_id in self._seqs:
+            self._finish(seq, "error")
+        return seq.to_output()
 
     def _run_swaps(self) -> None:
         if isinstance(self.block_manager, TieredBlockManager):
@@ -231,6 +256,7 @@ class LLMEngine:
                 self.host_kv_cache.run(ops)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        faults.check("append", [seq])
         seq.append_token(token)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = time.monotonic()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ragserve.generation import faults
 from ragserve.generation.attention import (
     AttentionMetadata,
     BaseAttentionBackend,
@@ -138,6 +139,7 @@ class ModelRunner:
         """Sampled tokens of the sequences with ``out.sample`` set, in order. A sequence with a
         fusion plan and nothing computed yet takes the fused prefill (``fusion/``) instead of
         the batched forward; the rest of the step runs batched as usual."""
+        faults.check("forward", out.seqs)
         fused = [
             i
             for i, s in enumerate(out.seqs)
@@ -158,6 +160,7 @@ class ModelRunner:
         logits = self.model.compute_logits(torch.stack([rows[id(s)] for s in sampled]))
         if self.logits_hook is not None:
             self.logits_hook(sampled, logits)
+        faults.check("sample", sampled)
         return self.sampler(logits, [s.request_id for s in sampled], [s.params for s in sampled])
 
     def _fused_prefill(self, seq: Sequence) -> torch.Tensor:

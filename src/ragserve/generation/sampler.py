@@ -6,9 +6,18 @@ the request's life), so their tokens are reproducible whatever else is batched w
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ragserve.generation.sampling_params import SamplingParams
+
+
+class SamplerState(NamedTuple):
+    """The random state of a ``Sampler``: the shared generator's and each request's."""
+
+    default: torch.Tensor
+    per_request: dict[str, torch.Tensor]
 
 
 class Sampler:
@@ -19,6 +28,21 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self._gens.pop(request_id, None)
+
+    def get_state(self) -> SamplerState:
+        """A copy of every generator's state (a step that is run again restores it first)."""
+        return SamplerState(
+            self._default_gen.get_state(), {r: g.get_state() for r, g in self._gens.items()}
+        )
+
+    def set_state(self, state: SamplerState) -> None:
+        """Back to ``state``: generators created since are dropped, the others rewound."""
+        self._default_gen.set_state(state.default)
+        for rid in [r for r in self._gens if r not in state.per_request]:
+            del self._gens[rid]
+        for rid, gen_state in state.per_request.items():
+            if rid in self._gens:
+                self._gens[rid].set_state(gen_state)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:

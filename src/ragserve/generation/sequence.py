@@ -48,7 +48,8 @@ class RequestOutput:
     ``prompt_token_ids`` is shared between a request's outputs: treat it as read-only.
 
     ``finish_reason`` is ``None`` while running, else ``"stop"`` (EOS, stop token or stop
-    string), ``"length"`` (``max_tokens`` or the context end) or ``"abort"``.
+    string), ``"length"`` (``max_tokens`` or the context end), ``"abort"`` or ``"error"``
+    (a step failed for this request alone: ``error`` holds the exception's type and message).
     """
 
     request_id: str
@@ -58,6 +59,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
+    error: str | None = None
 
 
 class Sequence:
@@ -80,6 +82,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # set with finish_reason "error"
         self.text = ""
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.num_preemptions = 0
@@ -124,4 +127,5 @@ class Sequence:
             metrics=RequestMetrics(
                 m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finish_time
             ),
+            error=self.error,
         )

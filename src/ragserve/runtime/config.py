@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.retrieval.limits import DocumentLimits
+from ragserve.runtime.worker_start import START_METHODS
 from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.scheduler.operator_config import OperatorConfig
 
@@ -69,6 +70,10 @@ class ServerConfig:
     ``"list"`` (inverted lists balanced by scan cost). With ``gpu_tier`` the Ray backend gives
     every index shard (or the retrieval coordinator, for one shard) a tier of
     ``budget_bytes / num_index_shards``, on a share of an LLM replica's GPU.
+
+    ``worker_start_method``: ``"forkserver"`` (workers fork from a server process that has
+    imported torch, Faiss and transformers once, so a restarted worker is back in seconds) or
+    ``"spawn"`` (each worker imports them itself); ``worker_start.py``.
     """
 
     in_process: bool = False
@@ -94,6 +99,7 @@ class ServerConfig:
     ray_num_cpus: int | None = None
     shard_partition: str = "document"
     operators: OperatorConfig = field(default_factory=OperatorConfig)
+    worker_start_method: str = "forkserver"
 
     def __post_init__(self) -> None:
         if isinstance(self.engine_kwargs, dict):
@@ -135,6 +141,11 @@ class ServerConfig:
             )
         if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
             raise ValueError(f"ray_num_cpus must be >= 1 or None, got {self.ray_num_cpus}")
+        if self.worker_start_method not in START_METHODS:
+            raise ValueError(
+                f"worker_start_method must be one of {START_METHODS}, "
+                f"got {self.worker_start_method!r}"
+            )
         if self.shard_partition not in ("list", "document"):
             raise ValueError(
                 f"shard_partition must be 'list' or 'document', got {self.shard_partition!r}"

@@ -6,7 +6,6 @@ import collections
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
 import queue
 import threading
 import time
@@ -18,6 +17,7 @@ from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmRing
+from ragserve.runtime.worker_start import worker_context, worker_process
 from ragserve.runtime.workers import WorkerSpec, encode, unpack_generation, worker_main
 from ragserve.scheduler import (
     BaseExecutor,
@@ -97,11 +97,11 @@ class WorkerHandle:
         self.inbox = self.ctx.Queue(maxsize=self.config.queue_size)
         self.conn, child_conn = self.ctx.Pipe(duplex=False)
         self.ring = ShmRing(self.ctx, self.config.shm_slots, self.config.shm_slot_bytes)
-        self.proc = self.ctx.Process(
-            target=worker_main,
-            args=(self.spec, self.inbox, child_conn, self.ring.handle()),
-            name=f"ragserve-{self.spec.kind}",
-            daemon=True,
+        self.proc = worker_process(
+            self.ctx,
+            worker_main,
+            (self.spec, self.inbox, child_conn, self.ring.handle()),
+            f"ragserve-{self.spec.kind}",
         )
         self.proc.start()
         child_conn.close()
@@ -169,7 +169,8 @@ class WorkerHandle:
 
 
 class ProcessExecutor(BaseExecutor):
-    """The generation and retrieval workers as persistent processes (``spawn``).
+    """The generation and retrieval workers as persistent processes (forked from a preloaded
+    fork server, or spawned: ``config.worker_start_method``, ``worker_start.py``).
 
     A worker that dies is restarted; the tasks it held end with an error update, requests on
     the other worker continue. Messages wait in a local queue while a worker's inbox is full
@@ -178,7 +179,7 @@ class ProcessExecutor(BaseExecutor):
 
     def __init__(self, gen_spec: WorkerSpec, ret_spec: WorkerSpec, config: ServerConfig) -> None:
         self.config = config
-        ctx = mp.get_context("spawn")
+        ctx = worker_context(config.worker_start_method)
         self.workers = {"gen": WorkerHandle(gen_spec, config, ctx)}
         self.workers["ret"] = WorkerHandle(ret_spec, config, ctx)
         self._replies: dict[int, Future] = {}

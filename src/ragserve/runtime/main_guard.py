@@ -1,11 +1,12 @@
 """Catch the missing ``if __name__ == "__main__":`` guard before worker processes spawn.
 
-Workers are started with ``multiprocessing``'s *spawn* method, which re-imports the parent's
-``__main__`` module in every child. A script that creates a ``Server`` at module level then
-creates another one in each child while it is still bootstrapping, and the worker dies with
-nothing but an exit code. ``check_main_guard()`` raises ``MainGuardError`` instead, in the
-parent (the creating line of ``__main__`` is outside an ``if __name__ == "__main__":`` block)
-and, as a backstop, in a child that is still importing the parent's script.
+Workers are started with ``multiprocessing``'s *forkserver* (or *spawn*) method, which
+re-imports the parent's ``__main__`` module in every child. A script that creates a
+``Server`` at module level then creates another one in each child while it is still
+bootstrapping, and the worker dies with nothing but an exit code. ``check_main_guard()``
+raises ``MainGuardError`` instead, in the parent (the creating line of ``__main__`` is
+outside an ``if __name__ == "__main__":`` block) and, as a backstop, in a child that is still
+importing the parent's script.
 """
 
 from __future__ import annotations

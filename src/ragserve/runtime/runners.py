@@ -7,8 +7,10 @@ distinct ``nprobe``).
 
 One request never fails another: a task the engine or tokenizer rejects on ``add`` fails
 alone; a retrieval batch that raises is retried task by task (``run_isolated``), so only the
-task that still fails gets an error; an engine step that raises fails the tasks it held (the
-engine and the worker survive; requests added later run normally).
+task that still fails gets an error; a task the engine fails alone in a step (its step
+isolation, ``generation/step_isolation.py``) gets an error update; an engine step that still
+raises fails the tasks it held (the engine and the worker survive; requests added later run
+normally).
 """
 
 from __future__ import annotations
@@ -124,9 +126,12 @@ class GenerationRunner:
         updates = []
         for out in outputs:
             progress = self._progress.get(out.request_id)
-            if progress is None or self._holds(progress, out, seconds):
+            if progress is None:
                 continue
-            updates.append(self._delta(out, progress))
+            if out.finish_reason == "error":
+                updates.append(self._failed(out.request_id))
+            elif not self._holds(progress, out, seconds):
+                updates.append(self._delta(out, progress))
         self.num_updates += len(updates)
         return updates
 
@@ -141,6 +146,14 @@ class GenerationRunner:
             GenerationUpdate(t, "", (), True, "error", error=message, error_kind="internal")
             for t in failed
         ]
+
+    def _failed(self, task_id: str) -> GenerationUpdate:
+        """The engine failed this task alone in a step (its error is in the worker's log)."""
+        del self._progress[task_id]
+        message = "the engine step failed for this request; details are in the worker log"
+        return GenerationUpdate(
+            task_id, "", (), True, "error", error=message, error_kind="internal"
+        )
 
     @staticmethod
     def _holds(progress: _Progress, out: Any, seconds: float) -> bool:

@@ -276,11 +276,12 @@ class Server:
 
     def embed(self, texts: Sequence[str]) -> Any:
         """``Embeddings(vectors [n, dim] float32, num_tokens, model)`` of ``texts`` by the
-        index's embedder (document side), computed in the retrieval worker."""
+        index's embedder (document side), computed in the retrieval worker; a ``WorkerError``
+        as for ``add_documents`` (``timeout`` after ``call_timeout_s``, ``overloaded``)."""
         texts = list(texts)
         if not texts or not all(isinstance(t, str) and t for t in texts):
             raise ValueError("texts must be a non-empty list of non-empty strings")
-        return self.executor.call_retrieval("embed", texts).result()
+        return self._call("embed", texts)
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
