@@ -1,27 +1,44 @@
-"""A shared-memory ring of fixed-size slots: numpy arrays cross processes without pickling.
+"""A shared-memory ring of fixed-size slots carrying Arrow record batches between processes.
 
-The writer (a worker) takes a free slot — blocking when all are in flight, which is the data
-plane's backpressure — copies its arrays in and sends a small ``ShmRef`` through its pipe.
-The reader (the server) views the arrays in place, copies them out once and frees the slot.
+The writer (a worker) serializes its batch as an Arrow IPC stream, takes a free slot (waiting
+at most ``timeout`` when all are in flight: the data plane's back-pressure) and copies the
+stream in; a small ``ShmRef`` goes through its pipe. The reader (the server) opens the stream
+on the slot's memory itself: the batch's buffers lie in the segment (zero-copy); once the
+reader is done with it the slot goes back to the free list. A stream larger than a slot, or
+one that found no free slot in time, travels inline (``InlineArrow``), still as Arrow.
 
-    slot i:  [ array 0 bytes | array 1 bytes | ... ]  at  i * slot_bytes
+    slot i:  [ Arrow IPC stream (schema, one record batch) | unused ]  at  i * slot_bytes
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
-from dataclasses import dataclass
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 
-import numpy as np
+import pyarrow as pa
+
+from ragserve.runtime.wire import ArrowPayload, InlineArrow, ShmRef
 
 
-@dataclass(frozen=True)
-class ShmRef:
-    """Where a message's arrays lie: slot index and ``(dtype, shape, offset)`` per array."""
+def ipc_stream(batch: pa.RecordBatch) -> pa.Buffer:
+    """``batch`` as one Arrow IPC stream (schema + the batch)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue()
 
-    slot: int
-    arrays: tuple[tuple[str, tuple[int, ...], int], ...]
+
+def read_stream(buf: pa.Buffer) -> pa.RecordBatch:
+    """The one record batch of the IPC stream in ``buf``, its buffers in place; ``ValueError``
+    if ``buf`` is not such a stream."""
+    try:
+        reader = pa.ipc.open_stream(buf)
+        batch = reader.read_next_batch()
+    except (pa.ArrowInvalid, StopIteration, OSError) as exc:
+        raise ValueError(f"the payload is not an Arrow IPC stream: {exc}") from None
+    return batch
 
 
 class ShmRing:
@@ -39,15 +56,33 @@ class ShmRing:
         """What a worker needs to attach (picklable at process start)."""
         return (self.shm.name, self.num_slots, self.slot_bytes, self.free)
 
-    def read(self, ref: ShmRef) -> list[np.ndarray]:
-        base = ref.slot * self.slot_bytes
-        out = []
-        for dtype, shape, offset in ref.arrays:
-            view = np.ndarray(shape, dtype=dtype, buffer=self.shm.buf, offset=base + offset)
-            out.append(view.copy())
-            del view
-        self.free.put(ref.slot)
-        return out
+    @contextlib.contextmanager
+    def read(self, payload: ArrowPayload) -> Iterator[pa.RecordBatch]:
+        """The batch of ``payload``, read in place; a shared-memory slot is freed when the
+        block ends (the batch must not be used after it). ``ValueError`` for a reference out
+        of the ring or bytes that are no Arrow stream (the slot is freed all the same)."""
+        if isinstance(payload, InlineArrow):
+            yield read_stream(pa.py_buffer(payload.data))
+            return
+        if not 0 <= payload.slot < self.num_slots:
+            raise ValueError(f"slot {payload.slot} is outside the ring of {self.num_slots}")
+        try:
+            if not 0 < payload.num_bytes <= self.slot_bytes:
+                raise ValueError(
+                    f"a payload of {payload.num_bytes} bytes does not fit a slot of "
+                    f"{self.slot_bytes}"
+                )
+            base = payload.slot * self.slot_bytes
+            view = self.shm.buf[base : base + payload.num_bytes]
+            try:
+                yield read_stream(pa.py_buffer(view))
+            finally:
+                # NOTE: the batch (and any array taken from it) must be gone by now, else
+                # releasing the view raises; the slot is reused only after this.
+                with contextlib.suppress(BufferError):
+                    view.release()
+        finally:
+            self.free.put(payload.slot)
 
     def close(self) -> None:
         # NOTE: the free-slot queue owns semaphores; closing it lets them be released when the
@@ -70,24 +105,16 @@ class ShmWriter:
         # segment; the server unlinks it in ``ShmRing.close``.
         self.shm = shared_memory.SharedMemory(name=name)
 
-    def write(self, arrays: list[np.ndarray], timeout: float | None = None) -> ShmRef | None:
-        """Copy ``arrays`` into a free slot; ``None`` if they do not fit in one slot."""
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        if sum(_aligned(a.nbytes) for a in arrays) > self.slot_bytes:
-            return None
+    def write(self, stream: pa.Buffer, timeout: float | None = None) -> ArrowPayload:
+        """``stream`` (an IPC stream, ``ipc_stream``) in a free slot; inline when it is larger
+        than a slot or no slot freed within ``timeout``."""
+        size = stream.size
+        if size > self.slot_bytes:
+            return InlineArrow(stream.to_pybytes())
         try:
             slot = self.free.get(timeout=timeout)
         except queue.Empty:
-            return None
-        base, offset, specs = slot * self.slot_bytes, 0, []
-        for a in arrays:
-            dst = np.ndarray(a.shape, dtype=a.dtype, buffer=self.shm.buf, offset=base + offset)
-            dst[...] = a
-            del dst
-            specs.append((a.dtype.str, tuple(a.shape), offset))
-            offset += _aligned(a.nbytes)
-        return ShmRef(slot, tuple(specs))
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + 63) // 64 * 64
+            return InlineArrow(stream.to_pybytes())
+        base = slot * self.slot_bytes
+        self.shm.buf[base : base + size] = memoryview(stream).cast("B")
+        return ShmRef(slot, size)
