@@ -157,29 +157,31 @@ def test_oversize_results_fail_their_tasks_with_a_clear_error() -> None:
         ring.close()
 
 
+def _read(ring: ShmRing, payload, attach=None, slim: tuple = ()) -> None:
+    with ring.read(payload) as batch:
+        if attach is not None:
+            attach(slim, batch)
+
+
 def test_corrupt_payloads_raise_and_free_their_slot() -> None:
     ring, writer = _ring(slots=1)
     try:
         ring.shm.buf[:16] = b"\xff" * 16  # not an Arrow stream
         with pytest.raises(ValueError, match="not an Arrow IPC stream"):
-            with ring.read(ShmRef(ring.free.get(timeout=1.0), 16)):
-                pass
+            _read(ring, ShmRef(ring.free.get(timeout=1.0), 16))
         ref = writer.write(ipc_stream(retrieval_batch(RESULTS)), timeout=1.0)
         assert isinstance(ref, ShmRef)  # the slot came back
         with pytest.raises(ValueError, match="rows for 2 results") as info:
-            with ring.read(ref) as batch:
-                attach_retrieval(tuple(RESULTS[:2]), batch)
-        del info, batch  # NOTE: the traceback holds the batch, whose buffers lie in the slot
+            _read(ring, ref, attach_retrieval, tuple(RESULTS[:2]))
+        del info  # NOTE: its traceback holds the batch, whose buffers lie in the slot
+        inline = InlineArrow(ipc_stream(retrieval_batch(RESULTS)).to_pybytes())
         with pytest.raises(ValueError, match="schema"):
-            with ring.read(InlineArrow(ipc_stream(retrieval_batch(RESULTS)).to_pybytes())) as b:
-                attach_generation(tuple(UPDATES), b)
+            _read(ring, inline, attach_generation, tuple(UPDATES))
         with pytest.raises(ValueError, match="outside the ring"):
-            with ring.read(ShmRef(5, 16)):
-                pass
+            _read(ring, ShmRef(5, 16))
         slot = ring.free.get(timeout=1.0)
         with pytest.raises(ValueError, match="does not fit a slot"):
-            with ring.read(ShmRef(slot, ring.slot_bytes + 1)):
-                pass
+            _read(ring, ShmRef(slot, ring.slot_bytes + 1))
         assert ring.free.get(timeout=1.0) == slot
     finally:
         ring.close()
