@@ -4,7 +4,6 @@ hangs and fails clearly."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
 
 import pyarrow as pa
@@ -12,9 +11,9 @@ import pytest
 
 from ragserve.graph import Passage
 from ragserve.runtime.arrow_batches import (
-    attach_generation,
     attach_retrieval,
     generation_batch,
+    read_generation,
     retrieval_batch,
 )
 from ragserve.runtime.shm import ShmRing, ShmWriter, ipc_stream
@@ -58,7 +57,7 @@ RESULTS = [
 
 
 def _ring(slots: int = 2, slot_bytes: int = 4096) -> tuple[ShmRing, ShmWriter]:
-    ring = ShmRing(mp.get_context("spawn"), slots, slot_bytes)
+    ring = ShmRing(slots, slot_bytes)
     return ring, ShmWriter(ring.handle())
 
 
@@ -78,7 +77,7 @@ def test_messages_round_trip_through_pickle() -> None:
         SubmitRetrievalMsg((RetrievalTask("r", "q", 2, filter={"a": 1}),)),
         CallRetrievalMsg(7, "embed", (["x"],)),
         CallReplyMsg(7, error=WireError("timeout", "slow")),
-        GenerationResultsMsg(tuple(UPDATES), ShmRef(1, 64), {"running": 1}),
+        GenerationResultsMsg(("a", "b"), ShmRef(1, 64), {"running": 1}),
         RetrievalResultsMsg(tuple(RESULTS), InlineArrow(b"x")),
     ]
     for msg in msgs:
@@ -101,7 +100,7 @@ def test_results_cross_the_ring_and_are_read_in_place() -> None:
             outbox.send_retrieval(RESULTS)
             _read_in_place(ring, conn.sent.pop(0))
             _read_in_place(ring, conn.sent.pop(0))
-        assert sorted(ring.free.get(timeout=1.0) for _ in range(2)) == [0, 1]
+        assert ring.num_free == 2
     finally:
         ring.close()
 
@@ -109,20 +108,19 @@ def test_results_cross_the_ring_and_are_read_in_place() -> None:
 def _read_in_place(ring: ShmRing, msg) -> None:
     assert isinstance(msg.payload, ShmRef)
     is_gen = isinstance(msg, GenerationResultsMsg)
-    slim = msg.updates if is_gen else msg.results
-    assert all(not getattr(u, "new_token_ids", ()) for u in slim)
-    assert all(not getattr(u, "passages", ()) for u in slim)
+    slim = msg.task_ids if is_gen else msg.results
+    assert is_gen or all(not r.passages for r in slim)  # the passages are in the payload
     with ring.read(msg.payload) as batch:
-        lo = pa.py_buffer(ring.shm.buf).address + msg.payload.slot * ring.slot_bytes
+        lo = pa.py_buffer(ring.shm.buf).address + ring.slot_offset(msg.payload.slot)
         addresses = [b.address for c in batch.columns for b in c.buffers() if b and b.size]
         assert addresses and all(lo <= a < lo + msg.payload.num_bytes for a in addresses)
-        out = (attach_generation if is_gen else attach_retrieval)(slim, batch)
+        out = (read_generation if is_gen else attach_retrieval)(slim, batch)
         del batch
     assert out == (UPDATES if is_gen else RESULTS)
 
 
 def test_a_full_ring_or_a_large_payload_goes_inline() -> None:
-    ring, writer = _ring(slots=1, slot_bytes=1024)
+    ring, writer = _ring(slots=1, slot_bytes=4096)
     try:
         small = ipc_stream(generation_batch(UPDATES[:1]))
         first = writer.write(small, timeout=1.0)
@@ -135,7 +133,7 @@ def test_a_full_ring_or_a_large_payload_goes_inline() -> None:
         inline = writer.write(ipc_stream(generation_batch(big)), timeout=1.0)
         assert isinstance(inline, InlineArrow)
         with ring.read(inline) as batch:
-            assert attach_generation(tuple(big), batch) == big
+            assert read_generation(("x",), batch) == big
     finally:
         ring.close()
 
@@ -166,9 +164,12 @@ def _read(ring: ShmRing, payload, attach=None, slim: tuple = ()) -> None:
 def test_corrupt_payloads_raise_and_free_their_slot() -> None:
     ring, writer = _ring(slots=1)
     try:
-        ring.shm.buf[:16] = b"\xff" * 16  # not an Arrow stream
+        ref = writer.write(ipc_stream(retrieval_batch(RESULTS)), timeout=1.0)
+        base = ring.slot_offset(ref.slot)
+        ring.shm.buf[base : base + 16] = b"\xff" * 16  # no longer an Arrow stream
         with pytest.raises(ValueError, match="not an Arrow IPC stream"):
-            _read(ring, ShmRef(ring.free.get(timeout=1.0), 16))
+            _read(ring, ref)
+        assert ring.num_free == 1
         ref = writer.write(ipc_stream(retrieval_batch(RESULTS)), timeout=1.0)
         assert isinstance(ref, ShmRef)  # the slot came back
         with pytest.raises(ValueError, match="rows for 2 results") as info:
@@ -176,12 +177,13 @@ def test_corrupt_payloads_raise_and_free_their_slot() -> None:
         del info  # NOTE: its traceback holds the batch, whose buffers lie in the slot
         inline = InlineArrow(ipc_stream(retrieval_batch(RESULTS)).to_pybytes())
         with pytest.raises(ValueError, match="schema"):
-            _read(ring, inline, attach_generation, tuple(UPDATES))
+            _read(ring, inline, read_generation, ("a", "b", "c"))
         with pytest.raises(ValueError, match="outside the ring"):
             _read(ring, ShmRef(5, 16))
-        slot = ring.free.get(timeout=1.0)
+        ref = writer.write(ipc_stream(retrieval_batch(RESULTS)), timeout=1.0)
+        assert ring.num_free == 0
         with pytest.raises(ValueError, match="does not fit a slot"):
-            _read(ring, ShmRef(slot, ring.slot_bytes + 1))
-        assert ring.free.get(timeout=1.0) == slot
+            _read(ring, ShmRef(ref.slot, ring.slot_bytes + 1))
+        assert ring.num_free == 1
     finally:
         ring.close()

@@ -1,17 +1,20 @@
-"""The arrays and passages of worker results as Arrow record batches (one row per result).
+"""Worker results as Arrow record batches (one row per update / result).
 
-    generation:  prompt_token_ids list<int64> (null: not sent) | new_token_ids list<int64>
-    retrieval:   passages list<struct<doc_id, text, title, score>>
+    generation:  every ``GenerationUpdate`` field as a column (token ids list<int64>; the
+                 prompt's null when not sent)
+    retrieval:   passages list<struct<doc_id, text, title, score>>; the slim results (the
+                 three result classes, without passages) ride in the message (``wire.py``)
+                 and ``attach_retrieval`` puts the passages back into them.
 
-The slim messages (``wire.py``) carry everything else; ``attach_*`` puts the columns back
-into them. Reading uses the batch's buffers in place (a batch read from shared memory is never
-copied before this); the Python values built here (``Passage``, token tuples) are what the
-scheduler then uses.
+Reading uses the batch's buffers in place (a batch read from shared memory is never copied
+before this); the Python values built here (``Passage``, token tuples) are what the scheduler
+then uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import itertools
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -21,7 +24,20 @@ from ragserve.graph import Passage
 from ragserve.scheduler import GenerationUpdate
 
 TOKENS = pa.list_(pa.int64())
-GENERATION_SCHEMA = pa.schema([("prompt_token_ids", TOKENS), ("new_token_ids", TOKENS)])
+GENERATION_SCHEMA = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("text_delta", pa.string()),
+        ("new_token_ids", TOKENS),
+        ("finished", pa.bool_()),
+        ("finish_reason", pa.string()),
+        ("prompt_token_ids", TOKENS),
+        ("final_text", pa.string()),
+        ("error", pa.string()),
+        ("error_kind", pa.string()),
+    ]
+)
+_TOKEN_FIELDS = frozenset({"new_token_ids", "prompt_token_ids"})
 PASSAGE = pa.struct(
     [
         ("doc_id", pa.string()),
@@ -34,34 +50,48 @@ RETRIEVAL_SCHEMA = pa.schema([("passages", pa.list_(PASSAGE))])
 
 
 def generation_batch(updates: list[GenerationUpdate]) -> pa.RecordBatch:
-    """The token ids of ``updates``, one row each."""
-    prompts = [u.prompt_token_ids for u in updates]
-    return pa.record_batch(
-        [
-            pa.array(prompts, type=TOKENS),
-            pa.array([u.new_token_ids for u in updates], type=TOKENS),
-        ],
-        schema=GENERATION_SCHEMA,
+    """``updates``, one row each."""
+    columns = []
+    for field in GENERATION_SCHEMA:
+        values = [getattr(u, field.name) for u in updates]
+        if field.name in _TOKEN_FIELDS:
+            columns.append(_tokens_column(values))
+        else:
+            columns.append(pa.array(values, type=field.type))
+    return pa.record_batch(columns, schema=GENERATION_SCHEMA)
+
+
+def _tokens_column(rows: list[tuple[int, ...] | None]) -> pa.ListArray:
+    """``rows`` as a list<int64> column (``None`` rows null), built from flat arrays."""
+    offsets = list(itertools.accumulate((len(r) if r else 0 for r in rows), initial=0))
+    values = np.fromiter(
+        itertools.chain.from_iterable(r for r in rows if r), dtype=np.int64, count=offsets[-1]
     )
+    mask = None
+    if any(r is None for r in rows):
+        mask = pa.array([r is None for r in rows], type=pa.bool_())
+    offsets_array = pa.array(offsets, type=pa.int32())
+    return pa.ListArray.from_arrays(offsets_array, pa.array(values), type=TOKENS, mask=mask)
 
 
-def attach_generation(slim: tuple[GenerationUpdate, ...], batch: pa.RecordBatch) -> list:
-    """``slim`` updates with their token ids from ``batch`` (``ValueError`` if it does not
-    match them)."""
-    _check(batch, GENERATION_SCHEMA, len(slim))
-    prompts = _token_rows(batch.column(0))
-    news = _token_rows(batch.column(1))
-    return [
-        replace(u, prompt_token_ids=p, new_token_ids=n or ())
-        for u, p, n in zip(slim, prompts, news, strict=True)
+def read_generation(task_ids: tuple[str, ...], batch: pa.RecordBatch) -> list:
+    """The ``GenerationUpdate``s of ``batch`` (``ValueError`` unless they are those of
+    ``task_ids``, in order)."""
+    _check(batch, GENERATION_SCHEMA, len(task_ids))
+    columns = [
+        _token_rows(column) if field.name in _TOKEN_FIELDS else column.to_pylist()
+        for field, column in zip(GENERATION_SCHEMA, batch.columns, strict=True)
     ]
+    if columns[0] != list(task_ids):
+        raise ValueError("the payload's task ids are not the message's")
+    columns[2] = [ids or () for ids in columns[2]]
+    return [GenerationUpdate(*row) for row in zip(*columns, strict=True)]
 
 
 def retrieval_batch(results: list[Any]) -> pa.RecordBatch:
     """The passages of ``results`` (anything with a ``passages`` tuple), one row each."""
     flat = [p for r in results for p in r.passages]
-    offsets = np.zeros(len(results) + 1, dtype=np.int32)
-    np.cumsum([len(r.passages) for r in results], out=offsets[1:])
+    offsets = list(itertools.accumulate((len(r.passages) for r in results), initial=0))
     passages = pa.StructArray.from_arrays(
         [
             pa.array([p.doc_id for p in flat], type=pa.string()),
@@ -71,7 +101,8 @@ def retrieval_batch(results: list[Any]) -> pa.RecordBatch:
         ],
         fields=list(PASSAGE),
     )
-    column = pa.ListArray.from_arrays(pa.array(offsets), passages, type=pa.list_(PASSAGE))
+    offsets_array = pa.array(offsets, type=pa.int32())
+    column = pa.ListArray.from_arrays(offsets_array, passages, type=pa.list_(PASSAGE))
     return pa.record_batch([column], schema=RETRIEVAL_SCHEMA)
 
 
@@ -85,9 +116,24 @@ def attach_retrieval(slim: tuple[Any, ...], batch: pa.RecordBatch) -> list:
     fields = [values.field(i).to_pylist() for i in range(4)]
     passages = [Passage(*row) for row in zip(*fields, strict=True)]
     return [
-        replace(r, passages=tuple(passages[offsets[i] : offsets[i + 1]]))
+        with_fields(r, passages=tuple(passages[offsets[i] : offsets[i + 1]]))
         for i, r in enumerate(slim)
     ]
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def with_fields(obj: Any, **changes: Any) -> Any:
+    """``dataclasses.replace(obj, **changes)`` for the plain frozen result dataclasses, without
+    its per-call introspection (it dominated a message's cost)."""
+    cls = type(obj)
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls) if f.init)
+    values = {n: getattr(obj, n) for n in names}
+    values.update(changes)
+    return cls(**values)
 
 
 def _token_rows(column: pa.ListArray) -> list[tuple[int, ...] | None]:

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
 
-from ragserve.runtime.arrow_batches import attach_generation, attach_retrieval
+from ragserve.runtime.arrow_batches import attach_retrieval, read_generation
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
@@ -116,7 +116,7 @@ class WorkerHandle:
     def _start(self) -> None:
         self.inbox = self.ctx.Queue(maxsize=self.config.queue_size)
         self.conn, child_conn = self.ctx.Pipe(duplex=False)
-        self.ring = ShmRing(self.ctx, self.config.shm_slots, self.config.shm_slot_bytes)
+        self.ring = ShmRing(self.config.shm_slots, self.config.shm_slot_bytes)
         self.proc = self.ctx.Process(
             target=worker_main,
             args=(self.spec, self.inbox, child_conn, self.ring.handle()),
@@ -378,16 +378,17 @@ class ProcessExecutor(BaseExecutor):
         """The slim updates / results with their Arrow payload attached, read in place from
         the ring; a payload that cannot be read fails the tasks it carried."""
         is_gen = isinstance(msg, GenerationResultsMsg)
-        slim = msg.updates if is_gen else msg.results
+        slim = msg.task_ids if is_gen else msg.results
         try:
-            attach = attach_generation if is_gen else attach_retrieval
+            read = read_generation if is_gen else attach_retrieval
             with worker.ring.read(msg.payload) as batch:
-                updates = attach(slim, batch)
+                updates = read(slim, batch)
                 del batch
         except ValueError as exc:
             logger.error("a %s worker result could not be read: %s", worker.spec.kind, exc)
             reason = f"the {worker.spec.kind} worker's result could not be read: {exc}"
-            updates = self._failed(worker, [u.task_id for u in slim], reason, "internal")
+            ids = msg.task_ids if is_gen else [r.task_id for r in msg.results]
+            updates = self._failed(worker, ids, reason, "internal")
         if is_gen and msg.stats is not None:
             worker.engine_stats = msg.stats
         done = [u.task_id for u in updates if getattr(u, "finished", True)]

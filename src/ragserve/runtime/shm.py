@@ -4,16 +4,22 @@ The writer (a worker) serializes its batch as an Arrow IPC stream, takes a free 
 at most ``timeout`` when all are in flight: the data plane's back-pressure) and copies the
 stream in; a small ``ShmRef`` goes through its pipe. The reader (the server) opens the stream
 on the slot's memory itself: the batch's buffers lie in the segment (zero-copy); once the
-reader is done with it the slot goes back to the free list. A stream larger than a slot, or
-one that found no free slot in time, travels inline (``InlineArrow``), still as Arrow.
+reader is done with it the slot is free again. A stream larger than a slot, or one that found
+no free slot in time, travels inline (``InlineArrow``), still as Arrow.
 
-    slot i:  [ Arrow IPC stream (schema, one record batch) | unused ]  at  i * slot_bytes
+    [ flags: 1 byte per slot | pad to 64 ] [ slot 0 ] [ slot 1 ] ...   slot i at
+    header + i * slot_bytes:  [ Arrow IPC stream (schema, one record batch) | unused ]
+
+A slot's flag is 0 (free) or 1 (written, not yet read). One writer (the worker) and one reader
+(the server's scheduler thread) per ring: only the writer sets 0 -> 1 and only the reader
+1 -> 0, so no lock is needed; the ``ShmRef`` travels through a pipe (a system call) after the
+slot is written, which orders the writes before the reader's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import queue
+import time
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 
@@ -44,17 +50,24 @@ def read_stream(buf: pa.Buffer) -> pa.RecordBatch:
 class ShmRing:
     """Owner side (server): creates the segment and the free-slot queue; ``close()`` unlinks."""
 
-    def __init__(self, ctx, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.shm = shared_memory.SharedMemory(create=True, size=num_slots * slot_bytes)
-        self.free = ctx.Queue()
-        for i in range(num_slots):
-            self.free.put(i)
+        size = _header_bytes(num_slots) + num_slots * slot_bytes
+        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        self.shm.buf[:num_slots] = bytes(num_slots)
 
-    def handle(self) -> tuple[str, int, int, object]:
+    def handle(self) -> tuple[str, int, int]:
         """What a worker needs to attach (picklable at process start)."""
-        return (self.shm.name, self.num_slots, self.slot_bytes, self.free)
+        return (self.shm.name, self.num_slots, self.slot_bytes)
+
+    def slot_offset(self, slot: int) -> int:
+        """Where ``slot`` starts in the segment."""
+        return _header_bytes(self.num_slots) + slot * self.slot_bytes
+
+    @property
+    def num_free(self) -> int:
+        return bytes(self.shm.buf[: self.num_slots]).count(0)
 
     @contextlib.contextmanager
     def read(self, payload: ArrowPayload) -> Iterator[pa.RecordBatch]:
@@ -72,7 +85,7 @@ class ShmRing:
                     f"a payload of {payload.num_bytes} bytes does not fit a slot of "
                     f"{self.slot_bytes}"
                 )
-            base = payload.slot * self.slot_bytes
+            base = self.slot_offset(payload.slot)
             view = self.shm.buf[base : base + payload.num_bytes]
             try:
                 yield read_stream(pa.py_buffer(view))
@@ -82,13 +95,9 @@ class ShmRing:
                 with contextlib.suppress(BufferError):
                     view.release()
         finally:
-            self.free.put(payload.slot)
+            self.shm.buf[payload.slot] = 0
 
     def close(self) -> None:
-        # NOTE: the free-slot queue owns semaphores; closing it lets them be released when the
-        # ring is dropped (a restarted worker's old ring would otherwise leak them).
-        self.free.cancel_join_thread()
-        self.free.close()
         try:
             self.shm.close()
             self.shm.unlink()
@@ -99,8 +108,8 @@ class ShmRing:
 class ShmWriter:
     """Worker side: attaches to a ring by its handle."""
 
-    def __init__(self, handle: tuple[str, int, int, object]) -> None:
-        name, self.num_slots, self.slot_bytes, self.free = handle
+    def __init__(self, handle: tuple[str, int, int]) -> None:
+        name, self.num_slots, self.slot_bytes = handle
         # NOTE: spawned workers share the server's resource tracker, which already tracks the
         # segment; the server unlinks it in ``ShmRing.close``.
         self.shm = shared_memory.SharedMemory(name=name)
@@ -109,12 +118,25 @@ class ShmWriter:
         """``stream`` (an IPC stream, ``ipc_stream``) in a free slot; inline when it is larger
         than a slot or no slot freed within ``timeout``."""
         size = stream.size
-        if size > self.slot_bytes:
+        slot = self._free_slot(timeout) if size <= self.slot_bytes else None
+        if slot is None:
             return InlineArrow(stream.to_pybytes())
-        try:
-            slot = self.free.get(timeout=timeout)
-        except queue.Empty:
-            return InlineArrow(stream.to_pybytes())
-        base = slot * self.slot_bytes
+        base = _header_bytes(self.num_slots) + slot * self.slot_bytes
         self.shm.buf[base : base + size] = memoryview(stream).cast("B")
+        self.shm.buf[slot] = 1
         return ShmRef(slot, size)
+
+    def _free_slot(self, timeout: float | None) -> int | None:
+        """A free slot, waiting (polling every 0.5 ms) up to ``timeout``; ``None`` if none."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            slot = bytes(self.shm.buf[: self.num_slots]).find(0)
+            if slot >= 0:
+                return slot
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.0005)
+
+
+def _header_bytes(num_slots: int) -> int:
+    return (num_slots + 63) // 64 * 64

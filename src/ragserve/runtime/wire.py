@@ -7,11 +7,12 @@ Server -> worker (the worker's bounded inbox; pickled by the sender, ``encode``)
     ShutdownMsg()                                                   either
 
 Worker -> server (its pipe): ``ReadyMsg``, ``FatalMsg``, ``EngineStatsMsg``,
-``GenerationResultsMsg`` / ``RetrievalResultsMsg`` (the slim updates / results plus an
-``ArrowPayload`` holding their token ids / passages, ``runtime/arrow_batches.py``) and
-``CallReplyMsg``. Each side dispatches on the message's type through an explicit table, never
-on a name read from the wire; ``CallRetrievalMsg.method`` is looked up in
-``RETRIEVAL_CALLS``, a fixed table of the retrieval runner's callable methods.
+``GenerationResultsMsg`` (its task ids plus an ``ArrowPayload`` holding the updates),
+``RetrievalResultsMsg`` (the slim results plus an ``ArrowPayload`` holding their passages;
+``runtime/arrow_batches.py``) and ``CallReplyMsg``. Each side dispatches on the message's
+type through an explicit table, never on a name read from the wire;
+``CallRetrievalMsg.method`` is looked up in ``RETRIEVAL_CALLS``, a fixed table of the
+retrieval runner's callable methods.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ragserve.scheduler import GenerationTask, GenerationUpdate, RetrievalTask
+from ragserve.scheduler import GenerationTask, RetrievalTask
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,10 @@ class EngineStatsMsg:
 
 @dataclass(frozen=True)
 class GenerationResultsMsg:
-    """``updates`` without their token ids (``new_token_ids=()``, ``prompt_token_ids=None``);
-    ``payload`` holds them, one row per update. ``stats``: the engine's, or ``None``."""
+    """The ``GenerationUpdate``s of ``task_ids``, one row each in ``payload``; ``stats``: the
+    engine's, or ``None``."""
 
-    updates: tuple[GenerationUpdate, ...]
+    task_ids: tuple[str, ...]
     payload: ArrowPayload
     stats: dict[str, Any] | None = None
 

@@ -23,10 +23,12 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from ragserve.runtime.arrow_batches import generation_batch, retrieval_batch
+import pyarrow as pa
+
+from ragserve.runtime.arrow_batches import generation_batch, retrieval_batch, with_fields
 from ragserve.runtime.errors import error_kind_of
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmWriter, ipc_stream
@@ -135,25 +137,25 @@ class Outbox:
         self.conn.send_bytes(data)
 
     def send_generation(self, updates: list, stats: dict | None) -> None:
-        """``updates`` as a ``GenerationResultsMsg``: token ids in an Arrow payload."""
-        slim = tuple(replace(u, new_token_ids=(), prompt_token_ids=None) for u in updates)
+        """``updates`` as a ``GenerationResultsMsg``: the updates in an Arrow payload."""
+        task_ids = tuple(u.task_id for u in updates)
 
         def failed(reason: str) -> GenerationResultsMsg:
-            errors = [_failed_update(u, reason) for u in slim]
-            return GenerationResultsMsg(tuple(errors), self._payload(generation_batch(errors)))
+            errors = [_failed_update(t, reason) for t in task_ids]
+            return GenerationResultsMsg(task_ids, self._payload(generation_batch(errors)))
 
         try:
             payload = self._payload(generation_batch(updates))
-        except (ValueError, OverflowError, TypeError) as exc:
+        except (ValueError, OverflowError, TypeError, pa.ArrowException) as exc:
             self.send(failed(f"the result cannot be sent back: {exc}"), failed)
             return
-        self.send(GenerationResultsMsg(slim, payload, stats), failed)
+        self.send(GenerationResultsMsg(task_ids, payload, stats), failed)
 
     def send_retrieval(self, results: list) -> None:
         """``results`` as a ``RetrievalResultsMsg``: passages in an Arrow payload."""
         from ragserve.scheduler import RetrievalResult
 
-        slim = tuple(replace(r, passages=()) for r in results)
+        slim = tuple(with_fields(r, passages=()) for r in results)
 
         def failed(reason: str) -> RetrievalResultsMsg:
             errors = [RetrievalResult(r.task_id, (), reason, error_kind="internal") for r in slim]
@@ -161,7 +163,7 @@ class Outbox:
 
         try:
             payload = self._payload(retrieval_batch(results))
-        except (ValueError, OverflowError, TypeError) as exc:
+        except (ValueError, OverflowError, TypeError, pa.ArrowException) as exc:
             self.send(failed(f"the result cannot be sent back: {exc}"), failed)
             return
         self.send(RetrievalResultsMsg(slim, payload), failed)
@@ -176,12 +178,10 @@ class Outbox:
         return self.writer.write(stream, timeout=SLOT_WAIT_S)
 
 
-def _failed_update(update: Any, reason: str) -> Any:
+def _failed_update(task_id: str, reason: str) -> Any:
     from ragserve.scheduler import GenerationUpdate
 
-    return GenerationUpdate(
-        update.task_id, "", (), True, "error", error=reason, error_kind="internal"
-    )
+    return GenerationUpdate(task_id, "", (), True, "error", error=reason, error_kind="internal")
 
 
 def _thread_local_progress_lock() -> None:
