@@ -114,7 +114,11 @@ def _export(rev: str, out: Path) -> Path:
 def _child(args, side: str, src: Path, data: Path) -> dict:
     cmd = [sys.executable, __file__, "--preset", args.preset, "--side", side, "--data", str(data)]
     cmd += ["--num", str(args.num)] if args.num else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(REPO / "bench")])}
+    # NOTE: the side's source first; other entries (e.g. a --target site of wheels) kept
+    inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    keep = [p for p in inherited if p and Path(p).resolve() != (REPO / "src").resolve()]
+    path = os.pathsep.join([str(src), str(REPO / "bench"), *keep])
+    env = {**os.environ, "PYTHONPATH": path}
     logger.info("side %s from %s", side, src)
     out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -132,6 +136,7 @@ def run_side(args) -> dict:
     questions = data["questions"][: num + 1]
     config = ServerConfig(engine_kwargs=data["engine_kwargs"], default_nprobe=data["nprobe"])
     graph = oneshot(topk=p.topk, nprobe=data["nprobe"], max_tokens=p.max_tokens)
+    data_plane = data_plane_us()
     responses, busy = [], []
     with tempfile.TemporaryDirectory() as trace:
         os.environ[TRACE_ENV] = trace  # NOTE: read by this module in the spawned workers
@@ -157,7 +162,80 @@ def run_side(args) -> dict:
         }  # fmt: skip
         for r, b in zip(responses[1:], busy[1:], strict=True)  # the first is a warm-up
     ]
-    return {"src": ragserve.__file__, "served": served}
+    return {"src": ragserve.__file__, "served": served, "data_plane_us": data_plane}
+
+
+def data_plane_us(repeats: int = 300) -> dict[str, float]:
+    """Best-of-``repeats`` microseconds for one results message to cross (worker side: build
+    and send into a pipe stand-in and the ring; server side: receive and decode), for a
+    generation step of 64 updates (one with a 400-token prompt) and a retrieval batch of 32
+    results x 3 passages of ~650 characters. Feature-detects the side's data plane."""
+    import pickle
+
+    from ragserve.graph import Passage
+    from ragserve.runtime import workers
+    from ragserve.runtime.shm import ShmRing, ShmWriter
+    from ragserve.scheduler import GenerationUpdate, RetrievalResult
+
+    text = "lorem ipsum dolor sit amet " * 24
+    results = [RetrievalResult(f"t{i}", tuple(Passage(f"d{i}-{j}", text, "Title", 0.5 + j)
+               for j in range(3))) for i in range(32)]  # fmt: skip
+    updates = [GenerationUpdate(f"g{i}", " tok", (1234,), False) for i in range(63)]
+    updates.append(GenerationUpdate("p", "a", (7,), False, prompt_token_ids=tuple(range(400))))
+
+    class Pipe:
+        def send_bytes(self, data: bytes) -> None:
+            self.data = data
+
+        def send(self, msg) -> None:
+            self.data = pickle.dumps(msg)
+
+    pipe = Pipe()
+    if hasattr(workers, "Outbox"):  # after: typed messages, Arrow payloads
+        from ragserve.runtime.arrow_batches import attach_retrieval, read_generation
+
+        ring = ShmRing(4, 1 << 20)
+        outbox = workers.Outbox(pipe, ShmWriter(ring.handle()), 1 << 28)
+
+        def gen() -> None:
+            outbox.send_generation(updates, None)
+            msg = pickle.loads(pipe.data)
+            with ring.read(msg.payload) as batch:
+                read_generation(msg.task_ids, batch)
+                del batch
+
+        def ret() -> None:
+            outbox.send_retrieval(results)
+            msg = pickle.loads(pipe.data)
+            with ring.read(msg.payload) as batch:
+                attach_retrieval(msg.results, batch)
+                del batch
+    else:  # before: positional tuples, numpy token ids in the ring, pickled passages
+        import multiprocessing as mp
+
+        ring = ShmRing(mp.get_context("spawn"), 4, 1 << 20)
+        writer = ShmWriter(ring.handle())
+
+        def gen() -> None:
+            workers._send_generation(pipe, writer, updates, None)
+            _, slim, ref, _ = pickle.loads(pipe.data)
+            workers.unpack_generation(slim, ring.read(ref))
+
+        def ret() -> None:
+            workers._send(pipe, ("ret", results, None), None)
+            pickle.loads(pipe.data)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e6 * min(times)
+
+    out = {"generation": best(gen), "retrieval": best(ret)}
+    ring.close()
+    return out
 
 
 def _covered(intervals: list[list[float]], lo: float, hi: float) -> float:
@@ -247,6 +325,7 @@ def summarize(side: dict) -> dict:
         / nodes,
         "orchestration_share": sum(orchestration) / e2e,
         "scheduler_ms_per_node": 1e3 * sum(r["scheduler"] for r in served) / nodes,
+        "data_plane_us": side["data_plane_us"],
     }
 
 
@@ -254,13 +333,15 @@ def report(result: dict) -> str:
     lines = [f"preset {result['preset']}, {result['num']} oneshot questions per side, "
              f"before = {result['before']}, {result['wall_s']:.0f} s",
              "| side | e2e mean s | model mean s | orchestration ms/node (median) "
-             "| orchestration share | scheduler work ms/node |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| orchestration share | scheduler work ms/node | message us: generation "
+             "/ retrieval |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for side, r in result["sides"].items():
         lines.append(
             f"| {side} | {r['e2e_s_mean']:.3f} | {r['model_s_mean']:.3f} | "
             f"{r['orchestration_ms_per_node']:.2f} ({r['orchestration_ms_per_node_median']:.2f})"
-            f" | {100 * r['orchestration_share']:.1f} % | {r['scheduler_ms_per_node']:.2f} |"
+            f" | {100 * r['orchestration_share']:.1f} % | {r['scheduler_ms_per_node']:.2f} | "
+            f"{r['data_plane_us']['generation']:.0f} / {r['data_plane_us']['retrieval']:.0f} |"
         )
     return "\n".join(lines)
 
