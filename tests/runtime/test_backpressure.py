@@ -23,6 +23,7 @@ def _stopped(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "T"
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_a_flood_is_bounded_and_the_rest_is_overloaded(tiny_model: str, small_index: str) -> None:
     config = ServerConfig(queue_size=2, max_pending_messages=3)

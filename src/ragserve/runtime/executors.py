@@ -94,6 +94,9 @@ class LocalExecutor(BaseExecutor):
             fut.set_exception(exc)
         return fut
 
+    def close(self) -> None:
+        self.generation.close()
+
 
 class WorkerHandle:
     """One worker process, its bounded inbox, result pipe and shared-memory ring.
