@@ -15,6 +15,7 @@ import time
 import pytest
 
 from ragserve.graph import END, START, RAGraph, State
+from ragserve.runtime.wire import EngineStatsMsg, GenerationResultsMsg
 from ragserve.scheduler import GenerationParams, RequestState, Scheduler
 from ragserve.scheduler.split import SplitTransform
 
@@ -154,10 +155,10 @@ def test_chunked_over_the_worker_process_equals_per_step(tiny_model: str, small_
 def test_counts_worker_process(tiny_model: str, small_index: str) -> None:
     executor = process_executor(tiny_model, small_index)
     worker = executor.workers["gen"]
-    kinds: list[str] = []
+    kinds: list[type] = []
     unpack = executor._unpack
     executor._unpack = lambda w, msg: (
-        (kinds.append(msg[0]) if w is worker else None) or unpack(w, msg)
+        (kinds.append(type(msg)) if w is worker else None) or unpack(w, msg)
     )
     results = {}
     try:
@@ -165,7 +166,10 @@ def test_counts_worker_process(tiny_model: str, small_index: str) -> None:
             kinds.clear()
             transforms = () if budget is None else (SplitTransform(budget_s=budget),)
             got = results[budget, poll_timeout] = serve(executor, transforms, poll_timeout)
-            got["gen_messages"], got["stats_messages"] = kinds.count("gen"), kinds.count("stats")
+            got["gen_messages"], got["stats_messages"] = (
+                kinds.count(GenerationResultsMsg),
+                kinds.count(EngineStatsMsg),
+            )
     finally:
         executor.close()
     check("worker-process", results)

@@ -303,6 +303,14 @@ class LLMEngine:
         return [final[rid] for rid in ids]
 
     # ------------------------------------------------------------------ helpers
+    def tokenize(self, prompt: str) -> list[int]:
+        """The token ids ``add_request`` makes of the text ``prompt`` (a BOS unless the text
+        starts with one); thread-safe next to ``step`` (the tokenizer is only read).
+        ``ValueError`` for a model without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return self._tokenize(prompt)
+
     def _tokenize_segment(self, text: str, is_first: bool) -> list[int]:
         if is_first:
             return self._tokenize(text)

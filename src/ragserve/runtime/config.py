@@ -56,6 +56,13 @@ class ServerConfig:
     ``document_limits`` first (``ValueError`` naming the field). ``health_stall_s``: a
     scheduler loop silent for longer makes ``Server.health()`` unhealthy.
 
+    Data plane (``docs/architecture.md``): each worker's inbox holds ``queue_size``
+    messages and the server keeps at most ``max_pending_messages`` more waiting for room;
+    past that, tasks fail as ``overloaded`` (HTTP 429). Results' token ids and passages
+    cross as Arrow batches in ``shm_slots`` shared-memory slots of ``shm_slot_bytes`` (larger
+    ones inline through the pipe, up to ``max_message_bytes``; past it the tasks fail).
+    ``tokenizer_prefetch``: prompts are tokenized on a CPU thread ahead of the engine step.
+
     ``cosched`` is data (which co-scheduling optimizations run, and their knobs); the
     ``Server`` builds the transforms from it (``make_transforms``). The default runs them all;
     ``CoScheduleConfig.none()`` is the plain wavefront scheduler.
@@ -81,8 +88,11 @@ class ServerConfig:
     default_nprobe: int | None = None
     max_active_requests: int = 256
     queue_size: int = 64
+    max_pending_messages: int = 256
     shm_slots: int = 32
     shm_slot_bytes: int = 1 << 20
+    max_message_bytes: int = 1 << 28
+    tokenizer_prefetch: bool = True
     worker_start_timeout: float = 600.0
     max_node_runs: int = 256
     poll_timeout: float = 0.02
@@ -114,8 +124,10 @@ class ServerConfig:
         names = (
             "max_active_requests",
             "queue_size",
+            "max_pending_messages",
             "shm_slots",
             "shm_slot_bytes",
+            "max_message_bytes",
             "max_num_calls",
         )
         for name in names:

@@ -13,12 +13,28 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
 
+from ragserve.runtime.arrow_batches import attach_retrieval, read_generation
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmRing
+from ragserve.runtime.wire import (
+    AbortGenerationMsg,
+    CallReplyMsg,
+    CallRetrievalMsg,
+    EngineStatsMsg,
+    FatalMsg,
+    GenerationResultsMsg,
+    ReadyMsg,
+    RetrievalResultsMsg,
+    ShutdownMsg,
+    SubmitGenerationMsg,
+    SubmitRetrievalMsg,
+    check_call,
+    encode,
+)
 from ragserve.runtime.worker_start import worker_context, worker_process
-from ragserve.runtime.workers import WorkerSpec, encode, unpack_generation, worker_main
+from ragserve.runtime.workers import WorkerSpec, worker_main
 from ragserve.scheduler import (
     BaseExecutor,
     GenerationTask,
@@ -73,14 +89,21 @@ class LocalExecutor(BaseExecutor):
     def call_retrieval(self, name: str, *args: Any) -> Future:
         fut: Future = Future()
         try:
-            fut.set_result(getattr(self.retrieval, name)(*args))
+            fut.set_result(check_call(name)(self.retrieval, *args))
         except Exception as exc:
             fut.set_exception(exc)
         return fut
 
+    def close(self) -> None:
+        self.generation.close()
+
 
 class WorkerHandle:
-    """One worker process, its bounded inbox, result pipe and shared-memory ring."""
+    """One worker process, its bounded inbox, result pipe and shared-memory ring.
+
+    ``pending`` holds encoded messages waiting for room in the inbox; it is bounded too:
+    ``has_room`` is false at ``config.max_pending_messages`` and submitters then fail their
+    tasks as ``overloaded`` (an abort or shutdown always queues: aborts free work)."""
 
     def __init__(self, spec: WorkerSpec, config: ServerConfig, ctx: Any) -> None:
         self.spec, self.config, self.ctx = spec, config, ctx
@@ -96,7 +119,7 @@ class WorkerHandle:
     def _start(self) -> None:
         self.inbox = self.ctx.Queue(maxsize=self.config.queue_size)
         self.conn, child_conn = self.ctx.Pipe(duplex=False)
-        self.ring = ShmRing(self.ctx, self.config.shm_slots, self.config.shm_slot_bytes)
+        self.ring = ShmRing(self.config.shm_slots, self.config.shm_slot_bytes)
         self.proc = worker_process(
             self.ctx,
             worker_main,
@@ -120,17 +143,21 @@ class WorkerHandle:
             ) from None
         self._on_message(msg)
 
-    def _on_message(self, msg: tuple) -> None:
-        if msg[0] == "fatal":
-            raise RuntimeError(f"{self.spec.kind} worker failed to start:\n{msg[1]}")
-        if msg[0] != "ready":
-            raise RuntimeError(f"{self.spec.kind} worker sent {msg[0]!r} before 'ready'")
+    def _on_message(self, msg: Any) -> None:
+        if isinstance(msg, FatalMsg):
+            raise RuntimeError(f"{self.spec.kind} worker failed to start:\n{msg.traceback}")
+        if not isinstance(msg, ReadyMsg):
+            raise RuntimeError(f"{self.spec.kind} worker sent {type(msg).__name__} before ready")
         self.ready = True
 
     def send(self, msg: Any) -> None:
         """Queue ``msg`` (pickled now: ``encode`` raises here if it cannot be) and flush."""
         self.pending.append(encode(msg))
         self.flush()
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.pending) < self.config.max_pending_messages
 
     @property
     def is_up(self) -> bool:
@@ -157,7 +184,7 @@ class WorkerHandle:
     def close(self, join_timeout: float = 5.0) -> None:
         if self.proc.is_alive():
             with contextlib.suppress(queue.Full, ValueError, OSError):
-                self.inbox.put(None, timeout=1.0)
+                self.inbox.put(encode(ShutdownMsg()), timeout=1.0)
             self.proc.join(join_timeout)
         if self.proc.is_alive():
             self.proc.kill()
@@ -173,8 +200,9 @@ class ProcessExecutor(BaseExecutor):
     fork server, or spawned: ``config.worker_start_method``, ``worker_start.py``).
 
     A worker that dies is restarted; the tasks it held end with an error update, requests on
-    the other worker continue. Messages wait in a local queue while a worker's inbox is full
-    (backpressure without blocking the scheduler).
+    the other worker continue. Messages wait in a bounded local queue while a worker's inbox
+    is full (back-pressure without blocking the scheduler); past that bound tasks fail as
+    ``overloaded`` (HTTP 429) and calls raise ``WorkerError("overloaded")``.
     """
 
     def __init__(self, gen_spec: WorkerSpec, ret_spec: WorkerSpec, config: ServerConfig) -> None:
@@ -194,27 +222,34 @@ class ProcessExecutor(BaseExecutor):
             raise
 
     def submit_generation(self, tasks: list[GenerationTask]) -> None:
-        self._submit(self.workers["gen"], ("gen", tasks))
+        self._submit(self.workers["gen"], SubmitGenerationMsg, tasks)
 
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
-        self._submit(self.workers["ret"], ("ret", tasks))
+        self._submit(self.workers["ret"], SubmitRetrievalMsg, tasks)
 
-    def _submit(self, worker: WorkerHandle, msg: tuple) -> None:
-        tasks = msg[1]
+    def _submit(self, worker: WorkerHandle, msg_type: type, tasks: list) -> None:
         if worker.broken is not None:
             self._errors.extend(self._failed(worker, [t.task_id for t in tasks], worker.broken))
             return
+        if not worker.has_room:
+            reason = (
+                f"the {worker.spec.kind} worker's queue is full "
+                f"({self.config.max_pending_messages} messages waiting); retry later"
+            )
+            ids = [t.task_id for t in tasks]
+            self._errors.extend(self._failed(worker, ids, reason, "overloaded"))
+            return
         try:
-            data = encode(msg)
+            data = encode(msg_type(tuple(tasks)))
         except Exception:
-            data, tasks = self._encode_each(worker, msg[0], tasks)
+            data, tasks = self._encode_each(worker, msg_type, tasks)
             if not tasks:
                 return
         worker.in_flight.update(t.task_id for t in tasks)
         worker.pending.append(data)
         worker.flush()
 
-    def _encode_each(self, worker: WorkerHandle, kind: str, tasks: list) -> tuple[bytes, list]:
+    def _encode_each(self, worker: WorkerHandle, msg_type: type, tasks: list) -> tuple[bytes, list]:
         """The batch could not be pickled: the tasks that can go in one message; each that
         cannot fails alone (``bad_request``)."""
         good = []
@@ -227,25 +262,35 @@ class ProcessExecutor(BaseExecutor):
                 self._errors.extend(self._failed(worker, [t.task_id], reason, "bad_request"))
             else:
                 good.append(t)
-        return (encode((kind, good)) if good else b""), good
+        return (encode(msg_type(tuple(good))) if good else b""), good
 
     def abort(self, task_ids: list[str]) -> None:
         gen = self.workers["gen"]
         gen.in_flight.difference_update(task_ids)
-        gen.send(("abort", list(task_ids)))
+        gen.send(AbortGenerationMsg(tuple(task_ids)))
 
     def call_retrieval(self, name: str, *args: Any) -> Future:
         """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
         blocks). The future fails with ``WorkerError``: ``bad_request`` when the arguments
-        cannot be pickled, ``worker_died`` when the worker dies first or is broken."""
+        cannot be pickled or ``name`` is no ``RETRIEVAL_CALLS`` entry, ``worker_died`` when
+        the worker dies first or is broken, ``overloaded`` when its queue is full."""
         token = next(self._tokens)
         fut: Future = Future()
         worker = self.workers["ret"]
         if worker.broken is not None:
             fut.set_exception(WorkerError(worker.broken, "worker_died"))
             return fut
+        if not worker.has_room:
+            reason = f"the retrieval worker's queue is full ({len(worker.pending)} waiting)"
+            fut.set_exception(WorkerError(reason, "overloaded"))
+            return fut
         try:
-            data = encode(("call", token, name, args))
+            check_call(name)
+        except ValueError as exc:
+            fut.set_exception(WorkerError(str(exc), "bad_request"))
+            return fut
+        try:
+            data = encode(CallRetrievalMsg(token, name, args))
         except Exception as exc:
             reason = f"the arguments cannot be sent to the retrieval worker: {type(exc).__name__}"
             fut.set_exception(WorkerError(reason, "bad_request"))
@@ -289,37 +334,67 @@ class ProcessExecutor(BaseExecutor):
             pass
         return updates
 
-    def _unpack(self, worker: WorkerHandle, msg: tuple) -> list[Update]:
-        kind = msg[0]
-        if kind == "ready":
-            worker.ready = True
-            worker.num_failed_starts = 0
-            worker.flush()
+    def _unpack(self, worker: WorkerHandle, msg: Any) -> list[Update]:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            logger.error("%s worker sent a %s; ignored", worker.spec.kind, type(msg).__name__)
             return []
-        if kind == "stats":
-            worker.engine_stats = msg[1]
+        return handler(worker, msg)
+
+    @property
+    def _handlers(self) -> dict[type, Any]:
+        return {
+            ReadyMsg: self._on_ready,
+            EngineStatsMsg: self._on_stats,
+            FatalMsg: self._on_fatal,
+            CallReplyMsg: self._on_reply,
+            GenerationResultsMsg: self._on_results,
+            RetrievalResultsMsg: self._on_results,
+        }
+
+    def _on_ready(self, worker: WorkerHandle, msg: ReadyMsg) -> list[Update]:
+        worker.ready = True
+        worker.num_failed_starts = 0
+        worker.flush()
+        return []
+
+    def _on_stats(self, worker: WorkerHandle, msg: EngineStatsMsg) -> list[Update]:
+        worker.engine_stats = msg.stats
+        return []
+
+    def _on_fatal(self, worker: WorkerHandle, msg: FatalMsg) -> list[Update]:
+        logger.error("%s worker failed to restart:\n%s", worker.spec.kind, msg.traceback)
+        worker.last_error = msg.traceback.strip().splitlines()[-1]
+        return []
+
+    def _on_reply(self, worker: WorkerHandle, msg: CallReplyMsg) -> list[Update]:
+        with self._replies_lock:
+            fut = self._replies.pop(msg.token, None)
+        if fut is None or fut.done():
             return []
-        if kind == "fatal":
-            logger.error("%s worker failed to restart:\n%s", worker.spec.kind, msg[1])
-            worker.last_error = msg[1].strip().splitlines()[-1]
-            return []
-        if kind == "reply":
-            with self._replies_lock:
-                fut = self._replies.pop(msg[1], None)
-            if fut is None or fut.done():
-                return []
-            if msg[3] is None:
-                fut.set_result(msg[2])
-            else:
-                error_kind, message = msg[3]
-                fut.set_exception(WorkerError(message, error_kind))
-            return []
-        payload, arrays = msg[1], msg[2]
-        if arrays is not None and not isinstance(arrays, list):
-            arrays = worker.ring.read(arrays)
-        if kind == "gen" and msg[3] is not None:
-            worker.engine_stats = msg[3]
-        updates = unpack_generation(payload, arrays) if kind == "gen" else payload
+        if msg.error is None:
+            fut.set_result(msg.value)
+        else:
+            fut.set_exception(WorkerError(msg.error.message, msg.error.kind))
+        return []
+
+    def _on_results(self, worker: WorkerHandle, msg: Any) -> list[Update]:
+        """The slim updates / results with their Arrow payload attached, read in place from
+        the ring; a payload that cannot be read fails the tasks it carried."""
+        is_gen = isinstance(msg, GenerationResultsMsg)
+        slim = msg.task_ids if is_gen else msg.results
+        try:
+            read = read_generation if is_gen else attach_retrieval
+            with worker.ring.read(msg.payload) as batch:
+                updates = read(slim, batch)
+                del batch
+        except ValueError as exc:
+            logger.error("a %s worker result could not be read: %s", worker.spec.kind, exc)
+            reason = f"the {worker.spec.kind} worker's result could not be read: {exc}"
+            ids = msg.task_ids if is_gen else [r.task_id for r in msg.results]
+            updates = self._failed(worker, ids, reason, "internal")
+        if is_gen and msg.stats is not None:
+            worker.engine_stats = msg.stats
         done = [u.task_id for u in updates if getattr(u, "finished", True)]
         worker.in_flight.difference_update(done)
         return updates

@@ -24,6 +24,7 @@ import numpy as np
 from ragserve.runtime.ray_shards import ShardDiedError
 from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
+from ragserve.runtime.wire import check_call
 from ragserve.scheduler import RetrievalResult
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class RetrievalCoordinator(_ActorLoop):
                 continue
             fut, name, args = payload
             try:
-                fut.set_result(getattr(self.runner, name)(*args))
+                fut.set_result(check_call(name)(self.runner, *args))
             except Exception as exc:
                 fut.set_exception(exc)
         if not tasks and not self.runner.has_pending():

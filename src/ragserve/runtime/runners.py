@@ -15,11 +15,13 @@ normally).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -60,9 +62,23 @@ class GenerationRunner:
     per step:       u   u   u   u   u   u   u   u
     chunked:        u           u           u   u            (first, 4, 7, final)
     ```
+
+    ``tokenizer_prefetch``: ``add`` hands each task's prompt to a CPU thread (chat template,
+    tokenization: ``LLMEngine.tokenize``) and returns at once; ``step`` adds the tasks whose
+    token ids are ready to the engine, in arrival order, before its engine step (waiting for
+    the first one only when the engine has nothing else to do). The engine gets the same
+    token ids it would have made from the text, so outputs are identical; a task whose
+    tokenization fails is added with its text and fails in ``add_request`` as without
+    prefetch (its error update then comes from ``step``).
     """
 
-    def __init__(self, engine: Any, *, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        tokenizer_prefetch: bool = False,
+    ) -> None:
         from ragserve.generation import SamplingParams
         from ragserve.generation.fusion import paragraph_segments
 
@@ -71,57 +87,123 @@ class GenerationRunner:
         self._paragraph_segments = paragraph_segments
         self._clock = clock
         self._progress: dict[str, _Progress] = {}
+        self._prefetch = (
+            ThreadPoolExecutor(1, thread_name_prefix="ragserve-tokenize")
+            if tokenizer_prefetch
+            else None
+        )
+        self._tokenizing: dict[str, tuple[GenerationTask, Future]] = {}  # arrival order
         self.num_updates = 0  # updates returned by ``step`` so far
 
     def add(self, tasks: list[GenerationTask]) -> list[GenerationUpdate]:
-        """Add tasks to the engine; returns error updates for those it rejected."""
+        """Add tasks to the engine (or to the prefetch thread); returns error updates for
+        those it rejected."""
+        if self._prefetch is not None:
+            for t in tasks:
+                self._tokenizing[t.task_id] = (t, self._prefetch.submit(self._tokenized, t))
+            return []
         errors = []
         for t in tasks:
-            try:
-                prompt = t.prompt
-                if t.chat:
-                    turns = [*t.history, ("user", prompt)]
-                    prompt = self.engine.apply_chat_template(
-                        [{"role": role, "content": text} for role, text in turns]
-                    )
-                elif isinstance(prompt, tuple):
-                    prompt = list(prompt)
-                sampling = asdict(t.params)
-                ratio = sampling.pop("fusion_ratio")
-                if ratio is not None and isinstance(prompt, str):
-                    prompt = self._paragraph_segments(prompt)
-                self.engine.add_request(
-                    t.task_id, prompt, self._params_cls(**sampling), fusion_ratio=ratio
-                )
-            except Exception as exc:
-                # NOTE: tokenizers raise TypeError for text they cannot encode (a lone
-                # surrogate); whatever this task's input does, it fails alone.
-                logger.warning("generation task %s rejected: %s", t.task_id, exc)
-                kind = error_kind_of(exc)
-                errors.append(
-                    GenerationUpdate(
-                        t.task_id, "", (), True, "error", error=_message(exc, kind), error_kind=kind
-                    )
-                )
-                continue
-            holdback = max((len(s) for s in t.params.stop), default=1) - 1
-            self._progress[t.task_id] = _Progress(holdback, t.chunk_s)
+            update = self._admit(t, None)
+            if update is not None:
+                errors.append(update)
         return errors
+
+    def _prompt(self, t: GenerationTask) -> Any:
+        """What the engine gets for ``t``: the chat-templated text, its paragraph segments
+        (cache fusion), or the token ids."""
+        prompt = t.prompt
+        if t.chat:
+            turns = [*t.history, ("user", prompt)]
+            prompt = self.engine.apply_chat_template(
+                [{"role": role, "content": text} for role, text in turns]
+            )
+        elif isinstance(prompt, tuple):
+            prompt = list(prompt)
+        if t.params.fusion_ratio is not None and isinstance(prompt, str):
+            prompt = self._paragraph_segments(prompt)
+        return prompt
+
+    def _tokenized(self, t: GenerationTask) -> Any:
+        """``_prompt(t)`` with text made token ids (the prefetch thread's work); an exception
+        is returned, to be raised where ``add`` would have raised it."""
+        try:
+            prompt = self._prompt(t)
+        except Exception as exc:
+            return exc
+        if isinstance(prompt, str):
+            # NOTE: on failure the text goes on: ``add_request`` tokenizes it and raises the
+            # error it raises without prefetch.
+            with contextlib.suppress(Exception):
+                prompt = self.engine.tokenize(prompt)
+        return prompt
+
+    def _admit_tokenized(self) -> list[GenerationUpdate]:
+        """Add the prefetched tasks that are ready, oldest first, up to the first that is
+        not (waiting for it when the engine is idle)."""
+        errors = []
+        while self._tokenizing:
+            task_id = next(iter(self._tokenizing))
+            task, future = self._tokenizing[task_id]
+            if not future.done() and self.engine.has_unfinished():
+                break
+            del self._tokenizing[task_id]
+            update = self._admit(task, future.result())
+            if update is not None:
+                errors.append(update)
+        return errors
+
+    def _admit(self, t: GenerationTask, prompt: Any) -> GenerationUpdate | None:
+        """``t`` into the engine with ``prompt`` (``None``: made here; an exception: raised
+        here); the error update if it is rejected."""
+        try:
+            if isinstance(prompt, Exception):
+                raise prompt
+            if prompt is None:
+                prompt = self._prompt(t)
+            sampling = asdict(t.params)
+            ratio = sampling.pop("fusion_ratio")
+            self.engine.add_request(
+                t.task_id, prompt, self._params_cls(**sampling), fusion_ratio=ratio
+            )
+        except Exception as exc:
+            # NOTE: tokenizers raise TypeError for text they cannot encode (a lone
+            # surrogate); whatever this task's input does, it fails alone.
+            logger.warning("generation task %s rejected: %s", t.task_id, exc)
+            kind = error_kind_of(exc)
+            return GenerationUpdate(
+                t.task_id, "", (), True, "error", error=_message(exc, kind), error_kind=kind
+            )
+        holdback = max((len(s) for s in t.params.stop), default=1) - 1
+        self._progress[t.task_id] = _Progress(holdback, t.chunk_s)
+        return None
 
     def abort(self, task_ids: list[str]) -> None:
         for tid in task_ids:
+            waiting = self._tokenizing.pop(tid, None)
+            if waiting is not None:
+                waiting[1].cancel()
             if self._progress.pop(tid, None) is not None:
                 self.engine.abort(tid)
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished()
+        return self.engine.has_unfinished() or bool(self._tokenizing)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (tasks still waiting for it are dropped)."""
+        if self._prefetch is not None:
+            self._prefetch.shutdown(wait=False, cancel_futures=True)
 
     def step(self) -> list[GenerationUpdate]:
+        """Admit the prefetched tasks that are ready, then one engine step."""
+        errors = self._admit_tokenized()
+        if not self.engine.has_unfinished():
+            return errors
         start = self._clock()
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            return self._fail_all(exc)
+            return errors + self._fail_all(exc)
         seconds = self._clock() - start
         updates = []
         for out in outputs:
@@ -133,7 +215,7 @@ class GenerationRunner:
             elif not self._holds(progress, out, seconds):
                 updates.append(self._delta(out, progress))
         self.num_updates += len(updates)
-        return updates
+        return errors + updates
 
     def _fail_all(self, exc: Exception) -> list[GenerationUpdate]:
         """An engine step raised: every task in the engine ends with an error (and is aborted,

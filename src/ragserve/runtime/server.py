@@ -515,12 +515,18 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         if tier is not None:
             vindex.set_gpu_tier(tier[0], device=tier[1], dtype=tier[2])
         return LocalExecutor(
-            GenerationRunner(engine), RetrievalRunner(vindex, emb, config.default_nprobe)
+            GenerationRunner(engine, tokenizer_prefetch=config.tokenizer_prefetch),
+            RetrievalRunner(vindex, emb, config.default_nprobe),
         )
     _check_paths(model, index, embedder, "worker processes")
     log_level = logging.getLogger("ragserve").getEffectiveLevel()
     gen = WorkerSpec(
-        "generation", model=str(model), engine_kwargs=config.engine_kwargs, log_level=log_level
+        "generation",
+        model=str(model),
+        engine_kwargs=config.engine_kwargs,
+        log_level=log_level,
+        max_message_bytes=config.max_message_bytes,
+        tokenizer_prefetch=config.tokenizer_prefetch,
     )
     ret = WorkerSpec(
         "retrieval",
@@ -529,6 +535,7 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         default_nprobe=config.default_nprobe,
         tier=tier,
         log_level=log_level,
+        max_message_bytes=config.max_message_bytes,
     )
     return ProcessExecutor(gen, ret, config)
 

@@ -1,59 +1,103 @@
-"""A shared-memory ring of fixed-size slots: numpy arrays cross processes without pickling.
+"""A shared-memory ring of fixed-size slots carrying Arrow record batches between processes.
 
-The writer (a worker) takes a free slot — blocking when all are in flight, which is the data
-plane's backpressure — copies its arrays in and sends a small ``ShmRef`` through its pipe.
-The reader (the server) views the arrays in place, copies them out once and frees the slot.
+The writer (a worker) serializes its batch as an Arrow IPC stream, takes a free slot (waiting
+at most ``timeout`` when all are in flight: the data plane's back-pressure) and copies the
+stream in; a small ``ShmRef`` goes through its pipe. The reader (the server) opens the stream
+on the slot's memory itself: the batch's buffers lie in the segment (zero-copy); once the
+reader is done with it the slot is free again. A stream larger than a slot, or one that found
+no free slot in time, travels inline (``InlineArrow``), still as Arrow.
 
-    slot i:  [ array 0 bytes | array 1 bytes | ... ]  at  i * slot_bytes
+    [ flags: 1 byte per slot | pad to 64 ] [ slot 0 ] [ slot 1 ] ...   slot i at
+    header + i * slot_bytes:  [ Arrow IPC stream (schema, one record batch) | unused ]
+
+A slot's flag is 0 (free) or 1 (written, not yet read). One writer (the worker) and one reader
+(the server's scheduler thread) per ring: only the writer sets 0 -> 1 and only the reader
+1 -> 0, so no lock is needed; the ``ShmRef`` travels through a pipe (a system call) after the
+slot is written, which orders the writes before the reader's.
 """
 
 from __future__ import annotations
 
-import queue
-from dataclasses import dataclass
+import contextlib
+import time
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 
-import numpy as np
+import pyarrow as pa
+
+from ragserve.runtime.wire import ArrowPayload, InlineArrow, ShmRef
 
 
-@dataclass(frozen=True)
-class ShmRef:
-    """Where a message's arrays lie: slot index and ``(dtype, shape, offset)`` per array."""
+def ipc_stream(batch: pa.RecordBatch) -> pa.Buffer:
+    """``batch`` as one Arrow IPC stream (schema + the batch)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue()
 
-    slot: int
-    arrays: tuple[tuple[str, tuple[int, ...], int], ...]
+
+def read_stream(buf: pa.Buffer) -> pa.RecordBatch:
+    """The one record batch of the IPC stream in ``buf``, its buffers in place; ``ValueError``
+    if ``buf`` is not such a stream."""
+    try:
+        reader = pa.ipc.open_stream(buf)
+        batch = reader.read_next_batch()
+    except (pa.ArrowInvalid, StopIteration, OSError) as exc:
+        raise ValueError(f"the payload is not an Arrow IPC stream: {exc}") from None
+    return batch
 
 
 class ShmRing:
     """Owner side (server): creates the segment and the free-slot queue; ``close()`` unlinks."""
 
-    def __init__(self, ctx, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.shm = shared_memory.SharedMemory(create=True, size=num_slots * slot_bytes)
-        self.free = ctx.Queue()
-        for i in range(num_slots):
-            self.free.put(i)
+        size = _header_bytes(num_slots) + num_slots * slot_bytes
+        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        self.shm.buf[:num_slots] = bytes(num_slots)
 
-    def handle(self) -> tuple[str, int, int, object]:
+    def handle(self) -> tuple[str, int, int]:
         """What a worker needs to attach (picklable at process start)."""
-        return (self.shm.name, self.num_slots, self.slot_bytes, self.free)
+        return (self.shm.name, self.num_slots, self.slot_bytes)
 
-    def read(self, ref: ShmRef) -> list[np.ndarray]:
-        base = ref.slot * self.slot_bytes
-        out = []
-        for dtype, shape, offset in ref.arrays:
-            view = np.ndarray(shape, dtype=dtype, buffer=self.shm.buf, offset=base + offset)
-            out.append(view.copy())
-            del view
-        self.free.put(ref.slot)
-        return out
+    def slot_offset(self, slot: int) -> int:
+        """Where ``slot`` starts in the segment."""
+        return _header_bytes(self.num_slots) + slot * self.slot_bytes
+
+    @property
+    def num_free(self) -> int:
+        return bytes(self.shm.buf[: self.num_slots]).count(0)
+
+    @contextlib.contextmanager
+    def read(self, payload: ArrowPayload) -> Iterator[pa.RecordBatch]:
+        """The batch of ``payload``, read in place; a shared-memory slot is freed when the
+        block ends (the batch must not be used after it). ``ValueError`` for a reference out
+        of the ring or bytes that are no Arrow stream (the slot is freed all the same)."""
+        if isinstance(payload, InlineArrow):
+            yield read_stream(pa.py_buffer(payload.data))
+            return
+        if not 0 <= payload.slot < self.num_slots:
+            raise ValueError(f"slot {payload.slot} is outside the ring of {self.num_slots}")
+        try:
+            if not 0 < payload.num_bytes <= self.slot_bytes:
+                raise ValueError(
+                    f"a payload of {payload.num_bytes} bytes does not fit a slot of "
+                    f"{self.slot_bytes}"
+                )
+            base = self.slot_offset(payload.slot)
+            view = self.shm.buf[base : base + payload.num_bytes]
+            try:
+                yield read_stream(pa.py_buffer(view))
+            finally:
+                # NOTE: the batch (and any array taken from it) must be gone by now, else
+                # releasing the view raises; the slot is reused only after this.
+                with contextlib.suppress(BufferError):
+                    view.release()
+        finally:
+            self.shm.buf[payload.slot] = 0
 
     def close(self) -> None:
-        # NOTE: the free-slot queue owns semaphores; closing it lets them be released when the
-        # ring is dropped (a restarted worker's old ring would otherwise leak them).
-        self.free.cancel_join_thread()
-        self.free.close()
         try:
             self.shm.close()
             self.shm.unlink()
@@ -64,30 +108,35 @@ class ShmRing:
 class ShmWriter:
     """Worker side: attaches to a ring by its handle."""
 
-    def __init__(self, handle: tuple[str, int, int, object]) -> None:
-        name, self.num_slots, self.slot_bytes, self.free = handle
+    def __init__(self, handle: tuple[str, int, int]) -> None:
+        name, self.num_slots, self.slot_bytes = handle
         # NOTE: spawned workers share the server's resource tracker, which already tracks the
         # segment; the server unlinks it in ``ShmRing.close``.
         self.shm = shared_memory.SharedMemory(name=name)
 
-    def write(self, arrays: list[np.ndarray], timeout: float | None = None) -> ShmRef | None:
-        """Copy ``arrays`` into a free slot; ``None`` if they do not fit in one slot."""
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        if sum(_aligned(a.nbytes) for a in arrays) > self.slot_bytes:
-            return None
-        try:
-            slot = self.free.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        base, offset, specs = slot * self.slot_bytes, 0, []
-        for a in arrays:
-            dst = np.ndarray(a.shape, dtype=a.dtype, buffer=self.shm.buf, offset=base + offset)
-            dst[...] = a
-            del dst
-            specs.append((a.dtype.str, tuple(a.shape), offset))
-            offset += _aligned(a.nbytes)
-        return ShmRef(slot, tuple(specs))
+    def write(self, stream: pa.Buffer, timeout: float | None = None) -> ArrowPayload:
+        """``stream`` (an IPC stream, ``ipc_stream``) in a free slot; inline when it is larger
+        than a slot or no slot freed within ``timeout``."""
+        size = stream.size
+        slot = self._free_slot(timeout) if size <= self.slot_bytes else None
+        if slot is None:
+            return InlineArrow(stream.to_pybytes())
+        base = _header_bytes(self.num_slots) + slot * self.slot_bytes
+        self.shm.buf[base : base + size] = memoryview(stream).cast("B")
+        self.shm.buf[slot] = 1
+        return ShmRef(slot, size)
+
+    def _free_slot(self, timeout: float | None) -> int | None:
+        """A free slot, waiting (polling every 0.5 ms) up to ``timeout``; ``None`` if none."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            slot = bytes(self.shm.buf[: self.num_slots]).find(0)
+            if slot >= 0:
+                return slot
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.0005)
 
 
-def _aligned(nbytes: int) -> int:
-    return (nbytes + 63) // 64 * 64
+def _header_bytes(num_slots: int) -> int:
+    return (num_slots + 63) // 64 * 64

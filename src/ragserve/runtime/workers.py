@@ -1,20 +1,15 @@
 """The persistent worker processes: one owns the LLM engine, one the embedder and the index.
 
-Each worker reads messages from its bounded inbox (``multiprocessing.Queue``), writes results
-to its own pipe, and puts numpy arrays (token ids) in the shared-memory ring instead of
-pickling them; retrieval results carry their passages in the message. Messages in:
+Each worker reads typed messages (``wire.py``) from its bounded inbox
+(``multiprocessing.Queue``), dispatching on their type through a fixed table, and writes
+typed messages to its own pipe. The token ids of generation updates and the passages of
+retrieval results cross as Arrow record batches (``arrow_batches.py``) in the shared-memory
+ring (``shm.py``), not pickled; the slim messages around them are.
 
-    ("gen", [GenerationTask])   ("abort", [task_id])          generation worker
-    ("ret", [RetrievalTask])    ("call", token, name, args)   retrieval worker
-    None                                                      shut down
-
-Messages out: ("ready", info), ("fatal", traceback), ("gen", updates, ShmRef | arrays,
-stats | None), ("stats", stats), ("ret", results, None), ("reply", token, value,
-error).
-
-Messages in arrive pickled by the sender (``encode``), so a message that cannot be pickled
-fails in the caller's thread with an error, never silently in the queue's feeder thread. A
-message out that cannot be pickled is replaced by errors for the tasks (or call) it carried.
+Messages in arrive pickled by the sender (``wire.encode``), so a message that cannot be
+pickled fails in the caller's thread with an error, never silently in the queue's feeder
+thread. A result that cannot be sent back (unpicklable, or an Arrow payload over
+``max_message_bytes``) is replaced by errors for the tasks (or call) it carried.
 """
 
 from __future__ import annotations
@@ -27,23 +22,44 @@ import pickle
 import queue
 import time
 import traceback
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+import pyarrow as pa
 
+from ragserve.runtime.arrow_batches import generation_batch, retrieval_batch, with_fields
 from ragserve.runtime.errors import error_kind_of
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
-from ragserve.runtime.shm import ShmWriter
+from ragserve.runtime.shm import ShmWriter, ipc_stream
+from ragserve.runtime.wire import (
+    AbortGenerationMsg,
+    CallReplyMsg,
+    CallRetrievalMsg,
+    EngineStatsMsg,
+    FatalMsg,
+    GenerationResultsMsg,
+    ReadyMsg,
+    RetrievalResultsMsg,
+    ShutdownMsg,
+    SubmitGenerationMsg,
+    SubmitRetrievalMsg,
+    WireError,
+    check_call,
+)
 
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25  # engine stats while busy without updates: at most this often
+SLOT_WAIT_S = 1.0  # a result waits this long for a free shared-memory slot, then goes inline
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker builds at start: picklable, no live objects."""
+    """What a worker builds at start: picklable, no live objects. ``max_message_bytes``
+    bounds one result message's Arrow payload (past it the tasks fail with an error);
+    ``tokenizer_prefetch``: the generation runner tokenizes on a CPU thread ahead of the
+    engine step (``GenerationRunner``)."""
 
     kind: str  # "generation" | "retrieval"
     model: str | None = None
@@ -53,13 +69,16 @@ class WorkerSpec:
     default_nprobe: int | None = None
     tier: tuple[int, str, str] | None = None  # (budget_bytes, device, dtype) of the GPU tier
     log_level: int = logging.WARNING  # of the ``ragserve`` loggers (the parent's, by default)
+    max_message_bytes: int = 1 << 28
+    tokenizer_prefetch: bool = True
 
 
 def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
     if spec.kind == "generation":
         from ragserve.generation import LLMEngine
 
-        return GenerationRunner(LLMEngine(spec.model, **dict(spec.engine_kwargs)))
+        engine = LLMEngine(spec.model, **dict(spec.engine_kwargs))
+        return GenerationRunner(engine, tokenizer_prefetch=spec.tokenizer_prefetch)
     from ragserve.retrieval import VectorIndex, load_embedder
     from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 
@@ -87,30 +106,82 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
     _thread_local_progress_lock()
     try:
         runner = build_runner(spec)
-        writer = ShmWriter(ring_handle)
+        outbox = Outbox(conn, ShmWriter(ring_handle), spec.max_message_bytes)
     except BaseException:
-        conn.send(("fatal", traceback.format_exc()))
+        conn.send(FatalMsg(traceback.format_exc()))
         return
-    conn.send(("ready", {"kind": spec.kind}))
+    conn.send(ReadyMsg(spec.kind))
     loop = _generation_loop if spec.kind == "generation" else _retrieval_loop
     with contextlib.suppress(EOFError, BrokenPipeError, KeyboardInterrupt):
-        loop(runner, inbox, conn, writer)
+        loop(runner, inbox, outbox)
+    if isinstance(runner, GenerationRunner):
+        runner.close()
 
 
-def encode(msg: Any) -> bytes:
-    """A message for a worker's inbox, pickled now (``pickle`` errors, a ``RecursionError``
-    for data nested too deep, raise here, in the sender)."""
-    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+class Outbox:
+    """A worker's way out: typed messages to its pipe, Arrow payloads into its ring."""
+
+    def __init__(self, conn: Any, writer: ShmWriter, max_message_bytes: int) -> None:
+        self.conn = conn
+        self.writer = writer
+        self.max_message_bytes = max_message_bytes
+
+    def send(self, msg: Any, fallback: Callable[[str], Any]) -> None:
+        """``msg`` to the pipe; if it cannot be pickled, ``fallback(reason)`` instead."""
+        try:
+            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            logger.error("a %s cannot be pickled (%s); sending errors instead", type(msg), exc)
+            reason = f"the result cannot be sent back: {type(exc).__name__}"
+            data = pickle.dumps(fallback(reason), protocol=pickle.HIGHEST_PROTOCOL)
+        self.conn.send_bytes(data)
+
+    def send_generation(self, updates: list, stats: dict | None) -> None:
+        """``updates`` as a ``GenerationResultsMsg``: the updates in an Arrow payload."""
+        task_ids = tuple(u.task_id for u in updates)
+
+        def failed(reason: str) -> GenerationResultsMsg:
+            errors = [_failed_update(t, reason) for t in task_ids]
+            return GenerationResultsMsg(task_ids, self._payload(generation_batch(errors)))
+
+        try:
+            payload = self._payload(generation_batch(updates))
+        except (ValueError, OverflowError, TypeError, pa.ArrowException) as exc:
+            self.send(failed(f"the result cannot be sent back: {exc}"), failed)
+            return
+        self.send(GenerationResultsMsg(task_ids, payload, stats), failed)
+
+    def send_retrieval(self, results: list) -> None:
+        """``results`` as a ``RetrievalResultsMsg``: passages in an Arrow payload."""
+        from ragserve.scheduler import RetrievalResult
+
+        slim = tuple(with_fields(r, passages=()) for r in results)
+
+        def failed(reason: str) -> RetrievalResultsMsg:
+            errors = [RetrievalResult(r.task_id, (), reason, error_kind="internal") for r in slim]
+            return RetrievalResultsMsg(tuple(errors), self._payload(retrieval_batch(errors)))
+
+        try:
+            payload = self._payload(retrieval_batch(results))
+        except (ValueError, OverflowError, TypeError, pa.ArrowException) as exc:
+            self.send(failed(f"the result cannot be sent back: {exc}"), failed)
+            return
+        self.send(RetrievalResultsMsg(slim, payload), failed)
+
+    def _payload(self, batch: Any) -> Any:
+        stream = ipc_stream(batch)
+        if stream.size > self.max_message_bytes:
+            raise ValueError(
+                f"its payload of {stream.size} bytes exceeds max_message_bytes "
+                f"({self.max_message_bytes})"
+            )
+        return self.writer.write(stream, timeout=SLOT_WAIT_S)
 
 
-def _send(conn: Any, msg: tuple, fallback: Any) -> None:
-    """``conn.send(msg)``; if ``msg`` cannot be pickled, ``fallback()`` is sent instead."""
-    try:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        logger.error("a %r message cannot be pickled (%s); sending errors instead", msg[0], exc)
-        data = pickle.dumps(fallback(f"the result cannot be sent back: {type(exc).__name__}"))
-    conn.send_bytes(data)
+def _failed_update(task_id: str, reason: str) -> Any:
+    from ragserve.scheduler import GenerationUpdate
+
+    return GenerationUpdate(task_id, "", (), True, "error", error=reason, error_kind="internal")
 
 
 def _thread_local_progress_lock() -> None:
@@ -127,11 +198,11 @@ def _thread_local_progress_lock() -> None:
 
 
 def _drain(inbox: Any, block: bool) -> list[Any]:
-    """Queued messages (waiting up to 0.5 s for one when ``block``); ``[None]`` (shut down)
-    once the server process is gone, so a killed server leaves no orphan workers."""
+    """Queued messages (waiting up to 0.5 s for one when ``block``); ``[ShutdownMsg()]`` once
+    the server process is gone, so a killed server leaves no orphan workers."""
     parent = multiprocessing.parent_process()
     if parent is not None and not parent.is_alive():
-        return [None]
+        return [ShutdownMsg()]
     msgs = []
     try:
         msgs.append(inbox.get(timeout=0.5) if block else inbox.get_nowait())
@@ -142,18 +213,19 @@ def _drain(inbox: Any, block: bool) -> list[Any]:
     return [pickle.loads(m) if isinstance(m, bytes) else m for m in msgs]
 
 
-def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: ShmWriter) -> None:
+def _generation_loop(runner: GenerationRunner, inbox: Any, outbox: Outbox) -> None:
+    handlers: dict[type, Callable[[Any], list]] = {
+        SubmitGenerationMsg: lambda msg: runner.add(list(msg.tasks)),
+        AbortGenerationMsg: lambda msg: runner.abort(list(msg.task_ids)) or [],
+    }
     was_busy = False
     last_stats = 0.0
     while True:
         updates = []
         for msg in _drain(inbox, block=not runner.has_work()):
-            if msg is None:
+            if isinstance(msg, ShutdownMsg):
                 return
-            if msg[0] == "gen":
-                updates.extend(runner.add(msg[1]))
-            elif msg[0] == "abort":
-                runner.abort(msg[1])
+            updates.extend(_dispatch(handlers, msg))
         if runner.has_work():
             updates.extend(runner.step())
         busy = runner.has_work()
@@ -165,74 +237,44 @@ def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: Sh
         if updates or (was_busy and not busy) or (busy and now - last_stats >= STATS_INTERVAL_S):
             stats, last_stats = runner.engine.stats(), now
         if updates:
-            _send_generation(conn, writer, updates, stats)
+            outbox.send_generation(updates, stats)
         elif stats is not None:
-            conn.send(("stats", stats))
+            outbox.conn.send(EngineStatsMsg(stats))
         was_busy = busy
 
 
-def _send_generation(
-    conn: Any, writer: ShmWriter, updates: list, stats: dict | None = None
-) -> None:
-    """Token ids of all updates go into one shared-memory slot as ``lengths [n, 2]`` + ids;
-    ``stats`` (the engine's, or ``None``) ride along."""
-    prompts = [u.prompt_token_ids or () for u in updates]
-    pairs = zip(prompts, updates, strict=True)
-    lengths = np.array([[len(p), len(u.new_token_ids)] for p, u in pairs])
-    flat = [t for p, u in zip(prompts, updates, strict=True) for t in (*p, *u.new_token_ids)]
-    arrays = [lengths.astype(np.int64).reshape(-1, 2), np.asarray(flat, dtype=np.int64)]
-    slim = [replace(u, new_token_ids=(), prompt_token_ids=None) for u in updates]
-    ref = writer.write(arrays, timeout=1.0)
-    conn.send(("gen", slim, ref if ref is not None else arrays, stats))
+def _dispatch(handlers: dict[type, Callable[[Any], list]], msg: Any) -> list:
+    handler = handlers.get(type(msg))
+    if handler is None:
+        logger.error("ignoring a message of unknown type %s", type(msg).__name__)
+        return []
+    return handler(msg)
 
 
-def unpack_generation(slim: list, arrays: list[np.ndarray]) -> list:
-    """Inverse of ``_send_generation`` on the server side."""
-    lengths, flat = arrays
-    out, pos = [], 0
-    for u, (num_prompt, num_new) in zip(slim, lengths.tolist(), strict=True):
-        prompt = tuple(flat[pos : pos + num_prompt].tolist())
-        new = tuple(flat[pos + num_prompt : pos + num_prompt + num_new].tolist())
-        pos += num_prompt + num_new
-        out.append(replace(u, new_token_ids=new, prompt_token_ids=prompt or None))
-    return out
-
-
-def _retrieval_loop(runner: RetrievalRunner, inbox: Any, conn: Any, writer: ShmWriter) -> None:
-    del writer  # NOTE: the retrieval worker sends no arrays (see ``_send_retrieval``)
+def _retrieval_loop(runner: RetrievalRunner, inbox: Any, outbox: Outbox) -> None:
+    handlers: dict[type, Callable[[Any], list]] = {
+        SubmitRetrievalMsg: lambda msg: list(msg.tasks),
+        CallRetrievalMsg: lambda msg: _call(runner, outbox, msg),
+    }
     while True:
         tasks = []
         pending = runner.has_pending()  # staged retrievals: next sub-stage, inbox drained first
         for msg in _drain(inbox, block=not pending):
-            if msg is None:
+            if isinstance(msg, ShutdownMsg):
                 return
-            if msg[0] == "ret":
-                tasks.extend(msg[1])
-            elif msg[0] == "call":
-                _, token, name, args = msg
-                try:
-                    reply = ("reply", token, getattr(runner, name)(*args), None)
-                except Exception as exc:
-                    logger.exception("retrieval call %s failed", name)
-                    reply = (
-                        "reply",
-                        token,
-                        None,
-                        (error_kind_of(exc), f"{type(exc).__name__}: {exc}"),
-                    )
-                _send(conn, reply, lambda err, t=token: ("reply", t, None, ("internal", err)))
+            tasks.extend(_dispatch(handlers, msg))
         if tasks or pending:  # all tasks queued since the last search go out as one batch
-            _send_retrieval(conn, runner, tasks)
+            outbox.send_retrieval(run_isolated(runner, tasks))
 
 
-def _send_retrieval(conn: Any, runner: RetrievalRunner, tasks: list) -> None:
-    from ragserve.scheduler import RetrievalResult
-
-    # NOTE: results carry their passages (ids, text, scores) in the message itself; the raw
-    # id/score arrays are not sent, since nothing on the server side reads them.
-    results = run_isolated(runner, tasks)
-
-    def failed(err: str) -> tuple:
-        return ("ret", [RetrievalResult(r.task_id, (), err) for r in results], None)
-
-    _send(conn, ("ret", results, None), failed)
+def _call(runner: RetrievalRunner, outbox: Outbox, msg: CallRetrievalMsg) -> list:
+    """Run the call, reply to it; no tasks come of it."""
+    try:
+        value = check_call(msg.method)(runner, *msg.args)
+        reply = CallReplyMsg(msg.token, value)
+    except Exception as exc:
+        logger.exception("retrieval call %s failed", msg.method)
+        error = WireError(error_kind_of(exc), f"{type(exc).__name__}: {exc}")
+        reply = CallReplyMsg(msg.token, error=error)
+    outbox.send(reply, lambda err: CallReplyMsg(msg.token, error=WireError("internal", err)))
+    return []

@@ -10,12 +10,13 @@ from typing import Any, Literal
 from ragserve.graph import CompiledGraph, FanOut, Passage, State
 from ragserve.scheduler.messages import GenerationUpdate
 
-ErrorKind = Literal["bad_request", "worker_died", "internal", "aborted"]
+ErrorKind = Literal["bad_request", "worker_died", "internal", "aborted", "overloaded"]
 """Why a request failed, machine-readable: ``bad_request`` (the engine rejected its input:
 prompt past the context, empty prompt, bad token ids; or a duplicate request id),
 ``worker_died`` (a worker process died or cannot start), ``aborted`` (``Server.abort``),
+``overloaded`` (a worker's bounded queue was full: retry later, HTTP 429),
 ``internal`` (anything else: a router raised, a retrieval failed, too many node runs)."""
-ERROR_KINDS: tuple[str, ...] = ("bad_request", "worker_died", "internal", "aborted")
+ERROR_KINDS: tuple[str, ...] = ("bad_request", "worker_died", "internal", "aborted", "overloaded")
 
 
 @dataclass

@@ -1,0 +1,149 @@
+"""The typed messages between the server and its worker processes.
+
+Server -> worker (the worker's bounded inbox; pickled by the sender, ``encode``):
+
+    SubmitGenerationMsg(tasks)   AbortGenerationMsg(task_ids)      generation worker
+    SubmitRetrievalMsg(tasks)    CallRetrievalMsg(token, method, args)   retrieval worker
+    ShutdownMsg()                                                   either
+
+Worker -> server (its pipe): ``ReadyMsg``, ``FatalMsg``, ``EngineStatsMsg``,
+``GenerationResultsMsg`` (its task ids plus an ``ArrowPayload`` holding the updates),
+``RetrievalResultsMsg`` (the slim results plus an ``ArrowPayload`` holding their passages;
+``runtime/arrow_batches.py``) and ``CallReplyMsg``. Each side dispatches on the message's
+type through an explicit table, never on a name read from the wire;
+``CallRetrievalMsg.method`` is looked up in ``RETRIEVAL_CALLS``, a fixed table of the
+retrieval runner's callable methods.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ragserve.scheduler import GenerationTask, RetrievalTask
+
+
+@dataclass(frozen=True)
+class SubmitGenerationMsg:
+    tasks: tuple[GenerationTask, ...]
+
+
+@dataclass(frozen=True)
+class AbortGenerationMsg:
+    task_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SubmitRetrievalMsg:
+    tasks: tuple[RetrievalTask, ...]
+
+
+@dataclass(frozen=True)
+class CallRetrievalMsg:
+    """Run ``RETRIEVAL_CALLS[method](runner, *args)``; the answer is a ``CallReplyMsg`` with
+    the same ``token``."""
+
+    token: int
+    method: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class ShutdownMsg:
+    pass
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    """An Arrow IPC stream of ``num_bytes`` at the start of shared-memory slot ``slot``."""
+
+    slot: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class InlineArrow:
+    """An Arrow IPC stream sent through the pipe (it did not fit a slot, or none was free)."""
+
+    data: bytes
+
+
+ArrowPayload = ShmRef | InlineArrow
+
+
+@dataclass(frozen=True)
+class ReadyMsg:
+    kind: str
+
+
+@dataclass(frozen=True)
+class FatalMsg:
+    traceback: str
+
+
+@dataclass(frozen=True)
+class EngineStatsMsg:
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GenerationResultsMsg:
+    """The ``GenerationUpdate``s of ``task_ids``, one row each in ``payload``; ``stats``: the
+    engine's, or ``None``."""
+
+    task_ids: tuple[str, ...]
+    payload: ArrowPayload
+    stats: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RetrievalResultsMsg:
+    """``results`` (``RetrievalResult``, ``StagedRetrievalResult``, ``RetrievalPartial``)
+    without their passages; ``payload`` holds them, one row per result."""
+
+    results: tuple[Any, ...]
+    payload: ArrowPayload
+
+
+@dataclass(frozen=True)
+class WireError:
+    kind: str  # a ``WorkerError`` kind
+    message: str
+
+
+@dataclass(frozen=True)
+class CallReplyMsg:
+    """The value a ``CallRetrievalMsg`` returned (pickled: any Python value), or its error."""
+
+    token: int
+    value: Any = None
+    error: WireError | None = None
+
+
+RETRIEVAL_CALLS: dict[str, Callable[..., Any]] = {
+    "add_documents": lambda runner, docs: runner.add_documents(docs),
+    "delete_documents": lambda runner, doc_ids: runner.delete_documents(doc_ids),
+    "embed": lambda runner, texts: runner.embed(texts),
+    "set_gpu_tier": lambda runner, *args: runner.set_gpu_tier(*args),
+    "drop_gpu_tier": lambda runner: runner.drop_gpu_tier(),
+    "gpu_tier_stats": lambda runner: runner.gpu_tier_stats(),
+}
+"""The retrieval runner's methods a caller may run in the worker (``call_retrieval``)."""
+
+
+def check_call(method: str) -> Callable[..., Any]:
+    """The ``RETRIEVAL_CALLS`` entry for ``method``; ``ValueError`` naming it if none."""
+    fn = RETRIEVAL_CALLS.get(method)
+    if fn is None:
+        raise ValueError(
+            f"method {method!r} is not a retrieval call; choose one of {', '.join(RETRIEVAL_CALLS)}"
+        )
+    return fn
+
+
+def encode(msg: Any) -> bytes:
+    """A message for a worker's inbox, pickled now (``pickle`` errors, a ``RecursionError``
+    for data nested too deep, raise here, in the sender)."""
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
