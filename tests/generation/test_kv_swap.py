@@ -128,3 +128,74 @@ def test_cached_prefix_tokens_counts_whole_cached_blocks():
     assert bm.cached_prefix_tokens(list(range(11))) == 8
     assert bm.cached_prefix_tokens(list(range(4)) + [99] * 8) == 4
     assert bm.cached_prefix_tokens([]) == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_overlapped_swap_ins_are_waited_for_per_block(device):
+    torch.manual_seed(0)
+    gpu = torch.randn(2, 2, 6, 4, 1, 8).to(device)
+    original = gpu.clone()
+    host = HostKVCache(gpu, num_host_blocks=4, overlap=True)
+    host.run([SwapOp("out", 1, 0), SwapOp("out", 2, 1)])
+    host.synchronize()  # CPU: the thread ran the swap-outs too
+    gpu[:, :, [3, 4]] = 0
+    host.run([SwapOp("in", 3, 0), SwapOp("in", 4, 1)])
+    assert host.num_pending_blocks <= 2
+    host.wait_for([0, 3])  # a step reading blocks 0 and 3 waits for block 3's copy only
+    assert 4 in host._pending and 3 not in host._pending
+    if device == "cuda":
+        torch.cuda.current_stream().synchronize()
+    assert torch.equal(gpu[:, :, 3], original[:, :, 1])
+    host.synchronize()
+    assert torch.equal(gpu[:, :, 4], original[:, :, 2])
+    assert host.num_pending_blocks == 0 and not host._pending
+
+
+def _swap_engine(path, host_blocks=32, **kw):
+    from oracle_cases import pool_bytes
+
+    from ragserve.generation import LLMEngine
+
+    return LLMEngine(
+        path,
+        device="cpu",
+        max_model_len=128,
+        kv_cache_bytes=pool_bytes(path, 16, 16),
+        host_kv_cache_bytes=pool_bytes(path, host_blocks, 16),
+        enable_cache_aware_scheduling=False,
+        **kw,
+    )
+
+
+def _deferral_run(engine) -> list[list[int]]:
+    """A document prefix is cached, pushed to the host by other prompts, then hit while a
+    long request decodes: its swap-in can overlap that request's steps."""
+    import random
+
+    rng = random.Random(3)
+    doc = [rng.randrange(100, 40000) for _ in range(64)]
+    fillers = [[rng.randrange(100, 40000) for _ in range(90)] for _ in range(3)]
+    short = SamplingParams(max_tokens=2, ignore_eos=True)
+    outputs = [engine.generate([doc + [7, 8, 9]], short)[0].token_ids]
+    for filler in fillers:
+        outputs.append(engine.generate([filler], short)[0].token_ids)
+    engine.add_request("long", fillers[0][:40], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()  # the long request is running (prefilled)
+    engine.add_request("hit", doc + [11, 12, 13], short)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+        engine.check_integrity()
+    return outputs + [final["long"], final["hit"]]
+
+
+def test_a_host_hit_loads_during_another_requests_step(tiny_models):
+    expected = _deferral_run(_swap_engine(tiny_models["llama"], 0, enable_prefix_caching=False))
+    for overlap in (True, False):
+        engine = _swap_engine(tiny_models["llama"], overlap_swap_in=overlap)
+        assert _deferral_run(engine) == expected
+        stats = engine.stats()
+        assert stats["num_host_hit_tokens"] == 64  # the document's 4 blocks came back
+        assert stats["num_deferred_swap_ins"] == (1 if overlap else 0)

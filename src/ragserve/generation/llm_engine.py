@@ -35,6 +35,7 @@ from ragserve.generation.kv_setup import (
     kv_tier_stats,
     make_kv_tiers,
     profile_prefill_cost,
+    profile_swap_cost,
 )
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import (
@@ -123,7 +124,9 @@ class LLMEngine:
                 if config.enable_cache_aware_scheduling and config.enable_prefix_caching
                 else None
             ),
+            overlap_swap_in=config.overlap_swap_in and self.host_kv_cache is not None,
         )
+        self.swap_cost = None  # SwapCostModel once profile_prefill_cost has timed the host tier
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -214,6 +217,8 @@ class LLMEngine:
         self._run_swaps()
         if out.is_empty:
             return []
+        if self.host_kv_cache is not None:  # only the blocks this step uses
+            self.host_kv_cache.wait_for(b for s in out.seqs for b in s.block_table)
         tokens = self.model_runner.execute_model(out)
         self.scheduler.update_after_step(out)
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
@@ -321,10 +326,17 @@ class LLMEngine:
             "num_fusion_store_hits": fusion.store.num_hits,
             "num_fusion_store_misses": fusion.store.num_misses,
         }
+        stats["num_deferred_swap_ins"] = sched.num_deferred_swap_ins
         return stats | kv_tier_stats(bm, self.host_kv_cache, sched.prefix_cache_hit_tokens)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+
+    def synchronize_kv(self) -> None:
+        """Wait for every pending host-tier copy: call it before reading KV blocks outside
+        ``step`` (the step itself waits for the blocks it uses)."""
+        if self.host_kv_cache is not None:
+            self.host_kv_cache.synchronize()
 
     def order_passages(
         self, render: Callable[[Sequence_[int]], str], num_passages: int
@@ -341,12 +353,17 @@ class LLMEngine:
 
     def profile_prefill_cost(self, lengths: tuple[int, ...] = (64, 256)) -> PrefillCostModel | None:
         """Measure prefill times (with and without a cached prefix), fit PGDSF's cost model
-        and use it for nodes created from now on; ``None`` without the knowledge tree. Run it
-        on an idle engine: it adds and drops its own requests and empties the cache."""
+        and use it for nodes created from now on; ``None`` without the knowledge tree. With a
+        host tier also time swap-ins (``swap_cost``): host hits are then swapped in only where
+        that beats recomputing them. Run it on an idle engine: it adds and drops its own
+        requests and empties the cache."""
         if not isinstance(self.block_manager, TieredBlockManager):
             return None
         model = profile_prefill_cost(self, lengths)
         self.block_manager.cost_fn = model
+        if self.host_kv_cache is not None:
+            self.swap_cost = profile_swap_cost(self.host_kv_cache, self.block_manager.num_blocks)
+            self.block_manager.swap_cost_fn = self.swap_cost
         return model
 
 
