@@ -69,12 +69,12 @@ PRESETS = {
         max_num_seqs=16, max_num_batched_tokens=512, time_budget=120.0,
     ),
     # one H200: 48 requests of ~5.2k tokens; the paced pass offers 80 % of no reuse's capacity;
-    # GPU pool ~9 prompts (6 GB), host tier ~18 prompts (12 GB pinned); <= 270 s of passes
+    # GPU pool ~9 prompts (6 GB), host tier ~18 prompts (12 GB pinned); <= 240 s of passes
     "h200-llama8b": dict(
         model="llama-3.1-8b-dummy", device="cuda", dtype="bfloat16", docs=2000,
         passage_tokens=1024, topk=5, question_tokens=64, num_requests=48, rate=0.0, load=0.8,
         topics=100, max_tokens=32, gpu_kv_tokens=48000, host_kv_tokens=96000, zipf=1.1,
-        cpu_threads=0, max_num_seqs=64, max_num_batched_tokens=8192, time_budget=270.0,
+        cpu_threads=0, max_num_seqs=64, max_num_batched_tokens=8192, time_budget=240.0,
     ),
 }  # fmt: skip
 

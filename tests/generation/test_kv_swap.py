@@ -199,3 +199,25 @@ def test_a_host_hit_loads_during_another_requests_step(tiny_models):
         stats = engine.stats()
         assert stats["num_host_hit_tokens"] == 64  # the document's 4 blocks came back
         assert stats["num_deferred_swap_ins"] == (1 if overlap else 0)
+
+
+def test_set_kv_reuse_switches_hits_and_empties_the_cache(tiny_models):
+    engine = _swap_engine(tiny_models["llama"])
+    prompt = list(range(100, 180))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    (first,) = engine.generate([prompt], params)
+    engine.set_kv_reuse(False)
+    assert engine.block_manager.num_cached_blocks == 0 and engine.scheduler.fairness_window is None
+    for _ in range(2):
+        assert engine.generate([prompt], params)[0].token_ids == first.token_ids
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    engine.set_kv_reuse(True)
+    assert engine.scheduler.fairness_window is None  # this engine has cache-aware admission off
+    for _ in range(2):
+        assert engine.generate([prompt], params)[0].token_ids == first.token_ids
+    assert engine.stats()["prefix_cache_hit_tokens"] == 64  # the second run hit 4 blocks
+    engine.add_request("busy", prompt, params)
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.set_kv_reuse(False)
+    with pytest.raises(ValueError, match="enabled"):
+        engine.set_kv_reuse(1)

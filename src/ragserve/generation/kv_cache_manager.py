@@ -79,7 +79,7 @@ class TieredBlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
-        self.enable_prefix_caching = True
+        self.enable_prefix_caching = True  # False: no hits, nothing cached (set_kv_reuse)
         self.policy = make_policy(policy)
         self.cost_fn = cost_fn or _flop_cost
         self.swap_cost_fn = swap_cost_fn
@@ -144,7 +144,7 @@ class TieredBlockManager:
 
         At most ``num_tokens - 1`` tokens: the last token's logits are needed. Changes nothing.
         """
-        if seq.block_table:
+        if seq.block_table or not self.enable_prefix_caching:
             return []
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
         hit = []
@@ -335,7 +335,7 @@ class TieredBlockManager:
         table = seq.block_table
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         start = self._num_hashed.get(rid, 0)
-        if num_full <= start or rid in self._stopped:
+        if num_full <= start or rid in self._stopped or not self.enable_prefix_caching:
             return
         hashes = self._block_hashes(seq, num_full)
         for i in range(start, num_full):

@@ -332,6 +332,22 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
 
+    def set_kv_reuse(self, enabled: bool) -> None:
+        """Turn KV reuse across requests (prefix hits, caching new blocks and, where the
+        config asks for it, cache-aware admission) on or off, on an idle engine; either way
+        the cache is emptied, so what ran before cannot speed up what runs next. Benchmarks
+        use it to run systems with and without reuse on one engine. Raises ``RuntimeError``
+        while requests are unfinished."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"set_kv_reuse: enabled must be a bool, got {enabled!r}")
+        if self.has_unfinished():
+            raise RuntimeError("set_kv_reuse needs an idle engine (requests are unfinished)")
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.enable_prefix_caching = bool(enabled)
+        cfg = self.config
+        aware = enabled and cfg.enable_cache_aware_scheduling
+        self.scheduler.fairness_window = cfg.cache_aware_fairness_window if aware else None
+
     def synchronize_kv(self) -> None:
         """Wait for every pending host-tier copy: call it before reading KV blocks outside
         ``step`` (the step itself waits for the blocks it uses)."""

@@ -71,12 +71,20 @@ class LocalExecutor(BaseExecutor):
         return self.generation.engine.stats()
 
     def call_retrieval(self, name: str, *args: Any) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(getattr(self.retrieval, name)(*args))
-        except Exception as exc:
-            fut.set_exception(exc)
-        return fut
+        return _call_now(self.retrieval, name, args)
+
+    def call_generation(self, name: str, *args: Any) -> Future:
+        """Run ``GenerationRunner.<name>(*args)`` now (between engine steps)."""
+        return _call_now(self.generation, name, args)
+
+
+def _call_now(runner: Any, name: str, args: tuple) -> Future:
+    fut: Future = Future()
+    try:
+        fut.set_result(getattr(runner, name)(*args))
+    except Exception as exc:
+        fut.set_exception(exc)
+    return fut
 
 
 class WorkerHandle:
@@ -237,16 +245,24 @@ class ProcessExecutor(BaseExecutor):
         """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
         blocks). The future fails with ``WorkerError``: ``bad_request`` when the arguments
         cannot be pickled, ``worker_died`` when the worker dies first or is broken."""
+        return self._call_worker("ret", name, args)
+
+    def call_generation(self, name: str, *args: Any) -> Future:
+        """Run ``GenerationRunner.<name>(*args)`` in the generation worker, between engine
+        steps (thread-safe, never blocks; errors as ``call_retrieval``'s)."""
+        return self._call_worker("gen", name, args)
+
+    def _call_worker(self, kind: str, name: str, args: tuple) -> Future:
         token = next(self._tokens)
         fut: Future = Future()
-        worker = self.workers["ret"]
+        worker = self.workers[kind]
         if worker.broken is not None:
             fut.set_exception(WorkerError(worker.broken, "worker_died"))
             return fut
         try:
             data = encode(("call", token, name, args))
         except Exception as exc:
-            reason = f"the arguments cannot be sent to the retrieval worker: {type(exc).__name__}"
+            reason = f"the arguments cannot be sent to the {kind} worker: {type(exc).__name__}"
             fut.set_exception(WorkerError(reason, "bad_request"))
             return fut
         with self._replies_lock:

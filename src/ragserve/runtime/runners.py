@@ -113,6 +113,12 @@ class GenerationRunner:
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
 
+    def set_kv_reuse(self, enabled: bool) -> dict[str, Any]:
+        """``LLMEngine.set_kv_reuse`` (an idle engine; it empties the KV cache). In process,
+        call it only while the server is idle (the scheduler thread drives the engine)."""
+        self.engine.set_kv_reuse(enabled)
+        return {"kv_reuse": enabled}
+
     def step(self) -> list[GenerationUpdate]:
         start = self._clock()
         try:

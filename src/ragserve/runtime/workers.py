@@ -5,7 +5,8 @@ to its own pipe, and puts numpy arrays (token ids) in the shared-memory ring ins
 pickling them; retrieval results carry their passages in the message. Messages in:
 
     ("gen", [GenerationTask])   ("abort", [task_id])          generation worker
-    ("ret", [RetrievalTask])    ("call", token, name, args)   retrieval worker
+    ("ret", [RetrievalTask])                                  retrieval worker
+    ("call", token, name, args)                               either: runner.<name>(*args)
     None                                                      shut down
 
 Messages out: ("ready", info), ("fatal", traceback), ("gen", updates, ShmRef | arrays,
@@ -154,6 +155,8 @@ def _generation_loop(runner: GenerationRunner, inbox: Any, conn: Any, writer: Sh
                 updates.extend(runner.add(msg[1]))
             elif msg[0] == "abort":
                 runner.abort(msg[1])
+            elif msg[0] == "call":
+                _reply_call(conn, runner, *msg[1:])
         if runner.has_work():
             updates.extend(runner.step())
         busy = runner.has_work()
@@ -209,20 +212,19 @@ def _retrieval_loop(runner: RetrievalRunner, inbox: Any, conn: Any, writer: ShmW
             if msg[0] == "ret":
                 tasks.extend(msg[1])
             elif msg[0] == "call":
-                _, token, name, args = msg
-                try:
-                    reply = ("reply", token, getattr(runner, name)(*args), None)
-                except Exception as exc:
-                    logger.exception("retrieval call %s failed", name)
-                    reply = (
-                        "reply",
-                        token,
-                        None,
-                        (error_kind_of(exc), f"{type(exc).__name__}: {exc}"),
-                    )
-                _send(conn, reply, lambda err, t=token: ("reply", t, None, ("internal", err)))
+                _reply_call(conn, runner, *msg[1:])
         if tasks or pending:  # all tasks queued since the last search go out as one batch
             _send_retrieval(conn, runner, tasks)
+
+
+def _reply_call(conn: Any, runner: Any, token: int, name: str, args: tuple) -> None:
+    """Run ``runner.<name>(*args)`` and send its ``("reply", ...)``."""
+    try:
+        reply = ("reply", token, getattr(runner, name)(*args), None)
+    except Exception as exc:
+        logger.exception("call %s failed", name)
+        reply = ("reply", token, None, (error_kind_of(exc), f"{type(exc).__name__}: {exc}"))
+    _send(conn, reply, lambda err, t=token: ("reply", t, None, ("internal", err)))
 
 
 def _send_retrieval(conn: Any, runner: RetrievalRunner, tasks: list) -> None:
