@@ -221,3 +221,37 @@ def test_set_kv_reuse_switches_hits_and_empties_the_cache(tiny_models):
         engine.set_kv_reuse(False)
     with pytest.raises(ValueError, match="enabled"):
         engine.set_kv_reuse(1)
+
+
+def test_swap_cost_model_and_its_profile():
+    from ragserve.generation.kv_setup import SwapCostModel, profile_swap_cost
+
+    model = SwapCostModel(per_block_s=0.5, fixed_s=1.0)
+    assert model(0) == 0.0 and model(4) == 3.0
+    gpu = torch.randn(2, 2, 40, 4, 1, 8)
+    host = HostKVCache(gpu, num_host_blocks=40, overlap=True)
+    fitted = profile_swap_cost(host, num_gpu_blocks=40)
+    assert fitted.per_block_s >= 0.0 and fitted.fixed_s >= 0.0
+    assert fitted(32) >= fitted(1) > 0.0
+    assert host.num_pending_blocks == 0
+
+
+def test_cheaper_to_swap_keeps_the_best_prefix_of_host_blocks():
+    bm = TieredBlockManager(4, 4, num_host_blocks=8, cost_fn=lambda n, c: float(n))
+    warm = _seq("warm", list(range(13)))  # 3 full blocks get cached
+    assert bm.allocate_slots(warm, 13)
+    warm.num_computed_tokens = 13
+    bm.cache_blocks(warm)
+    bm.free(warm)
+    other = _seq("other", list(range(500, 516)))
+    assert bm.allocate_slots(other, 16)  # takes every GPU block: the 3 cached go to the host
+    bm.free(other)
+    probe = _seq("probe", list(range(12)) + [7])
+    assert [e.gpu_block for e in bm.get_computed_blocks(probe)] == [None] * 3
+    bm.swap_cost_fn = lambda n: 2.0 * n  # swap 2 per block < recompute 4 per block
+    assert len(bm.get_computed_blocks(probe)) == 3
+    bm.swap_cost_fn = lambda n: 5.0 * n  # now recomputing is cheaper: nothing is swapped
+    assert bm.get_computed_blocks(probe) == []
+    assert bm.allocate_slots(probe, 13)
+    assert bm.num_swap_skipped_blocks == 3 and bm.num_swapped_in_blocks == 0
+    bm.check_integrity()
