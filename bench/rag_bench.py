@@ -4,6 +4,10 @@ Poisson arrivals at a sweep of rates; each workflow alone and a mix; synthetic (
 clustered vectors) or factbook questions; fixed output lengths and round counts. Writes
 ``results.json`` and latency-vs-rate plots into ``--out``. Same model, same index, same run.
 
+Document-KV reuse (knowledge tree + cache-aware admission, what ``ragserve serve`` runs by
+default) is on for ``ragserve`` and off for the baselines, which stand for systems without
+it (``--kv-reuse``); it is switched, and the cache emptied, before every measurement.
+
     python bench/rag_bench.py --preset cpu-small --out bench/results/rag_cpu
     python bench/rag_bench.py --preset h200 --out bench/results/rag_h200      # on the GPU box
     ragserve bench ...                                                         # same flags
@@ -251,6 +255,17 @@ def set_tier(server, point: dict, args) -> None:
         server.executor.call_retrieval("drop_gpu_tier").result()
 
 
+def kv_reuse_of(system: str, args) -> bool:
+    """Whether ``system`` runs with document-KV reuse (``--kv-reuse``)."""
+    return args.kv_reuse == "all" or (args.kv_reuse == "ragserve" and system == "ragserve")
+
+
+def set_kv_reuse(server, system: str, args) -> None:
+    """Switch the engine's KV reuse for ``system`` (the server is idle: ``set_transforms``
+    waited for the requests in flight); the cache starts empty either way."""
+    server.executor.call_generation("set_kv_reuse", kv_reuse_of(system, args)).result(60)
+
+
 def num_requests(rate: float, point: dict, p: Preset, args) -> int:
     """``--num-requests`` when given, else ``duration`` (the phase's, or ``--duration``)
     seconds of arrivals clamped to ``--min/max-requests``, else the preset's count."""
@@ -340,17 +355,20 @@ def bench_all(p: Preset, data: dict, args, plan: list[dict], on_row=None) -> lis
                     key = (system, point["workflow"], point["nprobe"])
                     if "capacity" in point:
                         server.set_transforms(chains[system])
+                        set_kv_reuse(server, system, args)
                         row = measure_capacity(server, chains[system], system, p, data, args,
                                                point, offset=k * per_point)  # fmt: skip
                     elif key in saturated:
                         row = {"system": system, **point, "skipped": "saturated"}
                     else:
                         server.set_transforms(chains[system])
+                        set_kv_reuse(server, system, args)
                         row = measure(server, clock, chains[system], system, p, data, args,
                                       point, offset=k * per_point)  # fmt: skip
                         if row["slo_attainment"] < args.stop_below:
                             saturated.add(key)
                     row["phase"] = phase["name"]
+                    row["kv_reuse"] = kv_reuse_of(system, args)
                     rows.append(row)
                     if on_row is not None:
                         on_row(rows)
@@ -449,6 +467,13 @@ def build_parser(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="shortest capacity window allowed (the method says 30 s)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--in-process", action="store_true", help="no worker processes (tests)")
+    ap.add_argument(
+        "--kv-reuse",
+        choices=("ragserve", "none", "all"),
+        default="ragserve",
+        help="systems that run with document-KV reuse (default: ragserve only, as `ragserve "
+        "serve` gives it; the baselines stand for systems without)",
+    )
     ap.add_argument(
         "--interleave",
         action=argparse.BooleanOptionalAction,

@@ -229,9 +229,10 @@ def prepare(p: Preset, dataset: str, out: Path, *, nprobe: int | None = None) ->
 
         index = builtin_index("factbook", progress=True)
         questions = factbook_questions()
-    # NOTE: no prefix caching: every system runs the same questions on one engine, and a KV
-    # prefix left by the previous system must not speed up the next one
-    engine = {"load_format": "dummy", "enable_prefix_caching": False, **p.engine}
+    # NOTE: the engine has what `ragserve serve` gives (knowledge tree, PGDSF, cache-aware
+    # admission); `rag_bench` switches KV reuse per system with `set_kv_reuse`, which also
+    # empties the cache, so a prefix left by one system never speeds up the next one
+    engine = {"load_format": "dummy", **p.engine}
     return {
         "model": str(model),
         "index": str(index),

@@ -11,6 +11,7 @@ import torch
 from oracle_cases import pool_bytes
 
 from ragserve.generation import LLMEngine, SamplingParams
+from ragserve.generation.kv_setup import SwapCostModel
 
 MAX_TOKENS = 5
 WORDS = [
@@ -97,6 +98,15 @@ CONFIGS = {
     "tree_host_lru": dict(num_blocks=24, host_blocks=64, kv_eviction_policy="lru"),
     "tree_tiny_host": dict(num_blocks=24, host_blocks=6, enable_cache_aware_scheduling=False),
 }
+# the host tier's paths, on one architecture (the model code is the same as above)
+SWAP_CONFIGS = {
+    # (the configurations above overlap swap-ins with the running step: the default)
+    "no_overlap": dict(num_blocks=24, host_blocks=64, overlap_swap_in=False),
+    # swapping costs more than recomputing: host hits are recomputed instead
+    "recompute": dict(num_blocks=24, host_blocks=64, swap_cost=1e9),
+    # a pool of about one prompt: requests are preempted and come back through the host
+    "preempt": dict(num_blocks=16, host_blocks=64, enable_cache_aware_scheduling=False),
+}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -121,6 +131,29 @@ def test_reuse_matches_transformers(arch, config, tiny_models, prompts, expected
         assert stats["num_swap_out_bytes"] == stats["num_swapped_out_blocks"] * pool_bytes(
             path, 1, 16
         )
+
+
+@pytest.mark.parametrize("config", list(SWAP_CONFIGS))
+def test_host_tier_paths_match_transformers(config, tiny_models, prompts, expected):
+    kw = dict(SWAP_CONFIGS[config])
+    path = tiny_models["llama"]
+    kw["kv_cache_bytes"] = pool_bytes(path, kw.pop("num_blocks"), 16)
+    kw["host_kv_cache_bytes"] = pool_bytes(path, kw.pop("host_blocks"), 16)
+    swap_cost = kw.pop("swap_cost", None)
+    engine = LLMEngine(path, device="cpu", max_model_len=256, **kw)
+    if swap_cost is not None:
+        engine.block_manager.swap_cost_fn = SwapCostModel(per_block_s=swap_cost)
+    assert run(engine, prompts) == expected["llama"]
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_swapped_out_blocks"] > 0
+    if config == "recompute":
+        assert stats["num_host_hit_tokens"] == 0 and stats["num_swap_skipped_blocks"] > 0
+        return
+    assert stats["num_host_hit_tokens"] > 0 and stats["num_swap_skipped_blocks"] == 0
+    if config == "preempt":
+        assert stats["preemptions"] > 0
+    if config == "no_overlap":
+        assert stats["num_deferred_swap_ins"] == 0
 
 
 @pytest.mark.slow

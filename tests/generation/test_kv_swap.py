@@ -128,3 +128,130 @@ def test_cached_prefix_tokens_counts_whole_cached_blocks():
     assert bm.cached_prefix_tokens(list(range(11))) == 8
     assert bm.cached_prefix_tokens(list(range(4)) + [99] * 8) == 4
     assert bm.cached_prefix_tokens([]) == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_overlapped_swap_ins_are_waited_for_per_block(device):
+    torch.manual_seed(0)
+    gpu = torch.randn(2, 2, 6, 4, 1, 8).to(device)
+    original = gpu.clone()
+    host = HostKVCache(gpu, num_host_blocks=4, overlap=True)
+    host.run([SwapOp("out", 1, 0), SwapOp("out", 2, 1)])
+    host.synchronize()  # CPU: the thread ran the swap-outs too
+    gpu[:, :, [3, 4]] = 0
+    host.run([SwapOp("in", 3, 0), SwapOp("in", 4, 1)])
+    assert host.num_pending_blocks <= 2
+    host.wait_for([0, 3])  # a step reading blocks 0 and 3 waits for block 3's copy only
+    assert 4 in host._pending and 3 not in host._pending
+    if device == "cuda":
+        torch.cuda.current_stream().synchronize()
+    assert torch.equal(gpu[:, :, 3], original[:, :, 1])
+    host.synchronize()
+    assert torch.equal(gpu[:, :, 4], original[:, :, 2])
+    assert host.num_pending_blocks == 0 and not host._pending
+
+
+def _swap_engine(path, host_blocks=32, **kw):
+    from oracle_cases import pool_bytes
+
+    from ragserve.generation import LLMEngine
+
+    return LLMEngine(
+        path,
+        device="cpu",
+        max_model_len=128,
+        kv_cache_bytes=pool_bytes(path, 16, 16),
+        host_kv_cache_bytes=pool_bytes(path, host_blocks, 16),
+        enable_cache_aware_scheduling=False,
+        **kw,
+    )
+
+
+def _deferral_run(engine) -> list[list[int]]:
+    """A document prefix is cached, pushed to the host by other prompts, then hit while a
+    long request decodes: its swap-in can overlap that request's steps."""
+    import random
+
+    rng = random.Random(3)
+    doc = [rng.randrange(100, 40000) for _ in range(64)]
+    fillers = [[rng.randrange(100, 40000) for _ in range(90)] for _ in range(3)]
+    short = SamplingParams(max_tokens=2, ignore_eos=True)
+    outputs = [engine.generate([doc + [7, 8, 9]], short)[0].token_ids]
+    for filler in fillers:
+        outputs.append(engine.generate([filler], short)[0].token_ids)
+    engine.add_request("long", fillers[0][:40], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()  # the long request is running (prefilled)
+    engine.add_request("hit", doc + [11, 12, 13], short)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+        engine.check_integrity()
+    return outputs + [final["long"], final["hit"]]
+
+
+def test_a_host_hit_loads_during_another_requests_step(tiny_models):
+    expected = _deferral_run(_swap_engine(tiny_models["llama"], 0, enable_prefix_caching=False))
+    for overlap in (True, False):
+        engine = _swap_engine(tiny_models["llama"], overlap_swap_in=overlap)
+        assert _deferral_run(engine) == expected
+        stats = engine.stats()
+        assert stats["num_host_hit_tokens"] == 64  # the document's 4 blocks came back
+        assert stats["num_deferred_swap_ins"] == (1 if overlap else 0)
+
+
+def test_set_kv_reuse_switches_hits_and_empties_the_cache(tiny_models):
+    engine = _swap_engine(tiny_models["llama"])
+    prompt = list(range(100, 180))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    (first,) = engine.generate([prompt], params)
+    engine.set_kv_reuse(False)
+    assert engine.block_manager.num_cached_blocks == 0 and engine.scheduler.fairness_window is None
+    for _ in range(2):
+        assert engine.generate([prompt], params)[0].token_ids == first.token_ids
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    engine.set_kv_reuse(True)
+    assert engine.scheduler.fairness_window is None  # this engine has cache-aware admission off
+    for _ in range(2):
+        assert engine.generate([prompt], params)[0].token_ids == first.token_ids
+    assert engine.stats()["prefix_cache_hit_tokens"] == 64  # the second run hit 4 blocks
+    engine.add_request("busy", prompt, params)
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.set_kv_reuse(False)
+    with pytest.raises(ValueError, match="enabled"):
+        engine.set_kv_reuse(1)
+
+
+def test_swap_cost_model_and_its_profile():
+    from ragserve.generation.kv_setup import SwapCostModel, profile_swap_cost
+
+    model = SwapCostModel(per_block_s=0.5, fixed_s=1.0)
+    assert model(0) == 0.0 and model(4) == 3.0
+    gpu = torch.randn(2, 2, 40, 4, 1, 8)
+    host = HostKVCache(gpu, num_host_blocks=40, overlap=True)
+    fitted = profile_swap_cost(host, num_gpu_blocks=40)
+    assert fitted.per_block_s >= 0.0 and fitted.fixed_s >= 0.0
+    assert fitted(32) >= fitted(1) > 0.0
+    assert host.num_pending_blocks == 0
+
+
+def test_cheaper_to_swap_keeps_the_best_prefix_of_host_blocks():
+    bm = TieredBlockManager(4, 4, num_host_blocks=8, cost_fn=lambda n, c: float(n))
+    warm = _seq("warm", list(range(13)))  # 3 full blocks get cached
+    assert bm.allocate_slots(warm, 13)
+    warm.num_computed_tokens = 13
+    bm.cache_blocks(warm)
+    bm.free(warm)
+    other = _seq("other", list(range(500, 516)))
+    assert bm.allocate_slots(other, 16)  # takes every GPU block: the 3 cached go to the host
+    bm.free(other)
+    probe = _seq("probe", list(range(12)) + [7])
+    assert [e.gpu_block for e in bm.get_computed_blocks(probe)] == [None] * 3
+    bm.swap_cost_fn = lambda n: 2.0 * n  # swap 2 per block < recompute 4 per block
+    assert len(bm.get_computed_blocks(probe)) == 3
+    bm.swap_cost_fn = lambda n: 5.0 * n  # now recomputing is cheaper: nothing is swapped
+    assert bm.get_computed_blocks(probe) == []
+    assert bm.allocate_slots(probe, 13)
+    assert bm.num_swap_skipped_blocks == 3 and bm.num_swapped_in_blocks == 0
+    bm.check_integrity()

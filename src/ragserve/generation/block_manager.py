@@ -84,6 +84,10 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
+    def num_swap_in_blocks(self, computed_blocks: Seq[int]) -> int:
+        """Blocks an allocation of ``computed_blocks`` would copy in: none (GPU only)."""
+        return 0
+
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()
     ) -> bool:

@@ -44,6 +44,9 @@ class EngineConfig:
     enable_knowledge_tree: bool = True
     host_kv_cache_bytes: int = 0  # host tier (pinned CPU memory on CUDA); 0: GPU tier only
     kv_eviction_policy: str = "pgdsf"  # "pgdsf" | "lru"
+    # Host-tier hits load while the running step computes (side stream / CPU thread); the
+    # request computes from the next step. False: copies finish before the step's forward.
+    overlap_swap_in: bool = True
     # Admit waiting requests with a larger cached share first; none is passed over more than
     # ``cache_aware_fairness_window`` times.
     enable_cache_aware_scheduling: bool = True

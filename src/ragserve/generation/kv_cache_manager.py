@@ -15,6 +15,10 @@ CUDA) holds copies of cached blocks evicted from the GPU::
 - Preemption frees a request's blocks into this cache (generated blocks included), so a
   preempted request swaps its KV back in instead of recomputing it whenever it was evicted
   to the host meanwhile; only its last partial block is recomputed.
+- Swap or recompute: with a swap cost model (``swap_cost_fn``: seconds to swap in n blocks,
+  measured by ``LLMEngine.profile_prefill_cost``) a hit's host part is swapped in only as
+  far as that is cheaper than recomputing it (``cost_fn``, given the tokens before it);
+  the rest is recomputed (``num_swap_skipped_blocks``). Without one, host hits are swapped.
 
 Copies are not done here: each mutation appends ``SwapOp``s, in the order they must run,
 and the engine runs them (``take_swap_ops``) before the step's forward pass writes any block.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -65,6 +70,7 @@ class TieredBlockManager:
         policy: str = "pgdsf",
         cost_fn: CostFn | None = None,
         newline_counts: dict[int, int] | None = None,
+        swap_cost_fn: Callable[[int], float] | None = None,
     ):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
@@ -73,9 +79,10 @@ class TieredBlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
-        self.enable_prefix_caching = True
+        self.enable_prefix_caching = True  # False: no hits, nothing cached (set_kv_reuse)
         self.policy = make_policy(policy)
         self.cost_fn = cost_fn or _flop_cost
+        self.swap_cost_fn = swap_cost_fn
         self.newline_counts = newline_counts or {}
         self.ref_cnt = [0] * num_blocks
         self.gpu_entry: list[CachedBlock | None] = [None] * num_blocks
@@ -95,12 +102,14 @@ class TieredBlockManager:
         self._stopped: set[str] = set()  # requests whose blocks no longer chain to the cache
         self._node_keys: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (ends, keys)
         self._counted: dict[str, set[int]] = {}  # rid -> ids of nodes it has accessed
+        self._skipped: dict[str, int] = {}  # rid -> host hit blocks it would recompute
         self.num_gpu_hit_tokens = 0
         self.num_host_hit_tokens = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.num_evicted_gpu_blocks = 0
         self.num_evicted_host_blocks = 0
+        self.num_swap_skipped_blocks = 0
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -135,7 +144,7 @@ class TieredBlockManager:
 
         At most ``num_tokens - 1`` tokens: the last token's logits are needed. Changes nothing.
         """
-        if seq.block_table:
+        if seq.block_table or not self.enable_prefix_caching:
             return []
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
         hit = []
@@ -144,7 +153,32 @@ class TieredBlockManager:
             if entry is None:
                 break
             hit.append(entry)
-        return hit
+        return self._cheaper_to_swap(seq, hit)
+
+    def _cheaper_to_swap(self, seq: Sequence, hit: list[CachedBlock]) -> list[CachedBlock]:
+        """``hit`` cut where swapping its host part in stops paying off against recomputing
+        it. GPU blocks come first (each tier is closed under prefixes); keeping the first k
+        host blocks costs k swaps plus recomputing the rest after them: the cheapest k wins
+        (ties: more swapped)."""
+        num_gpu = next((i for i, e in enumerate(hit) if e.gpu_block is None), len(hit))
+        if self.swap_cost_fn is None or num_gpu == len(hit):
+            return hit
+        bs = self.block_size
+        num_host = len(hit) - num_gpu
+        best_k, best_cost = num_host, None
+        for k in range(num_host, -1, -1):
+            start = (num_gpu + k) * bs
+            rest = (len(hit) - num_gpu - k) * bs
+            recompute = self.cost_fn(rest, start) - self.cost_fn(0, start) if rest else 0.0
+            cost = self.swap_cost_fn(k) + recompute
+            if best_cost is None or cost < best_cost:
+                best_k, best_cost = k, cost
+        self._skipped[seq.request_id] = num_host - best_k  # counted when admitted
+        return hit[: num_gpu + best_k]
+
+    def num_swap_in_blocks(self, computed_blocks: Seq[CachedBlock]) -> int:
+        """How many of ``computed_blocks`` an allocation would swap in (host-only ones)."""
+        return sum(1 for e in computed_blocks if e.gpu_block is None)
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens of ``token_ids`` have cached KV (whole blocks, any tier)."""
@@ -167,6 +201,7 @@ class TieredBlockManager:
         bs = self.block_size
         if not computed_blocks and seq.num_computed_tokens + num_new_tokens <= len(table) * bs:
             return True
+        admitted = not table
         num_computed = max(seq.num_computed_tokens, len(computed_blocks) * bs)
         num_new = -(-(num_computed + num_new_tokens) // bs) - len(table) - len(computed_blocks)
         on_gpu = [e for e in computed_blocks if e.gpu_block is not None]
@@ -182,6 +217,8 @@ class TieredBlockManager:
             else:
                 self._acquire(entry.gpu_block)
             table.append(entry.gpu_block)
+        if admitted:
+            self.num_swap_skipped_blocks += self._skipped.pop(seq.request_id, 0)
         if computed_blocks:
             self._num_hashed[seq.request_id] = len(computed_blocks)
             self.num_gpu_hit_tokens += len(on_gpu) * bs
@@ -298,7 +335,7 @@ class TieredBlockManager:
         table = seq.block_table
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         start = self._num_hashed.get(rid, 0)
-        if num_full <= start or rid in self._stopped:
+        if num_full <= start or rid in self._stopped or not self.enable_prefix_caching:
             return
         hashes = self._block_hashes(seq, num_full)
         for i in range(start, num_full):
@@ -395,7 +432,8 @@ class TieredBlockManager:
             if entry.num_gpu_children == 0:
                 self._gpu_heap.push(entry)
         seq.block_table.clear()
-        for store in (self._tables, self._hashes, self._num_hashed, self._node_keys, self._counted):
+        stores = (self._tables, self._hashes, self._num_hashed, self._node_keys, self._counted)
+        for store in (*stores, self._skipped):
             store.pop(seq.request_id, None)
         self._stopped.discard(seq.request_id)
 

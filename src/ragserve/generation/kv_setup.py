@@ -59,6 +59,44 @@ class PrefillCostModel:
         return cls(per_token_s=per_token, per_token_context_s=per_ctx, fixed_s=fixed)
 
 
+@dataclass(frozen=True)
+class SwapCostModel:
+    """Seconds to swap ``n`` blocks in from the host tier: ``fixed_s + n * per_block_s``."""
+
+    per_block_s: float
+    fixed_s: float = 0.0
+
+    def __call__(self, num_blocks: int) -> float:
+        return self.fixed_s + num_blocks * self.per_block_s if num_blocks else 0.0
+
+
+def profile_swap_cost(host: HostKVCache, num_gpu_blocks: int) -> SwapCostModel:
+    """Time host-to-GPU copies of 1 .. 32 blocks into GPU blocks ``0 ..`` (an idle engine:
+    every GPU block is free, so the copies overwrite nothing) and fit ``SwapCostModel``."""
+    import time
+
+    from ragserve.generation.kv_cache_manager import SwapOp
+
+    samples = []
+    for n in (1, 4, 16, 32, 1, 4, 16, 32):
+        n = min(n, num_gpu_blocks, host.num_host_blocks)
+        ops = [SwapOp("in", i, i) for i in range(n)]
+        start = time.perf_counter()
+        host.run(ops)
+        host.synchronize()
+        if host.gpu_cache.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(host.gpu_cache.device)
+        samples.append((n, time.perf_counter() - start))
+    ns = np.asarray([n for n, _ in samples], dtype=float)
+    ts = np.asarray([t for _, t in samples])
+    if np.ptp(ns) == 0:
+        return SwapCostModel(per_block_s=float(ts.mean() / ns[0]))
+    slope, intercept = np.polyfit(ns, ts, 1)
+    return SwapCostModel(per_block_s=max(float(slope), 0.0), fixed_s=max(float(intercept), 0.0))
+
+
 def make_kv_tiers(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -78,7 +116,7 @@ def make_kv_tiers(
             f"host_kv_cache_bytes={config.host_kv_cache_bytes} holds no block of {per_block} bytes"
         )
     if num_host_blocks:
-        host = HostKVCache(model_runner.kv_cache, num_host_blocks)
+        host = HostKVCache(model_runner.kv_cache, num_host_blocks, overlap=config.overlap_swap_in)
     manager = TieredBlockManager(
         num_blocks,
         config.block_size,
@@ -136,6 +174,7 @@ def kv_tier_stats(
             "num_swap_in_bytes": 0,
             "num_evicted_gpu_blocks": 0,
             "num_evicted_host_blocks": 0,
+            "num_swap_skipped_blocks": 0,
             "num_kv_tree_nodes": 0,
             "num_host_blocks_used": 0,
             "num_host_blocks_total": 0,
@@ -150,6 +189,7 @@ def kv_tier_stats(
         "num_swap_in_bytes": bm.num_swapped_in_blocks * per_block,
         "num_evicted_gpu_blocks": bm.num_evicted_gpu_blocks,
         "num_evicted_host_blocks": bm.num_evicted_host_blocks,
+        "num_swap_skipped_blocks": bm.num_swap_skipped_blocks,
         "num_kv_tree_nodes": len(bm.nodes),
         "num_host_blocks_used": bm.num_host_used_blocks,
         "num_host_blocks_total": bm.num_host_blocks,

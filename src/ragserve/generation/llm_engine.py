@@ -36,6 +36,7 @@ from ragserve.generation.kv_setup import (
     kv_tier_stats,
     make_kv_tiers,
     profile_prefill_cost,
+    profile_swap_cost,
 )
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import (
@@ -125,7 +126,9 @@ class LLMEngine:
                 if config.enable_cache_aware_scheduling and config.enable_prefix_caching
                 else None
             ),
+            overlap_swap_in=config.overlap_swap_in and self.host_kv_cache is not None,
         )
+        self.swap_cost = None  # SwapCostModel once profile_prefill_cost has timed the host tier
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -220,6 +223,8 @@ class LLMEngine:
         self._run_swaps()
         if out.is_empty:
             return []
+        if self.host_kv_cache is not None:  # only the blocks this step uses
+            self.host_kv_cache.wait_for(b for s in out.seqs for b in s.block_table)
         if not self.config.enable_step_isolation:
             return self._postprocess(out, self.model_runner.execute_model(out))
         ran = execute_isolated(self.model_runner.execute_model, out, self.model_runner.sampler)
@@ -355,10 +360,33 @@ class LLMEngine:
             "num_fusion_store_hits": fusion.store.num_hits,
             "num_fusion_store_misses": fusion.store.num_misses,
         }
+        stats["num_deferred_swap_ins"] = sched.num_deferred_swap_ins
         return stats | kv_tier_stats(bm, self.host_kv_cache, sched.prefix_cache_hit_tokens)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
+
+    def set_kv_reuse(self, enabled: bool) -> None:
+        """Turn KV reuse across requests (prefix hits, caching new blocks and, where the
+        config asks for it, cache-aware admission) on or off, on an idle engine; either way
+        the cache is emptied, so what ran before cannot speed up what runs next. Benchmarks
+        use it to run systems with and without reuse on one engine. Raises ``RuntimeError``
+        while requests are unfinished."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"set_kv_reuse: enabled must be a bool, got {enabled!r}")
+        if self.has_unfinished():
+            raise RuntimeError("set_kv_reuse needs an idle engine (requests are unfinished)")
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.enable_prefix_caching = bool(enabled)
+        cfg = self.config
+        aware = enabled and cfg.enable_cache_aware_scheduling
+        self.scheduler.fairness_window = cfg.cache_aware_fairness_window if aware else None
+
+    def synchronize_kv(self) -> None:
+        """Wait for every pending host-tier copy: call it before reading KV blocks outside
+        ``step`` (the step itself waits for the blocks it uses)."""
+        if self.host_kv_cache is not None:
+            self.host_kv_cache.synchronize()
 
     def order_passages(
         self, render: Callable[[Sequence_[int]], str], num_passages: int
@@ -375,12 +403,17 @@ class LLMEngine:
 
     def profile_prefill_cost(self, lengths: tuple[int, ...] = (64, 256)) -> PrefillCostModel | None:
         """Measure prefill times (with and without a cached prefix), fit PGDSF's cost model
-        and use it for nodes created from now on; ``None`` without the knowledge tree. Run it
-        on an idle engine: it adds and drops its own requests and empties the cache."""
+        and use it for nodes created from now on; ``None`` without the knowledge tree. With a
+        host tier also time swap-ins (``swap_cost``): host hits are then swapped in only where
+        that beats recomputing them. Run it on an idle engine: it adds and drops its own
+        requests and empties the cache."""
         if not isinstance(self.block_manager, TieredBlockManager):
             return None
         model = profile_prefill_cost(self, lengths)
         self.block_manager.cost_fn = model
+        if self.host_kv_cache is not None:
+            self.swap_cost = profile_swap_cost(self.host_kv_cache, self.block_manager.num_blocks)
+            self.block_manager.swap_cost_fn = self.swap_cost
         return model
 
 

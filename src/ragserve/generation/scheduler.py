@@ -12,6 +12,13 @@ prefilled in one step, and never touches the prefix cache (its KV is approximate
 Cache-aware admission (RAGCache, switchable): among the first ``lookahead`` waiting requests
 the one with the largest cached share of its tokens goes first (ties: arrival order); a
 request passed over ``fairness_window`` times is admitted next whatever its share.
+
+Swap-in overlap (``overlap_swap_in``, switchable): a request admitted with cached blocks on
+the host tier while other requests run this step joins the running queue without tokens
+this step: its swap-ins are issued now and copy while this step's forward runs (the engine
+waits only for the blocks a step uses); it computes from the next step on. Preemption goes
+through the cache: a preempted request's blocks stay cached, and on readmission they are
+shared (GPU), swapped in (host, where cheaper than recomputing) or recomputed.
 """
 
 from __future__ import annotations
@@ -58,10 +65,13 @@ class Scheduler:
         *,
         fairness_window: int | None = None,
         lookahead: int = 64,
+        overlap_swap_in: bool = False,
     ):
         self.block_manager = block_manager
         self.fairness_window = fairness_window  # None: first come, first served
         self.lookahead = lookahead
+        self.overlap_swap_in = overlap_swap_in
+        self.num_deferred_swap_ins = 0  # admissions that loaded KV during another step
         self._num_passed: dict[str, int] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -109,6 +119,7 @@ class Scheduler:
                 if seqs:
                     break
                 n = seq.num_tokens
+            swaps = self.block_manager.num_swap_in_blocks(hit_blocks)
             if not self.block_manager.allocate_slots(seq, n, hit_blocks):
                 break
             del self.waiting[index]
@@ -121,6 +132,9 @@ class Scheduler:
             self.prefix_cache_hit_tokens += num_hit
             self.prefix_cache_query_tokens += seq.num_tokens
             self.running.append(seq)
+            if swaps and seqs and self.overlap_swap_in and seq.fusion is None:
+                self.num_deferred_swap_ins += 1
+                continue  # its KV loads during this step; it computes from the next one
             seqs.append(seq)
             counts.append(n)
             budget -= n

@@ -20,6 +20,7 @@ from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isol
 from ragserve.runtime.shm import ShmRing
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
+    CallGenerationMsg,
     CallReplyMsg,
     CallRetrievalMsg,
     EngineStatsMsg,
@@ -87,15 +88,23 @@ class LocalExecutor(BaseExecutor):
         return self.generation.engine.stats()
 
     def call_retrieval(self, name: str, *args: Any) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(check_call(name)(self.retrieval, *args))
-        except Exception as exc:
-            fut.set_exception(exc)
-        return fut
+        return _call_now(self.retrieval, name, args, "retrieval")
+
+    def call_generation(self, name: str, *args: Any) -> Future:
+        """Run ``GENERATION_CALLS[name](runner, *args)`` now (between engine steps)."""
+        return _call_now(self.generation, name, args, "generation")
 
     def close(self) -> None:
         self.generation.close()
+
+
+def _call_now(runner: Any, name: str, args: tuple, kind: str) -> Future:
+    fut: Future = Future()
+    try:
+        fut.set_result(check_call(name, kind)(runner, *args))
+    except Exception as exc:
+        fut.set_exception(exc)
+    return fut
 
 
 class WorkerHandle:
@@ -274,25 +283,36 @@ class ProcessExecutor(BaseExecutor):
         blocks). The future fails with ``WorkerError``: ``bad_request`` when the arguments
         cannot be pickled or ``name`` is no ``RETRIEVAL_CALLS`` entry, ``worker_died`` when
         the worker dies first or is broken, ``overloaded`` when its queue is full."""
+        return self._call_worker("ret", name, args)
+
+    def call_generation(self, name: str, *args: Any) -> Future:
+        """Run ``GENERATION_CALLS[name]`` in the generation worker, between engine steps
+        (thread-safe, never blocks; errors as ``call_retrieval``'s)."""
+        return self._call_worker("gen", name, args)
+
+    def _call_worker(self, kind: str, name: str, args: tuple) -> Future:
         token = next(self._tokens)
         fut: Future = Future()
-        worker = self.workers["ret"]
+        worker = self.workers[kind]
         if worker.broken is not None:
             fut.set_exception(WorkerError(worker.broken, "worker_died"))
             return fut
         if not worker.has_room:
-            reason = f"the retrieval worker's queue is full ({len(worker.pending)} waiting)"
+            reason = f"the {kind} worker's queue is full ({len(worker.pending)} waiting)"
             fut.set_exception(WorkerError(reason, "overloaded"))
             return fut
+        table, msg_type = (
+            ("retrieval", CallRetrievalMsg) if kind == "ret" else ("generation", CallGenerationMsg)
+        )
         try:
-            check_call(name)
+            check_call(name, table)
         except ValueError as exc:
             fut.set_exception(WorkerError(str(exc), "bad_request"))
             return fut
         try:
-            data = encode(CallRetrievalMsg(token, name, args))
+            data = encode(msg_type(token, name, args))
         except Exception as exc:
-            reason = f"the arguments cannot be sent to the retrieval worker: {type(exc).__name__}"
+            reason = f"the arguments cannot be sent to the {kind} worker: {type(exc).__name__}"
             fut.set_exception(WorkerError(reason, "bad_request"))
             return fut
         with self._replies_lock:

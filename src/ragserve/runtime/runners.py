@@ -194,6 +194,12 @@ class GenerationRunner:
         if self._prefetch is not None:
             self._prefetch.shutdown(wait=False, cancel_futures=True)
 
+    def set_kv_reuse(self, enabled: bool) -> dict[str, Any]:
+        """``LLMEngine.set_kv_reuse`` (an idle engine; it empties the KV cache). In process,
+        call it only while the server is idle (the scheduler thread drives the engine)."""
+        self.engine.set_kv_reuse(enabled)
+        return {"kv_reuse": enabled}
+
     def step(self) -> list[GenerationUpdate]:
         """Admit the prefetched tasks that are ready, then one engine step."""
         errors = self._admit_tokenized()

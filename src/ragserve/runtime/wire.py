@@ -51,6 +51,16 @@ class CallRetrievalMsg:
 
 
 @dataclass(frozen=True)
+class CallGenerationMsg:
+    """Run ``GENERATION_CALLS[method](runner, *args)`` in the generation worker between engine
+    steps; the answer is a ``CallReplyMsg`` with the same ``token``."""
+
+    token: int
+    method: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class ShutdownMsg:
     pass
 
@@ -133,12 +143,21 @@ RETRIEVAL_CALLS: dict[str, Callable[..., Any]] = {
 """The retrieval runner's methods a caller may run in the worker (``call_retrieval``)."""
 
 
-def check_call(method: str) -> Callable[..., Any]:
-    """The ``RETRIEVAL_CALLS`` entry for ``method``; ``ValueError`` naming it if none."""
-    fn = RETRIEVAL_CALLS.get(method)
+GENERATION_CALLS: dict[str, Callable[..., Any]] = {
+    "set_kv_reuse": lambda runner, enabled: runner.set_kv_reuse(enabled),
+}
+"""The generation runner's methods a caller may run in the worker (``call_generation``)."""
+
+CALLS = {"retrieval": RETRIEVAL_CALLS, "generation": GENERATION_CALLS}
+
+
+def check_call(method: str, kind: str = "retrieval") -> Callable[..., Any]:
+    """The ``CALLS[kind]`` entry for ``method``; ``ValueError`` naming it if none."""
+    table = CALLS[kind]
+    fn = table.get(method)
     if fn is None:
         raise ValueError(
-            f"method {method!r} is not a retrieval call; choose one of {', '.join(RETRIEVAL_CALLS)}"
+            f"method {method!r} is not a {kind} call; choose one of {', '.join(table)}"
         )
     return fn
 

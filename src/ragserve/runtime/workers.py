@@ -34,6 +34,7 @@ from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isol
 from ragserve.runtime.shm import ShmWriter, ipc_stream
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
+    CallGenerationMsg,
     CallReplyMsg,
     CallRetrievalMsg,
     EngineStatsMsg,
@@ -217,6 +218,7 @@ def _generation_loop(runner: GenerationRunner, inbox: Any, outbox: Outbox) -> No
     handlers: dict[type, Callable[[Any], list]] = {
         SubmitGenerationMsg: lambda msg: runner.add(list(msg.tasks)),
         AbortGenerationMsg: lambda msg: runner.abort(list(msg.task_ids)) or [],
+        CallGenerationMsg: lambda msg: _call(runner, outbox, msg, "generation"),
     }
     was_busy = False
     last_stats = 0.0
@@ -254,7 +256,7 @@ def _dispatch(handlers: dict[type, Callable[[Any], list]], msg: Any) -> list:
 def _retrieval_loop(runner: RetrievalRunner, inbox: Any, outbox: Outbox) -> None:
     handlers: dict[type, Callable[[Any], list]] = {
         SubmitRetrievalMsg: lambda msg: list(msg.tasks),
-        CallRetrievalMsg: lambda msg: _call(runner, outbox, msg),
+        CallRetrievalMsg: lambda msg: _call(runner, outbox, msg, "retrieval"),
     }
     while True:
         tasks = []
@@ -267,13 +269,14 @@ def _retrieval_loop(runner: RetrievalRunner, inbox: Any, outbox: Outbox) -> None
             outbox.send_retrieval(run_isolated(runner, tasks))
 
 
-def _call(runner: RetrievalRunner, outbox: Outbox, msg: CallRetrievalMsg) -> list:
-    """Run the call, reply to it; no tasks come of it."""
+def _call(runner: Any, outbox: Outbox, msg: Any, kind: str) -> list:
+    """Run the call (``CallRetrievalMsg`` / ``CallGenerationMsg``), reply to it; no tasks or
+    updates come of it."""
     try:
-        value = check_call(msg.method)(runner, *msg.args)
+        value = check_call(msg.method, kind)(runner, *msg.args)
         reply = CallReplyMsg(msg.token, value)
     except Exception as exc:
-        logger.exception("retrieval call %s failed", msg.method)
+        logger.exception("%s call %s failed", kind, msg.method)
         error = WireError(error_kind_of(exc), f"{type(exc).__name__}: {exc}")
         reply = CallReplyMsg(msg.token, error=error)
     outbox.send(reply, lambda err: CallReplyMsg(msg.token, error=WireError("internal", err)))

@@ -1,0 +1,103 @@
+"""``bench/bench_kv_reuse.py``: the H200 preset's settings are valid engine settings (fast, no
+model), and its CPU twin runs every configuration end to end at a tiny scale, survives a
+failing configuration and keeps to its time budget."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ragserve.generation import EngineConfig, ModelConfig
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_kv_reuse
+    finally:
+        sys.path.remove(str(BENCH))
+    return bench_kv_reuse
+
+
+def test_h200_preset_is_a_valid_run(bench, tmp_path) -> None:
+    a = bench.parse_args(["--preset", "h200-llama8b"])
+    assert a.dummy and a.device == "cuda" and a.dtype == "bfloat16"
+    model = bench.dummy_folder(tmp_path / "model", a.model)
+    cfg = ModelConfig.from_folder(model)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads) == (32, 4096, 8)
+    per_token = bench.kv_bytes_per_token(str(model), a)
+    assert per_token == 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B, bf16
+    workload = bench.make_workload(a)
+    assert len(workload) == a.num_requests
+    prompt_len = 48 + a.topk * a.passage_tokens + a.question_tokens
+    assert all(len(ids) == prompt_len and ends[-1] == prompt_len for ids, ends, _ in workload)
+    assert bench.max_model_len(a) <= cfg.max_position_embeddings
+    # the GPU pool holds several prompts but far fewer than the distinct ones: the host matters
+    distinct = {tuple(ids[: prompt_len - a.question_tokens]) for ids, _, _ in workload}
+    assert 4 * bench.max_model_len(a) <= a.gpu_kv_tokens < len(distinct) * prompt_len
+    assert a.time_budget and a.time_budget <= 280
+    for name, config in bench.CONFIGS.items():
+        kw = bench.engine_kwargs(a, config, per_token)
+        EngineConfig(model=str(model), **kw)  # every keyword exists and is valid
+        assert (kw["host_kv_cache_bytes"] > 0) == ("host" in name)
+
+
+def test_unknown_config_is_refused_before_any_work(bench) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "cpu-tiny", "--configs", "no_reuse,tree_gpu_lfu"])
+
+
+def test_cpu_twin_runs_every_config(bench, tmp_path) -> None:
+    out = tmp_path / "kv.json"
+    argv = ["--preset", "cpu-tiny", "--num-requests", "5", "--load", "0", "--out", str(out)]
+    results = bench.main(argv)
+    assert json.loads(out.read_text())["configs"].keys() == bench.CONFIGS.keys()
+    for name, row in results["configs"].items():
+        assert "error" not in row and "skipped" not in row, (name, row)
+        assert row["identical"] is True, name
+        assert row["ttft_speedup_vs_no_reuse"] > 0
+    assert results["configs"]["no_reuse"]["stats"]["prefix_cache_hit_tokens"] == 0
+    hits = results["configs"]["tree_host_pgdsf"]["stats"]["prefix_cache_hit_tokens"]
+    assert hits > 0  # topics repeat: the tree reuses passages
+
+
+def test_paced_pass_uses_a_share_of_measured_throughput(bench, tmp_path) -> None:
+    argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs", "no_reuse,block_cache"]
+    results = bench.main([*argv, "--load", "2.0"])
+    rows = results["configs"]
+    assert rows["no_reuse"]["rate_rps"] == pytest.approx(2.0 * rows["no_reuse"]["throughput_rps"])
+    assert rows["block_cache"]["rate_rps"] == rows["no_reuse"]["rate_rps"]
+    assert rows["block_cache"]["identical"] is True
+
+
+def test_a_failing_config_is_recorded_and_the_run_goes_on(bench, monkeypatch, tmp_path) -> None:
+    real = bench.build_engine
+
+    def build(model, a, config):
+        if config is bench.CONFIGS["block_cache"]:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(model, a, config)
+
+    monkeypatch.setattr(bench, "build_engine", build)
+    out = tmp_path / "kv.json"
+    argv = ["--preset", "cpu-tiny", "--num-requests", "3", "--load", "0", "--out", str(out),
+            "--configs", "no_reuse,block_cache,tree_gpu_lru"]  # fmt: skip
+    rows = bench.main(argv)["configs"]
+    assert rows["block_cache"]["error"] == "RuntimeError: CUDA out of memory (simulated)"
+    assert rows["tree_gpu_lru"]["identical"] is True
+    assert json.loads(out.read_text())["configs"]["block_cache"]["error"]
+
+
+def test_time_budget_skips_what_would_start_too_late(bench) -> None:
+    argv = ["--preset", "cpu-tiny", "--time-budget", "1e-9", "--configs", "no_reuse,block_cache"]
+    rows = bench.main(argv)["configs"]
+    assert rows == {
+        "no_reuse": {"skipped": "time budget spent"},
+        "block_cache": {"skipped": "time budget spent"},
+    }
