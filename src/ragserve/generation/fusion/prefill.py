@@ -1,7 +1,9 @@
 """The fused prefill of one request: stored passage KV + selective recompute -> paged cache.
 
-1. Each keyed segment's KV comes from the ``PassageKVStore`` (computed alone at positions
-   ``0..n-1`` on a miss and stored), keys re-rotated to the segment's start.
+1. Each keyed segment's KV at positions ``0..n-1`` comes from its blocks in the paged cache
+   (``PassageBlocks`` held by the knowledge tree's tiers, ``kv_passages.py``; computed alone
+   and written there on a miss) or, without the tree, from the ``PassageKVStore``; keys are
+   re-rotated to the segment's start.
 2. The selector scores the tokens; ``ceil(ratio * n)`` of each keyed segment are recomputed
    together with every unkeyed token (and the last token, whose logits are sampled).
 3. One dense forward over those rows (``forward.py``); then every token's KV is written into
@@ -27,6 +29,7 @@ from ragserve.generation.fusion.selectors import (
     query_rows,
 )
 from ragserve.generation.fusion.store import PassageKVStore
+from ragserve.generation.kv_passages import PassageBlocks
 
 Span = tuple[int, int, str | None]
 
@@ -82,6 +85,37 @@ class FusionRunner:
             self.store.put(key, token_ids, kv)
         return kv
 
+    def paged_passage_kv(
+        self,
+        handle: PassageBlocks,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """A passage's KV at positions ``0..n-1`` read from its blocks in the paged cache;
+        computed alone first (and written to its unwritten blocks, if any) unless ready."""
+        if handle.is_ready:
+            slots = self._passage_slots(handle, kv_caches, 0)
+            k = torch.stack([kc.view(-1, *kc.shape[2:])[slots] for kc, _ in kv_caches])
+            v = torch.stack([vc.view(-1, *vc.shape[2:])[slots] for _, vc in kv_caches])
+            return torch.stack([k, v])
+        kv = self._compute_alone(list(handle.token_ids))
+        if handle.blocks:
+            first = handle.num_ready_blocks * kv_caches[0][0].shape[1]
+            slots = self._passage_slots(handle, kv_caches, first)
+            for layer, (k_cache, v_cache) in enumerate(kv_caches):
+                store_kv(kv[0, layer, first:], kv[1, layer, first:], k_cache, v_cache, slots)
+            handle.num_ready_blocks = len(handle.blocks)
+        return kv
+
+    @staticmethod
+    def _passage_slots(
+        handle: PassageBlocks, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first: int
+    ) -> torch.Tensor:
+        block_size = kv_caches[0][0].shape[1]
+        dev = kv_caches[0][0].device
+        pos = torch.arange(first, len(handle.token_ids), device=dev)
+        blocks = torch.tensor(handle.blocks, dtype=torch.long, device=dev)
+        return blocks[pos // block_size] * block_size + pos % block_size
+
     def _compute_alone(self, token_ids: list[int]) -> torch.Tensor:
         kv = self._empty_kv(len(token_ids))
         ids = torch.tensor(token_ids, dtype=torch.long, device=kv.device)
@@ -101,18 +135,25 @@ class FusionRunner:
         plan: FusionPlan,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         slots: torch.Tensor,
+        passages: list[PassageBlocks] | None = None,
     ) -> torch.Tensor:
         """Fill ``slots`` (one flat cache slot per token) with the fused KV of ``token_ids``
         and return the last token's final hidden state ``[hidden]`` (after the final norm).
-        Tokens past the planned spans (generated before a preemption) are computed like
-        unkeyed ones."""
+        ``passages``: the keyed segments' held blocks, in span order (``None``: use the
+        store). Tokens past the planned spans (generated before a preemption) are computed
+        like unkeyed ones."""
         kv = self._empty_kv(len(token_ids))
         dev = kv.device
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         rotary = self.model.model.rotary
         keyed = [(s, e, key) for s, e, key in plan.spans if key is not None]
-        for start, end, key in keyed:
-            stored = self.passage_kv(key, token_ids[start:end])
+        if passages is not None and len(passages) != len(keyed):
+            raise ValueError(f"passages: {len(passages)} handles for {len(keyed)} keyed spans")
+        for i, (start, end, key) in enumerate(keyed):
+            if passages is None:
+                stored = self.passage_kv(key, token_ids[start:end])
+            else:
+                stored = self.paged_passage_kv(passages[i], kv_caches)
             kv[0, :, start:end] = rotate_keys(stored[0], rotary, start)
             kv[1, :, start:end] = stored[1]
         in_keyed = torch.zeros(len(token_ids), dtype=torch.bool, device=dev)
