@@ -56,7 +56,7 @@ PRESETS = {
                      num_ttft=2, num_requests=3, max_tokens=2, kv_gb=0.01,
                      ratios=(0.15, 1.0), time_budget_s=120.0),
 }  # fmt: skip
-SELECTORS = ("qcfuse", "cacheblend")
+SELECTORS = ("qcfuse", "cacheblend", "sift")
 COUNTERS = ("num_fused_tokens", "num_recomputed_tokens", "num_fusion_store_hits",
             "num_fusion_store_misses", "num_swapped_in_blocks", "num_evicted_gpu_blocks",
             "prefix_cache_hit_tokens", "preemptions")  # fmt: skip

@@ -18,6 +18,7 @@ from ragserve.generation.fusion.selectors import (
     kv_deviation,
     pick_rows,
     query_rows,
+    received_attention,
 )
 
 MAX_TOKENS = 6
@@ -195,6 +196,24 @@ def test_query_attention_and_kv_deviation_scores():
     dev = kv_deviation(fresh, stored)
     assert dev.argmax().item() == 5
     assert pick_rows(dev, spans, 0.5) == [2, 5]
+
+
+def test_sift_scores_are_attention_received_inside_the_passage(tiny_models):
+    probs = torch.tensor([[[1.0, 0, 0], [0.2, 0.8, 0], [0.1, 0.1, 0.8]]])
+    assert received_attention(probs).tolist() == pytest.approx([1.3, 0.9, 0.8])
+    engine = _engine(tiny_models["llama"], fusion_selector="sift")
+    runner = engine.model_runner.fusion
+    tokens = _segments(1, [0])[1].content
+    scores = runner.passage_scores("p", tokens)
+    heads = engine.model_config.num_attention_heads
+    assert scores.shape == (len(tokens),) and bool((scores >= 0).all())
+    assert float(scores.sum()) == pytest.approx(heads * len(tokens), rel=1e-5)  # rows sum to 1
+    assert runner.passage_scores("p", tokens) is scores  # indexed once
+    segs = [_segments(5, o) for o in ORDERS]
+    assert all(len(o) == MAX_TOKENS for o in _run(engine, segs, [0.3] * 4))
+    lengths = [len(p.content) for s in segs for p in s if p.key]
+    assert engine.stats()["num_recomputed_tokens"] == sum(math.ceil(0.3 * n) for n in lengths)
+    engine.check_integrity()
 
 
 def test_store_tiers_and_token_check():

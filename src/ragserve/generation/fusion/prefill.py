@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,13 @@ from ragserve.generation.fusion.selectors import (
     kv_deviation,
     pick_rows,
     query_rows,
+    received_attention,
 )
 from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.kv_passages import PassageBlocks
 
 Span = tuple[int, int, str | None]
+SIFT_INDEX_ENTRIES = 4096  # passages whose SIFT-style scores are kept (n floats each)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class FusionRunner:
         self.probe_layer = min(self.probe_layer, num_layers - 1)
         self.num_fused_tokens = 0
         self.num_recomputed_tokens = 0
+        self._sift_index: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
 
     def passage_kv(self, key: str, token_ids: list[int]) -> torch.Tensor:
         """Stored KV of a passage at positions ``0..n-1`` (computed and stored on a miss)."""
@@ -182,9 +186,34 @@ class FusionRunner:
             scores = torch.zeros(num_tokens, device=kv.device)
         elif self.selector == "qcfuse":
             scores = self._query_attention(ids, kv, base, plan)
+        elif self.selector == "sift":
+            scores = torch.zeros(num_tokens, device=kv.device)
+            for start, end, key in plan.spans:
+                if key is not None:
+                    scores[start:end] = self.passage_scores(key, ids[start:end].tolist())
         else:
             scores = self._kv_deviation(ids, kv)
         return pick_rows(scores, plan.spans, plan.ratio)
+
+    @torch.inference_mode()
+    def passage_scores(self, key: str, token_ids: list[int]) -> torch.Tensor:
+        """The SIFT-style index of a passage: ``[n]`` attention each token receives from the
+        passage alone at the probe layer (computed on first use, kept for the last
+        ``SIFT_INDEX_ENTRIES`` passages)."""
+        full_key = (key, tuple(token_ids))
+        scores = self._sift_index.get(full_key)
+        if scores is not None:
+            self._sift_index.move_to_end(full_key)
+            return scores
+        work = self._empty_kv(len(token_ids))
+        ids = torch.tensor(token_ids, dtype=torch.long, device=work.device)
+        rows = torch.arange(len(token_ids), device=work.device)
+        _, probs = forward_rows(self.model, ids, work, rows, probe_layer=self.probe_layer)
+        scores = received_attention(probs)
+        self._sift_index[full_key] = scores
+        if len(self._sift_index) > SIFT_INDEX_ENTRIES:
+            self._sift_index.popitem(last=False)
+        return scores
 
     def _query_attention(
         self, ids: torch.Tensor, kv: torch.Tensor, base: torch.Tensor, plan: FusionPlan
