@@ -18,9 +18,9 @@ time. A configuration that raises is recorded with its error and skipped; past
 ``--time-budget-s`` the rest are recorded as skipped. The JSON (``--out``) is rewritten
 after every configuration; progress goes to stderr, one flushed line per event.
 
-    # H200 (one command, ~3 min): Llama-3.1-8B shape, random bf16 weights
-    PYTHONUNBUFFERED=1 PYTHONPATH=src python3 bench/bench_fusion.py --preset h200-llama8b \\
-        --out $OUT/fusion_h200.json
+    # H200 (one command, ~2.5 min expected): Llama-3.1-8B shape, random bf16 weights
+    PYTHONUNBUFFERED=1 PYTHONPATH=src timeout 280 python3 bench/bench_fusion.py \\
+        --preset h200-llama8b --out $OUT/fusion_h200.json
     # its CPU twin (tests/test_bench_fusion.py runs it): the same code on a tiny shape
     PYTHONPATH=src python bench/bench_fusion.py --preset cpu-tiny --out /tmp/fusion.json
 """
@@ -49,7 +49,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
 PRESETS = {
     "h200-llama8b": dict(config=LLAMA_31_8B, device="cuda", dtype="bfloat16", docs=20,
                          passage_tokens=1024, topk=5, question_tokens=32, prefix_tokens=32,
-                         num_ttft=8, num_requests=32, max_tokens=16, kv_gb=48.0,
+                         num_ttft=8, num_requests=32, max_tokens=16, kv_gb=40.0,
                          ratios=(0.15, 0.05, 0.10, 0.30, 0.0, 1.0), time_budget_s=200.0),
     "cpu-tiny": dict(config={**LLAMA_31_8B, **TINY}, device="cpu", dtype="float32", docs=6,
                      passage_tokens=40, topk=3, question_tokens=8, prefix_tokens=8,

@@ -132,9 +132,15 @@ def answer(engine: LLMEngine, segs, params, ratio) -> tuple[str, torch.Tensor, f
 
 
 def run_set(
-    name: str, cases: list[Case], full_engine: LLMEngine, engines: dict[str, LLMEngine], params
+    name: str,
+    cases: list[Case],
+    full_engine: LLMEngine,
+    engines: dict[str, LLMEngine],
+    params,
+    on_progress=None,
 ) -> dict:
-    """``full_engine`` (no prefix caching) gives the reference answers and TTFTs."""
+    """``full_engine`` (no prefix caching) gives the reference answers and TTFTs;
+    ``on_progress(partial result)`` after every question."""
     rows = {s: {r: [] for r in RATIOS} for s in engines}
     warm = SamplingParams(max_tokens=1)
     for n, case in enumerate(cases):
@@ -159,8 +165,14 @@ def run_set(
                     )  # fmt: skip
                 )
         logging.info("%s %d/%d: %r", name, n + 1, len(cases), full_text[:60])
+        if on_progress is not None:
+            on_progress({"num_questions": n + 1, "table": _table(rows)})
+    return {"num_questions": len(cases), "table": _table(rows)}
+
+
+def _table(rows: dict) -> dict:
     table = {}
-    for sel in engines:
+    for sel in rows:
         for ratio in RATIOS:
             r = rows[sel][ratio]
             table[f"{sel}@{ratio:.2f}"] = {
@@ -170,7 +182,7 @@ def run_set(
                 "recomputed_share": sum(x[3] for x in r) / len(r),
                 "ttft_speedup": math.exp(sum(x[4] for x in r) / len(r)),
             }
-    return {"num_questions": len(cases), "table": table}
+    return table
 
 
 def main() -> None:
@@ -198,7 +210,12 @@ def main() -> None:
         sets["pydocs"] = faq_cases(a.faq, a.seed)
     result = {"args": vars(a) | {"out": str(a.out)}}
     for name, cases in sets.items():
-        result[name] = run_set(name, cases, full_engine, engines, params)
+
+        def progress(partial, name=name):
+            result[name] = partial
+            _write(result, a.out)
+
+        result[name] = run_set(name, cases, full_engine, engines, params, progress)
         print(f"\n{name} ({len(cases)} questions)")
         print("| selector | r | agreement | token F1 | first-token KL | recomputed | TTFT x |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -209,9 +226,13 @@ def main() -> None:
                 f"{m['first_token_kl']:.4f} | {m['recomputed_share']:.1%} | "
                 f"{m['ttft_speedup']:.2f} |"
             )
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=2))
+    _write(result, a.out)
+
+
+def _write(result: dict, out: Path | None) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
