@@ -56,6 +56,7 @@ def test_time_budget_skips_the_rest(bench_fusion, tmp_path: Path) -> None:
     result = bench_fusion.main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert all("skipped" in row for row in result["configs"].values())
-    assert len(result["configs"]) == 2 + 2 * len(bench_fusion.PRESETS["cpu-tiny"]["ratios"])
+    num_ratios = len(bench_fusion.PRESETS["cpu-tiny"]["ratios"])
+    assert len(result["configs"]) == 2 + len(bench_fusion.SELECTORS) * num_ratios
     with pytest.raises(ValueError, match="--selectors"):
         bench_fusion.main(["--selectors", "sift2"])

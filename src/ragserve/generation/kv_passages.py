@@ -59,7 +59,6 @@ class PassageTierMixin:
         self._pending_passages: dict[int, PassageBlocks] = {}  # node key -> not yet written
         self.num_passage_hits = 0
         self.num_passage_misses = 0
-        self.num_passage_blocks_stored = 0
 
     @staticmethod
     def passage_seed(key: str, token_ids: Seq[int]) -> int:
@@ -158,7 +157,6 @@ class PassageTierMixin:
         if num_new:
             self._pending_passages[seed] = handle
             self.num_passage_misses += 1
-            self.num_passage_blocks_stored += num_new
         else:
             self.num_passage_hits += 1
         return budget - len(on_host) - num_new
