@@ -59,7 +59,8 @@ class EngineConfig:
     cpu_threads: int | None = None
     # Cache fusion (``fusion/``): the recompute ratio of requests with keyed segments that pass
     # no ``fusion_ratio`` (None: such requests are prefilled in full), the selector, its probe
-    # layer (None: num_layers // 4) and the passage KV store's device and host budgets.
+    # layer (None: num_layers // 4) and the device and host budgets of the separate passage KV
+    # store, used only without the knowledge tree (with it, passages live in the KV tiers).
     fusion_ratio: float | None = None
     fusion_selector: str = "qcfuse"  # "qcfuse" | "cacheblend" | "sift"
     fusion_probe_layer: int | None = None
