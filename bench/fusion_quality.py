@@ -14,7 +14,9 @@ Each prompt is the answer template as segments inside the chat template: the ins
 each passage (keyed by its id: "<title>: <text>", no position-dependent label), the question.
 Per question: the full-prefill answer, then for each selector and ratio the fused answer.
 Reported: exact answer agreement, token F1 between the two answers, and KL(full || fused) of
-the first answer token's distribution; mean recomputed share of the passage tokens.
+the first answer token's distribution; mean recomputed share of the passage tokens; the TTFT
+ratio full / fused (geometric mean over questions, measured side by side in one process, the
+passages already stored: on a shared CPU only the ratio means anything).
 
     PYTHONPATH=src python bench/fusion_quality.py --countries 6 --faq 16 \
         --out bench/results/fusion_quality.json
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import random
 import re
 from collections import Counter
@@ -35,7 +38,7 @@ import torch
 from ragserve.generation import LLMEngine, SamplingParams, Segment
 
 RATIOS = (0.0, 0.05, 0.10, 0.15, 0.30, 1.0)
-SELECTORS = ("qcfuse", "cacheblend")
+SELECTORS = ("qcfuse", "cacheblend", "sift")
 INSTRUCTIONS = "Use the passages to answer the question in one short sentence.\n\n"
 FORMS = (
     "What is the capital of {}?",
@@ -109,8 +112,8 @@ def token_f1(a: str, b: str) -> float:
     return 2 * p * r / (p + r)
 
 
-def answer(engine: LLMEngine, segs, params, ratio) -> tuple[str, torch.Tensor]:
-    """Greedy answer text and the first answer token's log-probabilities."""
+def answer(engine: LLMEngine, segs, params, ratio) -> tuple[str, torch.Tensor, float]:
+    """Greedy answer text, the first answer token's log-probabilities, and the TTFT (s)."""
     first: list[torch.Tensor] = []
 
     def hook(seqs, logits):
@@ -119,34 +122,57 @@ def answer(engine: LLMEngine, segs, params, ratio) -> tuple[str, torch.Tensor]:
 
     engine.model_runner.logits_hook = hook
     engine.add_request("q", segs, params, fusion_ratio=ratio)
-    text = ""
+    text, ttft = "", 0.0
     while engine.has_unfinished():
         for out in engine.step():
             text = out.text
+            ttft = out.metrics.ttft
     engine.model_runner.logits_hook = None
-    return text.strip(), first[0]
+    return text.strip(), first[0], ttft
 
 
-def run_set(name: str, cases: list[Case], engines: dict[str, LLMEngine], params) -> dict:
-    full_engine = engines[SELECTORS[0]]
-    rows = {s: {r: [] for r in RATIOS} for s in SELECTORS}
+def run_set(
+    name: str,
+    cases: list[Case],
+    full_engine: LLMEngine,
+    engines: dict[str, LLMEngine],
+    params,
+    on_progress=None,
+) -> dict:
+    """``full_engine`` (no prefix caching) gives the reference answers and TTFTs;
+    ``on_progress(partial result)`` after every question."""
+    rows = {s: {r: [] for r in RATIOS} for s in engines}
+    warm = SamplingParams(max_tokens=1)
     for n, case in enumerate(cases):
         segs = segments(full_engine, case)
-        full_text, full_lp = answer(full_engine, segs, params, None)
+        full_text, full_lp, full_ttft = answer(full_engine, segs, params, None)
         for sel, engine in engines.items():
+            answer(engine, segs, warm, 0.0)  # the passages' KV stored before any timing
             for ratio in RATIOS:
                 before = engine.stats()
-                text, lp = answer(engine, segs, params, ratio)
+                text, lp, ttft = answer(engine, segs, params, ratio)
                 after = engine.stats()
                 fused = after["num_fused_tokens"] - before["num_fused_tokens"]
                 recomputed = after["num_recomputed_tokens"] - before["num_recomputed_tokens"]
                 kl = float((full_lp.exp() * (full_lp - lp)).sum())
                 rows[sel][ratio].append(
-                    (text == full_text, token_f1(full_text, text), kl, recomputed / fused)
+                    (
+                        text == full_text,
+                        token_f1(full_text, text),
+                        kl,
+                        recomputed / fused,
+                        math.log(full_ttft / ttft),
+                    )  # fmt: skip
                 )
         logging.info("%s %d/%d: %r", name, n + 1, len(cases), full_text[:60])
+        if on_progress is not None:
+            on_progress({"num_questions": n + 1, "table": _table(rows)})
+    return {"num_questions": len(cases), "table": _table(rows)}
+
+
+def _table(rows: dict) -> dict:
     table = {}
-    for sel in SELECTORS:
+    for sel in rows:
         for ratio in RATIOS:
             r = rows[sel][ratio]
             table[f"{sel}@{ratio:.2f}"] = {
@@ -154,8 +180,9 @@ def run_set(name: str, cases: list[Case], engines: dict[str, LLMEngine], params)
                 "token_f1": sum(x[1] for x in r) / len(r),
                 "first_token_kl": sum(x[2] for x in r) / len(r),
                 "recomputed_share": sum(x[3] for x in r) / len(r),
+                "ttft_speedup": math.exp(sum(x[4] for x in r) / len(r)),
             }
-    return {"num_questions": len(cases), "table": table}
+    return table
 
 
 def main() -> None:
@@ -164,13 +191,16 @@ def main() -> None:
     p.add_argument("--faq", type=int, default=16)
     p.add_argument("--topk", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--selectors", default=",".join(SELECTORS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    model = "smollm2-135m-instruct"
+    full_engine = LLMEngine(model, device="cpu", cpu_threads=1, enable_prefix_caching=False)
     engines = {
-        s: LLMEngine("smollm2-135m-instruct", device="cpu", cpu_threads=1, fusion_selector=s)
-        for s in SELECTORS
+        s: LLMEngine(model, device="cpu", cpu_threads=1, fusion_selector=s)
+        for s in a.selectors.split(",")
     }
     params = SamplingParams(max_tokens=a.max_tokens)
     sets = {}
@@ -180,19 +210,29 @@ def main() -> None:
         sets["pydocs"] = faq_cases(a.faq, a.seed)
     result = {"args": vars(a) | {"out": str(a.out)}}
     for name, cases in sets.items():
-        result[name] = run_set(name, cases, engines, params)
+
+        def progress(partial, name=name):
+            result[name] = partial
+            _write(result, a.out)
+
+        result[name] = run_set(name, cases, full_engine, engines, params, progress)
         print(f"\n{name} ({len(cases)} questions)")
-        print("| selector | r | agreement | token F1 | first-token KL | recomputed |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| selector | r | agreement | token F1 | first-token KL | recomputed | TTFT x |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for key, m in result[name]["table"].items():
             sel, ratio = key.split("@")
             print(
                 f"| {sel} | {float(ratio):.0%} | {m['agreement']:.1%} | {m['token_f1']:.3f} | "
-                f"{m['first_token_kl']:.4f} | {m['recomputed_share']:.1%} |"
+                f"{m['first_token_kl']:.4f} | {m['recomputed_share']:.1%} | "
+                f"{m['ttft_speedup']:.2f} |"
             )
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=2))
+    _write(result, a.out)
+
+
+def _write(result: dict, out: Path | None) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

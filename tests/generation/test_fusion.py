@@ -18,6 +18,7 @@ from ragserve.generation.fusion.selectors import (
     kv_deviation,
     pick_rows,
     query_rows,
+    received_attention,
 )
 
 MAX_TOKENS = 6
@@ -116,6 +117,29 @@ def test_preempted_fused_request_recomputes(tiny_models):
     assert engine.stats()["preemptions"] > 0
 
 
+def test_passages_in_the_kv_tiers_swap_out_and_back_exactly(tiny_models):
+    """A pool that holds the passages of about one request at a time, with a host tier:
+    stored passages are evicted to the host and swapped back in. Ratio 1.0 equals full
+    prefill; ratio 0.3 gives the tokens of the tree-off path (the separate fusion store)."""
+    path = tiny_models["llama"]
+    segs = [_segments(5, o) for o in ORDERS] * 2
+    full = _run(_engine(path, enable_prefix_caching=False), [_flat(s) for s in segs], [None] * 8)
+    host = pool_bytes(path, 16, 16)
+    engine = _engine(path, num_blocks=22, max_model_len=160, host_kv_cache_bytes=host)
+    assert _run(engine, segs, [1.0] * 8) == full
+    stats = engine.stats()
+    assert stats["num_swapped_in_blocks"] > 0 and stats["num_swapped_out_blocks"] > 0
+    # every passage use is a hit (GPU, shared, or swapped in) or a miss (computed; stored
+    # when it fits beside the running requests)
+    assert stats["num_fusion_store_hits"] + stats["num_fusion_store_misses"] == 24
+    assert stats["num_fusion_store_hits"] > 0 and stats["num_kv_tree_nodes"] == 4
+    assert stats["kv_blocks_used"] == 0
+    small = {"num_blocks": 22, "max_model_len": 160}
+    tiers = _run(_engine(path, host_kv_cache_bytes=host, **small), segs, [0.3] * 8)
+    store = _run(_engine(path, enable_knowledge_tree=False, **small), segs, [0.3] * 8)
+    assert tiers == store
+
+
 def test_rerotated_keys_equal_keys_at_target_position(tiny_models, hf_oracles):
     """Stored KV (passage alone at 0..n-1), re-rotated by ``s``, equals the KV transformers
     computes for the passage alone at ``s..s+n-1``, every layer."""
@@ -172,6 +196,24 @@ def test_query_attention_and_kv_deviation_scores():
     dev = kv_deviation(fresh, stored)
     assert dev.argmax().item() == 5
     assert pick_rows(dev, spans, 0.5) == [2, 5]
+
+
+def test_sift_scores_are_attention_received_inside_the_passage(tiny_models):
+    probs = torch.tensor([[[1.0, 0, 0], [0.2, 0.8, 0], [0.1, 0.1, 0.8]]])
+    assert received_attention(probs).tolist() == pytest.approx([1.3, 0.9, 0.8])
+    engine = _engine(tiny_models["llama"], fusion_selector="sift")
+    runner = engine.model_runner.fusion
+    tokens = _segments(1, [0])[1].content
+    scores = runner.passage_scores("p", tokens)
+    heads = engine.model_config.num_attention_heads
+    assert scores.shape == (len(tokens),) and bool((scores >= 0).all())
+    assert float(scores.sum()) == pytest.approx(heads * len(tokens), rel=1e-5)  # rows sum to 1
+    assert runner.passage_scores("p", tokens) is scores  # indexed once
+    segs = [_segments(5, o) for o in ORDERS]
+    assert all(len(o) == MAX_TOKENS for o in _run(engine, segs, [0.3] * 4))
+    lengths = [len(p.content) for s in segs for p in s if p.key]
+    assert engine.stats()["num_recomputed_tokens"] == sum(math.ceil(0.3 * n) for n in lengths)
+    engine.check_integrity()
 
 
 def test_store_tiers_and_token_check():

@@ -62,9 +62,10 @@ class EngineConfig:
     cpu_threads: int | None = None
     # Cache fusion (``fusion/``): the recompute ratio of requests with keyed segments that pass
     # no ``fusion_ratio`` (None: such requests are prefilled in full), the selector, its probe
-    # layer (None: num_layers // 4) and the passage KV store's device and host budgets.
+    # layer (None: num_layers // 4) and the device and host budgets of the separate passage KV
+    # store, used only without the knowledge tree (with it, passages live in the KV tiers).
     fusion_ratio: float | None = None
-    fusion_selector: str = "qcfuse"  # "qcfuse" | "cacheblend"
+    fusion_selector: str = "qcfuse"  # "qcfuse" | "cacheblend" | "sift"
     fusion_probe_layer: int | None = None
     fusion_kv_cache_bytes: int = 256 * 1024**2
     fusion_host_kv_cache_bytes: int = 0
@@ -98,9 +99,10 @@ class EngineConfig:
             raise ValueError("cache_aware_fairness_window must be >= 0")
         if self.fusion_ratio is not None and not 0.0 <= self.fusion_ratio <= 1.0:
             raise ValueError(f"fusion_ratio must be None or in [0, 1], got {self.fusion_ratio}")
-        if self.fusion_selector not in ("qcfuse", "cacheblend"):
+        if self.fusion_selector not in ("qcfuse", "cacheblend", "sift"):
             raise ValueError(
-                f"unknown fusion_selector {self.fusion_selector!r}; use 'qcfuse' or 'cacheblend'"
+                f"unknown fusion_selector {self.fusion_selector!r}; use 'qcfuse', 'cacheblend' "
+                "or 'sift'"
             )
         if self.fusion_kv_cache_bytes < 0 or self.fusion_host_kv_cache_bytes < 0:
             raise ValueError("fusion_kv_cache_bytes and fusion_host_kv_cache_bytes must be >= 0")

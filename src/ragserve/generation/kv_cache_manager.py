@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ragserve.generation.block_manager import extend_block_hashes, hash_block_tokens
 from ragserve.generation.kv_integrity import check_tiered_integrity
+from ragserve.generation.kv_passages import PassageTierMixin
 from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, KVNode, make_policy
 from ragserve.generation.segments import find_segment_ends
 from ragserve.generation.sequence import Sequence
@@ -53,12 +54,13 @@ def _flop_cost(num_tokens: int, num_context_tokens: int) -> float:
     return num_tokens * (1.0 + (num_context_tokens + num_tokens / 2) / 4096)
 
 
-class TieredBlockManager:
+class TieredBlockManager(PassageTierMixin):
     """Owns the GPU block pool and the host pool, with cached blocks in the knowledge tree.
 
     Same contract as ``BlockManager`` (``get_computed_blocks`` returns opaque cached blocks;
     ``allocate_slots`` returns ``False`` and changes nothing when a request does not fit);
-    mutates ``seq.block_table`` only.
+    mutates ``seq.block_table`` only. Cache fusion's passage KV lives in the same pools
+    (``acquire_passages`` / ``release_passages``, ``kv_passages.py``).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class TieredBlockManager:
         self.num_evicted_gpu_blocks = 0
         self.num_evicted_host_blocks = 0
         self.num_swap_skipped_blocks = 0
+        self._init_passages()
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -27,6 +27,10 @@ def _check_refs(bm: TieredBlockManager) -> None:
             raise AssertionError(f"request {rid} holds a block twice: {table}")
         for block in table:
             refs[block] += 1
+    for handles in bm._passage_holds.values():
+        for handle in handles:
+            for entry in handle.entries:
+                refs[entry.gpu_block] += 1
     if refs != bm.ref_cnt:
         bad = [b for b in range(bm.num_blocks) if refs[b] != bm.ref_cnt[b]]
         raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")

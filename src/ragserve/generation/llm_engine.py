@@ -341,7 +341,8 @@ class LLMEngine:
         """Queue and KV counters (ints). Hit tokens count reused KV per tier; swap counts are
         blocks (bytes in ``*_bytes``); evictions count blocks leaving a tier. Cache fusion:
         ``num_fused_tokens`` keyed-segment tokens prefilled from stored passage KV, of which
-        ``num_recomputed_tokens`` were recomputed; store hits/misses count passages."""
+        ``num_recomputed_tokens`` were recomputed; store hits/misses count passages (held in the
+        KV tiers with the knowledge tree, else in the fusion store)."""
         bm, sched = self.block_manager, self.scheduler
         stats = {
             "running": len(sched.running),
@@ -354,11 +355,14 @@ class LLMEngine:
             "num_prefill_tokens_saved": sched.prefix_cache_hit_tokens,
         }
         fusion = self.model_runner.fusion
+        tiered = isinstance(bm, TieredBlockManager)
         stats |= {
             "num_fused_tokens": fusion.num_fused_tokens,
             "num_recomputed_tokens": fusion.num_recomputed_tokens,
-            "num_fusion_store_hits": fusion.store.num_hits,
-            "num_fusion_store_misses": fusion.store.num_misses,
+            "num_fusion_store_hits": bm.num_passage_hits if tiered else fusion.store.num_hits,
+            "num_fusion_store_misses": (
+                bm.num_passage_misses if tiered else fusion.store.num_misses
+            ),
         }
         stats["num_deferred_swap_ins"] = sched.num_deferred_swap_ins
         return stats | kv_tier_stats(bm, self.host_kv_cache, sched.prefix_cache_hit_tokens)

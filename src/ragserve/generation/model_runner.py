@@ -169,7 +169,11 @@ class ModelRunner:
         pos = np.arange(seq.num_tokens)
         slots = np.asarray(seq.block_table)[pos // bs] * bs + pos % bs
         return self.fusion.prefill(
-            seq.token_ids, seq.fusion, self.kv_caches, _to(slots.astype(np.int64), self.device)
+            seq.token_ids,
+            seq.fusion,
+            self.kv_caches,
+            _to(slots.astype(np.int64), self.device),
+            seq.passage_blocks,
         )
 
 

@@ -7,7 +7,9 @@ freed, it returns to the front of the waiting queue and is recomputed later, its
 usually still cached). Waiting requests are admitted only when nobody was preempted.
 
 A request with a fusion plan (cache fusion) is admitted only when its whole prompt can be
-prefilled in one step, and never touches the prefix cache (its KV is approximate).
+prefilled in one step, and never touches the prefix cache (its KV is approximate). With the
+knowledge tree's tiers its passages' stored KV is held from admission to the end of that
+step (``acquire_passages`` / ``release_passages``).
 
 Cache-aware admission (RAGCache, switchable): among the first ``lookahead`` waiting requests
 the one with the largest cached share of its tokens goes first (ties: arrival order); a
@@ -28,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ragserve.generation.block_manager import BlockManager
+from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.sequence import Sequence, SequenceStatus
 
 
@@ -120,7 +123,10 @@ class Scheduler:
                     break
                 n = seq.num_tokens
             swaps = self.block_manager.num_swap_in_blocks(hit_blocks)
+            if not self._hold_passages(seq, n):
+                break
             if not self.block_manager.allocate_slots(seq, n, hit_blocks):
+                self._release_passages(seq)
                 break
             del self.waiting[index]
             self._pass_over(index)
@@ -164,6 +170,23 @@ class Scheduler:
         # blocks, so the prefix cache stays exact for everyone else.
         return [] if seq.fusion is not None else self.block_manager.get_computed_blocks(seq)
 
+    def _hold_passages(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Hold a fused request's stored passages in the tiers; ``False``: its own blocks
+        would not fit then."""
+        bm = self.block_manager
+        if seq.fusion is None or not isinstance(bm, TieredBlockManager):
+            return True
+        keyed = [(key, seq.token_ids[s:e]) for s, e, key in seq.fusion.spans if key is not None]
+        num_blocks = -(-num_new_tokens // bm.block_size)
+        handles = bm.acquire_passages(seq.request_id, keyed, num_blocks)
+        seq.passage_blocks = handles
+        return handles is not None
+
+    def _release_passages(self, seq: Sequence) -> None:
+        if seq.passage_blocks is not None:
+            self.block_manager.release_passages(seq.request_id)
+            seq.passage_blocks = None
+
     def _pass_over(self, index: int) -> None:
         """The requests ahead of the admitted one were passed over once more."""
         if self.fairness_window is None:
@@ -184,6 +207,7 @@ class Scheduler:
         """The scheduled tokens now have KV in the cache; register full blocks for reuse."""
         for seq, n in zip(output.seqs, output.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += n
+            self._release_passages(seq)
             if seq.fusion is None:
                 self.block_manager.cache_blocks(seq)
 
@@ -193,6 +217,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        self._release_passages(seq)
         self.block_manager.free(seq)
         self._num_passed.pop(seq.request_id, None)
         seq.status = SequenceStatus.FINISHED

@@ -11,6 +11,7 @@ from ragserve.generation.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ragserve.generation.fusion import FusionPlan
+    from ragserve.generation.kv_passages import PassageBlocks
 
 
 class SequenceStatus(enum.Enum):
@@ -91,6 +92,9 @@ class Sequence:
         self.segment_ends: tuple[int, ...] | None = None
         # cache fusion: its prefill reuses stored passage KV (``fusion/``); None: plain
         self.fusion: FusionPlan | None = None
+        # its keyed segments' KV held in the KV tiers for this step's fused prefill (span
+        # order); None: not held (no tiers: the fusion store is used)
+        self.passage_blocks: list[PassageBlocks] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,9 @@
 """The fused prefill of one request: stored passage KV + selective recompute -> paged cache.
 
-1. Each keyed segment's KV comes from the ``PassageKVStore`` (computed alone at positions
-   ``0..n-1`` on a miss and stored), keys re-rotated to the segment's start.
+1. Each keyed segment's KV at positions ``0..n-1`` comes from its blocks in the paged cache
+   (``PassageBlocks`` held by the knowledge tree's tiers, ``kv_passages.py``; computed alone
+   and written there on a miss) or, without the tree, from the ``PassageKVStore``; keys are
+   re-rotated to the segment's start.
 2. The selector scores the tokens; ``ceil(ratio * n)`` of each keyed segment are recomputed
    together with every unkeyed token (and the last token, whose logits are sampled).
 3. One dense forward over those rows (``forward.py``); then every token's KV is written into
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +28,13 @@ from ragserve.generation.fusion.selectors import (
     kv_deviation,
     pick_rows,
     query_rows,
+    received_attention,
 )
 from ragserve.generation.fusion.store import PassageKVStore
+from ragserve.generation.kv_passages import PassageBlocks
 
 Span = tuple[int, int, str | None]
+SIFT_INDEX_ENTRIES = 4096  # passages whose SIFT-style scores are kept (n floats each)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class FusionRunner:
         self.probe_layer = min(self.probe_layer, num_layers - 1)
         self.num_fused_tokens = 0
         self.num_recomputed_tokens = 0
+        self._sift_index: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
 
     def passage_kv(self, key: str, token_ids: list[int]) -> torch.Tensor:
         """Stored KV of a passage at positions ``0..n-1`` (computed and stored on a miss)."""
@@ -81,6 +88,37 @@ class FusionRunner:
             kv = self._compute_alone(token_ids)
             self.store.put(key, token_ids, kv)
         return kv
+
+    def paged_passage_kv(
+        self,
+        handle: PassageBlocks,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """A passage's KV at positions ``0..n-1`` read from its blocks in the paged cache;
+        computed alone first (and written to its unwritten blocks, if any) unless ready."""
+        if handle.is_ready:
+            slots = self._passage_slots(handle, kv_caches, 0)
+            k = torch.stack([kc.view(-1, *kc.shape[2:])[slots] for kc, _ in kv_caches])
+            v = torch.stack([vc.view(-1, *vc.shape[2:])[slots] for _, vc in kv_caches])
+            return torch.stack([k, v])
+        kv = self._compute_alone(list(handle.token_ids))
+        if handle.blocks:
+            first = handle.num_ready_blocks * kv_caches[0][0].shape[1]
+            slots = self._passage_slots(handle, kv_caches, first)
+            for layer, (k_cache, v_cache) in enumerate(kv_caches):
+                store_kv(kv[0, layer, first:], kv[1, layer, first:], k_cache, v_cache, slots)
+            handle.num_ready_blocks = len(handle.blocks)
+        return kv
+
+    @staticmethod
+    def _passage_slots(
+        handle: PassageBlocks, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first: int
+    ) -> torch.Tensor:
+        block_size = kv_caches[0][0].shape[1]
+        dev = kv_caches[0][0].device
+        pos = torch.arange(first, len(handle.token_ids), device=dev)
+        blocks = torch.tensor(handle.blocks, dtype=torch.long, device=dev)
+        return blocks[pos // block_size] * block_size + pos % block_size
 
     def _compute_alone(self, token_ids: list[int]) -> torch.Tensor:
         kv = self._empty_kv(len(token_ids))
@@ -101,18 +139,25 @@ class FusionRunner:
         plan: FusionPlan,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         slots: torch.Tensor,
+        passages: list[PassageBlocks] | None = None,
     ) -> torch.Tensor:
         """Fill ``slots`` (one flat cache slot per token) with the fused KV of ``token_ids``
         and return the last token's final hidden state ``[hidden]`` (after the final norm).
-        Tokens past the planned spans (generated before a preemption) are computed like
-        unkeyed ones."""
+        ``passages``: the keyed segments' held blocks, in span order (``None``: use the
+        store). Tokens past the planned spans (generated before a preemption) are computed
+        like unkeyed ones."""
         kv = self._empty_kv(len(token_ids))
         dev = kv.device
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         rotary = self.model.model.rotary
         keyed = [(s, e, key) for s, e, key in plan.spans if key is not None]
-        for start, end, key in keyed:
-            stored = self.passage_kv(key, token_ids[start:end])
+        if passages is not None and len(passages) != len(keyed):
+            raise ValueError(f"passages: {len(passages)} handles for {len(keyed)} keyed spans")
+        for i, (start, end, key) in enumerate(keyed):
+            if passages is None:
+                stored = self.passage_kv(key, token_ids[start:end])
+            else:
+                stored = self.paged_passage_kv(passages[i], kv_caches)
             kv[0, :, start:end] = rotate_keys(stored[0], rotary, start)
             kv[1, :, start:end] = stored[1]
         in_keyed = torch.zeros(len(token_ids), dtype=torch.bool, device=dev)
@@ -141,9 +186,34 @@ class FusionRunner:
             scores = torch.zeros(num_tokens, device=kv.device)
         elif self.selector == "qcfuse":
             scores = self._query_attention(ids, kv, base, plan)
+        elif self.selector == "sift":
+            scores = torch.zeros(num_tokens, device=kv.device)
+            for start, end, key in plan.spans:
+                if key is not None:
+                    scores[start:end] = self.passage_scores(key, ids[start:end].tolist())
         else:
             scores = self._kv_deviation(ids, kv)
         return pick_rows(scores, plan.spans, plan.ratio)
+
+    @torch.inference_mode()
+    def passage_scores(self, key: str, token_ids: list[int]) -> torch.Tensor:
+        """The SIFT-style index of a passage: ``[n]`` attention each token receives from the
+        passage alone at the probe layer (computed on first use, kept for the last
+        ``SIFT_INDEX_ENTRIES`` passages)."""
+        full_key = (key, tuple(token_ids))
+        scores = self._sift_index.get(full_key)
+        if scores is not None:
+            self._sift_index.move_to_end(full_key)
+            return scores
+        work = self._empty_kv(len(token_ids))
+        ids = torch.tensor(token_ids, dtype=torch.long, device=work.device)
+        rows = torch.arange(len(token_ids), device=work.device)
+        _, probs = forward_rows(self.model, ids, work, rows, probe_layer=self.probe_layer)
+        scores = received_attention(probs)
+        self._sift_index[full_key] = scores
+        if len(self._sift_index) > SIFT_INDEX_ENTRIES:
+            self._sift_index.popitem(last=False)
+        return scores
 
     def _query_attention(
         self, ids: torch.Tensor, kv: torch.Tensor, base: torch.Tensor, plan: FusionPlan

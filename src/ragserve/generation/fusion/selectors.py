@@ -11,6 +11,11 @@ earlier token). Scores come from a cheap partial forward (``forward.py``):
 - ``"cacheblend"`` (CacheBlend-style, query-agnostic): every token runs the first layer with
   full attention; a token's score is how far its fresh layer-1 keys and values are from the
   stored ones (L2 over heads), the tokens whose KV deviates most from the isolated passage.
+- ``"sift"`` (SIFT-style, query-agnostic, precomputed): when a passage is stored, the
+  attention each of its tokens receives from the passage's own tokens at the probe layer
+  (computed alone) is kept as its index; SIFT's cross-attention consistency says the keys
+  that draw attention inside a document also draw it from what follows, so those tokens are
+  recomputed. Selection costs no forward at request time.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-FUSION_SELECTORS = ("qcfuse", "cacheblend")
+FUSION_SELECTORS = ("qcfuse", "cacheblend", "sift")
 
 
 def query_rows(spans: Sequence[tuple[int, int, str | None]], num_tokens: int) -> list[int]:
@@ -35,6 +40,12 @@ def attention_scores(probs: torch.Tensor, rows: torch.Tensor, query: torch.Tenso
     len(rows), num_tokens]`` for the computed ``rows``; returns ``[num_tokens]``."""
     picked = torch.isin(rows, query)
     return probs[:, picked].float().sum(dim=(0, 1))
+
+
+def received_attention(probs: torch.Tensor) -> torch.Tensor:
+    """``[n]`` attention each key receives, summed over heads and queries, from ``probs``
+    ``[heads, n, n]`` (a passage attending to itself, causally)."""
+    return probs.float().sum(dim=(0, 1))
 
 
 def kv_deviation(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,204 @@
+"""Cache fusion's passage KV inside the knowledge tree's GPU + host tiers.
+
+A keyed passage's KV computed **alone** at positions ``0..n-1`` is a chain of cached blocks
+like any prompt's, but its chain starts from a seed hash of ``("passage", key, token ids)``
+instead of ``None``, so it never matches a prompt prefix and a prompt never matches it. Its
+blocks belong to one ``KVNode`` per passage (no parent; cost = prefilling ``n`` tokens) and
+live in the same pools as the tree's: ref counted while a fused prefill reads them, then
+evictable by the same policy (PGDSF / LRU, leaf block first), swapped out to the host tier
+and back in through the same ``SwapOp``s. The last block may be partial::
+
+    passage "p" (n = 2.5 blocks)   seed = hash(("passage", "p", tokens))
+    blocks  [ b0: tokens 0..bs-1 ] -> [ b1: bs..2bs-1 ] -> [ b2: 2bs..n-1 | unused ]
+    hashes    h(seed, t0)             h(h0, t1)            h(h1, t2)
+
+Life in one engine step: the scheduler admits a fused request with ``acquire_passages``
+(hits are shared, host copies swapped in, misses get fresh blocks, all ref counted), the
+engine runs the swaps, the fused prefill reads the ready blocks and writes the missing
+ones (``PassageBlocks.num_ready_blocks`` rises to ``len(blocks)``), and after the step
+``release_passages`` drops the references. A passage that does not fit is computed
+transiently (``blocks == ()``) and not stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from ragserve.generation.block_manager import hash_block_tokens
+from ragserve.generation.kv_tree import CachedBlock, KVNode
+
+
+@dataclass(eq=False)
+class PassageBlocks:
+    """One request's hold on a stored passage: ``blocks`` (GPU block ids, token ``j`` at
+    ``blocks[j // block_size]``, slot ``j % block_size``) of which the first
+    ``num_ready_blocks`` hold its KV; ``()``: not stored, compute it without storing.
+
+    Shared by every request that acquires the same passage in one step; the fused prefill
+    that computes it sets ``num_ready_blocks = len(blocks)``.
+    """
+
+    key: str
+    token_ids: tuple[int, ...]
+    blocks: tuple[int, ...] = ()
+    num_ready_blocks: int = 0
+    entries: list[CachedBlock] = field(default_factory=list, repr=False)
+
+    @property
+    def is_ready(self) -> bool:
+        return bool(self.blocks) and self.num_ready_blocks == len(self.blocks)
+
+
+class PassageTierMixin:
+    """``acquire_passages`` / ``release_passages`` for ``TieredBlockManager`` (which owns the
+    pools, the tree and the policy; see ``kv_cache_manager.py``)."""
+
+    def _init_passages(self) -> None:
+        self._passage_holds: dict[str, list[PassageBlocks]] = {}  # rid -> held passages
+        self._pending_passages: dict[int, PassageBlocks] = {}  # node key -> not yet written
+        self.num_passage_hits = 0
+        self.num_passage_misses = 0
+
+    @staticmethod
+    def passage_seed(key: str, token_ids: Seq[int]) -> int:
+        """The node key and chain seed of passage ``key`` holding ``token_ids``."""
+        return hash(("passage", key, tuple(token_ids)))
+
+    def acquire_passages(
+        self, request_id: str, passages: Seq[tuple[str, Seq[int]]], num_extra_blocks: int
+    ) -> list[PassageBlocks] | None:
+        """Hold the stored KV of each ``(key, token ids)`` for one fused prefill, keeping
+        ``num_extra_blocks`` (the request's own blocks) allocatable; ``None`` (nothing
+        changed) when those alone do not fit. Returns one handle per passage, in order (a
+        repeated passage gets the same handle). Passages already on the GPU are held first,
+        so storing another one never evicts them; a passage whose host swap-in or new blocks
+        do not fit is returned unstored (``blocks == ()``). May evict and plan swaps."""
+        if num_extra_blocks > self.num_free_blocks:
+            return None
+        if request_id in self._passage_holds:
+            raise ValueError(f"request {request_id!r} already holds passages")
+        seeds = [self.passage_seed(key, token_ids) for key, token_ids in passages]
+        distinct: dict[int, PassageBlocks] = {}
+        for seed, (key, token_ids) in zip(seeds, passages, strict=True):
+            distinct.setdefault(seed, PassageBlocks(key, tuple(int(t) for t in token_ids)))
+        budget = self.num_free_blocks - num_extra_blocks
+        is_held: dict[int, bool] = {}
+        for seed, handle in distinct.items():  # phase 1: hold what is on the GPU
+            cached, _ = self._passage_chain(seed, handle.token_ids)
+            on_gpu = [e for e in cached if e.gpu_block is not None]
+            cost = sum(1 for e in on_gpu if self.ref_cnt[e.gpu_block] == 0)
+            is_held[seed] = cost <= budget
+            if is_held[seed]:
+                budget -= cost
+                for entry in on_gpu:
+                    self._acquire(entry.gpu_block)
+                handle.entries = on_gpu
+        for seed in distinct:  # phase 2: share, swap in, store new, or leave unstored
+            pending = self._pending_passages.get(seed)
+            if pending is not None:  # written this step by an earlier request: share it
+                distinct[seed] = pending
+                self.num_passage_hits += 1
+                self.policy.on_access(pending.entries[0].node)
+            elif is_held[seed]:
+                budget = self._complete_passage(seed, distinct[seed], budget)
+            else:
+                self.num_passage_misses += 1
+        self._passage_holds[request_id] = [h for h in distinct.values() if h.blocks]
+        return [distinct[seed] for seed in seeds]
+
+    def _passage_chain(
+        self, seed: int, token_ids: tuple[int, ...]
+    ) -> tuple[list[CachedBlock], list[int]]:
+        """(cached leading blocks of the passage, chained hashes of all its blocks)."""
+        bs, hashes, parent = self.block_size, [], seed
+        for i in range(0, len(token_ids), bs):
+            parent = hash_block_tokens(parent, token_ids[i : i + bs])
+            hashes.append(parent)
+        cached = []
+        for h in hashes:
+            entry = self.entries.get(h)
+            if entry is None:
+                break
+            cached.append(entry)
+        return cached, hashes
+
+    def _complete_passage(self, seed: int, handle: PassageBlocks, budget: int) -> int:
+        """Swap in the held passage's host blocks and store its missing ones within
+        ``budget`` (else release it: unstored); returns the budget left."""
+        cached, hashes = self._passage_chain(seed, handle.token_ids)
+        on_host = cached[len(handle.entries) :]
+        num_new = len(hashes) - len(cached)
+        if len(on_host) + num_new > budget:
+            self._release_entries(handle.entries)
+            handle.entries = []
+            self.num_passage_misses += 1
+            return budget
+        for entry in on_host:
+            entry.locked = True
+        for entry in on_host:
+            self._swap_in(entry)
+            handle.entries.append(entry)
+        node = self._passage_node(seed, len(handle.token_ids))
+        for i in range(len(cached), len(hashes)):
+            block = self._pop_block()
+            parent = handle.entries[-1] if handle.entries else None
+            entry = CachedBlock(hashes[i], parent, node, depth=i)
+            self.entries[hashes[i]] = entry
+            node.num_blocks += 1
+            if parent is not None:
+                parent.children.add(entry)
+            self._attach_gpu(entry, block)
+            self.ref_cnt[block] = 1
+            handle.entries.append(entry)
+        self.policy.on_access(node)
+        handle.blocks = tuple(e.gpu_block for e in handle.entries)
+        handle.num_ready_blocks = len(cached)
+        if num_new:
+            self._pending_passages[seed] = handle
+            self.num_passage_misses += 1
+        else:
+            self.num_passage_hits += 1
+        return budget - len(on_host) - num_new
+
+    def _passage_node(self, seed: int, num_tokens: int) -> KVNode:
+        node = self.nodes.get(seed)
+        if node is None:
+            self._node_ids += 1
+            node = KVNode(self._node_ids, seed, None, 0, num_tokens, self.cost_fn(num_tokens, 0))
+            self.nodes[seed] = node
+        return node
+
+    def _release_entries(self, entries: list[CachedBlock]) -> None:
+        released: KVNode | None = None
+        for entry in reversed(entries):
+            block = entry.gpu_block
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block]:
+                continue
+            self._num_evictable += 1
+            if entry.node is not released:
+                released = entry.node
+                self.policy.on_release(released)
+            if entry.num_gpu_children == 0:
+                self._gpu_heap.push(entry)
+
+    def release_passages(self, request_id: str) -> None:
+        """Drop the request's holds (after its fused prefill wrote them); unknown: no-op.
+        A passage still unwritten then (its prefill never ran) is forgotten."""
+        for handle in self._passage_holds.pop(request_id, []):
+            seed = self.passage_seed(handle.key, handle.token_ids)
+            if self._pending_passages.get(seed) is handle:
+                del self._pending_passages[seed]
+            self._release_entries(handle.entries)
+            if not handle.is_ready:
+                self._forget_unwritten(handle)
+
+    def _forget_unwritten(self, handle: PassageBlocks) -> None:
+        for entry in reversed(handle.entries[handle.num_ready_blocks :]):
+            if entry.is_alive and entry.gpu_block is not None and self.ref_cnt[entry.gpu_block]:
+                continue
+            if entry.is_alive and entry.gpu_block is not None and not entry.children:
+                block = entry.gpu_block
+                self._evict_gpu(entry, swap=False)
+                self.free_blocks.append(block)
