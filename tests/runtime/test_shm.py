@@ -187,3 +187,22 @@ def test_corrupt_payloads_raise_and_free_their_slot() -> None:
         assert ring.num_free == 1
     finally:
         ring.close()
+
+
+def test_operator_results_cross_beside_retrieval_results() -> None:
+    # operator results (embed / rerank / upsert nodes) carry no passages; a batch mixing them
+    # with retrieval results once killed the retrieval worker (TypeError in the outbox)
+    from ragserve.scheduler.operator_messages import OperatorResult
+
+    mixed = [OperatorResult("op-1", value=[0.5, 0.25]), *RESULTS, OperatorResult("op-2", error="x")]
+    ring, writer = _ring(slot_bytes=1 << 16)
+    conn = _Conn()
+    try:
+        Outbox(conn, writer, max_message_bytes=1 << 20).send_retrieval(mixed)
+        msg = conn.sent.pop(0)
+        with ring.read(msg.payload) as batch:
+            out = attach_retrieval(msg.results, batch)
+            del batch
+        assert out == mixed
+    finally:
+        ring.close()

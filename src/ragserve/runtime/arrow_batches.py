@@ -89,9 +89,11 @@ def read_generation(task_ids: tuple[str, ...], batch: pa.RecordBatch) -> list:
 
 
 def retrieval_batch(results: list[Any]) -> pa.RecordBatch:
-    """The passages of ``results`` (anything with a ``passages`` tuple), one row each."""
-    flat = [p for r in results for p in r.passages]
-    offsets = list(itertools.accumulate((len(r.passages) for r in results), initial=0))
+    """The passages of ``results``, one row each (empty for a result without a ``passages``
+    tuple, such as an operator's)."""
+    rows = [getattr(r, "passages", ()) for r in results]
+    flat = [p for row in rows for p in row]
+    offsets = list(itertools.accumulate((len(row) for row in rows), initial=0))
     passages = pa.StructArray.from_arrays(
         [
             pa.array([p.doc_id for p in flat], type=pa.string()),
@@ -117,6 +119,8 @@ def attach_retrieval(slim: tuple[Any, ...], batch: pa.RecordBatch) -> list:
     passages = [Passage(*row) for row in zip(*fields, strict=True)]
     return [
         with_fields(r, passages=tuple(passages[offsets[i] : offsets[i + 1]]))
+        if hasattr(r, "passages")
+        else r
         for i, r in enumerate(slim)
     ]
 

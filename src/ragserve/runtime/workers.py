@@ -153,16 +153,24 @@ class Outbox:
         self.send(GenerationResultsMsg(task_ids, payload, stats), failed)
 
     def send_retrieval(self, results: list) -> None:
-        """``results`` as a ``RetrievalResultsMsg``: passages in an Arrow payload."""
+        """``results`` as a ``RetrievalResultsMsg``: passages in an Arrow payload (operator
+        results carry none and ride in the message as they are)."""
         from ragserve.scheduler import RetrievalResult
+        from ragserve.scheduler.operator_messages import OperatorResult
 
-        slim = tuple(with_fields(r, passages=()) for r in results)
+        def error_of(r: Any, reason: str) -> Any:
+            if hasattr(r, "passages"):
+                return RetrievalResult(r.task_id, (), reason, error_kind="internal")
+            return OperatorResult(r.task_id, error=reason, error_kind="internal")
 
         def failed(reason: str) -> RetrievalResultsMsg:
-            errors = [RetrievalResult(r.task_id, (), reason, error_kind="internal") for r in slim]
+            errors = [error_of(r, reason) for r in results]
             return RetrievalResultsMsg(tuple(errors), self._payload(retrieval_batch(errors)))
 
         try:
+            slim = tuple(
+                with_fields(r, passages=()) if hasattr(r, "passages") else r for r in results
+            )
             payload = self._payload(retrieval_batch(results))
         except (ValueError, OverflowError, TypeError, pa.ArrowException) as exc:
             self.send(failed(f"the result cannot be sent back: {exc}"), failed)
