@@ -94,34 +94,17 @@ def llm_alone_multistep(p: Preset, rounds: int = 2):
     """Multistep's roofline: ``rounds`` x (sub-question, note from fixed passages), then the
     answer -- ``workflows.builtin.multistep`` with its retrieval node removed."""
     from ragserve.graph import END, START, RAGraph
+    from ragserve.workflows.builtin import MULTISTEP_ANSWER, MULTISTEP_NOTE, MULTISTEP_QUERY
 
     t = p.max_tokens
     g = RAGraph("llm-alone-multistep")
     g.add_generation(
-        0,
-        prompt=(
-            "Question: {input}\nNotes so far:\n{notes}\n\n"
-            "Write one short search query for a fact still needed to answer the question."
-        ),
-        output="subquestion",
-        max_tokens=t,
-        stop=("\n",),
+        0, prompt=MULTISTEP_QUERY, output="subquestion", max_tokens=t, stop=("\n",),
         with_history=True,
-    )
-    g.add_generation(
-        2,
-        prompt="Use the passages to answer briefly.\n\n"
-        + _passages(p)
-        + "\n\nQuestion: {subquestion}",
-        output="notes",
-        max_tokens=t,
-        append=True,
-    )
-    g.add_generation(
-        3,
-        prompt="Notes:\n{notes}\n\nUsing the notes, answer in one short sentence: {input}",
-        max_tokens=t,
-    )
+    )  # fmt: skip
+    note = MULTISTEP_NOTE.replace("{docs}", _passages(p))
+    g.add_generation(2, prompt=note, output="notes", max_tokens=t, append=True)
+    g.add_generation(3, prompt=MULTISTEP_ANSWER, max_tokens=t)
     g.add_edge(START, 0).add_edge(0, 2)
     g.add_edge(2, lambda s: 0 if s.visit_count(2) < rounds else 3, targets=(0, 3))
     return g.add_edge(3, END).compile()

@@ -10,6 +10,13 @@ from ragserve.graph import END, START, CompiledGraph, RAGraph
 ANSWER = (
     "Use the passages to answer the question in one short sentence.\n\n{docs}\n\nQuestion: {input}"
 )
+# multistep's three prompts: the search query, the note from the passages, the answer
+MULTISTEP_QUERY = (
+    "Question: {input}\nNotes so far:\n{notes}\n\n"
+    "Write one short search query for a fact still needed to answer the question."
+)
+MULTISTEP_NOTE = "Use the passages to answer briefly.\n\n{docs}\n\nQuestion: {subquestion}"
+MULTISTEP_ANSWER = "Notes:\n{notes}\n\nUsing the notes, answer in one short sentence: {input}"
 
 
 def oneshot(*, topk: int = 3, nprobe: int | None = None, max_tokens: int = 64) -> CompiledGraph:
@@ -50,10 +57,7 @@ def multistep(
     g = RAGraph("multistep")
     g.add_generation(
         0,
-        prompt=(
-            "Question: {input}\nNotes so far:\n{notes}\n\n"
-            "Write one short search query for a fact still needed to answer the question."
-        ),
+        prompt=MULTISTEP_QUERY,
         output="subquestion",
         max_tokens=step_tokens,
         stop=("\n",),
@@ -62,14 +66,14 @@ def multistep(
     g.add_retrieval(1, query="subquestion", topk=topk, output="docs", nprobe=nprobe)
     g.add_generation(
         2,
-        prompt="Use the passages to answer briefly.\n\n{docs}\n\nQuestion: {subquestion}",
+        prompt=MULTISTEP_NOTE,
         output="notes",
         max_tokens=step_tokens,
         append=True,
     )
     g.add_generation(
         3,
-        prompt="Notes:\n{notes}\n\nUsing the notes, answer in one short sentence: {input}",
+        prompt=MULTISTEP_ANSWER,
         max_tokens=max_tokens,
     )
     g.add_edge(START, 0).add_edge(0, 1).add_edge(1, 2)
