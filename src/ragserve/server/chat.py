@@ -28,6 +28,7 @@ from ragserve.server.context import (
 )
 from ragserve.server.graphs import (
     LLM_LABEL,
+    request_inputs_or_400,
     resolve_workflow,
     retrieval_node_ids,
     tune_graph_or_400,
@@ -86,7 +87,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     )
     # NOTE: ``history`` only when there is one, so a single-turn chat is the same call (and
     # the same state, prompts and outputs) as before conversations were passed on.
-    extra = {"history": history} if (history := body.history()) else {}
+    extra: dict[str, Any] = {"history": history} if (history := body.history()) else {}
+    if inputs := request_inputs_or_400(name, graph, body.inputs):
+        extra["inputs"] = inputs
     job = Job.admit(ctx, "chatcmpl", name, body.model)
     if body.stream:
         status: dict[str, str] = {}
