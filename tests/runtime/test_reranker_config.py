@@ -136,3 +136,23 @@ def test_in_process_server_builds_the_reranker(
     assert r.error is None, r.error
     assert [p.doc_id for p in r.state["top"]] == [p.doc_id for p in r.state["docs"][::-1][:3]]
     assert np.allclose([p.score for p in r.state["top"]], [3.0, 2.0, 1.0])
+
+
+def test_serve_flag_and_config_file_name_the_reranker(tmp_path: Path, capsys) -> None:
+    from ragserve.cli.launch_config import from_mapping, read_file
+    from ragserve.cli.main import main
+
+    assert main(["serve", "--reranker", "pkg.rr:make", "--print-config"]) == 0
+    dumped = tmp_path / "dumped.toml"
+    dumped.write_text(capsys.readouterr().out)
+    assert from_mapping(read_file(str(dumped))).runtime.operators.reranker == "pkg.rr:make"
+    config = tmp_path / "c.toml"
+    config.write_text('[operators]\nreranker = "other.rr:build"\nfunction_workers = 2\n')
+    assert main(["serve", "--config", str(config), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert 'reranker = "other.rr:build"' in out and "function_workers = 2" in out
+    # the flag wins over the file
+    assert (
+        main(["serve", "--config", str(config), "--reranker", "embedding", "--print-config"]) == 0
+    )
+    assert 'reranker = "embedding"' in capsys.readouterr().out

@@ -8,6 +8,8 @@ ending in ``[DONE]``), with the retrieved documents in the extension field ``doc
 the response, or of the last chunk, the one with ``finish_reason``, when streaming).
 ``finish_reason`` is the answer node's (``length`` when ``max_tokens`` cut it); ``usage``
 counts every generation node's tokens, broken down per node run in ``usage_by_node``.
+The extension field ``inputs`` carries the workflow's declared inputs (a memory node's
+session id): ``graphs.request_inputs_or_400``.
 """
 
 from __future__ import annotations
