@@ -101,6 +101,8 @@ def test_streaming_passes_the_inputs_too(url: str) -> None:
         ({"inputs": {"bad key": "a"}}, "'bad key' is not an input name"),
         ({"inputs": {f"k{i}": "v" for i in range(65)}}, "at most 64 inputs, got 65"),
         ({"inputs": ["session", "a"]}, "inputs: must be an object"),
+        # a well-typed input the node cannot use fails the request as bad_request: a 400 too
+        ({"inputs": {"session": 7}}, "must hold a non-empty session id string"),
     ],
 )
 def test_bad_inputs_are_a_400_naming_the_key(url: str, extra: dict, mentions: str) -> None:
