@@ -48,6 +48,12 @@ def _bad_config(tmp: Path) -> str:
     return str(path)
 
 
+def _bad_reranker_config(tmp: Path) -> str:
+    path = tmp / "reranker.toml"
+    path.write_text('[operators]\nreranker = "not a name"\n')
+    return str(path)
+
+
 # (name, argv builder(tmp, tiny_model, small_index), exit code, text in the error line)
 CASES = [
     ("missing index", lambda t, m, i: ["index", "info", str(t / "nope")], 1, "no index directory"),
@@ -121,6 +127,27 @@ CASES = [
         lambda t, m, i: ["ask", "q", "--workflow", "no_such_module_x:build"],
         2,
         "no_such_module_x",
+    ),
+    (
+        "bad --reranker",
+        lambda t, m, i: ["serve", "--reranker", "cosine", "--print-config"],
+        2,
+        "--reranker must be 'embedding' or 'module:factory'",
+    ),
+    (
+        "bad [operators] reranker",
+        lambda t, m, i: ["serve", "--config", _bad_reranker_config(t), "--print-config"],
+        2,
+        "[operators] reranker must be",
+    ),
+    (
+        "reranker not importable",
+        lambda t, m, i: [
+            *("serve", "--model", m, "--index", i, "--port", "0"),
+            *("--reranker", "no_such_module_y:make"),
+        ],
+        2,
+        "reranker 'no_such_module_y:make': cannot import no_such_module_y",
     ),
 ]
 

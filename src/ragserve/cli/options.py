@@ -192,12 +192,28 @@ def load_workflow(spec: str) -> tuple[str, Any]:
     return name, graph
 
 
+def check_reranker(name: str) -> None:
+    """A clear error for a ``module:factory`` reranker that cannot be imported or is not
+    callable, in this process (before workers start; the retrieval worker builds it)."""
+    from ragserve.retrieval.rerank import EMBEDDING_RERANKER, RerankerLoadError, reranker_factory
+
+    if name == EMBEDDING_RERANKER:
+        return
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as load_workflow; spawned workers inherit sys.path
+    try:
+        reranker_factory(name)
+    except RerankerLoadError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def build_server(config: LaunchConfig) -> Any:
     """The ``Server`` of ``config`` (user workflows registered); the index is checked first."""
     # NOTE: set before torch/Faiss load here (index build, in-process mode): OpenMP
     # spin-waiting on a busy machine makes small CPU matmuls many times slower.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     workflows = dict(load_workflow(spec) for spec in config.workflows)
+    check_reranker(config.runtime.operators.reranker)
     index = resolve_index(config.index)
     check_index(index)
     check_model(config.model)

@@ -45,6 +45,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODULE:FUNCTION",
         help="serve a user graph as model ragserve/<name> (repeatable; [name=]module:function)",
     )
+    p.add_argument(
+        "--reranker",
+        default=None,
+        metavar="NAME",
+        help="rerank nodes' scorer: 'embedding' (the embedder's cosine, default) or "
+        "module:factory (factory(embedder) returns a reranker; built by the retrieval worker)",
+    )
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default=None, help="bind address (default: loopback)")
     h.add_argument("--port", type=int, default=None, help="port (default 8000)")
@@ -158,6 +165,12 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
     runtime = config.runtime
     if runtime.max_active_requests < serve.max_num_inflight:
         runtime = dataclasses.replace(runtime, max_active_requests=serve.max_num_inflight)
+    if args.reranker is not None:
+        try:
+            operators = dataclasses.replace(runtime.operators, reranker=args.reranker)
+        except ValueError as exc:
+            raise UsageError(f"--{exc}") from None
+        runtime = dataclasses.replace(runtime, operators=operators)
     if args.ray is not None or (args.llm_replicas, args.index_shards) != (1, 1):
         try:
             runtime = dataclasses.replace(runtime, **_scale_out(args))

@@ -99,8 +99,9 @@ class EmbedNode:
 class RerankNode:
     """Re-score the passages ``state[docs]`` against ``query`` (a state key or a ``{name}``
     template) with the retrieval worker's reranker and keep the best ``topk``, best first,
-    each passage's ``score`` now the reranker's. Without a configured reranker the scorer is
-    the embedder's cosine similarity of query (query side) and passage (document side)."""
+    each passage's ``score`` now the reranker's (``OperatorConfig.reranker``). By default
+    (``"embedding"``) the scorer is the embedder's cosine similarity of query (query side) and
+    passage (document side)."""
 
     node_id: NodeId
     query: Template

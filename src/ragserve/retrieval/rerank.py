@@ -5,10 +5,17 @@
 local folder (e.g. an MS MARCO MiniLM cross-encoder). None ships: no cross-encoder with its
 weights inside a package is installable from the registries this project uses, and nothing is
 downloaded at run time.
+
+`load_reranker(name, embedder)` builds the reranker a configuration names
+(`OperatorConfig.reranker`): `"embedding"` is `EmbeddingReranker(embedder)`; `"module:factory"`
+imports `module`, and calls `factory(embedder)` (a `BaseReranker` subclass is a factory too),
+which must return an object with a callable `score(query, texts)`. Whatever fails is a
+`RerankerLoadError` (a `ValueError`) with a one-line message naming the spec.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -93,3 +100,55 @@ class EmbeddingReranker(BaseReranker):
         q = np.asarray(self.embedder.encode([query], is_query=True), dtype=np.float32)
         d = np.asarray(self.embedder.encode(list(texts), is_query=False), dtype=np.float32)
         return (d @ q[0]).astype(np.float32)
+
+
+EMBEDDING_RERANKER = "embedding"
+
+
+class RerankerLoadError(ValueError):
+    """A configured reranker cannot be built; the message is one line naming the spec."""
+
+
+def reranker_factory(name: str) -> Any:
+    """The callable ``"module:factory"`` names (imported now), or ``RerankerLoadError``."""
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise RerankerLoadError(
+            f"reranker {name!r}: expected {EMBEDDING_RERANKER!r} or 'module:factory'"
+        )
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise RerankerLoadError(
+            f"reranker {name!r}: cannot import {module_name} ({_one_line(exc)})"
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise RerankerLoadError(f"reranker {name!r}: {module_name} has no attribute {attr}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise RerankerLoadError(
+            f"reranker {name!r}: {attr} is a {type(target).__name__}, not callable"
+        )
+    return target
+
+
+def load_reranker(name: str, embedder: Any) -> Any:
+    """The reranker ``name`` configures (module doc), built over ``embedder``."""
+    if name == EMBEDDING_RERANKER:
+        return EmbeddingReranker(embedder)
+    factory = reranker_factory(name)
+    try:
+        reranker = factory(embedder)
+    except Exception as exc:
+        raise RerankerLoadError(f"reranker {name!r}: the factory raised {_one_line(exc)}") from None
+    if not callable(getattr(reranker, "score", None)):
+        raise RerankerLoadError(
+            f"reranker {name!r}: the factory returned a {type(reranker).__name__}, "
+            "which has no score(query, texts) method"
+        )
+    return reranker
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -154,7 +154,9 @@ class WorkerHandle:
 
     def _on_message(self, msg: Any) -> None:
         if isinstance(msg, FatalMsg):
-            raise RuntimeError(f"{self.spec.kind} worker failed to start:\n{msg.traceback}")
+            detail = msg.traceback.strip()
+            sep = "\n" if "\n" in detail else " "  # a one-line reason stays one line
+            raise RuntimeError(f"{self.spec.kind} worker failed to start:{sep}{detail}")
         if not isinstance(msg, ReadyMsg):
             raise RuntimeError(f"{self.spec.kind} worker sent {type(msg).__name__} before ready")
         self.ready = True

@@ -2,8 +2,10 @@
 messages``), run by ``RetrievalRunner.run`` beside the searches of the same batch.
 
 - embed: every ``EmbedTask`` of the batch is encoded in one embedder call (document side);
-- rerank: the runner's ``reranker`` (a ``retrieval.rerank.BaseReranker``), or by default an
-  ``EmbeddingReranker`` over the index's embedder (cosine); ties keep the input order;
+- rerank: the runner's ``reranker`` (anything with ``score(query, texts)``; the workers build
+  it from ``OperatorConfig.reranker`` with ``retrieval.rerank.load_reranker``), or, on a
+  runner built without one, an ``EmbeddingReranker`` over the index's embedder (cosine); ties
+  keep the input order;
 - upsert: strings become ``Document``s with ids derived from the task id (``uuid5``), so a
   retried task writes the same ids; every document is checked against the runner's
   ``document_limits``; ``VectorIndex.add_documents`` returns once the write is durable.

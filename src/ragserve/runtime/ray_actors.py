@@ -142,7 +142,8 @@ class ShardedRetrievalRunner(StagedRetrievalRunner):
 class RetrievalCoordinator(_ActorLoop):
     """The embedder and the retrieval runner: one index folder, or a ``ShardedIndex`` whose
     shards are Ray actors (named ``shard_names``) laid out under ``shard_root``. ``tier``
-    places the GPU tier of the one index folder (the shards hold their own)."""
+    places the GPU tier of the one index folder (the shards hold their own); ``reranker``: the
+    rerank nodes' (``OperatorConfig.reranker``, built here)."""
 
     def __init__(
         self,
@@ -152,8 +153,10 @@ class RetrievalCoordinator(_ActorLoop):
         shard_root: str | None = None,
         shard_names: list[str] | None = None,
         tier: tuple[int, str, str] | None = None,
+        reranker: str = "embedding",
     ) -> None:
         from ragserve.retrieval import VectorIndex, load_embedder
+        from ragserve.retrieval.rerank import load_reranker
 
         if shard_root is None:
             vindex: Any = VectorIndex.load(index)
@@ -174,6 +177,7 @@ class RetrievalCoordinator(_ActorLoop):
         if shard_root is not None:
             vindex._embedder = emb
         self.runner = runner_cls(vindex, emb, default_nprobe)
+        self.runner.reranker = load_reranker(reranker, emb)  # ``OperatorConfig.reranker``
         self._own_index = shard_root is None  # its tier is reported here (shards: their own)
         self.num_tasks = 0
         self.num_batches = 0

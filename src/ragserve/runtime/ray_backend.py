@@ -230,7 +230,8 @@ class RayExecutor(BaseExecutor):
         # arguments objects in the store, which a restart after they are freed cannot read.
         names = self._shard_names or None
         tier = self._tier_spec(1) if single else None
-        return cls.remote(index, embedder, self.config.default_nprobe, root, names, tier)
+        reranker = self.config.operators.reranker
+        return cls.remote(index, embedder, self.config.default_nprobe, root, names, tier, reranker)
 
     def _start_replicas(self, model: str) -> list:
         from ragserve.runtime.ray_actors import LLMReplica

@@ -514,9 +514,12 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
             emb = load_embedder(str(emb) if emb is not None else vindex.embedder_name)
         if tier is not None:
             vindex.set_gpu_tier(tier[0], device=tier[1], dtype=tier[2])
+        from ragserve.retrieval.rerank import load_reranker
+
+        retrieval = RetrievalRunner(vindex, emb, config.default_nprobe)
+        retrieval.reranker = load_reranker(config.operators.reranker, emb)
         return LocalExecutor(
-            GenerationRunner(engine, tokenizer_prefetch=config.tokenizer_prefetch),
-            RetrievalRunner(vindex, emb, config.default_nprobe),
+            GenerationRunner(engine, tokenizer_prefetch=config.tokenizer_prefetch), retrieval
         )
     _check_paths(model, index, embedder, "worker processes")
     log_level = logging.getLogger("ragserve").getEffectiveLevel()
@@ -536,6 +539,7 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         tier=tier,
         log_level=log_level,
         max_message_bytes=config.max_message_bytes,
+        reranker=config.operators.reranker,
     )
     return ProcessExecutor(gen, ret, config)
 

@@ -60,7 +60,8 @@ class WorkerSpec:
     """What a worker builds at start: picklable, no live objects. ``max_message_bytes``
     bounds one result message's Arrow payload (past it the tasks fail with an error);
     ``tokenizer_prefetch``: the generation runner tokenizes on a CPU thread ahead of the
-    engine step (``GenerationRunner``)."""
+    engine step (``GenerationRunner``); ``reranker``: the rerank nodes' reranker
+    (``retrieval.rerank.load_reranker``; one it cannot build fails the start, in one line)."""
 
     kind: str  # "generation" | "retrieval"
     model: str | None = None
@@ -72,6 +73,7 @@ class WorkerSpec:
     log_level: int = logging.WARNING  # of the ``ragserve`` loggers (the parent's, by default)
     max_message_bytes: int = 1 << 28
     tokenizer_prefetch: bool = True
+    reranker: str = "embedding"  # ``OperatorConfig.reranker``: built by the retrieval worker
 
 
 def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
@@ -81,6 +83,7 @@ def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
         engine = LLMEngine(spec.model, **dict(spec.engine_kwargs))
         return GenerationRunner(engine, tokenizer_prefetch=spec.tokenizer_prefetch)
     from ragserve.retrieval import VectorIndex, load_embedder
+    from ragserve.retrieval.rerank import load_reranker
     from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 
     index = VectorIndex.load(spec.index)
@@ -88,7 +91,9 @@ def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
         budget, device, dtype = spec.tier
         index.set_gpu_tier(budget, device=device, dtype=dtype)
     embedder = load_embedder(spec.embedder or index.embedder_name)
-    return StagedRetrievalRunner(index, embedder, spec.default_nprobe)
+    runner = StagedRetrievalRunner(index, embedder, spec.default_nprobe)
+    runner.reranker = load_reranker(spec.reranker, embedder)
+    return runner
 
 
 def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> None:
@@ -105,9 +110,14 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
     )
     logging.getLogger("ragserve").setLevel(spec.log_level)
     _thread_local_progress_lock()
+    from ragserve.retrieval.rerank import RerankerLoadError
+
     try:
         runner = build_runner(spec)
         outbox = Outbox(conn, ShmWriter(ring_handle), spec.max_message_bytes)
+    except RerankerLoadError as exc:  # a configuration error: its one line, no traceback
+        conn.send(FatalMsg(str(exc)))
+        return
     except BaseException:
         conn.send(FatalMsg(traceback.format_exc()))
         return

@@ -8,6 +8,8 @@ ending in ``[DONE]``), with the retrieved documents in the extension field ``doc
 the response, or of the last chunk, the one with ``finish_reason``, when streaming).
 ``finish_reason`` is the answer node's (``length`` when ``max_tokens`` cut it); ``usage``
 counts every generation node's tokens, broken down per node run in ``usage_by_node``.
+The extension field ``inputs`` carries the workflow's declared inputs (a memory node's
+session id): ``graphs.request_inputs_or_400``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ragserve.server.context import (
 )
 from ragserve.server.graphs import (
     LLM_LABEL,
+    request_inputs_or_400,
     resolve_workflow,
     retrieval_node_ids,
     tune_graph_or_400,
@@ -86,7 +89,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     )
     # NOTE: ``history`` only when there is one, so a single-turn chat is the same call (and
     # the same state, prompts and outputs) as before conversations were passed on.
-    extra = {"history": history} if (history := body.history()) else {}
+    extra: dict[str, Any] = {"history": history} if (history := body.history()) else {}
+    if inputs := request_inputs_or_400(name, graph, body.inputs):
+        extra["inputs"] = inputs
     job = Job.admit(ctx, "chatcmpl", name, body.model)
     if body.stream:
         status: dict[str, str] = {}

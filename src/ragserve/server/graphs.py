@@ -5,7 +5,8 @@
 ``temperature``, ``top_p`` and ``seed`` replace (and ``stop`` adds to) those of the answer
 nodes (generation nodes writing ``"output"``), leaving intermediate generations (a HyDE
 passage, a RECOMP summary) as the workflow defines them. The compiled graph is never
-mutated: a tuned copy is returned.
+mutated: a tuned copy is returned. ``inputs`` of the request must be exactly the keys the
+workflow declares (``RAGraph(inputs=...)``): an unknown or a missing key is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -98,3 +99,28 @@ def tune_graph_or_400(graph: Any, **overrides: Any) -> Any:
 
 def retrieval_node_ids(graph: Any) -> tuple[Any, ...]:
     return tuple(n.node_id for n in graph.nodes.values() if n.kind == "retrieval")
+
+
+def request_inputs_or_400(name: str, graph: Any, inputs: Mapping[str, Any] | None) -> dict:
+    """``inputs`` for ``Server.submit``: every key one the workflow declares, and every key it
+    declares given; otherwise a 400 naming the key (``param`` ``inputs.<key>``)."""
+    given = dict(inputs or {})
+    declared = tuple(getattr(graph, "inputs", ()))
+    for key in given:
+        if key not in declared:
+            takes = ", ".join(declared) or "none"
+            raise APIError(
+                400,
+                f"inputs: workflow {name!r} has no input {key!r} (it takes: {takes})",
+                param=f"inputs.{key}",
+                code="invalid_request",
+            )
+    for key in declared:
+        if key not in given:
+            raise APIError(
+                400,
+                f"inputs: workflow {name!r} needs input {key!r}",
+                param=f"inputs.{key}",
+                code="invalid_request",
+            )
+    return given

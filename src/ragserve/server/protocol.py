@@ -13,6 +13,7 @@ unbounded (``MAX_MESSAGES``, ``MAX_PROMPT_CHARS``); documents follow
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -34,11 +35,20 @@ MAX_MESSAGES = 1_024  # chat messages per request
 MAX_PROMPT_CHARS = 262_144  # characters of a prompt or of one message, before tokenization
 MAX_TOKEN_IDS = 131_072  # token ids of a pre-tokenized prompt
 MAX_DOCUMENTS = 10_000  # documents per upsert
+MAX_INPUTS = 64  # keys of a chat request's ``inputs``
+MAX_INPUT_CHARS = 65_536  # characters of one string in ``inputs``
+MAX_INPUT_NAME = 64  # characters of an input's name
+_JSON_TYPES = {list: "an array", dict: "an object", type(None): "null"}
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 StopStr = Annotated[StrictStr, Field(min_length=1, max_length=1_024)]
 Text = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
 Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+
+
+def _is_name(key: str) -> bool:
+    """A state key name: a letter or ``_``, then letters, digits or ``_`` (ASCII)."""
+    return key.isascii() and key.isidentifier()
 
 
 def _unpaired_surrogate(value: object, path: str) -> str | None:
@@ -160,6 +170,10 @@ class ChatCompletionRequest(_Sampling):
     The workflow's question is the last user message; the messages before it (``history()``)
     go to the answer node (and to nodes with ``with_history``) through the chat template;
     ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` apply to its answer nodes.
+    ``inputs`` (an extension): the workflow's declared inputs (``RAGraph(inputs=...)``, e.g.
+    ``{"session": "abc"}`` for a memory node), each a string (at most ``MAX_INPUT_CHARS``), a
+    boolean, an integer or a finite number; at most ``MAX_INPUTS`` keys, each a state key name.
+    Which keys the workflow takes is checked against it (``graphs.request_inputs_or_400``).
     """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -170,6 +184,7 @@ class ChatCompletionRequest(_Sampling):
     nprobe: PositiveInt | None = None
     mode: Literal["dense", "bm25", "hybrid"] | None = None
     filter: dict[str, Any] | None = None
+    inputs: dict[str, StrictStr | StrictBool | StrictInt | Float] | None = None
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
     top_logprobs: int | None = None
@@ -187,6 +202,29 @@ class ChatCompletionRequest(_Sampling):
     def _no_top_logprobs(cls, value):
         if value:
             raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _check_inputs(cls, value):
+        if value is None:
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("must be an object of input names to values")
+        if len(value) > MAX_INPUTS:
+            raise ValueError(f"at most {MAX_INPUTS} inputs, got {len(value)}")
+        for key, item in value.items():
+            if len(key) > MAX_INPUT_NAME or not _is_name(key):
+                raise ValueError(f"{key[:MAX_INPUT_NAME]!r} is not an input name (a state key)")
+            if isinstance(item, str) and len(item) > MAX_INPUT_CHARS:
+                raise ValueError(f"{key!r}: at most {MAX_INPUT_CHARS} characters, got {len(item)}")
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"{key!r} must be a finite number, got {item}")
+            if not isinstance(item, (str, bool, int, float)):
+                what = _JSON_TYPES.get(type(item), type(item).__name__)
+                raise ValueError(
+                    f"{key!r} must be a string, a boolean, an integer or a number, not {what}"
+                )
         return value
 
     @field_validator("response_format")
