@@ -22,6 +22,7 @@ import numpy as np
 
 from ragserve.retrieval import stepwise
 from ragserve.retrieval.docstore import DocStore
+from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
 from ragserve.retrieval.rwlock import RWLock
 from ragserve.retrieval.tier_placement import AccessCounts
@@ -87,7 +88,7 @@ class VectorIndex(GpuTierMixin):
         self.compact_every = 1000  # log entries past the snapshot before an automatic compaction
         self.metadata: dict[str, Any] = {}  # free-form, JSON-serialisable; kept in the manifest
         self._writer_lock = None  # open file holding DIR/writer.lock once this index writes
-        self._cluster_map: np.ndarray | None = None  # row id -> list, built by clusters_of
+        self._cluster_map: IdLists | None = None  # row id -> list, built by clusters_of
         self.access_counts = AccessCounts(spec.nlist)  # decayed probes of the live stream
         self._tier: GpuTier | None = None
         self._tier_updater: TierUpdater | None = None
@@ -437,26 +438,11 @@ class VectorIndex(GpuTierMixin):
 
         The id -> list map is built on first use and rebuilt after any upsert or delete.
         """
-        ids = np.asarray(ids, dtype=np.int64)
         with self._rw.read():
             cmap = self._cluster_map
             if cmap is None:
-                cmap = self._cluster_map = self._build_cluster_map()
-        known = (ids >= 0) & (ids < len(cmap))
-        return np.where(known, cmap[np.where(known, ids, 0)], -1)
-
-    def _build_cluster_map(self) -> np.ndarray:
-        invlists = self._index.invlists
-        parts: list[tuple[int, np.ndarray]] = []
-        for c in range(self.spec.nlist):
-            n = invlists.list_size(c)
-            if n:
-                parts.append((c, faiss.rev_swig_ptr(invlists.get_ids(c), n).copy()))
-        top = max((int(ids.max()) for _, ids in parts), default=-1)
-        cmap = np.full(top + 1, -1, np.int64)
-        for c, ids in parts:
-            cmap[ids] = c
-        return cmap
+                cmap = self._cluster_map = IdLists.of(self._index)
+        return cmap(ids)
 
     def serialize(self) -> np.ndarray:
         """The Faiss index serialised (uint8), consistent with concurrent upserts."""

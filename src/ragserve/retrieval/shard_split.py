@@ -136,23 +136,7 @@ def _row_owners(vi: VectorIndex, layout: ShardLayout, row_ids: np.ndarray) -> np
     if layout.partition == "document":
         docs = vi.get_documents([int(r) for r in row_ids])
         return np.array([layout.owner_of_document(d.id) for d in docs], dtype=np.int64)
-    cluster_of = cluster_map(vi.faiss_index)
-    return layout.owners_of_clusters(cluster_of[row_ids])
-
-
-def cluster_map(ivf: faiss.IndexIVF) -> np.ndarray:
-    """int64 ``[max_id + 1]``: the inverted list of each row id (``-1`` where none). The caller
-    keeps the index unchanged meanwhile."""
-    parts: list[tuple[int, np.ndarray]] = []
-    for c in range(ivf.nlist):
-        n = ivf.invlists.list_size(c)
-        if n:
-            parts.append((c, faiss.rev_swig_ptr(ivf.invlists.get_ids(c), n).copy()))
-    top = max((int(ids.max()) for _, ids in parts), default=-1)
-    out = np.full(top + 1, -1, np.int64)
-    for c, ids in parts:
-        out[ids] = c
-    return out
+    return layout.owners_of_clusters(vi.clusters_of(row_ids))
 
 
 def _write_shard(

@@ -35,7 +35,7 @@ import numpy as np
 
 from ragserve.retrieval import stepwise
 from ragserve.retrieval.index import IndexSpec, VectorIndex
-from ragserve.retrieval.shard_split import QUANTIZER, ShardLayout, cluster_map, read_layout
+from ragserve.retrieval.shard_split import QUANTIZER, ShardLayout, read_layout
 from ragserve.retrieval.types import Document, ProbePlan, TopK
 
 logger = logging.getLogger(__name__)
@@ -83,11 +83,7 @@ class ShardServer:
 
     def clusters_of(self, ids: np.ndarray) -> np.ndarray:
         """The list of each row id held here, ``-1`` for the others."""
-        with self.index._rw.read():
-            cmap = cluster_map(self.index.faiss_index)
-        ids = np.asarray(ids, dtype=np.int64)
-        inside = (ids >= 0) & (ids < len(cmap))
-        return np.where(inside, cmap[np.where(inside, ids, 0)], -1)
+        return self.index.clusters_of(ids)
 
     def check_integrity(self) -> None:
         self.index.check_integrity()
