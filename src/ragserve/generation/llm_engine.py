@@ -405,9 +405,13 @@ class LLMEngine:
             num_passages, lambda order: self._tokenize(render(order)), bm.cached_prefix_tokens
         )
 
-    def profile_prefill_cost(self, lengths: tuple[int, ...] = (64, 256)) -> PrefillCostModel | None:
-        """Measure prefill times (with and without a cached prefix), fit PGDSF's cost model
-        and use it for nodes created from now on; ``None`` without the knowledge tree. With a
+    def profile_prefill_cost(
+        self, lengths: tuple[int, ...] = (64, 128, 256)
+    ) -> PrefillCostModel | None:
+        """Measure prefill times (after a warm-up; with and without a cached prefix), fit
+        PGDSF's cost model (a fit that prices recompute as free or as fixed overhead is
+        rejected for a FLOP-derived one: ``kv_setup.profile_prefill_cost``) and use it for
+        nodes created from now on; ``None`` without the knowledge tree. With a
         host tier also time swap-ins (``swap_cost``): host hits are then swapped in only where
         that beats recomputing them. Run it on an idle engine: it adds and drops its own
         requests and empties the cache."""
