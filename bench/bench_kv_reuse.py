@@ -190,7 +190,9 @@ def build_engine(model: str, a: argparse.Namespace, config: dict) -> LLMEngine:
     kw = engine_kwargs(a, config, kv_bytes_per_token(model, a))
     engine = LLMEngine(model, **kw)
     if kw.get("kv_eviction_policy") == "pgdsf":
-        lengths = (a.passage_tokens // 2, a.passage_tokens)
+        # several lengths up to two passages: a GPU prefill of a few hundred tokens is mostly
+        # per-call overhead (the profile rejects a fit dominated by it)
+        lengths = (a.passage_tokens // 2, a.passage_tokens, 2 * a.passage_tokens)
         log.info("  profiled prefill cost: %s", engine.profile_prefill_cost(lengths))
     return engine
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ragserve.generation import SamplingParams
+from ragserve.generation.block_manager import hash_block_tokens
 from ragserve.generation.kv_cache_manager import SwapOp, TieredBlockManager
 from ragserve.generation.kv_swap import HostKVCache
 from ragserve.generation.scheduler import Scheduler
@@ -316,3 +317,32 @@ def test_sync_swap_out_is_done_on_return():
     host = HostKVCache(gpu, num_host_blocks=2, overlap=True, async_swap_out=False)
     host.run([SwapOp("out", 2, 1)])
     assert not host._pending and torch.equal(host.host_cache[1], gpu[:, :, 2])
+
+
+@pytest.mark.parametrize("swap_out_filter", [True, False])
+def test_swap_out_skips_blocks_worth_less_than_the_host_victim(swap_out_filter):
+    bm = TieredBlockManager(2, 4, num_host_blocks=1, policy="lru", swap_out_filter=swap_out_filter)
+
+    def prefill(rid: str, start: int) -> int:
+        seq = _seq(rid, list(range(start, start + 5)))  # one full block, one partial
+        assert bm.allocate_slots(seq, 5, bm.get_computed_blocks(seq))
+        seq.num_computed_tokens = 5
+        bm.cache_blocks(seq)
+        bm.free(seq)
+        bm.check_integrity()
+        return hash_block_tokens(None, list(range(start, start + 4)))
+
+    hot = prefill("hot", 0)
+    cold = prefill("cold", 10)  # evicts hot's block: the host has room, it is copied out
+    assert [op.kind for op in bm.take_swap_ops()] == ["out"]
+    assert bm.entries[hot].gpu_block is None and bm.entries[hot].host_block == 0
+    bm.entries[hot].node.priority = 1e9  # hot is worth more than anything on the GPU
+    prefill("new", 20)  # evicts cold's block with the host full (of hot)
+    ops = bm.take_swap_ops()
+    if swap_out_filter:
+        assert ops == [] and bm.num_swap_out_skipped_blocks == 1
+        assert hot in bm.entries and cold not in bm.entries  # cold dropped, hot kept
+    else:
+        assert [op.kind for op in ops] == ["out"] and bm.num_swap_out_skipped_blocks == 0
+        assert cold in bm.entries and hot not in bm.entries  # hot evicted from the host
+    assert bm.num_swapped_out_blocks == (1 if swap_out_filter else 2)

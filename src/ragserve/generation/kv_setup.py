@@ -164,6 +164,7 @@ def make_kv_tiers(
         policy=config.kv_eviction_policy,
         cost_fn=PrefillCostModel.from_flops(model_config),
         newline_counts=whitespace_newline_counts(tokenizer, _tokenizer_digest(folder)),
+        swap_out_filter=config.swap_out_filter,
     )
     return manager, host
 
@@ -254,6 +255,7 @@ def kv_tier_stats(
             "num_evicted_gpu_blocks": 0,
             "num_evicted_host_blocks": 0,
             "num_swap_skipped_blocks": 0,
+            "num_swap_out_skipped_blocks": 0,
             "num_kv_tree_nodes": 0,
             "num_host_blocks_used": 0,
             "num_host_blocks_total": 0,
@@ -269,6 +271,7 @@ def kv_tier_stats(
         "num_evicted_gpu_blocks": bm.num_evicted_gpu_blocks,
         "num_evicted_host_blocks": bm.num_evicted_host_blocks,
         "num_swap_skipped_blocks": bm.num_swap_skipped_blocks,
+        "num_swap_out_skipped_blocks": bm.num_swap_out_skipped_blocks,
         "num_kv_tree_nodes": len(bm.nodes),
         "num_host_blocks_used": bm.num_host_used_blocks,
         "num_host_blocks_total": bm.num_host_blocks,

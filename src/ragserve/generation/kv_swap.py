@@ -132,38 +132,44 @@ class HostKVCache:
         return sum(1 for m in self._pending.values() if not _done(m))
 
     def _run_groups(self, runs: list[list[SwapOp]], markers: dict | None) -> None:
-        """Copy ``runs`` in order; on CUDA (``markers`` given) record an event per run once
-        the run's GPU blocks are read (out) or written (in)."""
+        """Copy ``runs`` in order; on CUDA (``markers`` given) mark each run's GPU blocks with
+        an event recorded once the side stream has read (out) or written (in) them."""
         for run in runs:
             if run[0].kind == "out":
-                self._copy_out(run)
+                self._copy_out(run, markers)
             else:
-                self._copy_in(run)
-            if markers is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                for op in run:
-                    markers[op.gpu_block] = event
+                self._copy_in(run, markers)
 
-    def _copy_out(self, run: list[SwapOp]) -> None:
+    def _copy_out(self, run: list[SwapOp], markers: dict | None) -> None:
         first = run[0].host_block
         gpu_ids = _index([op.gpu_block for op in run], self.gpu_cache.device)
         staged = self.gpu_cache[:, :, gpu_ids].movedim(2, 0)
         if self._stream is None:
             self.host_cache[first : first + len(run)] = staged
             return
-        # The gather reads the pool now (on the side stream); the transfer reads only the
-        # staging copy, whose memory the caching allocator keeps for this stream's later work.
+        # The gather reads the pool now (on the side stream) and the blocks' marker is set
+        # right after it: the transfer reads only the staging copy, whose memory the caching
+        # allocator keeps for this stream's later work.
         staged = staged.contiguous()
+        self._mark(run, markers)
         self.host_cache[first : first + len(run)].copy_(staged, non_blocking=True)
 
-    def _copy_in(self, run: list[SwapOp]) -> None:
+    def _copy_in(self, run: list[SwapOp], markers: dict | None) -> None:
         first = run[0].host_block
         gpu_ids = _index([op.gpu_block for op in run], self.gpu_cache.device)
         src = self.host_cache[first : first + len(run)]
         if self._stream is not None:
             src = src.to(self.gpu_cache.device, non_blocking=True)  # pinned and contiguous
         self.gpu_cache[:, :, gpu_ids] = src.movedim(0, 2)
+        self._mark(run, markers)
+
+    def _mark(self, run: list[SwapOp], markers: dict | None) -> None:
+        if markers is None:
+            return
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        for op in run:
+            markers[op.gpu_block] = event
 
 
 def _contiguous_runs(ops: list[SwapOp]) -> list[list[SwapOp]]:
