@@ -288,9 +288,9 @@ def test_a_gpu_block_is_not_reused_while_its_swap_out_is_in_flight():
     host = HostKVCache(gpu, num_host_blocks=2, async_swap_out=True)
     gate, copy_out = threading.Event(), host._copy_out
 
-    def held_copy(run):
+    def held_copy(run, markers):
         assert gate.wait(10), "the held copy was never released"
-        copy_out(run)
+        copy_out(run, markers)
 
     host._copy_out = held_copy
     host.run([SwapOp("out", 1, 0)])  # returns at once: the copy is in flight
