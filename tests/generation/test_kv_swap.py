@@ -346,3 +346,13 @@ def test_swap_out_skips_blocks_worth_less_than_the_host_victim(swap_out_filter):
         assert [op.kind for op in ops] == ["out"] and bm.num_swap_out_skipped_blocks == 0
         assert cold in bm.entries and hot not in bm.entries  # hot evicted from the host
     assert bm.num_swapped_out_blocks == (1 if swap_out_filter else 2)
+
+
+def test_a_step_waits_for_its_fused_passages_blocks_too():
+    from ragserve.generation.kv_passages import PassageBlocks
+    from ragserve.generation.llm_engine import _step_blocks
+
+    seq = _seq("fused", list(range(9)))
+    seq.block_table = [3, 4]
+    seq.passage_blocks = [PassageBlocks("p", (1, 2), (7, 8)), PassageBlocks("q", (5,))]
+    assert _step_blocks([seq, _seq("plain", [1])]) == [3, 4, 7, 8]
