@@ -91,6 +91,12 @@ CONFIGS = {
         host=True, kv_eviction_policy="lru", enable_cache_aware_scheduling=False
     ),
     "tree_gpu_lru": dict(kv_eviction_policy="lru", enable_cache_aware_scheduling=False),
+    # tree_host_pgdsf with the host tier's swap-outs as before the H200 run's fixes (blocking,
+    # every evicted block copied): the side-by-side check of async_swap_out + swap_out_filter
+    "tree_host_pgdsf_sync_out": dict(
+        host=True, kv_eviction_policy="pgdsf", enable_cache_aware_scheduling=False,
+        async_swap_out=False, swap_out_filter=False,
+    ),
 }  # fmt: skip
 
 
