@@ -91,6 +91,12 @@ CONFIGS = {
         host=True, kv_eviction_policy="lru", enable_cache_aware_scheduling=False
     ),
     "tree_gpu_lru": dict(kv_eviction_policy="lru", enable_cache_aware_scheduling=False),
+    # tree_host_pgdsf with the host tier's swap-outs as before the H200 run's fixes (blocking,
+    # every evicted block copied): the side-by-side check of async_swap_out + swap_out_filter
+    "tree_host_pgdsf_sync_out": dict(
+        host=True, kv_eviction_policy="pgdsf", enable_cache_aware_scheduling=False,
+        async_swap_out=False, swap_out_filter=False,
+    ),
 }  # fmt: skip
 
 
@@ -190,7 +196,9 @@ def build_engine(model: str, a: argparse.Namespace, config: dict) -> LLMEngine:
     kw = engine_kwargs(a, config, kv_bytes_per_token(model, a))
     engine = LLMEngine(model, **kw)
     if kw.get("kv_eviction_policy") == "pgdsf":
-        lengths = (a.passage_tokens // 2, a.passage_tokens)
+        # several lengths up to two passages: a GPU prefill of a few hundred tokens is mostly
+        # per-call overhead (the profile rejects a fit dominated by it)
+        lengths = (a.passage_tokens // 2, a.passage_tokens, 2 * a.passage_tokens)
         log.info("  profiled prefill cost: %s", engine.profile_prefill_cost(lengths))
     return engine
 

@@ -102,6 +102,8 @@ CONFIGS = {
 SWAP_CONFIGS = {
     # (the configurations above overlap swap-ins with the running step: the default)
     "no_overlap": dict(num_blocks=24, host_blocks=64, overlap_swap_in=False),
+    # swap-outs blocking (the oracle of the asynchronous ones, on by default above)
+    "sync_swap_out": dict(num_blocks=24, host_blocks=64, async_swap_out=False),
     # swapping costs more than recomputing: host hits are recomputed instead
     "recompute": dict(num_blocks=24, host_blocks=64, swap_cost=1e9),
     # a pool of about one prompt: requests are preempted and come back through the host
@@ -213,6 +215,66 @@ def test_prefill_cost_model_fit_and_flops():
         PrefillCostModel.fit(samples[:2])
     flops = PrefillCostModel.from_flops(engine_config_of_tiny())
     assert flops(64, 1024) > flops(64, 0) > 0  # attention over a longer prefix costs more
+    assert fitted.rejection(256) is None
+
+
+def test_prefill_cost_fit_is_non_negative_and_rejects_broken_profiles():
+    from ragserve.generation.kv_setup import PrefillCostModel
+
+    # times falling with length: unconstrained least squares gives a negative per-token cost
+    falling = [(n, c, 0.6 - 1e-5 * n) for n in (512, 1024, 2048) for c in (0, 512)]
+    fitted = PrefillCostModel.fit(falling)
+    assert min(fitted.per_token_s, fitted.per_token_context_s, fitted.fixed_s) >= 0.0
+    # the H200 run's profile: the same 0.56 s for every length (recompute priced as free)
+    flat = [(n, c, 0.5634596) for n in (512, 1024) for c in (0, 512, 1024)]
+    broken = PrefillCostModel.fit(flat)
+    assert broken.per_token_s == 0.0 and broken.fixed_s == pytest.approx(0.5634596)
+    assert "per-token cost is 0" in broken.rejection(1024)
+    assert PrefillCostModel(0.0, 0.0, 0.56).rejection(1024) == "per-token cost is 0"
+    # a per-token cost, but the fixed part is most of a 1,024-token prefill: overhead
+    overhead = PrefillCostModel(per_token_s=4.7e-6, per_token_context_s=0.0, fixed_s=0.0236)
+    assert "fixed cost dominates" in overhead.rejection(1024)
+    assert PrefillCostModel(1.7e-5, 0.0, 0.0134).rejection(1024) is None
+
+
+class _FakeEngine:
+    """Prefill timings from ``cost(num_tokens, num_cached)`` on a fake clock."""
+
+    def __init__(self, cost):
+        from types import SimpleNamespace
+
+        self.cost, self.now, self.cached = cost, 0.0, set()
+        self.max_model_len = 4096
+        self.model_config = engine_config_of_tiny()
+        self.block_manager = SimpleNamespace(reset_prefix_cache=self.cached.clear)
+        self.calls = []
+
+    def generate(self, prompts, params):
+        (prompt,) = prompts
+        hit = max((n for n in range(len(prompt)) if tuple(prompt[:n]) in self.cached), default=0)
+        self.now += self.cost(len(prompt) - hit, hit)
+        self.cached.update(tuple(prompt[:n]) for n in range(1, len(prompt)))
+        self.calls.append(len(prompt))
+
+
+def test_profile_prefill_cost_warms_up_and_falls_back_when_rejected(caplog):
+    from ragserve.generation.kv_setup import PrefillCostModel, profile_prefill_cost
+
+    truth = PrefillCostModel(per_token_s=2e-5, per_token_context_s=1e-9, fixed_s=2e-3)
+    engine = _FakeEngine(truth)
+    model = profile_prefill_cost(engine, (64, 128, 256), clock=lambda: engine.now)
+    assert engine.calls[:3] == [64, 128, 256]  # the warm-up, untimed
+    assert model(200, 300) == pytest.approx(truth(200, 300), rel=1e-6)
+    # the broken profile: every prefill takes 0.56 s whatever its length
+    engine = _FakeEngine(lambda n, c: 0.56)
+    with caplog.at_level("WARNING", logger="ragserve.generation.kv_setup"):
+        model = profile_prefill_cost(engine, (64, 256), clock=lambda: engine.now)
+    assert "rejected (per-token cost is 0)" in caplog.text
+    assert model.fixed_s == 0.0 and model.per_token_s > 0.0  # recompute is not free
+    assert model(256, 0) == pytest.approx(0.56)  # FLOP shape at the measured seconds / FLOP
+    assert model(64, 0) < model(256, 0) < model(256, 1024)
+    with pytest.raises(ValueError, match="lengths"):
+        profile_prefill_cost(engine, (), clock=lambda: engine.now)
 
 
 def engine_config_of_tiny():

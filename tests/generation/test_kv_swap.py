@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ragserve.generation import SamplingParams
+from ragserve.generation.block_manager import hash_block_tokens
 from ragserve.generation.kv_cache_manager import SwapOp, TieredBlockManager
 from ragserve.generation.kv_swap import HostKVCache
 from ragserve.generation.scheduler import Scheduler
@@ -255,3 +256,103 @@ def test_cheaper_to_swap_keeps_the_best_prefix_of_host_blocks():
     assert bm.allocate_slots(probe, 13)
     assert bm.num_swap_skipped_blocks == 3 and bm.num_swapped_in_blocks == 0
     bm.check_integrity()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_async_swap_out_and_back_in_is_byte_identical_one_copy_per_run(device):
+    torch.manual_seed(1)
+    gpu = torch.randn(2, 3, 8, 4, 2, 8, dtype=torch.bfloat16).to(device)
+    original = gpu.clone()
+    host = HostKVCache(gpu, num_host_blocks=6, overlap=True, async_swap_out=True)
+    # host slots 0, 1, 2 are one contiguous run, slot 5 a second one: two copies
+    outs = [SwapOp("out", 6, 0), SwapOp("out", 2, 1), SwapOp("out", 3, 2), SwapOp("out", 0, 5)]
+    host.run(outs)
+    assert host.num_copies == 2
+    host.wait_for([6, 2, 3, 0])  # the next step reuses these GPU blocks: their copies first
+    gpu[:, :, [6, 2, 3, 0]] = 0
+    host.run([SwapOp("in", 1, 0), SwapOp("in", 4, 1), SwapOp("in", 5, 2), SwapOp("in", 7, 5)])
+    assert host.num_copies == 4
+    host.synchronize()
+    for dst, src in ((1, 6), (4, 2), (5, 3), (7, 0)):
+        got, want = gpu[:, :, dst].cpu(), original[:, :, src].cpu()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # the same bytes
+
+
+def test_a_gpu_block_is_not_reused_while_its_swap_out_is_in_flight():
+    """The step that writes a reused block waits for the copy reading it (a held copy)."""
+    import threading
+    import time
+
+    gpu = torch.arange(2 * 2 * 4 * 4 * 1 * 2, dtype=torch.float32).reshape(2, 2, 4, 4, 1, 2)
+    original = gpu[:, :, 1].clone()
+    host = HostKVCache(gpu, num_host_blocks=2, async_swap_out=True)
+    gate, copy_out = threading.Event(), host._copy_out
+
+    def held_copy(run, markers):
+        assert gate.wait(10), "the held copy was never released"
+        copy_out(run, markers)
+
+    host._copy_out = held_copy
+    host.run([SwapOp("out", 1, 0)])  # returns at once: the copy is in flight
+    assert host.num_pending_blocks == 1
+
+    def next_step():  # reuses GPU block 1 for new KV
+        host.wait_for([1, 3])
+        gpu[:, :, 1] = -1.0
+
+    step = threading.Thread(target=next_step)
+    step.start()
+    time.sleep(0.2)
+    assert step.is_alive() and torch.equal(gpu[:, :, 1], original)  # the write waits
+    gate.set()
+    step.join(10)
+    assert not step.is_alive()
+    assert torch.equal(host.host_cache[0], original)  # the host got the block's old KV
+    assert torch.all(gpu[:, :, 1] == -1.0)
+    assert host.num_pending_blocks == 0
+
+
+def test_sync_swap_out_is_done_on_return():
+    gpu = torch.randn(2, 1, 3, 4, 1, 2)
+    host = HostKVCache(gpu, num_host_blocks=2, overlap=True, async_swap_out=False)
+    host.run([SwapOp("out", 2, 1)])
+    assert not host._pending and torch.equal(host.host_cache[1], gpu[:, :, 2])
+
+
+@pytest.mark.parametrize("swap_out_filter", [True, False])
+def test_swap_out_skips_blocks_worth_less_than_the_host_victim(swap_out_filter):
+    bm = TieredBlockManager(2, 4, num_host_blocks=1, policy="lru", swap_out_filter=swap_out_filter)
+
+    def prefill(rid: str, start: int) -> int:
+        seq = _seq(rid, list(range(start, start + 5)))  # one full block, one partial
+        assert bm.allocate_slots(seq, 5, bm.get_computed_blocks(seq))
+        seq.num_computed_tokens = 5
+        bm.cache_blocks(seq)
+        bm.free(seq)
+        bm.check_integrity()
+        return hash_block_tokens(None, list(range(start, start + 4)))
+
+    hot = prefill("hot", 0)
+    cold = prefill("cold", 10)  # evicts hot's block: the host has room, it is copied out
+    assert [op.kind for op in bm.take_swap_ops()] == ["out"]
+    assert bm.entries[hot].gpu_block is None and bm.entries[hot].host_block == 0
+    bm.entries[hot].node.priority = 1e9  # hot is worth more than anything on the GPU
+    prefill("new", 20)  # evicts cold's block with the host full (of hot)
+    ops = bm.take_swap_ops()
+    if swap_out_filter:
+        assert ops == [] and bm.num_swap_out_skipped_blocks == 1
+        assert hot in bm.entries and cold not in bm.entries  # cold dropped, hot kept
+    else:
+        assert [op.kind for op in ops] == ["out"] and bm.num_swap_out_skipped_blocks == 0
+        assert cold in bm.entries and hot not in bm.entries  # hot evicted from the host
+    assert bm.num_swapped_out_blocks == (1 if swap_out_filter else 2)
+
+
+def test_a_step_waits_for_its_fused_passages_blocks_too():
+    from ragserve.generation.kv_passages import PassageBlocks
+    from ragserve.generation.llm_engine import _step_blocks
+
+    seq = _seq("fused", list(range(9)))
+    seq.block_table = [3, 4]
+    seq.passage_blocks = [PassageBlocks("p", (1, 2), (7, 8)), PassageBlocks("q", (5,))]
+    assert _step_blocks([seq, _seq("plain", [1])]) == [3, 4, 7, 8]

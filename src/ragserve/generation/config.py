@@ -47,6 +47,12 @@ class EngineConfig:
     # Host-tier hits load while the running step computes (side stream / CPU thread); the
     # request computes from the next step. False: copies finish before the step's forward.
     overlap_swap_in: bool = True
+    # Swap-outs to the host tier are issued off the step's critical path (side stream / CPU
+    # thread); a reused GPU block is written only after its copy read it. False: blocking.
+    async_swap_out: bool = True
+    # With the host tier full, a block evicted from the GPU is copied out only if it ranks at
+    # least as high as the host tier's own victim (else dropped). False: always copied.
+    swap_out_filter: bool = True
     # Admit waiting requests with a larger cached share first; none is passed over more than
     # ``cache_aware_fairness_window`` times.
     enable_cache_aware_scheduling: bool = True

@@ -15,6 +15,9 @@ CUDA) holds copies of cached blocks evicted from the GPU::
 - Preemption frees a request's blocks into this cache (generated blocks included), so a
   preempted request swaps its KV back in instead of recomputing it whenever it was evicted
   to the host meanwhile; only its last partial block is recomputed.
+- Swap out only what is worth keeping (``swap_out_filter``, default on): with the host pool
+  full, an evicted block whose node ranks below the host tier's own victim is dropped, not
+  copied (the copy would evict something more valuable; ``num_swap_out_skipped_blocks``).
 - Swap or recompute: with a swap cost model (``swap_cost_fn``: seconds to swap in n blocks,
   measured by ``LLMEngine.profile_prefill_cost``) a hit's host part is swapped in only as
   far as that is cheaper than recomputing it (``cost_fn``, given the tokens before it);
@@ -73,6 +76,7 @@ class TieredBlockManager(PassageTierMixin):
         cost_fn: CostFn | None = None,
         newline_counts: dict[int, int] | None = None,
         swap_cost_fn: Callable[[int], float] | None = None,
+        swap_out_filter: bool = True,
     ):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
@@ -85,6 +89,7 @@ class TieredBlockManager(PassageTierMixin):
         self.policy = make_policy(policy)
         self.cost_fn = cost_fn or _flop_cost
         self.swap_cost_fn = swap_cost_fn
+        self.swap_out_filter = swap_out_filter
         self.newline_counts = newline_counts or {}
         self.ref_cnt = [0] * num_blocks
         self.gpu_entry: list[CachedBlock | None] = [None] * num_blocks
@@ -112,6 +117,7 @@ class TieredBlockManager(PassageTierMixin):
         self.num_evicted_gpu_blocks = 0
         self.num_evicted_host_blocks = 0
         self.num_swap_skipped_blocks = 0
+        self.num_swap_out_skipped_blocks = 0
         self._init_passages()
 
     # ------------------------------------------------------------------ sizes
@@ -270,7 +276,7 @@ class TieredBlockManager(PassageTierMixin):
         self.num_evicted_gpu_blocks += 1
         self.policy.on_evict(entry.node)
         if swap and entry.host_block is None and self.num_host_blocks:
-            host = self._pop_host_block()
+            host = self._pop_host_block() if self._worth_keeping(entry) else None
             if host is not None:
                 entry.host_block = host
                 self.host_entry[host] = entry
@@ -287,6 +293,20 @@ class TieredBlockManager(PassageTierMixin):
             self._remove(entry)
         elif not entry.children:
             self._host_heap.push(entry)
+
+    def _worth_keeping(self, entry: CachedBlock) -> bool:
+        """Whether copying ``entry`` out is worth it: room on the host, or the host's
+        victim ranks no higher than ``entry``'s node (always, without ``swap_out_filter``)."""
+        if self.free_host_blocks or not self.swap_out_filter:
+            return True
+        victim = self._host_heap.pop()
+        if victim is None:
+            return True  # nothing to evict: ``_pop_host_block`` finds no room either
+        self._host_heap.push(victim)
+        if victim.node.priority > entry.node.priority:
+            self.num_swap_out_skipped_blocks += 1
+            return False
+        return True
 
     def _pop_host_block(self) -> int | None:
         if self.free_host_blocks:

@@ -10,6 +10,8 @@ replaces it with measured times).
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from ragserve.generation.config import EngineConfig, ModelConfig
 from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.kv_swap import HostKVCache
 from ragserve.generation.segments import whitespace_newline_counts
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,9 @@ class PrefillCostModel:
         return self.fixed_s + num_tokens * (self.per_token_s + self.per_token_context_s * attended)
 
     @classmethod
-    def from_flops(cls, cfg: ModelConfig) -> PrefillCostModel:
-        """Relative costs from the model's shape (2 FLOPs per weight, 4 per attended key)."""
+    def from_flops(cls, cfg: ModelConfig, seconds_per_flop: float = 1e-12) -> PrefillCostModel:
+        """Costs from the model's shape (2 FLOPs per weight, 4 per attended key) at
+        ``seconds_per_flop`` (the default, 1 TFLOP/s, gives relative costs only)."""
         weights = cfg.num_hidden_layers * (
             cfg.hidden_size
             * cfg.head_dim
@@ -46,17 +51,45 @@ class PrefillCostModel:
             + 3 * cfg.hidden_size * cfg.intermediate_size
         )
         attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-        return cls(per_token_s=2.0 * weights * 1e-12, per_token_context_s=attention * 1e-12)
+        return cls(
+            per_token_s=2.0 * weights * seconds_per_flop,
+            per_token_context_s=attention * seconds_per_flop,
+        )
 
     @classmethod
     def fit(cls, samples: list[tuple[int, int, float]]) -> PrefillCostModel:
-        """Least squares over measured ``(num_tokens, num_context_tokens, seconds)``."""
+        """Least squares with non-negative coefficients over measured ``(num_tokens,
+        num_context_tokens, seconds)`` (exact: the best of the 8 active sets of 3 terms)."""
         if len(samples) < 3:
             raise ValueError("samples: at least 3 measurements are needed to fit the model")
-        rows = [(1.0, n, n * (c + n / 2)) for n, c, _ in samples]
-        coef, *_ = np.linalg.lstsq(np.asarray(rows), np.asarray([s for *_, s in samples]))
-        fixed, per_token, per_ctx = (max(float(x), 0.0) for x in coef)
+        rows = np.asarray([(1.0, n, n * (c + n / 2)) for n, c, _ in samples], dtype=float)
+        times = np.asarray([s for *_, s in samples], dtype=float)
+        scale = np.abs(rows).max(axis=0)
+        scale[scale == 0] = 1.0
+        best, best_err = np.zeros(3), float(np.sum(times**2))
+        for mask in range(1, 8):
+            cols = [i for i in range(3) if mask >> i & 1]
+            coef, *_ = np.linalg.lstsq(rows[:, cols] / scale[cols], times, rcond=None)
+            if np.any(coef < 0):
+                continue
+            full = np.zeros(3)
+            full[cols] = coef / scale[cols]
+            err = float(np.sum((rows @ full - times) ** 2))
+            if err < best_err:
+                best, best_err = full, err
+        fixed, per_token, per_ctx = (float(x) for x in best)
         return cls(per_token_s=per_token, per_token_context_s=per_ctx, fixed_s=fixed)
+
+    def rejection(self, num_tokens: int) -> str | None:
+        """Why this fitted model cannot price recompute (``None``: it can). Rejected: no cost
+        per token (recompute would look free), or the fixed cost at least half of the
+        prediction for ``num_tokens`` new tokens (the longest profiled prompt): then the
+        timings measured overhead, not prefill."""
+        if self.per_token_s <= 0.0:
+            return "per-token cost is 0"
+        if self.fixed_s >= 0.5 * self(num_tokens, 0):
+            return f"the fixed cost dominates ({self.fixed_s:.3g} s of {self(num_tokens, 0):.3g} s)"
+        return None
 
 
 @dataclass(frozen=True)
@@ -77,6 +110,8 @@ def profile_swap_cost(host: HostKVCache, num_gpu_blocks: int) -> SwapCostModel:
 
     from ragserve.generation.kv_cache_manager import SwapOp
 
+    host.run([SwapOp("in", 0, 0)])  # warm-up, untimed
+    host.synchronize()
     samples = []
     for n in (1, 4, 16, 32, 1, 4, 16, 32):
         n = min(n, num_gpu_blocks, host.num_host_blocks)
@@ -116,7 +151,12 @@ def make_kv_tiers(
             f"host_kv_cache_bytes={config.host_kv_cache_bytes} holds no block of {per_block} bytes"
         )
     if num_host_blocks:
-        host = HostKVCache(model_runner.kv_cache, num_host_blocks, overlap=config.overlap_swap_in)
+        host = HostKVCache(
+            model_runner.kv_cache,
+            num_host_blocks,
+            overlap=config.overlap_swap_in,
+            async_swap_out=config.async_swap_out,
+        )
     manager = TieredBlockManager(
         num_blocks,
         config.block_size,
@@ -124,33 +164,73 @@ def make_kv_tiers(
         policy=config.kv_eviction_policy,
         cost_fn=PrefillCostModel.from_flops(model_config),
         newline_counts=whitespace_newline_counts(tokenizer, _tokenizer_digest(folder)),
+        swap_out_filter=config.swap_out_filter,
     )
     return manager, host
 
 
-def profile_prefill_cost(engine: Any, lengths: tuple[int, ...] = (64, 256)) -> PrefillCostModel:
-    """Fit ``PrefillCostModel`` to the engine's measured prefill times: prompts of each length
-    after no prefix and after a cached prefix of each length (an idle engine; it ends empty)."""
+def profile_prefill_cost(
+    engine: Any,
+    lengths: tuple[int, ...] = (64, 128, 256),
+    repeats: int = 2,
+    clock: Callable[[], float] | None = None,
+) -> PrefillCostModel:
+    """Fit ``PrefillCostModel`` to the engine's measured prefill times (an idle engine; it
+    ends empty): one untimed warm-up prompt of each length first (lazy initialisation, kernel
+    selection), then prompts of each length after no prefix and after a cached prefix of
+    each length, the fastest of ``repeats`` runs each. The non-negative least-squares fit is
+    used unless ``PrefillCostModel.rejection`` rejects it; then (logged) the fallback is the
+    FLOP model scaled to the measured seconds per FLOP of the longest prompts without prefix
+    (``fallback_prefill_cost``). ``clock``: seconds (``time.perf_counter``; tests fake it)."""
     import time
 
     from ragserve.generation.sampling_params import SamplingParams
 
+    if not lengths or any(n < 1 for n in lengths) or repeats < 1:
+        raise ValueError(f"lengths: need positive prompt lengths and repeats >= 1, got {lengths}")
     limit = engine.max_model_len - 2
+    lengths = tuple(sorted({min(n, limit) for n in lengths}))
+    clock = clock or time.perf_counter
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     rng = np.random.default_rng(0)
+    high = min(engine.model_config.vocab_size, 30000)
+    for n in lengths:  # warm-up, untimed
+        engine.generate([rng.integers(3, high, n).tolist()], params)
+    engine.block_manager.reset_prefix_cache()
     samples = []
     for context in (0, *lengths):
         for n in lengths:
             if context + n > limit:
                 continue
-            prefix = rng.integers(3, min(engine.model_config.vocab_size, 30000), context + n)
-            if context:
-                engine.generate([prefix[:context].tolist() + [5]], params)
-            start = time.perf_counter()
-            engine.generate([prefix.tolist()], params)
-            samples.append((n, context, time.perf_counter() - start))
+            best = None
+            for _ in range(repeats):
+                prefix = rng.integers(3, high, context + n).tolist()
+                if context:
+                    engine.generate([prefix[:context] + [5]], params)
+                start = clock()
+                engine.generate([prefix], params)
+                elapsed = clock() - start
+                best = elapsed if best is None else min(best, elapsed)
+            samples.append((n, context, best))
     engine.block_manager.reset_prefix_cache()
-    return PrefillCostModel.fit(samples)
+    model = PrefillCostModel.fit(samples)
+    reason = model.rejection(max(lengths))
+    if reason is None:
+        return model
+    fallback = fallback_prefill_cost(engine.model_config, samples)
+    logger.warning("prefill-cost profile %s rejected (%s); using %s", model, reason, fallback)
+    return fallback
+
+
+def fallback_prefill_cost(
+    cfg: ModelConfig, samples: list[tuple[int, int, float]]
+) -> PrefillCostModel:
+    """The FLOP model at the seconds per FLOP measured on the longest prompts without a
+    cached prefix (the median; their time is the least dominated by per-call overhead)."""
+    longest = max(n for n, c, _ in samples if c == 0)
+    unit = PrefillCostModel.from_flops(cfg)  # at 1e-12 s per FLOP
+    ratios = [s / unit(n, 0) * 1e-12 for n, c, s in samples if c == 0 and n == longest]
+    return PrefillCostModel.from_flops(cfg, seconds_per_flop=float(np.median(ratios)))
 
 
 def _tokenizer_digest(folder: Path) -> str | None:
@@ -175,6 +255,7 @@ def kv_tier_stats(
             "num_evicted_gpu_blocks": 0,
             "num_evicted_host_blocks": 0,
             "num_swap_skipped_blocks": 0,
+            "num_swap_out_skipped_blocks": 0,
             "num_kv_tree_nodes": 0,
             "num_host_blocks_used": 0,
             "num_host_blocks_total": 0,
@@ -190,6 +271,7 @@ def kv_tier_stats(
         "num_evicted_gpu_blocks": bm.num_evicted_gpu_blocks,
         "num_evicted_host_blocks": bm.num_evicted_host_blocks,
         "num_swap_skipped_blocks": bm.num_swap_skipped_blocks,
+        "num_swap_out_skipped_blocks": bm.num_swap_out_skipped_blocks,
         "num_kv_tree_nodes": len(bm.nodes),
         "num_host_blocks_used": bm.num_host_used_blocks,
         "num_host_blocks_total": bm.num_host_blocks,

@@ -1,18 +1,25 @@
 """The host KV tier's memory and the block copies between it and the GPU pool.
 
-The host pool mirrors one GPU block per slot: ``[2, layers, num_host_blocks, block_size,
-kv_heads, head_dim]``, pinned on CUDA. ``run`` executes a step's ``SwapOp``s in order
-(consecutive ops of one kind become one gather and one scatter).
+The host pool is block-major, ``[num_host_blocks, 2, layers, block_size, kv_heads, head_dim]``
+(pinned on CUDA), so a run of consecutive host slots is one contiguous range: ``run``
+executes a step's ``SwapOp``s in order with **one copy per contiguous run** (consecutive ops
+of one kind whose host slots follow each other), counted in ``num_copies``.
 
-Without ``overlap`` every copy is done when ``run`` returns (on CUDA the compute stream waits
-for the side stream). With ``overlap`` (the engine's ``overlap_swap_in``) swap-ins are only
-issued: on CUDA asynchronously on a side stream from pinned staging memory, on CPU by one
-background thread (all ops then run there, in order); each copied GPU block gets a pending
-marker (a CUDA event, a future). ``wait_for(blocks)`` makes the step's forward wait for the
-markers of the blocks it reads or writes and no others, so a request admitted with host hits
-loads while the current step runs (the scheduler defers it by one step). Swap-outs on CUDA
-stay blocking (the host slot may be reused by the next op); on the CPU thread they are
-ordered before any later op and marked like swap-ins (the GPU block is reused right away).
+Swap-outs (``async_swap_out``, the engine's switch of that name, default on) are only issued:
+on CUDA the GPU blocks are gathered into a staging tensor on a side stream, then copied to
+pinned host memory asynchronously; on CPU one background thread runs them (all ops then run
+there, in order: the same code path). A GPU block that a copy reads or writes gets a pending
+marker (CUDA: an event recorded once the side stream has read or written the block; CPU: a
+future). The evicted block goes back to the manager's pool at once, but **no step may write
+it before its marker**: ``wait_for(blocks)`` makes the step's forward wait for the markers of
+the blocks it reads or writes and no others. So the device-to-host transfer never blocks the
+host, and on CUDA a step only waits for the on-device gather of the blocks it reuses.
+Without ``async_swap_out`` a swap-out is done when ``run`` returns.
+
+Swap-ins (``overlap``, the engine's ``overlap_swap_in``) likewise are only issued, from
+pinned memory on the side stream (CPU: the thread); without ``overlap`` they are done when
+``run`` returns. Every copy through a host slot is ordered after the earlier ones (one side
+stream, one thread), so a slot written by a swap-out and read by a later swap-in is safe.
 """
 
 from __future__ import annotations
@@ -28,49 +35,69 @@ from ragserve.generation.kv_cache_manager import SwapOp
 class HostKVCache:
     """Host copies of KV blocks for a GPU cache of shape ``[2, L, num_blocks, ...]``."""
 
-    def __init__(self, gpu_cache: torch.Tensor, num_host_blocks: int, *, overlap: bool = False):
+    def __init__(
+        self,
+        gpu_cache: torch.Tensor,
+        num_host_blocks: int,
+        *,
+        overlap: bool = False,
+        async_swap_out: bool = False,
+    ):
         if num_host_blocks < 1:
             raise ValueError("num_host_blocks must be >= 1 for a host tier")
         shape = list(gpu_cache.shape)
-        shape[2] = num_host_blocks
+        block_shape = shape[:2] + shape[3:]
         pin = gpu_cache.device.type == "cuda"
         self.gpu_cache = gpu_cache
-        self.host_cache = torch.zeros(shape, dtype=gpu_cache.dtype, pin_memory=pin)
+        self.host_cache = torch.zeros(
+            [num_host_blocks, *block_shape], dtype=gpu_cache.dtype, pin_memory=pin
+        )
         self.num_host_blocks = num_host_blocks
-        self._stream = torch.cuda.Stream(gpu_cache.device) if pin else None
         self.overlap = overlap
-        self._thread = ThreadPoolExecutor(1, "kv-swap") if overlap and not pin else None
+        self.async_swap_out = async_swap_out
+        self.num_copies = 0  # copies issued (one per contiguous run of ops)
+        self._stream = torch.cuda.Stream(gpu_cache.device) if pin else None
+        threaded = not pin and (overlap or async_swap_out)
+        self._thread = ThreadPoolExecutor(1, "kv-swap") if threaded else None
         self._pending: dict[int, torch.cuda.Event | Future] = {}  # GPU block -> marker
 
     @property
     def bytes_per_block(self) -> int:
-        return self.host_cache[:, :, 0].numel() * self.host_cache.element_size()
+        return self.host_cache[0].numel() * self.host_cache.element_size()
 
     def run(self, ops: list[SwapOp]) -> None:
-        """Copy the blocks of ``ops`` in order: done on return without ``overlap``; with it
-        swap-ins (CPU: all ops) are pending until ``wait_for`` / ``synchronize``."""
+        """Copy the blocks of ``ops`` in order. Swap-outs with ``async_swap_out`` and swap-ins
+        with ``overlap`` are pending until ``wait_for`` / ``synchronize``; the others are done
+        when this returns."""
         if not ops:
             return
+        has_in = any(op.kind == "in" for op in ops)
+        has_out = len(ops) > sum(1 for op in ops if op.kind == "in")
+        blocking = (has_in and not self.overlap) or (has_out and not self.async_swap_out)
+        runs = _contiguous_runs(ops)
+        self.num_copies += len(runs)
         if self._thread is not None:
-            future = self._thread.submit(self._run_groups, ops)
+            future = self._thread.submit(self._run_groups, runs, None)
+            if blocking:
+                future.result()
+                return
             for op in ops:
                 self._pending[op.gpu_block] = future
             return
         if self._stream is None:
-            self._run_groups(ops)
+            self._run_groups(runs, None)
             return
         compute = torch.cuda.current_stream(self.gpu_cache.device)
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
-            self._run_groups(ops)
-            if self.overlap:
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                for op in ops:
-                    if op.kind == "in":
-                        self._pending[op.gpu_block] = event
-        if not self.overlap:
-            compute.wait_stream(self._stream)
+            self._run_groups(runs, self._pending)
+        if not blocking:
+            return
+        for op in ops:
+            self._pending.pop(op.gpu_block, None)
+        compute.wait_stream(self._stream)
+        if has_out and not self.async_swap_out:
+            self._stream.synchronize()  # the host copies exist when this returns
 
     def wait_for(self, blocks: Iterable[int]) -> None:
         """Make the step that uses ``blocks`` (GPU block ids) wait for their pending copies:
@@ -95,8 +122,8 @@ class HostKVCache:
         for marker in {id(m): m for m in self._pending.values()}.values():
             if isinstance(marker, Future):
                 marker.result()
-            else:
-                marker.synchronize()
+        if self._stream is not None:
+            self._stream.synchronize()
         self._pending.clear()
 
     @property
@@ -104,29 +131,57 @@ class HostKVCache:
         """GPU blocks whose copies may still be in flight."""
         return sum(1 for m in self._pending.values() if not _done(m))
 
-    def _run_groups(self, ops: list[SwapOp]) -> None:
-        start = 0
-        for end in range(1, len(ops) + 1):
-            if end == len(ops) or ops[end].kind != ops[start].kind:
-                self._copy(ops[start].kind, ops[start:end])
-                start = end
+    def _run_groups(self, runs: list[list[SwapOp]], markers: dict | None) -> None:
+        """Copy ``runs`` in order; on CUDA (``markers`` given) mark each run's GPU blocks with
+        an event recorded once the side stream has read (out) or written (in) them."""
+        for run in runs:
+            if run[0].kind == "out":
+                self._copy_out(run, markers)
+            else:
+                self._copy_in(run, markers)
 
-    def _copy(self, kind: str, ops: list[SwapOp]) -> None:
-        gpu_ids = _index([op.gpu_block for op in ops], self.gpu_cache.device)
-        host_ids = [op.host_block for op in ops]
-        if kind == "out":
-            # NOTE: a blocking device-to-host copy: the host pool is written right after it,
-            # and a later op of this run may read or overwrite the same slot.
-            if len(set(host_ids)) != len(host_ids):
-                for op in ops:
-                    self.host_cache[:, :, op.host_block] = self.gpu_cache[:, :, op.gpu_block].cpu()
-                return
-            self.host_cache[:, :, _index(host_ids, "cpu")] = self.gpu_cache[:, :, gpu_ids].cpu()
+    def _copy_out(self, run: list[SwapOp], markers: dict | None) -> None:
+        first = run[0].host_block
+        gpu_ids = _index([op.gpu_block for op in run], self.gpu_cache.device)
+        staged = self.gpu_cache[:, :, gpu_ids].movedim(2, 0)
+        if self._stream is None:
+            self.host_cache[first : first + len(run)] = staged
             return
-        src = self.host_cache[:, :, _index(host_ids, "cpu")]
+        # The gather reads the pool now (on the side stream) and the blocks' marker is set
+        # right after it: the transfer reads only the staging copy, whose memory the caching
+        # allocator keeps for this stream's later work.
+        staged = staged.contiguous()
+        self._mark(run, markers)
+        self.host_cache[first : first + len(run)].copy_(staged, non_blocking=True)
+
+    def _copy_in(self, run: list[SwapOp], markers: dict | None) -> None:
+        first = run[0].host_block
+        gpu_ids = _index([op.gpu_block for op in run], self.gpu_cache.device)
+        src = self.host_cache[first : first + len(run)]
         if self._stream is not None:
-            src = src.pin_memory()
-        self.gpu_cache[:, :, gpu_ids] = src.to(self.gpu_cache.device, non_blocking=True)
+            src = src.to(self.gpu_cache.device, non_blocking=True)  # pinned and contiguous
+        self.gpu_cache[:, :, gpu_ids] = src.movedim(0, 2)
+        self._mark(run, markers)
+
+    def _mark(self, run: list[SwapOp], markers: dict | None) -> None:
+        if markers is None:
+            return
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        for op in run:
+            markers[op.gpu_block] = event
+
+
+def _contiguous_runs(ops: list[SwapOp]) -> list[list[SwapOp]]:
+    """``ops`` cut into maximal runs of one kind over consecutive host slots (order kept)."""
+    runs: list[list[SwapOp]] = []
+    for op in ops:
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.kind == op.kind and op.host_block == last.host_block + 1:
+            runs[-1].append(op)
+        else:
+            runs.append([op])
+    return runs
 
 
 def _done(marker: torch.cuda.Event | Future) -> bool:

@@ -224,7 +224,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         if self.host_kv_cache is not None:  # only the blocks this step uses
-            self.host_kv_cache.wait_for(b for s in out.seqs for b in s.block_table)
+            self.host_kv_cache.wait_for(_step_blocks(out.seqs))
         if not self.config.enable_step_isolation:
             return self._postprocess(out, self.model_runner.execute_model(out))
         ran = execute_isolated(self.model_runner.execute_model, out, self.model_runner.sampler)
@@ -405,9 +405,13 @@ class LLMEngine:
             num_passages, lambda order: self._tokenize(render(order)), bm.cached_prefix_tokens
         )
 
-    def profile_prefill_cost(self, lengths: tuple[int, ...] = (64, 256)) -> PrefillCostModel | None:
-        """Measure prefill times (with and without a cached prefix), fit PGDSF's cost model
-        and use it for nodes created from now on; ``None`` without the knowledge tree. With a
+    def profile_prefill_cost(
+        self, lengths: tuple[int, ...] = (64, 128, 256)
+    ) -> PrefillCostModel | None:
+        """Measure prefill times (after a warm-up; with and without a cached prefix), fit
+        PGDSF's cost model (a fit that prices recompute as free or as fixed overhead is
+        rejected for a FLOP-derived one: ``kv_setup.profile_prefill_cost``) and use it for
+        nodes created from now on; ``None`` without the knowledge tree. With a
         host tier also time swap-ins (``swap_cost``): host hits are then swapped in only where
         that beats recomputing them. Run it on an idle engine: it adds and drops its own
         requests and empties the cache."""
@@ -419,6 +423,15 @@ class LLMEngine:
             self.swap_cost = profile_swap_cost(self.host_kv_cache, self.block_manager.num_blocks)
             self.block_manager.swap_cost_fn = self.swap_cost
         return model
+
+
+def _step_blocks(seqs: Sequence_[Sequence]) -> list[int]:
+    """The GPU blocks a step reads or writes: block tables and fused passages' blocks."""
+    blocks = [b for seq in seqs for b in seq.block_table]
+    for seq in seqs:
+        for handle in seq.passage_blocks or ():
+            blocks.extend(handle.blocks)
+    return blocks
 
 
 def _check_segment_ends(request_id: str, ends: Sequence_[int], num_tokens: int) -> tuple[int, ...]:
