@@ -1,5 +1,5 @@
-"""A retrieval node's `mode`, `filter` and `collapse_sections` reach its `RetrievalTask`; speculation leaves such
-nodes alone (it reuses dense probe plans only)."""
+"""A retrieval node's `mode`, `filter` and `collapse_sections` reach its `RetrievalTask`;
+speculation leaves nodes with a mode or filter alone (it reuses dense probe plans only)."""
 
 from __future__ import annotations
 
