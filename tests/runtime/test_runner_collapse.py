@@ -178,3 +178,18 @@ def test_index_switched_off_and_sections_added_later(plain: VectorIndex) -> None
     assert runner.collapses(RetrievalTask("t", "apple", 5, collapse_sections=True))
     with pytest.raises(ValueError, match="collapse_sections"):
         plain.collapses("yes")
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_bad_collapse_value_fails_its_task_only(sectioned: VectorIndex, staged: bool) -> None:
+    from ragserve.runtime.runners import run_isolated
+
+    runner = (StagedRetrievalRunner if staged else RetrievalRunner)(sectioned, sectioned.embedder)
+    make = _staged if staged else RetrievalTask
+    tasks = [make("bad", "apple", 5, collapse_sections="yes"), make("ok", "lemon", 5)]
+    finals = {r.task_id: r for r in run_isolated(runner, tasks)}
+    while runner.has_pending():
+        finals.update((r.task_id, r) for r in runner.run([]) if not isinstance(r, RetrievalPartial))
+    assert "collapse_sections" in finals["bad"].error and finals["bad"].passages == ()
+    assert finals["ok"].error is None
+    _same(sectioned, finals["ok"].passages, _collapsed(sectioned, "lemon", 5))

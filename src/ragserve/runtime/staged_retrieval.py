@@ -117,17 +117,17 @@ class StagedRetrievalRunner(RetrievalRunner):
             return [r for t in tasks for r in self._add([t])]
         failed = []
         for i, t in enumerate(tasks):
-            collapsed = self.collapses(t)
-            params = StageParams(
-                k=max(t.topk * FETCH_FACTOR if collapsed else t.topk, t.cache_topk),
-                nprobe=t.nprobe or self.default_nprobe,
-                split=t.split,
-                budget_s=t.budget_s,
-                first_clusters=t.first_clusters,
-                hit_clusters=tuple(t.hit_clusters),
-                previous_clusters=tuple(t.previous_clusters),
-            )
             try:
+                collapsed = self.collapses(t)
+                params = StageParams(
+                    k=max(t.topk * FETCH_FACTOR if collapsed else t.topk, t.cache_topk),
+                    nprobe=t.nprobe or self.default_nprobe,
+                    split=t.split,
+                    budget_s=t.budget_s,
+                    first_clusters=t.first_clusters,
+                    hit_clusters=tuple(t.hit_clusters),
+                    previous_clusters=tuple(t.previous_clusters),
+                )
                 self.search.add(t.task_id, vectors[i], params)
                 self._tasks[t.task_id] = t
                 if collapsed:
