@@ -112,9 +112,10 @@ class RAGraph:
         append: bool = False,
         mode: str | None = None,
         filter: dict[str, Any] | None = None,  # noqa: A002 - the retrieval API's name
+        collapse_sections: bool | None = None,
     ) -> RAGraph:
         """A retrieval node; ``query`` names a state key (or is a ``{name}`` template).
-        ``mode`` / ``filter``: see ``RetrievalNode``."""
+        ``mode`` / ``filter`` / ``collapse_sections``: see ``RetrievalNode``."""
         _check_key(node_id, "output", output)
         query_template = _query_template(node_id, query)
         if topk < 1:
@@ -125,8 +126,18 @@ class RAGraph:
             raise GraphError(f"node {node_id!r}: mode must be dense, bm25, hybrid or None")
         if filter is not None and not isinstance(filter, dict):
             raise GraphError(f"node {node_id!r}: filter must be a dict of metadata conditions")
+        if collapse_sections is not None and not isinstance(collapse_sections, bool):
+            raise GraphError(f"node {node_id!r}: collapse_sections must be a bool or None")
         node = RetrievalNode(
-            node_id, query_template, topk, output, nprobe, append, mode, filter or None
+            node_id,
+            query_template,
+            topk,
+            output,
+            nprobe,
+            append,
+            mode,
+            filter or None,
+            collapse_sections,
         )
         return self._add(node)
 

@@ -129,7 +129,8 @@ class RetrievalNode:
 
     ``nprobe=None`` uses the index's default. With ``append`` new passages are added to those
     already in ``output`` (duplicates by id dropped). ``mode`` ("dense", "bm25", "hybrid";
-    None: the index's default) and ``filter`` (metadata key -> value | list | range) are
+    None: the index's default), ``filter`` (metadata key -> value | list | range) and
+    ``collapse_sections`` (at most one passage per section; None: the index's default) are
     those of ``VectorIndex.search_text``.
     """
 
@@ -141,6 +142,7 @@ class RetrievalNode:
     append: bool = False
     mode: str | None = None
     filter: dict[str, Any] | None = None  # noqa: A003 - the retrieval API's name
+    collapse_sections: bool | None = None
 
     kind = "retrieval"
     resource = "retrieval"

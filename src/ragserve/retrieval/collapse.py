@@ -13,6 +13,8 @@ collapsed: A#3  B#0  C#1  D#0  E#2                    (topk = 5)
 A passage's section is `(metadata["source"], metadata["section"])` for ingested files (both
 present), `metadata["source_id"]` for a chunked JSONL/Parquet record, and otherwise the passage
 itself (never collapsed: e.g. factbook passages, whose `section` is shared across countries).
+An index none of whose passages has a section (`VectorIndex.has_sections`, `SECTIONED_SQL`)
+collapses nothing, so its searches skip collapsing and stay plain Faiss.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from collections.abc import Hashable, Sequence
 from ragserve.retrieval.types import Document, ScoredDocument
 
 FETCH_FACTOR = 4  # a query short of sections is searched again this many times deeper
+SECTIONED_SQL = (  # a stored passage (`docs.metadata`) that `section_key` groups with others
+    "(json_type(metadata, '$.source') IS NOT NULL"
+    " AND json_type(metadata, '$.section') IS NOT NULL)"
+    " OR json_type(metadata, '$.source_id') IS NOT NULL"
+)
 
 
 def section_key(doc: Document) -> Hashable:
@@ -32,6 +39,11 @@ def section_key(doc: Document) -> Hashable:
     if "source_id" in meta:
         return ("record", str(meta["source_id"]))
     return ("passage", doc.id)
+
+
+def has_section(doc: Document) -> bool:
+    """Whether `doc` can share its section with another passage (`section_key`)."""
+    return section_key(doc)[0] != "passage"
 
 
 def collapse_hits(hits: Sequence[ScoredDocument], topk: int) -> list[ScoredDocument]:

@@ -237,6 +237,10 @@ class DocStore:
         rows = self._query(f"SELECT row_id FROM docs WHERE {where} ORDER BY row_id", args)
         return np.array([r[0] for r in rows], dtype=np.int64)
 
+    def any_where(self, where: str, args: Sequence = ()) -> bool:
+        """Whether any live document matches an SQL `where` over `docs`."""
+        return bool(self._query(f"SELECT 1 FROM docs WHERE {where} LIMIT 1", args))
+
     def check(self) -> None:
         """Raise `sqlite3.DatabaseError` if the file fails SQLite's own consistency check."""
         result = self._query("PRAGMA quick_check")

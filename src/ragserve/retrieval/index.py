@@ -93,6 +93,7 @@ class VectorIndex(GpuTierMixin):
         self._tier: GpuTier | None = None
         self._tier_updater: TierUpdater | None = None
         self._bm25: BM25Index | None = None  # lexical side index (bm25.py), built on demand
+        self._sectioned: bool | None = None  # `has_sections`, asked of the store on first use
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -230,8 +231,7 @@ class VectorIndex(GpuTierMixin):
         `collapse_sections` (None: the index's `collapse_sections`; `collapse.py`). Dense,
         unfiltered and uncollapsed, this is exactly `search`. See `modes.py`."""
         mode = mode or self.default_mode
-        if collapse_sections is None:
-            collapse_sections = self.collapse_sections
+        collapse_sections = self.collapses(collapse_sections)
         if mode == "dense" and filter is None and not collapse_sections:
             result = self.search(self.embedder.encode(list(texts), is_query=True), topk, nprobe)
             return self.documents_of(result)
@@ -282,6 +282,26 @@ class VectorIndex(GpuTierMixin):
         """Whether `search_text(collapse_sections=None)` keeps one passage per section:
         recorded at build (`metadata`), else True (also for indexes built before the switch)."""
         return bool(self.metadata.get("collapse_sections", True))
+
+    @property
+    def has_sections(self) -> bool:
+        """Whether some passage shares a section with others (`collapse.section_key`); an
+        index without one (factbook, synthetic corpora) collapses nothing. Stays True after
+        the sectioned passages are deleted (collapsing them away is then a no-op)."""
+        if self._sectioned is None:
+            from ragserve.retrieval.collapse import SECTIONED_SQL
+
+            self._sectioned = self._store.any_where(SECTIONED_SQL)
+        return self._sectioned
+
+    def collapses(self, collapse_sections: bool | None) -> bool:
+        """Whether a search asking `collapse_sections` (None: the index's `collapse_sections`)
+        collapses: asked and `has_sections`. False means its results are the plain ranking."""
+        if collapse_sections is None:
+            collapse_sections = self.collapse_sections
+        elif not isinstance(collapse_sections, bool):
+            raise ValueError(f"collapse_sections must be a bool or None, got {collapse_sections!r}")
+        return collapse_sections and self.has_sections
 
     def bm25(self) -> BM25Index:
         """The BM25 side index; built from the stored passages on first use."""
@@ -338,6 +358,10 @@ class VectorIndex(GpuTierMixin):
         with self._write_mutex:
             self._claim_writer()
             added, removed = self._store.upsert(docs, x)
+            if self._sectioned is False:
+                from ragserve.retrieval.collapse import has_section
+
+                self._sectioned = any(has_section(d) for d in docs)
             with self._rw.write():
                 before = self._list_sizes() if self._tier is not None else None
                 if removed:

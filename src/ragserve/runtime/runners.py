@@ -299,16 +299,16 @@ class RetrievalRunner:
         self.document_limits = DocumentLimits()
 
     def run(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
-        """One result (passages with their scores) per task, in order. Tasks with a filter or
-        a non-dense mode go through ``search_text`` (``_by_text``); operator tasks get an
+        """One result (passages with their scores) per task, in order. Tasks with a filter, a
+        non-dense mode or section collapsing (``collapses``) go through ``search_text``
+        (``_by_text``); the others are one Faiss search per ``nprobe``; operator tasks get an
         ``OperatorResult``."""
         ops, tasks = split_operators(tasks)
         if ops:
             done = {r.task_id: r for r in run_operators(self, ops)}
             done.update((r.task_id, r) for r in (RetrievalRunner.run(self, tasks) if tasks else []))
             return [done[t.task_id] for t in (*ops, *tasks)]
-        default_mode = getattr(self.index, "default_mode", "dense")
-        by_text = [t for t in tasks if (t.mode or default_mode) != "dense" or t.filter]
+        by_text = [t for t in tasks if self.needs_text_search(t) or self.collapses(t)]
         if by_text:
             vector = [t for t in tasks if t not in by_text]
             results = RetrievalRunner.run(self, vector) if vector else []
@@ -339,13 +339,27 @@ class RetrievalRunner:
             results.append(RetrievalResult(t.task_id, passages))
         return results
 
+    def collapses(self, task: RetrievalTask) -> bool:
+        """Whether ``task``'s passages are collapsed to one per section: asked (its
+        ``collapse_sections``, None: the index's default) and the index has sections
+        (``VectorIndex.collapses``; an index without that API, e.g. sharded, never does)."""
+        collapses = getattr(self.index, "collapses", None)
+        return collapses is not None and collapses(task.collapse_sections)
+
+    def needs_text_search(self, task: RetrievalTask) -> bool:
+        """Whether ``task`` needs ``search_text`` whatever the runner: a non-dense mode or a
+        filter (a collapsed dense, unfiltered task goes there too in ``run``; the staged runner
+        searches it step-wise instead, deeper, and collapses at the end)."""
+        default_mode = getattr(self.index, "default_mode", "dense")
+        return (task.mode or default_mode) != "dense" or bool(task.filter)
+
     def _by_text(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
-        """One ``search_text`` per group of tasks with the same mode, filter and nprobe; a bad
-        filter fails its own group's tasks only."""
+        """One ``search_text`` per group of tasks with the same mode, filter, nprobe and
+        collapsing; a bad filter fails its own group's tasks only."""
         groups: dict[str, list[RetrievalTask]] = defaultdict(list)
         for t in tasks:
-            key = json.dumps([t.mode, t.filter, t.nprobe], sort_keys=True, default=str)
-            groups[key].append(t)
+            fields = [t.mode, t.filter, t.nprobe, t.collapse_sections]
+            groups[json.dumps(fields, sort_keys=True, default=str)].append(t)
         out = []
         for group in groups.values():
             t0 = group[0]
@@ -356,6 +370,7 @@ class RetrievalRunner:
                     nprobe=t0.nprobe or self.default_nprobe,
                     mode=t0.mode,
                     filter=t0.filter,
+                    collapse_sections=t0.collapse_sections,
                 )
             except ValueError as exc:
                 out.extend(

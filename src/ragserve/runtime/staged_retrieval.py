@@ -10,6 +10,13 @@ that also keeps ``StagedRetrievalTask``s active across calls::
 
 The worker loop keeps calling ``run([])`` while ``has_pending()``, draining its inbox between
 sub-stages.
+
+Section collapsing (``RetrievalRunner.collapses``): a collapsed staged task is searched
+step-wise ``FETCH_FACTOR`` times deeper and collapsed at the end (partials too), so it
+equals ``search_text(..., collapse_sections=True)``: that search's first rounds are prefixes
+of this ranking. When the deeper ranking is full and still short of ``topk`` sections, the
+task is finished by ``search_text`` itself (one more one-shot search, rare). Without
+collapsing the step-wise results are the Faiss one-shot top-k, as before.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from typing import Any
 import numpy as np
 
 from ragserve.graph import Passage
+from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
 from ragserve.retrieval.cost_model import ScanCostModel
 from ragserve.retrieval.staged import StagedSearch, StageParams, StageProgress
+from ragserve.retrieval.types import ScoredDocument
 from ragserve.runtime.errors import error_kind_of
 from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.runtime.runners import RetrievalRunner
@@ -48,6 +57,7 @@ class StagedRetrievalRunner(RetrievalRunner):
         super().__init__(index, embedder, default_nprobe)
         self.search = StagedSearch(index, cost)
         self._tasks: dict[str, StagedRetrievalTask] = {}
+        self._collapsed: set[str] = set()  # active task ids whose passages are collapsed
 
     @property
     def cost(self) -> ScanCostModel:
@@ -82,9 +92,9 @@ class StagedRetrievalRunner(RetrievalRunner):
 
     def run(self, tasks: list[RetrievalTask]) -> list:
         ops, tasks = split_operators(tasks)
-        default_mode = getattr(self.index, "default_mode", "dense")
-        by_text = [t for t in tasks if (t.mode or default_mode) != "dense" or t.filter]
-        plain = [t for t in tasks if not isinstance(t, StagedRetrievalTask) or t in by_text]
+        plain = [
+            t for t in tasks if not isinstance(t, StagedRetrievalTask) or self.needs_text_search(t)
+        ]
         staged = [t for t in tasks if t not in plain]
         updates: list = run_operators(self, ops) if ops else []
         if plain:
@@ -107,21 +117,25 @@ class StagedRetrievalRunner(RetrievalRunner):
             return [r for t in tasks for r in self._add([t])]
         failed = []
         for i, t in enumerate(tasks):
-            params = StageParams(
-                k=max(t.topk, t.cache_topk),
-                nprobe=t.nprobe or self.default_nprobe,
-                split=t.split,
-                budget_s=t.budget_s,
-                first_clusters=t.first_clusters,
-                hit_clusters=tuple(t.hit_clusters),
-                previous_clusters=tuple(t.previous_clusters),
-            )
             try:
+                collapsed = self.collapses(t)
+                params = StageParams(
+                    k=max(t.topk * FETCH_FACTOR if collapsed else t.topk, t.cache_topk),
+                    nprobe=t.nprobe or self.default_nprobe,
+                    split=t.split,
+                    budget_s=t.budget_s,
+                    first_clusters=t.first_clusters,
+                    hit_clusters=tuple(t.hit_clusters),
+                    previous_clusters=tuple(t.previous_clusters),
+                )
                 self.search.add(t.task_id, vectors[i], params)
                 self._tasks[t.task_id] = t
+                if collapsed:
+                    self._collapsed.add(t.task_id)
             except Exception as exc:
                 self.search.discard([t.task_id])
                 self._tasks.pop(t.task_id, None)
+                self._collapsed.discard(t.task_id)
                 failed.append(self._failed(t, exc))
         return failed
 
@@ -139,6 +153,7 @@ class StagedRetrievalRunner(RetrievalRunner):
             logger.exception("staged retrieval sub-stage failed")
             err = f"{type(exc).__name__}: {exc}"
             keys = self.search.clear()
+            self._collapsed.difference_update(keys)
             return [RetrievalResult(k, (), err) for k in keys if self._tasks.pop(k, None)]
         updates: list = []
         for p in progress:
@@ -147,25 +162,63 @@ class StagedRetrievalRunner(RetrievalRunner):
                 del self._tasks[p.key]
                 updates.append(self._final(task, p))
             elif task.emit_partials:
-                passages = self._passages(p.state.ids[0, : task.topk], p.state.scores[0])
+                collapsed = p.key in self._collapsed
+                passages, _ = self._top(task, p.state.ids[0], p.state.scores[0], collapsed)
                 updates.append(RetrievalPartial(p.key, passages, p.num_substages))
         return updates
 
-    def _final(self, task: StagedRetrievalTask, p: StageProgress) -> StagedRetrievalResult:
+    def _final(
+        self, task: StagedRetrievalTask, p: StageProgress
+    ) -> StagedRetrievalResult | RetrievalResult:
         ids, scores = p.state.ids[0], p.state.scores[0]
         hit: tuple[int, ...] = ()
         if task.cache_topk > 0:
             best = ids[: task.cache_topk]
             clusters = self.index.clusters_of(best[best >= 0])
             hit = tuple(dict.fromkeys(int(c) for c in clusters if c >= 0))
+        collapsed = task.task_id in self._collapsed
+        self._collapsed.discard(task.task_id)
+        passages, short = self._top(task, ids, scores, collapsed)
+        if short:
+            try:
+                passages = self._searched_collapsed(task)
+            except Exception as exc:
+                return self._failed(task, exc)
         return StagedRetrievalResult(
             task.task_id,
-            self._passages(ids[: task.topk], scores),
+            passages,
             hit_clusters=hit,
             probed_clusters=p.probed_clusters,
             num_substages=p.num_substages,
             scan_seconds=p.scan_seconds,
         )
+
+    def _top(
+        self, task: StagedRetrievalTask, ids: np.ndarray, scores: np.ndarray, collapsed: bool
+    ) -> tuple[tuple[Passage, ...], bool]:
+        """``task``'s passages from a (partial) ranking, ``collapsed`` or cut to ``topk``; and
+        whether a collapsed ranking is full (every slot a live passage) yet short of
+        ``topk`` sections: only a deeper search can tell the rest."""
+        if not collapsed:
+            return self._passages(ids[: task.topk], scores), False
+        row = [int(x) for x in ids if x >= 0]
+        docs = self.index.get_documents(row) if row else []
+        hits = [ScoredDocument(d, float(scores[j])) for j, d in enumerate(docs) if d is not None]
+        found = collapse_hits(hits, task.topk)
+        full = len(hits) == len(ids) and len(ids) < self.index.num_documents
+        passages = tuple(Passage(h.id, h.text, h.title, h.score) for h in found)
+        return passages, full and len(found) < task.topk
+
+    def _searched_collapsed(self, task: StagedRetrievalTask) -> tuple[Passage, ...]:
+        """``task`` searched by ``search_text`` (collapsed, fetching deeper as it needs)."""
+        (hits,) = self.index.search_text(
+            [task.query],
+            task.topk,
+            nprobe=task.nprobe or self.default_nprobe,
+            mode="dense",
+            collapse_sections=True,
+        )
+        return tuple(Passage(h.id, h.text, h.title, h.score) for h in hits)
 
     def _passages(self, ids: np.ndarray, scores: np.ndarray) -> tuple[Passage, ...]:
         row = [int(x) for x in ids if x >= 0]

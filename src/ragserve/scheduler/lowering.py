@@ -73,7 +73,9 @@ def _completion(run: NodeRun, node: Any, task_id: str, memory: MemoryStore) -> L
 
 def _retrieval(run: NodeRun, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
     query = node.query.render(run.state)
-    task = RetrievalTask(task_id, query, node.topk, node.nprobe, node.mode, node.filter)
+    task = RetrievalTask(
+        task_id, query, node.topk, node.nprobe, node.mode, node.filter, node.collapse_sections
+    )
     return Lowered("retrieval", task)
 
 

@@ -87,7 +87,8 @@ class GenerationTask:
 @dataclass(frozen=True)
 class RetrievalTask:
     """Embed ``query`` and return its ``topk`` passages (``nprobe=None``: index default;
-    ``mode``/``filter``: as ``VectorIndex.search_text``, None = dense, unfiltered)."""
+    ``mode``/``filter``/``collapse_sections``: as ``VectorIndex.search_text``, None = the
+    index's defaults, unfiltered)."""
 
     task_id: str
     query: str
@@ -95,6 +96,7 @@ class RetrievalTask:
     nprobe: int | None = None
     mode: str | None = None
     filter: dict | None = None  # noqa: A003 - the retrieval API's name
+    collapse_sections: bool | None = None
 
 
 @dataclass(frozen=True)

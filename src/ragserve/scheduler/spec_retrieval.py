@@ -102,6 +102,7 @@ class SpeculativeRetrievalTransform(BaseTransform):
             target.query.render(step.state),
             target.topk,
             target.nprobe,
+            collapse_sections=False,  # only its clusters warm the cache; passages unused
             request_id=run.request_id,
             cache_topk=self.similarity.cache_topk,
         )
