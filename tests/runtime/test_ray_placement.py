@@ -41,7 +41,7 @@ class _Cls:
         out.opts = opts
         return out
 
-    def remote(self, *args):
+    def remote(self, *args, **kwargs):  # positional args logged; keywords (reranker) not
         self.log.append((self.name, self.opts, args))
         return object()
 

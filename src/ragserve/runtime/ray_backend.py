@@ -231,7 +231,9 @@ class RayExecutor(BaseExecutor):
         names = self._shard_names or None
         tier = self._tier_spec(1) if single else None
         reranker = self.config.operators.reranker
-        return cls.remote(index, embedder, self.config.default_nprobe, root, names, tier, reranker)
+        return cls.remote(
+            index, embedder, self.config.default_nprobe, root, names, tier, reranker=reranker
+        )
 
     def _start_replicas(self, model: str) -> list:
         from ragserve.runtime.ray_actors import LLMReplica
