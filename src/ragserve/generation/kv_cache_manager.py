@@ -437,23 +437,30 @@ class TieredBlockManager(PassageTierMixin):
             node = node.parent
 
     # ------------------------------------------------------------------ release
+    def _drop_ref(
+        self, block: int, entry: CachedBlock | None, released: KVNode | None
+    ) -> KVNode | None:
+        """Drop one reference to ``block``; at zero an uncached block is freed and a cached one
+        becomes evictable (its node told once per run of blocks: ``released``, returned)."""
+        self.ref_cnt[block] -= 1
+        if self.ref_cnt[block]:
+            return released
+        if entry is None:
+            self.free_blocks.appendleft(block)
+            return released
+        self._num_evictable += 1
+        if entry.node is not released:
+            released = entry.node
+            self.policy.on_release(released)
+        if entry.num_gpu_children == 0:
+            self._gpu_heap.push(entry)
+        return released
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its cached blocks become evictable, tail first."""
         released: KVNode | None = None
         for block in reversed(seq.block_table):
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block]:
-                continue
-            entry = self.gpu_entry[block]
-            if entry is None:
-                self.free_blocks.appendleft(block)
-                continue
-            self._num_evictable += 1
-            if entry.node is not released:
-                released = entry.node
-                self.policy.on_release(released)
-            if entry.num_gpu_children == 0:
-                self._gpu_heap.push(entry)
+            released = self._drop_ref(block, self.gpu_entry[block], released)
         seq.block_table.clear()
         stores = (self._tables, self._hashes, self._num_hashed, self._node_keys, self._counted)
         for store in (*stores, self._skipped):

@@ -172,16 +172,7 @@ class PassageTierMixin:
     def _release_entries(self, entries: list[CachedBlock]) -> None:
         released: KVNode | None = None
         for entry in reversed(entries):
-            block = entry.gpu_block
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block]:
-                continue
-            self._num_evictable += 1
-            if entry.node is not released:
-                released = entry.node
-                self.policy.on_release(released)
-            if entry.num_gpu_children == 0:
-                self._gpu_heap.push(entry)
+            released = self._drop_ref(entry.gpu_block, entry, released)
 
     def release_passages(self, request_id: str) -> None:
         """Drop the request's holds (after its fused prefill wrote them); unknown: no-op.
