@@ -23,7 +23,11 @@ sys.meta_path.insert(0, _Block())
 def _run(code: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     return subprocess.run(
-        [sys.executable, "-c", _BLOCKED + code], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", _BLOCKED + code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
 
 
