@@ -120,6 +120,32 @@ def test_beta_tail_estimate_matches_simulated_ivf_batches():
             assert abs(approx.expected_min(batch) - mc) < APPROX_TOL, (k, batch)
 
 
+@pytest.mark.parametrize("a, b", [(2.85, 6.65), (0.3, 0.7), (40.0, 8.0)])
+def test_pooled_batch_quantile_matches_monte_carlo(a, b):
+    # the batch_mean tail: the 10th percentile of the mean of B independent draws
+    rng = np.random.default_rng(6)
+    mean, var = a / (a + b), a * b / ((a + b) ** 2 * (a + b + 1))
+    dist = BetaHitRate(mean, var)
+    assert dist.quantile(0.5) == pytest.approx(np.median(rng.beta(a, b, 400_000)), abs=0.005)
+    tails = dist.tails(np.array([1, 4, 16, 64]))
+    for batch, tail in zip((1, 4, 16, 64), tails, strict=True):
+        mc = np.quantile(rng.beta(a, b, size=(40_000, batch)).mean(axis=1), 0.1)
+        # moment-matched Beta for the mean of B draws: exact at B = 1, close beyond
+        assert abs(tail - mc) < (0.005 if batch == 1 else 0.02), batch
+    assert np.all(np.diff(tails) > 0) and tails[-1] < mean  # the pooled tail rises toward the mean
+    assert dist.tail(16, "min") < dist.tail(16)  # the slowest query is below the pooled rate
+
+
+def test_tail_mode_is_checked():
+    with pytest.raises(ValueError, match="tail mode"):
+        BetaHitRate(0.5, 0.01).tail(4, "max")
+    with pytest.raises(ValueError, match="tail quantile"):
+        PartitionConfig(1.0, 1.0, 0.01, tail_quantile=1.0)
+    with pytest.raises(ValueError, match="q must be"):
+        BetaHitRate(0.5, 0.01).quantile(0.0)
+    assert BetaHitRate(0.3, 0.0).tail(8) == 0.3  # a point mass pools to itself
+
+
 def test_beta_rejects_bad_parameters():
     for mean, var, match in [(1.5, 0.0, "mean"), (0.5, 0.25, "variance"), (0.0, 0.1, "variance")]:
         with pytest.raises(ValueError, match=match):
@@ -132,22 +158,24 @@ def test_beta_rejects_bad_parameters():
         BetaHitRate(0.5, 0.01).expected_mins(np.array([0]))
 
 
-def _tail(counts: np.ndarray, num_clusters: int, batch: int) -> float:
-    """Expected tail hit rate with the first ``num_clusters`` (counts sorted hottest first)."""
+def _tail(counts: np.ndarray, num_clusters: int, batch: int, mode: str) -> float:
+    """Tail hit rate with the first ``num_clusters`` (counts sorted hottest first)."""
     mean = counts[:num_clusters].sum() / counts.sum()
-    return BetaHitRate.from_mean(mean, 0.05).expected_min(batch)
+    return BetaHitRate.from_mean(mean, 0.05).tail(batch, mode)
 
 
-def test_hit_rate_to_coverage_is_the_fewest_clusters():
+@pytest.mark.parametrize("mode", ["batch_mean", "min"])
+def test_hit_rate_to_coverage_is_the_fewest_clusters(mode):
     counts = 1.0 / np.arange(1, 65) ** 1.1
     for target, batch in [(0.2, 1), (0.2, 8), (0.5, 4), (0.05, 32)]:
-        k = hit_rate_to_coverage(counts, 0.05, target, batch)
+        k = hit_rate_to_coverage(counts, 0.05, target, batch, tail_mode=mode)
         assert k is not None
 
-        assert _tail(counts, k, batch) >= target
-        assert k == 0 or _tail(counts, k - 1, batch) < target
-    assert hit_rate_to_coverage(counts, 0.05, 0.0, 8) == 0
-    assert hit_rate_to_coverage(counts, 0.05, 1.0, 8) == 64  # all clusters: point mass at 1
+        assert _tail(counts, k, batch, mode) >= target
+        assert k == 0 or _tail(counts, k - 1, batch, mode) < target
+    assert hit_rate_to_coverage(counts, 0.05, 0.0, 8, tail_mode=mode) == 0
+    # all clusters: point mass at 1
+    assert hit_rate_to_coverage(counts, 0.05, 1.0, 8, tail_mode=mode) == 64
     assert hit_rate_to_coverage(np.zeros(8), 0.05, 0.5, 8) is None  # no accesses: no hits
 
 
@@ -170,7 +198,8 @@ def _brute_force_smallest(model, counts, sizes, config) -> int | None:
         dist = BetaHitRate.from_mean(counts[order[:k]].sum() / counts.sum(), config.max_variance)
         for batch in range(1, max(1, math.ceil(tau * mu)) + 1):
             need = model.required_hit_rate(batch, min(tau, batch / mu))
-            if need is not None and dist.expected_min(batch) >= need - 1e-12:
+            tail = dist.tail(batch, config.tail_mode, config.tail_quantile)
+            if need is not None and tail >= need - 1e-12:
                 return k
     return None
 
@@ -186,7 +215,8 @@ def random_model(rng) -> SearchLatencyModel:
     return SearchLatencyModel(16, stage(rng.uniform(1e-4, 2e-3)), stage(rng.uniform(1e-3, 1e-2)))
 
 
-def test_partition_is_the_smallest_feasible_coverage():
+@pytest.mark.parametrize("mode", ["batch_mean", "min"])
+def test_partition_is_the_smallest_feasible_coverage(mode):
     rng = np.random.default_rng(4)
     for trial in range(9):
         model = linear_model() if trial < 6 else random_model(rng)
@@ -198,6 +228,7 @@ def test_partition_is_the_smallest_feasible_coverage():
             throughput=float(rng.uniform(50, 400)),
             max_variance=float(rng.uniform(0.01, 0.1)),
             kv_cache_bytes=(None, 40_000, 6_000)[trial % 3],  # 6,000: mu_LLM reaches 0
+            tail_mode=mode,
         )
         plan = partition(model, counts, sizes, config)
         expected = _brute_force_smallest(model, counts, sizes, config)
@@ -212,7 +243,8 @@ def test_partition_is_the_smallest_feasible_coverage():
         assert plan.hit_rate == pytest.approx(counts[list(plan.cluster_ids)].sum() / counts.sum())
 
 
-def test_more_slo_slack_never_yields_more_coverage():
+@pytest.mark.parametrize("mode", ["batch_mean", "min"])
+def test_more_slo_slack_never_yields_more_coverage(mode):
     rng = np.random.default_rng(5)
     checked = 0
     for _ in range(25):
@@ -232,6 +264,7 @@ def test_more_slo_slack_never_yields_more_coverage():
             max_variance=float(rng.uniform(0.0, 0.2)),
             kv_cache_bytes=None if rng.random() < 0.5 else int(sizes.sum() * rng.uniform(0.5, 4)),
             budget_bytes=None if rng.random() < 0.5 else int(sizes.sum() * rng.uniform(0.2, 1)),
+            tail_mode=mode,
         )
         coverages = []
         for slo in np.sort(rng.uniform(0.002, 0.1, size=4)):

@@ -135,7 +135,8 @@ def test_throughput_profiles_validate_and_convert_latency():
         ThroughputProfile.from_batch_latency((0, GB), (0.5, 0.1), 0)
 
 
-def test_modelled_retrieval_profile_feeds_eq2():
+@pytest.mark.parametrize("mode", ["batch_mean", "min"])
+def test_modelled_retrieval_profile_feeds_eq2(mode):
     model = SearchLatencyModel(
         64,
         PiecewiseLinear((1.0, 64.0), (0.002, 0.010)),
@@ -144,13 +145,13 @@ def test_modelled_retrieval_profile_feeds_eq2():
     counts = 1.0 / np.arange(1, 129)  # cluster i is the (i+1)-th hottest
     cluster_bytes = np.full(128, GB // 8)
     prof = modelled_retrieval_profile(
-        model, counts, cluster_bytes, 0.05, [0, 4 * GB, 16 * GB], batch_size=32
+        model, counts, cluster_bytes, 0.05, [0, 4 * GB, 16 * GB], batch_size=32, tail_mode=mode
     )
     assert prof.sizes == (0, 4 * GB, 16 * GB)
     assert prof.requests_per_second[0] == pytest.approx(32 / model.cpu_seconds(32))
     assert prof.requests_per_second[2] == pytest.approx(32 / model.cq_seconds(32))  # all on GPU
     share = counts[:32].sum() / counts.sum()
-    tail = BetaHitRate.from_mean(share, 0.05).expected_min(32)
+    tail = BetaHitRate.from_mean(share, 0.05).tail(32, mode)
     assert prof.requests_per_second[1] == pytest.approx(32 / model.hybrid_seconds(32, tail))
     assert np.all(np.diff(prof.requests_per_second) > 0)
     gen = ThroughputProfile((0, 20_000), (0.0, 400.0))

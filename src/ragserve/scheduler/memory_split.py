@@ -84,10 +84,13 @@ def modelled_retrieval_profile(
     *,
     batch_size: int,
     retrievals_per_request: float = 1.0,
+    tail_mode: str = "batch_mean",
+    tail_quantile: float = 0.1,
 ) -> ThroughputProfile:
     """``T_R`` by tier bytes from the latency model: at each size the hottest clusters that
-    fit (``fill_budget``) give a mean hit rate, Eq. 2 its tail over ``batch_size`` queries and
-    Eq. 1 the batch's seconds; back-to-back batches then serve
+    fit (``fill_budget``) give a mean hit rate, ``BetaHitRate.tail`` its tail over
+    ``batch_size`` queries (``tail_mode``: the pooled batch's quantile, or ``"min"``, the
+    paper's Eq. 2) and Eq. 1 the batch's seconds; back-to-back batches then serve
     ``batch_size / (seconds * retrievals_per_request)`` requests/s."""
     sizes = sorted({int(s) for s in tier_sizes})
     if not sizes or sizes[0] < 0:
@@ -95,7 +98,8 @@ def modelled_retrieval_profile(
     seconds = []
     for size in sizes:
         plan = fill_budget(access_counts, cluster_bytes, size)
-        tail = BetaHitRate.from_mean(plan.hit_rate, max_variance).expected_min(batch_size)
+        dist = BetaHitRate.from_mean(plan.hit_rate, max_variance)
+        tail = dist.tail(batch_size, tail_mode, tail_quantile)
         seconds.append(model.hybrid_seconds(batch_size, tail))
     if min(seconds) <= 0:
         raise ValueError("the latency model predicts a zero-second batch: cannot give a rate")
