@@ -226,5 +226,12 @@ def _done(marker: torch.cuda.Event | Future) -> bool:
     return marker.done() if isinstance(marker, Future) else marker.query()
 
 
-def _index(ids: list[int], device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long, device=device)
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an index tensor on ``device``. On CUDA it is copied from pinned memory
+    without blocking: ``torch.tensor(..., device=cuda)`` copies from pageable memory and waits
+    for the current (side) stream, i.e. for every copy queued on it before, which would make
+    the host wait for a step's asynchronous swap-outs whenever swap-ins follow them."""
+    index = torch.tensor(ids, dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
