@@ -83,6 +83,25 @@ def test_cache_aware_admission_with_a_fairness_window(window):
     assert bm.num_gpu_hit_tokens == 24
 
 
+def test_cache_aware_admission_ranks_once_per_step():
+    bm = _cached_manager()
+    lookups = []
+    real = bm.get_computed_blocks
+    bm.get_computed_blocks = lambda seq: lookups.append(seq.request_id) or real(seq)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=512, fairness_window=8)
+    cold = [_seq(f"cold{i}", list(range(100 * (i + 2), 100 * (i + 2) + 13))) for i in range(3)]
+    hot = [_seq(f"hot{i}", list(range(12)) + [50 + i]) for i in range(3)]
+    for s in (*cold, *hot):
+        sched.add(s)
+    out = sched.schedule()
+    # hot ones first (largest cached share), then the cold ones in arrival order
+    assert [s.request_id for s in out.seqs] == ["hot0", "hot1", "hot2", "cold0", "cold1", "cold2"]
+    assert [s.num_computed_tokens for s in out.seqs] == [12] * 3 + [0] * 3
+    # 6 shares measured once, plus the chosen one afresh per admission: 12 (before: 21)
+    assert len(lookups) == 12
+    bm.check_integrity()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
