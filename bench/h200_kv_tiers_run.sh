@@ -6,6 +6,10 @@
 #   bash bench/h200_kv_tiers_run.sh two   two H200s (nvidia-h200-x2): the same tests, then the
 #                                         configurations split over GPUs 0 and 1, each half
 #                                         with its own no_reuse (its baseline and common rate)
+#   bash bench/h200_kv_tiers_run.sh exact one GPU, <= 5 minutes: the CUDA swap tests, then the
+#                                         CPU twin's workload (cpu-tiny-tiers, replays only) on
+#                                         the GPU in float32 and in bfloat16, every configuration:
+#                                         how far tokens agree with no_reuse in each dtype
 # Writes $OUT/kv_tiers*.json (rewritten after every configuration), unbuffered logs beside them.
 # Needs torch and numpy only (no faiss, no model packages: random weights).
 set -uo pipefail
@@ -28,6 +32,14 @@ two)
     bench 1 _b no_reuse,tree_gpu_pgdsf,tree_host_lru,tree_gpu_lru
     wait
     ;;
-*) echo "usage: $0 [one|two]" >&2; exit 2 ;;
+exact)
+    for dtype in float32 bfloat16; do
+        CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -u bench/bench_kv_reuse.py \
+            --preset cpu-tiny-tiers --device cuda --dtype $dtype --cpu-threads 4 \
+            --configs "$ALL" --out "$OUT/kv_tiers_exact_$dtype.json" \
+            > "$OUT/kv_tiers_exact_$dtype.log" 2>&1
+    done
+    ;;
+*) echo "usage: $0 [one|two|exact]" >&2; exit 2 ;;
 esac
-grep -hE "bench_kv_reuse (no_reuse|block_cache|tree_)[a-z_]*: \{" "$OUT"/kv_tiers*.log | cut -c1-600
+grep -E "bench_kv_reuse (no_reuse|block_cache|tree_)[a-z_]*: \{" "$OUT"/kv_tiers*.log | cut -c1-600
