@@ -37,10 +37,12 @@ TTFT (queueing included) and all-at-once throughput are reported.
 
 Configurations: no reuse, block prefix cache (the engine before the knowledge tree), the tree
 on the GPU only and GPU + host with LRU and PGDSF, cache-aware admission on (window 8) in
-``tree_host_pgdsf_aware`` only. A configuration that fails is recorded (``error``) and the run
-goes on; with ``--time-budget`` a configuration that would start after the budget is spent is
-skipped, and a pass still running at the budget is stopped (``error``: timeout). The JSON
-(``--out``) is rewritten after every configuration; progress goes to stdout.
+``tree_host_pgdsf_aware`` only (``tree_host_pgdsf_sync_out``, the swap-outs as before the
+first H200 run's fixes, runs only when named in ``--configs``). A configuration that fails
+is recorded (``error``) and the run goes on; with ``--time-budget`` a configuration that
+would start after the budget is spent is skipped, and a pass still running at the budget is
+stopped (``error``: timeout). The JSON (``--out``) is rewritten after every configuration;
+progress goes to stdout.
 
     # CPU, SmolLM2 (ratios only)
     PYTHONPATH=src python bench/bench_kv_reuse.py --preset cpu-smollm2 --out kv_cpu.json
