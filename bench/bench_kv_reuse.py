@@ -1,33 +1,53 @@
-"""Document-KV reuse (RAGCache) in the LLM engine: TTFT and throughput per reuse configuration.
+"""Document-KV reuse (RAGCache) in the LLM engine: TTFT, sustained throughput and prefill work
+per reuse configuration.
 
 Workload (as RAGCache): a corpus of ``--docs`` passages of ``--passage-tokens`` tokens with
 Zipf popularity (``--zipf``); each request retrieves ``--topk`` distinct passages in relevance
-order under a fixed instruction prefix, then a question of ``--question-tokens`` new tokens;
-greedy, ``--max-tokens`` out. With ``--topics N`` requests ask about N topics (Zipf over
-topics), each topic a fixed relevance list drawn as above, as repeated popular questions do
-(high reuse); with 0 every request draws its own list. The GPU KV budget
-(``--gpu-kv-tokens``) is small so the host tier (``--host-kv-tokens``) matters. Two passes per
-configuration, one engine each, one after the other in one process:
+order under a fixed 48-token instruction prefix, then a question of ``--question-tokens`` new
+tokens; greedy, ``--max-tokens`` out. With ``--topics N`` requests ask about N topics (Zipf
+over topics), each topic a fixed relevance list drawn as above, as repeated popular questions
+do (high reuse); with 0 every request draws its own list. The **working set** (distinct KV
+tokens of all topics' passage prefixes, whole blocks; logged and in the JSON) is what the
+tiers compete for: the ``*-tiers`` presets make it larger than the GPU KV pool
+(``--gpu-kv-tokens``) and smaller than GPU + host (``--host-kv-tokens``), so a GPU-only cache
+thrashes and the host tier can keep it all.
 
-- throughput: all requests at once, completed requests per second (sustained capacity);
-- TTFT: Poisson arrivals at ``--rate`` req/s (or, with ``--load``, that share of the first
-  configuration's measured throughput), mean / p90 time to first token.
+Per configuration (``CONFIGS``), a fresh engine, one after the other in one process:
 
-``--rate 0 --load 0`` (the CPU presets) runs only the all-at-once pass and reports its TTFT
-(queueing included) and throughput.
+1. **replay**: ``--num-requests`` requests of a fixed seeded sequence, all at once; it
+   leaves the cache in the state of a server that has seen the workload. Then a **warm
+   replay** (another draw of ``--num-requests`` from the same distribution, all at once)
+   measures the steady state: its prompt tokens computed (admitted prompt tokens minus cache
+   hits, recomputation after preemption included) are ``prefill_tokens``, the
+   machine-independent measure of reuse (the cold replay's: ``prefill_tokens_cold``). Both
+   replays' tokens are compared with the first configuration's (``agreement``: the share of
+   requests whose tokens are equal; ``identical``: all are). The passes below start warm.
+2. **sustained** (``--window-s`` > 0): ``bench/sustained.py``'s method. A probe offers
+   Poisson arrivals at a rate for ``--warmup-s`` + ``--window-s`` seconds (requests
+   unfinished ``--drain-s`` after the last arrival are aborted: misses); the rate is
+   sustained iff completed >= 95 % of the offered rate and >= 90 % of the window's requests
+   finish within ``--slo`` s. Capacity: ``find_capacity`` (geometric bisection) in
+   [0.6 c, 1.5 c] around the warm replay's all-at-once throughput c, at most
+   ``--max-probes`` probes (if 0.6 c is not sustained, once more below it). TTFT (mean /
+   p90 over the window's requests): one probe at the **common rate**, ``--rate`` or
+   ``--load`` x no_reuse's capacity, the same for every configuration.
 
-Configurations (``CONFIGS``): no reuse, block prefix cache (the engine before the knowledge
-tree), the tree on the GPU only and GPU + host with LRU and PGDSF, cache-aware admission on
-(window 8) in the last one only. Outputs are compared token by token with the first
-configuration's (``identical``). A configuration that fails is recorded (``error``) and the
-run goes on; with ``--time-budget`` a configuration that would start after the budget is
-spent is skipped, and a pass still running at the budget is stopped (``error``: timeout).
-The JSON (``--out``) is rewritten after every configuration; progress goes to stdout.
+Without ``--window-s`` (the small CPU presets) only the replays run, and the cold replay's
+TTFT (queueing included) and all-at-once throughput are reported.
+
+Configurations: no reuse, block prefix cache (the engine before the knowledge tree), the tree
+on the GPU only and GPU + host with LRU and PGDSF, cache-aware admission on (window 8) in
+``tree_host_pgdsf_aware`` only (``tree_host_pgdsf_sync_out``, the swap-outs as before the
+first H200 run's fixes, runs only when named in ``--configs``). A configuration that fails
+is recorded (``error``) and the run goes on; with ``--time-budget`` a configuration that
+would start after the budget is spent is skipped, and a pass still running at the budget is
+stopped (``error``: timeout). The JSON (``--out``) is rewritten after every configuration;
+progress goes to stdout.
 
     # CPU, SmolLM2 (ratios only)
     PYTHONPATH=src python bench/bench_kv_reuse.py --preset cpu-smollm2 --out kv_cpu.json
-    # H200, Llama-3.1-8B shape with random bf16 weights; one command, <= 5 minutes
-    PYTHONPATH=src python -u bench/bench_kv_reuse.py --preset h200-llama8b --out kv_h200.json
+    # H200, Llama-3.1-8B shape with random bf16 weights, working set > GPU pool; <= 9 minutes
+    PYTHONPATH=src python -u bench/bench_kv_reuse.py --preset h200-llama8b-tiers --out kv.json
 """
 
 from __future__ import annotations
@@ -40,6 +60,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,34 +68,72 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import LLAMA_31_8B, SMOKE  # noqa: E402
 from ragserve.generation import LLMEngine, SamplingParams  # noqa: E402
+from ragserve.generation.block_manager import hash_block_tokens  # noqa: E402
 from ragserve.generation.model_runner import kv_cache_bytes_per_block  # noqa: E402
+from sustained import find_capacity, is_sustained, window_stats  # noqa: E402
 
 log = logging.getLogger("bench_kv_reuse")
 
 DUMMY_MODELS = {"llama-3.1-8b-dummy": LLAMA_31_8B, "tiny-llama-dummy": {**LLAMA_31_8B, **SMOKE}}
+INSTRUCTION_TOKENS = 48
+BLOCK_SIZE = 16  # the engine's default block size (working-set arithmetic)
+
+# settings every preset has unless it says otherwise (no sustained passes)
+DEFAULTS = dict(
+    rate=0.0, load=0.0, slo=0.0, warmup_s=0.0, window_s=0.0, drain_s=0.0,
+    max_probes=4, time_budget=0.0,
+)  # fmt: skip
 
 PRESETS = {
     "cpu-smollm2": dict(
         model="smollm2-135m-instruct", device="cpu", dtype="float32", docs=16,
-        passage_tokens=32, topk=4, question_tokens=8, num_requests=16, rate=0.0, load=0.0,
-        topics=0, max_tokens=2, gpu_kv_tokens=640, host_kv_tokens=4000, zipf=1.1,
-        cpu_threads=1, max_num_seqs=256, max_num_batched_tokens=1024, time_budget=0.0,
+        passage_tokens=32, topk=4, question_tokens=8, num_requests=16, topics=0, max_tokens=2,
+        gpu_kv_tokens=640, host_kv_tokens=4000, zipf=1.1, cpu_threads=1, max_num_seqs=256,
+        max_num_batched_tokens=1024,
     ),
     # the CPU twin of h200-llama8b (same code path, same shape of workload, tiny sizes): the
     # default test suite runs it so that a typo cannot reach the device
     "cpu-tiny": dict(
         model="tiny-llama-dummy", device="cpu", dtype="float32", docs=40, passage_tokens=32,
-        topk=5, question_tokens=8, num_requests=12, rate=0.0, load=0.8, topics=6,
-        max_tokens=4, gpu_kv_tokens=640, host_kv_tokens=1280, zipf=1.1, cpu_threads=1,
-        max_num_seqs=16, max_num_batched_tokens=512, time_budget=120.0,
+        topk=5, question_tokens=8, num_requests=12, topics=6, max_tokens=4, gpu_kv_tokens=640,
+        host_kv_tokens=1280, zipf=1.1, cpu_threads=1, max_num_seqs=16,
+        max_num_batched_tokens=512, time_budget=120.0,
     ),
-    # one H200: 48 requests of ~5.2k tokens; the paced pass offers 80 % of no reuse's capacity;
-    # GPU pool ~9 prompts (6 GB), host tier ~18 prompts (12 GB pinned); <= 240 s of passes
+    # one H200, the first session's workload (100 topics, 48 requests, all of them fit
+    # GPU + host only partly); kept for comparison with the table of 2026-12-01 00:02
     "h200-llama8b": dict(
         model="llama-3.1-8b-dummy", device="cuda", dtype="bfloat16", docs=2000,
-        passage_tokens=1024, topk=5, question_tokens=64, num_requests=48, rate=0.0, load=0.8,
-        topics=100, max_tokens=32, gpu_kv_tokens=48000, host_kv_tokens=96000, zipf=1.1,
-        cpu_threads=0, max_num_seqs=64, max_num_batched_tokens=8192, time_budget=240.0,
+        passage_tokens=1024, topk=5, question_tokens=64, num_requests=48, topics=100,
+        max_tokens=32, gpu_kv_tokens=48000, host_kv_tokens=96000, zipf=1.1, cpu_threads=0,
+        max_num_seqs=64, max_num_batched_tokens=8192, time_budget=240.0,
+    ),
+    # One H200, a workload where the tiers matter. Llama-3.1-8B keeps 2 (K, V) x 32 layers x
+    # 8 KV heads x 128 dims x 2 bytes = 131,072 bytes (128 KiB) of KV per token, so a prompt
+    # of 48 + 5 x 1,024 + 64 = 5,232 tokens holds 686 MB. 32 topics (fixed top-5 lists over
+    # 400 passages drawn by Zipf s = 1.1; topics asked by Zipf s = 1.1) share only the
+    # instruction and some first passages: working set 150,576 tokens (19.7 GB; logged).
+    # GPU pool 48k tokens (6.3 GB, ~9 prompts, and the running requests' own blocks come out
+    # of it): the working set is 3.1x the pool, so a GPU-only cache thrashes (LRU under Zipf
+    # s = 1.1 over 32 lists keeps ~30-45 % of the prefixes at 3-5 cached prompts). Host tier
+    # 176k tokens (23 GB pinned): it alone holds the working set. A host hit costs a 686 MB
+    # host-to-device copy (~15-30 ms over PCIe 5) against a ~0.2 s prefill. Replays of 48
+    # requests; probes of 1 + 4 s of arrivals; SLO 4 s (prefill, 32 decode steps, queueing).
+    # The time budget (480 s) keeps the call under 9 minutes.
+    "h200-llama8b-tiers": dict(
+        model="llama-3.1-8b-dummy", device="cuda", dtype="bfloat16", docs=400,
+        passage_tokens=1024, topk=5, question_tokens=64, num_requests=48, topics=32,
+        max_tokens=32, gpu_kv_tokens=48000, host_kv_tokens=176000, zipf=1.1, cpu_threads=0,
+        max_num_seqs=64, max_num_batched_tokens=8192, load=0.8, slo=4.0, warmup_s=1.0,
+        window_s=4.0, drain_s=3.0, max_probes=4, time_budget=480.0,
+    ),
+    # its CPU twin: the same shape scaled down (passages of 64 tokens, 32 topics, working set
+    # 9,136 tokens, 3.0x the GPU pool, within the host tier), tiny random model; prefill
+    # tokens computed are the ratio to read here, times on the shared machine are noise
+    "cpu-tiny-tiers": dict(
+        model="tiny-llama-dummy", device="cpu", dtype="float32", docs=400, passage_tokens=64,
+        topk=5, question_tokens=16, num_requests=96, topics=32, max_tokens=4,
+        gpu_kv_tokens=3072, host_kv_tokens=11264, zipf=1.1, cpu_threads=1, max_num_seqs=64,
+        max_num_batched_tokens=1024, time_budget=600.0,
     ),
 }  # fmt: skip
 
@@ -98,37 +157,89 @@ CONFIGS = {
         async_swap_out=False, swap_out_filter=False,
     ),
 }  # fmt: skip
+DEFAULT_CONFIGS = [name for name in CONFIGS if name != "tree_host_pgdsf_sync_out"]
 
 
 class PassTimeout(Exception):
     """A pass ran past the run's time budget."""
 
 
-def make_workload(a: argparse.Namespace) -> list[tuple[list[int], tuple[int, ...], float]]:
-    """(prompt ids, segment ends, arrival offset at rate 1 req/s) per request; seeded."""
-    rng = np.random.default_rng(a.seed)
-    vocab_hi = 30000  # ordinary tokens of both tokenizers' ranges
-    docs = [rng.integers(1000, vocab_hi, a.passage_tokens).tolist() for _ in range(a.docs)]
-    instr = rng.integers(1000, vocab_hi, 48).tolist()
-    popularity = _zipf(a.docs, a.zipf)
+@dataclass(frozen=True)
+class Corpus:
+    """Passages, the instruction prefix and the topics' relevance lists (seeded)."""
 
-    def draw() -> list[int]:
-        return [int(d) for d in rng.choice(a.docs, size=a.topk, replace=False, p=popularity)]
+    docs: list[list[int]]
+    instruction: list[int]
+    topics: list[list[int]]
+    doc_popularity: np.ndarray
+    topic_popularity: np.ndarray | None
 
-    topics = [draw() for _ in range(a.topics)]
-    topic_popularity = _zipf(a.topics, a.zipf) if a.topics else None
-    arrivals = np.cumsum(rng.exponential(1.0, a.num_requests))
-    out = []
-    for t in arrivals:
-        chosen = topics[rng.choice(a.topics, p=topic_popularity)] if a.topics else draw()
-        ids, ends = list(instr), [len(instr)]
+    def request(self, rng: np.random.Generator, a: argparse.Namespace):
+        """(prompt ids, segment ends) of one request drawn with ``rng``."""
+        if self.topics:
+            chosen = self.topics[rng.choice(len(self.topics), p=self.topic_popularity)]
+        else:
+            chosen = _draw_list(rng, a, self.doc_popularity)
+        ids, ends = list(self.instruction), [len(self.instruction)]
         for d in chosen:
-            ids += docs[d]
+            ids += self.docs[d]
             ends.append(len(ids))
-        ids += rng.integers(1000, vocab_hi, a.question_tokens).tolist()
+        ids += _tokens(rng, a.question_tokens)
         ends.append(len(ids))
-        out.append((ids, tuple(ends), float(t - arrivals[0])))
-    return out
+        return ids, tuple(ends)
+
+
+def _tokens(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(1000, 30000, n).tolist()  # ordinary tokens of both tokenizers' ranges
+
+
+def _draw_list(rng: np.random.Generator, a: argparse.Namespace, p: np.ndarray) -> list[int]:
+    return [int(d) for d in rng.choice(a.docs, size=a.topk, replace=False, p=p)]
+
+
+def make_corpus(a: argparse.Namespace) -> Corpus:
+    rng = np.random.default_rng(a.seed)
+    docs = [_tokens(rng, a.passage_tokens) for _ in range(a.docs)]
+    instruction = _tokens(rng, INSTRUCTION_TOKENS)
+    popularity = _zipf(a.docs, a.zipf)
+    topics = [_draw_list(rng, a, popularity) for _ in range(a.topics)]
+    topic_popularity = _zipf(a.topics, a.zipf) if a.topics else None
+    return Corpus(docs, instruction, topics, popularity, topic_popularity)
+
+
+def make_workload(
+    a: argparse.Namespace, second: bool = False
+) -> list[tuple[list[int], tuple[int, ...], float]]:
+    """The replay: (prompt ids, segment ends, arrival offset at 1 req/s) per request; seeded.
+    ``second``: another draw of the same distribution (the warm replay)."""
+    corpus = make_corpus(a)
+    rng = np.random.default_rng(a.seed + (2 if second else 1))
+    arrivals = np.cumsum(rng.exponential(1.0, a.num_requests))
+    return [(*corpus.request(rng, a), float(t - arrivals[0])) for t in arrivals]
+
+
+def working_set_tokens(a: argparse.Namespace, workload) -> int:
+    """Distinct KV tokens (whole blocks) of the passage prefixes the workload can ask for:
+    every topic's (or, without topics, the replay's) prompt up to its question."""
+    if a.topics:
+        corpus = make_corpus(a)
+        prefixes = [_prefix(corpus, t) for t in corpus.topics]
+    else:
+        prefixes = [ids[: ends[-2]] for ids, ends, _ in workload]
+    seen: set[int] = set()
+    for ids in prefixes:
+        parent = None
+        for i in range(len(ids) // BLOCK_SIZE):
+            parent = hash_block_tokens(parent, ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            seen.add(parent)
+    return len(seen) * BLOCK_SIZE
+
+
+def _prefix(corpus: Corpus, topic: list[int]) -> list[int]:
+    ids = list(corpus.instruction)
+    for d in topic:
+        ids += corpus.docs[d]
+    return ids
 
 
 def _zipf(n: int, s: float) -> np.ndarray:
@@ -136,42 +247,137 @@ def _zipf(n: int, s: float) -> np.ndarray:
     return p / p.sum()
 
 
-def run_pass(engine: LLMEngine, workload, params, rate: float, deadline: float | None) -> dict:
-    """Drive the engine; requests arrive at ``rate`` req/s (0: all at t=0)."""
+@dataclass(frozen=True)
+class Response:
+    """One probe request as ``sustained.window_stats`` reads it (monotonic seconds)."""
+
+    error: str | None
+    finish_time: float
+    latency: float
+    ttft: float | None
+
+
+def drive(engine: LLMEngine, requests, params, offsets, deadline, drain_s=None) -> dict:
+    """Run ``requests`` ((ids, ends) each) arriving ``offsets[i]`` s after the start; latency
+    and TTFT count from the nominal arrival. With ``drain_s`` requests unfinished that long
+    after the last arrival are aborted (``error``). Returns responses, outputs, seconds."""
     start = time.monotonic()
-    pending = [(i, ids, ends, t / rate if rate > 0 else 0.0)
-               for i, (ids, ends, t) in enumerate(workload)]  # fmt: skip
-    pending.reverse()
-    ttfts, outputs = {}, {}
+    order = sorted(range(len(requests)), key=lambda i: offsets[i], reverse=True)
+    first, outputs, finished = {}, {}, {}
     last_log = start
-    while pending or engine.has_unfinished():
+    cutoff = None if drain_s is None else start + max(offsets) + drain_s
+    while order or engine.has_unfinished():
         now = time.monotonic()
         if deadline is not None and now > deadline:
             raise PassTimeout(f"stopped at the time budget after {len(outputs)} requests")
+        if cutoff is not None and now > cutoff and not order:
+            for i in range(len(requests)):
+                if i not in outputs:
+                    engine.abort(str(i))
+            break
         if now - last_log > 10.0:
-            log.info("  ... %d/%d done, %d running", len(outputs), len(workload), len(ttfts))
+            log.info("  ... %d/%d done, %d started", len(outputs), len(requests), len(first))
             last_log = now
-        while pending and pending[-1][3] <= now - start:
-            i, ids, ends, _ = pending.pop()
+        while order and offsets[order[-1]] <= now - start:
+            i = order.pop()
+            ids, ends = requests[i]
             engine.add_request(str(i), ids, params, segment_ends=ends)
         if not engine.has_unfinished():
-            time.sleep(min(0.01, max(pending[-1][3] - (now - start), 0.0)))
+            time.sleep(min(0.01, max(offsets[order[-1]] - (now - start), 0.0)))
             continue
         for out in engine.step():
             i = int(out.request_id)
-            if i not in ttfts:
-                ttfts[i] = out.metrics.first_token_time - out.metrics.arrival_time
+            if i not in first and out.token_ids:
+                first[i] = out.metrics.first_token_time
             if out.finished:
                 outputs[i] = out.token_ids
+                finished[i] = (out.metrics.finish_time, out.finish_reason)
     seconds = time.monotonic() - start
-    t = np.asarray([ttfts[i] for i in sorted(ttfts)])
+    responses = []
+    for i in range(len(requests)):
+        arrival = start + offsets[i]
+        fin, reason = finished.get(i, (None, "abort"))
+        ok = fin is not None and reason in ("length", "stop")
+        responses.append(
+            Response(
+                None if ok else f"finish reason {reason}",
+                fin if fin is not None else float("inf"),
+                fin - arrival if fin is not None else float("inf"),
+                first[i] - arrival if i in first else None,
+            )
+        )
+    return {"responses": responses, "outputs": outputs, "seconds": seconds, "start": start}
+
+
+def replay(engine: LLMEngine, workload, params, deadline) -> dict:
+    """All requests at once: outputs, TTFT, all-at-once throughput, prompt tokens computed."""
+    sched = engine.scheduler
+    hit0, query0 = sched.prefix_cache_hit_tokens, sched.prefix_cache_query_tokens
+    requests = [(ids, ends) for ids, ends, _ in workload]
+    run = drive(engine, requests, params, [0.0] * len(requests), deadline)
+    t = np.asarray([r.ttft for r in run["responses"]])
     return {
         "mean_ttft_s": float(t.mean()),
         "p90_ttft_s": float(np.percentile(t, 90)),
-        "seconds": seconds,
-        "requests_per_s": len(workload) / seconds,
-        "outputs": [outputs[i] for i in range(len(workload))],
+        "seconds": run["seconds"],
+        "requests_per_s": len(workload) / run["seconds"],
+        "prefill_tokens": (sched.prefix_cache_query_tokens - query0)
+        - (sched.prefix_cache_hit_tokens - hit0),
+        "prompt_tokens": sum(len(ids) for ids, _ in requests),
+        "outputs": [run["outputs"][i] for i in range(len(workload))],
     }
+
+
+def probe(engine, corpus, a, params, rate: float, deadline) -> dict:
+    """One sustained-load point at ``rate`` req/s (seeded by the rate, so every configuration
+    gets the same requests at the same rate): window statistics and TTFT."""
+    rng = np.random.default_rng([a.seed, int(rate * 1000)])
+    span = a.warmup_s + a.window_s
+    offsets = np.cumsum(rng.exponential(1.0 / rate, max(int(4 * rate * span), 8)))
+    offsets = offsets[offsets <= span] if (offsets <= span).sum() >= 2 else offsets[:2]
+    offsets = (offsets - offsets[0]).tolist()
+    if offsets[-1] <= a.warmup_s:  # too few arrivals for a window: stretch to one after it
+        offsets[-1] = a.warmup_s + a.window_s
+    requests = [corpus.request(rng, a) for _ in offsets]
+    run = drive(engine, requests, params, offsets, deadline, drain_s=a.drain_s)
+    stats = window_stats(run["responses"], offsets, run["start"], a.warmup_s, a.slo)
+    measured = [
+        r.ttft for r, t in zip(run["responses"], offsets, strict=True)
+        if t >= a.warmup_s and r.ttft is not None
+    ]  # fmt: skip
+    stats |= {
+        "rate": rate,
+        "requests": len(offsets),
+        "mean_ttft_s": float(np.mean(measured)) if measured else None,
+        "p90_ttft_s": float(np.percentile(measured, 90)) if measured else None,
+    }
+    stats["sustained"] = is_sustained(stats)
+    log.info("  probe %.2f req/s: %s", rate, {k: _round(v) for k, v in stats.items()})
+    return stats
+
+
+def _round(v):
+    return round(v, 3) if isinstance(v, float) else v
+
+
+def sustained_capacity(engine, corpus, a, params, estimate: float, deadline) -> dict:
+    """The highest sustained rate: ``find_capacity`` in [0.6 c, 1.5 c] around the warm
+    replay's all-at-once throughput c; if 0.6 c is not sustained, once more below it. At
+    most ``max_probes`` probes."""
+    points: list[dict] = []
+    lo, hi = 0.6 * estimate, 1.5 * estimate
+    while True:
+        cap = find_capacity(
+            lambda r: probe(engine, corpus, a, params, r, deadline),
+            lo,
+            hi,
+            rel_tol=0.15,
+            max_points=max(a.max_probes - len(points), 2),
+        )
+        points += [stats for _, _, stats in cap.points]
+        if cap.bound != "<" or len(points) + 2 > a.max_probes:
+            return {"rate": cap.rate, "bound": cap.bound, "upper": cap.upper, "points": points}
+        lo, hi = lo / 2.5, lo
 
 
 def engine_kwargs(a: argparse.Namespace, config: dict, per_token: int) -> dict:
@@ -204,7 +410,7 @@ def build_engine(model: str, a: argparse.Namespace, config: dict) -> LLMEngine:
 
 
 def max_model_len(a: argparse.Namespace) -> int:
-    return a.topk * a.passage_tokens + a.question_tokens + 48 + a.max_tokens + 16
+    return a.topk * a.passage_tokens + a.question_tokens + INSTRUCTION_TOKENS + a.max_tokens + 16
 
 
 def kv_bytes_per_token(model: str, a: argparse.Namespace) -> int:
@@ -232,29 +438,62 @@ def warm_up(engine: LLMEngine, workload, params: SamplingParams) -> None:
     engine.block_manager.reset_prefix_cache()
 
 
-def run_config(name: str, model: str, a, workload, params, deadline, state: dict) -> dict:
+def agreement(outputs: list[list[int]], base: list[list[int]]) -> float:
+    """Share of requests whose generated tokens equal the baseline's."""
+    return sum(o == b for o, b in zip(outputs, base, strict=True)) / len(base)
+
+
+def run_config(name: str, model: str, a, workload, corpus, params, deadline, state) -> dict:
     engine = build_engine(model, a, CONFIGS[name])
     try:
         warm_up(engine, workload, params)
-        thr = run_pass(engine, workload, params, 0.0, deadline)
-        log.info("  throughput pass: %.3f req/s", thr["requests_per_s"])
-        if state.get("rate") is None:
-            state["rate"] = a.rate or a.load * thr["requests_per_s"]
-        ttft = thr
-        if state["rate"] > 0:
-            engine.block_manager.reset_prefix_cache()
-            ttft = run_pass(engine, workload, params, state["rate"], deadline)
-        state.setdefault("baseline", (name, ttft["outputs"]))
+        rep = replay(engine, workload, params, deadline)
+        log.info(
+            "  replay: %.3f req/s, %d of %d prompt tokens computed",
+            rep["requests_per_s"],
+            rep["prefill_tokens"],
+            rep["prompt_tokens"],
+        )
+        warm = replay(engine, make_workload(a, second=True), params, deadline)
+        log.info(
+            "  warm replay: %.3f req/s, %d of %d prompt tokens computed",
+            warm["requests_per_s"],
+            warm["prefill_tokens"],
+            warm["prompt_tokens"],
+        )
+        outputs = rep.pop("outputs") + warm.pop("outputs")
+        state.setdefault("baseline", (name, outputs))
         base_name, base = state["baseline"]
-        return {
-            "mean_ttft_s": ttft["mean_ttft_s"],
-            "p90_ttft_s": ttft["p90_ttft_s"],
-            "throughput_rps": thr["requests_per_s"],
-            "rate_rps": state["rate"],
-            "identical": ttft["outputs"] == base and thr["outputs"] == base,
+        share = agreement(outputs, base)
+        row = {
+            "mean_ttft_s": rep["mean_ttft_s"],
+            "p90_ttft_s": rep["p90_ttft_s"],
+            "throughput_rps": rep["requests_per_s"],
+            "throughput_method": "all at once",
+            "prefill_tokens": warm.pop("prefill_tokens"),
+            "prefill_tokens_cold": rep["prefill_tokens"],
+            "replay": rep,
+            "warm_replay": warm,
+            "agreement": share,
+            "identical": share == 1.0,
             "identical_to": base_name,
-            "stats": engine.stats(),
         }
+        if a.window_s > 0:
+            cap = sustained_capacity(engine, corpus, a, params, warm["requests_per_s"], deadline)
+            if state.get("rate") is None:  # not even the lowest probe sustained: its rate
+                state["rate"] = a.rate or a.load * (cap["rate"] or cap["points"][-1]["rate"])
+            paced = probe(engine, corpus, a, params, state["rate"], deadline)
+            row |= {
+                "mean_ttft_s": paced["mean_ttft_s"],
+                "p90_ttft_s": paced["p90_ttft_s"],
+                "rate_rps": state["rate"],
+                "paced": paced,
+                "throughput_rps": cap["rate"],
+                "throughput_method": f"sustained ({cap['bound']})",
+                "capacity": cap,
+            }
+        row["stats"] = engine.stats()
+        return row
     finally:
         del engine
         _free_device_memory()
@@ -271,32 +510,37 @@ def _free_device_memory() -> None:
 def add_ratios(results: dict, names: list[str]) -> None:
     for ref_name, tag in (("no_reuse", "vs_no_reuse"), ("block_cache", "vs_block_cache")):
         ref = results["configs"].get(ref_name, {})
-        if "mean_ttft_s" not in ref:
-            continue
         for name in names:
             r = results["configs"].get(name, {})
-            if "mean_ttft_s" in r:
+            if ref.get("mean_ttft_s") and r.get("mean_ttft_s"):
                 r[f"ttft_speedup_{tag}"] = ref["mean_ttft_s"] / r["mean_ttft_s"]
+            if ref.get("throughput_rps") and r.get("throughput_rps"):
                 r[f"throughput_ratio_{tag}"] = r["throughput_rps"] / ref["throughput_rps"]
+            if ref.get("prefill_tokens") and r.get("prefill_tokens"):
+                r[f"prefill_reduction_{tag}"] = ref["prefill_tokens"] / r["prefill_tokens"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smollm2")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    p.add_argument("--configs", default=None, help="comma-separated subset (default: all but "
+                   "tree_host_pgdsf_sync_out)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
-    for key, value in PRESETS["cpu-smollm2"].items():
+    for key, value in {**PRESETS["cpu-smollm2"], **DEFAULTS}.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value))
     a = p.parse_args(argv)
-    for key, value in PRESETS[a.preset].items():
+    for key, value in {**DEFAULTS, **PRESETS[a.preset]}.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
+    a.configs = a.configs or ",".join(DEFAULT_CONFIGS)
     unknown = [c for c in a.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
     if a.topics < 0 or a.topk > a.docs or a.num_requests < 1:
         p.error("need --topics >= 0, --topk <= --docs and --num-requests >= 1")
+    if a.window_s > 0 and not (a.slo > 0 and (a.rate > 0 or a.load > 0)):
+        p.error("--window-s needs --slo and --rate or --load above 0")
     a.dummy = a.model in DUMMY_MODELS
     return a
 
@@ -311,11 +555,21 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     model = str(dummy_folder(Path(tmp.name) / "model", a.model)) if a.dummy else a.model
     workload = make_workload(a)
+    corpus = make_corpus(a)
     mean_prompt = float(np.mean([len(ids) for ids, _, _ in workload]))
-    log.info("%s: %d requests, mean prompt %.0f tokens", a.preset, len(workload), mean_prompt)
+    working_set = working_set_tokens(a, workload)
+    log.info(
+        "%s: %d requests, mean prompt %.0f tokens; working set %d tokens, GPU pool %d, host %d",
+        a.preset, len(workload), mean_prompt, working_set, a.gpu_kv_tokens, a.host_kv_tokens,
+    )  # fmt: skip
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "out"}
-    results: dict = {"preset": a.preset, "args": args, "configs": {}}
+    results: dict = {
+        "preset": a.preset,
+        "args": args,
+        "working_set_tokens": working_set,
+        "configs": {},
+    }
     names = a.configs.split(",")
     state: dict = {}
     for name in names:
@@ -325,13 +579,14 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         log.info("%s: starting (%.0f s elapsed)", name, time.monotonic() - started)
         try:
-            row = run_config(name, model, a, workload, params, deadline, state)
+            row = run_config(name, model, a, workload, corpus, params, deadline, state)
         except Exception as exc:  # noqa: BLE001 - record it and go on with the next one
             row = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             log.error("%s failed: %s", name, row["error"])
         _free_device_memory()  # after the except clause: its traceback held the engine
         results["configs"][name] = row
-        log.info("%s: %s", name, {k: v for k, v in row.items() if k not in ("stats", "traceback")})
+        shown = ("stats", "traceback", "replay", "paced", "capacity")
+        log.info("%s: %s", name, {k: _round(v) for k, v in row.items() if k not in shown})
         add_ratios(results, names)
         results["seconds"] = time.monotonic() - started
         if a.out:

@@ -25,8 +25,9 @@ def bench():
     return bench_kv_reuse
 
 
-def test_h200_preset_is_a_valid_run(bench, tmp_path) -> None:
-    a = bench.parse_args(["--preset", "h200-llama8b"])
+@pytest.mark.parametrize("preset", ["h200-llama8b", "h200-llama8b-tiers"])
+def test_h200_preset_is_a_valid_run(bench, tmp_path, preset) -> None:
+    a = bench.parse_args(["--preset", preset])
     assert a.dummy and a.device == "cuda" and a.dtype == "bfloat16"
     model = bench.dummy_folder(tmp_path / "model", a.model)
     cfg = ModelConfig.from_folder(model)
@@ -41,11 +42,28 @@ def test_h200_preset_is_a_valid_run(bench, tmp_path) -> None:
     # the GPU pool holds several prompts but far fewer than the distinct ones: the host matters
     distinct = {tuple(ids[: prompt_len - a.question_tokens]) for ids, _, _ in workload}
     assert 4 * bench.max_model_len(a) <= a.gpu_kv_tokens < len(distinct) * prompt_len
-    assert a.time_budget and a.time_budget <= 280
+    assert a.time_budget and a.time_budget <= 480
     for name, config in bench.CONFIGS.items():
         kw = bench.engine_kwargs(a, config, per_token)
         EngineConfig(model=str(model), **kw)  # every keyword exists and is valid
         assert (kw["host_kv_cache_bytes"] > 0) == ("host" in name)
+
+
+@pytest.mark.parametrize("preset", ["h200-llama8b-tiers", "cpu-tiny-tiers"])
+def test_tiers_presets_working_set_between_gpu_and_gpu_plus_host(bench, preset) -> None:
+    a = bench.parse_args(["--preset", preset])
+    working_set = bench.working_set_tokens(a, bench.make_workload(a))
+    # a GPU-only cache thrashes (>= 2.5x its pool), the host tier alone holds it all
+    assert 2.5 * a.gpu_kv_tokens <= working_set <= a.host_kv_tokens
+    prefix = 48 + a.topk * a.passage_tokens
+    assert working_set <= a.topics * prefix  # topics share at least the instruction
+    assert working_set > 0.8 * a.topics * (prefix - 48)  # but few whole passage paths
+
+
+def test_working_set_counts_distinct_blocks(bench) -> None:
+    a = bench.parse_args(["--preset", "cpu-tiny", "--topics", "1", "--passage-tokens", "32"])
+    # one topic: the instruction (48 tokens) and 5 passages of 32, 16-token blocks: 13 blocks
+    assert bench.working_set_tokens(a, bench.make_workload(a)) == (48 + 5 * 32) // 16 * 16
 
 
 def test_unknown_config_is_refused_before_any_work(bench) -> None:
@@ -55,25 +73,52 @@ def test_unknown_config_is_refused_before_any_work(bench) -> None:
 
 def test_cpu_twin_runs_every_config(bench, tmp_path) -> None:
     out = tmp_path / "kv.json"
-    argv = ["--preset", "cpu-tiny", "--num-requests", "5", "--load", "0", "--out", str(out)]
+    argv = ["--preset", "cpu-tiny", "--num-requests", "3", "--out", str(out),
+            "--configs", ",".join(bench.CONFIGS)]  # fmt: skip
     results = bench.main(argv)
     assert json.loads(out.read_text())["configs"].keys() == bench.CONFIGS.keys()
     for name, row in results["configs"].items():
         assert "error" not in row and "skipped" not in row, (name, row)
-        assert row["identical"] is True, name
+        # CPU float32: every configuration's tokens equal no reuse's, in both replays
+        assert row["identical"] is True and row["agreement"] == 1.0, name
         assert row["ttft_speedup_vs_no_reuse"] > 0
     assert results["configs"]["no_reuse"]["stats"]["prefix_cache_hit_tokens"] == 0
     hits = results["configs"]["tree_host_pgdsf"]["stats"]["prefix_cache_hit_tokens"]
     assert hits > 0  # topics repeat: the tree reuses passages
 
 
-def test_paced_pass_uses_a_share_of_measured_throughput(bench, tmp_path) -> None:
-    argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs", "no_reuse,block_cache"]
-    results = bench.main([*argv, "--load", "2.0"])
-    rows = results["configs"]
-    assert rows["no_reuse"]["rate_rps"] == pytest.approx(2.0 * rows["no_reuse"]["throughput_rps"])
-    assert rows["block_cache"]["rate_rps"] == rows["no_reuse"]["rate_rps"]
-    assert rows["block_cache"]["identical"] is True
+def test_sustained_passes_use_a_common_rate(bench) -> None:
+    argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs", "no_reuse,block_cache",
+            "--window-s", "0.4", "--warmup-s", "0.1", "--drain-s", "0.5", "--slo", "5",
+            "--load", "0.5", "--max-probes", "2"]  # fmt: skip
+    rows = bench.main(argv)["configs"]
+    base = rows["no_reuse"]
+    cap = base["capacity"]
+    assert 1 <= len(cap["points"]) <= 2 + 2  # a second bracket only after a failed lower end
+    sustained = [p["rate"] for p in cap["points"] if p["sustained"]]
+    assert base["throughput_rps"] == (max(sustained) if sustained else None)
+    if base["throughput_rps"] is not None:
+        assert base["rate_rps"] == pytest.approx(0.5 * base["throughput_rps"])
+    assert rows["block_cache"]["rate_rps"] == base["rate_rps"]  # the same rate for everyone
+    for row in rows.values():
+        assert row["paced"]["rate"] == base["rate_rps"]
+        assert row["mean_ttft_s"] == row["paced"]["mean_ttft_s"]
+        assert row["identical"] is True
+
+
+def test_cpu_tiers_twin_host_tier_serves_hits_and_beats_the_block_cache(bench) -> None:
+    argv = ["--preset", "cpu-tiny-tiers", "--num-requests", "32", "--max-tokens", "2",
+            "--configs", "no_reuse,block_cache,tree_gpu_pgdsf,tree_host_pgdsf"]  # fmt: skip
+    rows = bench.main(argv)["configs"]
+    host, block = rows["tree_host_pgdsf"], rows["block_cache"]
+    assert all(row["identical"] for row in rows.values())
+    assert host["stats"]["num_host_hit_tokens"] > 0
+    assert host["stats"]["num_swapped_in_blocks"] > 0
+    # warm replay: the host tier keeps the working set; the GPU-only caches thrash
+    assert rows["no_reuse"]["prefill_tokens"] == rows["no_reuse"]["warm_replay"]["prompt_tokens"]
+    assert host["prefill_reduction_vs_block_cache"] >= 2.0
+    assert host["prefill_tokens"] * 2 <= block["prefill_tokens"]
+    assert rows["tree_gpu_pgdsf"]["prefill_tokens"] > 2 * host["prefill_tokens"]
 
 
 def test_a_failing_config_is_recorded_and_the_run_goes_on(bench, monkeypatch, tmp_path) -> None:

@@ -8,7 +8,7 @@ import torch
 from ragserve.generation import SamplingParams
 from ragserve.generation.block_manager import hash_block_tokens
 from ragserve.generation.kv_cache_manager import SwapOp, TieredBlockManager
-from ragserve.generation.kv_swap import HostKVCache
+from ragserve.generation.kv_swap import HostKVCache, _contiguous_runs, _outs_first
 from ragserve.generation.scheduler import Scheduler
 from ragserve.generation.sequence import Sequence
 
@@ -81,6 +81,25 @@ def test_cache_aware_admission_with_a_fairness_window(window):
     }[window]
     assert order == expected
     assert bm.num_gpu_hit_tokens == 24
+
+
+def test_cache_aware_admission_ranks_once_per_step():
+    bm = _cached_manager()
+    lookups = []
+    real = bm.get_computed_blocks
+    bm.get_computed_blocks = lambda seq: lookups.append(seq.request_id) or real(seq)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=512, fairness_window=8)
+    cold = [_seq(f"cold{i}", list(range(100 * (i + 2), 100 * (i + 2) + 13))) for i in range(3)]
+    hot = [_seq(f"hot{i}", list(range(12)) + [50 + i]) for i in range(3)]
+    for s in (*cold, *hot):
+        sched.add(s)
+    out = sched.schedule()
+    # hot ones first (largest cached share), then the cold ones in arrival order
+    assert [s.request_id for s in out.seqs] == ["hot0", "hot1", "hot2", "cold0", "cold1", "cold2"]
+    assert [s.num_computed_tokens for s in out.seqs] == [12] * 3 + [0] * 3
+    # 6 shares measured once, plus the chosen one afresh per admission: 12 (before: 21)
+    assert len(lookups) == 12
+    bm.check_integrity()
 
 
 @pytest.mark.parametrize(
@@ -251,8 +270,17 @@ def test_cheaper_to_swap_keeps_the_best_prefix_of_host_blocks():
     assert [e.gpu_block for e in bm.get_computed_blocks(probe)] == [None] * 3
     bm.swap_cost_fn = lambda n: 2.0 * n  # swap 2 per block < recompute 4 per block
     assert len(bm.get_computed_blocks(probe)) == 3
-    bm.swap_cost_fn = lambda n: 5.0 * n  # now recomputing is cheaper: nothing is swapped
+    calls = []
+
+    def expensive(n: int) -> float:  # now recomputing is cheaper: nothing is swapped
+        calls.append(n)
+        return 5.0 * n
+
+    bm.swap_cost_fn = expensive
     assert bm.get_computed_blocks(probe) == []
+    assert sorted(calls) == [0, 1, 2, 3]
+    # the waiting queue is scanned every step: the same shape of hit reuses its cut
+    assert bm.get_computed_blocks(probe) == [] and len(calls) == 4
     assert bm.allocate_slots(probe, 13)
     assert bm.num_swap_skipped_blocks == 3 and bm.num_swapped_in_blocks == 0
     bm.check_integrity()
@@ -356,3 +384,50 @@ def test_a_step_waits_for_its_fused_passages_blocks_too():
     seq.block_table = [3, 4]
     seq.passage_blocks = [PassageBlocks("p", (1, 2), (7, 8)), PassageBlocks("q", (5,))]
     assert _step_blocks([seq, _seq("plain", [1])]) == [3, 4, 7, 8]
+
+
+def test_contiguous_runs_rising_and_falling_host_slots():
+    out = [SwapOp("out", 9, 3), SwapOp("out", 8, 4), SwapOp("out", 7, 5)]
+    falling_in = [SwapOp("in", 1, 5), SwapOp("in", 2, 4), SwapOp("in", 3, 3)]
+    runs = _contiguous_runs(out + falling_in + [SwapOp("in", 4, 2), SwapOp("in", 5, 0)])
+    # a chain evicted tail first comes back prefix first over falling slots: one run, given
+    # in rising slot order (slot 0 after 2 is a new run)
+    assert runs == [out, [SwapOp("in", 4, 2), *reversed(falling_in)], [SwapOp("in", 5, 0)]]
+    # a GPU block twice in a row of slots: two runs (its copies stay in order)
+    twice = [SwapOp("in", 1, 0), SwapOp("in", 1, 1)]
+    assert _contiguous_runs(twice) == [[twice[0]], [twice[1]]]
+    # a falling run then a rising one of the same kind
+    ops = [SwapOp("in", 1, 6), SwapOp("in", 2, 5), SwapOp("in", 3, 6), SwapOp("in", 4, 7)]
+    assert _contiguous_runs(ops) == [[ops[1], ops[0]], [ops[2], ops[3]]]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_falling_host_slots_swap_in_byte_identical_in_one_copy(device):
+    torch.manual_seed(2)
+    gpu = torch.randn(2, 3, 8, 4, 2, 8, dtype=torch.bfloat16).to(device)
+    original = gpu.clone()
+    host = HostKVCache(gpu, num_host_blocks=6, overlap=True, async_swap_out=True)
+    # blocks 0, 1, 2 of a chain evicted tail first: slots 0, 1, 2 hold blocks 2, 1, 0
+    host.run([SwapOp("out", 2, 0), SwapOp("out", 1, 1), SwapOp("out", 0, 2)])
+    host.wait_for([0, 1, 2])
+    gpu[:, :, [0, 1, 2]] = 0
+    # swapped back in prefix first (slots 2, 1, 0) into GPU blocks 5, 6, 7: one copy
+    host.run([SwapOp("in", 5, 2), SwapOp("in", 6, 1), SwapOp("in", 7, 0)])
+    assert host.num_copies == 2
+    host.synchronize()
+    for dst, src in ((5, 0), (6, 1), (7, 2)):
+        got, want = gpu[:, :, dst].cpu(), original[:, :, src].cpu()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_outs_first_only_where_no_copy_changes():
+    # a full pool: every swap-in evicts a victim first, so outs and ins alternate
+    ops = [SwapOp("out", 3, 0), SwapOp("in", 3, 9), SwapOp("out", 4, 1), SwapOp("in", 4, 8)]
+    assert _outs_first(ops) == [ops[0], ops[2], ops[1], ops[3]]
+    assert len(_contiguous_runs(_outs_first(ops))) == 2  # was 4
+    # an out that would overwrite the host slot an earlier in reads: order kept
+    clash_slot = [SwapOp("in", 1, 5), SwapOp("out", 2, 5)]
+    assert _outs_first(clash_slot) == clash_slot
+    # an out that reads the GPU block an earlier in writes: order kept
+    clash_block = [SwapOp("in", 1, 5), SwapOp("out", 1, 6)]
+    assert _outs_first(clash_block) == clash_block

@@ -110,6 +110,9 @@ class TieredBlockManager(PassageTierMixin):
         self._node_keys: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (ends, keys)
         self._counted: dict[str, set[int]] = {}  # rid -> ids of nodes it has accessed
         self._skipped: dict[str, int] = {}  # rid -> host hit blocks it would recompute
+        # (cost model, swap model, GPU blocks, host blocks) -> host blocks to swap in: the
+        # waiting queue is scanned every step (cache-aware admission) with the same shapes
+        self._swap_cuts: dict[tuple, int] = {}
         self.num_gpu_hit_tokens = 0
         self.num_host_hit_tokens = 0
         self.num_swapped_out_blocks = 0
@@ -172,18 +175,28 @@ class TieredBlockManager(PassageTierMixin):
         num_gpu = next((i for i, e in enumerate(hit) if e.gpu_block is None), len(hit))
         if self.swap_cost_fn is None or num_gpu == len(hit):
             return hit
-        bs = self.block_size
         num_host = len(hit) - num_gpu
+        key = (self.cost_fn, self.swap_cost_fn, num_gpu, num_host)
+        best_k = self._swap_cuts.get(key)
+        if best_k is None:
+            if len(self._swap_cuts) >= 4096:
+                self._swap_cuts.clear()
+            best_k = self._swap_cuts[key] = self._best_swap_cut(num_gpu, num_host)
+        self._skipped[seq.request_id] = num_host - best_k  # counted when admitted
+        return hit[: num_gpu + best_k]
+
+    def _best_swap_cut(self, num_gpu: int, num_host: int) -> int:
+        """How many of ``num_host`` host blocks after ``num_gpu`` GPU blocks to swap in."""
+        bs = self.block_size
         best_k, best_cost = num_host, None
         for k in range(num_host, -1, -1):
             start = (num_gpu + k) * bs
-            rest = (len(hit) - num_gpu - k) * bs
+            rest = (num_host - k) * bs
             recompute = self.cost_fn(rest, start) - self.cost_fn(0, start) if rest else 0.0
             cost = self.swap_cost_fn(k) + recompute
             if best_cost is None or cost < best_cost:
                 best_k, best_cost = k, cost
-        self._skipped[seq.request_id] = num_host - best_k  # counted when admitted
-        return hit[: num_gpu + best_k]
+        return best_k
 
     def num_swap_in_blocks(self, computed_blocks: Seq[CachedBlock]) -> int:
         """How many of ``computed_blocks`` an allocation would swap in (host-only ones)."""

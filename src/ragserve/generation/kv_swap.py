@@ -3,7 +3,9 @@
 The host pool is block-major, ``[num_host_blocks, 2, layers, block_size, kv_heads, head_dim]``
 (pinned on CUDA), so a run of consecutive host slots is one contiguous range: ``run``
 executes a step's ``SwapOp``s in order with **one copy per contiguous run** (consecutive ops
-of one kind whose host slots follow each other), counted in ``num_copies``.
+of one kind whose host slots follow each other, rising or falling), counted in
+``num_copies``; a step's swap-outs go before its swap-ins where that changes no data, so the
+evictions a swap-in causes do not cut its run into single blocks.
 
 Swap-outs (``async_swap_out``, the engine's switch of that name, default on) are only issued:
 on CUDA the GPU blocks are gathered into a staging tensor on a side stream, then copied to
@@ -74,7 +76,7 @@ class HostKVCache:
         has_in = any(op.kind == "in" for op in ops)
         has_out = len(ops) > sum(1 for op in ops if op.kind == "in")
         blocking = (has_in and not self.overlap) or (has_out and not self.async_swap_out)
-        runs = _contiguous_runs(ops)
+        runs = _contiguous_runs(_outs_first(ops))
         self.num_copies += len(runs)
         if self._thread is not None:
             future = self._thread.submit(self._run_groups, runs, None)
@@ -172,15 +174,51 @@ class HostKVCache:
             markers[op.gpu_block] = event
 
 
+def _outs_first(ops: list[SwapOp]) -> list[SwapOp]:
+    """``ops`` with every swap-out moved before every swap-in (each kind's order kept) where
+    that changes no copy's data, else ``ops`` unchanged.
+
+    With a full GPU pool each swap-in evicts a victim first, so a step's ops alternate out,
+    in, out, in, ... and no two of a kind are adjacent: one copy per block. Moving an out
+    before the ins ahead of it is safe unless it writes a host slot one of them reads or reads
+    a GPU block one of them writes (neither happens while a swapped-in block is held)."""
+    read_slots: set[int] = set()
+    written_blocks: set[int] = set()
+    for op in ops:
+        if op.kind == "in":
+            read_slots.add(op.host_block)
+            written_blocks.add(op.gpu_block)
+        elif op.host_block in read_slots or op.gpu_block in written_blocks:
+            return ops
+    return [op for op in ops if op.kind == "out"] + [op for op in ops if op.kind == "in"]
+
+
 def _contiguous_runs(ops: list[SwapOp]) -> list[list[SwapOp]]:
-    """``ops`` cut into maximal runs of one kind over consecutive host slots (order kept)."""
+    """``ops`` cut into maximal runs of one kind over consecutive host slots, ascending or
+    descending, each returned in ascending host order (order of the runs kept).
+
+    Descending runs matter: a chain of blocks is evicted tail first, so its host slots fall
+    as its prefix order rises, and a later hit swaps it in, prefix first, slot by falling
+    slot. The ops of one run touch distinct host slots and (checked) distinct GPU blocks, so
+    their order within the run is free."""
     runs: list[list[SwapOp]] = []
+    blocks: set[int] = set()  # the current run's GPU blocks
+    step = 0  # +1 / -1: the current run's direction; 0: not set (one op)
     for op in ops:
         last = runs[-1][-1] if runs else None
-        if last is not None and last.kind == op.kind and op.host_block == last.host_block + 1:
+        delta = None if last is None or last.kind != op.kind else op.host_block - last.host_block
+        if delta in (1, -1) and step in (0, delta) and op.gpu_block not in blocks:
             runs[-1].append(op)
+            step = delta
         else:
+            if step == -1:
+                runs[-1].reverse()
             runs.append([op])
+            blocks.clear()
+            step = 0
+        blocks.add(op.gpu_block)
+    if step == -1:
+        runs[-1].reverse()
     return runs
 
 
@@ -188,5 +226,12 @@ def _done(marker: torch.cuda.Event | Future) -> bool:
     return marker.done() if isinstance(marker, Future) else marker.query()
 
 
-def _index(ids: list[int], device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long, device=device)
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an index tensor on ``device``. On CUDA it is copied from pinned memory
+    without blocking: ``torch.tensor(..., device=cuda)`` copies from pageable memory and waits
+    for the current (side) stream, i.e. for every copy queued on it before, which would make
+    the host wait for a step's asynchronous swap-outs whenever swap-ins follow them."""
+    index = torch.tensor(ids, dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)

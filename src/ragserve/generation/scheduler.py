@@ -12,8 +12,10 @@ knowledge tree's tiers its passages' stored KV is held from admission to the end
 step (``acquire_passages`` / ``release_passages``).
 
 Cache-aware admission (RAGCache, switchable): among the first ``lookahead`` waiting requests
-the one with the largest cached share of its tokens goes first (ties: arrival order); a
-request passed over ``fairness_window`` times is admitted next whatever its share.
+the one with the largest cached share of its tokens goes first (ties: arrival order; shares
+measured once per step, so a step admitting k requests looks up ``lookahead`` + k prompts,
+not k x ``lookahead``); a request passed over ``fairness_window`` times is admitted next
+whatever its share.
 
 Swap-in overlap (``overlap_swap_in``, switchable): a request admitted with cached blocks on
 the host tier while other requests run this step joins the running queue without tokens
@@ -76,6 +78,7 @@ class Scheduler:
         self.overlap_swap_in = overlap_swap_in
         self.num_deferred_swap_ins = 0  # admissions that loaded KV during another step
         self._num_passed: dict[str, int] = {}
+        self._shares: dict[str, float] = {}  # rid -> cached share, measured this step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -92,6 +95,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        self._shares.clear()
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted = False
@@ -150,20 +154,26 @@ class Scheduler:
         return SchedulerOutput(seqs, counts, sample)
 
     def _pick_waiting(self) -> tuple[int, list]:
-        """Index in ``waiting`` of the request to admit next, and its cached blocks."""
-        bm = self.block_manager
+        """Index in ``waiting`` of the request to admit next, and its cached blocks.
+
+        The shares that rank the lookahead are measured once per step (``_shares``; an
+        admission earlier in the step may have evicted some of them since: a ranking
+        approximation only); the chosen request's cached blocks are looked up afresh."""
         if self.fairness_window is None or len(self.waiting) == 1:
             return 0, self._computed_blocks(self.waiting[0])
-        best, best_hit, best_share = 0, [], -1.0
+        best, best_share = 0, -1.0
         for i in range(min(len(self.waiting), self.lookahead)):
             seq = self.waiting[i]
-            hit = self._computed_blocks(seq)
             if self._num_passed.get(seq.request_id, 0) >= self.fairness_window:
-                return i, hit
-            share = len(hit) * bm.block_size / seq.num_tokens
+                best = i
+                break
+            share = self._shares.get(seq.request_id)
+            if share is None:
+                hit = len(self._computed_blocks(seq)) * self.block_manager.block_size
+                share = self._shares[seq.request_id] = hit / seq.num_tokens
             if share > best_share:
-                best, best_hit, best_share = i, hit, share
-        return best, best_hit
+                best, best_share = i, share
+        return best, self._computed_blocks(self.waiting[best])
 
     def _computed_blocks(self, seq: Sequence) -> list:
         # NOTE: fused KV is approximate: a fused request neither reuses nor shares cached
