@@ -255,3 +255,22 @@ def test_bad_scan_is_refused() -> None:
     with pytest.raises(ValueError, match="points"):
         tier.calibrate(((1, 0.5),))
     index.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_cuda_strategies_equal_faiss(metric: str, scan: str) -> None:
+    index, q = make_index(metric)
+    for clusters in (range(0, NLIST, 3), range(NLIST)):
+        tier = index.set_gpu_tier(BIG, device="cuda", clusters=clusters, scan=scan)
+        for nprobe in (1, NPROBE, NLIST):
+            assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
+    config = PlacementConfig(update_every=1)
+    tier = index.set_gpu_tier(tier_bytes(index, 12), device="cuda", placement=config, scan=scan)
+    for _ in range(5):
+        assert_same(index.search(q, K), oracle(index, q))
+        index.tier_updater.update_now(force=True)
+    tier.wait_idle()
+    tier.check_integrity()
+    index.close()
