@@ -78,8 +78,11 @@ def test_exact_during_swaps(built, scan: str) -> None:
     run: rows of lists in transit or freed are never ranked."""
     index, q = built
     config = PlacementConfig(update_every=1, max_swap_bytes=4096)
+    index.access_counts.observe(np.repeat(index.assign(q, NPROBE).cluster_ids, 50, 0))
     tier = index.set_gpu_tier(tier_bytes(index, 12), device="cpu", placement=config, scan=scan)
     ref = oracle(index, q)
+    assert_same(index.search(q, K), ref)
+    assert tier.scan_counts[scan] == 1  # q's hottest lists were placed first
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -102,7 +105,6 @@ def test_exact_during_swaps(built, scan: str) -> None:
         stop.set()
         t.join()
     assert not errors
-    assert tier.scan_counts[scan] > 0
     tier.wait_idle()
     tier.check_integrity()
 

@@ -419,9 +419,12 @@ class GpuTier:
             num_queries, self._span * size, plan.num_runs * size, plan.num_slots * size
         )
 
-    def _enqueue(self, q: np.ndarray, lc: np.ndarray, k: int, strategy: str) -> PendingScan:
+    def _enqueue(
+        self, q: np.ndarray, lc: np.ndarray, k: int, strategy: str, span: int | None = None
+    ) -> PendingScan:
         """Under the lock: ``lc`` = probed list ids with ``nlist`` for every probe not served
-        here; ``strategy`` as ``set_scan`` (auto resolved here)."""
+        here; ``strategy`` as ``set_scan`` (auto resolved here); ``span`` (calibration only)
+        cuts the dense scan's span to its first ``span`` chunks."""
         torch = self._torch
         plan = None if strategy == "dense" else plan_grouped(lc, self._counts_ext)
         if strategy == "auto":
@@ -430,7 +433,7 @@ class GpuTier:
         dev = self._vectors.device
         qd = upload(torch, q, dev).to(self._tdtype)
         lcd = upload(torch, lc, dev)
-        pool = self._pool
+        pool = self._pool if span is None else self._pool._replace(span=span)
         if strategy == "dense":
             keys, ids = dense_scan(torch, pool, qd, lcd, k)
         else:
@@ -466,17 +469,22 @@ class GpuTier:
                 seconds[strategy], features = self._time(strategy, q, lc, repeats)
             if features is not None and np.isfinite(list(seconds.values())).all():
                 samples.append(ScanSample(features, seconds))
-        if len(samples) < 3:
+            half = self._span // 2
+            if n > 1 and half > 0:  # NOTE: a second span, so that d0 and d1 are told apart
+                dense, features = self._time("dense", q, lc, repeats, half)
+                if features is not None and np.isfinite(dense):
+                    samples.append(ScanSample(features, {"dense": dense}))
+        if sum("grouped" in sample.seconds for sample in samples) < 3:
             return None
         self._model = ScanCostModel.fit(samples, self.model_setting, self._span * self.chunk_size)
         logger.info("scan cost model calibrated: %s", self._model)
         return self._model
 
     def _time(
-        self, strategy: str, q: np.ndarray, lc: np.ndarray, repeats: int
+        self, strategy: str, q: np.ndarray, lc: np.ndarray, repeats: int, span: int | None = None
     ) -> tuple[float, ScanFeatures | None]:
         """Median seconds of a scan (enqueue to result) and its features; (inf, None) when its
-        lists left the tier meanwhile."""
+        lists left the tier meanwhile. ``span``: as ``_enqueue`` (its rows in the features)."""
         times, features = [], None
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
@@ -485,7 +493,10 @@ class GpuTier:
                 if (live == self.nlist).all():
                     return np.inf, None
                 features = self.features(len(q), plan_grouped(live, self._counts_ext))
-                pending = self._enqueue(q, live, 10, strategy)
+                if span is not None:
+                    span = min(span, self._span)
+                    features = features._replace(span_rows=span * self.chunk_size)
+                pending = self._enqueue(q, live, 10, strategy, span)
             pending.result()
             times.append(time.perf_counter() - t0)
         with self._lock:

@@ -41,7 +41,8 @@ class ScanFeatures(NamedTuple):
 
 
 class ScanSample(NamedTuple):
-    """One calibration measurement: a batch's features and each strategy's seconds."""
+    """One calibration measurement: a batch's features and the seconds of the strategies
+    timed on it (some or all)."""
 
     features: ScanFeatures
     seconds: dict[str, float]
@@ -75,13 +76,15 @@ class ScanCostModel:
     def fit(
         cls, samples: Sequence[ScanSample], setting: tuple = (), span_rows: int = 0
     ) -> ScanCostModel:
-        """Non-negative least squares on relative error over ``samples`` (at least 3)."""
-        if len(samples) < 3:
-            raise ValueError(f"samples: at least 3 are needed to fit, got {len(samples)}")
+        """Non-negative least squares on relative error over ``samples`` (at least 3 timing
+        each strategy)."""
         coef = {}
         for strategy in STRATEGIES:
-            a = np.stack([s.features.terms(strategy) for s in samples])
-            t = np.array([s.seconds[strategy] for s in samples], dtype=np.float64)
+            timed = [s for s in samples if strategy in s.seconds]
+            if len(timed) < 3:
+                raise ValueError(f"samples: 3 of {strategy} are needed to fit, got {len(timed)}")
+            a = np.stack([s.features.terms(strategy) for s in timed])
+            t = np.array([s.seconds[strategy] for s in timed], dtype=np.float64)
             if not np.all(np.isfinite(t)) or np.any(t <= 0):
                 raise ValueError(f"samples: {strategy} seconds must be positive, got {t}")
             coef[strategy] = tuple(float(c) for c in _nnls_relative(a, t))
