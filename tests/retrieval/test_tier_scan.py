@@ -242,6 +242,11 @@ def test_calibration_fits_on_the_tier_and_is_reused() -> None:
     assert not other.adopt_model(model)
     empty = index.set_gpu_tier(BIG, device="cpu", clusters=[])
     assert empty.calibrate() is None
+    lazy = index.set_gpu_tier(BIG, device="cpu", clusters=range(NLIST), scan="grouped")
+    lazy.set_scan("auto")
+    assert lazy.cost_model is None  # calibrated at its first scan
+    assert_same(index.search(q, K), oracle(index, q))
+    assert lazy.cost_model is not None and sum(lazy.scan_counts.values()) == 1
     index.close()
 
 

@@ -142,6 +142,7 @@ class GpuTier:
         self._loading: dict[int, _Load] = {}
         self._scan = scan
         self._model: ScanCostModel | None = None
+        self._tried_calibration = False
         self._scan_counts = dict.fromkeys(STRATEGIES, 0)
         self._bounds = torch.from_numpy(BUCKET_BOUNDS).to(dev)
         self._rebuild_lookup()
@@ -401,9 +402,11 @@ class GpuTier:
         """Enqueue the scan of every resident list in ``cluster_ids`` (``[n, w]``, ``-1`` pads)
         for ``queries`` (``[n, dim]`` float32). Returns the pending result (``None`` when no
         probe is resident) and the mask of the probes it covers: the caller scans the rest.
-        ``scan="auto"`` calibrates its cost model first if it has none (outside the lock)."""
+        ``scan="auto"`` calibrates its cost model first (outside the lock) if it has none and
+        has not tried yet with lists resident; without a model it scans grouped."""
         cids = np.asarray(cluster_ids, dtype=np.int64)
-        if self._scan == "auto" and self._model is None and self.resident_mask(cids).any():
+        untried = self._model is None and not self._tried_calibration
+        if self._scan == "auto" and untried and self.resident_mask(cids).any():
             self.calibrate()
         with self._lock:
             on = self.resident_mask(cids)
@@ -458,6 +461,7 @@ class GpuTier:
         resident = np.asarray(self.clusters, dtype=np.int64)
         if not len(resident):
             return None
+        self._tried_calibration = True
         rng = np.random.default_rng(seed)
         samples = []
         for n, share in points:
