@@ -93,34 +93,12 @@ def plan_grouped(lc: np.ndarray, counts: np.ndarray) -> GroupedPlan:
 def grouped_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k: int):
     """Top-k keys and ids ``[n, k]`` of the resident probes ``lc`` (``[n, w]`` on the device)
     for queries ``qd`` (``[n, dim]`` in the pool's dtype), by grouped gathers (module doc)."""
-    n, w = lc.shape
+    n = lc.shape[0]
     dev, size = qd.device, pool.vectors.shape[1]
-    num_pairs, width, kk = plan.num_pairs, plan.width, min(k, size)
-    pair, chunk, dest = _pairs(torch, pool, lc, num_pairs, width)
-    # queries per list -> bucket of each pair; sort pairs by (bucket, chunk): runs = chunks
-    m = torch.zeros(pool.nlist + 1, dtype=torch.int64, device=dev)
-    m.scatter_add_(0, lc.reshape(-1), torch.ones(n * w, dtype=torch.int64, device=dev))
-    bucket = torch.searchsorted(pool.bounds, m[lc.reshape(-1)[pair]])
-    order = torch.sort(bucket * pool.vectors.shape[0] + chunk, stable=True).indices
-    key = (bucket * pool.vectors.shape[0] + chunk)[order]
-    first = torch.ones(num_pairs, dtype=torch.bool, device=dev)
-    first[1:] = key[1:] != key[:-1]
-    run = torch.cumsum(first, 0) - 1
-    pos = torch.arange(num_pairs, device=dev)
-    rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
-    roff, soff, mpad = upload(
-        torch, np.stack([plan.run_offsets, plan.slot_offsets, plan.mpad]), dev
-    )
-    b = bucket[order]
-    slot = soff[b] + (run - roff[b]) * mpad[b] + rank
-    dump = n * width
-    qslot = torch.zeros(plan.num_slots, dtype=torch.int64, device=dev)
-    dslot = torch.full((plan.num_slots,), dump, dtype=torch.int64, device=dev)
-    qslot[slot] = (pair[order] // w).to(torch.int64)
-    dslot[slot] = dest[order]
-    run_chunk = torch.zeros(plan.num_runs, dtype=torch.int64, device=dev)
-    run_chunk[run] = chunk[order]
-    keys = torch.full(((dump + 1) * kk,), -np.inf, device=dev)  # + one dump block
+    width, kk = plan.width, min(k, size)
+    dump = n * width  # candidate block of padding slots
+    qslot, dslot, run_chunk = _slots(torch, pool, lc, plan, dump)
+    keys = torch.full(((dump + 1) * kk,), -np.inf, device=dev)
     ids = torch.full(((dump + 1) * kk,), -1, dtype=torch.int64, device=dev)
     ar = torch.arange(kk, device=dev)
     for g, mp, qa, ra in _groups(plan, pool, size):
@@ -136,6 +114,41 @@ def grouped_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k:
     keys = keys[: dump * kk].view(n, width * kk)
     ids = ids[: dump * kk].view(n, width * kk)
     return canonical_topk(torch, keys, ids, k, pool.is_l2)
+
+
+def _slots(torch: Any, pool: Pool, lc: Any, plan: GroupedPlan, dump: int) -> tuple[Any, Any, Any]:
+    """The grouped scan's index arrays, built on the device::
+
+        runs (distinct chunks) sorted by (bucket, chunk)   run r of bucket b:
+        slots of bucket b: [run][query 0 .. mpad_b)         slot_offsets[b] + r * mpad_b + rank
+
+    ``qslot``: query row per slot (padding: row 0); ``dslot``: candidate block per slot
+    (padding: ``dump``); ``run_chunk``: chunk per run."""
+    n, w = lc.shape
+    dev, num_chunks = lc.device, pool.vectors.shape[0]
+    pair, chunk, dest = _pairs(torch, pool, lc, plan.num_pairs, plan.width)
+    m = torch.zeros(pool.nlist + 1, dtype=torch.int64, device=dev)  # queries per list
+    m.scatter_add_(0, lc.reshape(-1), torch.ones(n * w, dtype=torch.int64, device=dev))
+    bucket = torch.searchsorted(pool.bounds, m[lc.reshape(-1)[pair]])
+    key = bucket * num_chunks + chunk
+    order = torch.sort(key, stable=True).indices
+    key = key[order]
+    first = torch.ones(plan.num_pairs, dtype=torch.bool, device=dev)
+    first[1:] = key[1:] != key[:-1]
+    run = torch.cumsum(first, 0) - 1
+    pos = torch.arange(plan.num_pairs, device=dev)
+    rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
+    tables = np.stack([plan.run_offsets, plan.slot_offsets, plan.mpad])
+    run_offsets, slot_offsets, mpad = upload(torch, tables, dev)
+    b = bucket[order]
+    slot = slot_offsets[b] + (run - run_offsets[b]) * mpad[b] + rank
+    qslot = torch.zeros(plan.num_slots, dtype=torch.int64, device=dev)
+    dslot = torch.full((plan.num_slots,), dump, dtype=torch.int64, device=dev)
+    qslot[slot] = pair[order] // w
+    dslot[slot] = dest[order]
+    run_chunk = torch.zeros(plan.num_runs, dtype=torch.int64, device=dev)
+    run_chunk[run] = chunk[order]
+    return qslot, dslot, run_chunk
 
 
 def _pairs(torch: Any, pool: Pool, lc: Any, num_pairs: int, width: int) -> tuple[Any, Any, Any]:
