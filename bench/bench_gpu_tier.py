@@ -4,6 +4,9 @@ to CPU-only Faiss and exhaustive GPU search (the ceiling), on a synthetic Zipf-s
     python bench/bench_gpu_tier.py --num-docs 5000000 --dim 768 --nlist 4096 --topics 16384 \
         --nprobe 128 256 512 --coverage 0 5 10 20 50 100 --out bench/results/gpu_tier_h200.json
 
+    python bench/bench_gpu_tier.py ... --coverage 100 50 --batch 1 32 256 \
+        --scan grouped dense auto --check-queries 64     # the scan strategies side by side
+
 Every figure is measured in this one process, side by side: the same index, queries and batch
 size. Coverage = share of lists on the GPU, hottest first by the access counts of a warm-up
 query sample (the placement `set_gpu_tier` would make). Each point also checks its ids against
@@ -124,22 +127,88 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
-def exhaustive(res: Results, x: np.ndarray, q: np.ndarray, args: argparse.Namespace) -> None:
-    """The ceiling: every vector scored (no IVF), torch matmul + topk on the GPU."""
+def exhaustive(
+    res: Results, x: np.ndarray, q: np.ndarray, args: argparse.Namespace, device: str = "cuda"
+) -> None:
+    """The ceiling: every vector scored (no IVF), torch matmul + topk on ``device``."""
     import torch
 
+    batches = args.batch if args.scan else [*args.batch, args.peak_batch]
     for dtype in ("float16", "float32"):
-        xd = torch.from_numpy(x).to("cuda").to(getattr(torch, dtype))
+        if device == "cpu" and dtype == "float16":
+            continue  # NOTE: CPU half matmuls are emulated: no ceiling worth the time
+        xd = torch.from_numpy(x).to(device).to(getattr(torch, dtype))
 
         def run(batch: np.ndarray, xd=xd) -> np.ndarray:
-            qd = torch.from_numpy(batch).to("cuda").to(xd.dtype)
+            qd = torch.from_numpy(batch).to(device).to(xd.dtype)
             return (qd @ xd.T).float().topk(args.topk, dim=1).indices.cpu().numpy()
 
-        for batch in [*args.batch, args.peak_batch]:
+        for batch in batches:
             stats = timed(run, q, batch, args.min_seconds, args.max_batches)
-            res.add(system="exhaustive_gpu", dtype=dtype, **stats)
+            res.add(system="exhaustive_gpu", dtype=dtype, device=device, **stats)
         del xd
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def compare_scans(
+    res: Results, index: Any, q: np.ndarray, hot: np.ndarray, args: argparse.Namespace, device: str
+) -> None:
+    """The tier's scan strategies side by side (``--scan``): per coverage, nprobe, strategy and
+    batch, the tier's part alone (``tier_scan``: probes assigned beforehand, the GPU scan and
+    its result) and, with the whole index resident, ``index.search`` end to end; every
+    strategy's ids checked against CPU-only Faiss on ``--check-queries`` queries."""
+    check = q[: args.check_queries]
+    index.drop_gpu_tier()
+    refs = {n: index.search(check, args.topk, n).ids for n in args.nprobe}
+    plans = {n: index.assign(q, n).cluster_ids for n in args.nprobe}
+    for cov in args.coverage:
+        num = int(round(cov / 100 * args.nlist))
+        if num == 0:
+            continue
+        t0 = time.perf_counter()
+        tier = index.set_gpu_tier(
+            1 << 40, device=device, clusters=hot[:num].tolist(), scan="grouped"
+        )
+        load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model = tier.calibrate()
+        res.add(
+            system="calibration",
+            coverage=cov,
+            num_clusters=num,
+            tier_bytes=tier.num_bytes,
+            load_seconds=load_s,
+            calibrate_seconds=time.perf_counter() - t0,
+            dense=model.dense if model else None,
+            grouped=model.grouped if model else None,
+        )
+        for nprobe in args.nprobe:
+            for scan in args.scan:
+                tier.set_scan(scan)
+                exact = exact_share(index.search(check, args.topk, nprobe).ids, refs[nprobe])
+
+                def part(rows: np.ndarray, n=nprobe, tier=tier) -> None:
+                    pending, _ = tier.scan(q[rows], plans[n][rows], args.topk)
+                    if pending is not None:
+                        pending.result()
+
+                def whole(batch: np.ndarray, n=nprobe) -> None:
+                    index.search(batch, args.topk, n)
+
+                for batch in args.batch:
+                    before = tier.scan_counts
+                    stats = timed(
+                        part, np.arange(len(q)), batch, args.min_seconds, args.max_batches
+                    )
+                    after = tier.scan_counts
+                    chosen = {k: after[k] - before[k] for k in after}
+                    point = dict(nprobe=nprobe, coverage=cov, scan=scan, exact_ids=exact)
+                    res.add(system="tier_scan", chosen=chosen, **point, **stats)
+                    if cov == 100:
+                        stats = timed(whole, q, batch, args.min_seconds, args.max_batches)
+                        res.add(system="gpu_tier", **point, **stats)
+    index.drop_gpu_tier()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batches", type=int, default=200)
     ap.add_argument("--device", default=None, help="tier device (default cuda when present)")
     ap.add_argument("--skip-exhaustive", action="store_true")
+    ap.add_argument(
+        "--scan",
+        nargs="+",
+        choices=["grouped", "dense", "auto"],
+        default=None,
+        help="compare these tier scan strategies (coverage x nprobe x batch) instead of the sweep",
+    )
+    ap.add_argument("--check-queries", type=int, default=256, help="ids checked against Faiss")
     ap.add_argument(
         "--skip-cpu",
         action="store_true",
@@ -188,7 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     for nprobe in args.nprobe:  # the placement profile: probes of a warm-up sample
         index.access_counts.observe(index.assign(warm, nprobe).cluster_ids)
     hot = hottest_first(index.access_counts.snapshot())
-    check = q[: min(256, len(q))]
+    if args.scan:
+        compare_scans(res, index, q, hot, args, device)
+        if not args.skip_exhaustive:
+            exhaustive(res, x, q, args, device)
+        logger.info("done: %s", args.out)
+        return 0
+    check = q[: min(args.check_queries, len(q))]
     refs = {}
     index.drop_gpu_tier()
     if args.skip_cpu:

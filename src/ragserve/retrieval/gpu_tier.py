@@ -7,12 +7,16 @@ Resident lists live in one pool of fixed-size chunks (``S = chunk_size`` rows)::
     ids     [num_chunks, S] int64            chunk 2: rows 512..599, then 168 pads
     bias    [num_chunks, S] float32          pads: id -1, bias -inf (never ranked)
 
-A scan turns (query, probed resident list) pairs into (query, chunk) pairs, groups them by chunk,
-and scores groups of chunks probed by similar numbers of queries with one ``bmm``:
-``key = a * q.x + bias`` (IP: ``a = 1``, bias 0; L2: ``a = 2``, ``bias = -|x|^2``, and the
-distance is ``|q|^2 - key``). Each (query, chunk) keeps its top-k; each query then keeps the
-canonical top-k of its candidates (better score first, equal scores by id as Faiss's heaps
-order them), which `stepwise.merge` combines with the CPU-scanned lists.
+The pool is one contiguous ``[num_chunks * S, dim]`` block of rows; ``chunk_list`` (on the
+device) maps each chunk to its resident list (or to none), so a scan may read it in place.
+``scan`` picks per batch between two strategies (``tier_scan``): *grouped* gathers the probed
+chunks and scores each with the queries probing it in one ``bmm`` per group; *dense* scores
+every resident row with one matmul per slab and masks rows of unprobed lists to ``-inf``. Both
+use ``key = a * q.x + bias`` (IP: ``a = 1``, bias 0; L2: ``a = 2``, ``bias = -|x|^2``, and the
+distance is ``|q|^2 - key``) and return each query's canonical top-k of its candidates
+(better score first, equal scores by id as Faiss's heaps order them), which `stepwise.merge`
+combines with the CPU-scanned lists. ``scan="auto"`` chooses by a cost model calibrated on the
+tier itself (``tier_scan_model``); ``"grouped"``/``"dense"`` force one.
 
 Swaps: ``begin_load`` copies a list into free chunks on a side CUDA stream; the list becomes
 resident (scanned here) only once that copy has completed (``poll``); until then, and after
@@ -25,18 +29,32 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ragserve.retrieval.tier_scan import (
+    BUCKET_BOUNDS,
+    GroupedPlan,
+    Pool,
+    dense_scan,
+    grouped_scan,
+    plan_grouped,
+    upload,
+)
+from ragserve.retrieval.tier_scan_model import STRATEGIES, ScanCostModel, ScanFeatures, ScanSample
 from ragserve.retrieval.types import TopK
 
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16", "bfloat16")
-MAX_GROUP_SCORES = 1 << 26  # (query, row) scores of one bmm group
-MAX_GROUP_BYTES = 1 << 29  # vector bytes gathered for one bmm group
+SCANS = ("auto", *STRATEGIES)
+# (batch size, share of the resident lists each query probes): small and large batches, narrow
+# and wide probes, so that both strategies' terms vary
+CALIBRATION_POINTS = ((1, 0.0), (1, 0.25), (16, 0.0625), (64, 0.25), (256, 0.0625))
 
 
 @dataclass
@@ -85,6 +103,7 @@ class GpuTier:
         device: str = "cuda",
         dtype: str = "float32",
         chunk_size: int = 256,
+        scan: str = "auto",
     ) -> None:
         import torch
 
@@ -96,6 +115,8 @@ class GpuTier:
             raise ValueError(f"metric must be 'ip' or 'l2', got {metric!r}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if scan not in SCANS:
+            raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available (use device='cpu')")
@@ -119,6 +140,11 @@ class GpuTier:
         self._fenced: list[tuple[Any, np.ndarray]] = []
         self._resident: dict[int, np.ndarray] = {}
         self._loading: dict[int, _Load] = {}
+        self._scan = scan
+        self._model: ScanCostModel | None = None
+        self._tried_calibration = False
+        self._scan_counts = dict.fromkeys(STRATEGIES, 0)
+        self._bounds = torch.from_numpy(BUCKET_BOUNDS).to(dev)
         self._rebuild_lookup()
         self._hits = 0.0
         self._probes = 0.0
@@ -281,19 +307,42 @@ class GpuTier:
         self.poll()
 
     def _rebuild_lookup(self) -> None:
-        lookup = np.zeros(self.nlist, dtype=bool)
-        starts = np.zeros(self.nlist, dtype=np.int64)
-        counts = np.zeros(self.nlist, dtype=np.int64)
+        """Host and device tables of the resident lists (``Pool``'s doc), after any change."""
+        nlist, capacity = self.nlist, self.capacity_chunks
+        lookup = np.zeros(nlist, dtype=bool)
+        counts = np.zeros(nlist + 1, dtype=np.int64)
+        starts = np.zeros(nlist + 1, dtype=np.int64)
+        chunk_list = np.full(capacity, nlist, dtype=np.int64)
         table = []
         pos = 0
         for c, chunks in self._resident.items():
             lookup[c] = True
             starts[c], counts[c] = pos, len(chunks)
+            chunk_list[chunks] = c
             table.append(chunks)
             pos += len(chunks)
-        self._table = np.concatenate(table) if table else np.zeros(0, np.int64)
-        self._starts, self._counts = starts, counts
-        self._lookup = lookup  # NOTE: replaced, never mutated: readers may hold the old one
+        table = np.concatenate(table) if table else np.zeros(0, np.int64)
+        span = int(np.flatnonzero(chunk_list < nlist).max()) + 1 if pos else 0
+        packed = upload(
+            self._torch, np.concatenate([counts, starts, chunk_list, table]), self.device
+        )
+        d_counts, d_starts, d_list, d_table = packed.split([nlist + 1, nlist + 1, capacity, pos])
+        # NOTE: every table is replaced, never mutated: scans already enqueued keep their own
+        self._pool = Pool(
+            self._vectors,
+            self._ids,
+            self._bias,
+            d_counts,
+            d_starts,
+            d_table,
+            d_list,
+            self._bounds,
+            nlist,
+            span,
+            self.is_l2,
+        )
+        self._counts_ext, self._chunk_list, self._span = counts, chunk_list, span
+        self._lookup = lookup
 
     def check_integrity(self) -> None:
         """Every chunk is free, fenced, resident or loading, exactly once."""
@@ -306,118 +355,157 @@ class GpuTier:
             assert np.array_equal(owned, np.arange(self.capacity_chunks)), "chunk leak"
             assert not set(self._resident) & set(self._loading), "resident and loading"
             assert self._lookup.sum() == len(self._resident), "stale lookup"
+            served = np.flatnonzero(self._chunk_list < self.nlist)
+            assert len(served) == sum(len(ch) for ch in self._resident.values()), "stale map"
+            assert not len(served) or served.max() < self._span, "span"
 
     # -- scan -----------------------------------------------------------------------------------
+
+    @property
+    def scan_strategy(self) -> str:
+        """``"auto"`` (the cost model picks per batch), ``"grouped"`` or ``"dense"``."""
+        return self._scan
+
+    def set_scan(self, strategy: str) -> None:
+        """Switch the scan strategy (any time; every strategy returns the same results)."""
+        if strategy not in SCANS:
+            raise ValueError(f"scan must be one of {SCANS}, got {strategy!r}")
+        self._scan = strategy
+
+    @property
+    def cost_model(self) -> ScanCostModel | None:
+        """The calibrated model ``scan="auto"`` uses (None before the first calibration)."""
+        return self._model
+
+    @property
+    def model_setting(self) -> tuple:
+        """What a cost model measured here transfers to: device, dtype, metric and shapes."""
+        return (self.device, self.dtype, self.is_l2, self.dim, self.chunk_size)
+
+    def adopt_model(self, model: ScanCostModel | None) -> bool:
+        """Use ``model`` (e.g. the replaced tier's) instead of calibrating, if it fits this
+        tier (``ScanCostModel.fits``); False (nothing changes) otherwise."""
+        if model is None or not model.fits(self.model_setting, self._span * self.chunk_size):
+            return False
+        self._model = model
+        return True
+
+    @property
+    def scan_counts(self) -> dict[str, int]:
+        """Scans run so far by each strategy."""
+        with self._lock:
+            return dict(self._scan_counts)
 
     def scan(
         self, queries: np.ndarray, cluster_ids: np.ndarray, k: int
     ) -> tuple[PendingScan | None, np.ndarray]:
         """Enqueue the scan of every resident list in ``cluster_ids`` (``[n, w]``, ``-1`` pads)
         for ``queries`` (``[n, dim]`` float32). Returns the pending result (``None`` when no
-        probe is resident) and the mask of the probes it covers: the caller scans the rest."""
+        probe is resident) and the mask of the probes it covers: the caller scans the rest.
+        ``scan="auto"`` calibrates its cost model first (outside the lock) if it has none and
+        has not tried yet with lists resident; without a model it scans grouped."""
         cids = np.asarray(cluster_ids, dtype=np.int64)
+        untried = self._model is None and not self._tried_calibration
+        if self._scan == "auto" and untried and self.resident_mask(cids).any():
+            self.calibrate()
         with self._lock:
             on = self.resident_mask(cids)
             if not on.any():
                 return None, on
-            pairs = self._pairs(cids, on)
             q = np.ascontiguousarray(queries, np.float32)
-            return self._enqueue(q, pairs, int(k)), on
+            return self._enqueue(q, np.where(on, cids, self.nlist), int(k), self._scan), on
 
-    def _pairs(self, cids: np.ndarray, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(row, chunk) of every (query, resident chunk) pair, grouped by row."""
-        rows, cols = np.nonzero(on)
-        clusters = cids[rows, cols]
-        cnt = self._counts[clusters]
-        offsets = np.repeat(self._starts[clusters] - (np.cumsum(cnt) - cnt), cnt)
-        chunks = self._table[offsets + np.arange(int(cnt.sum()))]
-        return np.repeat(rows, cnt), chunks
+    def features(self, num_queries: int, plan: GroupedPlan) -> ScanFeatures:
+        """What each strategy would read for a batch whose grouped shapes are ``plan``."""
+        size = self.chunk_size
+        return ScanFeatures(
+            num_queries, self._span * size, plan.num_runs * size, plan.num_slots * size
+        )
 
-    def _enqueue(self, q: np.ndarray, pairs: tuple[np.ndarray, np.ndarray], k: int) -> PendingScan:
+    def _enqueue(
+        self, q: np.ndarray, lc: np.ndarray, k: int, strategy: str, span: int | None = None
+    ) -> PendingScan:
+        """Under the lock: ``lc`` = probed list ids with ``nlist`` for every probe not served
+        here; ``strategy`` as ``set_scan`` (auto resolved here); ``span`` (calibration only)
+        cuts the dense scan's span to its first ``span`` chunks."""
         torch = self._torch
-        rows, chunks = pairs
-        n = len(q)
-        per_row = np.bincount(rows, minlength=n)
-        col = np.arange(len(rows)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-        width, kk = int(per_row.max()), min(k, self.chunk_size)
-        groups, flat = self._plan_groups(rows, chunks, rows * width + col, kk, n * width)
+        plan = None if strategy == "dense" else plan_grouped(lc, self._counts_ext)
+        if strategy == "auto":
+            model = self._model
+            strategy = "grouped" if model is None else model.choose(self.features(len(q), plan))
         dev = self._vectors.device
-        # NOTE: one upload of every index array before the first kernel, and no boolean
-        # masks on the device: nothing here waits for the GPU, so the CPU part of a hybrid
-        # scan runs while these kernels do.
-        qd = torch.from_numpy(q).to(dev, non_blocking=True).to(self._tdtype)
-        qidx, ch, dest = (torch.from_numpy(a).to(dev, non_blocking=True) for a in flat)
-        keys = torch.full(((n * width + 1) * kk,), -np.inf, device=dev)  # + one dump block
-        ids = torch.full(((n * width + 1) * kk,), -1, dtype=torch.int64, device=dev)
-        ar = torch.arange(kk, device=dev)
-        scale = 2.0 if self.is_l2 else 1.0
-        for g, mpad, qa, ca in groups:
-            gq = qidx[qa : qa + g * mpad].view(g, mpad)
-            gc = ch[ca : ca + g]
-            s = torch.bmm(qd[gq], self._vectors[gc].transpose(1, 2)).float()
-            s = s * scale + self._bias[gc][:, None, :]
-            vals, pos = s.topk(kk, dim=-1)
-            found = self._ids[gc].gather(1, pos.view(g, mpad * kk))
-            idx = (dest[qa : qa + g * mpad, None] * kk + ar).view(-1)
-            keys[idx] = vals.reshape(-1)
-            ids[idx] = found.reshape(-1)
-        keys = keys[: n * width * kk].view(n, width * kk)
-        ids = ids[: n * width * kk].view(n, width * kk)
-        top_keys, top_ids = _canonical_topk(torch, keys, ids, k, self.is_l2)
+        qd = upload(torch, q, dev).to(self._tdtype)
+        lcd = upload(torch, lc, dev)
+        pool = self._pool if span is None else self._pool._replace(span=span)
+        if strategy == "dense":
+            keys, ids = dense_scan(torch, pool, qd, lcd, k)
+        else:
+            keys, ids = grouped_scan(torch, pool, qd, lcd, plan, k)
+        self._scan_counts[strategy] += 1
         qnorm = np.einsum("nd,nd->n", q, q) if self.is_l2 else None
-        return PendingScan(top_keys, top_ids, qnorm)
+        return PendingScan(keys, ids, qnorm)
 
-    def _plan_groups(
-        self, rows: np.ndarray, chunks: np.ndarray, target: np.ndarray, kk: int, dump: int
-    ) -> tuple[list[tuple[int, int, int, int]], tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """bmm groups ``(num_chunks, padded queries, offset in qidx/dest, offset in chunks)``
-        and the flat arrays: query row per slot, chunk per group entry, candidate block per
-        slot (``dump`` for padding slots)."""
-        order = np.argsort(chunks, kind="stable")
-        uniq, first, m = np.unique(chunks[order], return_index=True, return_counts=True)
-        by_m = np.argsort(m, kind="stable")  # chunks probed by similar numbers of queries
-        groups, qparts, dparts = [], [], []
-        a = qa = 0
-        while a < len(by_m):
-            b = self._group_end(m, by_m, a)
-            sel = by_m[a:b]
-            mpad = int(m[sel].max())
-            slot = np.arange(mpad)[None, :]
-            valid = slot < m[sel][:, None]
-            pair = order[np.where(valid, first[sel][:, None] + slot, 0)]
-            qparts.append(np.where(valid, rows[pair], 0).ravel())
-            dparts.append(np.where(valid, target[pair], dump).ravel())
-            groups.append((len(sel), mpad, qa, a))
-            qa += len(sel) * mpad
-            a = b
-        flat = (np.concatenate(qparts), uniq[by_m], np.concatenate(dparts))
-        return groups, flat
+    def calibrate(
+        self,
+        points: Sequence[tuple[int, float]] = CALIBRATION_POINTS,
+        *,
+        repeats: int = 2,
+        seed: int = 0,
+    ) -> ScanCostModel | None:
+        """Fit the cost model of ``scan="auto"`` from timed scans of random resident probes:
+        per point ``(batch size, share of the resident lists each query probes)`` (at least one
+        list), each strategy's median of ``repeats`` after one warm-up. None (no model) when
+        nothing is resident. Waits for the device, never under the lock."""
+        if repeats < 1 or len(points) < 3 or min(n for n, _ in points) < 1:
+            raise ValueError(f"points: >= 3 with batch >= 1 and repeats >= 1, got {points}")
+        resident = np.asarray(self.clusters, dtype=np.int64)
+        if not len(resident):
+            return None
+        self._tried_calibration = True
+        rng = np.random.default_rng(seed)
+        samples = []
+        for n, share in points:
+            w = min(len(resident), max(1, int(np.ceil(share * len(resident)))))
+            q = rng.standard_normal((n, self.dim)).astype(np.float32)
+            lc = rng.permuted(np.tile(resident, (n, 1)), axis=1)[:, :w]
+            seconds, features = {}, None
+            for strategy in STRATEGIES:
+                seconds[strategy], features = self._time(strategy, q, lc, repeats)
+            if features is not None and np.isfinite(list(seconds.values())).all():
+                samples.append(ScanSample(features, seconds))
+            half = self._span // 2
+            if n > 1 and half > 0:  # NOTE: a second span, so that d0 and d1 are told apart
+                dense, features = self._time("dense", q, lc, repeats, half)
+                if features is not None and np.isfinite(dense):
+                    samples.append(ScanSample(features, {"dense": dense}))
+        if sum("grouped" in sample.seconds for sample in samples) < 3:
+            return None
+        self._model = ScanCostModel.fit(samples, self.model_setting, self._span * self.chunk_size)
+        logger.info("scan cost model calibrated: %s", self._model)
+        return self._model
 
-    def _group_end(self, m: np.ndarray, by_m: np.ndarray, a: int) -> int:
-        """End of the bmm group starting at ``by_m[a]`` (groups of ascending query counts)."""
-        per_chunk_bytes = self.chunk_size * self.dim * self._vectors.element_size()
-        max_g = max(1, MAX_GROUP_BYTES // per_chunk_bytes)
-        b = min(len(by_m), a + max_g)
-        while b > a + 1 and (b - a) * int(m[by_m[b - 1]]) * self.chunk_size > MAX_GROUP_SCORES:
-            b = a + max(1, MAX_GROUP_SCORES // (int(m[by_m[b - 1]]) * self.chunk_size))
-        return b
-
-
-def _canonical_topk(torch: Any, keys: Any, ids: Any, k: int, is_l2: bool) -> tuple[Any, Any]:
-    """Per row, the ``k`` best keys (larger = better) with ties by id as Faiss orders them
-    (ascending for L2, descending for IP); short rows padded with ``-inf`` / ``-1``."""
-    tie = ids if is_l2 else -ids
-    by_id = torch.sort(tie, dim=1, stable=True).indices
-    k1 = keys.gather(1, by_id)
-    take = min(k, keys.shape[1])
-    by_key = torch.sort(k1, dim=1, descending=True, stable=True).indices[:, :take]
-    final = by_id.gather(1, by_key)
-    top_keys, top_ids = keys.gather(1, final), ids.gather(1, final)
-    if take < k:
-        pad = k - take
-        top_keys = torch.nn.functional.pad(top_keys, (0, pad), value=-np.inf)
-        top_ids = torch.nn.functional.pad(top_ids, (0, pad), value=-1)
-    return top_keys, top_ids
+    def _time(
+        self, strategy: str, q: np.ndarray, lc: np.ndarray, repeats: int, span: int | None = None
+    ) -> tuple[float, ScanFeatures | None]:
+        """Median seconds of a scan (enqueue to result) and its features; (inf, None) when its
+        lists left the tier meanwhile. ``span``: as ``_enqueue`` (its rows in the features)."""
+        times, features = [], None
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            with self._lock:
+                live = np.where(self._lookup[lc], lc, self.nlist)
+                if (live == self.nlist).all():
+                    return np.inf, None
+                features = self.features(len(q), plan_grouped(live, self._counts_ext))
+                if span is not None:
+                    span = min(span, self._span)
+                    features = features._replace(span_rows=span * self.chunk_size)
+                pending = self._enqueue(q, live, 10, strategy, span)
+            pending.result()
+            times.append(time.perf_counter() - t0)
+        with self._lock:
+            self._scan_counts[strategy] -= repeats + 1  # NOTE: calibration is not serving
+        return float(np.median(times[1:])), features
 
 
 class _nullcontext:

@@ -63,6 +63,7 @@ class GpuTierMixin:
         clusters: Sequence[int] | None = None,
         dtype: str = "float32",
         placement: PlacementConfig | None = None,
+        scan: str = "auto",
     ) -> GpuTier:
         """Serve IVF lists from a torch ``device`` within ``budget_bytes`` (replaces any tier).
 
@@ -71,6 +72,8 @@ class GpuTierMixin:
         first) and keeps re-placing them on drift in the background (``placement``). Only
         IVF-Flat lists can be placed (SQ8/PQ codes are not decoded: `ValueError`). ``float32``
         returns Faiss's results; ``float16``/``bfloat16`` halve the bytes at some recall.
+        ``scan`` is the tier's scan strategy (``GpuTier.set_scan``); ``"auto"`` calibrates its
+        cost model here, once the lists are placed, unless the replaced tier's model fits.
         """
         from ragserve.retrieval.gpu_tier import GpuTier
         from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater, plan_placement
@@ -82,6 +85,7 @@ class GpuTierMixin:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | np.integer):
             raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
         pinned = None if clusters is None else _check_clusters(clusters, self.spec.nlist)
+        previous = self._tier.cost_model if self._tier is not None else None
         self.drop_gpu_tier()
         sizes = self.cluster_sizes()
         tier = GpuTier(
@@ -92,6 +96,7 @@ class GpuTierMixin:
             max_chunks=_tier_chunks(sizes if pinned is None else sizes[pinned], 256),
             device=device,
             dtype=dtype,
+            scan=scan,
         )
         counts = self.access_counts.snapshot()
         placement = placement or PlacementConfig()
@@ -112,6 +117,8 @@ class GpuTierMixin:
                 tier.begin_load(c, vectors, ids, pin=False)  # copied before it returns
             tier.wait_idle()
             self._tier = tier
+        if scan == "auto" and not tier.adopt_model(previous):
+            tier.calibrate()
         if pinned is None:
             self._tier_updater = TierUpdater(
                 tier,

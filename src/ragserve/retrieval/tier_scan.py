@@ -1,0 +1,237 @@
+"""The GPU tier's scan strategies over its chunk pool (layout in ``gpu_tier``'s module doc).
+
+Both return, per query, the canonical top-k candidate keys (``key = a * q.x + bias``, larger
+is better) and ids of the resident lists it probed, as tensors on the pool's device:
+
+- ``grouped``: (query, chunk) pairs grouped by chunk; the chunks of lists probed by a similar
+  number of queries (power-of-two buckets) are gathered and scored with one ``bmm`` per group.
+  Reads only the probed chunks, but copies them (the gather).
+- ``dense``: one matmul of the batch against every row of the pool's span (a view: no copy),
+  in slabs of chunks; rows of lists a query did not probe are masked to ``-inf`` before each
+  slab's top-k. Reads every resident row, probed or not.
+
+The host computes only counts (the grouped scan's shapes: pairs, row width, chunks and query
+padding per bucket) from the probe ids it already holds; the pairs, their sort by chunk and the
+gather indices are built on the device, so nothing waits on the GPU or on NumPy sorts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+MAX_GROUP_SCORES = 1 << 26  # (query, row) scores of one bmm group or dense slab
+MAX_GROUP_BYTES = 1 << 29  # vector bytes gathered for one bmm group
+BUCKET_BOUNDS = 1 << np.arange(31, dtype=np.int64)  # bucket b: (2^(b-1), 2^b] queries per list
+NUM_BUCKETS = len(BUCKET_BOUNDS)
+
+
+class Pool(NamedTuple):
+    """A consistent snapshot of the tier's device state for one scan.
+
+    ``counts``/``starts`` (``[nlist + 1]``, the last entry the "not resident" sentinel with
+    count 0) index ``table`` (resident lists' chunks, list by list); ``chunk_list`` (``[C]``)
+    is each chunk's resident list, or ``nlist`` (free, loading, fenced); ``span`` chunks from 0
+    hold every resident chunk."""
+
+    vectors: Any  # [C, S, dim]
+    ids: Any  # [C, S] int64
+    bias: Any  # [C, S] float32
+    counts: Any
+    starts: Any
+    table: Any
+    chunk_list: Any
+    bounds: Any  # BUCKET_BOUNDS on the device
+    nlist: int
+    span: int
+    is_l2: bool
+
+
+class GroupedPlan(NamedTuple):
+    """Host-side shapes of one grouped scan (see ``plan_grouped``)."""
+
+    num_pairs: int  # (query, resident chunk) pairs
+    width: int  # most pairs of one query
+    runs: np.ndarray  # [NUM_BUCKETS] distinct chunks per bucket
+    mpad: np.ndarray  # [NUM_BUCKETS] most queries of one list in the bucket
+    run_offsets: np.ndarray  # [NUM_BUCKETS] first run (distinct chunk) of each bucket
+    slot_offsets: np.ndarray  # [NUM_BUCKETS] first query slot of each bucket
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.runs.sum())
+
+    @property
+    def num_slots(self) -> int:
+        return int((self.runs * self.mpad).sum())
+
+
+def plan_grouped(lc: np.ndarray, counts: np.ndarray) -> GroupedPlan:
+    """Shapes of the grouped scan of ``lc`` (``[n, w]`` list ids, ``nlist`` = not resident),
+    with ``counts`` (``[nlist + 1]``) chunks per resident list: counts only, no sort."""
+    nlist = len(counts) - 1
+    per_row = counts[lc].sum(1)
+    m = np.bincount(lc.ravel(), minlength=nlist + 1)[:nlist]
+    live = np.flatnonzero(m * counts[:nlist])
+    bucket = np.searchsorted(BUCKET_BOUNDS, m[live])
+    runs = np.bincount(bucket, weights=counts[live], minlength=NUM_BUCKETS).astype(np.int64)
+    mpad = np.zeros(NUM_BUCKETS, np.int64)
+    np.maximum.at(mpad, bucket, m[live])
+    run_offsets = np.cumsum(runs) - runs
+    slots = runs * mpad
+    return GroupedPlan(
+        int(per_row.sum()),
+        int(per_row.max()) if len(per_row) else 0,
+        runs,
+        mpad,
+        run_offsets,
+        np.cumsum(slots) - slots,
+    )
+
+
+def grouped_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k: int):
+    """Top-k keys and ids ``[n, k]`` of the resident probes ``lc`` (``[n, w]`` on the device)
+    for queries ``qd`` (``[n, dim]`` in the pool's dtype), by grouped gathers (module doc)."""
+    n = lc.shape[0]
+    dev, size = qd.device, pool.vectors.shape[1]
+    width, kk = plan.width, min(k, size)
+    dump = n * width  # candidate block of padding slots
+    qslot, dslot, run_chunk = _slots(torch, pool, lc, plan, dump)
+    keys = torch.full(((dump + 1) * kk,), -np.inf, device=dev)
+    ids = torch.full(((dump + 1) * kk,), -1, dtype=torch.int64, device=dev)
+    ar = torch.arange(kk, device=dev)
+    for g, mp, qa, ra in _groups(plan, pool, size):
+        gq = qslot[qa : qa + g * mp].view(g, mp)
+        gc = run_chunk[ra : ra + g]
+        s = _score(torch, pool, torch.bmm(qd[gq], pool.vectors[gc].transpose(1, 2)))
+        s += pool.bias[gc][:, None, :]
+        vals, at = s.topk(kk, dim=-1)
+        found = pool.ids[gc].gather(1, at.view(g, mp * kk))
+        idx = (dslot[qa : qa + g * mp, None] * kk + ar).view(-1)
+        keys[idx] = vals.reshape(-1)
+        ids[idx] = found.reshape(-1)
+    keys = keys[: dump * kk].view(n, width * kk)
+    ids = ids[: dump * kk].view(n, width * kk)
+    return canonical_topk(torch, keys, ids, k, pool.is_l2)
+
+
+def _slots(torch: Any, pool: Pool, lc: Any, plan: GroupedPlan, dump: int) -> tuple[Any, Any, Any]:
+    """The grouped scan's index arrays, built on the device::
+
+        runs (distinct chunks) sorted by (bucket, chunk)   run r of bucket b:
+        slots of bucket b: [run][query 0 .. mpad_b)         slot_offsets[b] + r * mpad_b + rank
+
+    ``qslot``: query row per slot (padding: row 0); ``dslot``: candidate block per slot
+    (padding: ``dump``); ``run_chunk``: chunk per run."""
+    n, w = lc.shape
+    dev, num_chunks = lc.device, pool.vectors.shape[0]
+    pair, chunk, dest = _pairs(torch, pool, lc, plan.num_pairs, plan.width)
+    m = torch.zeros(pool.nlist + 1, dtype=torch.int64, device=dev)  # queries per list
+    m.scatter_add_(0, lc.reshape(-1), torch.ones(n * w, dtype=torch.int64, device=dev))
+    bucket = torch.searchsorted(pool.bounds, m[lc.reshape(-1)[pair]])
+    key = bucket * num_chunks + chunk
+    order = torch.sort(key, stable=True).indices
+    key = key[order]
+    first = torch.ones(plan.num_pairs, dtype=torch.bool, device=dev)
+    first[1:] = key[1:] != key[:-1]
+    run = torch.cumsum(first, 0) - 1
+    pos = torch.arange(plan.num_pairs, device=dev)
+    rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
+    tables = np.stack([plan.run_offsets, plan.slot_offsets, plan.mpad])
+    run_offsets, slot_offsets, mpad = upload(torch, tables, dev)
+    b = bucket[order]
+    slot = slot_offsets[b] + (run - run_offsets[b]) * mpad[b] + rank
+    qslot = torch.zeros(plan.num_slots, dtype=torch.int64, device=dev)
+    dslot = torch.full((plan.num_slots,), dump, dtype=torch.int64, device=dev)
+    qslot[slot] = pair[order] // w
+    dslot[slot] = dest[order]
+    run_chunk = torch.zeros(plan.num_runs, dtype=torch.int64, device=dev)
+    run_chunk[run] = chunk[order]
+    return qslot, dslot, run_chunk
+
+
+def _pairs(torch: Any, pool: Pool, lc: Any, num_pairs: int, width: int) -> tuple[Any, Any, Any]:
+    """Every (query, resident chunk) pair: its probe (flat index into ``lc``), its chunk, and
+    its candidate block ``row * width + column`` (pairs numbered per row in probe order)."""
+    n, w = lc.shape
+    dev = lc.device
+    cnt = pool.counts[lc].reshape(-1)
+    flat = torch.arange(n * w, device=dev)
+    pair = torch.repeat_interleave(flat, cnt, output_size=num_pairs)
+    pos = torch.arange(num_pairs, device=dev)
+    within = pos - (torch.cumsum(cnt, 0) - cnt)[pair]
+    chunk = pool.table[pool.starts[lc.reshape(-1)[pair]] + within]
+    per_row = cnt.view(n, w).sum(1)
+    row = pair // w
+    dest = row * width + pos - (torch.cumsum(per_row, 0) - per_row)[row]
+    return pair, chunk, dest
+
+
+def _groups(plan: GroupedPlan, pool: Pool, size: int):
+    """``(chunks, padded queries, first slot, first run)`` of each bmm group: the runs of one
+    bucket, cut so that a group gathers and scores within ``MAX_GROUP_*``."""
+    per_chunk_bytes = size * pool.vectors.shape[2] * pool.vectors.element_size()
+    max_g = max(1, MAX_GROUP_BYTES // per_chunk_bytes)
+    for b in np.flatnonzero(plan.runs):
+        mp, runs = int(plan.mpad[b]), int(plan.runs[b])
+        step = max(1, min(max_g, MAX_GROUP_SCORES // (mp * size)))
+        for r in range(0, runs, step):
+            g = min(step, runs - r)
+            yield g, mp, int(plan.slot_offsets[b]) + r * mp, int(plan.run_offsets[b]) + r
+
+
+def dense_scan(torch: Any, pool: Pool, qd: Any, lc: Any, k: int):
+    """Top-k keys and ids ``[n, k]`` of the resident probes ``lc`` for ``qd``: every row of the
+    pool's span scored in place, unprobed lists masked (module doc)."""
+    n = qd.shape[0]
+    dev, (_, size, dim) = qd.device, pool.vectors.shape
+    probed = torch.zeros((n, pool.nlist + 1), dtype=torch.bool, device=dev)
+    probed.scatter_(1, lc, True)
+    probed[:, pool.nlist] = False
+    step = max(1, MAX_GROUP_SCORES // (n * size))
+    part_keys, part_ids = [], []
+    for a in range(0, pool.span, step):
+        b = min(pool.span, a + step)
+        s = _score(torch, pool, qd @ pool.vectors[a:b].view(-1, dim).T)
+        s += pool.bias[a:b].view(1, -1)
+        keep = probed[:, pool.chunk_list[a:b]]
+        s.view(n, b - a, size).masked_fill_(~keep[:, :, None], -np.inf)
+        vals, at = s.topk(min(k, s.shape[1]), dim=1)
+        part_keys.append(vals)
+        part_ids.append(pool.ids[a:b].reshape(-1)[at])
+    keys = torch.cat(part_keys, 1) if part_keys else torch.full((n, 0), -np.inf, device=dev)
+    ids = torch.cat(part_ids, 1) if part_ids else torch.full((n, 0), -1, device=dev)
+    return canonical_topk(torch, keys, ids.to(torch.int64), k, pool.is_l2)
+
+
+def _score(torch: Any, pool: Pool, products: Any) -> Any:
+    """float32 keys' first term: ``q.x`` (IP) or ``2 q.x`` (L2)."""
+    s = products.float()
+    return s.mul_(2.0) if pool.is_l2 else s
+
+
+def upload(torch: Any, array: np.ndarray, device: Any) -> Any:
+    """``array`` on ``device`` without waiting for it: staged in pinned memory on CUDA (the
+    caching host allocator keeps it until the copy has run)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if host.device.type == "cpu" and torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def canonical_topk(torch: Any, keys: Any, ids: Any, k: int, is_l2: bool) -> tuple[Any, Any]:
+    """Per row, the ``k`` best keys (larger = better) with ties by id as Faiss orders them
+    (ascending for L2, descending for IP); short rows padded with ``-inf`` / ``-1``."""
+    tie = ids if is_l2 else -ids
+    by_id = torch.sort(tie, dim=1, stable=True).indices
+    k1 = keys.gather(1, by_id)
+    take = min(k, keys.shape[1])
+    by_key = torch.sort(k1, dim=1, descending=True, stable=True).indices[:, :take]
+    final = by_id.gather(1, by_key)
+    top_keys, top_ids = keys.gather(1, final), ids.gather(1, final)
+    if take < k:
+        pad = k - take
+        top_keys = torch.nn.functional.pad(top_keys, (0, pad), value=-np.inf)
+        top_ids = torch.nn.functional.pad(top_ids, (0, pad), value=-1)
+    return top_keys, top_ids
