@@ -431,3 +431,20 @@ def test_fused_and_plain_prefills_share_steps(tiny_models):
     fused = [s for s in first.seqs if s.fusion is not None]
     assert len(fused) == 3 and len(first.seqs) == 5  # three fused, two plain in one step
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_dense_switch_gives_the_paged_tokens(tiny_models):
+    """``fusion_paged_prefill=False`` (the dense per-request forward) and the paged path pick
+    the same rows and give the same tokens, with the knowledge tree's tiers."""
+    segs = [_segments(11, o) for o in ORDERS]
+    ratios = [0.3, 0.15, 0.5, 0.0]
+    runs = []
+    for paged in (True, False):
+        engine = _engine(tiny_models["llama"], fusion_paged_prefill=paged)
+        runs.append((_run(engine, segs + segs, ratios + ratios), engine.stats()))
+        assert engine.model_runner.fusion.paged is paged
+        engine.check_integrity()
+    (paged_tokens, paged_stats), (dense_tokens, dense_stats) = runs
+    assert paged_tokens == dense_tokens
+    for key in ("num_fused_tokens", "num_recomputed_tokens", "kv_blocks_used"):
+        assert paged_stats[key] == dense_stats[key]

@@ -160,7 +160,7 @@ class ModelRunner:
             for i, seq in enumerate(out.seqs):
                 if seq.fusion is not None and seq.num_computed_tokens == 0:
                     fused_rows[i] = self.fusion.prepare(
-                        seq.token_ids, seq.fusion, self.kv_caches, seq.block_table,
+                        seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
                         self.backend, seq.passage_blocks,
                     )  # fmt: skip
         input_ids, positions, metadata, logits_rows = self.prepare_inputs(out, fused_rows)

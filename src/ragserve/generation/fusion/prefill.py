@@ -13,6 +13,8 @@
    continues on the paged cache like any request.
 
 ``ratio = 1.0`` recomputes every token: the rows of a full prefill, through the same kernel.
+With ``paged=False`` (``EngineConfig.fusion_paged_prefill``) step 3 is session 1's dense
+per-request forward over the gathered KV instead, and only the last row joins the batch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ragserve.generation.attention.base import BaseAttentionBackend, store_kv
+from ragserve.generation.attention.base import BaseAttentionBackend
 from ragserve.generation.fusion.forward import (
     KVCaches,
     dense_first_layer,
@@ -77,6 +79,7 @@ class FusionRunner:
         *,
         selector: str = "qcfuse",
         probe_layer: int | None = None,
+        paged: bool = True,
     ):
         num_layers = len(model.model.layers)
         if selector not in FUSION_SELECTORS:
@@ -88,6 +91,7 @@ class FusionRunner:
         self.selector = selector
         self.probe_layer = max(1, num_layers // 4) if probe_layer is None else probe_layer
         self.probe_layer = min(self.probe_layer, num_layers - 1)
+        self.paged = paged
         self.num_fused_tokens = 0
         self.num_recomputed_tokens = 0
         self._sift_index: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
@@ -100,33 +104,24 @@ class FusionRunner:
             self.store.put(key, token_ids, kv)
         return kv
 
-    def paged_passage_kv(
-        self,
-        handle: PassageBlocks,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """A passage's KV at positions ``0..n-1`` read from its blocks in the paged cache;
+    def paged_passage_kv(self, handle: PassageBlocks, kv_cache: torch.Tensor) -> torch.Tensor:
+        """A passage's KV at positions ``0..n-1`` read from its blocks in the paged cache
+        ``kv_cache`` (``[2, num_layers, num_blocks, block_size, kv_heads, head_dim]``);
         computed alone first (and written to its unwritten blocks, if any) unless ready."""
+        flat = _flat(kv_cache)
         if handle.is_ready:
-            slots = self._passage_slots(handle, kv_caches, 0)
-            k = torch.stack([kc.view(-1, *kc.shape[2:])[slots] for kc, _ in kv_caches])
-            v = torch.stack([vc.view(-1, *vc.shape[2:])[slots] for _, vc in kv_caches])
-            return torch.stack([k, v])
+            return flat[:, :, self._passage_slots(handle, kv_cache, 0)]
         kv = self._compute_alone(list(handle.token_ids))
         if handle.blocks:
-            first = handle.num_ready_blocks * kv_caches[0][0].shape[1]
-            slots = self._passage_slots(handle, kv_caches, first)
-            for layer, (k_cache, v_cache) in enumerate(kv_caches):
-                store_kv(kv[0, layer, first:], kv[1, layer, first:], k_cache, v_cache, slots)
+            first = handle.num_ready_blocks * kv_cache.shape[3]
+            flat[:, :, self._passage_slots(handle, kv_cache, first)] = kv[:, :, first:]
             handle.num_ready_blocks = len(handle.blocks)
         return kv
 
     @staticmethod
-    def _passage_slots(
-        handle: PassageBlocks, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first: int
-    ) -> torch.Tensor:
-        block_size = kv_caches[0][0].shape[1]
-        dev = kv_caches[0][0].device
+    def _passage_slots(handle: PassageBlocks, kv_cache: torch.Tensor, first: int) -> torch.Tensor:
+        block_size = kv_cache.shape[3]
+        dev = kv_cache.device
         pos = torch.arange(first, len(handle.token_ids), device=dev)
         blocks = torch.tensor(handle.blocks, dtype=torch.long, device=dev)
         return blocks[pos // block_size] * block_size + pos % block_size
@@ -148,7 +143,7 @@ class FusionRunner:
         self,
         token_ids: list[int],
         plan: FusionPlan,
-        kv_caches: KVCaches,
+        kv_cache: torch.Tensor,
         block_table: list[int],
         backend: BaseAttentionBackend,
         passages: list[PassageBlocks] | None = None,
@@ -165,8 +160,10 @@ class FusionRunner:
         like unkeyed ones. Mutates the cache at this sequence's slots and the counters.
         """
         num_tokens = len(token_ids)
-        dev = kv_caches[0][0].device
-        page = kv_caches[0][0].shape[1]
+        dev = kv_cache.device
+        page = kv_cache.shape[3]
+        flat = _flat(kv_cache)
+        kv_caches = [(kv_cache[0, i], kv_cache[1, i]) for i in range(kv_cache.shape[1])]
         table = torch.tensor(block_table, dtype=torch.long, device=dev)
         pos = torch.arange(num_tokens, device=dev)
         slots = table[pos // page] * page + pos % page
@@ -178,10 +175,9 @@ class FusionRunner:
             if passages is None:
                 stored = self.passage_kv(key, token_ids[start:end])
             else:
-                stored = self.paged_passage_kv(passages[i], kv_caches)
-            keys = rotate_keys(stored[0], rotary, start)
-            for layer, (k_cache, v_cache) in enumerate(kv_caches):
-                store_kv(keys[layer], stored[1, layer], k_cache, v_cache, slots[start:end])
+                stored = self.paged_passage_kv(passages[i], kv_cache)
+            flat[0][:, slots[start:end]] = rotate_keys(stored[0], rotary, start).to(flat.dtype)
+            flat[1][:, slots[start:end]] = stored[1].to(flat.dtype)
         in_keyed = [False] * num_tokens
         for start, end, _ in keyed:
             in_keyed[start:end] = [True] * (end - start)
@@ -193,7 +189,21 @@ class FusionRunner:
         rows = sorted(set(base).union(extra))
         self.num_fused_tokens += plan.num_keyed_tokens
         self.num_recomputed_tokens += sum(fused[p] for p in rows)
+        if not self.paged:
+            self._dense_forward(ids, rows, flat, slots)
+            return [num_tokens - 1]
         return rows
+
+    def _dense_forward(
+        self, ids: torch.Tensor, rows: list[int], flat: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """The switched-off path (session 1's): ``rows`` through every layer densely over the
+        sequence's whole KV gathered from the cache (``flat``: ``_flat``), every token's KV
+        written back. The last row then runs once more in the batched forward, over the same
+        keys: the same result."""
+        kv = flat[:, :, slots]
+        forward_rows(self.model, ids, kv, torch.tensor(rows, dtype=torch.long, device=ids.device))
+        flat[:, :, slots] = kv
 
     def _select(
         self,
@@ -260,3 +270,8 @@ class FusionRunner:
         flat = (-1, *k_cache.shape[2:])
         stored = torch.stack([k_cache.view(flat)[slots], v_cache.view(flat)[slots]])
         return kv_deviation(torch.stack([fresh_k, fresh_v]), stored)
+
+
+def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[2, num_layers, num_slots, kv_heads, head_dim]`` view of the paged cache."""
+    return kv_cache.view(2, kv_cache.shape[1], -1, *kv_cache.shape[4:])
