@@ -448,3 +448,41 @@ def test_dense_switch_gives_the_paged_tokens(tiny_models):
     assert paged_tokens == dense_tokens
     for key in ("num_fused_tokens", "num_recomputed_tokens", "kv_blocks_used"):
         assert paged_stats[key] == dense_stats[key]
+
+
+def test_fused_prefills_cost_their_rows_in_the_token_budget(tiny_models):
+    """A budget smaller than one fused prompt still takes several fused prefills in one step:
+    each is charged the rows it computes (``FusionPlan.max_rows``), not its prompt."""
+    segs = [_segments(5, o) for o in ORDERS[:3]]
+    plans = []
+    for s in segs:
+        spans, start = [], 0
+        for seg in s:
+            spans.append((start, start + len(seg.content), seg.key))
+            start += len(seg.content)
+        plans.append(FusionPlan(tuple(spans), 0.1))
+    costs = [p.max_rows(len(_flat(s))) for p, s in zip(plans, segs, strict=True)]
+    assert all(c < len(_flat(s)) for c, s in zip(costs, segs, strict=True))
+    engine = _engine(tiny_models["llama"], max_num_batched_tokens=sum(costs))
+    assert sum(costs) < len(_flat(segs[0]))
+    steps = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(out := schedule()) or out
+    outs = _run_all(engine, segs, 0.1)
+    assert [len(o) for o in outs] == [MAX_TOKENS] * 3
+    assert len(steps[0].seqs) == 3 and steps[0].sample == [True] * 3
+    assert engine.stats()["num_recomputed_tokens"] == sum(
+        sum(math.ceil(0.1 * (e - s)) for s, e, k in p.spans if k) for p in plans
+    )
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def _run_all(engine: LLMEngine, prompts: list, ratio: float) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params, fusion_ratio=ratio)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        engine.check_integrity()
+    return [done[str(i)] for i in range(len(prompts))]

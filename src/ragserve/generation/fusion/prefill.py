@@ -39,6 +39,7 @@ from ragserve.generation.fusion.selectors import (
     FUSION_SELECTORS,
     attention_scores,
     kv_deviation,
+    num_picked,
     pick_rows,
     query_rows,
     received_attention,
@@ -64,6 +65,12 @@ class FusionPlan:
     @property
     def num_keyed_tokens(self) -> int:
         return sum(e - s for s, e, key in self.spans if key is not None)
+
+    def max_rows(self, num_tokens: int) -> int:
+        """Most rows a fused prefill of ``num_tokens`` computes (its token-budget cost): every
+        token outside the keyed spans, the last token, ``ceil(ratio * n)`` of each span."""
+        picked = sum(num_picked(e - s, self.ratio) for s, e, key in self.spans if key is not None)
+        return min(num_tokens, num_tokens - self.num_keyed_tokens + picked + 1)
 
 
 class FusionRunner:
