@@ -35,7 +35,8 @@ def test_cpu_twin_runs_every_configuration(bench_fusion, monkeypatch, tmp_path: 
     argv = ["--preset", "cpu-tiny", "--ratios", "0.5,1", "--selectors", "qcfuse"]
     bench_fusion.main([*argv, "--out", str(out)])
     configs = json.loads(out.read_text())["configs"]
-    assert list(configs) == ["full", "prefix", "fuse-qcfuse-0.5", "fuse-qcfuse-1"]
+    names = ["full", "prefix", "fuse-qcfuse-0.5", "fuse-qcfuse-1", "fuse-qcfuse-dense-1"]
+    assert list(configs) == names
     assert configs["fuse-qcfuse-0.5"] == {"error": "RuntimeError: injected"}
     fused = configs["fuse-qcfuse-1"]
     p = bench_fusion.PRESETS["cpu-tiny"]
@@ -43,7 +44,8 @@ def test_cpu_twin_runs_every_configuration(bench_fusion, monkeypatch, tmp_path: 
     assert fused["counters"]["num_fused_tokens"] == keyed
     assert fused["counters"]["num_recomputed_tokens"] == keyed
     assert fused["counters"]["num_fusion_store_misses"] == 0  # stored by the offline step
-    for name in ("full", "prefix", "fuse-qcfuse-1"):
+    assert configs["fuse-qcfuse-dense-1"]["counters"] == fused["counters"]  # same work
+    for name in ("full", "prefix", "fuse-qcfuse-1", "fuse-qcfuse-dense-1"):
         row = configs[name]
         assert row["ttft_mean_s"] > 0 and row["throughput_req_s"] > 0
         assert row["ttft_speedup_vs_full"] > 0 and row["throughput_vs_prefix"] > 0
@@ -57,6 +59,7 @@ def test_time_budget_skips_the_rest(bench_fusion, tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert all("skipped" in row for row in result["configs"].values())
     num_ratios = len(bench_fusion.PRESETS["cpu-tiny"]["ratios"])
-    assert len(result["configs"]) == 2 + len(bench_fusion.SELECTORS) * num_ratios
+    num_dense = len(bench_fusion.PRESETS["cpu-tiny"]["dense_ratios"])
+    assert len(result["configs"]) == 2 + len(bench_fusion.SELECTORS) * num_ratios + num_dense
     with pytest.raises(ValueError, match="--selectors"):
         bench_fusion.main(["--selectors", "sift2"])

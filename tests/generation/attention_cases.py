@@ -30,8 +30,11 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    scattered: bool = False,
 ) -> Case:
-    """A batch over a cache whose pages are shuffled, with random cached prefixes."""
+    """A batch over a cache whose pages are shuffled, with random cached prefixes; with
+    ``scattered`` each sequence's new tokens are ``query_len`` random positions (increasing,
+    the last at ``seq_len - 1``) given as ``query_positions`` (cache fusion's rows)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-s // page) for _, s in lens]
     num_blocks = sum(blocks_per_seq) + 3
@@ -46,10 +49,15 @@ def make_case(
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)
     num_tokens = sum(q for q, _ in lens)
-    slots = []
+    slots, positions = [], []
     for i, (q_len, seq_len) in enumerate(lens):
-        for t in range(seq_len - q_len, seq_len):
+        chosen = range(seq_len - q_len, seq_len)
+        if scattered:
+            rest = torch.randperm(seq_len - 1, generator=g)[: q_len - 1]
+            chosen = sorted(rest.tolist()) + [seq_len - 1]
+        for t in chosen:
             slots.append(int(tables[i, t // page]) * page + t % page)
+            positions.append(t)
     qsl = [0]
     for q_len, _ in lens:
         qsl.append(qsl[-1] + q_len)
@@ -64,6 +72,9 @@ def make_case(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_lens_cpu=tuple(q for q, _ in lens),
         seq_lens_cpu=tuple(s for _, s in lens),
+        query_positions=(
+            torch.tensor(positions, dtype=torch.int64, device=device) if scattered else None
+        ),
     )
     return Case(
         q=rnd(num_tokens, num_heads, head_dim),
@@ -88,3 +99,6 @@ MIXED = [(1, 37), (13, 13), (1, 1), (40, 95), (7, 200), (1, 130), (64, 64), (3, 
 DECODE = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 333), (1, 64), (1, 1000)]
 PREFILL = [(130, 130), (77, 77)]
 CHUNKED = [(33, 160), (16, 16 + 48), (5, 300)]
+# Cache fusion's scattered rows (``scattered=True``): few rows over long prompts, a whole
+# prompt, one row (the last token only), beside rows of ordinary shape.
+SCATTERED = [(40, 300), (130, 130), (1, 77), (9, 20), (64, 1000), (3, 3)]

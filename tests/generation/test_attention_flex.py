@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import CHUNKED, DECODE, MIXED, PREFILL, make_case, run_backend
+from attention_cases import CHUNKED, DECODE, MIXED, PREFILL, SCATTERED, make_case, run_backend
 
 from ragserve.generation.attention import get_backend
 
@@ -13,6 +13,10 @@ CASES = {"mixed": MIXED, "decode": DECODE, "prefill": PREFILL, "chunked": CHUNKE
 
 def _check(lens, *, device: str, dtype: torch.dtype, atol: float, **shape) -> None:
     case = make_case(lens, device=device, dtype=dtype, **shape)
+    _compare(case, atol)
+
+
+def _compare(case, atol: float) -> None:
     ref_out, ref_k, ref_v = run_backend(get_backend("torch_ref"), case)
     backend = get_backend("flex")
     backend.prepare(case.metadata)
@@ -25,6 +29,12 @@ def _check(lens, *, device: str, dtype: torch.dtype, atol: float, **shape) -> No
 @pytest.mark.parametrize("kind", ["mixed", "chunked"])
 def test_cpu_matches_reference(kind: str) -> None:
     _check(CASES[kind], device="cpu", dtype=torch.float32, atol=1e-4, num_heads=4, head_dim=16)
+
+
+def test_query_positions_match_reference() -> None:
+    """Cache fusion's scattered rows (``query_positions``) mask like the reference."""
+    case = make_case(SCATTERED[:4], num_heads=4, head_dim=16, scattered=True)
+    _compare(case, atol=1e-4)
 
 
 def test_layout_is_reused_within_a_step() -> None:

@@ -69,3 +69,29 @@ def test_chunked_paged_attention_matches_dense():
     )
     out = backend.forward(q0[6:], full_k[6:], full_v[6:], k_cache, v_cache, md, dim**-0.5)
     torch.testing.assert_close(out, _dense(q0, full_k, full_v, 2, 0)[6:])
+
+
+def test_query_positions_match_dense_masked_attention():
+    """Scattered new tokens (cache fusion's rows) over a cache filled elsewhere: query ``j``
+    sees exactly the keys at positions ``<= query_positions[j]``, in float64 by hand."""
+    from attention_cases import SCATTERED, make_case, run_backend
+
+    case = make_case(SCATTERED, num_heads=4, num_kv_heads=2, head_dim=8, page=8, scattered=True)
+    out, k_cache, v_cache = run_backend(get_backend("torch_ref"), case)
+    md = case.metadata
+    flat_k = k_cache.reshape(-1, *k_cache.shape[2:]).double()
+    flat_v = v_cache.reshape(-1, *v_cache.shape[2:]).double()
+    new_slots = set(md.slot_mapping.tolist())
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu, strict=True)):
+        pos = torch.arange(seq_len)
+        slots = md.block_tables[i, pos // 8].long() * 8 + pos % 8
+        keys = flat_k[slots].repeat_interleave(2, 1)  # [seq_len, heads, dim]
+        values = flat_v[slots].repeat_interleave(2, 1)
+        for j in range(start, start + q_len):
+            p = int(md.query_positions[j])
+            assert int(slots[p]) in new_slots  # the query's own key was stored this step
+            scores = torch.einsum("hd,nhd->hn", case.q[j].double(), keys[: p + 1]) * case.scale
+            want = torch.einsum("hn,nhd->hd", scores.softmax(-1), values[: p + 1])
+            torch.testing.assert_close(out[j].double(), want, atol=1e-5, rtol=0)
+        start += q_len

@@ -13,18 +13,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from attention_cases import CHUNKED, DECODE, MIXED, PREFILL, make_case, run_backend
+from attention_cases import (
+    CHUNKED,
+    DECODE,
+    MIXED,
+    PREFILL,
+    SCATTERED,
+    make_case,
+    run_backend,
+)
 
 from ragserve.generation.attention import get_backend
 
 HERE = Path(__file__).parent
 CASES = {"mixed": MIXED, "decode": DECODE, "prefill": PREFILL, "chunked": CHUNKED}
+SCATTERED_SMALL = [(q, min(s, 70)) for q, s in SCATTERED if min(s, 70) >= q]
 
 
-def _check(lens, *, device, dtype, atol, backend=None, **shape) -> None:
+def _check(lens, *, device, dtype, atol, backend=None, scattered=False, **shape) -> None:
     from ragserve.generation.attention.triton_backend import TritonBackend
 
-    case = make_case(lens, device=device, dtype=dtype, **shape)
+    case = make_case(lens, device=device, dtype=dtype, scattered=scattered, **shape)
     ref_out, ref_k, ref_v = run_backend(get_backend("torch_ref"), case)
     out, k_cache, v_cache = run_backend(backend or TritonBackend(), case)
     assert out.shape == ref_out.shape and out.dtype == ref_out.dtype
@@ -91,10 +100,16 @@ def interpreter_checks() -> None:
     _check([(9, 20), (1, 5), (6, 6)], device="cpu", dtype=torch.float32, atol=1e-4,
            backend=small_q, num_heads=6, num_kv_heads=2, head_dim=24, page=4)  # fmt: skip
     _check_padding_rows("cpu", torch.float32)
+    _check(SCATTERED_SMALL, device="cpu", dtype=torch.float32, atol=1e-4, scattered=True,
+           backend=small_q, num_heads=4, head_dim=16, page=8)  # fmt: skip
+    _check([(9, 20), (1, 5), (5, 40)], device="cpu", dtype=torch.float32, atol=1e-4,
+           scattered=True, backend=small_q, num_heads=6, num_kv_heads=2, head_dim=24,
+           page=4)  # fmt: skip
 
 
 def test_interpreter_matches_reference() -> None:
-    """Mixed, decode and chunked batches, split-KV, MHA and odd head sizes, on CPU."""
+    """Mixed, decode and chunked batches, split-KV, MHA and odd head sizes, cache fusion's
+    scattered rows (per-query positions), on CPU."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
@@ -128,3 +143,17 @@ def test_gpu_split_kv(splits: int) -> None:
     backend = TritonBackend(decode=KernelConfig(block_q=1, block_n=64, num_splits=splits))
     _check(DECODE, device="cuda", dtype=torch.bfloat16, atol=2e-2, backend=backend,
            num_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_query_positions_match_reference(dtype: torch.dtype) -> None:
+    """Cache fusion's scattered rows through the compiled prefill kernel (Llama-8B heads too),
+    and a batch of several fused prefills' rows beside ordinary chunks."""
+    atol = 2e-5 if dtype == torch.float32 else 2e-2
+    _check(SCATTERED, device="cuda", dtype=dtype, atol=atol, scattered=True)
+    _check(SCATTERED, device="cuda", dtype=dtype, atol=atol, scattered=True, num_heads=32,
+           num_kv_heads=8, head_dim=128)  # fmt: skip
+    fused_batch = [(832, 5184), (800, 5184), (65, 65), (1, 900)]
+    _check(fused_batch, device="cuda", dtype=dtype, atol=atol, scattered=True, num_heads=32,
+           num_kv_heads=8, head_dim=128)  # fmt: skip

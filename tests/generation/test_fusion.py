@@ -312,3 +312,177 @@ def _ids(engine: LLMEngine, segs: list[Segment]) -> list[int]:
     from ragserve.generation.fusion import tokenize_segments
 
     return tokenize_segments(segs, engine._tokenize_segment)[0]
+
+
+def _dense_fused_logits(runner, token_ids: list[int], plan: FusionPlan, rows: list[int]):
+    """The oracle of a fused prefill (session 1's path): a dense KV of the whole prompt with
+    the stored passages re-rotated, ``rows`` recomputed at every layer by ``forward_rows``;
+    the last token's logits and the dense stored KV (untouched by the rows)."""
+    from ragserve.generation.fusion.forward import forward_rows
+
+    model = runner.model
+    kv = runner._empty_kv(len(token_ids))
+    for start, end, key in plan.spans:
+        if key is not None:
+            stored = runner.store.get(key, token_ids[start:end])
+            kv[0, :, start:end] = rotate_keys(stored[0], model.model.rotary, start)
+            kv[1, :, start:end] = stored[1]
+    ids = torch.tensor(token_ids)
+    hidden, _ = forward_rows(model, ids, kv.clone(), torch.tensor(rows))
+    return model.compute_logits(model.model.norm(hidden[-1:]))[0], kv, ids
+
+
+def _dense_qcfuse_scores(runner, kv, ids, plan: FusionPlan) -> torch.Tensor:
+    """Session 1's QCFuse scores: the unkeyed rows densely up to the probe layer."""
+    from ragserve.generation.fusion.forward import forward_rows
+
+    keyed = torch.zeros(len(ids), dtype=torch.bool)
+    for start, end, key in plan.spans:
+        if key is not None:
+            keyed[start:end] = True
+    keyed[-1] = False
+    base = (~keyed).nonzero().flatten()
+    _, probs = forward_rows(runner.model, ids, kv.clone(), base, probe_layer=runner.probe_layer)
+    query = torch.tensor(query_rows(plan.spans, len(ids)))
+    return attention_scores(probs, base, query)
+
+
+@pytest.mark.parametrize("selector", ["qcfuse", "cacheblend"])
+def test_paged_fused_prefill_equals_dense_oracle(selector, tiny_models):
+    """Below ratio 1 the paged fused prefill (rows batched with other requests, per-query
+    positions) gives the first-token logits of the dense oracle with the same rows; the
+    QCFuse-style rows equal the dense probe's."""
+    engine = _engine(tiny_models["qwen3"], enable_knowledge_tree=False, fusion_selector=selector)
+    runner = engine.model_runner.fusion
+    picked: dict[tuple[int, ...], list[int]] = {}
+    prepare = runner.prepare
+
+    def spy(token_ids, *args, **kw):
+        picked[tuple(token_ids)] = rows = prepare(token_ids, *args, **kw)
+        return rows
+
+    runner.prepare = spy
+    first: dict[str, torch.Tensor] = {}
+
+    def hook(seqs, logits):
+        for seq, row in zip(seqs, logits, strict=True):
+            first.setdefault(seq.request_id, row.clone())
+
+    engine.model_runner.logits_hook = hook
+    segs = [_segments(7, o) for o in ORDERS]
+    ratios = [0.3, 0.15, 0.5, 0.3]
+    _run(engine, segs + segs, ratios + ratios)  # the second round reuses stored passages
+    for i in range(len(segs), 2 * len(segs)):
+        seq_ids = _flat(segs[i % len(segs)])
+        rows = picked[tuple(seq_ids)]
+        spans, start = [], 0
+        for seg in segs[i % len(segs)]:
+            spans.append((start, start + len(seg.content), seg.key))
+            start += len(seg.content)
+        plan = FusionPlan(tuple(spans), ratios[i % len(segs)])
+        want, kv, ids = _dense_fused_logits(runner, seq_ids, plan, rows)
+        torch.testing.assert_close(first[str(i)], want, atol=1e-4, rtol=1e-4)
+        if selector == "qcfuse":  # a top share by the dense scores (near-ties either way)
+            scores = _dense_qcfuse_scores(runner, kv, ids, plan)
+            for start, end, key in plan.spans:
+                if key is None:
+                    continue
+                took = [p for p in range(start, end) if p in rows]
+                left = [p for p in range(start, end) if p not in rows]
+                assert len(took) == math.ceil(plan.ratio * (end - start) - 1e-9)
+                if took and left:
+                    assert scores[took].min() >= scores[left].max() - 1e-5
+        assert len(rows) < len(seq_ids)  # some stored rows kept: not a full prefill
+
+
+def test_fused_and_plain_prefills_share_steps(tiny_models):
+    """Several fused requests (two selectors' worth of ratios) and ordinary prefills enter at
+    once and run in the same steps; each one's tokens equal its run alone, and every block
+    is freed."""
+    path = tiny_models["llama"]
+    segs = [_segments(3, o) for o in ORDERS]
+    prompts = [segs[0], segs[1], _flat(segs[2]), segs[3], _flat(segs[0])]
+    ratios = [0.3, 0.0, None, 1.0, None]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = []
+    for prompt, ratio in zip(prompts, ratios, strict=True):
+        engine = _engine(path, enable_knowledge_tree=False)
+        for seg in segs[0] + segs[1] + segs[3]:  # store every passage first, as below
+            if seg.key is not None:
+                engine.model_runner.fusion.passage_kv(seg.key, seg.content)
+        engine.add_request("x", prompt, params, fusion_ratio=ratio)
+        (out,) = [o for _ in range(MAX_TOKENS + 1) for o in engine.step() if o.finished]
+        alone.append(out.token_ids)
+    engine = _engine(path, enable_knowledge_tree=False)
+    for seg in segs[0] + segs[1] + segs[3]:
+        if seg.key is not None:
+            engine.model_runner.fusion.passage_kv(seg.key, seg.content)
+    steps = []
+    step = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(out := step()) or out
+    for i, (prompt, ratio) in enumerate(zip(prompts, ratios, strict=True)):
+        engine.add_request(str(i), prompt, params, fusion_ratio=ratio)
+    together: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        together.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        engine.check_integrity()
+    assert [together[str(i)] for i in range(len(prompts))] == alone
+    first = steps[0]
+    fused = [s for s in first.seqs if s.fusion is not None]
+    assert len(fused) == 3 and len(first.seqs) == 5  # three fused, two plain in one step
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_dense_switch_gives_the_paged_tokens(tiny_models):
+    """``fusion_paged_prefill=False`` (the dense per-request forward) and the paged path pick
+    the same rows and give the same tokens, with the knowledge tree's tiers."""
+    segs = [_segments(11, o) for o in ORDERS]
+    ratios = [0.3, 0.15, 0.5, 0.0]
+    runs = []
+    for paged in (True, False):
+        engine = _engine(tiny_models["llama"], fusion_paged_prefill=paged)
+        runs.append((_run(engine, segs + segs, ratios + ratios), engine.stats()))
+        assert engine.model_runner.fusion.paged is paged
+        engine.check_integrity()
+    (paged_tokens, paged_stats), (dense_tokens, dense_stats) = runs
+    assert paged_tokens == dense_tokens
+    for key in ("num_fused_tokens", "num_recomputed_tokens", "kv_blocks_used"):
+        assert paged_stats[key] == dense_stats[key]
+
+
+def test_fused_prefills_cost_their_rows_in_the_token_budget(tiny_models):
+    """A budget smaller than one fused prompt still takes several fused prefills in one step:
+    each is charged the rows it computes (``FusionPlan.max_rows``), not its prompt."""
+    segs = [_segments(5, o) for o in ORDERS[:3]]
+    plans = []
+    for s in segs:
+        spans, start = [], 0
+        for seg in s:
+            spans.append((start, start + len(seg.content), seg.key))
+            start += len(seg.content)
+        plans.append(FusionPlan(tuple(spans), 0.1))
+    costs = [p.max_rows(len(_flat(s))) for p, s in zip(plans, segs, strict=True)]
+    assert all(c < len(_flat(s)) for c, s in zip(costs, segs, strict=True))
+    engine = _engine(tiny_models["llama"], max_num_batched_tokens=sum(costs))
+    assert sum(costs) < len(_flat(segs[0]))
+    steps = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(out := schedule()) or out
+    outs = _run_all(engine, segs, 0.1)
+    assert [len(o) for o in outs] == [MAX_TOKENS] * 3
+    assert len(steps[0].seqs) == 3 and steps[0].sample == [True] * 3
+    assert engine.stats()["num_recomputed_tokens"] == sum(
+        sum(math.ceil(0.1 * (e - s)) for s, e, k in p.spans if k) for p in plans
+    )
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def _run_all(engine: LLMEngine, prompts: list, ratio: float) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params, fusion_ratio=ratio)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        engine.check_integrity()
+    return [done[str(i)] for i in range(len(prompts))]

@@ -75,6 +75,9 @@ class EngineConfig:
     fusion_probe_layer: int | None = None
     fusion_kv_cache_bytes: int = 256 * 1024**2
     fusion_host_kv_cache_bytes: int = 0
+    # True: a fused prefill's rows run in the step's batched forward through the paged backend
+    # (per-query positions); False: session 1's dense per-request forward (the oracle path).
+    fusion_paged_prefill: bool = True
     # A step that raises fails only the requests that make it raise (``step_isolation.py``);
     # off: the exception leaves ``step()`` and the caller fails the whole step.
     enable_step_isolation: bool = True

@@ -88,9 +88,12 @@ class ModelRunner:
         self.graph_runner.capture()
 
     def prepare_inputs(
-        self, out: SchedulerOutput
+        self, out: SchedulerOutput, fused_rows: dict[int, list[int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat ``input_ids``, ``positions``, the step's metadata and the rows to sample."""
+        """Flat ``input_ids``, ``positions``, the step's metadata and the rows to sample.
+        ``fused_rows``: sequence index -> the positions a fused prefill computes (its whole
+        prompt is scheduled; only those rows run, with per-query positions)."""
+        fused_rows = fused_rows or {}
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -98,32 +101,43 @@ class ModelRunner:
         query_start, seq_lens, logits_rows = [0], [], []
         max_blocks = max(len(s.block_table) for s in out.seqs)
         tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)
+        query_lens: list[int] = []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
             tables[i, : len(table)] = table
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            if n == 1:  # decode: plain ints are far cheaper than numpy per sequence
+            if i in fused_rows:
+                pos = np.asarray(fused_rows[i], dtype=np.int64)
+                ids.extend(np.asarray(seq.token_ids)[pos].tolist())
+                positions.extend(fused_rows[i])
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+                n = len(pos)
+            elif n == 1:  # decode: plain ints are far cheaper than numpy per sequence
+                ids.append(seq.token_ids[start])
+                positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
                 pos = np.arange(start, end)
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+            query_lens.append(n)
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             if out.sample[i]:
                 logits_rows.append(query_start[-1] - 1)
         dev = self.device
+        positions_t = _to(np.asarray(positions, dtype=np.int64), dev)
         metadata = AttentionMetadata(
             query_start_loc=_to(np.asarray(query_start, dtype=np.int32), dev),
             seq_lens=_to(np.asarray(seq_lens, dtype=np.int32), dev),
             block_tables=_to(tables, dev),
             slot_mapping=_to(np.asarray(slots, dtype=np.int64), dev),
-            query_lens_cpu=tuple(out.num_scheduled_tokens),
+            query_lens_cpu=tuple(query_lens),
             seq_lens_cpu=tuple(seq_lens),
+            query_positions=positions_t if fused_rows else None,
         )
         input_ids = _to(np.asarray(ids, dtype=np.int64), dev)
-        positions_t = _to(np.asarray(positions, dtype=np.int64), dev)
         return input_ids, positions_t, metadata, _to(np.asarray(logits_rows, dtype=np.int64), dev)
 
     def run_model(
@@ -137,54 +151,28 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> list[int]:
         """Sampled tokens of the sequences with ``out.sample`` set, in order. A sequence with a
-        fusion plan and nothing computed yet takes the fused prefill (``fusion/``) instead of
-        the batched forward; the rest of the step runs batched as usual."""
+        fusion plan and nothing computed yet is a fused prefill: its stored passage KV is
+        written and its rows chosen first (``fusion/``), then those rows run in the step's
+        batched forward beside the other sequences."""
         faults.check("forward", out.seqs)
-        fused = [
-            i
-            for i, s in enumerate(out.seqs)
-            if s.fusion is not None and s.num_computed_tokens == 0 and self.fusion is not None
-        ]
-        plain = _drop(out, fused) if fused else out
-        rows: dict[int, torch.Tensor] = {}
-        if not plain.is_empty:
-            input_ids, positions, metadata, logits_rows = self.prepare_inputs(plain)
-            hidden = self.run_model(input_ids, positions, metadata)
-            sampled_ids = [id(s) for s, f in zip(plain.seqs, plain.sample, strict=True) if f]
-            rows = dict(zip(sampled_ids, hidden[logits_rows], strict=True))
-        for i in fused:
-            rows[id(out.seqs[i])] = self._fused_prefill(out.seqs[i])
+        fused_rows: dict[int, list[int]] = {}
+        if self.fusion is not None:
+            for i, seq in enumerate(out.seqs):
+                if seq.fusion is not None and seq.num_computed_tokens == 0:
+                    fused_rows[i] = self.fusion.prepare(
+                        seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
+                        self.backend, seq.passage_blocks,
+                    )  # fmt: skip
+        input_ids, positions, metadata, logits_rows = self.prepare_inputs(out, fused_rows)
+        hidden = self.run_model(input_ids, positions, metadata)
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
         if not sampled:
             return []
-        logits = self.model.compute_logits(torch.stack([rows[id(s)] for s in sampled]))
+        logits = self.model.compute_logits(hidden[logits_rows])
         if self.logits_hook is not None:
             self.logits_hook(sampled, logits)
         faults.check("sample", sampled)
         return self.sampler(logits, [s.request_id for s in sampled], [s.params for s in sampled])
-
-    def _fused_prefill(self, seq: Sequence) -> torch.Tensor:
-        """Final hidden state of the last token after a fused prefill of the whole sequence."""
-        bs = self.block_size
-        pos = np.arange(seq.num_tokens)
-        slots = np.asarray(seq.block_table)[pos // bs] * bs + pos % bs
-        return self.fusion.prefill(
-            seq.token_ids,
-            seq.fusion,
-            self.kv_caches,
-            _to(slots.astype(np.int64), self.device),
-            seq.passage_blocks,
-        )
-
-
-def _drop(out: SchedulerOutput, indices: list[int]) -> SchedulerOutput:
-    dropped = set(indices)
-    keep = [i for i in range(len(out.seqs)) if i not in dropped]
-    return SchedulerOutput(
-        [out.seqs[i] for i in keep],
-        [out.num_scheduled_tokens[i] for i in keep],
-        [out.sample[i] for i in keep],
-    )
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -6,10 +6,10 @@ order; when the KV pool is full the newest running request is preempted (its blo
 freed, it returns to the front of the waiting queue and is recomputed later, its prefix
 usually still cached). Waiting requests are admitted only when nobody was preempted.
 
-A request with a fusion plan (cache fusion) is admitted only when its whole prompt can be
-prefilled in one step, and never touches the prefix cache (its KV is approximate). With the
-knowledge tree's tiers its passages' stored KV is held from admission to the end of that
-step (``acquire_passages`` / ``release_passages``).
+A request with a fusion plan (cache fusion) is prefilled whole in one step, charged to the
+token budget for the rows it computes (``FusionPlan.max_rows``), and never touches the prefix
+cache (its KV is approximate). With the knowledge tree's tiers its passages' stored KV is held
+from admission to the end of that step (``acquire_passages`` / ``release_passages``).
 
 Cache-aware admission (RAGCache, switchable): among the first ``lookahead`` waiting requests
 the one with the largest cached share of its tokens goes first (ties: arrival order; shares
@@ -121,9 +121,12 @@ class Scheduler:
             seq = self.waiting[index]
             num_hit = len(hit_blocks) * self.block_manager.block_size
             n = min(seq.num_tokens - num_hit, budget)
-            if seq.fusion is not None and n < seq.num_tokens:
-                # NOTE: a fused prefill runs whole; alone in a step it may pass the budget.
-                if seqs:
+            cost = n
+            if seq.fusion is not None:
+                # NOTE: a fused prefill runs whole but computes only its rows (the budget's
+                # cost); alone in a step it may pass the budget.
+                cost = seq.fusion.max_rows(seq.num_tokens)
+                if cost > budget and seqs:
                     break
                 n = seq.num_tokens
             swaps = self.block_manager.num_swap_in_blocks(hit_blocks)
@@ -147,7 +150,7 @@ class Scheduler:
                 continue  # its KV loads during this step; it computes from the next one
             seqs.append(seq)
             counts.append(n)
-            budget -= n
+            budget -= cost
         sample = [
             s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts, strict=True)
         ]

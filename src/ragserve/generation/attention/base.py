@@ -16,6 +16,17 @@ prefill chunk, or 1 for decode) and attends to ``seq_lens[i]`` keys::
 
 New token ``j`` (0-based) sits at position ``seq_len - query_len + j`` and sees every kv
 position up to and including its own (causal).
+
+Per-query positions (``query_positions``, cache fusion): the new tokens may instead be any
+positions of the sequence, e.g. the recomputed rows of a fused prefill, with every other
+position's key/value already in the cache; new token ``j`` then sits at
+``query_positions[j]`` and sees every kv position ``<= query_positions[j]``::
+
+    kv positions   0 ..................................................... seq_len - 1
+                   [ cached | new | cached ......... | new | cached | new new new ]
+
+A sequence's new positions are increasing and its last is ``seq_len - 1``, so a one-token
+query is an ordinary decode token (decode kernels and CUDA graphs ignore the field).
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]: flat cache slot of each new token
     query_lens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
+    # int64 [num_tokens]: kv position of each new token when not the last ``query_len`` ones
+    query_positions: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

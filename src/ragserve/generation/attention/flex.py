@@ -63,8 +63,12 @@ def build_layout(metadata: AttentionMetadata, page: int) -> _StepLayout:
     doc = kv_doc.clamp(min=0)
     pages = metadata.block_tables[doc, kv_pos // page].long()
     kv_slots = torch.where(real, pages * page + kv_pos % page, 0)
-    # kv position of each query token: context before the new tokens + its index among them
-    q_pos = q_tok + (metadata.seq_lens - q_lens).long()[q_doc.clamp(min=0)]
+    # kv position of each query token: context before the new tokens + its index among them,
+    # or the step's per-query positions (cache fusion)
+    if metadata.query_positions is None:
+        q_pos = q_tok + (metadata.seq_lens - q_lens).long()[q_doc.clamp(min=0)]
+    else:
+        q_pos = torch.cat([metadata.query_positions.long(), q_tok[metadata.num_tokens :]])
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = (q_doc[q_idx] == kv_doc[kv_idx]) & (q_doc[q_idx] >= 0)

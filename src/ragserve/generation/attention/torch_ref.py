@@ -1,4 +1,5 @@
-"""Reference paged attention: gather each sequence's blocks, then SDPA with a causal offset.
+"""Reference paged attention: gather each sequence's blocks, then SDPA with a causal offset
+(or the per-query positions of ``AttentionMetadata.query_positions``).
 
 Runs anywhere (CPU tests, and the oracle for faster backends); one SDPA call per sequence.
 """
@@ -40,7 +41,10 @@ class TorchRefBackend(BaseAttentionBackend):
             vi = gather_context(v_cache, metadata.block_tables[i], seq_len)
             ki = ki.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
             vi = vi.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            if metadata.query_positions is None:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            else:
+                q_pos = metadata.query_positions[start : start + q_len]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
             out[start : start + q_len] = oi.transpose(0, 1)

@@ -1,7 +1,8 @@
 """Paged attention through the Triton unified kernel (``triton_kernels``), registered "triton".
 
 Decode-only steps launch one program per (sequence, kv head, split); other steps (prefill
-chunks, mixed batches) launch one per (query block, kv head). On CPU tensors the same kernels
+chunks, mixed batches, cache fusion's scattered rows with ``query_positions``) launch one per
+(query block, kv head). On CPU tensors the same kernels
 run under Triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is imported
 (slow; for tests only).
 """
@@ -116,6 +117,8 @@ def unified_attention(
     else:
         num_q_blocks = num_tokens // block_q + num_seqs
         splits = config.num_splits or 1
+    has_q_pos = metadata.query_positions is not None and not is_decode
+    q_pos = metadata.query_positions if has_q_pos else metadata.slot_mapping  # unused if not
     out = torch.empty_like(q)
     if splits > 1:
         part_out = torch.empty(
@@ -130,12 +133,12 @@ def unified_attention(
         launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     attn_kernel[(num_q_blocks, num_kv_heads, splits)](
         q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        out, part_out, part_lse, scale, num_seqs,
+        q_pos, out, part_out, part_lse, scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, PAGE=page,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=config.block_n, NUM_SPLITS=splits,
-        IS_DECODE=is_decode,
+        IS_DECODE=is_decode, HAS_Q_POS=has_q_pos,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **launch,
     )  # fmt: skip

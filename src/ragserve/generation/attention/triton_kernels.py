@@ -17,6 +17,10 @@ Split-KV ("flash decoding"): with ``NUM_SPLITS > 1`` the context tiles of each q
 divided between ``NUM_SPLITS`` programs that write normalised partial outputs and their
 log-sum-exp; ``_combine_kernel`` merges them. The split range is derived from ``seq_len`` in
 the kernel, so one launch shape serves every context length.
+
+Per-query positions (``HAS_Q_POS``, cache fusion's recomputed rows; prefill launches only):
+query token ``t`` sits at ``q_pos[t]`` rather than ``seq_len - q_len + local index``; the
+causal mask compares key positions with it, and a block reads keys up to its largest one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def unified_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    q_pos_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -56,6 +61,7 @@ def unified_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IS_DECODE: tl.constexpr,
+    HAS_Q_POS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     qb = tl.program_id(0)
@@ -90,7 +96,6 @@ def unified_attention_kernel(
     tok = local * BLOCK_Q + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
-    q_pos = ctx_before + tok
     d = tl.arange(0, HEAD_DIM_P)
     d_ok = d < HEAD_DIM
     q_tok = (q_start + tok).to(tl.int64)
@@ -100,7 +105,12 @@ def unified_attention_kernel(
         other=0.0,
     )
     # keys this block can see end after its last query token (causal)
-    kv_end = tl.minimum(ctx_before + (local + 1) * BLOCK_Q, seq_len)
+    if HAS_Q_POS:
+        q_pos = tl.load(q_pos_ptr + q_tok, mask=row_ok, other=0).to(tl.int32)
+        kv_end = tl.minimum(tl.max(q_pos, 0) + 1, seq_len)
+    else:
+        q_pos = ctx_before + tok
+        kv_end = tl.minimum(ctx_before + (local + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     if NUM_SPLITS > 1:
         per_split = tl.cdiv(num_tiles, NUM_SPLITS)

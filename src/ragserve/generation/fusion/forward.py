@@ -1,6 +1,13 @@
-"""Dense forward of one sequence where only some tokens are (re)computed.
+"""Partial forwards of one sequence for cache fusion.
 
-The sequence's KV for every layer is a dense tensor ``kv`` of shape ``[2, num_layers,
+Request path (paged, ``probe_attention`` and ``dense_first_layer``): the QCFuse probe runs
+the unkeyed rows through the first layers over the sequence's paged cache with per-query
+positions (the engine's attention backend, as the main fused forward in ``ModelRunner``) and
+computes one layer's attention probabilities for the question's rows only; the CacheBlend
+score runs every token through the first layer (one causal attention, no cache).
+
+Passage alone (``forward_rows``, dense, when a passage is first stored or indexed): the
+sequence's KV for every layer is a dense tensor ``kv`` of shape ``[2, num_layers,
 num_tokens, num_kv_heads, head_dim]`` (keys after RoPE). ``rows`` (sorted positions) are
 the tokens computed: at each layer their fresh keys/values overwrite ``kv`` and they attend,
 causally by position, to every token's entry in ``kv``; the other tokens keep whatever
@@ -17,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ragserve.generation.attention.base import (
+    AttentionMetadata,
+    BaseAttentionBackend,
+    store_kv,
+)
 from ragserve.generation.models.layers import RotaryEmbedding
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def rotate_keys(keys: torch.Tensor, rotary: RotaryEmbedding, delta: int) -> torch.Tensor:
@@ -103,3 +117,80 @@ def forward_rows(
         x = x + attn.o_proj(out.reshape(len(rows), attn.q_size))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x, probs
+
+
+def rows_metadata(
+    rows: torch.Tensor, num_tokens: int, slots: torch.Tensor, block_table: torch.Tensor
+) -> AttentionMetadata:
+    """One sequence of ``num_tokens`` whose new tokens are ``rows`` (sorted positions, the last
+    ``num_tokens - 1``) with per-query positions; ``slots``: every position's flat slot."""
+    dev = rows.device
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, len(rows)], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+        block_tables=block_table[None].to(torch.int32),
+        slot_mapping=slots[rows],
+        query_lens_cpu=(len(rows),),
+        seq_lens_cpu=(num_tokens,),
+        query_positions=rows,
+    )
+
+
+def probe_attention(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    rows: torch.Tensor,
+    query: torch.Tensor,
+    kv_caches: KVCaches,
+    metadata: AttentionMetadata,
+    backend: BaseAttentionBackend,
+    probe_layer: int,
+) -> torch.Tensor:
+    """Attention probabilities ``[heads, len(query), num_tokens]`` of the ``query`` positions
+    (a subset of ``rows``) at ``probe_layer`` over the whole sequence.
+
+    ``rows`` (``metadata``: ``rows_metadata``) run through layers ``0..probe_layer - 1`` over
+    the paged cache, attending to every other position's cached KV; their keys/values are
+    written at those layers and at ``probe_layer`` (the cache at ``rows``' slots is mutated,
+    nothing else). Only the probe layer's scores of the query rows are dense.
+    """
+    layers = model.model.layers
+    backend.prepare(metadata)
+    x = model.model.embed_tokens(token_ids[rows])
+    for index in range(probe_layer):
+        x = layers[index](rows, x, kv_caches[index], metadata, backend)
+    attn = layers[probe_layer].self_attn
+    q, k, v = _qkv(layers[probe_layer], x, rows)
+    k_cache, v_cache = kv_caches[probe_layer]
+    store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    num_tokens = metadata.seq_lens_cpu[0]
+    pos = torch.arange(num_tokens, device=rows.device)
+    page = k_cache.shape[1]
+    slots = metadata.block_tables[0, pos // page].long() * page + pos % page
+    keys = k_cache.view(-1, *k_cache.shape[2:])[slots].float()  # [num_tokens, kv_heads, D]
+    group = attn.num_heads // attn.num_kv_heads
+    qq = q[torch.isin(rows, query)].float()
+    qq = qq.view(len(qq), attn.num_kv_heads, group, attn.head_dim)
+    scores = torch.einsum("qkgd,nkd->kgqn", qq, keys).flatten(0, 1) * attn.scale
+    mask = pos[None, :] <= query[:, None]
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+
+
+def dense_first_layer(model: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+    """Hidden states ``[num_tokens, hidden]`` of every token after layer 0 of a full causal
+    prefill (one attention over the fresh keys, no cache)."""
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    positions = torch.arange(token_ids.shape[0], device=token_ids.device)
+    x = model.model.embed_tokens(token_ids)
+    q, k, v = _qkv(layer, x, positions)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        is_causal=True,
+        scale=attn.scale,
+        enable_gqa=attn.num_heads != attn.num_kv_heads,
+    ).transpose(0, 1)
+    x = x + attn.o_proj(out.reshape(len(positions), attn.q_size))
+    return x + layer.mlp(layer.post_attention_layernorm(x))

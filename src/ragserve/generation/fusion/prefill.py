@@ -3,13 +3,18 @@
 1. Each keyed segment's KV at positions ``0..n-1`` comes from its blocks in the paged cache
    (``PassageBlocks`` held by the knowledge tree's tiers, ``kv_passages.py``; computed alone
    and written there on a miss) or, without the tree, from the ``PassageKVStore``; keys are
-   re-rotated to the segment's start.
+   re-rotated to the segment's start and written into the request's own blocks.
 2. The selector scores the tokens; ``ceil(ratio * n)`` of each keyed segment are recomputed
    together with every unkeyed token (and the last token, whose logits are sampled).
-3. One dense forward over those rows (``forward.py``); then every token's KV is written into
-   the request's blocks, so decoding continues on the paged cache like any request.
+3. ``ModelRunner`` runs those rows in the step's ordinary batched forward, beside other
+   requests' prefills and decodes, through the paged attention backend with per-query
+   positions: each row attends to every key at or before its position (fresh for computed
+   rows, stored for the rest) and overwrites its own KV at every layer. Decoding then
+   continues on the paged cache like any request.
 
-``ratio = 1.0`` recomputes every token: a full prefill.
+``ratio = 1.0`` recomputes every token: the rows of a full prefill, through the same kernel.
+With ``paged=False`` (``EngineConfig.fusion_paged_prefill``) step 3 is session 1's dense
+per-request forward over the gathered KV instead, and only the last row joins the batch.
 """
 
 from __future__ import annotations
@@ -20,12 +25,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ragserve.generation.attention.base import store_kv
-from ragserve.generation.fusion.forward import forward_rows, project_kv, rotate_keys
+from ragserve.generation.attention.base import BaseAttentionBackend
+from ragserve.generation.fusion.forward import (
+    KVCaches,
+    dense_first_layer,
+    forward_rows,
+    probe_attention,
+    project_kv,
+    rotate_keys,
+    rows_metadata,
+)
 from ragserve.generation.fusion.selectors import (
     FUSION_SELECTORS,
     attention_scores,
     kv_deviation,
+    num_picked,
     pick_rows,
     query_rows,
     received_attention,
@@ -52,6 +66,12 @@ class FusionPlan:
     def num_keyed_tokens(self) -> int:
         return sum(e - s for s, e, key in self.spans if key is not None)
 
+    def max_rows(self, num_tokens: int) -> int:
+        """Most rows a fused prefill of ``num_tokens`` computes (its token-budget cost): every
+        token outside the keyed spans, the last token, ``ceil(ratio * n)`` of each span."""
+        picked = sum(num_picked(e - s, self.ratio) for s, e, key in self.spans if key is not None)
+        return min(num_tokens, num_tokens - self.num_keyed_tokens + picked + 1)
+
 
 class FusionRunner:
     """Runs fused prefills on a model's paged KV cache; owns the passage store and counters.
@@ -66,6 +86,7 @@ class FusionRunner:
         *,
         selector: str = "qcfuse",
         probe_layer: int | None = None,
+        paged: bool = True,
     ):
         num_layers = len(model.model.layers)
         if selector not in FUSION_SELECTORS:
@@ -77,6 +98,7 @@ class FusionRunner:
         self.selector = selector
         self.probe_layer = max(1, num_layers // 4) if probe_layer is None else probe_layer
         self.probe_layer = min(self.probe_layer, num_layers - 1)
+        self.paged = paged
         self.num_fused_tokens = 0
         self.num_recomputed_tokens = 0
         self._sift_index: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
@@ -89,33 +111,24 @@ class FusionRunner:
             self.store.put(key, token_ids, kv)
         return kv
 
-    def paged_passage_kv(
-        self,
-        handle: PassageBlocks,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """A passage's KV at positions ``0..n-1`` read from its blocks in the paged cache;
+    def paged_passage_kv(self, handle: PassageBlocks, kv_cache: torch.Tensor) -> torch.Tensor:
+        """A passage's KV at positions ``0..n-1`` read from its blocks in the paged cache
+        ``kv_cache`` (``[2, num_layers, num_blocks, block_size, kv_heads, head_dim]``);
         computed alone first (and written to its unwritten blocks, if any) unless ready."""
+        flat = _flat(kv_cache)
         if handle.is_ready:
-            slots = self._passage_slots(handle, kv_caches, 0)
-            k = torch.stack([kc.view(-1, *kc.shape[2:])[slots] for kc, _ in kv_caches])
-            v = torch.stack([vc.view(-1, *vc.shape[2:])[slots] for _, vc in kv_caches])
-            return torch.stack([k, v])
+            return flat[:, :, self._passage_slots(handle, kv_cache, 0)]
         kv = self._compute_alone(list(handle.token_ids))
         if handle.blocks:
-            first = handle.num_ready_blocks * kv_caches[0][0].shape[1]
-            slots = self._passage_slots(handle, kv_caches, first)
-            for layer, (k_cache, v_cache) in enumerate(kv_caches):
-                store_kv(kv[0, layer, first:], kv[1, layer, first:], k_cache, v_cache, slots)
+            first = handle.num_ready_blocks * kv_cache.shape[3]
+            flat[:, :, self._passage_slots(handle, kv_cache, first)] = kv[:, :, first:]
             handle.num_ready_blocks = len(handle.blocks)
         return kv
 
     @staticmethod
-    def _passage_slots(
-        handle: PassageBlocks, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first: int
-    ) -> torch.Tensor:
-        block_size = kv_caches[0][0].shape[1]
-        dev = kv_caches[0][0].device
+    def _passage_slots(handle: PassageBlocks, kv_cache: torch.Tensor, first: int) -> torch.Tensor:
+        block_size = kv_cache.shape[3]
+        dev = kv_cache.device
         pos = torch.arange(first, len(handle.token_ids), device=dev)
         blocks = torch.tensor(handle.blocks, dtype=torch.long, device=dev)
         return blocks[pos // block_size] * block_size + pos % block_size
@@ -133,22 +146,34 @@ class FusionRunner:
         return torch.zeros(shape, dtype=param.dtype, device=param.device)
 
     @torch.inference_mode()
-    def prefill(
+    def prepare(
         self,
         token_ids: list[int],
         plan: FusionPlan,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        slots: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: list[int],
+        backend: BaseAttentionBackend,
         passages: list[PassageBlocks] | None = None,
-    ) -> torch.Tensor:
-        """Fill ``slots`` (one flat cache slot per token) with the fused KV of ``token_ids``
-        and return the last token's final hidden state ``[hidden]`` (after the final norm).
+    ) -> list[int]:
+        """Write each keyed segment's stored KV (keys re-rotated to its start) into the
+        sequence's blocks at every layer and return the rows to compute: sorted positions,
+        every unkeyed token, the last token and the selected ``plan.ratio`` of each keyed
+        segment. The caller runs exactly those rows through the model with per-query
+        positions (``AttentionMetadata.query_positions``), which overwrites their KV at every
+        layer; the other positions keep the stored KV.
+
         ``passages``: the keyed segments' held blocks, in span order (``None``: use the
         store). Tokens past the planned spans (generated before a preemption) are computed
-        like unkeyed ones."""
-        kv = self._empty_kv(len(token_ids))
-        dev = kv.device
-        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        like unkeyed ones. Mutates the cache at this sequence's slots and the counters.
+        """
+        num_tokens = len(token_ids)
+        dev = kv_cache.device
+        page = kv_cache.shape[3]
+        flat = _flat(kv_cache)
+        kv_caches = [(kv_cache[0, i], kv_cache[1, i]) for i in range(kv_cache.shape[1])]
+        table = torch.tensor(block_table, dtype=torch.long, device=dev)
+        pos = torch.arange(num_tokens, device=dev)
+        slots = table[pos // page] * page + pos % page
         rotary = self.model.model.rotary
         keyed = [(s, e, key) for s, e, key in plan.spans if key is not None]
         if passages is not None and len(passages) != len(keyed):
@@ -157,42 +182,67 @@ class FusionRunner:
             if passages is None:
                 stored = self.passage_kv(key, token_ids[start:end])
             else:
-                stored = self.paged_passage_kv(passages[i], kv_caches)
-            kv[0, :, start:end] = rotate_keys(stored[0], rotary, start)
-            kv[1, :, start:end] = stored[1]
-        in_keyed = torch.zeros(len(token_ids), dtype=torch.bool, device=dev)
+                stored = self.paged_passage_kv(passages[i], kv_cache)
+            flat[0][:, slots[start:end]] = rotate_keys(stored[0], rotary, start).to(flat.dtype)
+            flat[1][:, slots[start:end]] = stored[1].to(flat.dtype)
+        in_keyed = [False] * num_tokens
         for start, end, _ in keyed:
-            in_keyed[start:end] = True
-        fused = in_keyed.clone()
+            in_keyed[start:end] = [True] * (end - start)
+        fused = list(in_keyed)
         in_keyed[-1] = False  # the last token's logits are sampled: always computed
-        base = (~in_keyed).nonzero().flatten()
-        extra = self._select(ids, kv, base, plan)
-        rows = torch.unique(torch.cat([base, torch.tensor(extra, dtype=torch.long, device=dev)]))
-        hidden, _ = forward_rows(self.model, ids, kv, rows)
-        for layer, (k_cache, v_cache) in enumerate(kv_caches):
-            store_kv(kv[0, layer], kv[1, layer], k_cache, v_cache, slots)
+        base = [p for p in range(num_tokens) if not in_keyed[p]]
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        extra = self._select(ids, base, plan, kv_caches, table, slots, backend)
+        rows = sorted(set(base).union(extra))
         self.num_fused_tokens += plan.num_keyed_tokens
-        self.num_recomputed_tokens += int(fused[rows].sum())
-        return self.model.model.norm(hidden[-1])
+        self.num_recomputed_tokens += sum(fused[p] for p in rows)
+        if not self.paged:
+            self._dense_forward(ids, rows, flat, slots)
+            return [num_tokens - 1]
+        return rows
+
+    def _dense_forward(
+        self, ids: torch.Tensor, rows: list[int], flat: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """The switched-off path (session 1's): ``rows`` through every layer densely over the
+        sequence's whole KV gathered from the cache (``flat``: ``_flat``), every token's KV
+        written back. The last row then runs once more in the batched forward, over the same
+        keys: the same result."""
+        kv = flat[:, :, slots]
+        forward_rows(self.model, ids, kv, torch.tensor(rows, dtype=torch.long, device=ids.device))
+        flat[:, :, slots] = kv
 
     def _select(
-        self, ids: torch.Tensor, kv: torch.Tensor, base: torch.Tensor, plan: FusionPlan
+        self,
+        ids: torch.Tensor,
+        base: list[int],
+        plan: FusionPlan,
+        kv_caches: KVCaches,
+        table: torch.Tensor,
+        slots: torch.Tensor,
+        backend: BaseAttentionBackend,
     ) -> list[int]:
         """Positions of keyed tokens to recompute (``plan.ratio`` of each keyed segment)."""
         if plan.ratio == 0.0:
             return []
-        num_tokens = kv.shape[2]
+        num_tokens = ids.shape[0]
         if plan.ratio == 1.0:
-            scores = torch.zeros(num_tokens, device=kv.device)
+            scores = torch.zeros(num_tokens, device=ids.device)
         elif self.selector == "qcfuse":
-            scores = self._query_attention(ids, kv, base, plan)
+            rows = torch.tensor(base, dtype=torch.long, device=ids.device)
+            query = torch.tensor(query_rows(plan.spans, num_tokens), device=ids.device)
+            metadata = rows_metadata(rows, num_tokens, slots, table)
+            probs = probe_attention(
+                self.model, ids, rows, query, kv_caches, metadata, backend, self.probe_layer
+            )
+            scores = attention_scores(probs, query, query)
         elif self.selector == "sift":
-            scores = torch.zeros(num_tokens, device=kv.device)
+            scores = torch.zeros(num_tokens, device=ids.device)
             for start, end, key in plan.spans:
                 if key is not None:
                     scores[start:end] = self.passage_scores(key, ids[start:end].tolist())
         else:
-            scores = self._kv_deviation(ids, kv)
+            scores = self._kv_deviation(ids, kv_caches, slots)
         return pick_rows(scores, plan.spans, plan.ratio)
 
     @torch.inference_mode()
@@ -215,21 +265,20 @@ class FusionRunner:
             self._sift_index.popitem(last=False)
         return scores
 
-    def _query_attention(
-        self, ids: torch.Tensor, kv: torch.Tensor, base: torch.Tensor, plan: FusionPlan
-    ) -> torch.Tensor:
-        # NOTE: the probe writes fresh KV of the unkeyed rows up to the probe layer; the main
-        # forward recomputes those rows at every layer, so nothing of the probe survives.
-        _, probs = forward_rows(self.model, ids, kv, base, probe_layer=self.probe_layer)
-        query = torch.tensor(query_rows(plan.spans, kv.shape[2]), device=kv.device)
-        return attention_scores(probs, base, query)
-
-    def _kv_deviation(self, ids: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        everything = torch.arange(kv.shape[2], device=kv.device)
-        stored = kv[:, 1].clone()
-        hidden, _ = forward_rows(self.model, ids, kv.clone(), everything, num_layers=1)
-        layer = min(1, len(self.model.model.layers) - 1)
-        if layer == 0:  # one layer: nothing deviates but RoPE, already exact
-            return torch.zeros(kv.shape[2], device=kv.device)
-        fresh_k, fresh_v = project_kv(self.model.model.layers[layer], hidden, everything)
+    def _kv_deviation(self, ids: torch.Tensor, kv_caches: KVCaches, slots: torch.Tensor):
+        """``[num_tokens]`` distance of every token's fresh layer-1 KV (after a full layer 0)
+        from the stored KV now in the cache (meaningful at keyed positions only)."""
+        if len(self.model.model.layers) == 1:  # one layer: nothing deviates but RoPE, exact
+            return torch.zeros(ids.shape[0], device=ids.device)
+        everything = torch.arange(ids.shape[0], device=ids.device)
+        hidden = dense_first_layer(self.model, ids)
+        fresh_k, fresh_v = project_kv(self.model.model.layers[1], hidden, everything)
+        k_cache, v_cache = kv_caches[1]
+        flat = (-1, *k_cache.shape[2:])
+        stored = torch.stack([k_cache.view(flat)[slots], v_cache.view(flat)[slots]])
         return kv_deviation(torch.stack([fresh_k, fresh_v]), stored)
+
+
+def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[2, num_layers, num_slots, kv_heads, head_dim]`` view of the paged cache."""
+    return kv_cache.view(2, kv_cache.shape[1], -1, *kv_cache.shape[4:])

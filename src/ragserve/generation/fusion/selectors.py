@@ -54,6 +54,11 @@ def kv_deviation(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     return diff.sum(dim=(0, 2, 3)).sqrt()
 
 
+def num_picked(num_tokens: int, ratio: float) -> int:
+    """Tokens recomputed of a keyed segment of ``num_tokens``: ``ceil(ratio * n)``."""
+    return min(num_tokens, math.ceil(ratio * num_tokens - 1e-9))
+
+
 def pick_rows(
     scores: torch.Tensor, spans: Sequence[tuple[int, int, str | None]], ratio: float
 ) -> list[int]:
@@ -62,7 +67,7 @@ def pick_rows(
     for start, end, key in spans:
         if key is None:
             continue
-        num = min(end - start, math.ceil(ratio * (end - start) - 1e-9))
+        num = num_picked(end - start, ratio)
         if num <= 0:
             continue
         seg = scores[start:end].float()
