@@ -123,8 +123,8 @@ def _build(args: argparse.Namespace) -> int:
     if args.corpus != "factbook" and not Path(args.corpus).exists():
         print(f"error: no corpus at {args.corpus}", file=sys.stderr)
         return 1
-    embedder = load_embedder(args.embedder)
     try:
+        embedder = load_embedder(args.embedder)
         docs = _passages(args, embedder)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -169,7 +169,7 @@ def _passages(args: argparse.Namespace, embedder) -> list:
 
         return list(factbook_documents())
     config = ChunkConfig(args.chunk_tokens or None, args.chunk_overlap)
-    chunker = Chunker(embedder.tokenizer, embedder.max_length, config)
+    chunker = Chunker(embedder.tokenizer, embedder.passage_window, config)
     if Path(args.corpus).is_dir():
         report = IngestReport()
         parsed = ingest_folder(args.corpus, strict=args.strict, report=report)
@@ -186,7 +186,7 @@ def _passages(args: argparse.Namespace, embedder) -> list:
         docs = [p for doc in records for p in chunker.chunk_document(doc)]
     stats = chunker.stats
     print(
-        f"{stats.num_passages} passages of <= {embedder.max_length} tokens "
+        f"{stats.num_passages} passages of <= {embedder.passage_window} tokens "
         f"(longest {stats.max_passage_tokens}, {stats.num_truncated} truncated)"
     )
     return docs
