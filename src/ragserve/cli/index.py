@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chunk-tokens",
         type=int,
         default=None,
-        help="text tokens per passage (default: what the embedder's window leaves); 0 = none",
+        help="text tokens per passage (default: the embedder's measured size, else what its "
+        "window leaves); 0 = none",
     )
     b.add_argument("--chunk-overlap", type=int, default=32, help="tokens repeated between passages")
     b.add_argument("--strict", action="store_true", help="fail on unsupported/unreadable files")
@@ -168,7 +169,8 @@ def _passages(args: argparse.Namespace, embedder) -> list:
         from ragserve.retrieval.factbook import factbook_documents
 
         return list(factbook_documents())
-    config = ChunkConfig(args.chunk_tokens or None, args.chunk_overlap)
+    size = embedder.chunk_tokens if args.chunk_tokens is None else (args.chunk_tokens or None)
+    config = ChunkConfig(size, args.chunk_overlap)
     chunker = Chunker(embedder.tokenizer, embedder.passage_window, config)
     if Path(args.corpus).is_dir():
         report = IngestReport()

