@@ -23,7 +23,9 @@ search mode (dense, bm25, hybrid) and section collapsing (on, the default, or of
 
     apt-get install python3.11-doc python-sqlalchemy-doc python-django-doc   # once
     .venv/bin/python bench/retrieval_quality.py [--corpora pydocs,sqlalchemy,django,factbook] \
+        [--embedders all-minilm-l6-v2,multilingual-e5-small-q4] [--show tune] \
         [--cache DIR] [--out bench/results/retrieval_quality.json]
+    .venv/bin/python bench/retrieval_quality.py --cost      # embedding time, embedders side by side
 """
 
 from __future__ import annotations
@@ -270,8 +272,9 @@ def build_index(docs, embedder, cache: Path | None) -> VectorIndex:
 
 
 def run_setting(name: str, docs, questions, embedder, rows: list, *, cache=None, old_nprobe=True,
-                **info):  # fmt: skip
-    """One index over `docs`; every mode x collapse (x the previous nprobe default)."""
+                show="test", **info):  # fmt: skip
+    """One index over `docs`; every mode x collapse (x the previous nprobe default); the log
+    shows split `show` (`tune` while choosing defaults, so held-out figures stay unseen)."""
     t0 = time.perf_counter()
     index = build_index(docs, embedder, cache)
     build_s = time.perf_counter() - t0
@@ -294,17 +297,16 @@ def run_setting(name: str, docs, questions, embedder, rows: list, *, cache=None,
                     "mode": mode,
                     "collapse_sections": collapse,
                     "build_seconds": round(build_s, 1),
+                    "embedder": embedder.name,
                     **info,
                     **result,
                 }
                 rows.append(row)
-                t, a = row["test"], row["all"]
+                t = row[show]
                 logging.info(
-                    "%-30s %-11s %-6s collapse %-5s test R@1 %.3f R@5 %.3f R@10 %.3f MRR %.3f "
-                    "| tune R@5 %.3f | all R@5 %.3f (%d)",
-                    name, nprobe_name[:11], mode, collapse, t["recall@1"], t["recall@5"],
-                    t["recall@10"], t["mrr@10"], row["tune"]["recall@5"], a["recall@5"],
-                    a["num_questions"],
+                    "%-40s %-11s %-6s collapse %-5s %s R@1 %.3f R@5 %.3f R@10 %.3f MRR %.3f (%d)",
+                    name, nprobe_name[:11], mode, collapse, show, t["recall@1"], t["recall@5"],
+                    t["recall@10"], t["mrr@10"], t["num_questions"],
                 )  # fmt: skip
     index.close()
 
@@ -350,25 +352,40 @@ def main() -> None:
     p.add_argument("--table", action="store_true", help="print --out as a Markdown table, exit")
     p.add_argument("--cache", type=Path, default=None, help="keep passage vectors here (re-runs)")
     p.add_argument("--split", default="test", choices=["tune", "test", "all"], help="for --table")
+    p.add_argument("--embedders", default="all-minilm-l6-v2", help="comma-separated embedders")
+    p.add_argument("--show", default="test", choices=["tune", "test", "all"], help="split to log")
+    p.add_argument("--cost", action="store_true", help="time --embedders on pydocs passages")
+    p.add_argument("--cost-passages", type=int, default=None, help="--cost: the first N only")
     args = p.parse_args()
     if args.table:
         print(table(args.out, args.split, args.corpora if "--corpora" in sys.argv else None))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-    embedder = load_embedder("all-minilm-l6-v2")
+    if args.cost:
+        embedding_cost(args.embedders.split(","), args.parts.split(","), args.cost_passages)
+        return
     rows: list[dict] = []
 
     def save() -> None:  # after every setting: a partial run keeps what it measured
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"embedder": embedder.name, "pydocs_parts": args.parts.split(",")}
+        meta = {"embedders": args.embedders.split(","), "pydocs_parts": args.parts.split(",")}
         args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
 
+    for name in args.embedders.split(","):
+        run_embedder(args, load_embedder(name), rows, save)
+    logging.info("wrote %s", args.out)
+
+
+def run_embedder(args, embedder, rows: list, save) -> None:
+    """Every corpus x chunk setting for one embedder (rows labelled with its name unless it
+    is the default MiniLM, whose labels stay as in the earlier result files)."""
+    label = "" if embedder.name == "all-minilm-l6-v2" else f" {embedder.name}"
     for corpus in args.corpora.split(","):
         if corpus == "factbook":
             docs, questions = factbook()
-            run_setting("factbook", docs, questions, embedder, rows, cache=args.cache,
-                        chunking="factbook passages")  # fmt: skip
+            run_setting(f"factbook{label}", docs, questions, embedder, rows, cache=args.cache,
+                        show=args.show, chunking="factbook passages")  # fmt: skip
             save()
             continue
         if corpus not in FAQ_CORPORA:
@@ -378,26 +395,54 @@ def main() -> None:
         try:
             parts = args.parts.split(",") if is_pydocs else None
             hidden = prepare_faq(FAQ_CORPORA[corpus], work, parts)
-            settings = args.chunk_settings.split(",") if is_pydocs else ["none/32"]
-            for setting in settings:
+            for setting in args.chunk_settings.split(","):
                 size, overlap = setting.split("/")
                 config = ChunkConfig(None if size == "none" else int(size), int(overlap))
-                chunker = Chunker(embedder.tokenizer, embedder.max_length, config)
+                chunker = Chunker(embedder.tokenizer, embedder.passage_window, config)
                 docs, questions = pydocs_new(work, hidden, chunker)
-                run_setting(f"{corpus} ingest tokens {size}/{overlap}", docs, questions,
+                run_setting(f"{corpus}{label} ingest tokens {size}/{overlap}", docs, questions,
                             embedder, rows, cache=args.cache, old_nprobe=is_pydocs,
+                            show=args.show,
                             chunking=f"ingest, max_tokens {size}, overlap {overlap}",
                             max_passage_tokens=chunker.stats.max_passage_tokens,
                             num_truncated=chunker.stats.num_truncated)  # fmt: skip
                 save()
             if is_pydocs and not args.no_legacy:
                 docs, questions = pydocs_legacy(work, hidden)
-                run_setting("pydocs legacy 200 words/40", docs, questions, embedder, rows,
-                            cache=args.cache, chunking="words 200/40 over raw files")  # fmt: skip
+                run_setting(f"pydocs{label} legacy 200 words/40", docs, questions, embedder,
+                            rows, cache=args.cache, show=args.show,
+                            chunking="words 200/40 over raw files")  # fmt: skip
                 save()
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    logging.info("wrote %s", args.out)
+
+
+def embedding_cost(names: list[str], parts: list[str], limit=None, rounds: int = 2) -> None:
+    """Seconds to embed the same texts (pydocs passages cut for MiniLM's 256-token window, so
+    that every embedder sees them whole) with each embedder, interleaved `rounds` times; logs
+    the median per embedder and its ratio to the first."""
+    embedders = [load_embedder(n) for n in names]
+    work = Path(tempfile.mkdtemp(prefix="cost-"))
+    try:
+        prepare_faq(FAQ_CORPORA["pydocs"], work, parts)
+        base = load_embedder("all-minilm-l6-v2")
+        chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
+        texts = [_passage_text(d) for d in chunker.chunk_all(ingest_folder(work / "docs"))]
+        texts = texts[:limit]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    seconds: dict[str, list[float]] = {e.name: [] for e in embedders}
+    for _ in range(rounds):
+        for e in embedders:
+            t0 = time.perf_counter()
+            e.encode(texts, is_query=False)
+            seconds[e.name].append(time.perf_counter() - t0)
+    first = float(np.median(seconds[embedders[0].name]))
+    for name, values in seconds.items():
+        median = float(np.median(values))
+        logging.info("%-28s %d passages: median %.1f s over %d rounds (%s), x%.2f of %s",
+                     name, len(texts), median, rounds, ", ".join(f"{v:.1f}" for v in values),
+                     median / first, embedders[0].name)  # fmt: skip
 
 
 if __name__ == "__main__":

