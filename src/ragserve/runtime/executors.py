@@ -13,9 +13,9 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
 
-from ragserve.runtime.arrow_batches import attach_retrieval, read_generation
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
+from ragserve.runtime.payloads import read_results
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmRing
 from ragserve.runtime.wire import (
@@ -401,15 +401,12 @@ class ProcessExecutor(BaseExecutor):
         return []
 
     def _on_results(self, worker: WorkerHandle, msg: Any) -> list[Update]:
-        """The slim updates / results with their Arrow payload attached, read in place from
-        the ring; a payload that cannot be read fails the tasks it carried."""
+        """The updates / results of ``msg`` (its own rows, or its Arrow payload read in place
+        from the ring: ``payloads.read_results``); one that cannot be read fails the tasks
+        it carried."""
         is_gen = isinstance(msg, GenerationResultsMsg)
-        slim = msg.task_ids if is_gen else msg.results
         try:
-            read = read_generation if is_gen else attach_retrieval
-            with worker.ring.read(msg.payload) as batch:
-                updates = read(slim, batch)
-                del batch
+            updates = read_results(msg, worker.ring)
         except ValueError as exc:
             logger.error("a %s worker result could not be read: %s", worker.spec.kind, exc)
             reason = f"the {worker.spec.kind} worker's result could not be read: {exc}"

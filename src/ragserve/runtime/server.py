@@ -529,6 +529,7 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         engine_kwargs=config.engine_kwargs,
         log_level=log_level,
         max_message_bytes=config.max_message_bytes,
+        small_message_bytes=config.small_message_bytes,
         tokenizer_prefetch=config.tokenizer_prefetch,
     )
     ret = WorkerSpec(
@@ -539,6 +540,7 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         tier=tier,
         log_level=log_level,
         max_message_bytes=config.max_message_bytes,
+        small_message_bytes=config.small_message_bytes,
         reranker=config.operators.reranker,
     )
     return ProcessExecutor(gen, ret, config)
