@@ -182,3 +182,24 @@ def test_set_transforms_waits_for_the_old_chains_work_and_applies_to_later_reque
     assert len(done["b"].doc_ids) == 1  # admitted after the swap
     assert done["c"].error == "aborted"
     assert sched.transforms == (t,)
+
+
+def test_scheduler_work_counts_node_runs_and_excludes_the_executors_poll() -> None:
+    import time
+
+    ex = FakeExecutor()
+    polls = []
+    poll = ex.poll
+
+    def slow_poll(timeout: float):
+        polls.append(timeout)
+        time.sleep(0.01)
+        return poll(timeout)
+
+    ex.poll = slow_poll
+    sched = Scheduler(ex)
+    t0 = time.perf_counter()
+    done = _run(sched, [_req(f"r{i}", get_workflow("oneshot")) for i in range(4)])
+    wall = time.perf_counter() - t0
+    assert sched.num_node_runs == sum(len(r.node_timings) for r in done.values()) == 8
+    assert 0 < sched.busy_s <= wall - 0.01 * len(polls)

@@ -80,6 +80,9 @@ class Scheduler:
         self._side = Wavefront()  # transforms' side tasks, dispatched after the next wavefront
         self._inline: list[Update] = []  # results made during collection (memory, bad input)
         self.num_cycles = 0
+        self.num_node_runs = 0  # started, over all requests
+        self.busy_s = 0.0  # scheduler work: cycles' time outside admission and polling
+        self._poll_s = 0.0
         self.abort_memory_s = ABORT_MEMORY_S
         self.max_remembered_aborts = MAX_REMEMBERED_ABORTS
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when aborted
@@ -109,8 +112,10 @@ class Scheduler:
 
     # -- the control loop (scheduler thread only) -----------------------------------------
     def step(self) -> None:
-        """One cycle: admit, collect the wavefront, transform, dispatch, apply updates."""
+        """One cycle: admit, collect the wavefront, transform, dispatch, apply updates.
+        ``busy_s`` grows by the cycle's time outside admission and the executor's poll."""
         self._admit()
+        started = time.perf_counter()
         wavefront = self._collect_wavefront()
         for transform in self.transforms:
             wavefront = transform.apply(wavefront)
@@ -121,6 +126,7 @@ class Scheduler:
         for update in updates:
             self._apply(update)
         self.num_cycles += 1
+        self.busy_s += time.perf_counter() - started - self._poll_s
 
     def has_unfinished(self) -> bool:
         return bool(self._active or self._deferred) or not self._inbox.empty()
@@ -258,7 +264,9 @@ class Scheduler:
         timeout = 0.0 if updates or self._has_ready() else self.poll_timeout
         if self._pool is not None and self._pool.has_work():
             timeout = min(timeout, 0.005)  # NOTE: the pool's results are polled, not waited on
+        polled = time.perf_counter()
         updates.extend(self.executor.poll(timeout if self._by_task else 0.0))
+        self._poll_s = time.perf_counter() - polled
         if self._pool is not None:
             updates.extend(self._pool.poll())
         return updates
@@ -345,6 +353,7 @@ class Scheduler:
             self._finish(req, f"request ran {self.max_node_runs} nodes without reaching END")
             return False
         req.num_node_runs += 1
+        self.num_node_runs += 1
         node = req.graph.nodes[node_id]
         is_answer = node.kind in ("generation", "completion") and node.output == "output"
         timing = NodeTiming(node_id, node.kind, time.monotonic(), is_answer=is_answer)
