@@ -66,6 +66,9 @@ class ServerConfig:
     Arrow and ride pickled in the message (faster there: ``runtime/payloads.py``); 0 sends
     every result that fits a slot as Arrow.
     ``tokenizer_prefetch``: prompts are tokenized on a CPU thread ahead of the engine step.
+    ``busy_poll_timeout``: with tasks in flight, the scheduler waits up to this long for
+    worker messages, woken at once by new requests, aborts and calls (the process backend;
+    ``Scheduler``); ``None``: a cycle every ``poll_timeout`` while busy, as before.
 
     ``cosched`` is data (which co-scheduling optimizations run, and their knobs); the
     ``Server`` builds the transforms from it (``make_transforms``). The default runs them all;
@@ -101,6 +104,7 @@ class ServerConfig:
     worker_start_timeout: float = 600.0
     max_node_runs: int = 256
     poll_timeout: float = 0.02
+    busy_poll_timeout: float | None = 0.5
     cosched: CoScheduleConfig = field(default_factory=CoScheduleConfig)
     gpu_tier: GpuTierConfig | None = None
     call_timeout_s: float = 600.0
@@ -122,6 +126,10 @@ class ServerConfig:
         if not isinstance(self.cosched, CoScheduleConfig):
             raise TypeError(
                 f"cosched must be a CoScheduleConfig, got {type(self.cosched).__name__}"
+            )
+        if self.busy_poll_timeout is not None and not 0 < self.busy_poll_timeout < float("inf"):
+            raise ValueError(
+                f"busy_poll_timeout must be a positive number or None, got {self.busy_poll_timeout}"
             )
         for name in ("call_timeout_s", "health_stall_s"):
             if not 0 < getattr(self, name) < float("inf"):

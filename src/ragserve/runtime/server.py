@@ -61,6 +61,7 @@ class Server:
             max_node_runs=self.config.max_node_runs,
             poll_timeout=self.config.poll_timeout,
             operators=self.config.operators,
+            busy_poll_timeout=self.config.busy_poll_timeout,
         )
         self._cosched_names: tuple[str, ...] = self.config.cosched.enabled
         self.workflows: dict[str, CompiledGraph] = {n: get_workflow(n) for n in BUILTIN_WORKFLOWS}
@@ -337,6 +338,7 @@ class Server:
         if self._closed.is_set():
             return
         self._closed.set()
+        self.executor.wake()
         self._thread.join(timeout=10)
         self.scheduler.close()
         self.executor.close()
