@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -191,7 +191,7 @@ def serve_side(args) -> None:
 
     p = OVERHEAD_PRESETS[args.preset]
     data = prepare(p, "synthetic", args.data)
-    config = ServerConfig(engine_kwargs=_engine(args, data), default_nprobe=data["nprobe"])
+    config = _config(ServerConfig, args, data)
     make = getattr(builtin, args.workflow)
     kwargs = {"nprobe": data["nprobe"], "max_tokens": p.max_tokens}
     graph = make(topk=p.topk, **kwargs) if args.workflow == "oneshot" else make(**kwargs)
@@ -216,11 +216,16 @@ def serve_side(args) -> None:
         profiler.dump_stats(str(args.profile))
 
 
-def _engine(args, data: dict) -> dict:
+def _config(server_config: type, args, data: dict):
+    """The side's ``ServerConfig``: the preset's engine (``--kv-cache-gib``), spawned workers
+    (the model-work trace hooks in as ``__mp_main__``; a side without the field spawns)."""
     engine = dict(data["engine_kwargs"])
     if args.kv_cache_gib:
         engine["kv_cache_bytes"] = int(args.kv_cache_gib * (1 << 30))
-    return engine
+    kwargs = {"engine_kwargs": engine, "default_nprobe": data["nprobe"]}
+    if "worker_start_method" in {f.name for f in fields(server_config)}:
+        kwargs["worker_start_method"] = "spawn"
+    return server_config(**kwargs)
 
 
 def _side_env(src: Path) -> dict:
@@ -259,7 +264,7 @@ def run_side(args) -> dict:
     data = prepare(p, "synthetic", args.data)
     num = args.num or p.num_requests
     questions = data["questions"][: num + 1]
-    config = ServerConfig(engine_kwargs=_engine(args, data), default_nprobe=data["nprobe"])
+    config = _config(ServerConfig, args, data)
     graph = oneshot(topk=p.topk, nprobe=data["nprobe"], max_tokens=p.max_tokens)
     data_plane = data_plane_us()
     responses, busy = [], []

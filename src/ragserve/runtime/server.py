@@ -292,16 +292,13 @@ class Server:
         and the executor's poll, ``scheduler_busy_s``) per node run started (``None`` before
         the first). In process mode call it from the thread that drives nothing else."""
         engine = self.executor.engine_stats()
+        busy_s, num_node_runs = self.scheduler.busy_s, self.scheduler.num_node_runs
         out: dict[str, Any] = {
             "num_active_requests": self.scheduler.num_active,
             "num_cycles": self.scheduler.num_cycles,
-            "num_node_runs": self.scheduler.num_node_runs,
-            "scheduler_busy_s": self.scheduler.busy_s,
-            "scheduler_s_per_node": (
-                self.scheduler.busy_s / self.scheduler.num_node_runs
-                if self.scheduler.num_node_runs
-                else None
-            ),
+            "num_node_runs": num_node_runs,
+            "scheduler_busy_s": busy_s,
+            "scheduler_s_per_node": busy_s / num_node_runs if num_node_runs else None,
             "num_running": engine.get("running", 0),
             "num_waiting": engine.get("waiting", 0),
             "num_blocks_used": engine.get("kv_blocks_used", 0),
