@@ -14,11 +14,11 @@ OUT=${OUT:-/tmp/out}
 DATA=/root/ov/data
 mkdir -p "$OUT" "$DATA" && cp -r .gpurun/data/model "$DATA/"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; nproc
-timeout 300 python3 bench/overhead.py --preset h200 --data "$DATA" --before-src .bench_before/src \
+timeout 320 python3 bench/overhead.py --preset h200 --data "$DATA" --before-src .bench_before/src \
     --num 24 --out "$OUT/overhead_h200.json" > "$OUT/overhead_h200.log" 2>&1
 echo "sequential exit $?"
-grep -v " INFO \|faiss.loader" "$OUT/overhead_h200.log" | tail -8
-timeout 200 python3 bench/overhead.py --preset h200 --data "$DATA" --before-src .bench_before/src \
+grep "overhead: side\|^| \|^preset\|Error" "$OUT/overhead_h200.log" | tail -12
+timeout 190 python3 bench/overhead.py --preset h200 --data "$DATA" --before-src .bench_before/src \
     --concurrent 32 --rounds 5 --workflow irg --kv-cache-gib 24 \
     --out "$OUT/overhead_h200_concurrent.json" > "$OUT/overhead_h200_concurrent.log" 2>&1
 echo "concurrent exit $?"

@@ -118,6 +118,8 @@ def run_all(args) -> None:
         sides = {}
         for side, src in (("before", before), ("after", REPO / "src")):
             sides[side] = _child(args, side, src, data)
+            done = {k: v for k, v in summarize(sides[side]).items() if k != "src"}
+            logger.info("side %s: %s", side, json.dumps(done))  # NOTE: kept if cut off later
     outputs = {side: [r.pop("output") for r in s["served"]] for side, s in sides.items()}
     if outputs["before"] != outputs["after"]:
         raise RuntimeError("the two sides answered differently: not the same model work")
