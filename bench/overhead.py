@@ -205,9 +205,9 @@ def serve_side(args) -> None:
         for i, _ in enumerate(sys.stdin):
             batch = [questions[(i * args.concurrent + j) % len(questions)]
                      for j in range(args.concurrent)]  # fmt: skip
-            busy0, t0 = clock["step"] - clock["poll"], time.perf_counter()
+            busy0, t0 = _busy(clock), time.perf_counter()
             responses = list(pool.map(lambda q: server.run(q, graph), batch))
-            busy = clock["step"] - clock["poll"] - busy0
+            busy = _busy(clock) - busy0
             nodes = sum(len(r.node_timings) for r in responses)
             errors = [r.error for r in responses if r.error is not None]
             row = {"scheduler_s_per_node": busy / nodes, "nodes": nodes,
@@ -275,9 +275,9 @@ def run_side(args) -> dict:
         with Server(data["model"], data["index"], config=config) as server:
             clock = _timed(server)
             for q in questions:
-                busy0 = clock["step"] - clock["poll"]
+                busy0 = _busy(clock)
                 r = server.run(q, graph)
-                busy.append(clock["step"] - clock["poll"] - busy0)
+                busy.append(_busy(clock) - busy0)
                 if r.error is not None:
                     raise RuntimeError(f"{q!r} failed: {r.error}")
                 responses.append(r)
@@ -378,10 +378,20 @@ def _covered(intervals: list[list[float]], lo: float, hi: float) -> float:
     return total
 
 
+def _busy(clock: dict, timeout: float = 5.0) -> float:
+    """Scheduler work so far (step minus poll/admission), read once the cycle running now
+    and the next have ended: a cycle still running when a request's answer arrives has added
+    its poll time but not yet its step time (an idle server's cycles take ``poll_timeout``)."""
+    target, deadline = clock["steps"] + 2, time.monotonic() + timeout
+    while clock["steps"] < target and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return clock["step"] - clock["poll"]
+
+
 def _timed(server, profiler=None) -> dict:
     """Wrap the scheduler thread's step, poll and admission in wall-clock accumulators (and
     ``profiler``, a ``cProfile.Profile``, around each step)."""
-    clock = {"step": 0.0, "poll": 0.0}
+    clock = {"step": 0.0, "poll": 0.0, "steps": 0}
 
     def timed(name, fn):
         def wrapper(*a, **kw):
@@ -394,6 +404,7 @@ def _timed(server, profiler=None) -> dict:
                 )
             finally:
                 clock[name] += time.perf_counter() - t0
+                clock["steps"] += name == "step"
 
         return wrapper
 
