@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,11 +73,37 @@ def main() -> None:
     ap.add_argument("--before-src", type=Path, default=None, help="its src/ folder instead")
     ap.add_argument("--data", type=Path, default=None, help="model/index folder (kept)")
     ap.add_argument("--out", type=Path, default=None, help="results JSON")
+    ap.add_argument(
+        "--concurrent",
+        type=int,
+        default=None,
+        help="scheduler-work mode: rounds of this many concurrent requests",
+    )
+    ap.add_argument("--rounds", type=int, default=7, help="rounds per side (--concurrent)")
+    ap.add_argument("--workflow", default="irg", help="workflow of --concurrent's requests")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="--concurrent: cProfile of the after side's scheduler thread here",
+    )
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="the engine's KV cache (preset's by default; --concurrent runs two)",
+    )
     ap.add_argument("--side", help=argparse.SUPPRESS)  # child mode: "before" | "after"
-    args = ap.parse_args()
+    args = ap.parse_args()  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.side and args.concurrent:
+        serve_side(args)
+        return
     if args.side:
         print(json.dumps(run_side(args)))
+        return
+    if args.concurrent:
+        run_concurrent(args)
         return
     run_all(args)
 
@@ -92,6 +118,8 @@ def run_all(args) -> None:
         sides = {}
         for side, src in (("before", before), ("after", REPO / "src")):
             sides[side] = _child(args, side, src, data)
+            done = {k: v for k, v in summarize(sides[side]).items() if k != "src"}
+            logger.info("side %s: %s", side, json.dumps(done))  # NOTE: kept if cut off later
     outputs = {side: [r.pop("output") for r in s["served"]] for side, s in sides.items()}
     if outputs["before"] != outputs["after"]:
         raise RuntimeError("the two sides answered differently: not the same model work")
@@ -101,6 +129,113 @@ def run_all(args) -> None:
     print(report(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
+
+
+def run_concurrent(args) -> None:
+    """Scheduler work per node, before vs after, side by side: both sides' servers stay up
+    (each in its own process) and take turns, ``--rounds`` rounds of ``--concurrent``
+    requests each, the order alternating every round; the medians of the rounds compared."""
+    p = OVERHEAD_PRESETS[args.preset]
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data or Path(tmp) / "data"
+        before = args.before_src or _export(args.before, Path(tmp) / "before")
+        prepare(p, "synthetic", data)
+        sides = {s: _server_child(args, s, src, data)
+                 for s, src in (("before", before), ("after", REPO / "src"))}  # fmt: skip
+        rounds: dict[str, list] = {"before": [], "after": []}
+        try:
+            for i in range(args.rounds + 1):  # the first round of each side warms it up
+                for side in ("before", "after") if i % 2 == 0 else ("after", "before"):
+                    proc = sides[side]
+                    proc.stdin.write("round\n")
+                    proc.stdin.flush()
+                    row = json.loads(proc.stdout.readline())
+                    logger.info("round %d %s: %s", i, side, row)
+                    if i > 0:
+                        rounds[side].append(row)
+        finally:
+            for proc in sides.values():
+                proc.stdin.close()
+                proc.wait(timeout=120)
+    result = {"preset": args.preset, "concurrent": args.concurrent, "workflow": args.workflow,
+              "before": args.before, "rounds": rounds,
+              "median_ms_per_node": {s: 1e3 * statistics.median(r["scheduler_s_per_node"]
+                                                                for r in rows)
+                                     for s, rows in rounds.items()}}  # fmt: skip
+    med = result["median_ms_per_node"]
+    result["after_over_before"] = med["after"] / med["before"]
+    print(f"scheduler work per node, median of {args.rounds} rounds of {args.concurrent} "
+          f"concurrent {args.workflow} requests: before {med['before']:.3f} ms, after "
+          f"{med['after']:.3f} ms, after/before {result['after_over_before']:.2f}")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+def _server_child(args, side: str, src: Path, data: Path) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--preset", args.preset, "--side", side, "--data", str(data),
+           "--concurrent", str(args.concurrent), "--workflow", args.workflow]  # fmt: skip
+    cmd += ["--kv-cache-gib", str(args.kv_cache_gib)] if args.kv_cache_gib else []
+    if args.profile and side == "after":
+        cmd += ["--profile", str(args.profile)]
+    logger.info("server %s from %s", side, src)
+    return subprocess.Popen(cmd, env=_side_env(src), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def serve_side(args) -> None:
+    """A ``--concurrent`` child: one server; each ``round`` line on stdin runs one round and
+    answers one JSON line (scheduler seconds per node, nodes, requests, wall seconds)."""
+    import cProfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ragserve.runtime import Server, ServerConfig
+    from ragserve.workflows import builtin
+
+    p = OVERHEAD_PRESETS[args.preset]
+    data = prepare(p, "synthetic", args.data)
+    config = _config(ServerConfig, args, data)
+    make = getattr(builtin, args.workflow)
+    kwargs = {"nprobe": data["nprobe"], "max_tokens": p.max_tokens}
+    graph = make(topk=p.topk, **kwargs) if args.workflow == "oneshot" else make(**kwargs)
+    questions = data["questions"]
+    profiler = cProfile.Profile() if args.profile else None
+    with Server(data["model"], data["index"], config=config) as server:
+        clock = _timed(server, profiler)
+        pool = ThreadPoolExecutor(args.concurrent)
+        for i, _ in enumerate(sys.stdin):
+            batch = [questions[(i * args.concurrent + j) % len(questions)]
+                     for j in range(args.concurrent)]  # fmt: skip
+            busy0, t0 = _busy(clock), time.perf_counter()
+            responses = list(pool.map(lambda q: server.run(q, graph), batch))
+            busy = _busy(clock) - busy0
+            nodes = sum(len(r.node_timings) for r in responses)
+            errors = [r.error for r in responses if r.error is not None]
+            row = {"scheduler_s_per_node": busy / nodes, "nodes": nodes,
+                   "errors": len(errors), "wall_s": time.perf_counter() - t0}  # fmt: skip
+            print(json.dumps(row), flush=True)
+        pool.shutdown()
+    if profiler is not None:
+        profiler.dump_stats(str(args.profile))
+
+
+def _config(server_config: type, args, data: dict):
+    """The side's ``ServerConfig``: the preset's engine (``--kv-cache-gib``), spawned workers
+    (the model-work trace hooks in as ``__mp_main__``; a side without the field spawns)."""
+    engine = dict(data["engine_kwargs"])
+    if args.kv_cache_gib:
+        engine["kv_cache_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    kwargs = {"engine_kwargs": engine, "default_nprobe": data["nprobe"]}
+    if "worker_start_method" in {f.name for f in fields(server_config)}:
+        kwargs["worker_start_method"] = "spawn"
+    return server_config(**kwargs)
+
+
+def _side_env(src: Path) -> dict:
+    # NOTE: the side's source first; other entries (e.g. a --target site of wheels) kept
+    inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    keep = [p for p in inherited if p and Path(p).resolve() != (REPO / "src").resolve()]
+    path = os.pathsep.join([str(src), str(REPO / "bench"), *keep])
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def _export(rev: str, out: Path) -> Path:
@@ -114,13 +249,10 @@ def _export(rev: str, out: Path) -> Path:
 def _child(args, side: str, src: Path, data: Path) -> dict:
     cmd = [sys.executable, __file__, "--preset", args.preset, "--side", side, "--data", str(data)]
     cmd += ["--num", str(args.num)] if args.num else []
-    # NOTE: the side's source first; other entries (e.g. a --target site of wheels) kept
-    inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    keep = [p for p in inherited if p and Path(p).resolve() != (REPO / "src").resolve()]
-    path = os.pathsep.join([str(src), str(REPO / "bench"), *keep])
-    env = {**os.environ, "PYTHONPATH": path}
+    cmd += ["--kv-cache-gib", str(args.kv_cache_gib)] if args.kv_cache_gib else []
     logger.info("side %s from %s", side, src)
-    out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+    out = subprocess.run(cmd, env=_side_env(src), check=True, stdout=subprocess.PIPE,
+                         text=True).stdout  # fmt: skip
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -134,7 +266,7 @@ def run_side(args) -> dict:
     data = prepare(p, "synthetic", args.data)
     num = args.num or p.num_requests
     questions = data["questions"][: num + 1]
-    config = ServerConfig(engine_kwargs=data["engine_kwargs"], default_nprobe=data["nprobe"])
+    config = _config(ServerConfig, args, data)
     graph = oneshot(topk=p.topk, nprobe=data["nprobe"], max_tokens=p.max_tokens)
     data_plane = data_plane_us()
     responses, busy = [], []
@@ -143,9 +275,9 @@ def run_side(args) -> dict:
         with Server(data["model"], data["index"], config=config) as server:
             clock = _timed(server)
             for q in questions:
-                busy0 = clock["step"] - clock["poll"]
+                busy0 = _busy(clock)
                 r = server.run(q, graph)
-                busy.append(clock["step"] - clock["poll"] - busy0)
+                busy.append(_busy(clock) - busy0)
                 if r.error is not None:
                     raise RuntimeError(f"{q!r} failed: {r.error}")
                 responses.append(r)
@@ -178,8 +310,8 @@ def data_plane_us(repeats: int = 300) -> dict[str, float]:
     from ragserve.scheduler import GenerationUpdate, RetrievalResult
 
     text = "lorem ipsum dolor sit amet " * 24
-    results = [RetrievalResult(f"t{i}", tuple(Passage(f"d{i}-{j}", text, "Title", 0.5 + j)
-               for j in range(3))) for i in range(32)]  # fmt: skip
+    results = [RetrievalResult(f"t{i}", tuple(Passage(f"d{i}-{j}", f"{i}.{j} {text}", "Title",
+               0.5 + j) for j in range(3))) for i in range(32)]  # fmt: skip
     updates = [GenerationUpdate(f"g{i}", " tok", (1234,), False) for i in range(63)]
     updates.append(GenerationUpdate("p", "a", (7,), False, prompt_token_ids=tuple(range(400))))
 
@@ -191,25 +323,22 @@ def data_plane_us(repeats: int = 300) -> dict[str, float]:
             self.data = pickle.dumps(msg)
 
     pipe = Pipe()
-    if hasattr(workers, "Outbox"):  # after: typed messages, Arrow payloads
-        from ragserve.runtime.arrow_batches import attach_retrieval, read_generation
+    if hasattr(workers, "Outbox"):  # after: typed messages, rows pickled or Arrow by size
+        from ragserve.runtime import ServerConfig
+        from ragserve.runtime.payloads import read_results
 
-        ring = ShmRing(4, 1 << 20)
-        outbox = workers.Outbox(pipe, ShmWriter(ring.handle()), 1 << 28)
+        config = ServerConfig()
+        ring = ShmRing(4, config.shm_slot_bytes)
+        writer = ShmWriter(ring.handle())
+        outbox = workers.Outbox(pipe, writer, config.max_message_bytes, config.small_message_bytes)
 
         def gen() -> None:
             outbox.send_generation(updates, None)
-            msg = pickle.loads(pipe.data)
-            with ring.read(msg.payload) as batch:
-                read_generation(msg.task_ids, batch)
-                del batch
+            read_results(pickle.loads(pipe.data), ring)
 
         def ret() -> None:
             outbox.send_retrieval(results)
-            msg = pickle.loads(pipe.data)
-            with ring.read(msg.payload) as batch:
-                attach_retrieval(msg.results, batch)
-                del batch
+            read_results(pickle.loads(pipe.data), ring)
     else:  # before: positional tuples, numpy token ids in the ring, pickled passages
         import multiprocessing as mp
 
@@ -249,17 +378,33 @@ def _covered(intervals: list[list[float]], lo: float, hi: float) -> float:
     return total
 
 
-def _timed(server) -> dict:
-    """Wrap the scheduler thread's step, poll and admission in wall-clock accumulators."""
-    clock = {"step": 0.0, "poll": 0.0}
+def _busy(clock: dict, timeout: float = 5.0) -> float:
+    """Scheduler work so far (step minus poll/admission), read once the cycle running now
+    and the next have ended: a cycle still running when a request's answer arrives has added
+    its poll time but not yet its step time (an idle server's cycles take ``poll_timeout``)."""
+    target, deadline = clock["steps"] + 2, time.monotonic() + timeout
+    while clock["steps"] < target and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return clock["step"] - clock["poll"]
+
+
+def _timed(server, profiler=None) -> dict:
+    """Wrap the scheduler thread's step, poll and admission in wall-clock accumulators (and
+    ``profiler``, a ``cProfile.Profile``, around each step)."""
+    clock = {"step": 0.0, "poll": 0.0, "steps": 0}
 
     def timed(name, fn):
         def wrapper(*a, **kw):
             t0 = time.perf_counter()
             try:
-                return fn(*a, **kw)
+                return (
+                    fn(*a, **kw)
+                    if profiler is None or name != "step"
+                    else (profiler.runcall(fn, *a, **kw))
+                )
             finally:
                 clock[name] += time.perf_counter() - t0
+                clock["steps"] += name == "step"
 
         return wrapper
 

@@ -38,8 +38,14 @@ def test_50_concurrent_mixed_requests_equal_each_alone(server: Server) -> None:
     async def together():
         return await asyncio.gather(*(server.submit(q, graphs[n]) for q, n in jobs))
 
+    before = server.stats()
     concurrent = asyncio.run(asyncio.wait_for(together(), timeout=300))
     alone = [server.run(q, graphs[n]) for q, n in jobs]
+    stats = server.stats()
+    num_nodes = sum(len(r.node_timings) for r in [*concurrent, *alone])
+    assert stats["num_node_runs"] - before["num_node_runs"] == num_nodes
+    assert stats["scheduler_busy_s"] > before["scheduler_busy_s"]
+    assert stats["scheduler_s_per_node"] == stats["scheduler_busy_s"] / stats["num_node_runs"]
     assert [r.error for r in concurrent] == [None] * 50
     assert [r.output for r in concurrent] == [r.output for r in alone]
     assert [r.doc_ids for r in concurrent] == [r.doc_ids for r in alone]

@@ -16,6 +16,7 @@ from ragserve.runtime.arrow_batches import (
     read_generation,
     retrieval_batch,
 )
+from ragserve.runtime.payloads import read_results
 from ragserve.runtime.shm import ShmRing, ShmWriter, ipc_stream
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
@@ -93,7 +94,7 @@ def test_calls_dispatch_through_a_fixed_table() -> None:
 def test_results_cross_the_ring_and_are_read_in_place() -> None:
     ring, writer = _ring(slot_bytes=1 << 16)
     conn = _Conn()
-    outbox = Outbox(conn, writer, max_message_bytes=1 << 20)
+    outbox = Outbox(conn, writer, max_message_bytes=1 << 20, small_message_bytes=0)
     try:
         for _ in range(5):  # more messages than slots: each read frees its slot
             outbox.send_generation(UPDATES, {"running": 1})
@@ -142,15 +143,20 @@ def test_oversize_results_fail_their_tasks_with_a_clear_error() -> None:
     ring, writer = _ring()
     conn = _Conn()
     try:
-        Outbox(conn, writer, max_message_bytes=2048).send_retrieval(
+        Outbox(conn, writer, max_message_bytes=2048, small_message_bytes=0).send_retrieval(
             [RetrievalResult("big", (Passage("d", "x" * 10_000),))]
         )
         (msg,) = conn.sent
-        with ring.read(msg.payload) as batch:
-            (result,) = attach_retrieval(msg.results, batch)
-            del batch
+        assert msg.payload is None  # the errors ride in the message
+        (result,) = read_results(msg, ring)
         assert result.task_id == "big" and result.passages == ()
         assert "exceeds max_message_bytes (2048)" in result.error
+        for small in (0, 1 << 20):  # Arrow (it fits a slot), then pickled: the same bound
+            Outbox(conn, writer, 2048, small).send_retrieval(
+                [RetrievalResult("mid", (Passage("d", "x" * 1500), Passage("e", "y" * 1500)))]
+            )
+            (result,) = read_results(conn.sent.pop(), ring)
+            assert "exceeds max_message_bytes (2048)" in result.error and not result.passages
     finally:
         ring.close()
 
@@ -198,7 +204,7 @@ def test_operator_results_cross_beside_retrieval_results() -> None:
     ring, writer = _ring(slot_bytes=1 << 16)
     conn = _Conn()
     try:
-        Outbox(conn, writer, max_message_bytes=1 << 20).send_retrieval(mixed)
+        Outbox(conn, writer, max_message_bytes=1 << 20, small_message_bytes=0).send_retrieval(mixed)
         msg = conn.sent.pop(0)
         with ring.read(msg.payload) as batch:
             out = attach_retrieval(msg.results, batch)

@@ -182,3 +182,50 @@ def test_set_transforms_waits_for_the_old_chains_work_and_applies_to_later_reque
     assert len(done["b"].doc_ids) == 1  # admitted after the swap
     assert done["c"].error == "aborted"
     assert sched.transforms == (t,)
+
+
+def test_scheduler_work_counts_node_runs_and_excludes_the_executors_poll() -> None:
+    import time
+
+    ex = FakeExecutor()
+    polls = []
+    poll = ex.poll
+
+    def slow_poll(timeout: float):
+        polls.append(timeout)
+        time.sleep(0.01)
+        return poll(timeout)
+
+    ex.poll = slow_poll
+    sched = Scheduler(ex)
+    t0 = time.perf_counter()
+    done = _run(sched, [_req(f"r{i}", get_workflow("oneshot")) for i in range(4)])
+    wall = time.perf_counter() - t0
+    assert sched.num_node_runs == sum(len(r.node_timings) for r in done.values()) == 8
+    assert 0 < sched.busy_s <= wall - 0.01 * len(polls)
+
+
+@pytest.mark.parametrize("can_wake", [True, False])
+def test_a_wakeable_executor_is_woken_by_input_and_polled_longer_while_busy(can_wake) -> None:
+    class Wakeable(FakeExecutor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.can_wake = can_wake
+            self.num_wakes = 0
+            self.timeouts: list[float] = []
+
+        def wake(self) -> None:
+            self.num_wakes += 1
+
+        def poll(self, timeout: float) -> list:
+            self.timeouts.append(timeout)
+            return super().poll(timeout)
+
+    ex = Wakeable()
+    sched = Scheduler(ex, poll_timeout=0.01, busy_poll_timeout=7.0)
+    sched.add_request(_req("a", get_workflow("oneshot")))
+    sched.abort("gone")
+    sched.set_transforms(())
+    assert ex.num_wakes == 3
+    sched.step()  # admits and dispatches the retrieval; nothing ready after it: a busy poll
+    assert ex.timeouts == [7.0 if can_wake else 0.01]

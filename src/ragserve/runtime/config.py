@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.retrieval.limits import DocumentLimits
+from ragserve.runtime.wire import SMALL_MESSAGE_BYTES
 from ragserve.runtime.worker_start import START_METHODS
 from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.scheduler.operator_config import OperatorConfig
@@ -61,7 +62,13 @@ class ServerConfig:
     past that, tasks fail as ``overloaded`` (HTTP 429). Results' token ids and passages
     cross as Arrow batches in ``shm_slots`` shared-memory slots of ``shm_slot_bytes`` (larger
     ones inline through the pipe, up to ``max_message_bytes``; past it the tasks fail).
+    Results whose rows are estimated below ``small_message_bytes`` (or above a slot) skip
+    Arrow and ride pickled in the message (faster there: ``runtime/payloads.py``); 0 sends
+    every result that fits a slot as Arrow.
     ``tokenizer_prefetch``: prompts are tokenized on a CPU thread ahead of the engine step.
+    ``busy_poll_timeout``: with tasks in flight, the scheduler waits up to this long for
+    worker messages, woken at once by new requests, aborts and calls (the process backend;
+    ``Scheduler``); ``None``: a cycle every ``poll_timeout`` while busy, as before.
 
     ``cosched`` is data (which co-scheduling optimizations run, and their knobs); the
     ``Server`` builds the transforms from it (``make_transforms``). The default runs them all;
@@ -89,13 +96,15 @@ class ServerConfig:
     max_active_requests: int = 256
     queue_size: int = 64
     max_pending_messages: int = 256
-    shm_slots: int = 32
-    shm_slot_bytes: int = 1 << 20
+    shm_slots: int = 8
+    shm_slot_bytes: int = 8 << 20
     max_message_bytes: int = 1 << 28
+    small_message_bytes: int = SMALL_MESSAGE_BYTES
     tokenizer_prefetch: bool = True
     worker_start_timeout: float = 600.0
     max_node_runs: int = 256
     poll_timeout: float = 0.02
+    busy_poll_timeout: float | None = 0.5
     cosched: CoScheduleConfig = field(default_factory=CoScheduleConfig)
     gpu_tier: GpuTierConfig | None = None
     call_timeout_s: float = 600.0
@@ -118,6 +127,10 @@ class ServerConfig:
             raise TypeError(
                 f"cosched must be a CoScheduleConfig, got {type(self.cosched).__name__}"
             )
+        if self.busy_poll_timeout is not None and not 0 < self.busy_poll_timeout < float("inf"):
+            raise ValueError(
+                f"busy_poll_timeout must be a positive number or None, got {self.busy_poll_timeout}"
+            )
         for name in ("call_timeout_s", "health_stall_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
@@ -133,6 +146,11 @@ class ServerConfig:
         for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.small_message_bytes <= self.max_message_bytes:
+            raise ValueError(
+                f"small_message_bytes must be in [0, max_message_bytes], "
+                f"got {self.small_message_bytes}"
+            )
         self._check_backend()
 
     def _check_backend(self) -> None:

@@ -7,15 +7,16 @@ import contextlib
 import itertools
 import logging
 import queue
+import socket
 import threading
 import time
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
 
-from ragserve.runtime.arrow_batches import attach_retrieval, read_generation
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
+from ragserve.runtime.payloads import read_results
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmRing
 from ragserve.runtime.wire import (
@@ -206,6 +207,33 @@ class WorkerHandle:
         self.ring.close()
 
 
+class Waker:
+    """A self-pipe (a socket pair) to wait on beside the workers' pipes: ``wake`` (any
+    thread) makes it readable until ``drain``. Once closed, ``wake`` does nothing (a socket
+    object, so a late call never touches a reused file descriptor)."""
+
+    def __init__(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+
+    def fileno(self) -> int:
+        return self._r.fileno()
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
+            self._w.send(b"w")
+
+    def drain(self) -> None:
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing left
+            while self._r.recv(4096):
+                pass
+
+    def close(self) -> None:
+        self._w.close()
+        self._r.close()
+
+
 class ProcessExecutor(BaseExecutor):
     """The generation and retrieval workers as persistent processes (forked from a preloaded
     fork server, or spawned: ``config.worker_start_method``, ``worker_start.py``).
@@ -216,8 +244,11 @@ class ProcessExecutor(BaseExecutor):
     ``overloaded`` (HTTP 429) and calls raise ``WorkerError("overloaded")``.
     """
 
+    can_wake = True
+
     def __init__(self, gen_spec: WorkerSpec, ret_spec: WorkerSpec, config: ServerConfig) -> None:
         self.config = config
+        self._waker = Waker()
         ctx = worker_context(config.worker_start_method)
         self.workers = {"gen": WorkerHandle(gen_spec, config, ctx)}
         self.workers["ret"] = WorkerHandle(ret_spec, config, ctx)
@@ -320,6 +351,7 @@ class ProcessExecutor(BaseExecutor):
         with self._replies_lock:
             self._replies[token] = fut
         worker.pending.append(data)  # NOTE: flushed by the scheduler thread's next poll
+        self.wake()
         return fut
 
     def _fail_replies(self, reason: str, kind: str) -> None:
@@ -329,19 +361,29 @@ class ProcessExecutor(BaseExecutor):
             if not fut.done():
                 fut.set_exception(WorkerError(reason, kind))
 
+    def wake(self) -> None:
+        """Make the scheduler thread's waiting ``poll`` return (any thread)."""
+        self._waker.wake()
+
     def poll(self, timeout: float) -> list[Update]:
         live = [w for w in self.workers.values() if w.broken is None]
         for w in live:
             w.flush()
-        handles = {w.conn: w for w in live}
+        handles: dict[Any, Any] = {w.conn: w for w in live}
         handles.update({w.proc.sentinel: w for w in live})
+        handles[self._waker] = None
         updates: list[Update] = list(self._errors)
         self._errors.clear()
+        exited = []
         for ready in wait(list(handles), 0.0 if updates else timeout):
             worker = handles[ready]
-            if ready is worker.conn:
+            if worker is None:
+                self._waker.drain()
+            elif ready is worker.conn:
                 updates.extend(self._receive(worker))
-        for worker in live:
+            else:
+                exited.append(worker)  # NOTE: a sentinel is ready once its process has ended
+        for worker in exited:
             if not worker.proc.is_alive():
                 updates.extend(self._receive(worker))
                 updates.extend(self._on_death(worker))
@@ -401,15 +443,12 @@ class ProcessExecutor(BaseExecutor):
         return []
 
     def _on_results(self, worker: WorkerHandle, msg: Any) -> list[Update]:
-        """The slim updates / results with their Arrow payload attached, read in place from
-        the ring; a payload that cannot be read fails the tasks it carried."""
+        """The updates / results of ``msg`` (its own rows, or its Arrow payload read in place
+        from the ring: ``payloads.read_results``); one that cannot be read fails the tasks
+        it carried."""
         is_gen = isinstance(msg, GenerationResultsMsg)
-        slim = msg.task_ids if is_gen else msg.results
         try:
-            read = read_generation if is_gen else attach_retrieval
-            with worker.ring.read(msg.payload) as batch:
-                updates = read(slim, batch)
-                del batch
+            updates = read_results(msg, worker.ring)
         except ValueError as exc:
             logger.error("a %s worker result could not be read: %s", worker.spec.kind, exc)
             reason = f"the {worker.spec.kind} worker's result could not be read: {exc}"
@@ -481,3 +520,4 @@ class ProcessExecutor(BaseExecutor):
         self._fail_replies("the Server is closing", "worker_died")
         for w in self.workers.values():
             w.close()
+        self._waker.close()

@@ -61,6 +61,7 @@ class Server:
             max_node_runs=self.config.max_node_runs,
             poll_timeout=self.config.poll_timeout,
             operators=self.config.operators,
+            busy_poll_timeout=self.config.busy_poll_timeout,
         )
         self._cosched_names: tuple[str, ...] = self.config.cosched.enabled
         self.workflows: dict[str, CompiledGraph] = {n: get_workflow(n) for n in BUILTIN_WORKFLOWS}
@@ -286,12 +287,18 @@ class Server:
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Scheduler, engine (``num_running``/``num_waiting``/``num_blocks_*``) and worker
-        counters; ``cosched``: the co-scheduling optimizations that run. In process mode call
-        it from the thread that drives nothing else."""
+        counters; ``cosched``: the co-scheduling optimizations that run.
+        ``scheduler_s_per_node``: the scheduler thread's work (its cycles outside admission
+        and the executor's poll, ``scheduler_busy_s``) per node run started (``None`` before
+        the first). In process mode call it from the thread that drives nothing else."""
         engine = self.executor.engine_stats()
+        busy_s, num_node_runs = self.scheduler.busy_s, self.scheduler.num_node_runs
         out: dict[str, Any] = {
             "num_active_requests": self.scheduler.num_active,
             "num_cycles": self.scheduler.num_cycles,
+            "num_node_runs": num_node_runs,
+            "scheduler_busy_s": busy_s,
+            "scheduler_s_per_node": busy_s / num_node_runs if num_node_runs else None,
             "num_running": engine.get("running", 0),
             "num_waiting": engine.get("waiting", 0),
             "num_blocks_used": engine.get("kv_blocks_used", 0),
@@ -328,6 +335,7 @@ class Server:
         if self._closed.is_set():
             return
         self._closed.set()
+        self.executor.wake()
         self._thread.join(timeout=10)
         self.scheduler.close()
         self.executor.close()
@@ -529,6 +537,7 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         engine_kwargs=config.engine_kwargs,
         log_level=log_level,
         max_message_bytes=config.max_message_bytes,
+        small_message_bytes=config.small_message_bytes,
         tokenizer_prefetch=config.tokenizer_prefetch,
     )
     ret = WorkerSpec(
@@ -539,6 +548,7 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         tier=tier,
         log_level=log_level,
         max_message_bytes=config.max_message_bytes,
+        small_message_bytes=config.small_message_bytes,
         reranker=config.operators.reranker,
     )
     return ProcessExecutor(gen, ret, config)

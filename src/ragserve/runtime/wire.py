@@ -9,10 +9,11 @@ Server -> worker (the worker's bounded inbox; pickled by the sender, ``encode``)
 Worker -> server (its pipe): ``ReadyMsg``, ``FatalMsg``, ``EngineStatsMsg``,
 ``GenerationResultsMsg`` (its task ids plus an ``ArrowPayload`` holding the updates),
 ``RetrievalResultsMsg`` (the slim results plus an ``ArrowPayload`` holding their passages;
-``runtime/arrow_batches.py``) and ``CallReplyMsg``. Each side dispatches on the message's
-type through an explicit table, never on a name read from the wire;
-``CallRetrievalMsg.method`` is looked up in ``RETRIEVAL_CALLS``, a fixed table of the
-retrieval runner's callable methods.
+``runtime/arrow_batches.py``) and ``CallReplyMsg``. Results whose rows are small travel
+without a payload, their rows pickled in the message itself (``runtime/payloads.py``
+decides). Each side dispatches on the message's type through an explicit table, never on a
+name read from the wire; ``CallRetrievalMsg.method`` is looked up in ``RETRIEVAL_CALLS``, a
+fixed table of the retrieval runner's callable methods.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragserve.scheduler import GenerationTask, RetrievalTask
+
+SMALL_MESSAGE_BYTES = 1 << 20
+"""Results whose rows are estimated below this ride pickled in the message, larger ones (up
+to a slot) as Arrow in shared memory (``payloads.py``; the crossover measured in
+BENCHMARKS.md)."""
 
 
 @dataclass(frozen=True)
@@ -100,21 +106,24 @@ class EngineStatsMsg:
 
 @dataclass(frozen=True)
 class GenerationResultsMsg:
-    """The ``GenerationUpdate``s of ``task_ids``, one row each in ``payload``; ``stats``: the
-    engine's, or ``None``."""
+    """The ``GenerationUpdate``s of ``task_ids``: one row each in ``payload``, or, when
+    ``payload`` is ``None``, in ``updates`` (a small message); ``stats``: the engine's, or
+    ``None``."""
 
     task_ids: tuple[str, ...]
-    payload: ArrowPayload
+    payload: ArrowPayload | None
     stats: dict[str, Any] | None = None
+    updates: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
 class RetrievalResultsMsg:
-    """``results`` (``RetrievalResult``, ``StagedRetrievalResult``, ``RetrievalPartial``)
-    without their passages; ``payload`` holds them, one row per result."""
+    """``results`` (``RetrievalResult``, ``StagedRetrievalResult``, ``RetrievalPartial``,
+    ``OperatorResult``) without their passages, which ``payload`` holds, one row per result;
+    when ``payload`` is ``None`` (a small message) the results carry their passages."""
 
     results: tuple[Any, ...]
-    payload: ArrowPayload
+    payload: ArrowPayload | None
 
 
 @dataclass(frozen=True)

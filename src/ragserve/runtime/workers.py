@@ -4,7 +4,8 @@ Each worker reads typed messages (``wire.py``) from its bounded inbox
 (``multiprocessing.Queue``), dispatching on their type through a fixed table, and writes
 typed messages to its own pipe. The token ids of generation updates and the passages of
 retrieval results cross as Arrow record batches (``arrow_batches.py``) in the shared-memory
-ring (``shm.py``), not pickled; the slim messages around them are.
+ring (``shm.py``), not pickled; the slim messages around them are. Results whose rows are
+small ride pickled in the message itself (``payloads.py`` decides, by estimated size).
 
 Messages in arrive pickled by the sender (``wire.encode``), so a message that cannot be
 pickled fails in the caller's thread with an error, never silently in the queue's feeder
@@ -30,9 +31,11 @@ import pyarrow as pa
 
 from ragserve.runtime.arrow_batches import generation_batch, retrieval_batch, with_fields
 from ragserve.runtime.errors import error_kind_of
+from ragserve.runtime.payloads import generation_bytes, retrieval_bytes, uses_arrow
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmWriter, ipc_stream
 from ragserve.runtime.wire import (
+    SMALL_MESSAGE_BYTES,
     AbortGenerationMsg,
     CallGenerationMsg,
     CallReplyMsg,
@@ -58,7 +61,9 @@ SLOT_WAIT_S = 1.0  # a result waits this long for a free shared-memory slot, the
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker builds at start: picklable, no live objects. ``max_message_bytes``
-    bounds one result message's Arrow payload (past it the tasks fail with an error);
+    bounds one result message's Arrow payload (past it the tasks fail with an error); rows
+    estimated below ``small_message_bytes`` or above a slot ride pickled in the message
+    instead (``payloads``);
     ``tokenizer_prefetch``: the generation runner tokenizes on a CPU thread ahead of the
     engine step (``GenerationRunner``); ``reranker``: the rerank nodes' reranker
     (``retrieval.rerank.load_reranker``; one it cannot build fails the start, in one line)."""
@@ -72,6 +77,7 @@ class WorkerSpec:
     tier: tuple[int, str, str] | None = None  # (budget_bytes, device, dtype) of the GPU tier
     log_level: int = logging.WARNING  # of the ``ragserve`` loggers (the parent's, by default)
     max_message_bytes: int = 1 << 28
+    small_message_bytes: int = SMALL_MESSAGE_BYTES
     tokenizer_prefetch: bool = True
     reranker: str = "embedding"  # ``OperatorConfig.reranker``: built by the retrieval worker
 
@@ -114,7 +120,8 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
 
     try:
         runner = build_runner(spec)
-        outbox = Outbox(conn, ShmWriter(ring_handle), spec.max_message_bytes)
+        writer = ShmWriter(ring_handle)
+        outbox = Outbox(conn, writer, spec.max_message_bytes, spec.small_message_bytes)
     except RerankerLoadError as exc:  # a configuration error: its one line, no traceback
         conn.send(FatalMsg(str(exc)))
         return
@@ -130,31 +137,46 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
 
 
 class Outbox:
-    """A worker's way out: typed messages to its pipe, Arrow payloads into its ring."""
+    """A worker's way out: typed messages to its pipe; a result's rows as an Arrow payload in
+    its ring, or pickled in the message (``payloads.uses_arrow`` decides)."""
 
-    def __init__(self, conn: Any, writer: ShmWriter, max_message_bytes: int) -> None:
+    def __init__(
+        self, conn: Any, writer: ShmWriter, max_message_bytes: int, small_message_bytes: int
+    ) -> None:
         self.conn = conn
         self.writer = writer
         self.max_message_bytes = max_message_bytes
+        self.small_message_bytes = small_message_bytes
 
     def send(self, msg: Any, fallback: Callable[[str], Any]) -> None:
-        """``msg`` to the pipe; if it cannot be pickled, ``fallback(reason)`` instead."""
+        """``msg`` to the pipe; if it cannot be pickled or its bytes exceed
+        ``max_message_bytes``, ``fallback(reason)`` instead."""
         try:
             data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             logger.error("a %s cannot be pickled (%s); sending errors instead", type(msg), exc)
             reason = f"the result cannot be sent back: {type(exc).__name__}"
             data = pickle.dumps(fallback(reason), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > self.max_message_bytes:
+            reason = (
+                f"the result cannot be sent back: its message of {len(data)} bytes exceeds "
+                f"max_message_bytes ({self.max_message_bytes})"
+            )
+            logger.error("%s", reason)
+            data = pickle.dumps(fallback(reason), protocol=pickle.HIGHEST_PROTOCOL)
         self.conn.send_bytes(data)
 
     def send_generation(self, updates: list, stats: dict | None) -> None:
-        """``updates`` as a ``GenerationResultsMsg``: the updates in an Arrow payload."""
+        """``updates`` as a ``GenerationResultsMsg``."""
         task_ids = tuple(u.task_id for u in updates)
 
         def failed(reason: str) -> GenerationResultsMsg:
-            errors = [_failed_update(t, reason) for t in task_ids]
-            return GenerationResultsMsg(task_ids, self._payload(generation_batch(errors)))
+            errors = tuple(_failed_update(t, reason) for t in task_ids)
+            return GenerationResultsMsg(task_ids, None, None, errors)
 
+        if not self._uses_arrow(generation_bytes(updates)):
+            self.send(GenerationResultsMsg(task_ids, None, stats, tuple(updates)), failed)
+            return
         try:
             payload = self._payload(generation_batch(updates))
         except (ValueError, OverflowError, TypeError, pa.ArrowException) as exc:
@@ -163,8 +185,8 @@ class Outbox:
         self.send(GenerationResultsMsg(task_ids, payload, stats), failed)
 
     def send_retrieval(self, results: list) -> None:
-        """``results`` as a ``RetrievalResultsMsg``: passages in an Arrow payload (operator
-        results carry none and ride in the message as they are)."""
+        """``results`` as a ``RetrievalResultsMsg`` (operator results carry no passages and
+        ride in the message as they are)."""
         from ragserve.scheduler import RetrievalResult
         from ragserve.scheduler.operator_messages import OperatorResult
 
@@ -174,9 +196,11 @@ class Outbox:
             return OperatorResult(r.task_id, error=reason, error_kind="internal")
 
         def failed(reason: str) -> RetrievalResultsMsg:
-            errors = [error_of(r, reason) for r in results]
-            return RetrievalResultsMsg(tuple(errors), self._payload(retrieval_batch(errors)))
+            return RetrievalResultsMsg(tuple(error_of(r, reason) for r in results), None)
 
+        if not self._uses_arrow(retrieval_bytes(results)):
+            self.send(RetrievalResultsMsg(tuple(results), None), failed)
+            return
         try:
             slim = tuple(
                 with_fields(r, passages=()) if hasattr(r, "passages") else r for r in results
@@ -186,6 +210,9 @@ class Outbox:
             self.send(failed(f"the result cannot be sent back: {exc}"), failed)
             return
         self.send(RetrievalResultsMsg(slim, payload), failed)
+
+    def _uses_arrow(self, num_bytes: int) -> bool:
+        return uses_arrow(num_bytes, self.small_message_bytes, self.writer.slot_bytes)
 
     def _payload(self, batch: Any) -> Any:
         stream = ipc_stream(batch)

@@ -25,7 +25,11 @@ class BaseExecutor(ABC):
       there are none. Every submitted task eventually yields a final update (finished
       generation or a retrieval result), possibly with ``error`` set — also when a worker dies.
     - ``abort`` stops generation tasks; no further updates arrive for them.
+    - ``wake()`` (any thread) makes a ``poll`` waiting now, or the next one, return early;
+      only executors with ``can_wake`` implement it (the scheduler then may poll longer).
     """
+
+    can_wake: bool = False
 
     @abstractmethod
     def submit_generation(self, tasks: list[GenerationTask]) -> None: ...
@@ -44,6 +48,9 @@ class BaseExecutor(ABC):
 
     @abstractmethod
     def poll(self, timeout: float) -> list[Update]: ...
+
+    def wake(self) -> None:  # noqa: B027 - optional hook
+        """Interrupt a waiting ``poll`` (thread-safe); by default nothing (see ``can_wake``)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release workers and resources."""

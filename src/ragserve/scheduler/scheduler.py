@@ -47,6 +47,11 @@ class Scheduler:
     never exit); past it the request fails with a clear error. ``operators`` bounds the
     function pool and the session memory (``self.memory``, a ``MemoryStore``).
 
+    ``busy_poll_timeout``: with tasks in flight, how long one poll may wait for updates when
+    the executor ``can_wake`` (``add_request``, ``abort`` and ``set_transforms`` wake it), so
+    cycles follow events rather than a clock; ``None``, or an executor that cannot be woken:
+    ``poll_timeout``.
+
     ``abort(id)`` of an id not (yet) added is remembered (``abort_memory_s``, at most
     ``max_remembered_aborts`` ids): a request added later with that id finishes at once,
     aborted. So an abort that overtakes its request (a client gone while the request was
@@ -62,11 +67,14 @@ class Scheduler:
         max_node_runs: int = 256,
         poll_timeout: float = 0.05,
         operators: OperatorConfig | None = None,
+        busy_poll_timeout: float | None = None,
     ) -> None:
         self.executor = executor
         self.transforms = tuple(transforms)
         self.max_node_runs = max_node_runs
         self.poll_timeout = poll_timeout
+        wakes = busy_poll_timeout is not None and executor.can_wake
+        self.busy_poll_timeout = busy_poll_timeout if wakes else poll_timeout
         self.operators = operators or OperatorConfig()
         self.memory = MemoryStore(
             self.operators.memory_max_entries,
@@ -80,6 +88,10 @@ class Scheduler:
         self._side = Wavefront()  # transforms' side tasks, dispatched after the next wavefront
         self._inline: list[Update] = []  # results made during collection (memory, bad input)
         self.num_cycles = 0
+        self.num_node_runs = 0  # started, over all requests
+        self.busy_s = 0.0  # scheduler work: cycles' time outside admission and polling
+        self._poll_s = 0.0
+        self._has_new_runs = False  # a run was started since the last wavefront collection
         self.abort_memory_s = ABORT_MEMORY_S
         self.max_remembered_aborts = MAX_REMEMBERED_ABORTS
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when aborted
@@ -92,9 +104,11 @@ class Scheduler:
     # -- called from any thread -------------------------------------------------------------
     def add_request(self, request: RequestState) -> None:
         self._inbox.put(("add", request))
+        self.executor.wake()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+        self.executor.wake()
 
     def set_transforms(self, transforms: Sequence[BaseTransform]) -> Future:
         """Replace the transform chain between requests (e.g. a benchmark switching systems).
@@ -105,12 +119,15 @@ class Scheduler:
         """
         done: Future = Future()
         self._inbox.put(("transforms", (tuple(transforms), done)))
+        self.executor.wake()
         return done
 
     # -- the control loop (scheduler thread only) -----------------------------------------
     def step(self) -> None:
-        """One cycle: admit, collect the wavefront, transform, dispatch, apply updates."""
+        """One cycle: admit, collect the wavefront, transform, dispatch, apply updates.
+        ``busy_s`` grows by the cycle's time outside admission and the executor's poll."""
         self._admit()
+        started = time.perf_counter()
         wavefront = self._collect_wavefront()
         for transform in self.transforms:
             wavefront = transform.apply(wavefront)
@@ -121,6 +138,7 @@ class Scheduler:
         for update in updates:
             self._apply(update)
         self.num_cycles += 1
+        self.busy_s += time.perf_counter() - started - self._poll_s
 
     def has_unfinished(self) -> bool:
         return bool(self._active or self._deferred) or not self._inbox.empty()
@@ -207,10 +225,14 @@ class Scheduler:
         return aborted_at is not None and time.monotonic() - aborted_at < self.abort_memory_s
 
     def _has_ready(self) -> bool:
-        return any(not r.is_dispatched for r in self._active.values())
+        return self._has_new_runs
 
     def _collect_wavefront(self) -> Wavefront:
         wavefront = Wavefront()
+        if not self._has_new_runs:
+            return wavefront
+        # NOTE: runs become ready only in ``_start``; a collection dispatches every ready run,
+        # so without a ``_start`` since the last one there is nothing to scan for.
         now = time.monotonic()
         for req in list(self._active.values()):
             for run in req.runs:
@@ -232,6 +254,7 @@ class Scheduler:
                     self._function_pool().submit(run.task_id, fn, arg, timeout_s)
                 else:
                     self._inline.append(lowered.payload)
+        self._has_new_runs = False
         return wavefront
 
     def _function_pool(self) -> CpuPool:
@@ -255,10 +278,12 @@ class Scheduler:
 
     def _poll(self) -> list[Update]:
         updates, self._inline = self._inline, []
-        timeout = 0.0 if updates or self._has_ready() else self.poll_timeout
+        timeout = 0.0 if updates or self._has_ready() else self.busy_poll_timeout
         if self._pool is not None and self._pool.has_work():
             timeout = min(timeout, 0.005)  # NOTE: the pool's results are polled, not waited on
+        polled = time.perf_counter()
         updates.extend(self.executor.poll(timeout if self._by_task else 0.0))
+        self._poll_s = time.perf_counter() - polled
         if self._pool is not None:
             updates.extend(self._pool.poll())
         return updates
@@ -345,11 +370,13 @@ class Scheduler:
             self._finish(req, f"request ran {self.max_node_runs} nodes without reaching END")
             return False
         req.num_node_runs += 1
+        self.num_node_runs += 1
         node = req.graph.nodes[node_id]
         is_answer = node.kind in ("generation", "completion") and node.output == "output"
         timing = NodeTiming(node_id, node.kind, time.monotonic(), is_answer=is_answer)
         req.timings.append(timing)
         req.runs.append(NodeRun(node_id, state, timing, branch=branch, seq=req.num_node_runs))
+        self._has_new_runs = True
         return True
 
     def _finish(self, req: RequestState, error: str | None, kind: str = "internal") -> None:
@@ -414,6 +441,9 @@ class _View:
             run.partial_text,
             run.timing.num_tokens,
         )
+
+    def has_task(self, task_id: str) -> bool:
+        return task_id in self._s._by_task
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._s._active

@@ -151,8 +151,8 @@ class SpeculationTransform(BaseTransform):
                 self._abort(spec)  # the real node was dispatched this cycle and did not match
             elif spec.adopted_as not in (None, *self._view.running_task_ids(spec.request_id)):
                 self._abort(spec)
-        lookup = self._view.task
-        self._running = {t for t in self._running if t in self._specs or lookup(t) is not None}
+        has_task = self._view.has_task
+        self._running = {t for t in self._running if t in self._specs or has_task(t)}
 
     # -- update side ------------------------------------------------------------------------
     def on_updates(self, updates: list[Update]) -> list[Update]:

@@ -5,6 +5,7 @@ request objects. Through it, on the scheduler thread only:
 
 - ``task(task_id) -> TaskView | None``: a read-only snapshot of the node run a dispatched task
   belongs to (``None`` once its request finished, failed or was aborted);
+- ``has_task(task_id)``: whether ``task`` would give a view (no snapshot built);
 - ``is_active(request_id)`` and ``running_task_ids(request_id)``;
 - ``peek_next(task, output) -> NextStep | None``: where the request would go, and with what
   state, if the task's node returned ``output`` (``State.write``, then the node's edge);
@@ -53,6 +54,8 @@ class SchedulerView(Protocol):
     """The narrow interface transforms use (see the module doc)."""
 
     def task(self, task_id: str) -> TaskView | None: ...
+
+    def has_task(self, task_id: str) -> bool: ...
 
     def is_active(self, request_id: str) -> bool: ...
 
