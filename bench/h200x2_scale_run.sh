@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Issue 17's scale-out run on one host with two H200s (bench/scale_bench.py: sustained
 # capacity of replicas x shards on Ray, GPU index tier on), in device calls on one warm machine:
+#   bash bench/h200x2_scale_run.sh stage DIR...  copy carried wheel folders into $WHEELS; once
+#                                             every part of the Ray wheel is there, join them
+#                                             (checked against RAY_SHA256)
 #   bash bench/h200x2_scale_run.sh start [S]  install wheels, then in the background: build the
 #                                             index (or reuse $RUN/data), start Ray, run
 #                                             $CONFIGS into $RUN/$NAME; wait up to S s
@@ -22,6 +25,9 @@ set -uo pipefail
 PYTHON=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
 WHEELS=${WHEELS:-/root/wheels}
+RAY_WHEEL=${RAY_WHEEL:-ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl}
+RAY_PARTS=${RAY_PARTS:-2}
+RAY_SHA256=${RAY_SHA256:-b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a}
 MODEL=${MODEL:-.gpurun/data/model}
 RUN=${RUN:-/root/scale}
 NAME=${NAME:-replicas}
@@ -47,13 +53,41 @@ export PYTHONPATH=$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 MARK="bench/scale_bench.py --out $RUN/"  # a run of this RUN (pgrep pattern)
 case $NAME in ""|*[!A-Za-z0-9_-]*) echo "NAME: letters, digits, - and _ only" >&2; exit 2 ;; esac
 
-install() {
-    local wheels=()
-    [ -d "$WHEELS" ] && wheels+=("$WHEELS"/*.whl)
-    [ -d .whl ] && wheels+=(.whl/*.whl)
+stage() {
+    mkdir -p "$WHEELS" || return 1
+    local dir parts
+    for dir in "$@"; do
+        [ -d "$dir" ] || { echo "stage: no folder $dir" >&2; return 1; }
+        cp "$dir"/* "$WHEELS"/ || return 1
+    done
+    parts=("$WHEELS"/ray.part-*)
+    if [ -e "${parts[0]}" ] && [ ${#parts[@]} -ge "$RAY_PARTS" ]; then
+        cat "${parts[@]}" > "$WHEELS/$RAY_WHEEL.tmp" || return 1
+        local sum
+        sum=$(sha256sum "$WHEELS/$RAY_WHEEL.tmp" | cut -d" " -f1)
+        if [ "$sum" != "$RAY_SHA256" ]; then
+            echo "stage: joined Ray wheel has sha256 $sum, expected $RAY_SHA256" >&2
+            rm -f "$WHEELS/$RAY_WHEEL.tmp"
+            return 1
+        fi
+        mv "$WHEELS/$RAY_WHEEL.tmp" "$WHEELS/$RAY_WHEEL" && rm -f "${parts[@]}"
+    fi
+    ls -l "$WHEELS"
+}
+install() {  # the wheels of $WHEELS and .whl/ (one copy of each name); skipped if unchanged
+    local wheels=() w list
+    shopt -s nullglob
+    wheels+=("$WHEELS"/*.whl)
+    for w in .whl/*.whl; do
+        [ -e "$WHEELS/$(basename "$w")" ] || wheels+=("$w")
+    done
+    shopt -u nullglob
     [ ${#wheels[@]} -eq 0 ] && return 0
+    list=$(ls -l "${wheels[@]}" | md5sum)
+    [ -f "$SITE/.wheels" ] && [ "$(cat "$SITE/.wheels")" = "$list" ] && return 0
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" "${wheels[@]}" || return 1
+    echo "$list" > "$SITE/.wheels"
 }
 running() { pgrep -f "$MARK" >/dev/null; }
 collect() {
@@ -77,6 +111,7 @@ waitfor() {
     grep -hE "capacity|scale_bench|Error|error" "$RUN"/*.log | cut -c1-300 | tail -25
 }
 case ${1:-} in
+stage) shift; stage "$@" || exit 1 ;;
 start)
     running && { echo "a run is still going: call wait first"; waitfor 0; exit 1; }
     install || { echo "wheel install failed"; exit 1; }
@@ -97,5 +132,5 @@ assert n >= $GPUS, f'{n} GPUs visible, GPUS={$GPUS}'" || exit 1
     waitfor "${2:-530}"
     ;;
 wait) waitfor "${2:-300}" ;;
-*) echo "usage: $0 start|wait [seconds]" >&2; exit 2 ;;
+*) echo "usage: $0 stage DIR... | start [seconds] | wait [seconds]" >&2; exit 2 ;;
 esac

@@ -209,7 +209,7 @@ def bench_config(cfg: str, p, data: dict, args, state: dict, entry: dict, on_poi
         )
         stats = summarize(responses, slo=p.slo, wall=time.monotonic() - t)
         stats.update(window_stats(responses, times, start, args.warmup, p.slo), rate=rate)
-        stats.update(fill_stats(responses, times, args.warmup))
+        stats.update(fill_stats(responses, times, start, args.warmup))
         nodes = max(sum(len(r.node_timings) for r in responses), 1)
         stats["scheduler_ms_per_node"] = 1e3 * (clock["step"] - clock["poll"] - busy0) / nodes
         stats["sustained"] = is_sustained(stats)
@@ -229,20 +229,26 @@ def bench_config(cfg: str, p, data: dict, args, state: dict, entry: dict, on_poi
         server.close()
 
 
-def fill_stats(responses: list, arrivals: np.ndarray, warmup: float) -> dict:
-    """Diagnostics of a point's window (not part of the criterion): ``window_done_share``, the
-    share of the window's arrivals that completed OK (whenever, within the drain), and
-    ``fill_loss_share``, the expected share of window completions lost because the warm-up is
-    shorter than the latency (``mean((latency - warmup)+) / window``; 0 when warmup >= every
-    latency)."""
-    measured = [r for r, t in zip(responses, arrivals, strict=True) if t >= warmup]
-    ok = [r.latency for r in measured if r.error is None]
+def fill_stats(responses: list, arrivals: np.ndarray, start: float, warmup: float) -> dict:
+    """Diagnostics of a point's window (not part of the criterion), over the requests whose
+    scheduled arrival ``start + arrivals[i]`` falls in it: ``window_done_share``, the share that
+    completed OK (whenever, within the drain); ``fill_loss_share``, the expected share of the
+    window's completions lost because the warm-up is shorter than a request's time from its
+    scheduled arrival to its finish (``mean((finish - scheduled - warmup)+) / window``; 0 when
+    the warm-up covers every one); ``submit_lag_mean_s`` / ``submit_lag_max_s``, the delay from
+    the scheduled arrival to the submission (a client falling behind shifts completions past
+    the window's end)."""
+    rows = [(r, start + float(t)) for r, t in zip(responses, arrivals, strict=True) if t >= warmup]
+    ok = [(r, due) for r, due in rows if r.error is None]
     span = float(arrivals[-1]) - warmup
-    lost = sum(max(0.0, lat - warmup) for lat in ok) / max(len(ok), 1)
+    lost = sum(max(0.0, r.finish_time - due - warmup) for r, due in ok) / max(len(ok), 1)
+    lags = [r.arrival_time - due for r, due in rows if r.arrival_time > 0]
     return {
-        "window_done_share": len(ok) / max(len(measured), 1),
+        "window_done_share": len(ok) / max(len(rows), 1),
         "fill_loss_share": lost / span if span > 0 else None,
-        "window_latency_max_s": max(ok, default=None),
+        "window_latency_max_s": max((r.latency for r, _ in ok), default=None),
+        "submit_lag_mean_s": sum(lags) / len(lags) if lags else None,
+        "submit_lag_max_s": max(lags, default=None),
     }
 
 
