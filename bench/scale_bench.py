@@ -5,7 +5,13 @@ workload (``rag_bench``'s presets, questions and Poisson arrivals) and its susta
 is bisected with the method every RAG figure uses (``sustained.py``): each probed rate offers
 ``--warmup`` + ``--window`` seconds of arrivals, only the window counts, sustained = completed
 >= 95 % of the offered rate and >= 90 % within the SLO; geometric bisection inside the
-configuration's bracket (``--capacity``). ``--tier-gb`` puts the index in GPU tiers
+configuration's bracket (``--capacity``) until it is ``--rel-tol`` wide. The warm-up defaults
+to the SLO: completions are counted inside the window, so a request that arrived before the
+window's start and finished inside it stands in for one that arrived near its end and
+finishes after it; with a warm-up shorter than the latency the first ones do not exist and the
+window loses ``E[(latency - warmup)+] / window`` of its completions (a fill artefact, not a
+capacity limit). A warm-up of at least the SLO makes that loss zero for every request that
+meets the SLO. ``--tier-gb`` puts the index in GPU tiers
 (``ServerConfig.gpu_tier``: split over the shards, each beside a replica on its GPU). Every
 point is written to ``results.json`` as it is measured, so a run cut short keeps its data;
 ``--budget-s`` stops starting points that would not end in time. Ratios are against the first
@@ -13,8 +19,9 @@ configuration, measured in the same run on the same cluster.
 
     python bench/scale_bench.py --preset smoke --configs 1x1 2x1 --capacity 2:8 \\
         --warmup 1 --window 4 --min-window 1 --tier-gb 0.01 --tier-device cpu   # CPU twin
-    python bench/scale_bench.py --preset h200 --configs 1x1 2x1 1x2 2x2 --nprobe 256 \\
-        --capacity 40:70 2:70:140 --tier-gb 24 --ray-num-gpus 2 --out /root/scale  # 2 H200s
+    python bench/scale_bench.py --preset h200 --configs 1x1 2x1 --nprobe 256 --rel-tol 0.03 \\
+        --capacity 1x1:52:64 2x1:98:120 --max-points 5 --tier-gb 24 --ray-num-gpus 2 \\
+        --out /root/scale/replicas --data /root/scale/data                    # 2 H200s
 """
 
 from __future__ import annotations
@@ -59,32 +66,51 @@ def parse_config(text: str) -> tuple[int, int]:
     return replicas, shards
 
 
-def parse_brackets(specs: list[str]) -> dict[int | None, tuple[float, float]]:
-    """``["40:70", "2:70:140"]`` -> {None: (40, 70), 2: (70, 140)}: ``LO:HI`` is one replica's
-    bracket (R replicas: R x it), ``R:LO:HI`` the bracket for R replicas."""
-    out: dict[int | None, tuple[float, float]] = {}
+Brackets = dict[int | str | None, tuple[float, float]]
+
+
+def parse_brackets(specs: list[str]) -> Brackets:
+    """``["40:70", "2:70:140", "1x2:44:64"]`` -> {None: (40, 70), 2: (70, 140), "1x2": (44,
+    64)}: ``LO:HI`` is one replica's bracket (R replicas: R x it), ``R:LO:HI`` the bracket for
+    R replicas, ``RxS:LO:HI`` the bracket of configuration ``RxS``; a configuration's own
+    bracket wins over its replica count's, which wins over one replica's."""
+    out: Brackets = {}
     for spec in specs:
         parts = spec.split(":")
         try:
             if len(parts) == 2:
-                key, lo, hi = None, float(parts[0]), float(parts[1])
+                key: int | str | None = None
+            elif len(parts) == 3 and "x" in parts[0].lower():
+                replicas, shards = parse_config(parts[0])
+                key = f"{replicas}x{shards}"
             elif len(parts) == 3:
-                key, lo, hi = int(parts[0]), float(parts[1]), float(parts[2])
+                key = int(parts[0])
             else:
                 raise ValueError
+            lo, hi = float(parts[-2]), float(parts[-1])
         except ValueError:
-            raise ValueError(f"capacity: LO:HI or REPLICAS:LO:HI, got {spec!r}") from None
-        if not 0 < lo < hi or (key is not None and key < 1):
+            raise ValueError(
+                f"capacity: LO:HI, REPLICAS:LO:HI or RxS:LO:HI, got {spec!r}"
+            ) from None
+        if not 0 < lo < hi or (isinstance(key, int) and key < 1):
             raise ValueError(f"capacity: need 0 < LO < HI and REPLICAS >= 1, got {spec!r}")
         out[key] = (lo, hi)
     return out
 
 
-def bracket(brackets: dict[int | None, tuple[float, float]], replicas: int) -> tuple[float, float]:
+def bracket(brackets: Brackets, config: str | int) -> tuple[float, float]:
+    """The bisection bracket of configuration ``config`` (``"2x1"``; an int: R replicas)."""
+    if isinstance(config, int):
+        replicas, key = config, None
+    else:
+        replicas, shards = parse_config(config)
+        key = f"{replicas}x{shards}"
+    if key is not None and key in brackets:
+        return brackets[key]
     if replicas in brackets:
         return brackets[replicas]
     if None not in brackets:
-        raise ValueError(f"capacity: no bracket for {replicas} replicas (give LO:HI or R:LO:HI)")
+        raise ValueError(f"capacity: no bracket for {config!r} (give LO:HI, R:LO:HI or RxS:LO:HI)")
     lo, hi = brackets[None]
     return lo * replicas, hi * replicas
 
@@ -148,9 +174,16 @@ def bench_config(cfg: str, p, data: dict, args, state: dict, entry: dict, on_poi
     """Capacity of one configuration into ``entry`` (filled as points are measured);
     ``state["offset"]`` hands out fresh questions."""
     replicas, shards = parse_config(cfg)
-    lo, hi = bracket(args.brackets, replicas)
+    lo, hi = bracket(args.brackets, cfg)
     entry.update(config=cfg, replicas=replicas, shards=shards, bracket=[lo, hi], points=[])
     points = entry["points"]
+    if shards > 1:  # the shard folders, split on first use (reused by later runs): timed
+        from ragserve.runtime.ray_backend import shard_root
+
+        t0 = time.monotonic()
+        shard_root(data["index"], shards, args.partition)
+        entry["split_s"] = time.monotonic() - t0
+        logger.info("%s: shard folders ready in %.1f s", cfg, entry["split_s"])
     t0 = time.monotonic()
     server, chain = start_server(replicas, shards, p, data, args)
     entry["start_s"] = time.monotonic() - t0
@@ -176,6 +209,7 @@ def bench_config(cfg: str, p, data: dict, args, state: dict, entry: dict, on_poi
         )
         stats = summarize(responses, slo=p.slo, wall=time.monotonic() - t)
         stats.update(window_stats(responses, times, start, args.warmup, p.slo), rate=rate)
+        stats.update(fill_stats(responses, times, start, args.warmup))
         nodes = max(sum(len(r.node_timings) for r in responses), 1)
         stats["scheduler_ms_per_node"] = 1e3 * (clock["step"] - clock["poll"] - busy0) / nodes
         stats["sustained"] = is_sustained(stats)
@@ -193,6 +227,29 @@ def bench_config(cfg: str, p, data: dict, args, state: dict, entry: dict, on_poi
         entry.update(from_points(points), cut_short=True)
     finally:
         server.close()
+
+
+def fill_stats(responses: list, arrivals: np.ndarray, start: float, warmup: float) -> dict:
+    """Diagnostics of a point's window (not part of the criterion), over the requests whose
+    scheduled arrival ``start + arrivals[i]`` falls in it: ``window_done_share``, the share that
+    completed OK (whenever, within the drain); ``fill_loss_share``, the expected share of the
+    window's completions lost because the warm-up is shorter than a request's time from its
+    scheduled arrival to its finish (``mean((finish - scheduled - warmup)+) / window``; 0 when
+    the warm-up covers every one); ``submit_lag_mean_s`` / ``submit_lag_max_s``, the delay from
+    the scheduled arrival to the submission (a client falling behind shifts completions past
+    the window's end)."""
+    rows = [(r, start + float(t)) for r, t in zip(responses, arrivals, strict=True) if t >= warmup]
+    ok = [(r, due) for r, due in rows if r.error is None]
+    span = float(arrivals[-1]) - warmup
+    lost = sum(max(0.0, r.finish_time - due - warmup) for r, due in ok) / max(len(ok), 1)
+    lags = [r.arrival_time - due for r, due in rows if r.arrival_time > 0]
+    return {
+        "window_done_share": len(ok) / max(len(rows), 1),
+        "fill_loss_share": lost / span if span > 0 else None,
+        "window_latency_max_s": max((r.latency for r, _ in ok), default=None),
+        "submit_lag_mean_s": sum(lags) / len(lags) if lags else None,
+        "submit_lag_max_s": max(lags, default=None),
+    }
 
 
 def from_points(points: list[dict]) -> dict:
@@ -243,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--capacity", nargs="+", required=True,
                     help="bisection brackets: LO:HI for one replica (x R for R replicas) "
                     "and/or R:LO:HI for R replicas")  # fmt: skip
-    ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window")
+    ap.add_argument("--warmup", type=float, default=None,
+                    help="seconds before the window (default: the SLO; module doc)")  # fmt: skip
     ap.add_argument("--window", type=float, default=30.0, help="measured seconds per rate")
     ap.add_argument("--min-window", type=float, default=30.0,
                     help="shortest --window allowed (the method says 30 s)")  # fmt: skip
@@ -268,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "seconds from the start")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/scale"))
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="model and index folder, made on first use (default: OUT/data)",
+    )
     return ap
 
 
@@ -277,8 +341,8 @@ def check_args(args) -> None:
         parse_config(cfg)
     args.brackets = parse_brackets(args.capacity)
     for cfg in args.configs:
-        bracket(args.brackets, parse_config(cfg)[0])
-    if args.window < args.min_window or args.warmup < 0:
+        bracket(args.brackets, cfg)
+    if args.window < args.min_window or (args.warmup is not None and args.warmup < 0):
         raise ValueError(f"window must be >= {args.min_window} s and warmup >= 0")
     if args.max_points < 2 or args.rel_tol <= 0:
         raise ValueError("max_points must be >= 2 and rel_tol > 0")
@@ -312,9 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     p = PRESETS[args.preset]
     args.timeout = p.slo if args.timeout is None else args.timeout
+    args.warmup = p.slo if args.warmup is None else args.warmup
+    if args.warmup < p.slo:
+        logger.warning(
+            "warm-up %.1f s < SLO %.1f s: requests slower than the warm-up lose window "
+            "completions (fill_loss_share in each point)",
+            args.warmup,
+            p.slo,
+        )
     args.deadline = t_start + args.budget_s if args.budget_s else float("inf")
     args.out.mkdir(parents=True, exist_ok=True)
-    data = prepare(p, args.dataset, args.out / "data", nprobe=args.nprobe)
+    data = prepare(p, args.dataset, args.data or args.out / "data", nprobe=args.nprobe)
     import ray
     import torch
 

@@ -154,6 +154,34 @@ def test_killing_a_shard_retries_only_its_searches(ray_server: Server, local_ser
     assert ray_server.stats()["workers"]["shard_0"]["alive"]
 
 
+def test_acknowledged_upserts_and_deletes_survive_a_shard_restart(ray_server: Server) -> None:
+    """Once ``add_documents`` / ``delete_documents`` return, the owning shard has them in its
+    folder: killing that shard actor (Ray restarts it from the folder) loses neither."""
+    from ragserve.retrieval import Document
+    from ragserve.retrieval.shard_split import read_layout
+
+    layout = read_layout(ray_server.executor._shard_root)
+    before = _shard_docs(ray_server)
+    kept = Document("lemuria-1", "The capital of Lemuria is Mu City.", "Lemuria")
+    gone = Document("lemuria-2", "Lemuria exports coral and pearls.", "Lemuria")
+    ray_server.add_documents([kept, gone])
+    assert ray_server.delete_documents(["lemuria-2"]) == 1
+    owners = [
+        ray_server.executor.shards[j]
+        for j in {layout.owner_of_document("lemuria-1"), layout.owner_of_document("lemuria-2")}
+    ]
+    pids = [_pid(shard) for shard in owners]
+    for shard in owners:
+        ray.kill(shard, no_restart=False)
+    assert all(_pid(shard) != pid for shard, pid in zip(owners, pids, strict=True))  # restarted
+    after = _shard_docs(ray_server)
+    assert sum(after) == sum(before) + 1
+    r = ray_server.run("What is the capital of Lemuria?", small_workflow("oneshot"))
+    assert r.error is None and r.doc_ids[0] == "lemuria-1"
+    assert ray_server.delete_documents(["lemuria-1"]) == 1
+    assert _shard_docs(ray_server) == before
+
+
 @pytest.mark.slow
 def test_killing_the_retrieval_coordinator_retries_its_searches_once(
     ray_server: Server, local_server: Server
@@ -220,6 +248,20 @@ def _next_requests_succeed(server: Server, reference: Server) -> None:
     for q in QUESTIONS:
         got, want = server.run(q, small_workflow("hyde")), reference.run(q, small_workflow("hyde"))
         assert got.error is None and got.output == want.output and got.doc_ids == want.doc_ids
+
+
+def _pid(actor, timeout: float = 120.0) -> int:
+    """The process id of ``actor``'s current instance (waits for a restart to answer; a call
+    that reached the instance being killed is sent again)."""
+    import os
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline, "the actor did not come back"
+            time.sleep(0.1)
 
 
 def _shard_docs(server: Server) -> list[int]:
