@@ -173,7 +173,8 @@ def test_acknowledged_upserts_and_deletes_survive_a_shard_restart(ray_server: Se
     pids = [_pid(shard) for shard in owners]
     for shard in owners:
         ray.kill(shard, no_restart=False)
-    assert all(_pid(shard) != pid for shard, pid in zip(owners, pids, strict=True))  # restarted
+    for shard, pid in zip(owners, pids, strict=True):
+        _wait_restarted(shard, pid)
     after = _shard_docs(ray_server)
     assert sum(after) == sum(before) + 1
     r = ray_server.run("What is the capital of Lemuria?", small_workflow("oneshot"))
@@ -248,6 +249,15 @@ def _next_requests_succeed(server: Server, reference: Server) -> None:
     for q in QUESTIONS:
         got, want = server.run(q, small_workflow("hyde")), reference.run(q, small_workflow("hyde"))
         assert got.error is None and got.output == want.output and got.doc_ids == want.doc_ids
+
+
+def _wait_restarted(actor, old_pid: int, timeout: float = 120.0) -> None:
+    """Wait until ``actor`` answers from a process other than ``old_pid``: ``ray.kill`` is
+    asynchronous, so a call made right after it may still reach the instance being killed."""
+    deadline = time.monotonic() + timeout
+    while _pid(actor, timeout) == old_pid:
+        assert time.monotonic() < deadline, "the actor was not restarted"
+        time.sleep(0.05)
 
 
 def _pid(actor, timeout: float = 120.0) -> int:

@@ -236,6 +236,9 @@ def test_metrics_move(client: openai.OpenAI, url: str) -> None:
     assert after[("ragserve:kv_cache_blocks_total", ())] > 0
     assert after[("ragserve:num_requests_running", ())] == 0
     assert ("ragserve:num_requests_waiting", ()) in after
+    # the engine's cache-fusion and KV-reuse counters are exported too (issues 12, 13)
+    for key in ("engine.num_fused_tokens", "engine.num_recomputed_tokens"):
+        assert ("ragserve:server_stat", (("key", key),)) in after, key
 
 
 def test_upsert_then_retrieve_then_delete(client: openai.OpenAI, url: str) -> None:
