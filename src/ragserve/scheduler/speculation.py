@@ -252,6 +252,16 @@ class SpeculationTransform(BaseTransform):
     def num_in_flight(self) -> int:
         return len(self._specs)
 
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if the bookkeeping is inconsistent (tests call it)."""
+        for retrieval_task_id, spec in self._by_retrieval.items():
+            assert self._specs.get(spec.spec_id) is spec, spec.spec_id
+            assert spec.retrieval_task_id == retrieval_task_id, spec.spec_id
+        for spec_id, spec in self._specs.items():
+            assert spec.spec_id == spec_id
+            assert spec.adopted_as is None or (spec.confirmed and not spec.buffered), spec_id
+        assert not self._replay, "replayed updates left over after on_updates"
+
 
 def _ids(passages) -> tuple[str, ...]:
     return tuple(p.doc_id for p in passages)
