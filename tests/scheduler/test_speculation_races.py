@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 
-from ragserve.graph import Passage, State
+from ragserve.graph import END, START, Passage, RAGraph, State
 from ragserve.scheduler import (
     BaseExecutor,
     GenerationTask,
@@ -137,7 +137,11 @@ def _pieces(task: GenerationTask) -> list[GenerationUpdate]:
         last = i == NUM_CHUNKS - 1
         out.append(
             GenerationUpdate(
-                task.task_id, text[i * step : (i + 1) * step], (i,), last, "length" if last else None
+                task.task_id,
+                text[i * step : (i + 1) * step],
+                (i,),
+                last,
+                "length" if last else None,
             )
         )
     return out
@@ -146,13 +150,13 @@ def _pieces(task: GenerationTask) -> list[GenerationUpdate]:
 class Harness:
     """One scheduler with a ``SpeculationTransform`` over a ``ScriptedExecutor``."""
 
-    def __init__(self, request_ids: list[str]) -> None:
+    def __init__(self, request_ids: list[str], graph=GRAPH) -> None:
         self.ex = ScriptedExecutor()
         self.spec = SpeculationTransform(capacity=1000)
         self.sched = Scheduler(self.ex, [self.spec], poll_timeout=0.0)
         self.done: dict = {}
         for rid in request_ids:
-            self.sched.add_request(_request(rid, self.done))
+            self.sched.add_request(_request(rid, self.done, graph))
         self.sched.step()  # admitted; the retrievals are dispatched
 
     def step(self, n: int = 1) -> None:
@@ -189,19 +193,19 @@ class Harness:
         self.spec.check_integrity()
 
 
-def _request(rid: str, done: dict) -> RequestState:
-    req = RequestState(rid, GRAPH, State(input=f"question {rid}"), on_done=None)
+def _request(rid: str, done: dict, graph=GRAPH) -> RequestState:
+    req = RequestState(rid, graph, State(input=f"question {rid}"), on_done=None)
     req.on_done = lambda r: done.__setitem__(r.request_id, r)
     return req
 
 
-def oracle(final_docs: dict[str, tuple[Passage, ...]]) -> dict[str, str]:
+def oracle(final_docs: dict[str, tuple[Passage, ...]], graph=GRAPH) -> dict[str, str]:
     """Each request's output without speculation, with the given final retrieval results."""
     ex = ScriptedExecutor(auto_docs=final_docs)
     sched = Scheduler(ex, [], poll_timeout=0.0)
     done: dict = {}
     for rid in final_docs:
-        sched.add_request(_request(rid, done))
+        sched.add_request(_request(rid, done, graph))
     for _ in range(50):
         sched.step()
         if not sched.has_unfinished():
@@ -210,8 +214,8 @@ def oracle(final_docs: dict[str, tuple[Passage, ...]]) -> dict[str, str]:
     return {rid: r.output for rid, r in done.items()}
 
 
-def _assert_exact(h: Harness, final_docs: dict[str, tuple[Passage, ...]]) -> None:
-    want = oracle(final_docs)
+def _assert_exact(h: Harness, final_docs: dict[str, tuple[Passage, ...]], graph=GRAPH) -> None:
+    want = oracle(final_docs, graph)
     assert {r: d.output for r, d in h.done.items()} == want
     assert all(d.error is None for d in h.done.values())
     h.check_idle()
@@ -393,3 +397,54 @@ def test_random_interleavings_lose_nothing(seed: int) -> None:
     kept = {rid: final[rid] for rid in ids if h.done[rid].error is None}
     assert {r: h.done[r].output for r in kept} == oracle(kept)
     h.check_idle()
+
+
+def test_partial_after_the_final_starts_nothing_lasting() -> None:
+    """A partial polled after its retrieval's final result (same poll) may start a
+    speculation nobody can confirm: it is dropped at once, not left running to the end."""
+    h = Harness(["r0"])
+    ex, r = h.ex, h.retrieval("r0")
+    ex.release_final(r, RIGHT)
+    ex.deliver([RetrievalPartial(r, RIGHT, 1)])
+    h.step(2)  # the real task is dispatched; the late speculation is dropped before it ran
+    s = h.spec.stats
+    assert (s.num_started, s.num_aborted, s.num_adopted) == (1, 1, 0)
+    assert h.spec.num_in_flight == 0
+    assert [t for t in ex.generations if t.startswith("spec/")] == []
+    assert h.real("r0") in ex.generations
+    h.settle()
+    _assert_exact(h, {"r0": RIGHT})
+
+
+def _fanout_graph():
+    """Two branches, each a retrieval then a generation on its passages, then an answer."""
+    g = RAGraph("two_branches")
+    g.add_retrieval("ra", query="input", topk=2, output="docs_a")
+    g.add_retrieval("rb", query="{input} b", topk=2, output="docs_b")
+    g.add_generation("ga", prompt="A {docs_a} {input}", output="out_a", max_tokens=NUM_CHUNKS)
+    g.add_generation("gb", prompt="B {docs_b} {input}", output="out_b", max_tokens=NUM_CHUNKS)
+    g.add_generation("answer", prompt="{out_a} {out_b}", max_tokens=NUM_CHUNKS)
+    g.add_edge(START, ("ra", "rb")).add_edge("ra", "ga").add_edge("rb", "gb")
+    return g.add_edge("ga", "answer").add_edge("gb", "answer").add_edge("answer", END).compile()
+
+
+def test_both_branches_of_a_fanout_adopt_their_own_speculation() -> None:
+    graph = _fanout_graph()
+    h = Harness(["r0"], graph)
+    ex = h.ex
+    retrievals = sorted(ex.retrievals)
+    assert len(retrievals) == 2
+    for tid in retrievals:
+        ex.release_partial(tid, RIGHT)
+    h.step(2)
+    spec_ids = [t for t in ex.generations if t.startswith("spec/")]
+    assert len(spec_ids) == 2
+    for tid in spec_ids:
+        ex.release_gen(tid, 1)
+    for tid in retrievals:
+        ex.release_final(tid, RIGHT)
+    h.step(2)
+    assert h.spec.stats.num_adopted == 2  # each real task took its own branch's speculation
+    h.settle()
+    _assert_exact(h, {"r0": RIGHT}, graph)
+    assert not any(t.split("/")[1] in ("ga", "gb") for t in ex.generations if "spec" not in t)
