@@ -46,7 +46,7 @@ class ScriptedExecutor(BaseExecutor):
     the last ``finished`` (reason ``length``). ``release_gen`` moves a task's next pieces to
     the outbox: they are then in flight, and an abort after it does not recall them (as on
     Ray, where a replica's poll result can already be on its way). An aborted task makes no
-    further pieces. ``fail`` makes a task's next release an error update instead.
+    further pieces. A task in ``failing`` answers its next release with an error update.
     """
 
     def __init__(self, auto_docs: dict[str, tuple[Passage, ...]] | None = None) -> None:
@@ -210,7 +210,7 @@ def oracle(final_docs: dict[str, tuple[Passage, ...]], graph=GRAPH) -> dict[str,
         sched.step()
         if not sched.has_unfinished():
             break
-    assert all(r.error is None for r in done.values())
+    assert set(done) == set(final_docs) and all(r.error is None for r in done.values())
     return {rid: r.output for rid, r in done.items()}
 
 

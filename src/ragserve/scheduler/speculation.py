@@ -126,10 +126,9 @@ class SpeculationTransform(BaseTransform):
             return False
         spec.adopted_as = task.task_id
         self.stats.num_adopted += 1
-        # NOTE: ``_replay`` gathers every adoption of this cycle; whether *this* speculation
-        # has finished is read from its own updates (reading ``_replay[-1]`` took another
-        # request's ``finished`` for it and forgot a running speculation: its real task then
-        # never got a final update, docs/scale_out.md).
+        # NOTE: ``_replay`` holds every adoption of this cycle: whether this speculation has
+        # finished is read from its own updates, never from ``_replay[-1]`` (another
+        # request's; docs/scale_out.md, the lost adopted task).
         replay = [dataclasses.replace(u, task_id=task.task_id) for u in spec.buffered]
         spec.buffered = []
         self._replay.extend(replay)
