@@ -65,6 +65,7 @@ class SpeculationStats:
     num_wrong: int = 0  # final top-k differed: aborted
     num_adopted: int = 0
     num_aborted: int = 0  # all aborts (wrong docs, replaced partials, other routes)
+    num_failed: int = 0  # ended with an error before adoption: dropped, the real task runs
 
     @property
     def accuracy(self) -> float | None:
@@ -120,39 +121,50 @@ class SpeculationTransform(BaseTransform):
 
     def _adopt(self, task: GenerationTask) -> bool:
         run = self._view.task(task.task_id)
-        spec = self._by_request(run.request_id) if run is not None else None
-        if spec is None or not spec.confirmed or spec.adopted_as is not None:
-            return False
-        if (
-            spec.node_id != run.node_id
-            or spec.task.prompt != task.prompt
-            or spec.task.history != task.history
-        ):
-            return False
-        if spec.task.params != task.params or spec.task.chat != task.chat:
+        spec = self._match(run, task) if run is not None else None
+        if spec is None:
             return False
         spec.adopted_as = task.task_id
         self.stats.num_adopted += 1
-        self._replay.extend(dataclasses.replace(u, task_id=task.task_id) for u in spec.buffered)
+        # NOTE: ``_replay`` holds every adoption of this cycle: whether this speculation has
+        # finished is read from its own updates, never from ``_replay[-1]`` (another
+        # request's; docs/scale_out.md, the lost adopted task).
+        replay = [dataclasses.replace(u, task_id=task.task_id) for u in spec.buffered]
         spec.buffered = []
-        if self._replay and self._replay[-1].finished:
+        self._replay.extend(replay)
+        if replay and replay[-1].finished:
             self._forget(spec)
         return True
 
-    def _by_request(self, request_id: str) -> _Spec | None:
-        return next((s for s in self._specs.values() if s.request_id == request_id), None)
+    def _match(self, run: TaskView, task: GenerationTask) -> _Spec | None:
+        """The confirmed, not yet adopted speculation that ran exactly ``task``, if any."""
+        for spec in self._specs.values():
+            if spec.request_id != run.request_id or not spec.confirmed:
+                continue
+            if spec.adopted_as is None and spec.node_id == run.node_id and _same_work(spec, task):
+                return spec
+        return None
 
     def _drop_stale(self) -> None:
-        """Abort speculations nobody will adopt: request gone, or confirmed but not taken."""
+        """Abort the speculations nobody will adopt (``_is_stale``)."""
         for spec in list(self._specs.values()):
-            if not self._view.is_active(spec.request_id):
-                self._abort(spec)
-            elif spec.confirmed and spec.adopted_as is None:
-                self._abort(spec)  # the real node was dispatched this cycle and did not match
-            elif spec.adopted_as not in (None, *self._view.running_task_ids(spec.request_id)):
+            if self._is_stale(spec):
                 self._abort(spec)
         has_task = self._view.has_task
         self._running = {t for t in self._running if t in self._specs or has_task(t)}
+
+    def _is_stale(self, spec: _Spec) -> bool:
+        """Request gone; retrieval ended without confirming it (a partial that came after
+        its final); confirmed but the real node, dispatched this cycle, did not match; or
+        adopted by a task that is no longer running."""
+        view = self._view
+        if not view.is_active(spec.request_id):
+            return True
+        if not spec.confirmed:
+            return not view.has_task(spec.retrieval_task_id)
+        if spec.adopted_as is None:
+            return True
+        return spec.adopted_as not in view.running_task_ids(spec.request_id)
 
     # -- update side ------------------------------------------------------------------------
     def on_updates(self, updates: list[Update]) -> list[Update]:
@@ -174,6 +186,10 @@ class SpeculationTransform(BaseTransform):
     def _on_spec_update(self, spec: _Spec, u: GenerationUpdate) -> list[Update]:
         if u.finished:
             self._running.discard(spec.spec_id)
+        if spec.adopted_as is None and u.error is not None:
+            self.stats.num_failed += 1
+            self._forget(spec)  # e.g. its replica died: the real task will run as usual
+            return []
         if spec.adopted_as is None:
             spec.buffered.append(u)
             return []
@@ -251,6 +267,28 @@ class SpeculationTransform(BaseTransform):
     @property
     def num_in_flight(self) -> int:
         return len(self._specs)
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if the bookkeeping is inconsistent (tests call it)."""
+        for retrieval_task_id, spec in self._by_retrieval.items():
+            assert self._specs.get(spec.spec_id) is spec, spec.spec_id
+            assert spec.retrieval_task_id == retrieval_task_id, spec.spec_id
+        for spec_id, spec in self._specs.items():
+            assert spec.spec_id == spec_id
+            assert spec.adopted_as is None or (spec.confirmed and not spec.buffered), spec_id
+        assert not self._replay, "replayed updates left over after on_updates"
+
+
+def _same_work(spec: _Spec, task: GenerationTask) -> bool:
+    """Same prompt, conversation and sampling: greedy decoding gives the same tokens (the
+    task id and ``chunk_s``, how updates are coalesced, may differ)."""
+    a = spec.task
+    return (a.prompt, a.history, a.params, a.chat) == (
+        task.prompt,
+        task.history,
+        task.params,
+        task.chat,
+    )
 
 
 def _ids(passages) -> tuple[str, ...]:
