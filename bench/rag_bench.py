@@ -47,7 +47,7 @@ def workflow_graphs(p: Preset, nprobe: int | None = None) -> dict:
     from ragserve.workflows import get_workflow
 
     t, k, n = p.max_tokens, p.topk, nprobe
-    return {
+    graphs = {
         "oneshot": get_workflow("oneshot", topk=k, max_tokens=t, nprobe=n),
         "hyde": get_workflow("hyde", topk=k, max_tokens=t, hypo_tokens=t, nprobe=n),
         "multistep": get_workflow(
@@ -59,6 +59,25 @@ def workflow_graphs(p: Preset, nprobe: int | None = None) -> dict:
         "llm-irg": llm_alone_irg(p),
         "llm-multistep": llm_alone_multistep(p),
     }
+    return {name: fixed_length(g) for name, g in graphs.items()}
+
+
+def fixed_length(graph):
+    """``graph`` (compiled if it is a builder) with every generation node asking for exactly
+    its ``max_tokens`` (``ignore_eos``, no stop strings), as random weights need. On the nodes,
+    not only in a transform, so a speculative generation (started from the node, outside the
+    transform chain) asks for the same length as the real task it stands for."""
+    import dataclasses
+    from types import MappingProxyType
+
+    compiled = graph.compile() if hasattr(graph, "compile") else graph
+    nodes = {
+        nid: dataclasses.replace(node, ignore_eos=True, stop=())
+        if getattr(node, "kind", None) == "generation"
+        else node
+        for nid, node in compiled.nodes.items()
+    }
+    return dataclasses.replace(compiled, nodes=MappingProxyType(nodes))
 
 
 def llm_alone(p: Preset):

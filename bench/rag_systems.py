@@ -11,7 +11,8 @@
   each alone (ablation).
 
 Every system also gets ``FixedLengthTransform`` (fixed output lengths, as with random
-weights) and ``TimedTransform`` wrappers that measure the transforms' own overhead.
+weights; ``rag_bench.workflow_graphs`` sets the same on the graphs' nodes, which speculative
+generations read) and ``TimedTransform`` wrappers that measure the transforms' own overhead.
 """
 
 from __future__ import annotations

@@ -70,3 +70,21 @@ def test_rag_bench_plan_timeouts_and_saturation(tmp_path: Path) -> None:
     full = [r for r in rows if r["phase"] == "full"]
     assert {(r["system"], r["nprobe"]) for r in full} == {("sequential", 8), ("ragserve", 8)}
     assert all(r["num_errors"] == 0 and r["slo_attainment"] == 1.0 for r in full)
+
+
+def test_bench_graphs_fix_the_output_length_on_their_nodes() -> None:
+    """Every generation node of the bench's workflows asks for exactly ``max_tokens`` (so a
+    speculative generation, made from the node, matches the real task it stands for)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import rag_bench
+    finally:
+        sys.path.remove(str(BENCH))
+    from ragserve.scheduler.messages import GenerationParams
+
+    graphs = rag_bench.workflow_graphs(rag_bench.PRESETS["smoke"])
+    generation = [n for g in graphs.values() for n in g.nodes.values() if n.kind == "generation"]
+    assert len(generation) >= len(graphs)
+    for node in generation:
+        params = GenerationParams.for_node(node)
+        assert params.ignore_eos and params.stop == ()

@@ -65,6 +65,7 @@ class RAGraph:
         seed: int | None = None,
         with_history: bool | None = None,
         fusion_ratio: float | None = None,
+        ignore_eos: bool = False,
     ) -> RAGraph:
         """A generation node; ``output=None`` writes the answer key ``"output"``.
 
@@ -73,6 +74,8 @@ class RAGraph:
         (``None``: answer nodes only); set it on nodes that write queries from the question.
         ``fusion_ratio`` turns on cache fusion for the prompt's paragraphs between the first
         and the last (the passages): the share of their tokens recomputed (None: off).
+        ``ignore_eos`` keeps generating past the end-of-sequence token (vLLM's sampling flag;
+        benchmarks use it for fixed output lengths).
         """
         output = "output" if output is None else output
         _check_key(node_id, "output", output)
@@ -98,6 +101,7 @@ class RAGraph:
             seed=seed,
             with_history=with_history,
             fusion_ratio=fusion_ratio,
+            ignore_eos=ignore_eos,
         )
         return self._add(node)
 

@@ -101,6 +101,7 @@ class GenerationNode:
     seed: int | None = None
     with_history: bool | None = None
     fusion_ratio: float | None = None  # cache fusion of the prompt's passages; None: off
+    ignore_eos: bool = False  # generate exactly max_tokens unless a stop string ends it
 
     kind = "generation"
     resource = "engine"

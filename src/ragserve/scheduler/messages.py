@@ -45,6 +45,7 @@ class GenerationParams:
             top_p=node.top_p,
             seed=node.seed,
             stop=node.stop,
+            ignore_eos=node.ignore_eos,
             fusion_ratio=node.fusion_ratio,
         )
 
