@@ -10,7 +10,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import faiss
 import numpy as np
@@ -22,6 +22,33 @@ if TYPE_CHECKING:
     from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig, StreamCostModel
     from ragserve.retrieval.gpu_tier import GpuTier
     from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater
+
+
+class TierSpec(NamedTuple):
+    """One GPU tier's settings as data (what crosses to workers, actors and shards):
+    ``VectorIndex.set_gpu_tier``'s arguments, placed with ``place(index)``."""
+
+    budget_bytes: int
+    device: str = "cuda"
+    dtype: str = "float32"
+    scan: str = "auto"
+    stream_cold: str = "auto"
+    stream_host_bytes: int = 1 << 30
+
+    def place(self, index: Any) -> Any:
+        """``index.set_gpu_tier`` with these settings (a ``VectorIndex`` or ``ShardedIndex``)."""
+        return index.set_gpu_tier(
+            int(self.budget_bytes),
+            device=self.device,
+            dtype=self.dtype,
+            scan=self.scan,
+            stream_cold=self.stream_config(),
+        )
+
+    def stream_config(self) -> StreamConfig:
+        from ragserve.retrieval.cold_stream import StreamConfig
+
+        return StreamConfig(mode=self.stream_cold, host_budget_bytes=int(self.stream_host_bytes))
 
 
 # (queries, cold lists per query) of the stream's calibration: both sides' terms vary
@@ -167,10 +194,9 @@ class GpuTierMixin:
         from ragserve.retrieval.gpu_tier import GpuTier
         from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater, plan_placement
 
+        check_tier_options(scan, stream_cold)
         if isinstance(stream_cold, str):
             stream_cold = StreamConfig(mode=stream_cold)
-        if not isinstance(stream_cold, StreamConfig):
-            raise ValueError(f"stream_cold must be a mode or a StreamConfig, got {stream_cold!r}")
 
         if self.spec.kind != "ivf_flat":
             raise ValueError(
@@ -280,6 +306,20 @@ class GpuTierMixin:
                 rows = self._tier.streamer.list_rows.copy()
                 rows[changed] = [self._index.invlists.list_size(int(c)) for c in changed]
                 self._tier.streamer.list_rows = rows
+
+
+def check_tier_options(scan: str, stream_cold: str | StreamConfig) -> None:
+    """A one-line `ValueError` for a bad ``scan`` or ``stream_cold`` (before anything moves)."""
+    from ragserve.retrieval.cold_stream import STREAM_MODES, StreamConfig
+    from ragserve.retrieval.gpu_tier import SCANS
+
+    if scan not in SCANS:
+        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
+    if isinstance(stream_cold, str):
+        if stream_cold not in STREAM_MODES:
+            raise ValueError(f"stream_cold must be one of {STREAM_MODES}, got {stream_cold!r}")
+    elif not isinstance(stream_cold, StreamConfig):
+        raise ValueError(f"stream_cold must be a mode or a StreamConfig, got {stream_cold!r}")
 
 
 def streamer_threads() -> int:
