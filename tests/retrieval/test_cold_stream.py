@@ -177,3 +177,22 @@ def test_streamed_eq1_model() -> None:
         if eta > 0:
             assert mid.hybrid_seconds(b, eta) == pytest.approx(seconds, rel=1e-6)
     assert mid.required_hit_rate(64, 0.0001) is None  # below T_CQ: infeasible
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_cuda_stream_equals_faiss(metric: str) -> None:
+    """The CUDA path: pinned bounce buffers, side-stream copies, any split, the cost model."""
+    index, q = make_index(metric)
+    for share in (0.0, 0.5, 1.0, None):
+        stream = StreamConfig(mode="on", share=share, stage_bytes=300 * (DIM * 4 + 8))
+        tier = index.set_gpu_tier(
+            BIG, device="cuda", clusters=range(0, NLIST, 3), stream_cold=stream
+        )
+        assert tier.streamer.pinned_bytes == 2 * 300 * (DIM * 4 + 8)
+        for nprobe in (1, NPROBE, NLIST):
+            assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
+    assert index.gpu_tier.streamer.model is not None
+    auto = index.set_gpu_tier(BIG, device="cuda", clusters=[0, 1])
+    assert auto.streamer is not None  # "auto" streams on CUDA
+    index.close()

@@ -153,9 +153,10 @@ class ColdStreamer:
             self._host_vec = [torch.empty_like(v, device="cpu").pin_memory() for v in self._vec]
             self._host_ids = [torch.empty_like(i, device="cpu").pin_memory() for i in self._ids]
             self._side = torch.cuda.Stream(dev)
-            self._compute = torch.cuda.default_stream(dev)
+            self._compute = torch.cuda.Stream(dev)  # NOTE: not the tier's: no head-of-line wait
             self._copy_done = [torch.cuda.Event() for _ in range(2)]
             self._scan_done = [torch.cuda.Event() for _ in range(2)]
+            torch.cuda.synchronize(dev)  # NOTE: the buffers' fills precede the other streams
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cold-stream")
         self._lock = threading.Lock()
         self.model: StreamCostModel | None = None
@@ -195,6 +196,12 @@ class ColdStreamer:
         self._pool.shutdown(wait=True)
 
     def _run(self, q: np.ndarray, lc: np.ndarray, k: int, lists: np.ndarray, list_data: ListData):
+        if not self._is_cuda:
+            return self._run_on_stream(q, lc, k, lists, list_data)
+        with self._torch.cuda.stream(self._compute):
+            return self._run_on_stream(q, lc, k, lists, list_data)
+
+    def _run_on_stream(self, q, lc, k: int, lists: np.ndarray, list_data: ListData):
         from ragserve.retrieval.gpu_tier import PendingScan
 
         torch = self._torch
@@ -221,7 +228,11 @@ class ColdStreamer:
                 torch, torch.cat(part_keys, 1), torch.cat(part_ids, 1), k, self.is_l2
             )
         qnorm = np.einsum("nd,nd->n", q, q) if self.is_l2 else None
-        return PendingScan(keys, ids, qnorm)
+        done = None
+        if self._is_cuda:
+            done = torch.cuda.Event()
+            done.record(self._compute)
+        return PendingScan(keys, ids, qnorm, done)
 
     def _stage(
         self, b: int, segments: list[tuple[int, int, int]], list_data: ListData

@@ -68,12 +68,15 @@ class _Load:
 
 
 class PendingScan:
-    """A scan whose kernels are enqueued; ``result()`` waits for them and returns the TopK."""
+    """A scan whose kernels are enqueued; ``result()`` waits for them and returns the TopK.
+    ``done``: an event recorded after them when they run on another stream than the reader's."""
 
-    def __init__(self, keys: Any, ids: Any, qnorm: np.ndarray | None) -> None:
-        self._keys, self._ids, self._qnorm = keys, ids, qnorm
+    def __init__(self, keys: Any, ids: Any, qnorm: np.ndarray | None, done: Any = None) -> None:
+        self._keys, self._ids, self._qnorm, self._done = keys, ids, qnorm, done
 
     def result(self) -> TopK:
+        if self._done is not None:
+            self._done.synchronize()
         keys = self._keys.float().cpu().numpy()
         ids = self._ids.cpu().numpy()
         missing = ~np.isfinite(keys)
