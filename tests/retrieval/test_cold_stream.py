@@ -67,8 +67,8 @@ def test_cost_model_split_is_exact_and_calibrated(built) -> None:
 
 def test_stream_modes(built) -> None:
     index, _ = built
-    assert index.set_gpu_tier(BIG, device="cpu", clusters=[1]).streamer is None  # auto: CPU off
-    assert index.set_gpu_tier(BIG, device="cpu", clusters=[1], stream_cold="off").streamer is None
+    assert index.set_gpu_tier(BIG, device="cpu", clusters=[1]).streamer is None  # default: off
+    assert index.set_gpu_tier(BIG, device="cpu", clusters=[1], stream_cold="auto").streamer is None
     with pytest.raises(ValueError, match="stream_cold must be one of"):
         index.set_gpu_tier(BIG, device="cpu", clusters=[1], stream_cold="always")
     with pytest.raises(ValueError, match="share must be in"):
@@ -193,6 +193,6 @@ def test_cuda_stream_equals_faiss(metric: str) -> None:
         for nprobe in (1, NPROBE, NLIST):
             assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
     assert index.gpu_tier.streamer.model is not None
-    auto = index.set_gpu_tier(BIG, device="cuda", clusters=[0, 1])
+    auto = index.set_gpu_tier(BIG, device="cuda", clusters=[0, 1], stream_cold="auto")
     assert auto.streamer is not None  # "auto" streams on CUDA
     index.close()

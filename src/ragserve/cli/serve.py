@@ -89,10 +89,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     tier.add_argument(
         "--gpu-index-stream",
-        default="auto",
+        default="off",
         choices=("auto", "on", "off"),
         help="stream non-resident lists from host memory to the tier's device and scan them "
-        "there beside the CPU (auto: on a CUDA tier)",
+        "there beside the CPU (auto: on a CUDA tier; off until measured on the H200)",
     )
     tier.add_argument(
         "--gpu-index-stream-host-gb",

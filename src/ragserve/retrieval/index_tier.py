@@ -32,7 +32,7 @@ class TierSpec(NamedTuple):
     device: str = "cuda"
     dtype: str = "float32"
     scan: str = "auto"
-    stream_cold: str = "auto"
+    stream_cold: str = "off"
     stream_host_bytes: int = 1 << 30
 
     def place(self, index: Any) -> Any:
@@ -174,7 +174,7 @@ class GpuTierMixin:
         dtype: str = "float32",
         placement: PlacementConfig | None = None,
         scan: str = "auto",
-        stream_cold: str | StreamConfig = "auto",
+        stream_cold: str | StreamConfig = "off",
     ) -> GpuTier:
         """Serve IVF lists from a torch ``device`` within ``budget_bytes`` (replaces any tier).
 
@@ -188,7 +188,8 @@ class GpuTierMixin:
         ``stream_cold`` (a mode of ``StreamConfig``, or one): ``"auto"`` streams non-resident
         lists from host memory to a CUDA tier and scans them there beside Faiss's CPU scan,
         split per batch by a cost model calibrated on first use (``calibrate_stream``);
-        ``"on"`` also on a CPU tier (the twin), ``"off"`` never. Results are Faiss's either way.
+        ``"on"`` also on a CPU tier (the twin), ``"off"`` (the default until the H200 run
+        measures it) never. Results are Faiss's either way.
         """
         from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier

@@ -31,7 +31,8 @@ class GpuTierConfig:
 
     ``scan``: the tier's scan strategy (``"auto"``, ``"grouped"``, ``"dense"``);
     ``stream_cold``: stream non-resident lists from host memory to the tier's device and scan
-    them there beside Faiss (``"auto"``: on a CUDA tier only, ``"on"``, ``"off"``), through
+    them there beside Faiss (``"auto"``: on a CUDA tier only, ``"on"``, ``"off"``: the default
+    until the prepared H200 run measures it), through
     pinned bounce buffers of ``stream_host_bytes`` in all (``retrieval.cold_stream``).
     """
 
@@ -42,7 +43,7 @@ class GpuTierConfig:
     generation_profile: tuple[tuple[float, float], ...] | None = None
     retrieval_profile: tuple[tuple[float, float], ...] | None = None
     scan: str = "auto"
-    stream_cold: str = "auto"
+    stream_cold: str = "off"
     stream_host_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
