@@ -196,3 +196,32 @@ def test_cuda_stream_equals_faiss(metric: str) -> None:
     auto = index.set_gpu_tier(BIG, device="cuda", clusters=[0, 1], stream_cold="auto")
     assert auto.streamer is not None  # "auto" streams on CUDA
     index.close()
+
+
+def test_algorithm_1_and_eq2_price_the_streamed_path() -> None:
+    """With a stream that helps, Algorithm 1 needs no more coverage and Eq. 2's modelled
+    ``T_R`` is no lower at any tier size; with one that never pays, both are unchanged."""
+    from ragserve.retrieval.partition import PartitionConfig, partition
+    from ragserve.scheduler.memory_split import modelled_retrieval_profile
+
+    rng = np.random.default_rng(0)
+    counts = rng.zipf(1.3, 512).astype(np.float64)
+    cbytes = np.full(512, 1 << 20, np.int64)
+    base = SearchLatencyModel(
+        64, PiecewiseLinear((1.0, 64.0), (0.001, 0.01)), PiecewiseLinear((1.0, 64.0), (0.02, 1.0))
+    )
+    fast = StreamedLatencyModel(base, StreamModel(0.001, 1e-11), bytes_per_probe=1 << 20)
+    never = StreamedLatencyModel(base, StreamModel(100.0, 1e-11), bytes_per_probe=1 << 20)
+    config = PartitionConfig(slo_seconds=0.4, throughput=200.0, max_variance=0.05)
+    plain = partition(base, counts, cbytes, config)
+    assert len(partition(fast, counts, cbytes, config).cluster_ids) < len(plain.cluster_ids)
+    assert partition(never, counts, cbytes, config).cluster_ids == plain.cluster_ids
+    sizes = [0, 64 << 20, 256 << 20]
+    rps = {
+        name: modelled_retrieval_profile(m, counts, cbytes, 0.05, sizes, batch_size=16)
+        for name, m in (("base", base), ("fast", fast), ("never", never))
+    }
+    for i in range(len(sizes)):
+        got = [rps[n].requests_per_second[i] for n in ("base", "fast", "never")]
+        assert got[1] >= got[0] and got[2] == pytest.approx(got[0])
+    assert rps["fast"].requests_per_second[0] > rps["base"].requests_per_second[0]

@@ -77,11 +77,14 @@ class GpuTierMixin:
             streamed, cpu_ids = self._stream_cold(tier.streamer, q, cpu_ids, k)
         rows = np.flatnonzero((cpu_ids >= 0).any(1))
         part = stepwise.empty_topk(len(q), k, self.spec.is_l2)
-        if len(rows):
-            sub = ProbePlan(cpu_ids[rows], plan.coarse_dists[rows])
-            found = stepwise.scan(self._index, q[rows], sub, k)
-            part.ids[rows], part.scores[rows] = found.ids, found.scores
-        for side in (pending, None if streamed is None else streamed.result()):
+        try:
+            if len(rows):
+                sub = ProbePlan(cpu_ids[rows], plan.coarse_dists[rows])
+                found = stepwise.scan(self._index, q[rows], sub, k)
+                part.ids[rows], part.scores[rows] = found.ids, found.scores
+        finally:  # NOTE: the stream reads Faiss's lists: done before the shared lock is let go
+            streamed_scan = None if streamed is None else streamed.result()
+        for side in (pending, streamed_scan):
             if side is not None:
                 part = stepwise.merge(part, side.result(), self.spec.is_l2)
         return part
