@@ -372,6 +372,14 @@ def main(argv: list[str] | None = None) -> int:
         "--stream-host-gb", type=float, default=1.0, help="pinned bounce buffers of the stream"
     )
     ap.add_argument(
+        "--rate-order",
+        nargs="+",
+        default=["cpu", "tier", "stream"],
+        choices=["cpu", "tier", "stream"],
+        help="order of the SLO-bound rate phases (a run cut off keeps the first ones; without "
+        "explicit brackets, tier's and stream's come from the rates measured before them)",
+    )
+    ap.add_argument(
         "--skip",
         nargs="*",
         default=[],
@@ -638,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu = res.doc.get("slo_rate_cpu", {}).get("capacity_qps")
         tier = res.doc.get("slo_rate_tier", {}).get("capacity_qps")
         base = tier or (cpu or 1.0) * 2.0
-        lo, hi = args.stream_rate or (base, base * 4.0)
+        lo, hi = args.stream_rate or (base * 0.75, base * 4.0)
         res.doc["slo_rate_stream"] = slo_rate(
             lambda b: index.search(b, args.topk, args.nprobe), st["q"], lo, hi, args
         )
@@ -655,12 +663,15 @@ def main(argv: list[str] | None = None) -> int:
     run.run("partition", place, needs=("budget",))
     if "latency" not in args.skip:
         run.run("latency", latency, needs=("partition",))
-    if "cpu_rate" not in args.skip:
-        run.run("cpu_rate", cpu_rate, needs=("model",))
-    if "tier_rate" not in args.skip:
-        run.run("tier_rate", tier_rate, needs=("partition",))
-    if "stream" not in args.skip and "stream_rate" not in args.skip:
-        run.run("stream_rate", stream_rate, needs=("partition",))
+    rates = {
+        "cpu": ("cpu_rate", cpu_rate, ("model",)),
+        "tier": ("tier_rate", tier_rate, ("partition",)),
+        "stream": ("stream_rate", stream_rate, ("partition",)),
+    }
+    for name in args.rate_order:
+        phase, fn, needs = rates[name]
+        if phase not in args.skip and not (name == "stream" and "stream" in args.skip):
+            run.run(phase, fn, needs=needs)
     res.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     res.save()
     logger.info("done: %s (failed phases: %s)", args.out, sorted(run.failed) or "none")

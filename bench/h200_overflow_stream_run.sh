@@ -2,8 +2,9 @@
 # Issue 10, device call (<= 5 min on one H200): the corpus over the tier's budget, CPU-only vs
 # tier vs tier + cold lists streamed from host memory, SLO-bound rates and the latency model's
 # predicted vs measured p90 for tier and tier + stream (bench_tier_overflow.py, compacted: no
-# extra coverages, one repeat of the CPU model, 8 s latency points, rate points of >= 220
-# queries and 6 s windows, 2-3 points a system with brackets from the 2026-12-01 run).
+# extra coverages, one repeat of the CPU model, 5 s latency points, rate points of >= 200
+# queries after a 1 s warm-up, 3 points a system with brackets from the 2026-12-01 run; the
+# rates in the order stream, tier, CPU, so a cut-off loses the CPU rate, measured before).
 #   bash bench/h200_overflow_stream_run.sh             # device, carry .whl; results in $OUT
 # Env: LIMIT (seconds, default 290), ARGS (replaces the corpus and budget flags).
 set -uo pipefail
@@ -21,9 +22,10 @@ ARGS=${ARGS:-"--num-docs 20000000 --dim 768 --nlist 16384 --topics 65536 --nprob
 # shellcheck disable=SC2086 # ARGS is a flag list
 timeout "${LIMIT:-290}" python3 bench/bench_tier_overflow.py $ARGS \
     --coverage --model-batches 1 4 16 48 64 --model-repeats 1 \
-    --latency-seconds 8 --max-batches 12 \
-    --rate-warmup 1.5 --rate-window 6 --rate-min-queries 220 --rate-points 3 \
-    --cpu-rate 11 16 --tier-rate 26 40 --stream-host-gb 1 \
+    --latency-seconds 5 --max-batches 6 \
+    --rate-warmup 1 --rate-window 5 --rate-min-queries 200 --rate-points 3 \
+    --rate-order stream tier cpu --stream-rate 26 104 --tier-rate 26 40 --cpu-rate 11 15 \
+    --stream-host-gb 1 \
     --out "$OUT/overflow_stream.json" > "$OUT/overflow_stream.log" 2>&1
 rc=$?
 echo "exit code $rc (124: stopped by the time limit; the JSON holds every finished phase)"
