@@ -7,6 +7,7 @@ own file so ``index.py`` holds the index itself.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -110,7 +111,8 @@ class GpuTierMixin:
         seed: int = 0,
     ) -> StreamCostModel | None:
         """Fit the streamer's ``StreamCostModel`` from timed scans of random non-resident lists,
-        streamed and on the CPU, at ``points`` (queries, lists per query); None (streams
+        streamed and on the CPU at the same time (as they run when serving, sharing the host's
+        cores and memory bandwidth), at ``points`` (queries, lists per query); None (streams
         nothing under the cost model) without a streamer or cold lists. Each point's median of
         ``repeats`` after a warm-up. (A search calibrates on first use when there is none.)"""
         with self._rw.read():
@@ -143,9 +145,8 @@ class GpuTierMixin:
             q = rng.standard_normal((n, self.spec.dim)).astype(np.float32)
             sub = ProbePlan(probes, np.zeros(probes.shape, np.float32))
             on_cpu = functools.partial(stepwise.scan, self._index, q, sub, 10)
-            cpu = _median_seconds(on_cpu, repeats)
-            run = functools.partial(streamer.scan, q, probes, 10, self._list_data)
-            gpu = _median_seconds(lambda run=run: run().result().result(), repeats)
+            on_stream = functools.partial(streamer.scan, q, probes, 10, self._list_data)
+            cpu, gpu = _concurrent_seconds(on_cpu, on_stream, repeats)
             par = max(1, min(n, streamer_threads()))
             cpu_rows.append(sizes[probes].sum() / par)
             cpu_s.append(cpu)
@@ -331,14 +332,32 @@ def streamer_threads() -> int:
     return max(1, int(faiss.omp_get_max_threads()))
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
+def _concurrent_seconds(
+    on_cpu: Callable[[], object], on_stream: Callable[[], Future], repeats: int
+) -> tuple[float, float]:
+    """Median seconds of each side when both start together (after one warm-up): the CPU
+    scan here, the stream's wait on a helper thread (its own finish, not the CPU's)."""
     times = []
-    for _ in range(max(1, repeats)):
+    for _ in range(max(1, repeats) + 1):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        future = on_stream()
+        done: Future = Future()
+        waiter = threading.Thread(target=_finish_time, args=(future, t0, done))
+        waiter.start()
+        on_cpu()
+        cpu = time.perf_counter() - t0
+        waiter.join()
+        times.append((cpu, done.result()))  # NOTE: re-raises the stream's error
+    cpu, stream = np.median(np.array(times[1:]), axis=0)
+    return float(cpu), float(stream)
+
+
+def _finish_time(future: Future, t0: float, done: Future) -> None:
+    try:
+        future.result().result()
+        done.set_result(time.perf_counter() - t0)
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        done.set_exception(exc)
 
 
 def _check_clusters(clusters: Sequence[int], nlist: int) -> np.ndarray:
