@@ -29,8 +29,9 @@ phase is recorded with its error and the next one runs):
    plan's tier;
 7. stream (unless skipped): the plan's tier with the cold lists streamed from host memory
    (``stream_cold="on"``, ``cold_stream``; its cost model calibrated first), in the latency
-   phase (measured p90 next to Eq. 1 with streaming, ``StreamedLatencyModel``) and as a third
-   SLO-bound rate. The tier-only rows run with ``stream_cold="off"``.
+   phase (measured p90 next to Eq. 1 with streaming, ``StreamedLatencyModel``; Algorithm 1
+   re-run with that model, ``partition_streamed``) and as a third SLO-bound rate. The
+   tier-only rows run with ``stream_cold="off"``.
 """
 
 from __future__ import annotations
@@ -466,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             max_variance=st["sigma2"],
             budget_bytes=st["budget"],
         )
+        st["partition_config"] = config
         placement = PlacementConfig(latency_model=st["model"], partition=config)
         t0 = time.perf_counter()
         st["index"].set_gpu_tier(
@@ -574,6 +576,21 @@ def main(argv: list[str] | None = None) -> int:
         res.doc["stream_calibration_s"] = time.perf_counter() - t0
         return cost
 
+    def algorithm_1_streamed(streamed: Any) -> None:
+        """Algorithm 1 again with Eq. 1 priced with streaming (offline: the model only)."""
+        from ragserve.retrieval.partition import partition
+
+        got = partition(streamed, st["counts"], st["cbytes"], st["partition_config"])
+        res.doc["partition_streamed"] = {
+            "num_clusters": len(got.cluster_ids),
+            "coverage": got.coverage,
+            "num_bytes": got.num_bytes,
+            "hit_rate": got.hit_rate,
+            "batch_size": got.batch_size,
+            "predicted_s": got.predicted_seconds,
+            "meets_slo": got.meets_slo,
+        }
+
     def stream_latency(batch: int, check: np.ndarray, ref: np.ndarray) -> None:
         from ragserve.retrieval.partition import BetaHitRate
 
@@ -581,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         cost = place_streamed()
         streamed = streamed_model(st, plan, cost, batch, args.dim)
         st["streamed_model"] = streamed
+        algorithm_1_streamed(streamed)
         found = index.search(check, args.topk, args.nprobe).ids
         streamer = index.gpu_tier.streamer
         streamer.reset_counts()

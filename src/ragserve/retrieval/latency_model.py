@@ -407,6 +407,9 @@ class StreamedLatencyModel:
         return np.where((left < 0) | (eta > 1.0), np.inf, eta)
 
 
+LatencyModel = SearchLatencyModel | StreamedLatencyModel  # what Algorithm 1 and Eq. 2 price
+
+
 def _envelope(f: PiecewiseLinear, batch_sizes: np.ndarray) -> np.ndarray:
     """``max(0, max over x in [1, b] of f(x))`` for every ``b`` (batch sizes ``>= 1``)."""
     b = np.maximum(np.asarray(batch_sizes, dtype=np.float64), 1.0)
