@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 STREAM_MODES = ("auto", "on", "off")
 ListData = Callable[[int], tuple[np.ndarray, np.ndarray]]  # list -> (vectors [n, dim], ids [n])
+Segment = tuple[int, int, int, np.ndarray, np.ndarray]  # list, first row, end row, its arrays
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ class ColdStreamer:
         num_bytes = 0
         for i, segments in enumerate(_chunks(lists, list_data, self.stage_rows)):
             b = i % 2
-            rows, row_list = self._stage(b, segments, list_data)
+            rows, row_list = self._stage(b, segments)
             num_bytes += rows * self.row_bytes
             keys, ids = self._scan_staged(b, rows, row_list, qd, lcd, k)
             part_keys.append(keys)
@@ -234,11 +235,9 @@ class ColdStreamer:
             done.record(self._compute)
         return PendingScan(keys, ids, qnorm, done)
 
-    def _stage(
-        self, b: int, segments: list[tuple[int, int, int]], list_data: ListData
-    ) -> tuple[int, np.ndarray]:
-        """Copy the rows of ``segments`` (list, first row, end row) into staging buffer ``b``;
-        returns the row count and each row's list."""
+    def _stage(self, b: int, segments: list[Segment]) -> tuple[int, np.ndarray]:
+        """Copy the rows of ``segments`` into staging buffer ``b``; returns the row count and
+        each row's list."""
         torch = self._torch
         if self._is_cuda:
             self._copy_done[b].synchronize()  # NOTE: bounce[b]'s previous copy has left it
@@ -247,8 +246,7 @@ class ColdStreamer:
             dst_vec, dst_ids = self._vec[b], self._ids[b]
         off = 0
         row_list = []
-        for c, a, e in segments:
-            vectors, ids = list_data(c)
+        for c, a, e, vectors, ids in segments:
             dst_vec[off : off + e - a].copy_(torch.from_numpy(vectors[a:e]))
             dst_ids[off : off + e - a].copy_(torch.from_numpy(ids[a:e]))
             row_list.append(np.full(e - a, c, np.int64))
@@ -288,19 +286,18 @@ class ColdStreamer:
         return keys, ids
 
 
-def _chunks(
-    lists: np.ndarray, list_data: ListData, stage_rows: int
-) -> Iterator[list[tuple[int, int, int]]]:
-    """Segments ``(list, first row, end row)`` packed into chunks of at most ``stage_rows``
-    rows; a list longer than the space left is split across chunks."""
-    chunk: list[tuple[int, int, int]] = []
+def _chunks(lists: np.ndarray, list_data: ListData, stage_rows: int) -> Iterator[list[Segment]]:
+    """Segments packed into chunks of at most ``stage_rows`` rows; a list longer than the space
+    left is split across chunks."""
+    chunk: list[Segment] = []
     free = stage_rows
     for c in lists.tolist():
-        n = len(list_data(c)[1])
+        vectors, ids = list_data(c)
+        n = len(ids)
         a = 0
         while a < n:
             e = min(n, a + free)
-            chunk.append((c, a, e))
+            chunk.append((c, a, e, vectors, ids))
             free -= e - a
             a = e
             if free == 0:
