@@ -128,6 +128,12 @@ def test_scan_and_stream_reach_the_tier(tiny_model, small_index) -> None:
         assert tier.scan_strategy == "dense"
         assert tier.streamer is not None and tier.streamer.config.host_budget_bytes == 1 << 20
         assert s.run("What is the capital of Kenya?", "oneshot").error is None
+    from ragserve.retrieval.cold_stream import STREAM_MODES
+    from ragserve.retrieval.gpu_tier import SCANS
+    from ragserve.runtime import config as runtime_config
+
+    assert runtime_config.TIER_SCANS == SCANS  # the runtime's copies (no torch import there)
+    assert runtime_config.STREAM_MODES == STREAM_MODES
     spec = tier_config.tier_spec(123)
     assert spec.budget_bytes == 123 and spec.stream_config().mode == "on"
     for bad, match in (
