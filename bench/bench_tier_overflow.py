@@ -26,12 +26,18 @@ phase is recorded with its error and the next one runs):
    every query waiting (at most ``--max-batch``) as one batch; a rate is sustained when
    >= 95 % of the offered rate completes in the window and >= 90 % of its queries finish
    within ``--slo-search`` (``sustained.py``); geometric bisection, CPU-only and with the
-   plan's tier.
+   plan's tier;
+7. stream (unless skipped): the plan's tier with the cold lists streamed from host memory
+   (``stream_cold="on"``, ``cold_stream``; its cost model calibrated first), in the latency
+   phase (measured p90 next to Eq. 1 with streaming, ``StreamedLatencyModel``; Algorithm 1
+   re-run with that model, ``partition_streamed``) and as a third SLO-bound rate. The
+   tier-only rows run with ``stream_cold="off"``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -180,7 +186,8 @@ def rate_point(
     """One open-loop point at ``rate`` queries/s: ``warmup + window`` s of Poisson arrivals
     (at most ``--rate-queries``), judged by ``sustained.py``'s window statistics."""
     rng = np.random.default_rng(int(rate * 1000) + 7)
-    n = max(3, min(args.rate_queries, int(math.ceil(rate * (args.rate_warmup + args.rate_window)))))
+    n = min(args.rate_queries, int(math.ceil(rate * (args.rate_warmup + args.rate_window))))
+    n = max(3, n, args.rate_min_queries)  # NOTE: the sustained method's >= 200 requests
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
     finish = serve_open_loop(
         search, queries, arrivals, max_batch=args.max_batch, timeout=args.slo_search
@@ -347,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-queries", type=int, default=2000, help="most queries per rate point")
     ap.add_argument("--rate-points", type=int, default=4)
     ap.add_argument(
+        "--rate-min-queries",
+        type=int,
+        default=0,
+        help="at least this many queries a rate point (the window grows at low rates)",
+    )
+    ap.add_argument(
         "--cpu-rate",
         type=float,
         nargs=2,
@@ -355,7 +368,24 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU-only bisection bracket (default: from the model)",
     )
     ap.add_argument("--tier-rate", type=float, nargs=2, default=None, metavar=("LO", "HI"))
-    ap.add_argument("--skip", nargs="*", default=[], choices=["latency", "cpu_rate", "tier_rate"])
+    ap.add_argument("--stream-rate", type=float, nargs=2, default=None, metavar=("LO", "HI"))
+    ap.add_argument(
+        "--stream-host-gb", type=float, default=1.0, help="pinned bounce buffers of the stream"
+    )
+    ap.add_argument(
+        "--rate-order",
+        nargs="+",
+        default=["cpu", "tier", "stream"],
+        choices=["cpu", "tier", "stream"],
+        help="order of the SLO-bound rate phases (a run cut off keeps the first ones; without "
+        "explicit brackets, tier's and stream's come from the rates measured before them)",
+    )
+    ap.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["latency", "cpu_rate", "tier_rate", "stream", "stream_rate"],
+    )
     ap.add_argument("--device", default=None, help="build and tier device (default cuda if any)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/tier_overflow.json"))
     args = ap.parse_args(argv)
@@ -397,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         st["q"] = make_queries(st["spec"], 4096, seed=1)
         calib = make_queries(st["spec"], 2048, seed=2)
         probes = index.assign(calib, args.nprobe).cluster_ids
+        st["calib_probes"] = probes
         st["counts"] = count_accesses(probes, args.nlist).astype(np.float64)
         index.access_counts.observe(probes)
         st["sigma2"] = profile_max_variance(probes, args.nlist)
@@ -436,9 +467,12 @@ def main(argv: list[str] | None = None) -> int:
             max_variance=st["sigma2"],
             budget_bytes=st["budget"],
         )
+        st["partition_config"] = config
         placement = PlacementConfig(latency_model=st["model"], partition=config)
         t0 = time.perf_counter()
-        st["index"].set_gpu_tier(st["budget"], device=device, placement=placement)
+        st["index"].set_gpu_tier(
+            st["budget"], device=device, placement=placement, stream_cold="off"
+        )
         load = time.perf_counter() - t0
         plan = st["index"].tier_updater.plan
         st["plan"] = plan
@@ -484,7 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         probes = index.assign(q, args.nprobe).cluster_ids
         for k in sorted(counts_k):
             clusters = order[:k]
-            index.set_gpu_tier(st["budget"], device=device, clusters=clusters.tolist())
+            index.set_gpu_tier(
+                st["budget"], device=device, clusters=clusters.tolist(), stream_cold="off"
+            )
             found = index.search(check, args.topk, args.nprobe).ids
             stats = timed(
                 lambda b: index.search(b, args.topk, args.nprobe),
@@ -525,6 +561,85 @@ def main(argv: list[str] | None = None) -> int:
                 **_drop(stats),
             )
         index.drop_gpu_tier()
+        if "stream" not in args.skip:
+            stream_latency(batch, check, ref)
+
+    def place_streamed() -> Any:
+        """The plan's tier with streaming on and its cost model calibrated (once: the same
+        placement reuses it); the model."""
+        from ragserve.retrieval.cold_stream import StreamConfig
+
+        stream = StreamConfig(mode="on", host_budget_bytes=int(args.stream_host_gb * 1e9))
+        clusters = list(st["plan"].cluster_ids)
+        st["index"].set_gpu_tier(st["budget"], device=device, clusters=clusters, stream_cold=stream)
+        if st.get("stream_cost") is not None:
+            st["index"].gpu_tier.streamer.model = st["stream_cost"]
+            return st["stream_cost"]
+        t0 = time.perf_counter()
+        st["stream_cost"] = cost = st["index"].calibrate_stream()
+        res.doc["stream_calibration_s"] = time.perf_counter() - t0
+        return cost
+
+    def algorithm_1_streamed(streamed: Any) -> None:
+        """Algorithm 1 again with Eq. 1 priced with streaming (offline: the model only)."""
+        from ragserve.retrieval.partition import partition
+
+        got = partition(streamed, st["counts"], st["cbytes"], st["partition_config"])
+        res.doc["partition_streamed"] = {
+            "num_clusters": len(got.cluster_ids),
+            "coverage": got.coverage,
+            "num_bytes": got.num_bytes,
+            "hit_rate": got.hit_rate,
+            "batch_size": got.batch_size,
+            "predicted_s": got.predicted_seconds,
+            "meets_slo": got.meets_slo,
+        }
+
+    def stream_latency(batch: int, check: np.ndarray, ref: np.ndarray) -> None:
+        from ragserve.retrieval.partition import BetaHitRate
+
+        index, q, plan = st["index"], st["q"], st["plan"]
+        cost = place_streamed()
+        streamed = streamed_model(st, plan, cost, batch, args.dim)
+        st["streamed_model"] = streamed
+        algorithm_1_streamed(streamed)
+        found = index.search(check, args.topk, args.nprobe).ids
+        streamer = index.gpu_tier.streamer
+        streamer.reset_counts()
+        stats = timed(
+            lambda b: index.search(b, args.topk, args.nprobe),
+            q,
+            batch,
+            args.latency_seconds,
+            args.max_batches,
+        )
+        mean = float(plan.hit_rate)
+        tail = BetaHitRate.from_mean(mean, st["sigma2"]).tail(batch, "batch_mean", 0.1)
+        pred = streamed.hybrid_seconds(batch, min(max(tail, 0.0), 1.0))
+        res.add(
+            system="gpu_tier_stream",
+            num_clusters=len(plan.cluster_ids),
+            coverage=len(plan.cluster_ids) / args.nlist,
+            batch=batch,
+            hit_rate_model=mean,
+            tail_hit_rate_model=tail,
+            predicted_s=pred,
+            predicted_no_stream_s=st["model"].hybrid_seconds(batch, min(max(tail, 0.0), 1.0)),
+            p90_error=(pred - stats["p90_s"]) / stats["p90_s"],
+            exact_ids=exact_share(found, ref),
+            stream_cost_model=dataclasses.asdict(cost) if cost is not None else None,
+            streamed_model={
+                "fixed_s": streamed.stream.fixed_s,
+                "s_per_byte": streamed.stream.s_per_byte,
+                "bytes_per_probe": streamed.bytes_per_probe,
+                "distinct_share": streamed.distinct_share,
+            },
+            streamed_batches=streamer.num_batches,
+            streamed_gb=streamer.num_bytes / 1e9,
+            pinned_bytes=streamer.pinned_bytes,
+            **_drop(stats),
+        )
+        index.drop_gpu_tier()
 
     def cpu_rate() -> None:
         index = st["index"]
@@ -535,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def tier_rate() -> None:
         index = st["index"]
-        index.set_gpu_tier(st["budget"], device=device, clusters=list(st["plan"].cluster_ids))
+        clusters = list(st["plan"].cluster_ids)
+        index.set_gpu_tier(st["budget"], device=device, clusters=clusters, stream_cold="off")
         cpu = res.doc.get("slo_rate_cpu", {}).get("capacity_qps")
         lo, hi = args.tier_rate or ((cpu or 1.0) * 1.5, (cpu or 1.0) * 8.0)
         res.doc["slo_rate_tier"] = slo_rate(
@@ -546,16 +662,38 @@ def main(argv: list[str] | None = None) -> int:
         if cpu and tier:
             res.doc["slo_rate_ratio"] = tier / cpu
 
+    def stream_rate() -> None:
+        index = st["index"]
+        place_streamed()
+        cpu = res.doc.get("slo_rate_cpu", {}).get("capacity_qps")
+        tier = res.doc.get("slo_rate_tier", {}).get("capacity_qps")
+        base = tier or (cpu or 1.0) * 2.0
+        lo, hi = args.stream_rate or (base * 0.75, base * 4.0)
+        res.doc["slo_rate_stream"] = slo_rate(
+            lambda b: index.search(b, args.topk, args.nprobe), st["q"], lo, hi, args
+        )
+        streamer = index.gpu_tier.streamer
+        res.doc["slo_rate_stream"]["streamed_gb"] = streamer.num_bytes / 1e9
+        index.drop_gpu_tier()
+        got = res.doc["slo_rate_stream"]["capacity_qps"]
+        if cpu and got:
+            res.doc["slo_rate_stream_ratio"] = got / cpu
+
     run.run("build", build)
     run.run("model", model, needs=("build",))
     run.run("budget", budget, needs=("model",))
     run.run("partition", place, needs=("budget",))
     if "latency" not in args.skip:
         run.run("latency", latency, needs=("partition",))
-    if "cpu_rate" not in args.skip:
-        run.run("cpu_rate", cpu_rate, needs=("model",))
-    if "tier_rate" not in args.skip:
-        run.run("tier_rate", tier_rate, needs=("partition",))
+    rates = {
+        "cpu": ("cpu_rate", cpu_rate, ("model",)),
+        "tier": ("tier_rate", tier_rate, ("partition",)),
+        "stream": ("stream_rate", stream_rate, ("partition",)),
+    }
+    for name in args.rate_order:
+        phase, fn, needs = rates[name]
+        if phase not in args.skip and not (name == "stream" and "stream" in args.skip):
+            run.run(phase, fn, needs=needs)
     res.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     res.save()
     logger.info("done: %s (failed phases: %s)", args.out, sorted(run.failed) or "none")
@@ -567,6 +705,34 @@ def _bracket(model: Any, args: Any) -> tuple[float, float]:
     b = args.max_batch
     peak = b / max(model.cpu_seconds(b), 1e-9)
     return peak * 0.3, peak * 1.2
+
+
+def streamed_model(st: dict, plan: Any, cost: Any, batch: int, dim: int) -> Any:
+    """Eq. 1 with streaming for ``plan``: the stream side of the calibrated ``cost`` model,
+    the access-weighted bytes of a cold probe, and the share of a batch's cold probes whose
+    list is distinct (from the calibration probes, in batches of ``batch``)."""
+    from ragserve.retrieval.latency_model import StreamedLatencyModel, StreamModel
+
+    counts, sizes = st["counts"], st["index"].cluster_sizes()
+    cold = np.ones(len(counts), dtype=bool)
+    cold[np.asarray(plan.cluster_ids, dtype=np.int64)] = False
+    row_bytes = dim * 4 + 8
+    weight = counts * cold
+    per_probe = float((weight * sizes).sum() / max(weight.sum(), 1e-12)) * row_bytes
+    probes = st["calib_probes"]
+    shares = []
+    for a in range(0, len(probes) - batch + 1, batch):
+        c = probes[a : a + batch]
+        c = c[(c >= 0) & cold[np.where(c >= 0, c, 0)]]
+        if len(c):
+            shares.append(len(np.unique(c)) / len(c))
+    distinct = float(np.mean(shares)) if shares else 1.0
+    fixed, per_byte = (
+        (np.inf, 0.0) if cost is None else (cost.stream_fixed_s, cost.stream_s_per_byte)
+    )
+    return StreamedLatencyModel(
+        st["model"], StreamModel(fixed, per_byte), per_probe, max(distinct, 1e-6)
+    )
 
 
 def _drop(stats: dict) -> dict:

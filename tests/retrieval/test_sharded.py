@@ -124,8 +124,16 @@ def test_sharded_search_with_gpu_tiers_equals_faiss_one_shot(source, tmp_path, p
     one.faiss_index.nprobe = 8
     want_scores, want_ids = one.faiss_index.search(q, 10)
     seen = set()
-    for budget in (1 << 24, 40_000):  # everything resident, then a few lists
-        tier = sharded.set_gpu_tier(budget, device="cpu")
+    # everything resident, then a few lists, then a few with the rest streamed (CPU twin)
+    for budget, scan, stream in (
+        (1 << 24, "auto", "auto"),
+        (40_000, "auto", "auto"),
+        (40_000, "dense", "on"),
+    ):
+        tier = sharded.set_gpu_tier(budget, device="cpu", scan=scan, stream_cold=stream)
+        for shard in sharded.shards:
+            own = shard.server.index.gpu_tier
+            assert own.scan_strategy == scan and (own.streamer is not None) == (stream == "on")
         assert tier is not None and tier.shards == 2 and tier.device == "cpu"
         assert 0 < tier.num_bytes <= budget
         seen.add(len(tier.clusters))
@@ -144,4 +152,8 @@ def test_sharded_search_with_gpu_tiers_equals_faiss_one_shot(source, tmp_path, p
     assert sharded.gpu_tier is None and not sharded.resident_mask(plan.cluster_ids).any()
     with pytest.raises(ValueError, match="budget_bytes must be >= 0"):
         sharded.set_gpu_tier(-1, device="cpu")
+    with pytest.raises(ValueError, match="scan must be one of"):
+        sharded.set_gpu_tier(1 << 20, device="cpu", scan="fast")
+    with pytest.raises(ValueError, match="stream_cold must be one of"):
+        sharded.set_gpu_tier(1 << 20, device="cpu", stream_cold="yes")
     one.close()

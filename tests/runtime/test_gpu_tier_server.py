@@ -81,6 +81,9 @@ def test_serve_flags(tmp_path) -> None:
             "gpu_index_profile": None,
             "gpu_index_device": "cuda",
             "gpu_index_dtype": "float32",
+            "gpu_index_scan": "auto",
+            "gpu_index_stream": "off",
+            "gpu_index_stream_host_gb": None,
         }
         return argparse.Namespace(**{**base, **kw})
 
@@ -96,3 +99,47 @@ def test_serve_flags(tmp_path) -> None:
         load_profiles(path)
     with pytest.raises(ValueError, match="gpu-index-gb"):
         gpu_tier_config(args(gpu_index_gb=-1.0))
+    cfg = gpu_tier_config(
+        args(
+            gpu_index_gb=1.0,
+            gpu_index_scan="dense",
+            gpu_index_stream="on",
+            gpu_index_stream_host_gb=0.5,
+        )
+    )
+    assert (cfg.scan, cfg.stream_cold, cfg.stream_host_bytes) == ("dense", "on", 500_000_000)
+    assert gpu_tier_config(args(gpu_index_gb=1.0)).stream_cold == "off"
+    with pytest.raises(ValueError, match="gpu-index-stream-host-gb"):
+        gpu_tier_config(args(gpu_index_gb=1.0, gpu_index_stream_host_gb=0.0))
+
+
+def test_scan_and_stream_reach_the_tier(tiny_model, small_index) -> None:
+    """``GpuTierConfig.scan``/``stream_cold`` pass through the runtime to the placed tier."""
+    tier_config = GpuTierConfig(
+        budget_bytes=1 << 26,
+        device="cpu",
+        scan="dense",
+        stream_cold="on",
+        stream_host_bytes=1 << 20,
+    )
+    config = ServerConfig(in_process=True, engine_kwargs=ENGINE, gpu_tier=tier_config)
+    with Server(tiny_model, small_index, config=config) as s:
+        tier = s.executor.retrieval.index.gpu_tier
+        assert tier.scan_strategy == "dense"
+        assert tier.streamer is not None and tier.streamer.config.host_budget_bytes == 1 << 20
+        assert s.run("What is the capital of Kenya?", "oneshot").error is None
+    from ragserve.retrieval.cold_stream import STREAM_MODES
+    from ragserve.retrieval.gpu_tier import SCANS
+    from ragserve.runtime import config as runtime_config
+
+    assert runtime_config.TIER_SCANS == SCANS  # the runtime's copies (no torch import there)
+    assert runtime_config.STREAM_MODES == STREAM_MODES
+    spec = tier_config.tier_spec(123)
+    assert spec.budget_bytes == 123 and spec.stream_config().mode == "on"
+    for bad, match in (
+        ({"scan": "triton"}, "scan must be one of"),
+        ({"stream_cold": "yes"}, "stream_cold must be one of"),
+        ({"stream_host_bytes": 0}, "stream_host_bytes"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            GpuTierConfig(**bad)

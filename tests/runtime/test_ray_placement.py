@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ragserve.retrieval.index_tier import TierSpec
 from ragserve.runtime import ServerConfig
 from ragserve.runtime.config import GpuTierConfig
 from ragserve.runtime.ray_backend import TIER_GPU_SHARE, GpuPlan, RayExecutor, plan_gpus
@@ -91,7 +92,7 @@ def test_two_replicas_two_shards_share_two_gpus_and_split_the_tier() -> None:
     shards = [(o, a) for n, o, a in log if n == "ShardServer"]
     assert [_bundle_of(o) for o, _ in shards] == [0, 1]
     assert [o["num_gpus"] for o, _ in shards] == [TIER_GPU_SHARE] * 2
-    assert [a[1] for _, a in shards] == [(500, "cuda", "float32")] * 2
+    assert [a[1] for _, a in shards] == [TierSpec(500, "cuda", "float32")] * 2
     coord = [(o, a) for n, o, a in log if n == "RetrievalCoordinator"][0]
     assert "num_gpus" not in coord[0] and coord[1][-1] is None  # the shards hold the tier
     reps = [o for n, o, _ in log if n == "LLMReplica"]
@@ -103,11 +104,11 @@ def test_one_shard_puts_the_tier_in_the_coordinator_beside_replica_zero() -> Non
     log = _started(2, 1, GpuTierConfig(budget_bytes=1000, device="cuda"), gpus=2)
     coord = [(o, a) for n, o, a in log if n == "RetrievalCoordinator"][0]
     assert _bundle_of(coord[0]) == 0 and coord[0]["num_gpus"] == TIER_GPU_SHARE
-    assert coord[1][-1] == (1000, "cuda", "float32")
+    assert coord[1][-1] == TierSpec(1000, "cuda", "float32")
 
 
 def test_cpu_tier_and_cpu_replicas_reserve_no_gpu() -> None:
     log = _started(2, 2, GpuTierConfig(budget_bytes=1000, device="cpu"), gpus=0)
     assert all("num_gpus" not in o for _, o, _ in log)
     shards = [a for n, _, a in log if n == "ShardServer"]
-    assert [a[1] for a in shards] == [(500, "cpu", "float32")] * 2
+    assert [a[1] for a in shards] == [TierSpec(500, "cpu", "float32")] * 2

@@ -81,6 +81,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tier.add_argument(
         "--gpu-index-dtype", default="float32", choices=("float32", "float16", "bfloat16")
     )
+    tier.add_argument(
+        "--gpu-index-scan",
+        default="auto",
+        choices=("auto", "grouped", "dense"),
+        help="tier scan strategy (auto: a cost model calibrated on the tier picks per batch)",
+    )
+    tier.add_argument(
+        "--gpu-index-stream",
+        default="off",
+        choices=("auto", "on", "off"),
+        help="stream non-resident lists from host memory to the tier's device and scan them "
+        "there beside the CPU (auto: on a CUDA tier; off until measured on the H200)",
+    )
+    tier.add_argument(
+        "--gpu-index-stream-host-gb",
+        type=float,
+        default=None,
+        help="pinned host memory for the stream's bounce buffers, GB (default 1.07)",
+    )
     p.add_argument(
         "--print-config",
         action="store_true",
@@ -111,8 +130,18 @@ def gpu_tier_config(args: argparse.Namespace) -> Any:
         raise UsageError(f"--gpu-index-gb must be >= 0, got {args.gpu_index_gb}")
     profiles = load_profiles(args.gpu_index_profile) if args.gpu_index_profile else {}
     budget = None if args.gpu_index_gb is None else int(args.gpu_index_gb * 1e9)
+    host = args.gpu_index_stream_host_gb
+    if host is not None and host <= 0:
+        raise UsageError(f"--gpu-index-stream-host-gb must be > 0, got {host}")
+    extra = {} if host is None else {"stream_host_bytes": int(host * 1e9)}
     return GpuTierConfig(
-        budget_bytes=budget, device=args.gpu_index_device, dtype=args.gpu_index_dtype, **profiles
+        budget_bytes=budget,
+        device=args.gpu_index_device,
+        dtype=args.gpu_index_dtype,
+        scan=args.gpu_index_scan,
+        stream_cold=args.gpu_index_stream,
+        **extra,
+        **profiles,
     )
 
 

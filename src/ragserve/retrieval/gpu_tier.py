@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig
 from ragserve.retrieval.tier_scan import (
     BUCKET_BOUNDS,
     GroupedPlan,
@@ -67,12 +68,15 @@ class _Load:
 
 
 class PendingScan:
-    """A scan whose kernels are enqueued; ``result()`` waits for them and returns the TopK."""
+    """A scan whose kernels are enqueued; ``result()`` waits for them and returns the TopK.
+    ``done``: an event recorded after them when they run on another stream than the reader's."""
 
-    def __init__(self, keys: Any, ids: Any, qnorm: np.ndarray | None) -> None:
-        self._keys, self._ids, self._qnorm = keys, ids, qnorm
+    def __init__(self, keys: Any, ids: Any, qnorm: np.ndarray | None, done: Any = None) -> None:
+        self._keys, self._ids, self._qnorm, self._done = keys, ids, qnorm, done
 
     def result(self) -> TopK:
+        if self._done is not None:
+            self._done.synchronize()
         keys = self._keys.float().cpu().numpy()
         ids = self._ids.cpu().numpy()
         missing = ~np.isfinite(keys)
@@ -88,8 +92,9 @@ class GpuTier:
 
     Public state: ``clusters`` (resident now, sorted), ``loading`` (in transit), ``num_bytes``
     (device bytes allocated), ``budget_bytes``, ``device``, ``dtype``, ``hit_rate`` (decayed
-    share of probes served here). Mutated by ``begin_load``/``evict``/``invalidate``/
-    ``poll``/``observe``; ``scan`` only reads. Thread-safe.
+    share of probes served here), ``streamer`` (the ``cold_stream.ColdStreamer`` that scans
+    non-resident lists here too, or None; ``stream`` config). Mutated by ``begin_load``/
+    ``evict``/``invalidate``/``poll``/``observe``; ``scan`` only reads. Thread-safe.
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class GpuTier:
         dtype: str = "float32",
         chunk_size: int = 256,
         scan: str = "auto",
+        stream: StreamConfig | None = None,
     ) -> None:
         import torch
 
@@ -148,6 +154,12 @@ class GpuTier:
         self._rebuild_lookup()
         self._hits = 0.0
         self._probes = 0.0
+        stream = stream or StreamConfig(mode="off")
+        self.streamer: ColdStreamer | None = None
+        if stream.enabled(self.device):
+            self.streamer = ColdStreamer(
+                dim=dim, nlist=nlist, is_l2=self.is_l2, device=self.device, config=stream
+            )
         if self._is_cuda:
             torch.cuda.synchronize(dev)  # NOTE: the pool's fill precedes side-stream writes
 
@@ -282,6 +294,11 @@ class GpuTier:
         self.poll()
 
     invalidate = evict  # NOTE: same effect; named for upserts/deletes of the index
+
+    def close(self) -> None:
+        """Stop the cold-list streamer's thread (the tier is being dropped)."""
+        if self.streamer is not None:
+            self.streamer.close()
 
     def poll(self) -> None:
         """Promote finished loads to resident; return fenced chunks to the free list."""

@@ -6,8 +6,12 @@ own file so ``index.py`` holds the index itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import faiss
 import numpy as np
@@ -16,16 +20,50 @@ from ragserve.retrieval import stepwise
 from ragserve.retrieval.types import ProbePlan, TopK
 
 if TYPE_CHECKING:
+    from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig, StreamCostModel
     from ragserve.retrieval.gpu_tier import GpuTier
     from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater
+
+
+class TierSpec(NamedTuple):
+    """One GPU tier's settings as data (what crosses to workers, actors and shards):
+    ``VectorIndex.set_gpu_tier``'s arguments, placed with ``place(index)``."""
+
+    budget_bytes: int
+    device: str = "cuda"
+    dtype: str = "float32"
+    scan: str = "auto"
+    stream_cold: str = "off"
+    stream_host_bytes: int = 1 << 30
+
+    def place(self, index: Any) -> Any:
+        """``index.set_gpu_tier`` with these settings (a ``VectorIndex`` or ``ShardedIndex``)."""
+        return index.set_gpu_tier(
+            int(self.budget_bytes),
+            device=self.device,
+            dtype=self.dtype,
+            scan=self.scan,
+            stream_cold=self.stream_config(),
+        )
+
+    def stream_config(self) -> StreamConfig:
+        from ragserve.retrieval.cold_stream import StreamConfig
+
+        return StreamConfig(mode=self.stream_cold, host_budget_bytes=int(self.stream_host_bytes))
+
+
+# (queries, cold lists per query) of the stream's calibration: both sides' terms vary
+STREAM_POINTS = ((4, 4), (16, 8), (32, 16), (64, 32))
 
 
 class GpuTierMixin:
     """The GPU-tier half of ``VectorIndex`` (see the module doc)."""
 
     def _hybrid_scan(self, tier: GpuTier, queries: np.ndarray, plan: ProbePlan, k: int) -> TopK:
-        """The router: resident probes go to the GPU tier (enqueued first, so both run at
-        once), the rest to Faiss on the CPU (only rows that have any); merged exactly."""
+        """The router: resident probes go to the GPU tier (enqueued first, so all run at once);
+        of the rest, the lists the streamer takes are copied to the device and scanned there
+        (``cold_stream``), the others go to Faiss on the CPU (only rows that have any); the
+        partial results are merged exactly. Called under the index's shared lock."""
         q = stepwise.check_queries(self._index, queries)
         if k < 1:
             raise ValueError(f"topk must be >= 1, got {k}")
@@ -35,15 +73,91 @@ class GpuTierMixin:
         pending, on = tier.scan(q, plan.cluster_ids, k)
         tier.observe(plan.cluster_ids, self.access_counts.decay ** len(q))
         cpu_ids = np.where(on, -1, plan.cluster_ids)
+        streamed = None
+        if tier.streamer is not None and (cpu_ids >= 0).any():
+            streamed, cpu_ids = self._stream_cold(tier.streamer, q, cpu_ids, k)
         rows = np.flatnonzero((cpu_ids >= 0).any(1))
         part = stepwise.empty_topk(len(q), k, self.spec.is_l2)
-        if len(rows):
-            sub = ProbePlan(cpu_ids[rows], plan.coarse_dists[rows])
-            found = stepwise.scan(self._index, q[rows], sub, k)
-            part.ids[rows], part.scores[rows] = found.ids, found.scores
-        if pending is None:
-            return part
-        return stepwise.merge(part, pending.result(), self.spec.is_l2)
+        try:
+            if len(rows):
+                sub = ProbePlan(cpu_ids[rows], plan.coarse_dists[rows])
+                found = stepwise.scan(self._index, q[rows], sub, k)
+                part.ids[rows], part.scores[rows] = found.ids, found.scores
+        finally:  # NOTE: the stream reads Faiss's lists: done before the shared lock is let go
+            streamed_scan = None if streamed is None else streamed.result()
+        for side in (pending, streamed_scan):
+            if side is not None:
+                part = stepwise.merge(part, side.result(), self.spec.is_l2)
+        return part
+
+    def _stream_cold(
+        self, streamer: ColdStreamer, q: np.ndarray, cold: np.ndarray, k: int
+    ) -> tuple[Future | None, np.ndarray]:
+        """Start streaming the share of the cold probes ``cold`` (``-1``: none) the streamer's
+        split picks; returns its future (None: nothing streamed) and the probes left."""
+        if streamer.model is None and streamer.config.share is None:
+            self._calibrate_stream()
+        take = streamer.split(cold, len(q))
+        if not take.any():
+            return None, cold
+        future = streamer.scan(q, np.where(take, cold, -1), k, self._list_data)
+        return future, np.where(take, -1, cold)
+
+    def calibrate_stream(
+        self,
+        *,
+        points: Sequence[tuple[int, int]] = STREAM_POINTS,
+        repeats: int = 2,
+        seed: int = 0,
+    ) -> StreamCostModel | None:
+        """Fit the streamer's ``StreamCostModel`` from timed scans of random non-resident lists,
+        streamed and on the CPU at the same time (as they run when serving, sharing the host's
+        cores and memory bandwidth), at ``points`` (queries, lists per query); None (streams
+        nothing under the cost model) without a streamer or cold lists. Each point's median of
+        ``repeats`` after a warm-up. (A search calibrates on first use when there is none.)"""
+        with self._rw.read():
+            return self._calibrate_stream(points=points, repeats=repeats, seed=seed)
+
+    def _calibrate_stream(
+        self,
+        *,
+        points: Sequence[tuple[int, int]] = STREAM_POINTS,
+        repeats: int = 2,
+        seed: int = 0,
+    ) -> StreamCostModel | None:
+        from ragserve.retrieval.cold_stream import StreamCostModel
+        from ragserve.retrieval.tier_scan_model import nnls_relative
+
+        tier = self._tier
+        streamer = None if tier is None else tier.streamer
+        if streamer is None:
+            return None
+        sizes = self._list_sizes()
+        streamer.list_rows = sizes
+        cold = np.flatnonzero((sizes > 0) & ~tier.resident_mask(np.arange(self.spec.nlist)))
+        if not len(cold):
+            return None
+        rng = np.random.default_rng(seed)
+        cpu_rows, cpu_s, stream_bytes, stream_s = [], [], [], []
+        for n, w in points:
+            w = min(w, len(cold))
+            probes = np.stack([rng.choice(cold, w, replace=False) for _ in range(n)])
+            q = rng.standard_normal((n, self.spec.dim)).astype(np.float32)
+            sub = ProbePlan(probes, np.zeros(probes.shape, np.float32))
+            on_cpu = functools.partial(stepwise.scan, self._index, q, sub, 10)
+            on_stream = functools.partial(streamer.scan, q, probes, 10, self._list_data)
+            cpu, gpu = _concurrent_seconds(on_cpu, on_stream, repeats)
+            par = max(1, min(n, streamer_threads()))
+            cpu_rows.append(sizes[probes].sum() / par)
+            cpu_s.append(cpu)
+            stream_bytes.append(sizes[np.unique(probes)].sum() * streamer.row_bytes)
+            stream_s.append(gpu)
+        ones = np.ones(len(points))
+        c0, c1 = nnls_relative(np.stack([ones, cpu_rows], 1), np.array(cpu_s))
+        s0, s1 = nnls_relative(np.stack([ones, stream_bytes], 1), np.array(stream_s))
+        streamer.model = StreamCostModel(c0, c1, s0, s1, streamer_threads())
+        streamer.reset_counts()
+        return streamer.model
 
     def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
         """bool, shaped like ``cluster_ids``: which clusters the GPU tier serves right now
@@ -64,6 +178,7 @@ class GpuTierMixin:
         dtype: str = "float32",
         placement: PlacementConfig | None = None,
         scan: str = "auto",
+        stream_cold: str | StreamConfig = "off",
     ) -> GpuTier:
         """Serve IVF lists from a torch ``device`` within ``budget_bytes`` (replaces any tier).
 
@@ -74,9 +189,19 @@ class GpuTierMixin:
         returns Faiss's results; ``float16``/``bfloat16`` halve the bytes at some recall.
         ``scan`` is the tier's scan strategy (``GpuTier.set_scan``); ``"auto"`` calibrates its
         cost model here, once the lists are placed, unless the replaced tier's model fits.
+        ``stream_cold`` (a mode of ``StreamConfig``, or one): ``"auto"`` streams non-resident
+        lists from host memory to a CUDA tier and scans them there beside Faiss's CPU scan,
+        split per batch by a cost model calibrated on first use (``calibrate_stream``);
+        ``"on"`` also on a CPU tier (the twin), ``"off"`` (the default until the H200 run
+        measures it) never. Results are Faiss's either way.
         """
+        from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier
         from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater, plan_placement
+
+        check_tier_options(scan, stream_cold)
+        if isinstance(stream_cold, str):
+            stream_cold = StreamConfig(mode=stream_cold)
 
         if self.spec.kind != "ivf_flat":
             raise ValueError(
@@ -97,7 +222,10 @@ class GpuTierMixin:
             device=device,
             dtype=dtype,
             scan=scan,
+            stream=stream_cold,
         )
+        if tier.streamer is not None:
+            tier.streamer.list_rows = sizes
         counts = self.access_counts.snapshot()
         placement = placement or PlacementConfig()
         if pinned is None:
@@ -146,7 +274,9 @@ class GpuTierMixin:
         if updater is not None:
             updater.close()
         with self._rw.write():
-            self._tier = None
+            tier, self._tier = self._tier, None
+        if tier is not None:
+            tier.close()
 
     def _load_lists(self, clusters: Sequence[int]) -> int:
         """Start asynchronous loads of lists into the tier (the updater's callback)."""
@@ -175,7 +305,59 @@ class GpuTierMixin:
         """Under the exclusive lock after a write: changed lists are served by the CPU until
         the updater reloads them."""
         if self._tier is not None and len(lists):
-            self._tier.invalidate(np.unique(lists).tolist())
+            changed = np.unique(lists)
+            self._tier.invalidate(changed.tolist())
+            if self._tier.streamer is not None:  # NOTE: sizes only price the split
+                rows = self._tier.streamer.list_rows.copy()
+                rows[changed] = [self._index.invlists.list_size(int(c)) for c in changed]
+                self._tier.streamer.list_rows = rows
+
+
+def check_tier_options(scan: str, stream_cold: str | StreamConfig) -> None:
+    """A one-line `ValueError` for a bad ``scan`` or ``stream_cold`` (before anything moves)."""
+    from ragserve.retrieval.cold_stream import STREAM_MODES, StreamConfig
+    from ragserve.retrieval.gpu_tier import SCANS
+
+    if scan not in SCANS:
+        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
+    if isinstance(stream_cold, str):
+        if stream_cold not in STREAM_MODES:
+            raise ValueError(f"stream_cold must be one of {STREAM_MODES}, got {stream_cold!r}")
+    elif not isinstance(stream_cold, StreamConfig):
+        raise ValueError(f"stream_cold must be a mode or a StreamConfig, got {stream_cold!r}")
+
+
+def streamer_threads() -> int:
+    """Faiss's OpenMP threads: the CPU side's parallelism in ``StreamCostModel``."""
+    return max(1, int(faiss.omp_get_max_threads()))
+
+
+def _concurrent_seconds(
+    on_cpu: Callable[[], object], on_stream: Callable[[], Future], repeats: int
+) -> tuple[float, float]:
+    """Median seconds of each side when both start together (after one warm-up): the CPU
+    scan here, the stream's wait on a helper thread (its own finish, not the CPU's)."""
+    times = []
+    for _ in range(max(1, repeats) + 1):
+        t0 = time.perf_counter()
+        future = on_stream()
+        done: Future = Future()
+        waiter = threading.Thread(target=_finish_time, args=(future, t0, done))
+        waiter.start()
+        on_cpu()
+        cpu = time.perf_counter() - t0
+        waiter.join()
+        times.append((cpu, done.result()))  # NOTE: re-raises the stream's error
+    cpu, stream = np.median(np.array(times[1:]), axis=0)
+    return float(cpu), float(stream)
+
+
+def _finish_time(future: Future, t0: float, done: Future) -> None:
+    try:
+        future.result().result()
+        done.set_result(time.perf_counter() - t0)
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        done.set_exception(exc)
 
 
 def _check_clusters(clusters: Sequence[int], nlist: int) -> np.ndarray:

@@ -12,6 +12,13 @@ query has hit rate ``eta`` (fraction of its probed clusters on the GPU) takes (E
 
     tau_s(b) = T_CQ(b) + (1 - eta) * T_LUT(b)
 
+With cold lists streamed to the GPU as well (``cold_stream``), the cold part ``m = 1 - eta``
+is split so that both sides finish together: the CPU scans a share at ``T_LUT``'s pace, the
+stream copies the rest at ``StreamModel``'s (``s0`` fixed, ``g(b) = b * nprobe * bytes per
+probe * seconds per byte`` for all of it), giving (``StreamedLatencyModel``)::
+
+    tau_s(b) = T_CQ(b) + min(m T_LUT, T_LUT (s0 + m g) / (T_LUT + g))
+
 Nothing here imports faiss or torch: measurements come in as arrays, or through
 ``measure_cpu_model`` (any object with ``assign``/``scan``, e.g. ``VectorIndex``) and
 ``measure_scan_grid`` (any scan callable, e.g. the GPU tier's, with its ``synchronize``).
@@ -305,6 +312,102 @@ class SearchLatencyModel:
     @classmethod
     def load(cls, path: Path) -> SearchLatencyModel:
         return cls.from_json(Path(path).read_text())
+
+
+@dataclass(frozen=True)
+class StreamModel:
+    """Seconds to stream and scan cold lists on the GPU: ``fixed_s + s_per_byte * bytes``
+    (``cold_stream.StreamCostModel``'s stream side)."""
+
+    fixed_s: float
+    s_per_byte: float
+
+    def __post_init__(self) -> None:
+        if self.fixed_s < 0 or self.s_per_byte < 0:
+            raise ValueError(f"fixed_s and s_per_byte must be >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class StreamedLatencyModel:
+    """Eq. 1 with cold lists streamed (module doc): ``SearchLatencyModel``'s interface, so
+    Algorithm 1 (``partition``) and Eq. 2 (``memory_split``) price the streamed path.
+
+    ``bytes_per_probe``: mean bytes of a cold list per probe (access-weighted);
+    ``distinct_share``: share of a batch's cold probes whose list is not already streamed for
+    another query of the batch (1: no sharing, the conservative default)."""
+
+    base: SearchLatencyModel
+    stream: StreamModel
+    bytes_per_probe: float
+    distinct_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_probe < 0 or not 0.0 < self.distinct_share <= 1.0:
+            raise ValueError(
+                f"bytes_per_probe must be >= 0 and distinct_share in (0, 1], got "
+                f"{self.bytes_per_probe} and {self.distinct_share}"
+            )
+
+    @property
+    def nprobe(self) -> int:
+        return self.base.nprobe
+
+    def cq_seconds(self, batch_size: float) -> float:
+        return self.base.cq_seconds(batch_size)
+
+    def lut_seconds(self, batch_size: float) -> float:
+        return self.base.lut_seconds(batch_size)
+
+    def cpu_seconds(self, batch_size: float) -> float:
+        return self.base.cpu_seconds(batch_size)
+
+    def cq_array(self, batch_sizes: np.ndarray) -> np.ndarray:
+        return self.base.cq_array(batch_sizes)
+
+    def lut_array(self, batch_sizes: np.ndarray) -> np.ndarray:
+        return self.base.lut_array(batch_sizes)
+
+    def stream_array(self, batch_sizes: np.ndarray) -> np.ndarray:
+        """``g(b)``: seconds (beyond ``fixed_s``) to stream every probe of a batch."""
+        b = np.maximum(np.asarray(batch_sizes, dtype=np.float64), 1.0)
+        per_probe = self.bytes_per_probe * self.distinct_share * self.stream.s_per_byte
+        return b * self.base.nprobe * per_probe
+
+    def hybrid_seconds(self, batch_size: float, tail_hit_rate: float) -> float:
+        """Eq. 1 with streaming at the batch's tail hit rate ``eta`` (module doc)."""
+        if not 0.0 <= tail_hit_rate <= 1.0:
+            raise ValueError(f"tail_hit_rate must be in [0, 1], got {tail_hit_rate}")
+        b = np.asarray([batch_size], dtype=np.float64)
+        lut, g = float(self.lut_array(b)[0]), float(self.stream_array(b)[0])
+        m = 1.0 - tail_hit_rate
+        cold = m * lut
+        if lut + g > 0:
+            cold = min(cold, lut * (self.stream.fixed_s + m * g) / (lut + g))
+        return self.cq_seconds(batch_size) + cold
+
+    def required_hit_rate(self, batch_size: float, seconds: float) -> float | None:
+        """The smallest tail hit rate meeting ``seconds`` with streaming; None if none does."""
+        eta = float(self.required_hit_rates(np.asarray([batch_size]), np.asarray([seconds]))[0])
+        return None if math.isinf(eta) else eta
+
+    def required_hit_rates(self, batch_sizes: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """Vectorised; ``inf`` marks the infeasible entries. The cold time is the smaller of
+        two increasing lines in ``m``: the largest ``m`` within budget is the larger of the two
+        lines' roots."""
+        b = np.asarray(batch_sizes, dtype=np.float64)
+        cq, lut, g = self.cq_array(b), self.lut_array(b), self.stream_array(b)
+        left = np.asarray(seconds, dtype=np.float64) - cq
+        s0 = self.stream.fixed_s
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m_cpu = np.where(lut > 0, left / lut, np.inf)
+            reach = np.where(lut > 0, left * (lut + g) / lut - s0, np.inf)
+            m_stream = np.where(g > 0, reach / g, np.where(reach >= 0, np.inf, -np.inf))
+        m = np.maximum(m_cpu, m_stream)
+        eta = np.clip(1.0 - m, 0.0, None)
+        return np.where((left < 0) | (eta > 1.0), np.inf, eta)
+
+
+LatencyModel = SearchLatencyModel | StreamedLatencyModel  # what Algorithm 1 and Eq. 2 price
 
 
 def _envelope(f: PiecewiseLinear, batch_sizes: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ragserve.retrieval.latency_model import SearchLatencyModel
+from ragserve.retrieval.latency_model import LatencyModel
 
 _GRID = 0.5 - 0.5 * np.cos(np.linspace(0.0, math.pi, 4097))  # NOTE: dense near 0 and 1
 _MAX_BATCH = 1 << 17
@@ -444,7 +444,7 @@ def fill_budget(
 
 
 def partition(
-    model: SearchLatencyModel,
+    model: LatencyModel,
     access_counts: np.ndarray,
     cluster_bytes: np.ndarray,
     config: PartitionConfig,
@@ -488,7 +488,7 @@ def partition(
 
 
 def _feasible(
-    model: SearchLatencyModel, config: PartitionConfig, mean: float, index_bytes: int
+    model: LatencyModel, config: PartitionConfig, mean: float, index_bytes: int
 ) -> tuple[int, float] | None:
     """The largest feasible batch size and its ``eta_tail``, or ``None``."""
     mu = _throughput(config, index_bytes)
@@ -518,7 +518,7 @@ def _throughput(config: PartitionConfig, index_bytes: int) -> float:
 
 def _with_latency(
     plan: PartitionPlan,
-    model: SearchLatencyModel,
+    model: LatencyModel,
     config: PartitionConfig,
     mean: float,
     meets_slo: bool,

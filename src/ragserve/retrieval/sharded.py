@@ -34,15 +34,15 @@ import faiss
 import numpy as np
 
 from ragserve.retrieval import stepwise
+from ragserve.retrieval.cold_stream import StreamConfig
 from ragserve.retrieval.index import IndexSpec, VectorIndex
+from ragserve.retrieval.index_tier import TierSpec, check_tier_options
 from ragserve.retrieval.shard_split import QUANTIZER, ShardLayout, read_layout
 from ragserve.retrieval.types import Document, ProbePlan, TopK
 
 logger = logging.getLogger(__name__)
 
 TIER_REFRESH_S = 1.0  # how stale `ShardedIndex`'s view of the shards' tiers may get
-
-TierSpec = tuple[int, str, str]  # (budget_bytes, device, dtype) of one shard's GPU tier
 
 
 class ShardServer:
@@ -56,8 +56,7 @@ class ShardServer:
         self.num_scans = 0
         self.num_scanned_clusters = 0
         if tier is not None:
-            budget, device, dtype = tier
-            self.set_gpu_tier(budget, device, dtype)
+            tier.place(self.index)
 
     def spec(self) -> IndexSpec:
         return self.index.spec
@@ -89,11 +88,18 @@ class ShardServer:
         self.index.check_integrity()
 
     def set_gpu_tier(
-        self, budget_bytes: int, device: str = "cuda", dtype: str = "float32"
+        self,
+        budget_bytes: int,
+        device: str = "cuda",
+        dtype: str = "float32",
+        scan: str = "auto",
+        stream_cold: str | StreamConfig = "off",
     ) -> dict[str, Any]:
         """This shard's lists on ``device`` within ``budget_bytes`` (hottest first, re-placed
         on drift: ``VectorIndex.set_gpu_tier``); returns ``tier_state()``."""
-        self.index.set_gpu_tier(int(budget_bytes), device=device, dtype=dtype)
+        self.index.set_gpu_tier(
+            int(budget_bytes), device=device, dtype=dtype, scan=scan, stream_cold=stream_cold
+        )
         return self.tier_state()
 
     def drop_gpu_tier(self) -> None:
@@ -320,17 +326,26 @@ class ShardedIndex:
 
     # -- GPU tier ---------------------------------------------------------------------------
     def set_gpu_tier(
-        self, budget_bytes: int, *, device: str = "cuda", dtype: str = "float32"
+        self,
+        budget_bytes: int,
+        *,
+        device: str = "cuda",
+        dtype: str = "float32",
+        scan: str = "auto",
+        stream_cold: str | StreamConfig = "off",
     ) -> ShardedTier | None:
         """A GPU tier on every shard, each within ``shard_tier_budget(budget_bytes, M)``
-        (the shards place their own hottest lists; IVF-Flat only, as ``VectorIndex``).
+        (the shards place their own hottest lists; IVF-Flat only, as ``VectorIndex``), with
+        ``scan`` and ``stream_cold`` as ``VectorIndex.set_gpu_tier`` (checked here first).
         Results stay exact: each shard merges its tier's and Faiss's parts."""
         if self.spec.kind != "ivf_flat":
             raise ValueError(
                 f"kind: the GPU tier holds IVF-Flat lists only, this index is {self.spec.kind!r}"
             )
+        check_tier_options(scan, stream_cold)
         share = shard_tier_budget(budget_bytes, len(self.shards))
-        for w in [s.submit("set_gpu_tier", share, device, dtype) for s in self.shards]:
+        args = (share, device, dtype, scan, stream_cold)
+        for w in [s.submit("set_gpu_tier", *args) for s in self.shards]:
             w()
         return self._refresh_tier()
 

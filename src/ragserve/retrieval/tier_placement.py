@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragserve.retrieval.gpu_tier import GpuTier
-from ragserve.retrieval.latency_model import SearchLatencyModel
+from ragserve.retrieval.latency_model import LatencyModel
 from ragserve.retrieval.partition import (
     DriftConfig,
     DriftDetector,
@@ -55,7 +55,7 @@ class PlacementConfig:
     update_every: int = 50
     max_swap_bytes: int = 1 << 30
     drift: DriftConfig = DriftConfig()
-    latency_model: SearchLatencyModel | None = None
+    latency_model: LatencyModel | None = None
     partition: PartitionConfig | None = None
 
     def __post_init__(self) -> None:

@@ -87,11 +87,11 @@ class ScanCostModel:
             t = np.array([s.seconds[strategy] for s in timed], dtype=np.float64)
             if not np.all(np.isfinite(t)) or np.any(t <= 0):
                 raise ValueError(f"samples: {strategy} seconds must be positive, got {t}")
-            coef[strategy] = tuple(float(c) for c in _nnls_relative(a, t))
+            coef[strategy] = tuple(float(c) for c in nnls_relative(a, t))
         return cls(coef["dense"], coef["grouped"], setting, span_rows)
 
 
-def _nnls_relative(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+def nnls_relative(a: np.ndarray, t: np.ndarray) -> np.ndarray:
     """``x >= 0`` minimising ``sum(((a @ x) - t) / t) ** 2``: the best unconstrained fit over
     every subset of the columns whose solution is non-negative (three columns: eight fits)."""
     w = a / t[:, None]

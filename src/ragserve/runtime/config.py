@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragserve.retrieval.limits import DocumentLimits
 from ragserve.runtime.wire import SMALL_MESSAGE_BYTES
 from ragserve.runtime.worker_start import START_METHODS
 from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.scheduler.operator_config import OperatorConfig
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.index_tier import TierSpec
+
+TIER_SCANS = ("auto", "grouped", "dense")  # ``retrieval.gpu_tier.SCANS`` (no torch import here)
+STREAM_MODES = ("auto", "on", "off")  # ``retrieval.cold_stream.STREAM_MODES``
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,12 @@ class GpuTierConfig:
     from measured profiles: ``generation_profile`` ``((kv_blocks, requests/s), ...)`` and
     ``retrieval_profile`` ``((tier_bytes, requests/s), ...)``. The engine's ``kv_cache_bytes``
     then comes from the same split (an explicit one in ``engine_kwargs`` wins).
+
+    ``scan``: the tier's scan strategy (``"auto"``, ``"grouped"``, ``"dense"``);
+    ``stream_cold``: stream non-resident lists from host memory to the tier's device and scan
+    them there beside Faiss (``"auto"``: on a CUDA tier only, ``"on"``, ``"off"``: the default
+    until the prepared H200 run measures it), through
+    pinned bounce buffers of ``stream_host_bytes`` in all (``retrieval.cold_stream``).
     """
 
     budget_bytes: int | None = None
@@ -30,6 +42,9 @@ class GpuTierConfig:
     gpu_memory_bytes: int | None = None
     generation_profile: tuple[tuple[float, float], ...] | None = None
     retrieval_profile: tuple[tuple[float, float], ...] | None = None
+    scan: str = "auto"
+    stream_cold: str = "off"
+    stream_host_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and self.budget_bytes < 0:
@@ -38,6 +53,26 @@ class GpuTierConfig:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
             raise ValueError(f"gpu_memory_bytes must be > 0, got {self.gpu_memory_bytes}")
+        if self.scan not in TIER_SCANS:
+            raise ValueError(f"scan must be one of {TIER_SCANS}, got {self.scan!r}")
+        if self.stream_cold not in STREAM_MODES:
+            raise ValueError(f"stream_cold must be one of {STREAM_MODES}, got {self.stream_cold!r}")
+        if self.stream_host_bytes < 1:
+            raise ValueError(f"stream_host_bytes must be >= 1, got {self.stream_host_bytes}")
+
+    def tier_spec(self, budget_bytes: int) -> TierSpec:
+        """The ``TierSpec`` a tier holder places, at ``budget_bytes`` (resolved by Eq. 2 or
+        split over shards)."""
+        from ragserve.retrieval.index_tier import TierSpec
+
+        return TierSpec(
+            int(budget_bytes),
+            self.device,
+            self.dtype,
+            self.scan,
+            self.stream_cold,
+            self.stream_host_bytes,
+        )
 
 
 @dataclass(frozen=True)

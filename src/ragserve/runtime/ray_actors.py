@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.runtime.wire import check_call
 from ragserve.scheduler import RetrievalResult
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.index_tier import TierSpec
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +155,7 @@ class RetrievalCoordinator(_ActorLoop):
         default_nprobe: int | None,
         shard_root: str | None = None,
         shard_names: list[str] | None = None,
-        tier: tuple[int, str, str] | None = None,
+        tier: TierSpec | None = None,
         reranker: str = "embedding",
     ) -> None:
         from ragserve.retrieval import VectorIndex, load_embedder
@@ -160,8 +163,8 @@ class RetrievalCoordinator(_ActorLoop):
 
         if shard_root is None:
             vindex: Any = VectorIndex.load(index)
-            if tier is not None:  # (budget_bytes, device, dtype), placed again on a restart
-                vindex.set_gpu_tier(tier[0], device=tier[1], dtype=tier[2])
+            if tier is not None:  # placed again on a restart
+                tier.place(vindex)
             runner_cls: type = StagedRetrievalRunner
         else:
             import ray

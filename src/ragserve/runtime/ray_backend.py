@@ -31,7 +31,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.replica_router import ReplicaRouter
@@ -43,6 +43,9 @@ from ragserve.scheduler import (
     RetrievalTask,
     Update,
 )
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.index_tier import TierSpec
 
 logger = logging.getLogger(__name__)
 
@@ -161,14 +164,14 @@ class RayExecutor(BaseExecutor):
         self._polls: dict[Any, str] = {}  # in-flight long-poll ref -> actor name
 
     # -- start ------------------------------------------------------------------------------
-    def _tier_spec(self, num_holders: int) -> tuple[int, str, str] | None:
-        """(budget_bytes, device, dtype) of one tier holder's tier, or None."""
+    def _tier_spec(self, num_holders: int) -> TierSpec | None:
+        """The settings of one tier holder's tier, or None."""
         from ragserve.retrieval.sharded import shard_tier_budget
 
         tier = self.config.gpu_tier
         if tier is None or tier.budget_bytes is None:
             return None
-        return (shard_tier_budget(tier.budget_bytes, num_holders), tier.device, tier.dtype)
+        return tier.tier_spec(shard_tier_budget(tier.budget_bytes, num_holders))
 
     def _plan_placement(self) -> None:
         """Decide who gets a GPU (``plan_gpus``) and reserve the bundles in one group."""

@@ -500,7 +500,7 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
     config, plan = plan_gpu_memory(config, model, index)
     tier = None
     if plan.tier_bytes is not None:
-        tier = (plan.tier_bytes, config.gpu_tier.device, config.gpu_tier.dtype)
+        tier = config.gpu_tier.tier_spec(plan.tier_bytes)
     if config.in_process:
         from ragserve.runtime.runners import GenerationRunner
         from ragserve.runtime.staged_retrieval import StagedRetrievalRunner as RetrievalRunner
@@ -521,7 +521,7 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
 
             emb = load_embedder(str(emb) if emb is not None else vindex.embedder_name)
         if tier is not None:
-            vindex.set_gpu_tier(tier[0], device=tier[1], dtype=tier[2])
+            tier.place(vindex)
         from ragserve.retrieval.rerank import load_reranker
 
         retrieval = RetrievalRunner(vindex, emb, config.default_nprobe)

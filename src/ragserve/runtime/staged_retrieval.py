@@ -71,10 +71,17 @@ class StagedRetrievalRunner(RetrievalRunner):
         return self.search.has_pending()
 
     def set_gpu_tier(
-        self, budget_bytes: int, device: str = "cuda", dtype: str = "float32"
+        self,
+        budget_bytes: int,
+        device: str = "cuda",
+        dtype: str = "float32",
+        scan: str = "auto",
+        stream_cold: str = "off",
     ) -> dict[str, Any]:
         """Place the index's GPU tier (called through the worker's ``call`` message)."""
-        tier = self.index.set_gpu_tier(budget_bytes, device=device, dtype=dtype)
+        tier = self.index.set_gpu_tier(
+            budget_bytes, device=device, dtype=dtype, scan=scan, stream_cold=stream_cold
+        )
         return {"clusters": len(tier.clusters), "num_bytes": tier.num_bytes, "device": tier.device}
 
     def drop_gpu_tier(self) -> None:

@@ -25,7 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -52,6 +52,9 @@ from ragserve.runtime.wire import (
     check_call,
 )
 
+if TYPE_CHECKING:
+    from ragserve.retrieval.index_tier import TierSpec
+
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25  # engine stats while busy without updates: at most this often
@@ -74,7 +77,7 @@ class WorkerSpec:
     index: str | None = None
     embedder: str | None = None
     default_nprobe: int | None = None
-    tier: tuple[int, str, str] | None = None  # (budget_bytes, device, dtype) of the GPU tier
+    tier: TierSpec | None = None  # the GPU tier's settings (``retrieval.index_tier``)
     log_level: int = logging.WARNING  # of the ``ragserve`` loggers (the parent's, by default)
     max_message_bytes: int = 1 << 28
     small_message_bytes: int = SMALL_MESSAGE_BYTES
@@ -94,8 +97,7 @@ def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
 
     index = VectorIndex.load(spec.index)
     if spec.tier is not None:
-        budget, device, dtype = spec.tier
-        index.set_gpu_tier(budget, device=device, dtype=dtype)
+        spec.tier.place(index)
     embedder = load_embedder(spec.embedder or index.embedder_name)
     runner = StagedRetrievalRunner(index, embedder, spec.default_nprobe)
     runner.reranker = load_reranker(spec.reranker, embedder)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 10, device call (<= 5 min on one H200): the corpus over the tier's budget, CPU-only vs
+# tier vs tier + cold lists streamed from host memory, SLO-bound rates and the latency model's
+# predicted vs measured p90 for tier and tier + stream (bench_tier_overflow.py, compacted: no
+# extra coverages, one repeat of the CPU model, 5 s latency points, rate points of >= 200
+# queries after a 1 s warm-up, 3 points a system with brackets from the 2026-12-01 run; the
+# rates in the order stream, tier, CPU, so a cut-off loses the CPU rate, measured before).
+#   bash bench/h200_overflow_stream_run.sh             # device, carry .whl; results in $OUT
+# Env: LIMIT (seconds for the bench, default 255, after at most 30 s of GPU tests), ARGS
+# (replaces the corpus and budget flags).
+set -uo pipefail
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-14}
+: "${OUT:?OUT must name the folder results are written to}"
+mkdir -p "$OUT"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+free -g | head -2
+# the CUDA path's exactness tests first (pinned bounce buffers, side-stream copies, any split)
+timeout 30 python3 -m pytest -q -p no:cacheprovider -m gpu tests/retrieval/test_cold_stream.py \
+    > "$OUT/gpu_tests.log" 2>&1
+tail -3 "$OUT/gpu_tests.log"
+ARGS=${ARGS:-"--num-docs 20000000 --dim 768 --nlist 16384 --topics 65536 --nprobe 256 --budget-gb 24"}
+# shellcheck disable=SC2086 # ARGS is a flag list
+timeout "${LIMIT:-255}" python3 bench/bench_tier_overflow.py $ARGS \
+    --coverage --model-batches 1 4 16 48 64 --model-repeats 1 \
+    --latency-seconds 5 --max-batches 6 \
+    --rate-warmup 1 --rate-window 5 --rate-min-queries 200 --rate-points 3 \
+    --rate-order stream tier cpu --stream-rate 26 104 --tier-rate 26 40 --cpu-rate 11 15 \
+    --stream-host-gb 1 \
+    --out "$OUT/overflow_stream.json" > "$OUT/overflow_stream.log" 2>&1
+rc=$?
+echo "exit code $rc (124: stopped by the time limit; the JSON holds every finished phase)"
+grep -E "phase|failed|done:" "$OUT/overflow_stream.log" | cut -c1-300 | tail -20
+exit 0
