@@ -5,8 +5,6 @@ split rule and the Eq. 1 model with streaming."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from tests.retrieval.test_gpu_tier import (
@@ -18,6 +16,7 @@ from tests.retrieval.test_gpu_tier import (
     assert_same,
     make_index,
     oracle,
+    search_during_churn,
     tier_bytes,
 )
 
@@ -94,23 +93,7 @@ def test_exact_during_swaps_and_after_writes(built) -> None:
         tier_bytes(index, 12), device="cpu", placement=config, stream_cold=stream
     )
     ref = oracle(index, q)
-    stop = threading.Event()
-
-    def churn() -> None:
-        rng = np.random.default_rng(11)
-        while not stop.is_set():
-            hot = rng.choice(NLIST, 6, replace=False)
-            index.access_counts.observe(np.repeat(hot[None, :], 50, 0))
-            index.tier_updater.update_now(force=True)
-
-    t = threading.Thread(target=churn)
-    t.start()
-    try:
-        for _ in range(20):
-            assert_same(index.search(q, K), ref)
-    finally:
-        stop.set()
-        t.join()
+    search_during_churn(index, q, ref, rounds=20)
     assert tier.streamer.num_batches > 0
     rng = np.random.default_rng(9)
     new = (q[:5] + 1e-4 * rng.normal(size=(5, DIM))).astype(np.float32)

@@ -49,6 +49,33 @@ def assert_same(found, ref) -> None:
     np.testing.assert_allclose(found.scores, ref_d, rtol=1e-5, atol=1e-5)
 
 
+def search_during_churn(index, q: np.ndarray, ref, rounds: int) -> None:
+    """``rounds`` searches of ``q``, each equal to ``ref``, while a thread moves the hot set
+    around (access counts + forced re-placement); the thread's errors fail the test too."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        rng = np.random.default_rng(11)
+        try:
+            while not stop.is_set():
+                hot = rng.choice(NLIST, 6, replace=False)
+                index.access_counts.observe(np.repeat(hot[None, :], 50, 0))
+                index.tier_updater.update_now(force=True)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(rounds):
+            assert_same(index.search(q, K), ref)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+
+
 @pytest.fixture(scope="module", params=["ip", "l2"])
 def built(request):
     index, q = make_index(request.param)
@@ -139,28 +166,7 @@ def test_exact_during_swaps(built) -> None:
     config = PlacementConfig(update_every=1, max_swap_bytes=4096)
     tier = index.set_gpu_tier(tier_bytes(index, 12), device="cpu", placement=config)
     ref = oracle(index, q)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def churn() -> None:  # hot set moves around while searches run
-        rng = np.random.default_rng(11)
-        try:
-            while not stop.is_set():
-                hot = rng.choice(NLIST, 6, replace=False)
-                index.access_counts.observe(np.repeat(hot[None, :], 50, 0))
-                index.tier_updater.update_now(force=True)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    t = threading.Thread(target=churn)
-    t.start()
-    try:
-        for _ in range(30):
-            assert_same(index.search(q, K), ref)
-    finally:
-        stop.set()
-        t.join()
-    assert not errors
+    search_during_churn(index, q, ref, rounds=30)
     assert index.tier_updater.num_replans > 1
     tier.wait_idle()
     tier.check_integrity()

@@ -4,11 +4,19 @@ swaps and after upserts and deletes; the cost model fits, and auto picks by it."
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
-from test_gpu_tier import BIG, NLIST, NPROBE, K, assert_same, make_index, oracle, tier_bytes
+from test_gpu_tier import (
+    BIG,
+    NLIST,
+    NPROBE,
+    K,
+    assert_same,
+    make_index,
+    oracle,
+    search_during_churn,
+    tier_bytes,
+)
 
 from ragserve.retrieval import Document
 from ragserve.retrieval.tier_placement import PlacementConfig
@@ -83,28 +91,7 @@ def test_exact_during_swaps(built, scan: str) -> None:
     ref = oracle(index, q)
     assert_same(index.search(q, K), ref)
     assert tier.scan_counts[scan] == 1  # q's hottest lists were placed first
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def churn() -> None:
-        rng = np.random.default_rng(11)
-        try:
-            while not stop.is_set():
-                hot = rng.choice(NLIST, 6, replace=False)
-                index.access_counts.observe(np.repeat(hot[None, :], 50, 0))
-                index.tier_updater.update_now(force=True)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    t = threading.Thread(target=churn)
-    t.start()
-    try:
-        for _ in range(20):
-            assert_same(index.search(q, K), ref)
-    finally:
-        stop.set()
-        t.join()
-    assert not errors
+    search_during_churn(index, q, ref, rounds=20)
     tier.wait_idle()
     tier.check_integrity()
 
