@@ -47,8 +47,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--default-mode",
         default="dense",
-        choices=["dense", "bm25", "hybrid"],
+        choices=["dense", "bm25", "hybrid", "ensemble", "prf"],
         help="search mode when a query names none (dense: best on the eval sets, BENCHMARKS.md)",
+    )
+    b.add_argument(
+        "--ensemble",
+        nargs="?",
+        const="multilingual-e5-small-q4",
+        default=None,
+        metavar="EMBEDDER",
+        help="also embed every passage with EMBEDDER (default multilingual-e5-small-q4) for "
+        "mode 'ensemble' (two encoders + BM25 fused; BENCHMARKS.md)",
+    )
+    b.add_argument(
+        "--passage-header",
+        default="path",
+        choices=["path", "none"],
+        help="embed each passage with its heading path in front (path) or alone (none)",
     )
     b.add_argument(
         "--collapse-sections",
@@ -69,7 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("-k", "--topk", type=int, default=5)
     s.add_argument("--nprobe", type=int, default=None)
     s.add_argument(
-        "--mode", default=None, choices=["dense", "bm25", "hybrid"], help="default: the index's"
+        "--mode",
+        default=None,
+        choices=["dense", "bm25", "hybrid", "ensemble", "prf"],
+        help="default: the index's",
     )
     s.add_argument(
         "--filter",
@@ -142,12 +160,27 @@ def _build(args: argparse.Namespace) -> int:
         metric=args.metric,
         nprobe=args.nprobe,
         progress=True,
+        passage_header=args.passage_header,
     )
-    if args.no_bm25 and args.default_mode != "dense":
+    if args.no_bm25 and args.default_mode in ("bm25", "hybrid"):
         print("error: --default-mode bm25/hybrid needs the BM25 index", file=sys.stderr)
+        return 2
+    if args.default_mode == "ensemble" and not args.ensemble:
+        print("error: --default-mode ensemble needs --ensemble", file=sys.stderr)
         return 2
     if not args.no_bm25:
         index.bm25()
+    if args.ensemble:
+        from ragserve.retrieval.ensemble import EnsembleConfig
+
+        print(f"embedding {index.num_documents} passages with {args.ensemble} (ensemble)")
+        try:
+            index.enable_ensemble(
+                EnsembleConfig(args.ensemble, bm25_weight=0.0 if args.no_bm25 else 0.2)
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     index.metadata["default_mode"] = args.default_mode
     index.metadata["collapse_sections"] = args.collapse_sections
     index.save(out)
