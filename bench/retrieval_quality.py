@@ -316,6 +316,7 @@ class Methods:
     headers: tuple[str, ...] = ("path",)
     collapses: tuple[bool, ...] = (True, False)
     old_nprobe: bool = True
+    latency_queries: int = 0  # > 0: time each mode at batch 1 on this many questions
 
 
 def run_setting(name: str, docs, questions, embedder, rows: list, *, cache=None, old_nprobe=True,
@@ -365,7 +366,34 @@ def run_setting(name: str, docs, questions, embedder, rows: list, *, cache=None,
                         t["recall@5"], t["recall@10"], t["mrr@10"], t["num_questions"],
                         result["ms_per_query"],
                     )  # fmt: skip
+        if methods.latency_queries:
+            ms = latency(index, questions, methods, side is not None)
+            rows.append({"corpus_setting": label, "mode": "latency", **base,
+                         "latency_ms_median_batch1": ms})  # fmt: skip
         index.close()
+
+
+def latency(index: VectorIndex, questions, methods: Methods, has_side: bool, rounds: int = 3):
+    """Median ms per query at batch 1 (collapse on) for each mode (the first ensemble
+    setting), modes interleaved query by query over `rounds` passes of the first
+    `methods.latency_queries` questions, so that load changes hit every mode alike."""
+    runs = {}
+    for mode, config in _mode_runs(methods, has_side):
+        if mode not in runs:
+            runs[mode] = config
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    texts = [q.text for q in questions[: methods.latency_queries]]
+    for _ in range(rounds):
+        for text in texts:
+            for mode, config in runs.items():
+                if config is not None:
+                    index.metadata["ensemble"] = config.to_dict()
+                t0 = time.perf_counter()
+                index.search_text([text], K, mode=mode)
+                times[mode].append(1000 * (time.perf_counter() - t0))
+    out = {m: round(float(np.median(v)), 2) for m, v in times.items()}
+    logging.info("latency (median ms/query, batch 1, %d x %d): %s", rounds, len(texts), out)
+    return out
 
 
 def _mode_runs(methods: Methods, has_side: bool):
@@ -381,7 +409,7 @@ def _mode_runs(methods: Methods, has_side: bool):
 def table(path: Path, split: str = "test", corpora: str | None = None) -> str:
     """The results file as a Markdown table (`split`; tune R@5 alongside), optionally only the
     rows of `corpora` (comma-separated names)."""
-    rows = json.loads(path.read_text())["rows"]
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["mode"] != "latency"]
     timed = all("ms_per_query" in r for r in rows)
     if corpora:
         rows = [r for r in rows if r["corpus_setting"].split(" ")[0] in corpora.split(",")]
@@ -433,6 +461,7 @@ def main() -> None:
     p.add_argument("--headers", default="path", help="passage headers to compare: path,none")
     p.add_argument("--collapse", default="on,off", help="collapsing settings: on,off")
     p.add_argument("--no-old-nprobe", action="store_true", help="skip the nlist/4 rows")
+    p.add_argument("--latency", type=int, default=0, help="time modes at batch 1 on N questions")
     args = p.parse_args()
     if args.table:
         print(table(args.out, args.split, args.corpora if "--corpora" in sys.argv else None))
@@ -458,6 +487,7 @@ def main() -> None:
         headers=tuple(args.headers.split(",")),
         collapses=tuple({"on": True, "off": False}[c] for c in args.collapse.split(",")),
         old_nprobe=not args.no_old_nprobe,
+        latency_queries=args.latency,
     )
     for name in args.embedders.split(","):
         run_embedder(args, load_embedder(name), rows, save)
