@@ -101,14 +101,19 @@ def search_text(
     allowed = index.allowed_row_ids(flt) if flt is not None else None
     texts = list(texts)
     vectors = None if mode == "bm25" else index.embedder.encode(texts, is_query=True)
+    # NOTE: the ensemble's queries are embedded once here, not again per deeper collapse pass
+    side = index.side_dense().encode(texts, is_query=True) if mode == "ensemble" else None
     if not collapse_sections:
-        return _ranked(index, texts, vectors, topk, nprobe, mode, allowed)
+        return _ranked(index, texts, vectors, topk, nprobe, mode, allowed, side)
     out: list[list[ScoredDocument]] = [[] for _ in texts]
     limit = max(topk, index.num_documents)
     todo, depth = list(range(len(texts))), topk
     while todo:
         part = None if vectors is None else vectors[todo]
-        ranked = _ranked(index, [texts[i] for i in todo], part, depth, nprobe, mode, allowed)
+        part_side = None if side is None else side[todo]
+        ranked = _ranked(
+            index, [texts[i] for i in todo], part, depth, nprobe, mode, allowed, part_side
+        )
         deeper = []
         for i, hits in zip(todo, ranked, strict=True):
             out[i] = collapse_hits(hits, topk)
@@ -126,12 +131,15 @@ def _ranked(
     nprobe: int | None,
     mode: str,
     allowed: np.ndarray | None,
+    side_vectors: np.ndarray | None = None,
 ) -> list[list[ScoredDocument]]:
-    """Uncollapsed top `topk` per query (`vectors`: the embedded `texts`, None for bm25)."""
+    """Uncollapsed top `topk` per query (`vectors`: the embedded `texts`, None for bm25;
+    `side_vectors`: the texts under the ensemble's side encoder, mode "ensemble")."""
     if mode == "bm25":
         return index.documents_of(index.bm25().search(texts, topk, allowed))
     if mode == "ensemble":
-        return index.documents_of(_ensemble(index, texts, vectors, topk, nprobe, allowed))
+        found = _ensemble(index, texts, vectors, side_vectors, topk, nprobe, allowed)
+        return index.documents_of(found)
     if mode == "prf":
         first = _dense(index, vectors, PRF_DOCS, nprobe, allowed)
         vectors = rocchio(index, vectors, first.ids, PRF_BETA)
@@ -171,6 +179,7 @@ def _ensemble(
     index: VectorIndex,
     texts: list[str],
     vectors: np.ndarray,
+    side_queries: np.ndarray,
     topk: int,
     nprobe: int | None,
     allowed: np.ndarray | None,
@@ -182,7 +191,6 @@ def _ensemble(
     config = index.ensemble_config
     side = index.side_dense()
     depth = max(topk, config.depth)
-    side_queries = side.encode(texts, is_query=True)
     rankings = [_dense(index, vectors, depth, nprobe, allowed).ids]
     rankings.append(side.search(side_queries, depth, allowed).ids)
     if config.bm25_weight:
