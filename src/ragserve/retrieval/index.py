@@ -235,9 +235,10 @@ class VectorIndex(GpuTierMixin, EnsembleMixin):
         filter: dict[str, Any] | None = None,  # noqa: A002 - the API's name (see filters.py)
         collapse_sections: bool | None = None,
     ) -> list[list[ScoredDocument]]:
-        """Search with query texts, best first: `mode` "dense" (Faiss), "bm25" or "hybrid"
-        (both fused by reciprocal rank fusion; None: `default_mode`), optionally `filter`ed
-        on metadata (`filters.py`), with at most one passage per section when
+        """Search with query texts, best first: `mode` "dense" (Faiss), "bm25", "hybrid"
+        (both fused by reciprocal rank fusion), "ensemble" (two encoders + BM25, z-scored;
+        `ensemble.py`) or "prf" (dense, Rocchio feedback); None: `default_mode`; optionally
+        `filter`ed on metadata (`filters.py`), with at most one passage per section when
         `collapse_sections` (None: the index's `collapse_sections`; `collapse.py`). Dense,
         unfiltered and uncollapsed, this is exactly `search`. See `modes.py`."""
         mode = mode or self.default_mode
