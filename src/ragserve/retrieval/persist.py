@@ -20,7 +20,7 @@ import faiss
 import numpy as np
 
 from ragserve import __version__
-from ragserve.retrieval import bm25
+from ragserve.retrieval import bm25, ensemble
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.storage import (
@@ -64,6 +64,7 @@ def save_index(vi: VectorIndex, directory: Path) -> Path:
         copy.truncate_log(seq)
         copy.close()
         bm25.save_snapshot(vi, tmp, generation=1)
+        ensemble.save_snapshot(vi, tmp, generation=1)
         _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
         if directory.exists():
             directory.rmdir()
@@ -146,6 +147,11 @@ def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | N
     vi.applied_seq = int(manifest["applied_seq"])
     vi.metadata = dict(manifest.get("metadata") or {})
     vi._bm25 = lexical
+    try:
+        vi._side = _load_side(directory, vi.metadata)  # synced with the store on first use
+    except IndexCorruptError:
+        vi.close()
+        raise
     return vi
 
 
@@ -155,6 +161,13 @@ def _load_bm25(store: DocStore, directory: Path, manifest: dict[str, Any]):
         return bm25.load_snapshot(store, directory, metadata, manifest["applied_seq"])
     except ValueError as exc:
         raise IndexCorruptError(directory / metadata[bm25.SNAPSHOT_KEY], str(exc)) from None
+
+
+def _load_side(directory: Path, metadata: dict[str, Any]):
+    try:
+        return ensemble.load_snapshot(directory, metadata)
+    except ValueError as exc:
+        raise IndexCorruptError(directory / metadata[ensemble.SNAPSHOT_KEY], str(exc)) from None
 
 
 def compact_index(vi: VectorIndex) -> None:
@@ -167,10 +180,12 @@ def compact_index(vi: VectorIndex) -> None:
         seq = vi._store.last_seq()
         generation = vi.generation + 1
         bm25.save_snapshot(vi, vi.directory, generation)
+        ensemble.save_snapshot(vi, vi.directory, generation)
         with snapshot_lock(vi.directory, exclusive=True):  # loads see before or after, whole
             manifest = _write_snapshot(vi, vi.directory, data, generation, seq)
             remove_stale_files(vi.directory, manifest)
             bm25.remove_stale(vi.directory, manifest)
+            ensemble.remove_stale(vi.directory, manifest)
             vi._store.truncate_log(seq)
         vi.generation, vi.applied_seq = generation, seq
     logger.info("compacted %s to generation %d (log seq %d)", vi.directory, generation, seq)

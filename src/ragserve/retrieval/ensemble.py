@@ -1,0 +1,299 @@
+"""Embedder ensemble: a second dense encoder beside the index's own, fused with it (and BM25)
+by per-query z-scored similarities, as search mode "ensemble".
+
+```
+pool     = top `depth` of the Faiss index  ∪  top `depth` of the side encoder
+           ∪  top `depth` of BM25 (when bm25_weight > 0)
+score(p) = z_main(p) + weight · z_side(p) + bm25_weight · z_bm25(p)
+           z: (s - mean) / std of that ranker's exact scores over the pool
+```
+
+Every pool member gets all three exact scores (stored vectors for the index's encoder, the side
+matrix, BM25's full score row), so a passage one ranker missed is not treated as a zero. The side
+vectors mirror the document store's live rows: the store is the truth, and `SideDense.sync`
+(run on first use, e.g. after a load) drops rows that are gone and embeds rows it lacks, so a
+crash between a store commit and a side snapshot loses nothing. A snapshot `ensemble-<gen>/`
+is written beside each Faiss snapshot (`persist.py`), so a load embeds only what changed since.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ragserve.retrieval.storage import fsync_dir
+from ragserve.retrieval.types import TopK
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.embedder import Embedder
+
+CONFIG_KEY = "ensemble"  # index metadata: the EnsembleConfig as a dict (set at build)
+SNAPSHOT_KEY = "ensemble_snapshot"  # index metadata: the folder of the side snapshot
+ROW_IDS, VECTORS = "row_ids.npy", "vectors.npy"
+
+
+@dataclass(frozen=True)
+class EnsembleConfig:
+    """The side encoder and the fusion weights (the index's own encoder weighs 1). Defaults
+    measured on the pydocs tune half (BENCHMARKS.md, "Retrieval quality (issue 14)")."""
+
+    embedder: str = "multilingual-e5-small-q4"
+    weight: float = 1.0
+    bm25_weight: float = 0.2
+    depth: int = 50  # hits taken from each ranker into the pool
+
+    def __post_init__(self) -> None:
+        if not self.embedder:
+            raise ValueError("ensemble embedder must be named")
+        if self.weight < 0 or self.bm25_weight < 0:
+            raise ValueError("ensemble weights must be >= 0")
+        if self.depth < 1:
+            raise ValueError(f"ensemble depth must be >= 1, got {self.depth}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EnsembleConfig:
+        return cls(**data)
+
+
+def zscore(scores: np.ndarray) -> np.ndarray:
+    """(s - mean) / std over the last axis; all zeros where the scores do not vary."""
+    s = np.asarray(scores, dtype=np.float64)
+    std = s.std(axis=-1, keepdims=True)
+    return np.where(std > 0, (s - s.mean(axis=-1, keepdims=True)) / np.where(std > 0, std, 1), 0)
+
+
+def fuse(
+    pool: np.ndarray, parts: list[tuple[float, np.ndarray]], topk: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One query: `pool` row ids, `parts` (weight, exact scores over the pool) → the top
+    `topk` (ids, fused scores), best first, ties in pool order."""
+    fused = np.zeros(len(pool))
+    for weight, scores in parts:
+        if weight:
+            fused += weight * zscore(scores)
+    order = np.argsort(-fused, kind="stable")[:topk]
+    return pool[order], fused[order].astype(np.float32)
+
+
+class SideDense:
+    """Unit vectors of the live passages under a second encoder, by row id; exhaustive inner
+    product search. Thread-safe: writers replace the arrays whole under a lock, readers take
+    the current pair."""
+
+    def __init__(self, embedder_name: str, row_ids: np.ndarray, vectors: np.ndarray) -> None:
+        self.embedder_name = embedder_name
+        self._row_ids = np.asarray(row_ids, dtype=np.int64)
+        self._vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        self._embedder: Embedder | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def empty(cls, embedder_name: str, dim: int = 0) -> SideDense:
+        return cls(embedder_name, np.zeros(0, np.int64), np.zeros((0, dim), np.float32))
+
+    @property
+    def embedder(self) -> Embedder:
+        with self._lock:
+            if self._embedder is None:
+                from ragserve.retrieval.embedder import load_embedder
+
+                self._embedder = load_embedder(self.embedder_name)
+            return self._embedder
+
+    def set_embedder(self, embedder: Embedder) -> None:
+        """Use this encoder instance (e.g. one already loaded; tests) instead of loading it."""
+        with self._lock:
+            self._embedder = embedder
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._row_ids)
+
+    def row_ids(self) -> np.ndarray:
+        with self._lock:
+            return np.sort(self._row_ids)
+
+    def encode(self, texts: list[str], *, is_query: bool) -> np.ndarray:
+        return self.embedder.encode(texts, is_query=is_query)
+
+    def apply(self, added: np.ndarray, vectors: np.ndarray, removed) -> None:
+        """Mirror a committed upsert/delete: `added` row ids with their side `vectors`."""
+        added = np.asarray(added, dtype=np.int64)
+        with self._lock:
+            keep = ~np.isin(self._row_ids, np.asarray(list(removed), dtype=np.int64))
+            rows, x = self._row_ids[keep], self._vectors[keep]
+            if len(added):
+                new = np.asarray(vectors, dtype=np.float32).reshape(len(added), -1)
+                x = new if not len(x) else np.concatenate([x, new])
+                rows = np.concatenate([rows, added])
+            self._row_ids, self._vectors = rows, np.ascontiguousarray(x)
+
+    def sync(self, live: np.ndarray, texts_of) -> int:
+        """Match the store's `live` row ids: drop others, embed the missing ones
+        (`texts_of(row_ids)` → their passage texts). Returns how many were embedded."""
+        with self._lock:
+            have = self._row_ids
+        gone = np.setdiff1d(have, live)
+        missing = np.setdiff1d(live, have)
+        vectors = self.encode(texts_of(missing), is_query=False) if len(missing) else None
+        self.apply(missing, vectors, gone)
+        return len(missing)
+
+    def search(self, queries: np.ndarray, topk: int, allowed: np.ndarray | None = None) -> TopK:
+        """Top-`topk` row ids per query by inner product (`-1` pads), among `allowed`."""
+        with self._lock:
+            rows, x = self._row_ids, self._vectors
+        ids = np.full((len(queries), topk), -1, dtype=np.int64)
+        scores = np.zeros((len(queries), topk), dtype=np.float32)
+        if allowed is not None:
+            mask = np.isin(rows, allowed)
+            rows, x = rows[mask], x[mask]
+        if not len(rows):
+            return TopK(ids, scores)
+        s = np.asarray(queries, dtype=np.float32) @ x.T
+        order = np.argsort(-s, axis=1, kind="stable")[:, :topk]
+        ids[:, : order.shape[1]] = rows[order]
+        scores[:, : order.shape[1]] = np.take_along_axis(s, order, axis=1)
+        return TopK(ids, scores)
+
+    def scores_of(self, query: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
+        """Inner products of one query with the passages `row_ids` (each must be present)."""
+        with self._lock:
+            rows, x = self._row_ids, self._vectors
+        order = np.argsort(rows)
+        pos = order[np.searchsorted(rows, row_ids, sorter=order)]
+        return x[pos] @ np.asarray(query, dtype=np.float32)
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def save(self, directory: Path, name: str) -> None:
+        """Write `directory/name/` atomically (tmp folder, fsync'd files, rename, fsync)."""
+        with self._lock:
+            rows, x = self._row_ids, self._vectors
+        tmp = directory / f"{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        np.save(tmp / ROW_IDS, rows)
+        np.save(tmp / VECTORS, x)
+        for path in tmp.iterdir():
+            fsync_dir(path)
+        fsync_dir(tmp)
+        final = directory / name
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        fsync_dir(directory)
+
+    @classmethod
+    def load(cls, path: Path, embedder_name: str) -> SideDense:
+        """Read a snapshot; raises `ValueError` naming the folder if it is unreadable."""
+        try:
+            rows, x = np.load(path / ROW_IDS), np.load(path / VECTORS)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"unreadable ensemble snapshot {path}: {exc}") from None
+        if x.ndim != 2 or len(x) != len(rows):
+            raise ValueError(f"unreadable ensemble snapshot {path}: {len(rows)} ids, {x.shape}")
+        return cls(embedder_name, rows, x)
+
+
+# -- snapshots beside the Faiss snapshot (called by persist.py) -----------------------------------
+
+
+def save_snapshot(vi, directory: Path, generation: int) -> None:
+    """Before a Faiss snapshot of `generation`: save the side vectors (if the index has them)
+    and name the folder in `vi.metadata`, which goes into the same manifest."""
+    if vi._side is None:
+        vi.metadata.pop(SNAPSHOT_KEY, None)
+        return
+    name = f"ensemble-{generation:06d}"
+    vi._side.save(directory, name)
+    vi.metadata[SNAPSHOT_KEY] = name
+
+
+def remove_stale(directory: Path, manifest: dict) -> None:
+    """Delete side snapshot folders (and leftovers) the manifest no longer names."""
+    keep = (manifest.get("metadata") or {}).get(SNAPSHOT_KEY)
+    for path in directory.iterdir():
+        if path.name.startswith("ensemble-") and path.name != keep and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_snapshot(directory: Path, metadata: dict) -> SideDense | None:
+    """The manifest's side snapshot (not yet synced with the store), or None."""
+    name = metadata.get(SNAPSHOT_KEY)
+    config = metadata.get(CONFIG_KEY)
+    if not name or not config:
+        return None
+    return SideDense.load(directory / name, EnsembleConfig.from_dict(config).embedder)
+
+
+class EnsembleMixin:
+    """`VectorIndex`'s side of the ensemble: the side index, built on first use (or at
+    `enable_ensemble`), kept in sync by the index's write path."""
+
+    _side: SideDense | None
+    _side_synced: bool
+
+    @property
+    def ensemble_config(self) -> EnsembleConfig | None:
+        """The ensemble recorded at build (`enable_ensemble`), or None."""
+        data = self.metadata.get(CONFIG_KEY)
+        return EnsembleConfig.from_dict(data) if data else None
+
+    def enable_ensemble(
+        self, config: EnsembleConfig | None = None, *, embedder: Embedder | None = None
+    ) -> int:
+        """Record `config` (default `EnsembleConfig()`) in the index and embed every passage
+        with its encoder (`embedder`: an instance to use instead of loading it by name).
+        Returns how many passages were embedded. Persisted at the next save/compaction."""
+        config = config or EnsembleConfig()
+        with self._write_mutex:
+            current = self.ensemble_config
+            if current is not None and current.embedder != config.embedder:
+                raise ValueError(
+                    f"index already has ensemble embedder {current.embedder!r}; "
+                    "rebuild to change it"
+                )
+            self.metadata[CONFIG_KEY] = config.to_dict()
+        return self._sync_side(embedder)
+
+    def side_dense(self, embedder: Embedder | None = None) -> SideDense:
+        """The side index, synced with the store (embeds what it lacks on first use)."""
+        if self.ensemble_config is None:
+            raise ValueError(
+                "mode 'ensemble' needs an index built with an ensemble "
+                "(`index build --ensemble`, `VectorIndex.enable_ensemble`)"
+            )
+        if self._side is None or not self._side_synced or embedder is not None:
+            self._sync_side(embedder)
+        return self._side
+
+    def _sync_side(self, embedder: Embedder | None) -> int:
+        with self._write_mutex:
+            name = self.ensemble_config.embedder
+            if self._side is None:
+                self._side = SideDense.empty(name)
+            if embedder is not None:
+                self._side.set_embedder(embedder)
+            if self._side_synced:
+                return 0
+            live = self._store.row_ids_where("1")
+            num = self._side.sync(
+                live, lambda rows: [self.embed_text(d) for d in self._store.get(rows.tolist())]
+            )
+            self._side_synced = True
+            return num
+
+    def _side_upsert_vectors(self, docs) -> np.ndarray | None:
+        """Side vectors of `docs` about to be upserted (None: no synced side index)."""
+        if self._side is None or not self._side_synced:
+            return None
+        return self._side.encode([self.embed_text(d) for d in docs], is_query=False)
