@@ -167,6 +167,7 @@ def run_concurrent(args) -> None:
             for i in range(args.rounds + 1):  # the first round of each side warms it up
                 if deadline is not None and time.monotonic() > deadline:
                     result["stopped"] = f"time budget spent before round {i}"
+                    _write(args.out, result, started)
                     break
                 for side in ("before", "after") if i % 2 == 0 else ("after", "before"):
                     row = _command(sides[side], "round")
@@ -185,18 +186,20 @@ def run_concurrent(args) -> None:
 
 def ask_pairs(args, sides: dict, result: dict, deadline: float | None) -> None:
     """``--num`` + 1 oneshot questions one at a time, the sides taking turns question by
-    question (the order alternating; the first question is a warm-up), at most 40 % of the
-    time budget left; then each side reads its workers' traces and the answers must agree."""
-    start = time.monotonic()
-    stop = None if deadline is None else start + 0.4 * (deadline - start)
-    asked = 0
+    question (the order alternating; the first question, a warm-up, returns once both
+    servers are up), then at most 40 % of the time budget left; then each side reads its
+    workers' traces and the answers must agree."""
+    start, stop, asked = time.monotonic(), None, 0
     for i in range(args.num + 1):
         if stop is not None and time.monotonic() > stop:
             result["sequential_stopped"] = f"time budget: {asked} of {args.num + 1} asked"
+            _write(args.out, result, None)
             break
         e2e = {s: _command(sides[s], f"ask {i}")["e2e"]
                for s in (("before", "after") if i % 2 == 0 else ("after", "before"))}  # fmt: skip
         logger.info("question %d: e2e s %s", i, e2e)
+        if i == 0 and deadline is not None:
+            stop = time.monotonic() + 0.4 * (deadline - time.monotonic())
         asked = i + 1
         result["sequential_asked"] = asked
         _write(args.out, result, None)
