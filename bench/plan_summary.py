@@ -20,7 +20,8 @@ def overhead(d: Path) -> str:
             f"orchestration share after {100 * s['after']['orchestration_share']:.2f} % "
             f"+- {100 * (s['after']['orchestration_share_se'] or 0):.2f} (target <= 2 %), "
             f"before {100 * s['before']['orchestration_share']:.2f} % "
-            f"({s['after']['num_questions']} questions a side)"
+            f"({s['after']['num_questions']} questions a side, answers agree "
+            f"{doc.get('answers_agreement', 1.0):.2f})"
         )
     else:
         parts.append(f"no sequential result ({doc.get('sequential_asked', 0)} asked)")

@@ -28,10 +28,11 @@ def test_overhead_line_has_both_targets(summary, tmp_path) -> None:
     doc = {"sides": {"before": {**side, "orchestration_share": 0.03}, "after": side},
            "median_ms_per_node": {"before": 0.8, "after": 0.3}, "after_over_before": 0.375,
            "paired_ratios": [0.3, 0.4, 0.6], "rounds_at_most_half": 2,
-           "sign_test_p": 0.5}  # fmt: skip
+           "sign_test_p": 0.5, "answers_agreement": 0.95}  # fmt: skip
     (tmp_path / "overhead_compact.json").write_text(json.dumps(doc))
     line = summary.overhead(tmp_path)
     assert "after 1.23 % +- 0.11" in line and "before 3.00 %" in line
+    assert "answers agree 0.95" in line
     assert "after/before 0.38" in line and "2 of 3 rounds" in line
 
 
