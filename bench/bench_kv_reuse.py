@@ -30,7 +30,10 @@ Per configuration (``CONFIGS``), a fresh engine, one after the other in one proc
    [0.6 c, 1.5 c] around the warm replay's all-at-once throughput c, at most
    ``--max-probes`` probes (if 0.6 c is not sustained, once more below it). TTFT (mean /
    p90 over the window's requests): one probe at the **common rate**, ``--rate`` or
-   ``--load`` x no_reuse's capacity, the same for every configuration.
+   ``--load`` x no_reuse's capacity, the same for every configuration. With
+   ``--capacity-configs`` only the named configurations search their capacity (the first
+   configuration always does: it sets the common rate); the others run the TTFT probe only
+   (``throughput_rps`` None), which keeps a device run short.
 
 Without ``--window-s`` (the small CPU presets) only the replays run, and the cold replay's
 TTFT (queueing included) and all-at-once throughput are reported.
@@ -380,6 +383,28 @@ def sustained_capacity(engine, corpus, a, params, estimate: float, deadline) -> 
         lo, hi = lo / 2.5, lo
 
 
+def sustained_passes(name, engine, corpus, a, params, warm, deadline, state) -> dict:
+    """The capacity search (configurations in ``--capacity-configs``, and any that runs
+    before a common rate is known) and the TTFT probe at the common rate."""
+    row: dict = {"throughput_rps": None, "throughput_method": "not searched (--capacity-configs)"}
+    if name in a.capacity_configs or state.get("rate") is None:
+        cap = sustained_capacity(engine, corpus, a, params, warm["requests_per_s"], deadline)
+        if state.get("rate") is None:  # not even the lowest probe sustained: its rate
+            state["rate"] = a.rate or a.load * (cap["rate"] or cap["points"][-1]["rate"])
+        row = {
+            "throughput_rps": cap["rate"],
+            "throughput_method": f"sustained ({cap['bound']})",
+            "capacity": cap,
+        }
+    paced = probe(engine, corpus, a, params, state["rate"], deadline)
+    return row | {
+        "mean_ttft_s": paced["mean_ttft_s"],
+        "p90_ttft_s": paced["p90_ttft_s"],
+        "rate_rps": state["rate"],
+        "paced": paced,
+    }
+
+
 def engine_kwargs(a: argparse.Namespace, config: dict, per_token: int) -> dict:
     """``LLMEngine`` keyword arguments of one configuration (``CONFIGS[name]``)."""
     kw = dict(config)
@@ -479,19 +504,10 @@ def run_config(name: str, model: str, a, workload, corpus, params, deadline, sta
             "identical_to": base_name,
         }
         if a.window_s > 0:
-            cap = sustained_capacity(engine, corpus, a, params, warm["requests_per_s"], deadline)
-            if state.get("rate") is None:  # not even the lowest probe sustained: its rate
-                state["rate"] = a.rate or a.load * (cap["rate"] or cap["points"][-1]["rate"])
-            paced = probe(engine, corpus, a, params, state["rate"], deadline)
-            row |= {
-                "mean_ttft_s": paced["mean_ttft_s"],
-                "p90_ttft_s": paced["p90_ttft_s"],
-                "rate_rps": state["rate"],
-                "paced": paced,
-                "throughput_rps": cap["rate"],
-                "throughput_method": f"sustained ({cap['bound']})",
-                "capacity": cap,
-            }
+            try:
+                row |= sustained_passes(name, engine, corpus, a, params, warm, deadline, state)
+            except PassTimeout as exc:  # NOTE: the replays' figures are kept
+                row["error"] = f"PassTimeout: {exc}"
         row["stats"] = engine.stats()
         return row
     finally:
@@ -525,6 +541,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smollm2")
     p.add_argument("--configs", default=None, help="comma-separated subset (default: all but "
                    "tree_host_pgdsf_sync_out)")  # fmt: skip
+    p.add_argument("--capacity-configs", default=None, help="comma-separated: the configurations "
+                   "whose sustained capacity is searched (default: all; the others get the "
+                   "common-rate TTFT probe only)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     for key, value in {**PRESETS["cpu-smollm2"], **DEFAULTS}.items():
@@ -537,6 +556,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [c for c in a.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    a.capacity_configs = (a.capacity_configs or a.configs).split(",")
+    unknown = [c for c in a.capacity_configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--capacity-configs: unknown {unknown}; choose from {list(CONFIGS)}")
     if a.topics < 0 or a.topk > a.docs or a.num_requests < 1:
         p.error("need --topics >= 0, --topk <= --docs and --num-requests >= 1")
     if a.window_s > 0 and not (a.slo > 0 and (a.rate > 0 or a.load > 0)):

@@ -10,15 +10,27 @@
 #                                         CPU twin's workload (cpu-tiny-tiers, replays only) on
 #                                         the GPU in float32 and in bfloat16, every configuration:
 #                                         how far tokens agree with no_reuse in each dtype
+#   bash bench/h200_kv_tiers_run.sh compact  one GPU, <= LIMIT s (290): no tests (they passed on
+#                                         the H200 on 2026-12-01 02:43, unchanged since); the
+#                                         target configurations (no_reuse, block_cache,
+#                                         tree_host_pgdsf_aware) with their capacity searched,
+#                                         then the ablations with the common-rate TTFT probe only
+#                                         (tree_gpu_pgdsf, tree_host_pgdsf, tree_host_lru,
+#                                         tree_gpu_lru), as far as the budget goes
 # Writes $OUT/kv_tiers*.json (rewritten after every configuration), unbuffered logs beside them.
 # Needs torch and numpy only (no faiss, no model packages: random weights).
+# Env (compact): PRESET (default h200-llama8b-tiers; cpu-tiny for the CPU twin), EXTRA (flags).
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kv_tiers_out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia_smi.txt"
-timeout 60 python3 -m pytest -q -m gpu tests/generation/test_kv_swap.py > "$OUT/gpu_tests.log" 2>&1
-tail -3 "$OUT/gpu_tests.log"
+command -v nvidia-smi >/dev/null &&
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia_smi.txt"
+if [ "${1:-one}" != compact ]; then
+    timeout 60 python3 -m pytest -q -m gpu tests/generation/test_kv_swap.py \
+        > "$OUT/gpu_tests.log" 2>&1
+    tail -3 "$OUT/gpu_tests.log"
+fi
 bench() {  # bench GPU NAME CONFIGS
     CUDA_VISIBLE_DEVICES=$1 timeout 470 python3 -u bench/bench_kv_reuse.py \
         --preset h200-llama8b-tiers --time-budget 440 --configs "$3" \
@@ -40,6 +52,17 @@ exact)
             > "$OUT/kv_tiers_exact_$dtype.log" 2>&1
     done
     ;;
-*) echo "usage: $0 [one|two|exact]" >&2; exit 2 ;;
+compact)
+    LIMIT=${LIMIT:-290}
+    # the budget: no configuration starts, and no pass runs, past LIMIT - 40 s (an engine's
+    # build and teardown fit in the rest)
+    # shellcheck disable=SC2086 # EXTRA is a flag list
+    timeout "$LIMIT" python3 -u bench/bench_kv_reuse.py --preset "${PRESET:-h200-llama8b-tiers}" \
+        --time-budget $((LIMIT - 40)) --capacity-configs no_reuse,block_cache,tree_host_pgdsf_aware \
+        --configs no_reuse,block_cache,tree_host_pgdsf_aware,tree_gpu_pgdsf,tree_host_pgdsf,tree_host_lru,tree_gpu_lru \
+        ${EXTRA:-} --out "$OUT/kv_tiers_compact.json" > "$OUT/kv_tiers_compact.log" 2>&1
+    echo "compact exit $? (124: stopped by the time limit; the JSON holds every finished configuration)"
+    ;;
+*) echo "usage: $0 [one|two|exact|compact]" >&2; exit 2 ;;
 esac
 grep -E "bench_kv_reuse (no_reuse|block_cache|tree_)[a-z_]*: \{" "$OUT"/kv_tiers*.log | cut -c1-600

@@ -1,25 +1,57 @@
 #!/usr/bin/env bash
-# Issue 16's overhead targets on one H200, in one device call (< 9 minutes; see BENCHMARKS.md
-# "Orchestration overhead (issue 16)"): bench/overhead.py before (bc6b31c) vs after,
-#   1. sequential oneshot questions: orchestration share of end-to-end, ms per node;
-#   2. rounds of concurrent IRG requests: scheduler work per node, both servers up at once.
+# Issue 16's overhead targets on one H200 (see BENCHMARKS.md "Orchestration overhead
+# (issue 16)"): bench/overhead.py before (bc6b31c) vs after.
+#   bash bench/h200_overhead.sh           two phases, < 9 minutes: 1. sequential oneshot
+#                                         questions (orchestration share of end-to-end, ms per
+#                                         node), one side after the other; 2. rounds of
+#                                         concurrent IRG requests (scheduler work per node), both
+#                                         servers up at once
+#   bash bench/h200_overhead.sh compact   both on one server start per side, <= LIMIT s (255):
+#                                         both servers up at once, 20 paired sequential questions
+#                                         (sides alternating question by question; at most 40 %
+#                                         of the budget), then 7 rounds; the JSON rewritten after
+#                                         every question pair and round
 # Needs, carried: .whl/ (faiss-cpu wheel), .gpurun/data/model (written here by
 # `python bench/rag_bench.py --preset h200 --model-only --out .gpurun`) and .bench_before/src
 # (`mkdir -p .bench_before && git archive bc6b31c src | tar -x -C .bench_before`).
+# Env: PRESET (default h200; cpu for the CPU twin), LIMIT (compact: seconds, default 255).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-14}
 OUT=${OUT:-/tmp/out}
-DATA=/root/ov/data
-mkdir -p "$OUT" "$DATA" && cp -r .gpurun/data/model "$DATA/"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv; nproc
-timeout 320 python3 bench/overhead.py --preset h200 --data "$DATA" --before-src .bench_before/src \
-    --num 24 --out "$OUT/overhead_h200.json" > "$OUT/overhead_h200.log" 2>&1
-echo "sequential exit $?"
-grep "overhead: side\|^| \|^preset\|Error" "$OUT/overhead_h200.log" | tail -12
-timeout 190 python3 bench/overhead.py --preset h200 --data "$DATA" --before-src .bench_before/src \
-    --concurrent 32 --rounds 5 --workflow irg --kv-cache-gib 24 \
-    --out "$OUT/overhead_h200_concurrent.json" > "$OUT/overhead_h200_concurrent.log" 2>&1
-echo "concurrent exit $?"
-grep "overhead: round\|scheduler work per node\|Error\|error" "$OUT/overhead_h200_concurrent.log" | tail -14
+PRESET=${PRESET:-h200}
+DATA=${DATA:-/root/ov/data}
+mkdir -p "$OUT" "$DATA"
+if [ "$PRESET" = h200 ]; then
+    cp -r .gpurun/data/model "$DATA/" || exit 1  # the 8B config and SmolLM2's tokenizer
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+nproc
+OV=(python3 bench/overhead.py --preset "$PRESET" --data "$DATA" --before-src .bench_before/src)
+case ${1:-full} in
+full)
+    timeout 320 "${OV[@]}" --num 24 --out "$OUT/overhead_h200.json" > "$OUT/overhead_h200.log" 2>&1
+    echo "sequential exit $?"
+    grep "overhead: side\|^| \|^preset\|Error" "$OUT/overhead_h200.log" | tail -12
+    timeout 190 "${OV[@]}" --concurrent 32 --rounds 5 --workflow irg --kv-cache-gib 24 \
+        --out "$OUT/overhead_h200_concurrent.json" > "$OUT/overhead_h200_concurrent.log" 2>&1
+    echo "concurrent exit $?"
+    grep "overhead: round\|scheduler work per node\|Error\|error" \
+        "$OUT/overhead_h200_concurrent.log" | tail -14
+    ;;
+compact)
+    LIMIT=${LIMIT:-255}
+    # the budget leaves 20 s for the last round and the servers' shutdown
+    timeout "$LIMIT" "${OV[@]}" --num "${NUM:-20}" --concurrent "${CONCURRENT:-32}" \
+        --rounds "${ROUNDS:-7}" --workflow irg --kv-cache-gib "${KV_GIB:-24}" \
+        --time-budget $((LIMIT - 20)) --out "$OUT/overhead_compact.json" \
+        > "$OUT/overhead_compact.log" 2>&1
+    echo "compact exit $? (124: stopped by the time limit; the JSON holds every finished point)"
+    grep "^| \|^preset\|s\.e\.\|scheduler work per node\|Error" "$OUT/overhead_compact.log" \
+        | tail -8
+    ;;
+*) echo "usage: $0 [full|compact]" >&2; exit 2 ;;
+esac

@@ -16,6 +16,11 @@ system-wide monotonic clock; a request's model time is the part of its life they
 
     python bench/overhead.py --preset cpu --out /tmp/overhead_cpu.json
     python bench/overhead.py --preset h200 --out $OUT/overhead_h200.json   # ~3 min on one H200
+
+``--concurrent N --num M`` does both on one server start per side (the compact device run):
+both sides' servers up at once, first M + 1 oneshot questions one at a time with the sides
+taking turns question by question, then the ``--rounds``; ``--time-budget`` stops asking and
+the rounds early, and the JSON is rewritten after every question pair and every round.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -37,6 +43,7 @@ from rag_setup import CPU_SMALL_MODEL, H200_ENGINE, LLAMA_31_8B, PRESETS, prepar
 
 logger = logging.getLogger("overhead")
 TRACE_ENV = "RAGSERVE_OVERHEAD_TRACE"
+TRACE_FLUSH_S = 0.5  # a worker appends its new model-work intervals this often
 REPO = Path(__file__).resolve().parent.parent
 BEFORE = "bc6b31c"
 
@@ -93,6 +100,12 @@ def main() -> None:
         default=None,
         help="the engine's KV cache (preset's by default; --concurrent runs two)",
     )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="--concurrent: no question (first 40 %%) or round started past this many seconds",
+    )
     ap.add_argument("--side", help=argparse.SUPPRESS)  # child mode: "before" | "after"
     args = ap.parse_args()  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -134,47 +147,123 @@ def run_all(args) -> None:
 def run_concurrent(args) -> None:
     """Scheduler work per node, before vs after, side by side: both sides' servers stay up
     (each in its own process) and take turns, ``--rounds`` rounds of ``--concurrent``
-    requests each, the order alternating every round; the medians of the rounds compared."""
+    requests each, the order alternating every round; the medians of the rounds compared.
+    With ``--num``, first the sequential oneshot questions on the same servers
+    (``ask_pairs``)."""
     p = OVERHEAD_PRESETS[args.preset]
+    started = time.monotonic()
+    deadline = started + args.time_budget if args.time_budget else None
+    result = {"preset": args.preset, "concurrent": args.concurrent, "workflow": args.workflow,
+              "before": args.before, "rounds": {"before": [], "after": []}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data or Path(tmp) / "data"
         before = args.before_src or _export(args.before, Path(tmp) / "before")
         prepare(p, "synthetic", data)
         sides = {s: _server_child(args, s, src, data)
                  for s, src in (("before", before), ("after", REPO / "src"))}  # fmt: skip
-        rounds: dict[str, list] = {"before": [], "after": []}
         try:
+            if args.num:
+                ask_pairs(args, sides, result, deadline)
             for i in range(args.rounds + 1):  # the first round of each side warms it up
+                if deadline is not None and time.monotonic() > deadline:
+                    result["stopped"] = f"time budget spent before round {i}"
+                    _write(args.out, result, started)
+                    break
                 for side in ("before", "after") if i % 2 == 0 else ("after", "before"):
-                    proc = sides[side]
-                    proc.stdin.write("round\n")
-                    proc.stdin.flush()
-                    row = json.loads(proc.stdout.readline())
+                    row = _command(sides[side], "round")
                     logger.info("round %d %s: %s", i, side, row)
                     if i > 0:
-                        rounds[side].append(row)
+                        result["rounds"][side].append(row)
+                if i > 0:
+                    _compare_rounds(result)
+                    _write(args.out, result, started)
         finally:
             for proc in sides.values():
                 proc.stdin.close()
                 proc.wait(timeout=120)
-    result = {"preset": args.preset, "concurrent": args.concurrent, "workflow": args.workflow,
-              "before": args.before, "rounds": rounds,
-              "median_ms_per_node": {s: 1e3 * statistics.median(r["scheduler_s_per_node"]
-                                                                for r in rows)
-                                     for s, rows in rounds.items()}}  # fmt: skip
-    med = result["median_ms_per_node"]
+    _write(args.out, result, started)
+
+
+def ask_pairs(args, sides: dict, result: dict, deadline: float | None) -> None:
+    """``--num`` + 1 oneshot questions one at a time, the sides taking turns question by
+    question (the order alternating; the first question, a warm-up, returns once both
+    servers are up), then at most 40 % of the time budget left; then each side reads its
+    workers' traces and the answers must agree."""
+    start, stop, asked = time.monotonic(), None, 0
+    for i in range(args.num + 1):
+        if stop is not None and time.monotonic() > stop:
+            result["sequential_stopped"] = f"time budget: {asked} of {args.num + 1} asked"
+            _write(args.out, result, None)
+            break
+        e2e = {s: _command(sides[s], f"ask {i}")["e2e"]
+               for s in (("before", "after") if i % 2 == 0 else ("after", "before"))}  # fmt: skip
+        logger.info("question %d: e2e s %s", i, e2e)
+        if i == 0 and deadline is not None:
+            stop = time.monotonic() + 0.4 * (deadline - time.monotonic())
+        asked = i + 1
+        result["sequential_asked"] = asked
+        _write(args.out, result, None)
+    if asked < 2:
+        return
+    served = {side: _command(proc, "summary") for side, proc in sides.items()}
+    outputs = {side: [r.pop("output") for r in s["served"]] for side, s in served.items()}
+    same = [a == b for a, b in zip(outputs["before"], outputs["after"], strict=True)]
+    # NOTE: recorded, not fatal here (the rounds still run): on a GPU in bf16 a near-tie can
+    # flip a greedy token between two code versions without any orchestration difference
+    result["answers_agreement"] = sum(same) / len(same)
+    if not all(same):
+        logger.warning("the sides answered %d of %d questions differently", len(same) - sum(same),
+                       len(same))  # fmt: skip
+    result["sides"] = {side: summarize(s) for side, s in served.items()}
+    result["num"] = asked - 1
+    result["wall_s"] = time.monotonic() - start
+    print(report(result))
+    _write(args.out, result, None)
+
+
+def _command(proc: subprocess.Popen, line: str) -> dict:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    answer = proc.stdout.readline()
+    if not answer:
+        raise RuntimeError(f"the side's server exited (exit code {proc.poll()}) on {line!r}")
+    return json.loads(answer)
+
+
+def _compare_rounds(result: dict) -> None:
+    """Medians of the rounds and the paired (same round) after / before ratios, with the
+    sign test's one-sided p of "at least this many of n rounds at most half" if the paired
+    ratio's median were 0.5."""
+    rounds = result["rounds"]
+    med = {s: 1e3 * statistics.median(r["scheduler_s_per_node"] for r in rows)
+           for s, rows in rounds.items()}  # fmt: skip
+    paired = [a["scheduler_s_per_node"] / b["scheduler_s_per_node"]
+              for a, b in zip(rounds["after"], rounds["before"], strict=True)]  # fmt: skip
+    n, k = len(paired), sum(r <= 0.5 for r in paired)
+    result["median_ms_per_node"] = med
     result["after_over_before"] = med["after"] / med["before"]
-    print(f"scheduler work per node, median of {args.rounds} rounds of {args.concurrent} "
-          f"concurrent {args.workflow} requests: before {med['before']:.3f} ms, after "
-          f"{med['after']:.3f} ms, after/before {result['after_over_before']:.2f}")  # fmt: skip
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    result["paired_ratios"] = paired
+    result["rounds_at_most_half"] = k
+    result["sign_test_p"] = sum(math.comb(n, j) for j in range(k, n + 1)) / 2**n
+    print(f"scheduler work per node, median of {n} rounds of {result['concurrent']} concurrent "
+          f"{result['workflow']} requests: before {med['before']:.3f} ms, after "
+          f"{med['after']:.3f} ms, after/before {result['after_over_before']:.2f}; paired ratio "
+          f"<= 0.5 in {k} of {n} rounds (sign test p {result['sign_test_p']:.3f})",
+          flush=True)  # fmt: skip
+
+
+def _write(out: Path | None, result: dict, started: float | None) -> None:
+    if started is not None:
+        result["wall_s_total"] = time.monotonic() - started
+    if out:
+        out.write_text(json.dumps(result, indent=1))
 
 
 def _server_child(args, side: str, src: Path, data: Path) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--preset", args.preset, "--side", side, "--data", str(data),
            "--concurrent", str(args.concurrent), "--workflow", args.workflow]  # fmt: skip
     cmd += ["--kv-cache-gib", str(args.kv_cache_gib)] if args.kv_cache_gib else []
+    cmd += ["--num", str(args.num)] if args.num else []  # the child traces its workers
     if args.profile and side == "after":
         cmd += ["--profile", str(args.profile)]
     logger.info("server %s from %s", side, src)
@@ -183,11 +272,14 @@ def _server_child(args, side: str, src: Path, data: Path) -> subprocess.Popen:
 
 
 def serve_side(args) -> None:
-    """A ``--concurrent`` child: one server; each ``round`` line on stdin runs one round and
-    answers one JSON line (scheduler seconds per node, nodes, requests, wall seconds)."""
+    """A ``--concurrent`` child: one server answering lines on stdin, one JSON line each:
+    ``round`` runs one round of ``--concurrent`` requests (scheduler seconds per node, nodes,
+    errors, wall seconds); ``ask I`` (with ``--num``) answers question I alone, traced like
+    ``run_side``; ``summary`` returns what ``run_side`` returns for the questions asked."""
     import cProfile
     from concurrent.futures import ThreadPoolExecutor
 
+    import ragserve
     from ragserve.runtime import Server, ServerConfig
     from ragserve.workflows import builtin
 
@@ -197,14 +289,36 @@ def serve_side(args) -> None:
     make = getattr(builtin, args.workflow)
     kwargs = {"nprobe": data["nprobe"], "max_tokens": p.max_tokens}
     graph = make(topk=p.topk, **kwargs) if args.workflow == "oneshot" else make(**kwargs)
+    single = builtin.oneshot(topk=p.topk, **kwargs)
     questions = data["questions"]
     profiler = cProfile.Profile() if args.profile else None
+    trace = tempfile.TemporaryDirectory()
+    if args.num:
+        os.environ[TRACE_ENV] = trace.name  # NOTE: read by this module in the spawned workers
+    asked: list = []
     with Server(data["model"], data["index"], config=config) as server:
         clock = _timed(server, profiler)
         pool = ThreadPoolExecutor(args.concurrent)
-        for i, _ in enumerate(sys.stdin):
-            batch = [questions[(i * args.concurrent + j) % len(questions)]
+        num_rounds = 0
+        for line in sys.stdin:
+            command, *rest = line.split()
+            if command == "ask":
+                busy0 = _busy(clock)
+                r = server.run(questions[int(rest[0]) % len(questions)], single)
+                if r.error is not None:
+                    raise RuntimeError(f"question {rest[0]} failed: {r.error}")
+                asked.append((r, _busy(clock) - busy0))
+                print(json.dumps({"e2e": r.latency}), flush=True)
+                continue
+            if command == "summary":
+                time.sleep(3 * TRACE_FLUSH_S)  # the workers' last intervals flushed
+                rows = _served([r for r, _ in asked], [b for _, b in asked], trace.name)
+                side = {"src": ragserve.__file__, "served": rows, "data_plane_us": data_plane_us()}
+                print(json.dumps(side), flush=True)
+                continue
+            batch = [questions[(num_rounds * args.concurrent + j) % len(questions)]
                      for j in range(args.concurrent)]  # fmt: skip
+            num_rounds += 1
             busy0, t0 = _busy(clock), time.perf_counter()
             responses = list(pool.map(lambda q: server.run(q, graph), batch))
             busy = _busy(clock) - busy0
@@ -214,6 +328,7 @@ def serve_side(args) -> None:
                    "errors": len(errors), "wall_s": time.perf_counter() - t0}  # fmt: skip
             print(json.dumps(row), flush=True)
         pool.shutdown()
+    trace.cleanup()
     if profiler is not None:
         profiler.dump_stats(str(args.profile))
 
@@ -281,10 +396,17 @@ def run_side(args) -> dict:
                 if r.error is not None:
                     raise RuntimeError(f"{q!r} failed: {r.error}")
                 responses.append(r)
-        intervals = sorted(i for f in Path(trace).glob("*.json") for i in json.loads(f.read_text()))
+        served = _served(responses, busy, trace)
+    return {"src": ragserve.__file__, "served": served, "data_plane_us": data_plane}
+
+
+def _served(responses: list, busy: list[float], trace_dir: str) -> list[dict]:
+    """Per question (the first, a warm-up, dropped): end to end, nodes, scheduler work, the
+    answer and the model time (the part of its life the workers' traced intervals cover)."""
+    intervals = _read_trace(trace_dir)
     if not intervals:
         raise RuntimeError("the workers traced no model work")
-    served = [
+    return [
         {
             "e2e": r.latency,
             "nodes": len(r.node_timings),
@@ -292,9 +414,8 @@ def run_side(args) -> dict:
             "output": r.output,
             "model": _covered(intervals, r.arrival_time, r.finish_time),
         }  # fmt: skip
-        for r, b in zip(responses[1:], busy[1:], strict=True)  # the first is a warm-up
+        for r, b in zip(responses[1:], busy[1:], strict=True)
     ]
-    return {"src": ragserve.__file__, "served": served, "data_plane_us": data_plane}
 
 
 def data_plane_us(repeats: int = 300) -> dict[str, float]:
@@ -417,8 +538,10 @@ def _timed(server, profiler=None) -> dict:
 def _trace_model_work(trace_dir: str) -> None:
     """In a worker process: record ``(start, end)`` (``time.monotonic``, system-wide) of every
     model forward (``ModelRunner.execute_model``), embedding (``encode``) and index scan
-    (``VectorIndex.search``, a staged sub-stage ``StagedSearch.step``); written to
-    ``trace_dir/<pid>.json`` when the worker exits."""
+    (``VectorIndex.search``, a staged sub-stage ``StagedSearch.step``); appended as JSON lines
+    to ``trace_dir/<pid>.jsonl`` every ``TRACE_FLUSH_S`` by a daemon thread and when the
+    worker exits (so a live server's trace can be read, ``_read_trace``)."""
+    import threading
     from multiprocessing import util
 
     from ragserve import retrieval
@@ -449,8 +572,36 @@ def _trace_model_work(trace_dir: str) -> None:
         return embedder
 
     retrieval.load_embedder = load_embedder
-    out = Path(trace_dir) / f"{os.getpid()}.json"
-    util.Finalize(None, lambda: out.write_text(json.dumps(intervals)), exitpriority=100)
+    out = Path(trace_dir) / f"{os.getpid()}.jsonl"
+    lock, written = threading.Lock(), [0]
+
+    def flush() -> None:
+        with lock:  # NOTE: the thread and the exit hook never interleave their lines
+            new = intervals[written[0] :]
+            written[0] += len(new)
+            if new:
+                with out.open("a") as f:
+                    f.write("".join(json.dumps(i) + "\n" for i in new))
+
+    def flusher() -> None:
+        while True:
+            time.sleep(TRACE_FLUSH_S)
+            flush()
+
+    threading.Thread(target=flusher, name="overhead-trace", daemon=True).start()
+    util.Finalize(None, flush, exitpriority=100)
+
+
+def _read_trace(trace_dir: str) -> list[list[float]]:
+    """Every worker's intervals so far, sorted (a line being written is skipped)."""
+    intervals = []
+    for f in Path(trace_dir).glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                intervals.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return sorted(intervals)
 
 
 def summarize(side: dict) -> dict:
@@ -459,6 +610,10 @@ def summarize(side: dict) -> dict:
     nodes = sum(r["nodes"] for r in served)
     orchestration = [r["e2e"] - r["model"] for r in served]
     model = [r["model"] for r in served]
+    n, share = len(served), sum(orchestration) / e2e
+    # the ratio of sums' standard error (delta method over the questions)
+    residuals = [o - share * r["e2e"] for o, r in zip(orchestration, served, strict=True)]
+    se = (sum(d * d for d in residuals) / (n * (n - 1))) ** 0.5 * n / e2e if n > 1 else None
     return {
         "src": side["src"],
         "e2e_s_mean": e2e / len(served),
@@ -468,7 +623,9 @@ def summarize(side: dict) -> dict:
         * statistics.median(orchestration)
         * len(served)
         / nodes,
-        "orchestration_share": sum(orchestration) / e2e,
+        "orchestration_share": share,
+        "orchestration_share_se": se,
+        "num_questions": n,
         "scheduler_ms_per_node": 1e3 * sum(r["scheduler"] for r in served) / nodes,
         "data_plane_us": side["data_plane_us"],
     }
@@ -488,6 +645,11 @@ def report(result: dict) -> str:
             f" | {100 * r['orchestration_share']:.1f} % | {r['scheduler_ms_per_node']:.2f} | "
             f"{r['data_plane_us']['generation']:.0f} / {r['data_plane_us']['retrieval']:.0f} |"
         )
+    for side, r in result["sides"].items():
+        if r.get("orchestration_share_se") is not None:
+            lines.append(f"{side}: orchestration share {100 * r['orchestration_share']:.2f} % "
+                         f"+- {100 * r['orchestration_share_se']:.2f} % (1 s.e., "
+                         f"{r['num_questions']} questions)")  # fmt: skip
     return "\n".join(lines)
 
 

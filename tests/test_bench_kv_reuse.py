@@ -69,6 +69,8 @@ def test_working_set_counts_distinct_blocks(bench) -> None:
 def test_unknown_config_is_refused_before_any_work(bench) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--preset", "cpu-tiny", "--configs", "no_reuse,tree_gpu_lfu"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "cpu-tiny", "--capacity-configs", "no_reuse,lfu"])
 
 
 def test_cpu_twin_runs_every_config(bench, tmp_path) -> None:
@@ -104,6 +106,23 @@ def test_sustained_passes_use_a_common_rate(bench) -> None:
         assert row["paced"]["rate"] == base["rate_rps"]
         assert row["mean_ttft_s"] == row["paced"]["mean_ttft_s"]
         assert row["identical"] is True
+
+
+def test_capacity_searched_only_where_asked(bench) -> None:
+    argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs",
+            "no_reuse,block_cache,tree_gpu_lru", "--capacity-configs", "block_cache",
+            "--window-s", "0.4", "--warmup-s", "0.1", "--drain-s", "0.5", "--slo", "5",
+            "--load", "0.5", "--max-probes", "2"]  # fmt: skip
+    rows = bench.main(argv)["configs"]
+    # no_reuse runs first: it searches anyway, since the common rate comes from it
+    assert [name for name, row in rows.items() if "capacity" in row] == [
+        "no_reuse",
+        "block_cache",
+    ]
+    skipped = rows["tree_gpu_lru"]
+    assert skipped["throughput_rps"] is None and "throughput_ratio_vs_no_reuse" not in skipped
+    assert skipped["paced"]["rate"] == rows["no_reuse"]["rate_rps"]
+    assert skipped["mean_ttft_s"] == skipped["paced"]["mean_ttft_s"]
 
 
 def test_cpu_tiers_twin_host_tier_serves_hits_and_beats_the_block_cache(bench) -> None:
@@ -146,3 +165,16 @@ def test_time_budget_skips_what_would_start_too_late(bench) -> None:
         "no_reuse": {"skipped": "time budget spent"},
         "block_cache": {"skipped": "time budget spent"},
     }
+
+
+def test_a_sustained_pass_cut_by_the_budget_keeps_the_replays(bench, monkeypatch) -> None:
+    def cut(*a, **kw):
+        raise bench.PassTimeout("stopped at the time budget after 0 requests")
+
+    monkeypatch.setattr(bench, "sustained_capacity", cut)
+    argv = ["--preset", "cpu-tiny", "--num-requests", "3", "--configs", "no_reuse",
+            "--window-s", "0.4", "--warmup-s", "0.1", "--drain-s", "0.5", "--slo", "5",
+            "--load", "0.5"]  # fmt: skip
+    row = bench.main(argv)["configs"]["no_reuse"]
+    assert row["error"].startswith("PassTimeout")
+    assert row["prefill_tokens"] > 0 and row["identical"] is True and "stats" in row

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The pending H200 measurements in two device calls (BENCHMARKS.md, "Next device session:
+# the plan"), each <= 9.5 minutes of wall time on one H200; every part runs under its own hard
+# `timeout` (capped at what is left of the call), writes under $OUT/<part>/ (its log:
+# part.log) and gets one summary line at the end (also in $OUT/summary.txt):
+#   bash bench/h200_plan.sh 1   overhead   issue 16 compact (h200_overhead.sh compact, <= 255 s)
+#                               kv_tiers   issue 12 compact (h200_kv_tiers_run.sh compact, the
+#                                          rest of the call, <= 300 s)
+#   bash bench/h200_plan.sh 2   gpu_tests  pytest -m gpu on the test files touched since af503fa
+#                                          that hold GPU tests (<= 150 s)
+#                               overflow_stream  issue 10, cold lists streamed
+#                                          (h200_overflow_stream_run.sh, <= 300 s)
+# Carry: .whl (both calls), .gpurun and .bench_before (call 1).
+# Env: CALL_S (the call's budget, default 565), TWIN=cpu (the CPU twin: the same parts on
+# tiny CPU configurations, to check this script, not to measure).
+set -uo pipefail
+CALL=${1:-}
+: "${OUT:?OUT must name the folder results are written to}"
+CALL_S=${CALL_S:-565}
+START=$SECONDS
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+
+part() {  # part NAME LIMIT COMMAND...: COMMAND with OUT=$OUT/NAME and LIMIT, under timeout
+    local name=$1 limit=$2 left=$((CALL_S - (SECONDS - START)))
+    shift 2
+    ((limit > left)) && limit=$left
+    if ((limit < 30)); then
+        echo "$name: not started (${left} s left of the call)" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    mkdir -p "$OUT/$name"
+    local t0=$SECONDS rc
+    OUT="$OUT/$name" LIMIT=$((limit - 10)) timeout -k 10 "$limit" "$@" \
+        > "$OUT/$name/part.log" 2>&1
+    rc=$?
+    echo "$name: exit $rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/parts.txt"
+}
+
+summary() {
+    for name in "$@"; do
+        python3 bench/plan_summary.py "$name" "$OUT/$name" | tee -a "$OUT/summary.txt"
+    done
+    cat "$OUT/parts.txt" 2>/dev/null
+    echo "call $CALL: $((SECONDS - START)) s"
+}
+
+# the test files touched since af503fa that hold GPU-marked tests (git log --name-only
+# af503fa..HEAD -- tests, filtered by the marker; listed here too: the device copy has no .git)
+GPU_TEST_FILES="tests/retrieval/test_cold_stream.py tests/retrieval/test_gpu_tier.py
+    tests/retrieval/test_tier_scan.py"
+if git rev-parse --verify -q af503fa >/dev/null 2>&1; then
+    # shellcheck disable=SC2046 # one path a word
+    GPU_TEST_FILES=$(grep -l "mark.gpu" $(git log --name-only --format= af503fa..HEAD -- tests |
+        sort -u | while read -r f; do [ -f "$f" ] && echo "$f"; done) /dev/null)
+fi
+
+GPU_TEST_FILES=$(echo $GPU_TEST_FILES)  # one line
+export GPU_TEST_FILES
+run_gpu_tests() {  # the faiss wheel (the retrieval tests import faiss), then the tests
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || return 1
+    fi
+    # shellcheck disable=SC2086 # one path a word
+    PYTHONPATH=/tmp/site:$PWD/src python3 -m pytest -q -p no:cacheprovider -m gpu \
+        $GPU_TEST_FILES > "$OUT/gpu_tests.log" 2>&1
+    local rc=$?
+    tail -3 "$OUT/gpu_tests.log"
+    return $rc
+}
+export -f run_gpu_tests
+
+if [ "${TWIN:-}" = cpu ]; then  # tiny sizes, CPU devices; the same parts and scripts
+    export PRESET_OV=cpu KV_GIB=0 NUM=3 CONCURRENT=4 ROUNDS=2 DATA=${DATA:-/tmp/plan_twin_data}
+    export PRESET_KV=cpu-tiny EXTRA="--num-requests 4 --window-s 0.4 --warmup-s 0.1 \
+--drain-s 0.5 --slo 5 --load 0.5 --max-probes 2"
+    export ARGS="--num-docs 6000 --dim 16 --nlist 32 --topics 128 --nprobe 8 --budget-gb 0.0002 \
+--device cpu --slo-search 0.5 --llm-rate 200"
+fi
+
+case $CALL in
+1)
+    part overhead 255 env PRESET="${PRESET_OV:-h200}" bash bench/h200_overhead.sh compact
+    part kv_tiers 300 env PRESET="${PRESET_KV:-h200-llama8b-tiers}" \
+        bash bench/h200_kv_tiers_run.sh compact
+    summary overhead kv_tiers
+    ;;
+2)
+    part gpu_tests 150 bash -c run_gpu_tests
+    part overflow_stream 300 env GPU_TESTS=0 LIMIT=280 bash bench/h200_overflow_stream_run.sh
+    summary gpu_tests overflow_stream
+    ;;
+*) echo "usage: $0 1|2 (OUT=<folder>)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,64 @@
+"""``bench/overhead.py``'s statistics (fast, no server): the rounds' paired ratios and sign
+test, the orchestration share's standard error, and reading a live worker trace."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def overhead():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import overhead
+    finally:
+        sys.path.remove(str(BENCH))
+    return overhead
+
+
+def _rounds(before, after):
+    return {"before": [{"scheduler_s_per_node": b} for b in before],
+            "after": [{"scheduler_s_per_node": a} for a in after]}  # fmt: skip
+
+
+def test_rounds_paired_and_sign_test(overhead) -> None:
+    result = {"concurrent": 32, "workflow": "irg",
+              "rounds": _rounds([2e-3, 1e-3, 4e-3], [0.5e-3, 0.6e-3, 1e-3])}  # fmt: skip
+    overhead._compare_rounds(result)
+    assert result["paired_ratios"] == pytest.approx([0.25, 0.6, 0.25])
+    assert result["rounds_at_most_half"] == 2
+    assert result["sign_test_p"] == pytest.approx(4 / 8)  # P(X >= 2), X ~ Bin(3, 1/2)
+    assert result["median_ms_per_node"] == pytest.approx({"before": 2.0, "after": 0.6})
+    result["rounds"] = _rounds([1e-3] * 7, [0.4e-3] * 7)
+    overhead._compare_rounds(result)
+    assert result["sign_test_p"] == pytest.approx(1 / 128)
+
+
+def test_share_standard_error(overhead) -> None:
+    side = {"src": "x", "data_plane_us": {}, "served": [
+        {"e2e": e, "model": 0.98 * e, "nodes": 2, "scheduler": 0.0} for e in (1.0, 2.0, 3.0)
+    ]}  # fmt: skip
+    row = overhead.summarize(side)
+    assert row["orchestration_share"] == pytest.approx(0.02)
+    assert row["orchestration_share_se"] == pytest.approx(0.0, abs=1e-12)  # the same share
+    side["served"][0]["model"] = 0.9
+    row = overhead.summarize(side)
+    orch, e2e = [0.1, 0.04, 0.06], [1.0, 2.0, 3.0]
+    share = sum(orch) / sum(e2e)
+    resid = [o - share * e for o, e in zip(orch, e2e, strict=True)]
+    expected = (sum(d * d for d in resid) / 6) ** 0.5 * 3 / sum(e2e)
+    assert row["orchestration_share_se"] == pytest.approx(expected)
+    assert row["num_questions"] == 3
+
+
+def test_live_trace_skips_a_line_being_written(overhead, tmp_path) -> None:
+    (tmp_path / "1.jsonl").write_text(json.dumps([2.0, 3.0]) + "\n[4.0, 5")
+    (tmp_path / "2.jsonl").write_text(json.dumps([0.5, 1.0]) + "\n")
+    assert overhead._read_trace(str(tmp_path)) == [[0.5, 1.0], [2.0, 3.0]]
+    assert overhead._covered(overhead._read_trace(str(tmp_path)), 0.0, 2.5) == 1.0

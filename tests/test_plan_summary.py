@@ -1,0 +1,58 @@
+"""``bench/plan_summary.py``: the device plan's one line per part, from the part's JSON (the
+figures that decide the targets), and a clear line when a part left nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def summary():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import plan_summary
+    finally:
+        sys.path.remove(str(BENCH))
+    return plan_summary
+
+
+def test_overhead_line_has_both_targets(summary, tmp_path) -> None:
+    side = {"orchestration_share": 0.0123, "orchestration_share_se": 0.0011, "num_questions": 20}
+    doc = {"sides": {"before": {**side, "orchestration_share": 0.03}, "after": side},
+           "median_ms_per_node": {"before": 0.8, "after": 0.3}, "after_over_before": 0.375,
+           "paired_ratios": [0.3, 0.4, 0.6], "rounds_at_most_half": 2,
+           "sign_test_p": 0.5, "answers_agreement": 0.95}  # fmt: skip
+    (tmp_path / "overhead_compact.json").write_text(json.dumps(doc))
+    line = summary.overhead(tmp_path)
+    assert "after 1.23 % +- 0.11" in line and "before 3.00 %" in line
+    assert "answers agree 0.95" in line
+    assert "after/before 0.38" in line and "2 of 3 rounds" in line
+
+
+def test_kv_line_has_ratios_and_every_config(summary, tmp_path) -> None:
+    row = {"throughput_rps": 5.0, "mean_ttft_s": 0.5, "prefill_tokens": 100, "agreement": 1.0}
+    best = {**row, "throughput_ratio_vs_no_reuse": 2.5, "ttft_speedup_vs_no_reuse": 4.2}
+    configs = {"no_reuse": row, "tree_host_pgdsf_aware": best,
+               "tree_gpu_lru": {"skipped": "time budget spent"},
+               "tree_host_lru": {**row, "throughput_rps": None,
+                                 "error": "PassTimeout: x"}}  # fmt: skip
+    (tmp_path / "kv_tiers_compact.json").write_text(json.dumps({"configs": configs}))
+    line = summary.kv_tiers(tmp_path)
+    assert "ttft_speedup vs no_reuse 4.20x" in line and "throughput_ratio vs no_reuse 2.50x" in line
+    assert "tree_gpu_lru skipped" in line and "tree_host_lru capacity - req/s" in line
+    assert "(cut)" in line
+
+
+def test_missing_result_is_one_clear_line(tmp_path) -> None:
+    run = subprocess.run([sys.executable, str(BENCH / "plan_summary.py"), "overflow_stream",
+                          str(tmp_path)], capture_output=True, text=True, check=True)  # fmt: skip
+    assert run.stdout.strip() == (
+        f"overflow_stream: no result (overflow_stream.json missing; see {tmp_path}/part.log)"
+    )
