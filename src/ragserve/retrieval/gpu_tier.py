@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig
+from ragserve.retrieval.tier_assign import DeviceAssigner
 from ragserve.retrieval.tier_scan import (
     BUCKET_BOUNDS,
     GroupedPlan,
@@ -93,8 +94,10 @@ class GpuTier:
     Public state: ``clusters`` (resident now, sorted), ``loading`` (in transit), ``num_bytes``
     (device bytes allocated), ``budget_bytes``, ``device``, ``dtype``, ``hit_rate`` (decayed
     share of probes served here), ``streamer`` (the ``cold_stream.ColdStreamer`` that scans
-    non-resident lists here too, or None; ``stream`` config). Mutated by ``begin_load``/
-    ``evict``/``invalidate``/``poll``/``observe``; ``scan`` only reads. Thread-safe.
+    non-resident lists here too, or None; ``stream`` config), ``assigner`` (the
+    ``tier_assign.DeviceAssigner`` that ``index.search`` assigns with, or None: Faiss).
+    Mutated by ``begin_load``/``evict``/``invalidate``/``poll``/``observe``; ``scan`` only
+    reads. Thread-safe.
     """
 
     def __init__(
@@ -156,6 +159,7 @@ class GpuTier:
         self._probes = 0.0
         stream = stream or StreamConfig(mode="off")
         self.streamer: ColdStreamer | None = None
+        self.assigner: DeviceAssigner | None = None
         if stream.enabled(self.device):
             self.streamer = ColdStreamer(
                 dim=dim, nlist=nlist, is_l2=self.is_l2, device=self.device, config=stream

@@ -222,7 +222,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin):
             from ragserve.retrieval.modes import filtered_search
 
             return filtered_search(self, queries, topk, nprobe, self.allowed_row_ids(filter))
-        plan = self.assign(queries, nprobe)
+        plan = self._search_plan(queries, nprobe)
         return self.scan(queries, plan, topk)
 
     def search_text(

@@ -54,6 +54,7 @@ class TierSpec(NamedTuple):
 
 # (queries, cold lists per query) of the stream's calibration: both sides' terms vary
 STREAM_POINTS = ((4, 4), (16, 8), (32, 16), (64, 32))
+ASSIGNS = ("auto", "tier", "faiss")  # where ``search`` assigns queries (``set_gpu_tier``)
 
 
 class GpuTierMixin:
@@ -77,6 +78,8 @@ class GpuTierMixin:
         if tier.streamer is not None and (cpu_ids >= 0).any():
             streamed, cpu_ids = self._stream_cold(tier.streamer, q, cpu_ids, k)
         rows = np.flatnonzero((cpu_ids >= 0).any(1))
+        if pending is not None and streamed is None and not len(rows):
+            return pending.result()  # NOTE: every probe on the tier: nothing to merge
         part = stepwise.empty_topk(len(q), k, self.spec.is_l2)
         try:
             if len(rows):
@@ -89,6 +92,16 @@ class GpuTierMixin:
             if side is not None:
                 part = stepwise.merge(part, side.result(), self.spec.is_l2)
         return part
+
+    def _search_plan(self, queries: np.ndarray, nprobe: int | None) -> ProbePlan:
+        """``search``'s coarse assignment: on the tier's device when it has an assigner."""
+        tier = self._tier
+        assigner = None if tier is None else tier.assigner
+        if assigner is None:
+            return self.assign(queries, nprobe)
+        q = stepwise.check_queries(self._index, queries)
+        nprobe = nprobe or self.spec.nprobe
+        return assigner.assign(q, nprobe, lambda rows: self.assign(q[rows], nprobe))
 
     def _stream_cold(
         self, streamer: ColdStreamer, q: np.ndarray, cold: np.ndarray, k: int
@@ -179,6 +192,7 @@ class GpuTierMixin:
         placement: PlacementConfig | None = None,
         scan: str = "auto",
         stream_cold: str | StreamConfig = "off",
+        assign: str = "auto",
     ) -> GpuTier:
         """Serve IVF lists from a torch ``device`` within ``budget_bytes`` (replaces any tier).
 
@@ -193,13 +207,18 @@ class GpuTierMixin:
         lists from host memory to a CUDA tier and scans them there beside Faiss's CPU scan,
         split per batch by a cost model calibrated on first use (``calibrate_stream``);
         ``"on"`` also on a CPU tier (the twin), ``"off"`` (the default until the H200 run
-        measures it) never. Results are Faiss's either way.
+        measures it) never. Results are Faiss's either way. ``assign``: ``"tier"`` makes
+        ``search`` assign queries to clusters on the tier's device (``tier_assign``: Faiss's
+        probe sets, uncertain rows re-assigned by Faiss), ``"faiss"`` on the CPU quantizer,
+        ``"auto"`` the tier on CUDA, Faiss on CPU.
         """
         from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier
         from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater, plan_placement
 
         check_tier_options(scan, stream_cold)
+        if assign not in ASSIGNS:
+            raise ValueError(f"assign must be one of {ASSIGNS}, got {assign!r}")
         if isinstance(stream_cold, str):
             stream_cold = StreamConfig(mode=stream_cold)
 
@@ -226,6 +245,13 @@ class GpuTierMixin:
         )
         if tier.streamer is not None:
             tier.streamer.list_rows = sizes
+        if assign == "tier" or (assign == "auto" and tier.device.startswith("cuda")):
+            import torch
+
+            from ragserve.retrieval.tier_assign import DeviceAssigner
+
+            centroids = self._index.quantizer.reconstruct_n(0, self.spec.nlist)
+            tier.assigner = DeviceAssigner(torch, centroids, self.spec.is_l2, tier.device)
         counts = self.access_counts.snapshot()
         placement = placement or PlacementConfig()
         if pinned is None:
