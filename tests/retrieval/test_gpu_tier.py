@@ -107,6 +107,20 @@ def test_any_placement_equals_faiss(built, placement: str, assign: str) -> None:
     tier.check_integrity()
 
 
+@pytest.mark.parametrize("gamma", [1e-3, 1e-2, 1e-1, 10.0])
+def test_tier_assignment_with_wide_bands_equals_faiss(built, monkeypatch, gamma: float) -> None:
+    """Widened error bounds put many clusters in the band: the band is scanned apart, rows it
+    could change are searched again with Faiss's assignment, and the ids stay Faiss's."""
+    index, q = built
+    tier = index.set_gpu_tier(BIG, device="cpu", clusters=range(0, NLIST, 2), assign="tier")
+    monkeypatch.setattr(tier.assigner, "_gamma", gamma)
+    for nprobe in (1, NPROBE, NLIST - 1):
+        assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
+    assert tier.assigner.num_band_rows > 0
+    if gamma >= 1e-1:
+        assert tier.assigner.num_fallback_rows > 0
+
+
 def test_hit_rate_counts_resident_probes(built) -> None:
     index, q = built
     tier = index.set_gpu_tier(BIG, device="cpu", clusters=range(NLIST))

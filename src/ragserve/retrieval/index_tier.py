@@ -93,15 +93,24 @@ class GpuTierMixin:
                 part = stepwise.merge(part, side.result(), self.spec.is_l2)
         return part
 
-    def _search_plan(self, queries: np.ndarray, nprobe: int | None) -> ProbePlan:
-        """``search``'s coarse assignment: on the tier's device when it has an assigner."""
+    def _tier_search(self, queries: np.ndarray, topk: int, nprobe: int | None) -> TopK | None:
+        """``search`` with the coarse assignment on the tier's device (``tier_assign``), or
+        None when the tier has no assigner. Rows the assigner cannot settle are searched again
+        with Faiss's assignment."""
         tier = self._tier
         assigner = None if tier is None else tier.assigner
         if assigner is None:
-            return self.assign(queries, nprobe)
+            return None
         q = stepwise.check_queries(self._index, queries)
         nprobe = nprobe or self.spec.nprobe
-        return assigner.assign(q, nprobe, lambda rows: self.assign(q[rows], nprobe))
+        split = assigner.assign(q, nprobe)
+        found = self.scan(q, split.sure, topk)
+        band = self.scan(q[split.band_rows], split.band, topk) if len(split.band_rows) else None
+        redo = assigner.settle(split, found, band)
+        if len(redo):
+            again = self.scan(q[redo], self.assign(q[redo], nprobe), topk)
+            found.ids[redo], found.scores[redo] = again.ids, again.scores
+        return found
 
     def _stream_cold(
         self, streamer: ColdStreamer, q: np.ndarray, cold: np.ndarray, k: int
