@@ -254,7 +254,9 @@ class GpuTierMixin:
         )
         if tier.streamer is not None:
             tier.streamer.list_rows = sizes
-        if assign == "tier" or (assign == "auto" and tier.device.startswith("cuda")):
+        # NOTE: the device scores every centroid, so only an exact (flat) quantizer qualifies
+        is_flat = isinstance(faiss.downcast_index(self._index.quantizer), faiss.IndexFlat)
+        if is_flat and (assign == "tier" or (assign == "auto" and tier.device.startswith("cuda"))):
             import torch
 
             from ragserve.retrieval.tier_assign import DeviceAssigner
