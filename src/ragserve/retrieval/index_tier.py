@@ -60,18 +60,26 @@ ASSIGNS = ("auto", "tier", "faiss")  # where ``search`` assigns queries (``set_g
 class GpuTierMixin:
     """The GPU-tier half of ``VectorIndex`` (see the module doc)."""
 
-    def _hybrid_scan(self, tier: GpuTier, queries: np.ndarray, plan: ProbePlan, k: int) -> TopK:
+    def _hybrid_scan(
+        self,
+        tier: GpuTier,
+        queries: np.ndarray,
+        plan: ProbePlan,
+        k: int,
+        strategy: str | None = None,
+    ) -> TopK:
         """The router: resident probes go to the GPU tier (enqueued first, so all run at once);
         of the rest, the lists the streamer takes are copied to the device and scanned there
         (``cold_stream``), the others go to Faiss on the CPU (only rows that have any); the
-        partial results are merged exactly. Called under the index's shared lock."""
+        partial results are merged exactly. Called under the index's shared lock. ``strategy``:
+        the tier's scan strategy for this call (None: the tier's own)."""
         q = stepwise.check_queries(self._index, queries)
         if k < 1:
             raise ValueError(f"topk must be >= 1, got {k}")
         if plan.cluster_ids.shape[0] != len(q):
             raise ValueError(f"plan has {plan.cluster_ids.shape[0]} rows for {len(q)} queries")
         tier.poll()
-        pending, on = tier.scan(q, plan.cluster_ids, k)
+        pending, on = tier.scan(q, plan.cluster_ids, k, strategy)
         tier.observe(plan.cluster_ids, self.access_counts.decay ** len(q))
         cpu_ids = np.where(on, -1, plan.cluster_ids)
         streamed = None
@@ -105,12 +113,23 @@ class GpuTierMixin:
         nprobe = nprobe or self.spec.nprobe
         split = assigner.assign(q, nprobe)
         found = self.scan(q, split.sure, topk)
-        band = self.scan(q[split.band_rows], split.band, topk) if len(split.band_rows) else None
+        band = (
+            self._band_scan(q[split.band_rows], split.band, topk) if len(split.band_rows) else None
+        )
         redo = assigner.settle(split, found, band)
         if len(redo):
             again = self.scan(q[redo], self.assign(q[redo], nprobe), topk)
             found.ids[redo], found.scores[redo] = again.ids, again.scores
         return found
+
+    def _band_scan(self, q: np.ndarray, band: ProbePlan, k: int) -> TopK:
+        """The band's few lists per row: grouped on the tier (``auto`` would price the batch,
+        and dense reads every resident row whatever the probes)."""
+        with self._rw.read():
+            tier = self._tier
+            if tier is None:
+                return stepwise.scan(self._index, q, band, k)
+            return self._hybrid_scan(tier, q, band, k, strategy="grouped")
 
     def _stream_cold(
         self, streamer: ColdStreamer, q: np.ndarray, cold: np.ndarray, k: int
