@@ -236,9 +236,11 @@ class GpuTierMixin:
         split per batch by a cost model calibrated on first use (``calibrate_stream``);
         ``"on"`` also on a CPU tier (the twin), ``"off"`` (the default until the H200 run
         measures it) never. Results are Faiss's either way. ``assign``: ``"tier"`` makes
-        ``search`` assign queries to clusters on the tier's device (``tier_assign``: Faiss's
-        probe sets, uncertain rows re-assigned by Faiss), ``"faiss"`` on the CPU quantizer,
-        ``"auto"`` the tier on CUDA, Faiss on CPU.
+        ``search`` assign queries to clusters on the tier's device (``tier_assign``: the
+        clusters near the ``nprobe``-th score scanned apart, rows they could change searched
+        again with Faiss's assignment, so the ids are Faiss's; ``access_counts`` then also
+        count those near clusters), ``"faiss"`` on the CPU quantizer, ``"auto"`` the tier on
+        CUDA (flat quantizers), Faiss on CPU.
         """
         from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier
