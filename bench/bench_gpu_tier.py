@@ -6,6 +6,7 @@ to CPU-only Faiss and exhaustive GPU search (the ceiling), on a synthetic Zipf-s
 
     python bench/bench_gpu_tier.py ... --coverage 100 50 --batch 1 32 256 \
         --scan grouped dense auto --check-queries 64     # the scan strategies side by side
+        [--assign faiss tier]   # and index.search's coarse assignment: Faiss (CPU) vs the tier
 
 Every figure is measured in this one process, side by side: the same index, queries and batch
 size. Coverage = share of lists on the GPU, hottest first by the access counts of a warm-up
@@ -156,8 +157,10 @@ def compare_scans(
 ) -> None:
     """The tier's scan strategies side by side (``--scan``): per coverage, nprobe, strategy and
     batch, the tier's part alone (``tier_scan``: probes assigned beforehand, the GPU scan and
-    its result) and, with the whole index resident, ``index.search`` end to end; every
-    strategy's ids checked against CPU-only Faiss on ``--check-queries`` queries."""
+    its result) and, with the whole index resident, ``index.search`` end to end (per
+    ``--assign`` mode: Faiss's CPU quantizer or the tier's ``DeviceAssigner``) and the coarse
+    assignment alone (``assign_stage``); every strategy's ids checked against CPU-only Faiss on
+    ``--check-queries`` queries."""
     check = q[: args.check_queries]
     index.drop_gpu_tier()
     refs = {n: index.search(check, args.topk, n).ids for n in args.nprobe}
@@ -168,9 +171,10 @@ def compare_scans(
             continue
         t0 = time.perf_counter()
         tier = index.set_gpu_tier(
-            1 << 40, device=device, clusters=hot[:num].tolist(), scan="grouped"
+            1 << 40, device=device, clusters=hot[:num].tolist(), scan="grouped", assign="tier"
         )
         load_s = time.perf_counter() - t0
+        assigner = tier.assigner
         t0 = time.perf_counter()
         model = tier.calibrate()
         res.add(
@@ -186,6 +190,7 @@ def compare_scans(
         for nprobe in args.nprobe:
             for scan in args.scan:
                 tier.set_scan(scan)
+                tier.assigner = None
                 exact = exact_share(index.search(check, args.topk, nprobe).ids, refs[nprobe])
 
                 def part(rows: np.ndarray, n=nprobe, tier=tier) -> None:
@@ -206,9 +211,56 @@ def compare_scans(
                     point = dict(nprobe=nprobe, coverage=cov, scan=scan, exact_ids=exact)
                     res.add(system="tier_scan", chosen=chosen, **point, **stats)
                     if cov == 100:
-                        stats = timed(whole, q, batch, args.min_seconds, args.max_batches)
-                        res.add(system="gpu_tier", **point, **stats)
+                        end_to_end(
+                            res, index, tier, assigner, whole, q, check, refs, point, batch, args
+                        )
+        if cov == 100:
+            assign_stages(res, index, assigner, q, args)
     index.drop_gpu_tier()
+
+
+def end_to_end(res, index, tier, assigner, whole, q, check, refs, point, batch, args) -> None:
+    """``index.search`` timed per ``--assign`` mode (interleaved with the tier part above)."""
+    nprobe = point["nprobe"]
+    for mode in args.assign:
+        tier.assigner = assigner if mode == "tier" else None
+        before = (assigner.num_rows, assigner.num_band_rows, assigner.num_fallback_rows)
+        stats = timed(whole, q, batch, args.min_seconds, args.max_batches)
+        counts = dict(
+            zip(
+                ("rows", "band_rows", "fallback_rows"),
+                np.subtract(
+                    (assigner.num_rows, assigner.num_band_rows, assigner.num_fallback_rows),
+                    before,
+                ).tolist(),
+                strict=True,
+            )
+        )
+        found = index.search(check, args.topk, nprobe).ids
+        info = {k: v for k, v in point.items() if k != "exact_ids"}
+        res.add(
+            system="gpu_tier",
+            assign=mode,
+            exact_ids=exact_share(found, refs[nprobe]),
+            assigner_counts=counts,
+            **info,
+            **stats,
+        )
+    tier.assigner = None
+
+
+def assign_stages(res, index, assigner, q, args) -> None:
+    """The coarse assignment alone: Faiss's CPU quantizer (``index.assign``) vs the tier's
+    ``DeviceAssigner`` (its wait for the device included), per nprobe and batch."""
+    for nprobe in args.nprobe:
+        for batch in args.batch:
+            for mode in args.assign:
+                if mode == "tier":
+                    fn = lambda b, n=nprobe: assigner.assign(b, n)  # noqa: E731
+                else:
+                    fn = lambda b, n=nprobe: index.assign(b, n)  # noqa: E731
+                stats = timed(fn, q, batch, args.min_seconds, args.max_batches)
+                res.add(system="assign_stage", assign=mode, nprobe=nprobe, **stats)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["grouped", "dense", "auto"],
         default=None,
         help="compare these tier scan strategies (coverage x nprobe x batch) instead of the sweep",
+    )
+    ap.add_argument(
+        "--assign",
+        nargs="+",
+        choices=["faiss", "tier"],
+        default=["faiss", "tier"],
+        help="with --scan: index.search's coarse assignment modes timed at 100%% coverage",
     )
     ap.add_argument("--check-queries", type=int, default=256, help="ids checked against Faiss")
     ap.add_argument(

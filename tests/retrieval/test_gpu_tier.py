@@ -83,8 +83,9 @@ def built(request):
     index.drop_gpu_tier()
 
 
+@pytest.mark.parametrize("assign", ["faiss", "tier"])
 @pytest.mark.parametrize("placement", ["none", "half", "random", "all"])
-def test_any_placement_equals_faiss(built, placement: str) -> None:
+def test_any_placement_equals_faiss(built, placement: str, assign: str) -> None:
     index, q = built
     rng = np.random.default_rng(3)
     clusters = {
@@ -93,14 +94,31 @@ def test_any_placement_equals_faiss(built, placement: str) -> None:
         "random": rng.choice(NLIST, 11, replace=False).tolist(),
         "all": list(range(NLIST)),
     }[placement]
-    tier = index.set_gpu_tier(BIG, device="cpu", clusters=clusters)
+    tier = index.set_gpu_tier(BIG, device="cpu", clusters=clusters, assign=assign)
+    assert (tier.assigner is not None) == (assign == "tier")
     assert tier.clusters == tuple(sorted(clusters))
     assert index.gpu_tier is tier and tier.device == "cpu"
     assert (tier.num_bytes > 0) == bool(clusters)  # a pinned tier allocates what it needs
     for nprobe in (1, NPROBE, NLIST):
         assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
     assert_same(index.search(q[:1], 3), oracle(index, q[:1], 3))
+    if tier.assigner is not None:
+        assert tier.assigner.num_rows == 3 * len(q) + 1
     tier.check_integrity()
+
+
+@pytest.mark.parametrize("gamma", [1e-3, 1e-2, 1e-1, 10.0])
+def test_tier_assignment_with_wide_bands_equals_faiss(built, monkeypatch, gamma: float) -> None:
+    """Widened error bounds put many clusters in the band: the band is scanned apart, rows it
+    could change are searched again with Faiss's assignment, and the ids stay Faiss's."""
+    index, q = built
+    tier = index.set_gpu_tier(BIG, device="cpu", clusters=range(0, NLIST, 2), assign="tier")
+    monkeypatch.setattr(tier.assigner, "_gamma", gamma)
+    for nprobe in (1, NPROBE, NLIST - 1):
+        assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
+    assert tier.assigner.num_band_rows > 0
+    if gamma >= 1e-1:
+        assert tier.assigner.num_fallback_rows > 0
 
 
 def test_hit_rate_counts_resident_probes(built) -> None:
@@ -290,6 +308,8 @@ def test_bad_input_is_refused(built) -> None:
         index.set_gpu_tier(-1, device="cpu")
     with pytest.raises(ValueError, match="dtype"):
         index.set_gpu_tier(BIG, device="cpu", dtype="int8")
+    with pytest.raises(ValueError, match="assign"):
+        index.set_gpu_tier(BIG, device="cpu", assign="gpu")
     sq8, _ = make_index("ip", kind="ivf_sq8")
     with pytest.raises(ValueError, match="kind"):
         sq8.set_gpu_tier(BIG, device="cpu")
@@ -309,8 +329,10 @@ def tier_bytes(index: VectorIndex, num_lists: int) -> int:
 def test_cuda_tier_equals_faiss(metric: str) -> None:
     index, q = make_index(metric)
     for clusters in ([], range(0, NLIST, 3), range(NLIST)):
-        index.set_gpu_tier(BIG, device="cuda", clusters=clusters)
-        assert_same(index.search(q, K), oracle(index, q))
+        for assign in ("faiss", "tier"):
+            index.set_gpu_tier(BIG, device="cuda", clusters=clusters, assign=assign)
+            assert_same(index.search(q, K), oracle(index, q))
+            assert_same(index.search(q, K, NLIST // 2), oracle(index, q, K, NLIST // 2))
     index.set_gpu_tier(tier_bytes(index, 12), device="cuda", placement=PlacementConfig(1))
     for _ in range(5):
         assert_same(index.search(q, K), oracle(index, q))

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig
+from ragserve.retrieval.tier_assign import DeviceAssigner
 from ragserve.retrieval.tier_scan import (
     BUCKET_BOUNDS,
     GroupedPlan,
@@ -93,8 +94,10 @@ class GpuTier:
     Public state: ``clusters`` (resident now, sorted), ``loading`` (in transit), ``num_bytes``
     (device bytes allocated), ``budget_bytes``, ``device``, ``dtype``, ``hit_rate`` (decayed
     share of probes served here), ``streamer`` (the ``cold_stream.ColdStreamer`` that scans
-    non-resident lists here too, or None; ``stream`` config). Mutated by ``begin_load``/
-    ``evict``/``invalidate``/``poll``/``observe``; ``scan`` only reads. Thread-safe.
+    non-resident lists here too, or None; ``stream`` config), ``assigner`` (the
+    ``tier_assign.DeviceAssigner`` that ``index.search`` assigns with, or None: Faiss).
+    Mutated by ``begin_load``/``evict``/``invalidate``/``poll``/``observe``; ``scan`` only
+    reads. Thread-safe.
     """
 
     def __init__(
@@ -156,6 +159,7 @@ class GpuTier:
         self._probes = 0.0
         stream = stream or StreamConfig(mode="off")
         self.streamer: ColdStreamer | None = None
+        self.assigner: DeviceAssigner | None = None
         if stream.enabled(self.device):
             self.streamer = ColdStreamer(
                 dim=dim, nlist=nlist, is_l2=self.is_l2, device=self.device, config=stream
@@ -414,13 +418,14 @@ class GpuTier:
             return dict(self._scan_counts)
 
     def scan(
-        self, queries: np.ndarray, cluster_ids: np.ndarray, k: int
+        self, queries: np.ndarray, cluster_ids: np.ndarray, k: int, strategy: str | None = None
     ) -> tuple[PendingScan | None, np.ndarray]:
         """Enqueue the scan of every resident list in ``cluster_ids`` (``[n, w]``, ``-1`` pads)
         for ``queries`` (``[n, dim]`` float32). Returns the pending result (``None`` when no
         probe is resident) and the mask of the probes it covers: the caller scans the rest.
         ``scan="auto"`` calibrates its cost model first (outside the lock) if it has none and
-        has not tried yet with lists resident; without a model it scans grouped."""
+        has not tried yet with lists resident; without a model it scans grouped. ``strategy``
+        overrides the tier's strategy for this call."""
         cids = np.asarray(cluster_ids, dtype=np.int64)
         untried = self._model is None and not self._tried_calibration
         if self._scan == "auto" and untried and self.resident_mask(cids).any():
@@ -430,7 +435,8 @@ class GpuTier:
             if not on.any():
                 return None, on
             q = np.ascontiguousarray(queries, np.float32)
-            return self._enqueue(q, np.where(on, cids, self.nlist), int(k), self._scan), on
+            lc = np.where(on, cids, self.nlist)
+            return self._enqueue(q, lc, int(k), strategy or self._scan), on
 
     def features(self, num_queries: int, plan: GroupedPlan) -> ScanFeatures:
         """What each strategy would read for a batch whose grouped shapes are ``plan``."""

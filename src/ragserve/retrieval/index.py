@@ -222,8 +222,10 @@ class VectorIndex(GpuTierMixin, EnsembleMixin):
             from ragserve.retrieval.modes import filtered_search
 
             return filtered_search(self, queries, topk, nprobe, self.allowed_row_ids(filter))
-        plan = self.assign(queries, nprobe)
-        return self.scan(queries, plan, topk)
+        found = self._tier_search(queries, topk, nprobe)
+        if found is not None:
+            return found
+        return self.scan(queries, self.assign(queries, nprobe), topk)
 
     def search_text(
         self,

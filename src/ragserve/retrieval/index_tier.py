@@ -54,29 +54,40 @@ class TierSpec(NamedTuple):
 
 # (queries, cold lists per query) of the stream's calibration: both sides' terms vary
 STREAM_POINTS = ((4, 4), (16, 8), (32, 16), (64, 32))
+ASSIGNS = ("auto", "tier", "faiss")  # where ``search`` assigns queries (``set_gpu_tier``)
 
 
 class GpuTierMixin:
     """The GPU-tier half of ``VectorIndex`` (see the module doc)."""
 
-    def _hybrid_scan(self, tier: GpuTier, queries: np.ndarray, plan: ProbePlan, k: int) -> TopK:
+    def _hybrid_scan(
+        self,
+        tier: GpuTier,
+        queries: np.ndarray,
+        plan: ProbePlan,
+        k: int,
+        strategy: str | None = None,
+    ) -> TopK:
         """The router: resident probes go to the GPU tier (enqueued first, so all run at once);
         of the rest, the lists the streamer takes are copied to the device and scanned there
         (``cold_stream``), the others go to Faiss on the CPU (only rows that have any); the
-        partial results are merged exactly. Called under the index's shared lock."""
+        partial results are merged exactly. Called under the index's shared lock. ``strategy``:
+        the tier's scan strategy for this call (None: the tier's own)."""
         q = stepwise.check_queries(self._index, queries)
         if k < 1:
             raise ValueError(f"topk must be >= 1, got {k}")
         if plan.cluster_ids.shape[0] != len(q):
             raise ValueError(f"plan has {plan.cluster_ids.shape[0]} rows for {len(q)} queries")
         tier.poll()
-        pending, on = tier.scan(q, plan.cluster_ids, k)
+        pending, on = tier.scan(q, plan.cluster_ids, k, strategy)
         tier.observe(plan.cluster_ids, self.access_counts.decay ** len(q))
         cpu_ids = np.where(on, -1, plan.cluster_ids)
         streamed = None
         if tier.streamer is not None and (cpu_ids >= 0).any():
             streamed, cpu_ids = self._stream_cold(tier.streamer, q, cpu_ids, k)
         rows = np.flatnonzero((cpu_ids >= 0).any(1))
+        if pending is not None and streamed is None and not len(rows):
+            return pending.result()  # NOTE: every probe on the tier: nothing to merge
         part = stepwise.empty_topk(len(q), k, self.spec.is_l2)
         try:
             if len(rows):
@@ -89,6 +100,36 @@ class GpuTierMixin:
             if side is not None:
                 part = stepwise.merge(part, side.result(), self.spec.is_l2)
         return part
+
+    def _tier_search(self, queries: np.ndarray, topk: int, nprobe: int | None) -> TopK | None:
+        """``search`` with the coarse assignment on the tier's device (``tier_assign``), or
+        None when the tier has no assigner. Rows the assigner cannot settle are searched again
+        with Faiss's assignment."""
+        tier = self._tier
+        assigner = None if tier is None else tier.assigner
+        if assigner is None:
+            return None
+        q = stepwise.check_queries(self._index, queries)
+        nprobe = nprobe or self.spec.nprobe
+        split = assigner.assign(q, nprobe)
+        found = self.scan(q, split.sure, topk)
+        band = (
+            self._band_scan(q[split.band_rows], split.band, topk) if len(split.band_rows) else None
+        )
+        redo = assigner.settle(split, found, band)
+        if len(redo):
+            again = self.scan(q[redo], self.assign(q[redo], nprobe), topk)
+            found.ids[redo], found.scores[redo] = again.ids, again.scores
+        return found
+
+    def _band_scan(self, q: np.ndarray, band: ProbePlan, k: int) -> TopK:
+        """The band's few lists per row: grouped on the tier (``auto`` would price the batch,
+        and dense reads every resident row whatever the probes)."""
+        with self._rw.read():
+            tier = self._tier
+            if tier is None:
+                return stepwise.scan(self._index, q, band, k)
+            return self._hybrid_scan(tier, q, band, k, strategy="grouped")
 
     def _stream_cold(
         self, streamer: ColdStreamer, q: np.ndarray, cold: np.ndarray, k: int
@@ -179,6 +220,7 @@ class GpuTierMixin:
         placement: PlacementConfig | None = None,
         scan: str = "auto",
         stream_cold: str | StreamConfig = "off",
+        assign: str = "auto",
     ) -> GpuTier:
         """Serve IVF lists from a torch ``device`` within ``budget_bytes`` (replaces any tier).
 
@@ -193,13 +235,20 @@ class GpuTierMixin:
         lists from host memory to a CUDA tier and scans them there beside Faiss's CPU scan,
         split per batch by a cost model calibrated on first use (``calibrate_stream``);
         ``"on"`` also on a CPU tier (the twin), ``"off"`` (the default until the H200 run
-        measures it) never. Results are Faiss's either way.
+        measures it) never. Results are Faiss's either way. ``assign``: ``"tier"`` makes
+        ``search`` assign queries to clusters on the tier's device (``tier_assign``: the
+        clusters near the ``nprobe``-th score scanned apart, rows they could change searched
+        again with Faiss's assignment, so the ids are Faiss's; ``access_counts`` then also
+        count those near clusters), ``"faiss"`` on the CPU quantizer, ``"auto"`` the tier on
+        CUDA (flat quantizers), Faiss on CPU.
         """
         from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier
         from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater, plan_placement
 
         check_tier_options(scan, stream_cold)
+        if assign not in ASSIGNS:
+            raise ValueError(f"assign must be one of {ASSIGNS}, got {assign!r}")
         if isinstance(stream_cold, str):
             stream_cold = StreamConfig(mode=stream_cold)
 
@@ -226,6 +275,15 @@ class GpuTierMixin:
         )
         if tier.streamer is not None:
             tier.streamer.list_rows = sizes
+        # NOTE: the device scores every centroid, so only an exact (flat) quantizer qualifies
+        is_flat = isinstance(faiss.downcast_index(self._index.quantizer), faiss.IndexFlat)
+        if is_flat and (assign == "tier" or (assign == "auto" and tier.device.startswith("cuda"))):
+            import torch
+
+            from ragserve.retrieval.tier_assign import DeviceAssigner
+
+            centroids = self._index.quantizer.reconstruct_n(0, self.spec.nlist)
+            tier.assigner = DeviceAssigner(torch, centroids, self.spec.is_l2, tier.device)
         counts = self.access_counts.snapshot()
         placement = placement or PlacementConfig()
         if pinned is None:

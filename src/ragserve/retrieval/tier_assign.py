@@ -1,0 +1,136 @@
+"""Coarse assignment on the GPU tier's device, with Faiss's results (issue 10).
+
+``index.search`` with the whole index resident spent about as long in Faiss's CPU quantizer
+(``[n, nlist]`` inner products, then an ``nprobe`` heap per query) as in the tier's scan. The
+tier keeps the centroids on its device and scores a batch with one matmul + ``topk``.
+
+Faiss's float32 BLAS rounds its scores, so a score computed anywhere else can disagree with it
+on which cluster is ``nprobe``-th when coarse scores nearly tie. The device scores in float64
+(float32 inputs: every product is exact; TF32 settings do not apply), so each of its scores is
+within ``bound = bound32 + bound64`` of Faiss's. That splits a query's clusters in three::
+
+    device scores, best first:   s[0] ... s[nprobe-1] | s[nprobe] ...
+    sure   (certainly probed by Faiss):   s_c - 2 bound >  s[nprobe]
+    band   (may or may not be):           neither
+    out    (certainly not):               s_c + 2 bound <  s[nprobe-1]
+
+Faiss probes ``sure`` plus some of ``band``. For IVF-Flat the result depends only on the probe
+set, so ``search`` scans ``sure`` and ``band`` apart: when no hit of ``band`` beats the k-th hit
+of ``sure`` (strictly), every set Faiss could have chosen gives ``sure``'s top-k, which is
+returned; otherwise (rare) the row is searched again with Faiss's own assignment. Most rows have
+an empty band. The bounds are the textbook dot-product bound ``gamma_d * |q| * max|c|``
+(``gamma_d = d u / (1 - d u)``, ``u = 2**-24`` or ``2**-53``); for L2 (norms, the cross term, two
+additions) ``gamma_(d+4) * (|q| + max|c|)**2``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ragserve.retrieval.types import ProbePlan, TopK
+
+FLOAT32_ROUNDOFF = 2.0**-24
+FLOAT64_ROUNDOFF = 2.0**-53
+MAX_BAND = 32  # clusters past the nprobe-th looked at for the band; a wider band: Faiss assigns
+
+
+def gamma(num_terms: int, roundoff: float = FLOAT32_ROUNDOFF) -> float:
+    """Higham's ``gamma_n``: the relative error bound of an ``n``-term sum of products."""
+    nu = num_terms * roundoff
+    if nu >= 1.0:
+        raise ValueError(f"no error bound for {num_terms} terms at roundoff {roundoff}")
+    return nu / (1.0 - nu)
+
+
+class TierAssignment(NamedTuple):
+    """A batch's clusters split as in the module doc. ``sure`` ``[n, nprobe]`` (``-1`` where
+    a rank is in the band); ``band`` the band of rows ``band_rows`` (``-1`` pads); ``redo``:
+    rows whose band ran past ``MAX_BAND`` (Faiss assigns them)."""
+
+    sure: ProbePlan
+    band: ProbePlan
+    band_rows: np.ndarray
+    redo: np.ndarray
+
+
+class DeviceAssigner:
+    """The coarse quantizer's centroids ``[nlist, dim]`` on a torch ``device`` (float64).
+
+    ``assign`` splits a batch's clusters (``TierAssignment``); ``settle`` turns the scans of
+    ``sure`` and ``band`` into Faiss's result, or names the rows to search again. Counts
+    ``num_rows``, ``num_band_rows`` (rows with a band) and ``num_fallback_rows``. Thread-safe.
+    """
+
+    def __init__(self, torch: Any, centroids: np.ndarray, is_l2: bool, device: Any) -> None:
+        c = np.ascontiguousarray(centroids, dtype=np.float32)
+        if c.ndim != 2 or len(c) == 0:
+            raise ValueError(f"centroids must be [nlist, dim], got shape {c.shape}")
+        self._torch, self.is_l2 = torch, bool(is_l2)
+        self.nlist, self.dim = c.shape
+        self._c = torch.from_numpy(c).to(device).double()
+        self._c_sq = (self._c * self._c).sum(1)
+        self._c_norm_max = float(np.sqrt(np.einsum("nd,nd->n", c, c, dtype=np.float64).max()))
+        terms = self.dim + 4 if is_l2 else self.dim
+        self._gamma = gamma(terms) + gamma(terms, FLOAT64_ROUNDOFF)
+        self._lock = threading.Lock()
+        self.num_rows = self.num_band_rows = self.num_fallback_rows = 0
+
+    def assign(self, queries: np.ndarray, nprobe: int) -> TierAssignment:
+        """Split each query's clusters for ``nprobe`` (clamped to ``[1, nlist]``)."""
+        torch = self._torch
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        nprobe = max(1, min(int(nprobe), self.nlist))
+        ip = torch.from_numpy(q).to(self._c.device).double() @ self._c.T
+        # NOTE: larger is better on both metrics here; L2 is turned back into a distance below
+        scores = 2.0 * ip - self._c_sq if self.is_l2 else ip
+        width = min(nprobe + MAX_BAND, self.nlist)
+        top, at = scores.topk(width, dim=1)
+        top, at = top.cpu().numpy(), at.cpu().numpy()  # the one wait on the device
+        dists = top
+        if self.is_l2:
+            dists = np.einsum("nd,nd->n", q, q, dtype=np.float64)[:, None] - top
+        dists = dists.astype(np.float32)
+        band = np.zeros_like(top, dtype=bool)
+        if width > nprobe:
+            margin = 2.0 * self._bounds(q)
+            band = (top <= (top[:, nprobe] + margin)[:, None]) & (
+                top >= (top[:, nprobe - 1] - margin)[:, None]
+            )
+        redo = np.flatnonzero(band[:, -1]) if width < self.nlist else np.empty(0, np.int64)
+        band[redo] = False
+        sure = ProbePlan(np.where(band, -1, at)[:, :nprobe], dists[:, :nprobe])
+        rows = np.flatnonzero(band.any(1))
+        cols = max(1, int(band.sum(1).max())) if len(rows) else 0
+        order = np.argsort(~band[rows], axis=1, kind="stable")[:, :cols]  # band ranks first
+        picked = np.take_along_axis(band[rows], order, 1)
+        band_ids = np.where(picked, np.take_along_axis(at[rows], order, 1), -1)
+        band_plan = ProbePlan(band_ids, np.take_along_axis(dists[rows], order, 1))
+        with self._lock:
+            self.num_rows += len(q)
+            self.num_band_rows += len(rows)
+        return TierAssignment(sure, band_plan, rows, redo)
+
+    def settle(self, split: TierAssignment, sure: TopK, band: TopK | None) -> np.ndarray:
+        """Rows (of the batch) whose ``sure`` top-k may differ from Faiss's: those whose band
+        has a hit that ties or beats the k-th hit of ``sure`` (``band``: the scan of
+        ``split.band``, None when no row has a band), and ``split.redo``. The other rows of
+        ``sure`` are Faiss's."""
+        unsure = split.redo
+        if band is not None:
+            kth = sure.scores[split.band_rows, -1]
+            best = band.scores[:, 0]
+            beaten = (best <= kth) if self.is_l2 else (best >= kth)
+            unsure = np.union1d(split.band_rows[beaten], split.redo).astype(np.int64)
+        with self._lock:
+            self.num_fallback_rows += len(unsure)
+        return unsure
+
+    def _bounds(self, q: np.ndarray) -> np.ndarray:
+        """Per query: ``bound`` (module doc) of any one of its coarse scores."""
+        q_norm = np.sqrt(np.einsum("nd,nd->n", q, q, dtype=np.float64))
+        if self.is_l2:
+            return self._gamma * (q_norm + self._c_norm_max) ** 2
+        return self._gamma * q_norm * self._c_norm_max
