@@ -220,7 +220,7 @@ class GpuTierMixin:
         placement: PlacementConfig | None = None,
         scan: str = "auto",
         stream_cold: str | StreamConfig = "off",
-        assign: str = "auto",
+        assign: str = "faiss",
     ) -> GpuTier:
         """Serve IVF lists from a torch ``device`` within ``budget_bytes`` (replaces any tier).
 
@@ -239,8 +239,9 @@ class GpuTierMixin:
         ``search`` assign queries to clusters on the tier's device (``tier_assign``: the
         clusters near the ``nprobe``-th score scanned apart, rows they could change searched
         again with Faiss's assignment, so the ids are Faiss's; ``access_counts`` then also
-        count those near clusters), ``"faiss"`` on the CPU quantizer, ``"auto"`` the tier on
-        CUDA (flat quantizers), Faiss on CPU.
+        count those near clusters), ``"faiss"`` (the default until the H200 run measures the
+        tier's) on the CPU quantizer, ``"auto"`` the tier on CUDA (flat quantizers), Faiss on
+        CPU.
         """
         from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier
