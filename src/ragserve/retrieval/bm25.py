@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.storage import fsync_dir
+from ragserve.retrieval.storage import fsync_dir, remove_stale_sidecars, save_sidecar
 from ragserve.retrieval.types import TopK
 
 logger = logging.getLogger(__name__)
@@ -201,20 +201,12 @@ def snapshot_name(generation: int) -> str:
 def save_snapshot(vi, directory: Path, generation: int) -> None:
     """Before a Faiss snapshot of `generation` is written: save the BM25 index (if the index
     has one) and name it in `vi.metadata`, which goes into the same manifest."""
-    if vi._bm25 is None:
-        vi.metadata.pop(SNAPSHOT_KEY, None)
-        return
-    name = snapshot_name(generation)
-    vi._bm25.save(directory, name)
-    vi.metadata[SNAPSHOT_KEY] = name
+    save_sidecar(vi._bm25, directory, snapshot_name(generation), vi.metadata, SNAPSHOT_KEY)
 
 
 def remove_stale(directory: Path, manifest: dict) -> None:
     """Delete BM25 snapshot folders (and leftovers) the manifest no longer names."""
-    keep = (manifest.get("metadata") or {}).get(SNAPSHOT_KEY)
-    for path in directory.iterdir():
-        if path.name.startswith("bm25-") and path.name != keep and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+    remove_stale_sidecars(directory, manifest, SNAPSHOT_KEY, "bm25-")
 
 
 def load_snapshot(store, directory: Path, metadata: dict, applied_seq: int) -> BM25Index | None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ragserve.retrieval.storage import fsync_dir
+from ragserve.retrieval.storage import fsync_dir, remove_stale_sidecars, save_sidecar
 from ragserve.retrieval.types import TopK
 
 if TYPE_CHECKING:
@@ -210,20 +210,12 @@ class SideDense:
 def save_snapshot(vi, directory: Path, generation: int) -> None:
     """Before a Faiss snapshot of `generation`: save the side vectors (if the index has them)
     and name the folder in `vi.metadata`, which goes into the same manifest."""
-    if vi._side is None:
-        vi.metadata.pop(SNAPSHOT_KEY, None)
-        return
-    name = f"ensemble-{generation:06d}"
-    vi._side.save(directory, name)
-    vi.metadata[SNAPSHOT_KEY] = name
+    save_sidecar(vi._side, directory, f"ensemble-{generation:06d}", vi.metadata, SNAPSHOT_KEY)
 
 
 def remove_stale(directory: Path, manifest: dict) -> None:
     """Delete side snapshot folders (and leftovers) the manifest no longer names."""
-    keep = (manifest.get("metadata") or {}).get(SNAPSHOT_KEY)
-    for path in directory.iterdir():
-        if path.name.startswith("ensemble-") and path.name != keep and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
+    remove_stale_sidecars(directory, manifest, SNAPSHOT_KEY, "ensemble-")
 
 
 def load_snapshot(directory: Path, metadata: dict) -> SideDense | None:

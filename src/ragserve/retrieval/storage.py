@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -137,3 +138,22 @@ def remove_stale_files(directory: Path, manifest: dict[str, Any]) -> None:
         stale_snapshot = path.name.startswith("index-") and path.name != manifest["snapshot"]
         if path.name.endswith(".tmp") or stale_snapshot:
             path.unlink(missing_ok=True)
+
+
+def save_sidecar(part: Any, directory: Path, name: str, metadata: dict, key: str) -> None:
+    """Before a Faiss snapshot is written: save ``part`` (a sidecar index such as BM25 or the
+    ensemble's side vectors; ``None``: the index has none) as ``directory/name`` and record
+    the folder under ``metadata[key]``, which goes into the same manifest."""
+    if part is None:
+        metadata.pop(key, None)
+        return
+    part.save(directory, name)
+    metadata[key] = name
+
+
+def remove_stale_sidecars(directory: Path, manifest: dict[str, Any], key: str, prefix: str) -> None:
+    """Delete sidecar folders named ``prefix*`` (and leftovers) the manifest no longer names."""
+    keep = (manifest.get("metadata") or {}).get(key)
+    for path in directory.iterdir():
+        if path.name.startswith(prefix) and path.name != keep and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
