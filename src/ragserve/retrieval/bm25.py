@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.storage import fsync_dir, remove_stale_sidecars, save_sidecar
+from ragserve.retrieval.storage import (
+    remove_stale_sidecars,
+    save_sidecar,
+    write_dir_atomically,
+)
 from ragserve.retrieval.types import TopK
 
 logger = logging.getLogger(__name__)
@@ -145,19 +147,12 @@ class BM25Index:
         """Write `directory/name/` atomically (tmp folder, fsync'd files, rename, fsync)."""
         with self._lock:
             self._refresh()
-            tmp = directory / f"{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            np.save(tmp / ROW_IDS, self._row_ids)
-            if self._retriever is not None:
-                self._retriever.save(str(tmp), show_progress=False)
-            for path in tmp.iterdir():
-                fsync_dir(path)
-            fsync_dir(tmp)
-            final = directory / name
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            fsync_dir(directory)
+            write_dir_atomically(directory, name, self._write)
+
+    def _write(self, folder: Path) -> None:
+        np.save(folder / ROW_IDS, self._row_ids)
+        if self._retriever is not None:
+            self._retriever.save(str(folder), show_progress=False)
 
     @classmethod
     def load(cls, path: Path) -> BM25Index:

@@ -18,8 +18,6 @@ is written beside each Faiss snapshot (`persist.py`), so a load embeds only what
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ragserve.retrieval.storage import fsync_dir, remove_stale_sidecars, save_sidecar
+from ragserve.retrieval.storage import (
+    remove_stale_sidecars,
+    save_sidecar,
+    write_dir_atomically,
+)
 from ragserve.retrieval.types import TopK
 
 if TYPE_CHECKING:
@@ -179,18 +181,12 @@ class SideDense:
         """Write `directory/name/` atomically (tmp folder, fsync'd files, rename, fsync)."""
         with self._lock:
             rows, x = self._row_ids, self._vectors
-        tmp = directory / f"{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        np.save(tmp / ROW_IDS, rows)
-        np.save(tmp / VECTORS, x)
-        for path in tmp.iterdir():
-            fsync_dir(path)
-        fsync_dir(tmp)
-        final = directory / name
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_dir(directory)
+
+        def fill(folder: Path) -> None:
+            np.save(folder / ROW_IDS, rows)
+            np.save(folder / VECTORS, x)
+
+        write_dir_atomically(directory, name, fill)
 
     @classmethod
     def load(cls, path: Path, embedder_name: str) -> SideDense:

@@ -5,7 +5,7 @@
   accesses; per-query rates follow a Beta distribution (method of moments) whose variance is
   approximated from the mean, ``sigma^2 = 4 sigma_max^2 eta_bar (1 - eta_bar)``.
 - The batch's tail hit rate ``eta_tail(B)``, which Eq. 1 prices, in one of two modes
-  (``TAIL_MODES``):
+  (``hit_rate.TAIL_MODES``):
 
   - ``"min"`` (the paper's Eq. 2): the batch waits for its slowest query, so the tail is the
     expected minimum of ``B`` draws::
@@ -27,7 +27,8 @@
 - Drift (``DriftDetector``): live access counts against a plan; re-partition when the plan's
   live hit rate has dropped or a better placement of the same size exists, with hysteresis.
 
-Pure NumPy (the regularised incomplete beta function is computed here); no torch, no faiss.
+Pure NumPy (the Beta distribution and its incomplete beta function: ``hit_rate``); no torch,
+no faiss.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ragserve.retrieval.hit_rate import BetaHitRate, check_tail_mode
 from ragserve.retrieval.latency_model import LatencyModel
 
-_GRID = 0.5 - 0.5 * np.cos(np.linspace(0.0, math.pi, 4097))  # NOTE: dense near 0 and 1
 _MAX_BATCH = 1 << 17
 
 
@@ -111,196 +112,6 @@ def _access_share(counts: np.ndarray, order: np.ndarray) -> np.ndarray:
     return np.minimum(cum / total, 1.0) if total > 0 else np.zeros_like(cum)
 
 
-# -- per-query hit rate distribution ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BetaHitRate:
-    """Beta distribution of per-query hit rates with the given ``mean`` and ``variance``.
-
-    ``variance == 0`` is a point mass at ``mean``; otherwise ``0 < variance < mean (1 - mean)``
-    and ``alpha = mean c``, ``beta = (1 - mean) c`` with ``c = mean (1 - mean) / variance - 1``.
-    """
-
-    mean: float
-    variance: float
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.mean <= 1.0:
-            raise ValueError(f"mean must be in [0, 1], got {self.mean}")
-        limit = self.mean * (1.0 - self.mean)
-        if self.variance < 0 or (self.variance > 0 and self.variance >= limit):
-            raise ValueError(
-                f"variance must be 0 or in (0, mean(1-mean) = {limit}), got {self.variance}"
-            )
-
-    @classmethod
-    def fit(cls, hit_rates: np.ndarray) -> BetaHitRate:
-        """Method of moments on observed per-query hit rates (values in ``[0, 1]``).
-
-        A sample variance at or past the Beta limit ``mean (1 - mean)`` (hit-or-miss queries)
-        is clamped just below it.
-        """
-        x = np.asarray(hit_rates, dtype=np.float64).ravel()
-        if x.size == 0:
-            raise ValueError("hit_rates must be non-empty")
-        if np.any(~np.isfinite(x)) or x.min() < 0 or x.max() > 1:
-            raise ValueError("hit_rates must be finite and in [0, 1]")
-        mean = float(x.mean())
-        var = float(x.var(ddof=1)) if x.size > 1 else 0.0
-        limit = mean * (1.0 - mean)
-        if limit <= 0.0 or var <= 1e-15:
-            return cls(mean, 0.0)
-        return cls(mean, min(var, limit * (1.0 - 1e-6)))
-
-    @classmethod
-    def from_mean(cls, mean: float, max_variance: float) -> BetaHitRate:
-        """§V-B: ``sigma^2 = 4 sigma_max^2 mean (1 - mean)``; ``max_variance`` is
-        ``sigma_max^2``, the variance profiled at mean 0.5, in ``[0, 0.25)``."""
-        if not 0.0 <= max_variance < 0.25:
-            raise ValueError(f"max_variance must be in [0, 0.25), got {max_variance}")
-        return cls(mean, 4.0 * max_variance * mean * (1.0 - mean))
-
-    @property
-    def is_point_mass(self) -> bool:
-        return self.variance == 0.0
-
-    @property
-    def alpha(self) -> float | None:
-        """Beta's ``alpha``; ``None`` for a point mass."""
-        return None if self.is_point_mass else self.mean * self._concentration()
-
-    @property
-    def beta(self) -> float | None:
-        """Beta's ``beta``; ``None`` for a point mass."""
-        return None if self.is_point_mass else (1.0 - self.mean) * self._concentration()
-
-    def _concentration(self) -> float:
-        return self.mean * (1.0 - self.mean) / self.variance - 1.0
-
-    def cdf(self, x: np.ndarray) -> np.ndarray:
-        """``F(x)``, elementwise (``x`` clipped to ``[0, 1]``)."""
-        xs = np.clip(np.asarray(x, dtype=np.float64), 0.0, 1.0)
-        if self.is_point_mass:
-            return (xs >= self.mean).astype(np.float64)
-        return _betainc(self.alpha, self.beta, xs)
-
-    def expected_min(self, batch_size: int) -> float:
-        """Eq. 2: expected minimum hit rate of ``batch_size`` independent queries."""
-        return float(self.expected_mins(np.asarray([batch_size]))[0])
-
-    def expected_mins(self, batch_sizes: np.ndarray) -> np.ndarray:
-        """Eq. 2 for every batch size (integers >= 1), by quadrature of ``(1 - F)^B``.
-
-        Absolute error below 1e-4 (Chebyshev-spaced trapezoid on 4097 points).
-        """
-        b = np.asarray(batch_sizes, dtype=np.float64)
-        if b.size and b.min() < 1:
-            raise ValueError(f"batch sizes must be >= 1, got min {b.min()}")
-        if self.is_point_mass:
-            return np.full(b.shape, self.mean)
-        survival = np.clip(1.0 - self.cdf(_GRID), 0.0, 1.0)
-        with np.errstate(divide="ignore"):
-            log_s = np.log(survival)
-        dx = np.diff(_GRID)
-        out = np.empty(b.size)
-        flat = b.ravel()
-        for start in range(0, flat.size, 256):
-            chunk = flat[start : start + 256, None]
-            powered = np.exp(chunk * log_s[None, :])
-            out[start : start + 256] = ((powered[:, 1:] + powered[:, :-1]) * 0.5 * dx).sum(1)
-        return np.clip(out.reshape(b.shape), 0.0, 1.0)
-
-    def quantile(self, q: float) -> float:
-        """The ``q``-quantile (``0 < q < 1``): the rate a draw falls below with probability
-        ``q``. Interpolated on the CDF's grid (absolute error below 1e-3)."""
-        if not 0.0 < q < 1.0:
-            raise ValueError(f"q must be in (0, 1), got {q}")
-        if self.is_point_mass:
-            return self.mean
-        cdf = np.maximum.accumulate(self.cdf(_GRID))
-        return float(np.interp(q, cdf, _GRID))
-
-    def batch_mean(self, batch_size: int) -> BetaHitRate:
-        """The pooled hit rate of ``batch_size`` independent queries (their mean), as a Beta
-        with this mean and ``variance / batch_size`` (moment matched)."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        return BetaHitRate(self.mean, self.variance / batch_size)
-
-    def tail(self, batch_size: int, mode: str = "batch_mean", quantile: float = 0.1) -> float:
-        """``eta_tail(B)`` in one of ``TAIL_MODES`` (module doc)."""
-        return float(self.tails(np.asarray([batch_size]), mode, quantile)[0])
-
-    def tails(
-        self, batch_sizes: np.ndarray, mode: str = "batch_mean", quantile: float = 0.1
-    ) -> np.ndarray:
-        """``tail`` for every batch size (integers >= 1)."""
-        _check_tail_mode(mode, quantile)
-        if mode == "min":
-            return self.expected_mins(batch_sizes)
-        b = np.asarray(batch_sizes, dtype=np.int64)
-        if b.size and b.min() < 1:
-            raise ValueError(f"batch sizes must be >= 1, got min {b.min()}")
-        uniq, inverse = np.unique(b, return_inverse=True)
-        vals = np.array([self.batch_mean(int(n)).quantile(quantile) for n in uniq])
-        return vals[inverse].reshape(b.shape)
-
-
-TAIL_MODES: tuple[str, ...] = ("batch_mean", "min")
-
-
-def _check_tail_mode(mode: str, quantile: float) -> None:
-    if mode not in TAIL_MODES:
-        raise ValueError(f"tail mode must be one of {TAIL_MODES}, got {mode!r}")
-    if not 0.0 < quantile < 1.0:
-        raise ValueError(f"tail quantile must be in (0, 1), got {quantile}")
-
-
-def _betainc(a: float, b: float, x: np.ndarray) -> np.ndarray:
-    """Regularised incomplete beta ``I_x(a, b)`` by its continued fraction (modified Lentz),
-    using ``I_x(a, b) = 1 - I_{1-x}(b, a)`` where the fraction converges slowly."""
-    out = np.where(x >= 1.0, 1.0, 0.0)
-    inner = (x > 0.0) & (x < 1.0)
-    xi = x[inner]
-    log_norm = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-    direct = xi < (a + 1.0) / (a + b + 2.0)
-    res = np.empty_like(xi)
-    xd, xf = xi[direct], 1.0 - xi[~direct]
-    front_d = np.exp(log_norm + a * np.log(xd) + b * np.log1p(-xd))
-    res[direct] = front_d * _beta_fraction(a, b, xd) / a
-    front_f = np.exp(log_norm + b * np.log(xf) + a * np.log1p(-xf))
-    res[~direct] = 1.0 - front_f * _beta_fraction(b, a, xf) / b
-    out[inner] = np.clip(res, 0.0, 1.0)
-    return out
-
-
-def _beta_fraction(a: float, b: float, x: np.ndarray, max_iter: int = 10_000) -> np.ndarray:
-    tiny, eps = 1e-300, 1e-14
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-
-    def _nz(v: np.ndarray) -> np.ndarray:
-        return np.where(np.abs(v) < tiny, tiny, v)
-
-    c = np.ones_like(x)
-    d = 1.0 / _nz(1.0 - qab * x / qap)
-    h = d.copy()
-    for m in range(1, max_iter + 1):
-        m2 = 2 * m
-        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
-        d = 1.0 / _nz(1.0 + aa * d)
-        c = _nz(1.0 + aa / c)
-        h *= d * c
-        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        d = 1.0 / _nz(1.0 + aa * d)
-        c = _nz(1.0 + aa / c)
-        delta = d * c
-        h *= delta
-        if np.all(np.abs(delta - 1.0) < eps):
-            break
-    return h
-
-
 def profile_max_variance(probe_ids: np.ndarray, nlist: int) -> float:
     """``sigma_max^2`` from calibration probes: per-query hit-rate variances at the hottest-
     first coverages whose mean hit rate is near 0.1, 0.2, ..., 0.9, least-squares fitted to
@@ -338,7 +149,7 @@ def hit_rate_to_coverage(
     even all clusters do."""
     counts = _check_counts(access_counts)
     share = _access_share(counts, hottest_first(counts))
-    _check_tail_mode(tail_mode, tail_quantile)
+    check_tail_mode(tail_mode, tail_quantile)
 
     def tail(mean: float) -> float:
         dist = BetaHitRate.from_mean(float(mean), max_variance)
@@ -395,7 +206,7 @@ class PartitionConfig:
             raise ValueError(f"kv_cache_bytes must be > 0 or None, got {self.kv_cache_bytes}")
         if self.budget_bytes is not None and self.budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None, got {self.budget_bytes}")
-        _check_tail_mode(self.tail_mode, self.tail_quantile)
+        check_tail_mode(self.tail_mode, self.tail_quantile)
 
     @property
     def target_seconds(self) -> float:

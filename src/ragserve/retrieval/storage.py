@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -138,6 +138,22 @@ def remove_stale_files(directory: Path, manifest: dict[str, Any]) -> None:
         stale_snapshot = path.name.startswith("index-") and path.name != manifest["snapshot"]
         if path.name.endswith(".tmp") or stale_snapshot:
             path.unlink(missing_ok=True)
+
+
+def write_dir_atomically(directory: Path, name: str, fill: Callable[[Path], None]) -> None:
+    """Write ``directory/name/`` atomically: ``fill(tmp)`` writes the files into a fresh tmp
+    folder, each is fsync'd, the folder replaces any old one by rename, the parent is fsync'd."""
+    tmp = directory / f"{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    fill(tmp)
+    for path in tmp.iterdir():
+        fsync_dir(path)
+    fsync_dir(tmp)
+    final = directory / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(directory)
 
 
 def save_sidecar(part: Any, directory: Path, name: str, metadata: dict, key: str) -> None:
