@@ -301,12 +301,6 @@ def eq2_budget(
     }
 
 
-def chunk_bytes(sizes: np.ndarray, dim: int, chunk: int = 256) -> np.ndarray:
-    """Bytes each list takes in a float32 tier (256-row chunks: vectors, ids, bias)."""
-    per = chunk * (dim * 4 + 8 + 4)
-    return np.where(sizes > 0, np.maximum(1, -(-sizes // chunk)) * per, 0).astype(np.int64)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-docs", type=int, default=200_000)
@@ -409,8 +403,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def build() -> None:
         st["index"], st["spec"], secs = build_index(args, device)
+        from ragserve.retrieval.gpu_tier import tier_list_bytes
+
         sizes = st["index"].cluster_sizes()
-        st["cbytes"] = chunk_bytes(sizes, args.dim)
+        st["cbytes"] = tier_list_bytes(sizes, args.dim)  # NOTE: priced as the tier allocates
         res.doc["build"] = {
             "seconds": secs,
             "index_bytes": int(st["index"].cluster_cost_bytes().sum()),
@@ -493,17 +489,22 @@ def main(argv: list[str] | None = None) -> int:
     def latency() -> None:
         from ragserve.retrieval.partition import (
             BetaHitRate,
+            fill_budget,
             hottest_first,
             per_query_hit_rates,
         )
 
         index, q, plan, mdl = st["index"], st["q"], st["plan"], st["model"]
         batch = int(plan.batch_size)
+        # NOTE: the partitioner's own clusters (picked on the index's live access counts, which
+        # the model phase's searches moved) and, for the other coverages, hottest-first prefixes
+        # of the calibration counts that fit the budget at the tier's chunk prices
         order = hottest_first(st["counts"])
-        cum = np.cumsum(st["cbytes"][order])
-        fit = int(np.searchsorted(cum, st["budget"], side="right"))
-        counts_k = {len(plan.cluster_ids)}
-        counts_k |= {min(fit, int(round(c / 100 * args.nlist))) for c in args.coverage}
+        fit = len(fill_budget(st["counts"], st["cbytes"], st["budget"]).cluster_ids)
+        sets = {len(plan.cluster_ids): np.asarray(plan.cluster_ids, dtype=np.int64)}
+        for c in args.coverage:
+            k = min(fit, int(round(c / 100 * args.nlist)))
+            sets.setdefault(k, order[:k])
         check = q[:64]
         ref = index.search(check, args.topk, args.nprobe).ids
         cpu = timed(
@@ -514,10 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             args.max_batches,
         )
         res.add(system="cpu_faiss", batch=batch, predicted_s=mdl.cpu_seconds(batch), **_drop(cpu))
-        share = np.concatenate([[0.0], np.cumsum(st["counts"][order]) / st["counts"].sum()])
         probes = index.assign(q, args.nprobe).cluster_ids
-        for k in sorted(counts_k):
-            clusters = order[:k]
+        for k, clusters in sorted(sets.items()):
             index.set_gpu_tier(
                 st["budget"], device=device, clusters=clusters.tolist(), stream_cold="off"
             )
@@ -534,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             rates = per_query_hit_rates(probes, on)
             nb = len(rates) // batch
             batches = rates[: nb * batch].reshape(nb, batch) if nb else rates[:1].reshape(1, 1)
-            mean = float(share[k])
+            mean = float(st["counts"][clusters].sum() / st["counts"].sum())
             dist = BetaHitRate.from_mean(mean, st["sigma2"])
             tail = dist.tail(batch, "batch_mean", 0.1)
             tail_min = dist.tail(batch, "min")
@@ -542,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             pred_min = mdl.hybrid_seconds(batch, min(max(tail_min, 0.0), 1.0))
             res.add(
                 system="gpu_tier",
-                partitioner_choice=k == len(plan.cluster_ids),
+                partitioner_choice=clusters is sets[len(plan.cluster_ids)],
                 num_clusters=k,
                 coverage=k / args.nlist,
                 batch=batch,

@@ -338,3 +338,51 @@ def test_cuda_tier_equals_faiss(metric: str) -> None:
         assert_same(index.search(q, K), oracle(index, q))
         index.tier_updater.update_now(force=True)
     index.close()
+
+
+def test_a_budget_pick_at_the_tiers_chunk_prices_always_loads():
+    """Lists of 1-2 rows past a chunk boundary: priced by raw bytes, a budget pick overfills
+    the tier (the 2026-12-01 H200 failure's class); priced by ``tier_list_bytes``, every pick
+    of ``fill_budget`` / Algorithm 1 loads pinned, and one more list would not fit."""
+    from ragserve.retrieval import stepwise
+    from ragserve.retrieval.docstore import DocStore
+    from ragserve.retrieval.gpu_tier import tier_chunk_bytes, tier_list_bytes
+    from ragserve.retrieval.index import IndexSpec
+    from ragserve.retrieval.latency_model import PiecewiseLinear, SearchLatencyModel
+    from ragserve.retrieval.partition import PartitionConfig, fill_budget, partition
+
+    rng = np.random.default_rng(3)
+    nlist, rows = 6, [257, 258, 513, 1, 300, 769]
+    centers = 50.0 * np.eye(nlist, DIM, dtype=np.float32)
+    x = np.concatenate([centers[c] + rng.normal(size=(n, DIM)) for c, n in enumerate(rows)])
+    ivf = stepwise.make_ivf(DIM, nlist, "ivf_flat", "ip")
+    ivf.quantizer.add(centers)  # the lists are exactly ``rows``
+    ivf.is_trained = True
+    ivf.add(x.astype(np.float32))
+    index = VectorIndex(ivf, DocStore(None), IndexSpec(DIM, nlist, "ivf_flat", "ip", "none", 2))
+    sizes = index.cluster_sizes()
+    assert sizes.tolist() == rows
+    counts = rng.permutation(nlist).astype(np.float64) + 1.0
+    priced = tier_list_bytes(sizes, DIM)
+    np.testing.assert_array_equal(priced // tier_chunk_bytes(DIM), -(-sizes // 256))
+    raw = sizes * (DIM * 4 + 8 + 4)
+    slow = PiecewiseLinear((1.0, 2.0), (1.0, 2.0))
+    model = SearchLatencyModel(2, slow, slow)  # no coverage meets the SLO: the budget decides
+    overfilled = 0
+    for budget in range(0, int(priced.sum()) + 1, tier_chunk_bytes(DIM) // 2):
+        config = PartitionConfig(0.01, 100.0, 0.05, budget_bytes=budget)
+        for plan in (fill_budget(counts, priced, budget), partition(model, counts, priced, config)):
+            tier = index.set_gpu_tier(budget, device="cpu", clusters=plan.cluster_ids, scan="dense")
+            assert sorted(tier.clusters) == sorted(plan.cluster_ids)
+            assert plan.num_bytes <= budget
+            rest = [c for c in np.argsort(-counts, kind="stable") if c not in plan.cluster_ids]
+            if rest:
+                with pytest.raises(ValueError, match="the given clusters need"):
+                    index.set_gpu_tier(budget, device="cpu", clusters=[*plan.cluster_ids, rest[0]])
+        raw_pick = fill_budget(counts, raw, budget).cluster_ids
+        try:
+            index.set_gpu_tier(budget, device="cpu", clusters=raw_pick, scan="dense")
+        except ValueError:
+            overfilled += 1
+    assert overfilled > 0  # the premise: chunk rounding matters for these sizes
+    index.drop_gpu_tier()

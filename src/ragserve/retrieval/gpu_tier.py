@@ -54,6 +54,29 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16", "bfloat16")
 SCANS = ("auto", *STRATEGIES)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+CHUNK_SIZE = 256
+
+
+def tier_chunk_bytes(dim: int, dtype: str = "float32", chunk_size: int = CHUNK_SIZE) -> int:
+    """Bytes of one pool chunk: ``chunk_size`` rows of vector, id (int64) and bias (float32)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return chunk_size * (dim * DTYPE_BYTES[dtype] + 8 + 4)
+
+
+def tier_list_bytes(
+    sizes: np.ndarray, dim: int, dtype: str = "float32", chunk_size: int = CHUNK_SIZE
+) -> np.ndarray:
+    """Bytes each list of ``sizes`` rows takes in the pool: whole chunks (a non-empty list at
+    least one; an empty list none). NOTE: the one price of a list for every picker of clusters
+    within a byte budget (``plan_placement``, Algorithm 1, Eq. 2, the benches), so a chosen set
+    always loads: raw ``size * row_bytes`` undercounts each list by up to a chunk."""
+    rows = np.asarray(sizes, dtype=np.int64)
+    chunks = np.where(rows > 0, np.maximum(1, -(-rows // chunk_size)), 0)
+    return chunks * tier_chunk_bytes(dim, dtype, chunk_size)
+
+
 # (batch size, share of the resident lists each query probes): small and large batches, narrow
 # and wide probes, so that both strategies' terms vary
 CALIBRATION_POINTS = ((1, 0.0), (1, 0.25), (16, 0.0625), (64, 0.25), (256, 0.0625))
@@ -136,8 +159,7 @@ class GpuTier:
         self.chunk_size = chunk_size
         self.budget_bytes = int(budget_bytes)
         self._tdtype = getattr(torch, dtype)
-        elem = torch.empty(0, dtype=self._tdtype).element_size()
-        self.chunk_bytes = chunk_size * (dim * elem + 8 + 4)
+        self.chunk_bytes = tier_chunk_bytes(dim, dtype, chunk_size)
         capacity = min(self.budget_bytes // self.chunk_bytes, max(int(max_chunks), 0))
         self._vectors = torch.zeros((capacity, chunk_size, dim), dtype=self._tdtype, device=dev)
         self._ids = torch.full((capacity, chunk_size), -1, dtype=torch.int64, device=dev)
@@ -201,6 +223,10 @@ class GpuTier:
 
     def chunks_for(self, num_rows: int) -> int:
         return max(1, -(-int(num_rows) // self.chunk_size))
+
+    def list_bytes(self, sizes: np.ndarray) -> np.ndarray:
+        """Pool bytes of lists of ``sizes`` rows (``tier_list_bytes`` at this tier's shape)."""
+        return tier_list_bytes(sizes, self.dim, self.dtype, self.chunk_size)
 
     def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
         """bool, shaped like ``cluster_ids``: resident lists (``-1`` pads False)."""

@@ -245,7 +245,9 @@ class PartitionPlan:
 def fill_budget(
     access_counts: np.ndarray, cluster_bytes: np.ndarray, budget_bytes: int
 ) -> PartitionPlan:
-    """The longest hottest-first prefix of clusters whose bytes fit ``budget_bytes``."""
+    """The longest hottest-first prefix of clusters whose bytes fit ``budget_bytes``.
+    ``cluster_bytes`` for a GPU tier: its chunk prices (``gpu_tier.tier_list_bytes``), never
+    raw list bytes (a pick would not load)."""
     counts, sizes = _check_counts(access_counts), _check_bytes(cluster_bytes, access_counts)
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
@@ -261,6 +263,7 @@ def partition(
     config: PartitionConfig,
 ) -> PartitionPlan:
     """Algorithm 1: the smallest hottest-first coverage meeting ``tau_s`` (see module doc).
+    ``cluster_bytes`` as for ``fill_budget``: the tier's chunk prices.
 
     Coverage ``k`` is feasible when, at ``mu = mu_LLM(k)``, some batch size
     ``1 <= B <= ceil(tau_s mu)`` has ``eta_tail(B) >= `` the hit rate Eq. 1 needs to finish

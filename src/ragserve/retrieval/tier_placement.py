@@ -95,8 +95,7 @@ def plan_placement(
 ) -> PartitionPlan:
     """Hottest lists first within the tier's chunks: Algorithm 1 when ``config`` has a latency
     model and partition inputs, else as many as fit (``fill_budget``)."""
-    chunk_bytes = np.maximum(1, -(-sizes // tier.chunk_size)) * tier.chunk_bytes
-    chunk_bytes = np.where(sizes > 0, chunk_bytes, 0)
+    chunk_bytes = tier.list_bytes(sizes)
     capacity = tier.capacity_chunks * tier.chunk_bytes
     if config is None or config.latency_model is None or config.partition is None:
         return fill_budget(counts, chunk_bytes, capacity)
