@@ -25,8 +25,10 @@ phase is recorded with its error and the next one runs):
 6. rate: the SLO-bound query rate, open loop: Poisson arrivals, one dispatcher that takes
    every query waiting (at most ``--max-batch``) as one batch; a rate is sustained when
    >= 95 % of the offered rate completes in the window and >= 90 % of its queries finish
-   within ``--slo-search`` (``sustained.py``); geometric bisection, CPU-only and with the
-   plan's tier;
+   within ``--slo-search`` (``sustained.py``); geometric bisection from a start bracket
+   (widened while it misses) until the highest sustained and lowest unsustained rates are
+   within ``--rate-tol`` or ``--rate-points`` run out; the bound is ``"="`` only in the first
+   case, else ``">="`` (a lower bound) or ``"<"``; CPU-only and with the plan's tier;
 7. stream (unless skipped): the plan's tier with the cold lists streamed from host memory
    (``stream_cold="on"``, ``cold_stream``; its cost model calibrated first), in the latency
    phase (measured p90 next to Eq. 1 with streaming, ``StreamedLatencyModel``; Algorithm 1
@@ -218,7 +220,12 @@ def slo_rate(
 ) -> dict:
     """The highest sustained open-loop rate in ``[lo, hi]`` (``find_capacity``)."""
     cap = find_capacity(
-        lambda r: rate_point(search, queries, r, args), lo, hi, max_points=args.rate_points
+        lambda r: rate_point(search, queries, r, args),
+        lo,
+        hi,
+        rel_tol=args.rate_tol,
+        max_points=args.rate_points,
+        expand=True,
     )
     return {
         "capacity_qps": cap.rate,
@@ -346,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-warmup", type=float, default=2.0)
     ap.add_argument("--rate-window", type=float, default=10.0)
     ap.add_argument("--rate-queries", type=int, default=2000, help="most queries per rate point")
-    ap.add_argument("--rate-points", type=int, default=4)
+    ap.add_argument("--rate-points", type=int, default=4, help="most rate points a system")
+    ap.add_argument(
+        "--rate-tol", type=float, default=0.1, help="bisect until hi/lo <= 1 + this ('=')"
+    )
     ap.add_argument(
         "--rate-min-queries",
         type=int,

@@ -11,9 +11,13 @@ window counts:
 
 A rate is sustained iff completed throughput >= 95 % of the offered rate (arrivals in the
 window / its length) AND SLO attainment >= 90 %. Capacity is the highest sustained rate found
-by geometric bisection between a sustained ``lo`` and an unsustained ``hi``
-(``find_capacity``); if ``hi`` is sustained the capacity is reported as ``>= hi`` (a lower
-bound), if ``lo`` is not, as ``< lo``.
+by geometric bisection between a sustained ``lo`` and an unsustained ``hi`` until they are
+within ``rel_tol`` (``find_capacity``). The bound says how far to trust it: ``"="`` only when
+that tight bracket was reached; ``">="`` when it is a lower bound (``hi`` was sustained, or the
+points ran out with the bracket still wider: ``upper`` then holds the lowest unsustained rate);
+``"<"`` when nothing was sustained. With ``expand``, a start bracket that misses the capacity
+is widened geometrically (down from an unsustained ``lo``, up from a sustained ``hi``) while
+points remain, so a guess near a known value costs a point, not the result.
 """
 
 from __future__ import annotations
@@ -68,9 +72,10 @@ def reassess(points: list[dict]) -> tuple[float | None, float | None]:
 
 @dataclass(frozen=True)
 class Capacity:
-    """``rate``: the highest sustained rate measured (``None`` if even ``lo`` was not);
-    ``bound``: ``"="`` (bracketed within the tolerance), ``">="`` (``hi`` was sustained) or
-    ``"<"`` (``lo`` was not); ``points``: every measured (rate, sustained, stats)."""
+    """``rate``: the highest sustained rate measured (``None`` if none was); ``bound``: ``"="``
+    (bracketed within the tolerance), ``">="`` (a lower bound) or ``"<"`` (below ``upper``);
+    ``upper``: the lowest unsustained rate measured (``None`` if none was); ``points``: every
+    measured (rate, sustained, stats) in order."""
 
     rate: float | None
     bound: str
@@ -85,27 +90,41 @@ def find_capacity(
     *,
     rel_tol: float = 0.15,
     max_points: int = 7,
+    expand: bool = False,
 ) -> Capacity:
-    """Geometric bisection of the sustained rate in ``[lo, hi]`` (see module doc)."""
+    """Geometric bisection of the sustained rate from the bracket ``[lo, hi]`` (module doc)."""
     if not 0 < lo < hi:
         raise ValueError(f"need 0 < lo < hi, got lo={lo}, hi={hi}")
+    if not rel_tol > 0 or max_points < 2:
+        raise ValueError(f"need rel_tol > 0 and max_points >= 2, got {rel_tol}, {max_points}")
     points: list[tuple[float, bool, dict]] = []
+    good: float | None = None
+    bad: float | None = None
 
     def probe(rate: float) -> bool:
-        stats = measure(rate)
-        ok = is_sustained(stats)
+        nonlocal good, bad
+        ok = is_sustained(stats := measure(rate))
         points.append((rate, ok, stats))
+        if ok:
+            good = rate if good is None else max(good, rate)
+        else:
+            bad = rate if bad is None else min(bad, rate)
         return ok
 
-    if not probe(lo):
-        return Capacity(None, "<", lo, tuple(points))
-    if probe(hi):
-        return Capacity(hi, ">=", None, tuple(points))
-    good, bad = lo, hi
-    while bad / good > 1 + rel_tol and len(points) < max_points:
-        mid = math.sqrt(good * bad)
-        if probe(mid):
-            good = mid
-        else:
-            bad = mid
-    return Capacity(good, "=", bad, tuple(points))
+    step = hi / lo
+    if probe(lo):
+        rate = hi
+        while probe(rate) and expand and len(points) < max_points:
+            rate *= step
+    elif expand:
+        rate = lo / step
+        while not probe(rate) and len(points) < max_points:
+            rate /= step
+    while good is not None and bad is not None and bad / good > 1 + rel_tol:
+        if len(points) >= max_points:
+            break
+        probe(math.sqrt(good * bad))
+    if good is None:
+        return Capacity(None, "<", bad, tuple(points))
+    tight = bad is not None and bad / good <= 1 + rel_tol
+    return Capacity(good, "=" if tight else ">=", bad, tuple(points))

@@ -65,6 +65,45 @@ def test_bisection_brackets_a_known_capacity() -> None:
         find_capacity(measure, 4.0, 4.0)
 
 
+def _step_system(capacity: float):
+    rates: list[float] = []
+
+    def measure(rate: float) -> dict:
+        rates.append(rate)
+        ok = rate <= capacity
+        return {
+            "offered_rps": rate,
+            "completed_rps": rate if ok else capacity,
+            "window_slo_attainment": 1.0 if ok else 0.5,
+        }
+
+    return measure, rates
+
+
+def test_bound_is_equal_only_when_bracketed_within_the_tolerance() -> None:
+    measure, rates = _step_system(40.0)
+    short = find_capacity(measure, 26.0, 104.0, rel_tol=0.1, max_points=3)
+    assert rates == [26.0, 104.0, 52.0]  # the 2026-12-01 stream run: 52/26 is no bracket
+    assert (short.bound, short.rate, short.upper) == (">=", 26.0, 52.0)
+    measure, rates = _step_system(40.0)
+    full = find_capacity(measure, 26.0, 104.0, rel_tol=0.1, max_points=10)
+    assert full.bound == "=" and full.rate <= 40.0 < full.upper <= 1.1 * full.rate
+    assert len(rates) == len(full.points) <= 10
+
+
+@pytest.mark.parametrize(("capacity", "lo", "hi"), [(11.5, 12.0, 14.0), (50.0, 24.0, 32.0)])
+def test_expand_widens_a_bracket_that_misses_the_capacity(capacity, lo, hi) -> None:
+    measure, rates = _step_system(capacity)
+    cap = find_capacity(measure, lo, hi, rel_tol=0.1, max_points=8, expand=True)
+    assert cap.bound == "=" and cap.rate <= capacity < cap.upper <= 1.1 * cap.rate
+    assert len(rates) <= 8
+    measure, rates = _step_system(capacity)
+    tight = find_capacity(measure, lo, hi, rel_tol=0.1, max_points=2, expand=True)
+    assert len(rates) == 2 and tight.bound in ("<", ">=")
+    with pytest.raises(ValueError, match="max_points"):
+        find_capacity(measure, lo, hi, max_points=1)
+
+
 def test_capacity_phase_with_the_tier(tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
     phase = {"name": "cap", "systems": ["ragserve"], "workflows": ["oneshot", "llm"],
