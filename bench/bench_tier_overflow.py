@@ -216,11 +216,23 @@ def rate_point(
 
 
 def slo_rate(
-    search: Callable[[np.ndarray], Any], queries: np.ndarray, lo: float, hi: float, args: Any
+    search: Callable[[np.ndarray], Any],
+    queries: np.ndarray,
+    lo: float,
+    hi: float,
+    args: Any,
+    record: Callable[[dict], None] = lambda point: None,
 ) -> dict:
-    """The highest sustained open-loop rate in ``[lo, hi]`` (``find_capacity``)."""
+    """The highest sustained open-loop rate from the bracket ``[lo, hi]`` (``find_capacity``);
+    ``record`` gets each point's statistics as it is measured (a cut-off run keeps them)."""
+
+    def measure(rate: float) -> dict:
+        stats = rate_point(search, queries, rate, args)
+        record(stats)
+        return stats
+
     cap = find_capacity(
-        lambda r: rate_point(search, queries, r, args),
+        measure,
         lo,
         hi,
         rel_tol=args.rate_tol,
@@ -650,11 +662,26 @@ def main(argv: list[str] | None = None) -> int:
         )
         index.drop_gpu_tier()
 
+    def recorder(system: str) -> Callable[[dict], None]:
+        """Saves each rate point under ``rate_points_<system>`` as it is measured."""
+        points = res.doc.setdefault(f"rate_points_{system}", [])
+
+        def record(stats: dict) -> None:
+            points.append(dict(stats))
+            res.save()
+
+        return record
+
     def cpu_rate() -> None:
         index = st["index"]
         lo, hi = args.cpu_rate or _bracket(st["model"], args)
         res.doc["slo_rate_cpu"] = slo_rate(
-            lambda b: index.search(b, args.topk, args.nprobe), st["q"], lo, hi, args
+            lambda b: index.search(b, args.topk, args.nprobe),
+            st["q"],
+            lo,
+            hi,
+            args,
+            recorder("cpu"),
         )
 
     def tier_rate() -> None:
@@ -664,7 +691,12 @@ def main(argv: list[str] | None = None) -> int:
         cpu = res.doc.get("slo_rate_cpu", {}).get("capacity_qps")
         lo, hi = args.tier_rate or ((cpu or 1.0) * 1.5, (cpu or 1.0) * 8.0)
         res.doc["slo_rate_tier"] = slo_rate(
-            lambda b: index.search(b, args.topk, args.nprobe), st["q"], lo, hi, args
+            lambda b: index.search(b, args.topk, args.nprobe),
+            st["q"],
+            lo,
+            hi,
+            args,
+            recorder("tier"),
         )
         index.drop_gpu_tier()
         tier = res.doc["slo_rate_tier"]["capacity_qps"]
@@ -679,7 +711,12 @@ def main(argv: list[str] | None = None) -> int:
         base = tier or (cpu or 1.0) * 2.0
         lo, hi = args.stream_rate or (base * 0.75, base * 4.0)
         res.doc["slo_rate_stream"] = slo_rate(
-            lambda b: index.search(b, args.topk, args.nprobe), st["q"], lo, hi, args
+            lambda b: index.search(b, args.topk, args.nprobe),
+            st["q"],
+            lo,
+            hi,
+            args,
+            recorder("stream"),
         )
         streamer = index.gpu_tier.streamer
         res.doc["slo_rate_stream"]["streamed_gb"] = streamer.num_bytes / 1e9

@@ -3,8 +3,10 @@
 # tier vs tier + cold lists streamed from host memory, SLO-bound rates and the latency model's
 # predicted vs measured p90 for tier and tier + stream (bench_tier_overflow.py, compacted: no
 # extra coverages, one repeat of the CPU model, 5 s latency points, rate points of >= 200
-# queries after a 1 s warm-up, 3 points a system with brackets from the 2026-12-01 run; the
-# rates in the order stream, tier, CPU, so a cut-off loses the CPU rate, measured before).
+# queries after a 1 s warm-up; each rate bisected until within 10 % (at most 4 points a
+# system), from brackets set by the 2026-12-01 run: stream 26 sustained, 52 not -> 33..44
+# (33: the 3x-CPU target); tier 26 yes, 32.2 not -> 26..31; CPU 11 yes, 12.8 not; the rates
+# in the order stream, tier, CPU, each point saved as measured, so a cut-off loses CPU points).
 #   bash bench/h200_overflow_stream_run.sh             # device, carry .whl; results in $OUT
 # Env: LIMIT (seconds for the bench, default 255, after at most 30 s of GPU tests), ARGS
 # (replaces the corpus and budget flags), GPU_TESTS=0 (skip the tests).
@@ -31,8 +33,8 @@ ARGS=${ARGS:-"--num-docs 20000000 --dim 768 --nlist 16384 --topics 65536 --nprob
 timeout "${LIMIT:-255}" python3 bench/bench_tier_overflow.py $ARGS \
     --coverage --model-batches 1 4 16 48 64 --model-repeats 1 \
     --latency-seconds 5 --max-batches 6 \
-    --rate-warmup 1 --rate-window 5 --rate-min-queries 200 --rate-points 3 \
-    --rate-order stream tier cpu --stream-rate 26 104 --tier-rate 26 40 --cpu-rate 11 15 \
+    --rate-warmup 1 --rate-window 5 --rate-min-queries 200 --rate-points 4 --rate-tol 0.1 \
+    --rate-order stream tier cpu --stream-rate 33 44 --tier-rate 26 31 --cpu-rate 11 12.8 \
     --stream-host-gb 1 \
     --out "$OUT/overflow_stream.json" > "$OUT/overflow_stream.log" 2>&1
 rc=$?

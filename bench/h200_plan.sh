@@ -10,13 +10,16 @@
 #                                          that hold GPU tests (<= 150 s)
 #                               overflow_stream  issue 10, cold lists streamed
 #                                          (h200_overflow_stream_run.sh, <= 300 s)
-# Carry: .whl (both calls), .gpurun and .bench_before (call 1).
+#   bash bench/h200_plan.sh 3   overflow_stream  issue 10 again after the 2026-12-01 run
+#                                          (latency phase fixed, rates bisected to 10 %;
+#                                          <= 330 s in all: CALL_S 330 unless set)
+# Carry: .whl (every call), .gpurun and .bench_before (call 1).
 # Env: CALL_S (the call's budget, default 565), TWIN=cpu (the CPU twin: the same parts on
 # tiny CPU configurations, to check this script, not to measure).
 set -uo pipefail
 CALL=${1:-}
 : "${OUT:?OUT must name the folder results are written to}"
-CALL_S=${CALL_S:-565}
+CALL_S=${CALL_S:-$([ "$CALL" = 3 ] && echo 330 || echo 565)}
 START=$SECONDS
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -91,5 +94,9 @@ case $CALL in
     part overflow_stream 300 env GPU_TESTS=0 LIMIT=280 bash bench/h200_overflow_stream_run.sh
     summary gpu_tests overflow_stream
     ;;
-*) echo "usage: $0 1|2 (OUT=<folder>)" >&2; exit 2 ;;
+3)
+    part overflow_stream 322 env GPU_TESTS=0 LIMIT=300 bash bench/h200_overflow_stream_run.sh
+    summary overflow_stream
+    ;;
+*) echo "usage: $0 1|2|3 (OUT=<folder>)" >&2; exit 2 ;;
 esac

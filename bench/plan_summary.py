@@ -64,13 +64,19 @@ def _kv_row(name: str, r: dict) -> str:
 
 def overflow_stream(d: Path) -> str:
     doc = json.loads((d / "overflow_stream.json").read_text())
-    caps = {}
+    caps, parts = {}, []
     for system in ("cpu", "tier", "stream"):
         rate = doc.get(f"slo_rate_{system}") or {}
-        caps[system] = (rate.get("capacity_qps"), rate.get("bound", "-"))
-    text = ", ".join(
-        f"{s} {b} {c:.1f} q/s" if c is not None else f"{s} {b}" for s, (c, b) in caps.items()
-    )
+        keys = ("capacity_qps", "bound", "first_unsustained_qps")
+        cap, bound, upper = (rate.get(k) for k in keys)
+        caps[system] = (cap, bound or "-")
+        text = f"{system} {bound or '-'}" + (f" {cap:.1f} q/s" if cap is not None else "")
+        if upper is not None and bound != "=":
+            text += f" (< {upper:.1f})" if cap is not None else f" {upper:.1f} q/s"
+        if not rate and doc.get(f"rate_points_{system}"):
+            text += f" (cut after {len(doc[f'rate_points_{system}'])} points)"
+        parts.append(text)
+    text = ", ".join(parts)
     cpu, stream = caps["cpu"][0], caps["stream"][0]
     if cpu and stream:
         bounds = f"{caps['stream'][1]} / {caps['cpu'][1]}"
