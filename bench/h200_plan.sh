@@ -78,8 +78,9 @@ if [ "${TWIN:-}" = cpu ]; then  # tiny sizes, CPU devices; the same parts and sc
     export PRESET_OV=cpu KV_GIB=0 NUM=3 CONCURRENT=4 ROUNDS=2 DATA=${DATA:-/tmp/plan_twin_data}
     export PRESET_KV=cpu-tiny EXTRA="--num-requests 4 --window-s 0.4 --warmup-s 0.1 \
 --drain-s 0.5 --slo 5 --load 0.5 --max-probes 2"
+    # --llm-rate 5000: Algorithm 1 wants more than the budget holds, so the twin places lists
     export ARGS="--num-docs 6000 --dim 16 --nlist 32 --topics 128 --nprobe 8 --budget-gb 0.0002 \
---device cpu --slo-search 0.5 --llm-rate 200"
+--device cpu --slo-search 0.5 --llm-rate 5000"
 fi
 
 case $CALL in
