@@ -9,7 +9,8 @@
 # in the order stream, tier, CPU, each point saved as measured, so a cut-off loses CPU points).
 #   bash bench/h200_overflow_stream_run.sh             # device, carry .whl; results in $OUT
 # Env: LIMIT (seconds for the bench, default 255, after at most 30 s of GPU tests), ARGS
-# (replaces the corpus and budget flags), GPU_TESTS=0 (skip the tests).
+# (replaces the corpus and budget flags; last on the line, so it may override any flag),
+# GPU_TESTS=0 (skip the tests).
 set -uo pipefail
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -30,12 +31,12 @@ if [ "${GPU_TESTS:-1}" != 0 ]; then
 fi
 ARGS=${ARGS:-"--num-docs 20000000 --dim 768 --nlist 16384 --topics 65536 --nprobe 256 --budget-gb 24"}
 # shellcheck disable=SC2086 # ARGS is a flag list
-timeout "${LIMIT:-255}" python3 bench/bench_tier_overflow.py $ARGS \
+timeout "${LIMIT:-255}" python3 bench/bench_tier_overflow.py \
     --coverage --model-batches 1 4 16 48 64 --model-repeats 1 \
     --latency-seconds 5 --max-batches 6 \
     --rate-warmup 1 --rate-window 5 --rate-min-queries 200 --rate-points 4 --rate-tol 0.1 \
     --rate-order stream tier cpu --stream-rate 33 44 --tier-rate 26 31 --cpu-rate 11 12.8 \
-    --stream-host-gb 1 \
+    --stream-host-gb 1 $ARGS \
     --out "$OUT/overflow_stream.json" > "$OUT/overflow_stream.log" 2>&1
 rc=$?
 echo "exit code $rc (124: stopped by the time limit; the JSON holds every finished phase)"

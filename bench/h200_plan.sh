@@ -78,9 +78,10 @@ if [ "${TWIN:-}" = cpu ]; then  # tiny sizes, CPU devices; the same parts and sc
     export PRESET_OV=cpu KV_GIB=0 NUM=3 CONCURRENT=4 ROUNDS=2 DATA=${DATA:-/tmp/plan_twin_data}
     export PRESET_KV=cpu-tiny EXTRA="--num-requests 4 --window-s 0.4 --warmup-s 0.1 \
 --drain-s 0.5 --slo 5 --load 0.5 --max-probes 2"
-    # --llm-rate 5000: Algorithm 1 wants more than the budget holds, so the twin places lists
+    # --coverage 25 50: lists placed pinned in the latency phase even where Algorithm 1 wants
+    # none (50 % is over the budget: capped at the tier's chunk prices)
     export ARGS="--num-docs 6000 --dim 16 --nlist 32 --topics 128 --nprobe 8 --budget-gb 0.0002 \
---device cpu --slo-search 0.5 --llm-rate 5000"
+--device cpu --slo-search 0.5 --llm-rate 200 --coverage 25 50"
 fi
 
 case $CALL in

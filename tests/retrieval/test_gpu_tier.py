@@ -386,3 +386,26 @@ def test_a_budget_pick_at_the_tiers_chunk_prices_always_loads():
             overfilled += 1
     assert overfilled > 0  # the premise: chunk rounding matters for these sizes
     index.drop_gpu_tier()
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_assign_auto_measures_both_paths_per_batch_size_and_stays_exact(metric: str) -> None:
+    from ragserve.retrieval.tier_assign import ASSIGN_PATHS
+
+    index, q = make_index(metric)
+    tier = index.set_gpu_tier(
+        BIG, device="cpu", clusters=range(0, NLIST, 2), scan="dense", assign="auto"
+    )
+    chooser = tier.assign_chooser
+    assert chooser is not None and tier.assigner is not None
+    for size in (4, 32):
+        ref = oracle(index, q[:size])
+        for _ in range(2 * chooser.trials + 2):
+            assert_same(index.search(q[:size], K), ref)
+    assert set(chooser.choices) == {4, 32}
+    assert set(chooser.choices.values()) <= set(ASSIGN_PATHS)
+    for runs in chooser.seconds.values():
+        assert all(len(runs[p]) == chooser.trials for p in ASSIGN_PATHS)
+    assert tier.assigner.num_rows >= chooser.trials * (4 + 32)  # the tier's path ran
+    assert index.set_gpu_tier(BIG, device="cpu", assign="faiss").assign_chooser is None
+    index.drop_gpu_tier()

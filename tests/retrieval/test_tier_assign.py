@@ -110,3 +110,28 @@ def test_error_bound_and_bad_input() -> None:
         gamma(1 << 24)
     with pytest.raises(ValueError, match="centroids"):
         DeviceAssigner(torch, np.zeros((0, 4), np.float32), False, "cpu")
+
+
+def test_assign_chooser_times_both_paths_then_keeps_the_faster_per_bucket() -> None:
+    from ragserve.retrieval.tier_assign import AssignChooser
+
+    assert [AssignChooser.bucket(n) for n in (1, 2, 3, 32, 33, 256)] == [1, 2, 4, 32, 64, 256]
+    chooser = AssignChooser(trials=3)
+    cost = {32: {"tier": 0.018, "faiss": 0.016}, 256: {"tier": 0.039, "faiss": 0.060}}
+    seen = {32: [], 256: []}
+    for _ in range(8):
+        for n in (32, 256):
+            path = chooser.choose(n)
+            seen[n].append(path)
+            warm = 1.0 if path not in seen[n][:-1] else 0.0  # a slow first call of each path
+            chooser.record(n, path, cost[n][path] + warm)
+    assert seen[32][:6] == ["tier", "faiss"] * 3 and set(seen[32][6:]) == {"faiss"}
+    assert seen[256][:6] == ["tier", "faiss"] * 3 and set(seen[256][6:]) == {"tier"}
+    assert chooser.choices == {32: "faiss", 256: "tier"}
+    assert chooser.seconds[32]["tier"][0] == pytest.approx(1.018)
+    assert chooser.choose(20) == "faiss"  # bucket 32
+    assert chooser.choose(100) == "tier"  # bucket 128: not measured yet, trials start
+    with pytest.raises(ValueError, match="path"):
+        chooser.record(8, "gpu", 0.1)
+    with pytest.raises(ValueError, match="trials"):
+        AssignChooser(trials=1)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig
-from ragserve.retrieval.tier_assign import DeviceAssigner
+from ragserve.retrieval.tier_assign import AssignChooser, DeviceAssigner
 from ragserve.retrieval.tier_scan import (
     BUCKET_BOUNDS,
     GroupedPlan,
@@ -118,7 +118,9 @@ class GpuTier:
     (device bytes allocated), ``budget_bytes``, ``device``, ``dtype``, ``hit_rate`` (decayed
     share of probes served here), ``streamer`` (the ``cold_stream.ColdStreamer`` that scans
     non-resident lists here too, or None; ``stream`` config), ``assigner`` (the
-    ``tier_assign.DeviceAssigner`` that ``index.search`` assigns with, or None: Faiss).
+    ``tier_assign.DeviceAssigner`` that ``index.search`` assigns with, or None: Faiss),
+    ``assign_chooser`` (``assign="auto"``: the ``tier_assign.AssignChooser`` that picks the
+    assigner or Faiss per batch size, or None: always the assigner).
     Mutated by ``begin_load``/``evict``/``invalidate``/``poll``/``observe``; ``scan`` only
     reads. Thread-safe.
     """
@@ -182,6 +184,7 @@ class GpuTier:
         stream = stream or StreamConfig(mode="off")
         self.streamer: ColdStreamer | None = None
         self.assigner: DeviceAssigner | None = None
+        self.assign_chooser: AssignChooser | None = None
         if stream.enabled(self.device):
             self.streamer = ColdStreamer(
                 dim=dim, nlist=nlist, is_l2=self.is_l2, device=self.device, config=stream

@@ -22,6 +22,7 @@ from ragserve.retrieval.types import ProbePlan, TopK
 if TYPE_CHECKING:
     from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig, StreamCostModel
     from ragserve.retrieval.gpu_tier import GpuTier
+    from ragserve.retrieval.tier_assign import DeviceAssigner
     from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater
 
 
@@ -111,6 +112,22 @@ class GpuTierMixin:
             return None
         q = stepwise.check_queries(self._index, queries)
         nprobe = nprobe or self.spec.nprobe
+        chooser = tier.assign_chooser
+        if chooser is None:
+            return self._search_assigned_on_tier(assigner, q, topk, nprobe)
+        path = chooser.choose(len(q))
+        t0 = time.perf_counter()
+        if path == "tier":
+            found = self._search_assigned_on_tier(assigner, q, topk, nprobe)
+        else:
+            found = self.scan(q, self.assign(q, nprobe), topk)
+        chooser.record(len(q), path, time.perf_counter() - t0)
+        return found
+
+    def _search_assigned_on_tier(
+        self, assigner: DeviceAssigner, q: np.ndarray, topk: int, nprobe: int
+    ) -> TopK:
+        """``search`` of checked queries ``q`` with the tier's assignment (``tier_assign``)."""
         split = assigner.assign(q, nprobe)
         found = self.scan(q, split.sure, topk)
         band = (
@@ -239,9 +256,10 @@ class GpuTierMixin:
         ``search`` assign queries to clusters on the tier's device (``tier_assign``: the
         clusters near the ``nprobe``-th score scanned apart, rows they could change searched
         again with Faiss's assignment, so the ids are Faiss's; ``access_counts`` then also
-        count those near clusters), ``"faiss"`` (the default until the H200 run measures the
-        tier's) on the CPU quantizer, ``"auto"`` the tier on CUDA (flat quantizers), Faiss on
-        CPU.
+        count those near clusters), ``"faiss"`` (the default: on the 2026-12-01 H200 run the
+        tier's was 0.90x at batch 32 and 1.52x at 256) on the CPU quantizer, ``"auto"`` per
+        batch-size bucket whichever of the two measured faster on that bucket's first batches
+        (``tier_assign.AssignChooser``; flat quantizers; Faiss otherwise).
         """
         from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier
@@ -278,13 +296,15 @@ class GpuTierMixin:
             tier.streamer.list_rows = sizes
         # NOTE: the device scores every centroid, so only an exact (flat) quantizer qualifies
         is_flat = isinstance(faiss.downcast_index(self._index.quantizer), faiss.IndexFlat)
-        if is_flat and (assign == "tier" or (assign == "auto" and tier.device.startswith("cuda"))):
+        if is_flat and assign in ("tier", "auto"):
             import torch
 
-            from ragserve.retrieval.tier_assign import DeviceAssigner
+            from ragserve.retrieval.tier_assign import AssignChooser, DeviceAssigner
 
             centroids = self._index.quantizer.reconstruct_n(0, self.spec.nlist)
             tier.assigner = DeviceAssigner(torch, centroids, self.spec.is_l2, tier.device)
+            if assign == "auto":
+                tier.assign_chooser = AssignChooser()
         counts = self.access_counts.snapshot()
         placement = placement or PlacementConfig()
         if pinned is None:

@@ -134,3 +134,62 @@ class DeviceAssigner:
         if self.is_l2:
             return self._gamma * (q_norm + self._c_norm_max) ** 2
         return self._gamma * q_norm * self._c_norm_max
+
+
+ASSIGN_PATHS = ("tier", "faiss")
+
+
+class AssignChooser:
+    """``assign="auto"``: per batch-size bucket (``n`` rounded up to a power of two), which
+    assignment ``search`` uses, chosen by measurement. The first ``2 * trials`` batches of a
+    bucket alternate ``tier`` / ``faiss`` and are timed end to end (assignment, scans, band,
+    re-search); the first of each path is a warm-up and not counted; then the path with the
+    lower median keeps the bucket. Both paths return Faiss's results, so the choice moves only
+    time. Thread-safe; ``choices`` and ``seconds`` are read-only views for benches."""
+
+    def __init__(self, trials: int = 3) -> None:
+        if trials < 2:
+            raise ValueError(f"trials must be >= 2 (one is a warm-up), got {trials}")
+        self.trials = trials
+        self._lock = threading.Lock()
+        self._seconds: dict[int, dict[str, list[float]]] = {}
+        self._chosen: dict[int, str] = {}
+
+    @staticmethod
+    def bucket(num_queries: int) -> int:
+        return 1 << max(0, int(num_queries) - 1).bit_length()
+
+    def choose(self, num_queries: int) -> str:
+        """The path for a batch of ``num_queries`` (a trial's while the bucket is measured)."""
+        b = self.bucket(num_queries)
+        with self._lock:
+            if b in self._chosen:
+                return self._chosen[b]
+            runs = self._seconds.setdefault(b, {p: [] for p in ASSIGN_PATHS})
+            return min(ASSIGN_PATHS, key=lambda p: len(runs[p]))  # tier first, then alternate
+
+    def record(self, num_queries: int, path: str, seconds: float) -> None:
+        """One timed batch of ``path``; the bucket is decided once both have ``trials``."""
+        if path not in ASSIGN_PATHS:
+            raise ValueError(f"path must be one of {ASSIGN_PATHS}, got {path!r}")
+        b = self.bucket(num_queries)
+        with self._lock:
+            if b in self._chosen:
+                return
+            runs = self._seconds.setdefault(b, {p: [] for p in ASSIGN_PATHS})
+            runs[path].append(float(seconds))
+            if all(len(runs[p]) >= self.trials for p in ASSIGN_PATHS):
+                median = {p: float(np.median(runs[p][1:])) for p in ASSIGN_PATHS}
+                self._chosen[b] = min(ASSIGN_PATHS, key=lambda p: median[p])
+
+    @property
+    def choices(self) -> dict[int, str]:
+        """Decided buckets: batch-size bucket -> path."""
+        with self._lock:
+            return dict(self._chosen)
+
+    @property
+    def seconds(self) -> dict[int, dict[str, list[float]]]:
+        """The timed trials per bucket and path (warm-ups included, first)."""
+        with self._lock:
+            return {b: {p: list(v) for p, v in runs.items()} for b, runs in self._seconds.items()}
