@@ -113,9 +113,15 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
         assert p["exact_ids"] == 1.0
         assert 0.0 <= p["tail_hit_rate_measured"] <= p["hit_rate_measured"] <= 1.0
         assert p["predicted_s"] > 0 and p["p90_s"] > 0
-    for key in ("slo_rate_cpu", "slo_rate_tier"):
-        assert doc[key]["points"], key
-        assert all("offered_rps" in p for p in doc[key]["points"])
+    for system in ("cpu", "tier"):
+        rate = doc[f"slo_rate_{system}"]
+        assert rate["points"], system
+        assert all("offered_rps" in p for p in rate["points"])
+        saved = doc[f"rate_points_{system}"]  # each point saved as it was measured
+        assert [p["rate"] for p in saved] == [p["rate"] for p in rate["points"]]
+        good, bad = rate["capacity_qps"], rate["first_unsustained_qps"]
+        tight = good is not None and bad is not None and bad / good <= 1.1
+        assert (rate["bound"] == "=") == tight
 
 
 def test_overflow_bench_needs_a_budget(tmp_path: Path) -> None:

@@ -56,3 +56,14 @@ def test_missing_result_is_one_clear_line(tmp_path) -> None:
     assert run.stdout.strip() == (
         f"overflow_stream: no result (overflow_stream.json missing; see {tmp_path}/part.log)"
     )
+
+
+def test_overflow_line_reads_bounds_honestly(summary, tmp_path) -> None:
+    doc = {"slo_rate_cpu": {"capacity_qps": 11.0, "bound": "=", "first_unsustained_qps": 11.9},
+           "slo_rate_tier": {"capacity_qps": 26.0, "bound": ">=", "first_unsustained_qps": 32.2},
+           "rate_points_stream": [{"rate": 33.0}],
+           "points": [{"system": "gpu_tier", "p90_error": 0.05}], "failures": []}  # fmt: skip
+    (tmp_path / "overflow_stream.json").write_text(json.dumps(doc))
+    line = summary.overflow_stream(tmp_path)
+    assert "cpu = 11.0 q/s," in line and "tier >= 26.0 q/s (< 32.2)" in line
+    assert "stream - (cut after 1 points)" in line and "gpu_tier +5 %" in line
