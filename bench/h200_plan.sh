@@ -97,7 +97,7 @@ case $CALL in
     summary gpu_tests overflow_stream
     ;;
 3)
-    part overflow_stream 322 env GPU_TESTS=0 LIMIT=300 bash bench/h200_overflow_stream_run.sh
+    part overflow_stream 325 env GPU_TESTS=0 LIMIT=312 bash bench/h200_overflow_stream_run.sh
     summary overflow_stream
     ;;
 *) echo "usage: $0 1|2|3 (OUT=<folder>)" >&2; exit 2 ;;
