@@ -123,14 +123,14 @@ def search_capacity(
         "upper": bad if good is not None else min((p["rate"] for p in points), default=None),
         "bound": bound,
         "stopped": stopped,
-        # an unsustained probe below a sustained one: noise at the edge, read the bound wider
-        "monotonic": all(p["sustained"] or p["rate"] > (good or 0.0) for p in points),
         "points": points,
     }
 
 
 def _bracket(points: list[dict]) -> tuple[float | None, float | None]:
-    """(highest sustained rate, lowest unsustained rate above it) of the probes so far."""
+    """(highest sustained rate, lowest unsustained rate above it) of the probes so far. Every
+    probe lies beyond the bracket's open side or inside it, so no unsustained probe falls below
+    a sustained one: a noisy verdict at the edge moves the bracket, it cannot contradict it."""
     good = max((p["rate"] for p in points if p["sustained"]), default=None)
     above = [p["rate"] for p in points if not p["sustained"] and p["rate"] > (good or 0.0)]
     return good, min(above, default=None)
