@@ -10,7 +10,10 @@
 #                                          that hold GPU tests (<= 150 s)
 #                               overflow_stream  issue 10, cold lists streamed
 #                                          (h200_overflow_stream_run.sh, <= 300 s)
-# Carry: .whl (both calls), .gpurun and .bench_before (call 1).
+#   bash bench/h200_plan.sh 4   kv_capacity  issue 12's TTFT and sustained capacity from
+#                                          150-request windows, with the agreement control
+#                                          (h200_kv_tiers_run.sh capacity, <= 268 s)
+# Carry: .whl (both calls), .gpurun and .bench_before (call 1); call 4 needs none.
 # Env: CALL_S (the call's budget, default 565), TWIN=cpu (the CPU twin: the same parts on
 # tiny CPU configurations, to check this script, not to measure).
 set -uo pipefail
@@ -73,8 +76,8 @@ export -f run_gpu_tests
 
 if [ "${TWIN:-}" = cpu ]; then  # tiny sizes, CPU devices; the same parts and scripts
     export PRESET_OV=cpu KV_GIB=0 NUM=3 CONCURRENT=4 ROUNDS=2 DATA=${DATA:-/tmp/plan_twin_data}
-    export PRESET_KV=cpu-tiny EXTRA="--num-requests 4 --window-s 0.4 --warmup-s 0.1 \
---drain-s 0.5 --slo 5 --load 0.5 --max-probes 2"
+    export PRESET_KV=cpu-tiny RESERVE_S=2 EXTRA="--num-requests 4 --window-requests 12 \
+--ttft-requests 6 --warmup-s 0.1 --drain-s 1 --slo 5 --load 0.5 --max-probes 2"
     export ARGS="--num-docs 6000 --dim 16 --nlist 32 --topics 128 --nprobe 8 --budget-gb 0.0002 \
 --device cpu --slo-search 0.5 --llm-rate 200"
 fi
@@ -91,5 +94,10 @@ case $CALL in
     part overflow_stream 300 env GPU_TESTS=0 LIMIT=280 bash bench/h200_overflow_stream_run.sh
     summary gpu_tests overflow_stream
     ;;
-*) echo "usage: $0 1|2 (OUT=<folder>)" >&2; exit 2 ;;
+4)
+    part kv_capacity 268 env PRESET="${PRESET_KV:-h200-llama8b-tiers}" \
+        bash bench/h200_kv_tiers_run.sh capacity
+    summary kv_capacity
+    ;;
+*) echo "usage: $0 1|2|4 (OUT=<folder>)" >&2; exit 2 ;;
 esac
