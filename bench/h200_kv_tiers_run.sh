@@ -32,7 +32,7 @@ OUT=${OUT:-/tmp/kv_tiers_out}
 mkdir -p "$OUT"
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia_smi.txt"
-if [ "${1:-one}" != compact ]; then
+if [ "${1:-one}" != compact ] && [ "${1:-one}" != capacity ]; then
     timeout 60 python3 -m pytest -q -m gpu tests/generation/test_kv_swap.py \
         > "$OUT/gpu_tests.log" 2>&1
     tail -3 "$OUT/gpu_tests.log"
