@@ -30,8 +30,10 @@ Per configuration (``CONFIGS``), a fresh engine, one after the other in one proc
    offers Poisson arrivals at a rate from the same Zipf popularity: ``--warmup-s`` worth of
    warm-up arrivals, then ``--window-requests`` counted ones; the window's arrivals
    unfinished ``--drain-s`` after the last arrival are aborted (misses). Sustained iff >= 95 %
-   of the window's arrivals complete (completed >= 95 % of offered) and >= 90 % within
-   ``--slo`` s. First the TTFT probe (``--ttft-requests`` counted arrivals) at the **common
+   of the window's arrivals complete (completed >= 95 % of offered), >= 90 % within
+   ``--slo`` s, and their latency grows by at most ``--max-latency-growth`` s per s of
+   arrivals (no queue building up: the overload a short window hides from the SLO). First
+   the TTFT probe (``--ttft-requests`` counted arrivals) at the **common
    rate**, ``--rate`` or ``--load`` x the first configuration's all-at-once throughput, the
    same for every configuration (mean / p90 TTFT over its window). Then, for
    ``--capacity-configs``, the capacity search: from ``--capacity-guess`` x this
@@ -77,11 +79,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import LLAMA_31_8B, SMOKE  # noqa: E402
-from kv_capacity import arrival_window_stats, probe_offsets, search_capacity  # noqa: E402
+from kv_capacity import (  # noqa: E402
+    arrival_window_stats,
+    keeps_up,
+    probe_offsets,
+    search_capacity,
+)
 from ragserve.generation import LLMEngine, SamplingParams  # noqa: E402
 from ragserve.generation.block_manager import hash_block_tokens  # noqa: E402
 from ragserve.generation.model_runner import kv_cache_bytes_per_block  # noqa: E402
-from sustained import is_sustained  # noqa: E402
 
 log = logging.getLogger("bench_kv_reuse")
 
@@ -92,7 +98,8 @@ BLOCK_SIZE = 16  # the engine's default block size (working-set arithmetic)
 # settings every preset has unless it says otherwise (no sustained passes)
 DEFAULTS = dict(
     rate=0.0, load=0.0, slo=0.0, warmup_s=0.0, window_requests=0, ttft_requests=0,
-    drain_s=0.0, max_probes=4, rel_tol=0.1, capacity_guess=0.9, reserve_s=0.0, time_budget=0.0,
+    drain_s=0.0, max_probes=4, rel_tol=0.1, capacity_guess=0.9, reserve_s=0.0,
+    max_latency_growth=0.05, time_budget=0.0,
 )  # fmt: skip
 
 PRESETS = {
@@ -359,7 +366,7 @@ def probe(engine, corpus, a, params, rate: float, num_window: int, deadline) -> 
         "p90_ttft_s": float(np.percentile(measured, 90)) if measured else None,
         "seconds": run["seconds"],
     }
-    stats["sustained"] = is_sustained(stats)
+    stats["sustained"] = keeps_up(stats, a.max_latency_growth)
     log.info("  probe %.2f req/s: %s", rate, {k: _round(v) for k, v in stats.items()})
     return stats
 
@@ -405,6 +412,7 @@ def sustained_passes(name, engine, corpus, a, params, estimate, deadline, state)
         rel_tol=a.rel_tol,
         max_probes=a.max_probes,
         fits=fits,
+        judge=lambda stats: keeps_up(stats, a.max_latency_growth),
     )
     return row | {
         "throughput_rps": cap["rate"],

@@ -42,7 +42,7 @@ def _resp(error=None, latency=1.0):
 def test_window_counts_each_arrival_once_whatever_its_latency(kc) -> None:
     offsets = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # 2 warm-up, then 4 arrivals in (1, 5]
     responses = [
-        _resp("finish reason abort"),  # warm-up: not counted
+        _resp("finish reason abort"),  # the two warm-up arrivals: not counted
         _resp(),
         _resp(latency=3.5),  # finished after the window's end, within the drain: completed
         _resp("finish reason abort"),  # not finished by the drain cutoff: a miss
@@ -56,19 +56,38 @@ def test_window_counts_each_arrival_once_whatever_its_latency(kc) -> None:
         "offered_rps": 1.0,
         "completed_rps": 0.75,
         "window_slo_attainment": 0.5,
+        "latency_growth": pytest.approx(-1.5 / (14 / 3)),  # the slope over t = 2, 4, 5
     }
     with pytest.raises(ValueError, match="warm-up"):
         kc.arrival_window_stats(responses, offsets, 0, slo=4.0)
 
 
+def test_latency_growth_reads_the_overload(kc) -> None:
+    rng = np.random.default_rng(1)
+    offsets = kc.probe_offsets(rng, 16.0, 24, 150)
+    noise = rng.uniform(0.0, 0.4, len(offsets))
+    for overload, verdict in ((0.0, True), (0.04, True), (0.2, False)):
+        # each arrival waits `overload` x its arrival time on top of ~1 s of service
+        responses = [
+            _resp(latency=0.8 + n + overload * t) for t, n in zip(offsets, noise, strict=True)
+        ]
+        stats = kc.arrival_window_stats(responses, offsets, 24, slo=4.0)
+        assert stats["latency_growth"] == pytest.approx(overload, abs=0.01)
+        # completion and SLO alone pass all three: the window (9.4 s) is short next to the SLO
+        assert (
+            stats["completed_rps"] == stats["offered_rps"] and stats["window_slo_attainment"] == 1
+        )
+        assert kc.keeps_up(stats) is verdict
+
+
 def _system(capacity: float, calls: list[float]):
-    """A server that keeps up below ``capacity`` and backs up above it."""
+    """A server that keeps up below ``capacity`` and backs up above it (latency growing by the
+    overload; completion and SLO met, as in a window short next to the SLO)."""
 
     def measure(rate: float) -> dict:
         calls.append(rate)
-        ok = rate <= capacity
-        return {"offered_rps": rate, "completed_rps": rate if ok else capacity,
-                "window_slo_attainment": 1.0 if ok else 0.4}  # fmt: skip
+        return {"offered_rps": rate, "completed_rps": rate, "window_slo_attainment": 1.0,
+                "latency_growth": max(rate / capacity - 1.0, 0.0)}  # fmt: skip
 
     return measure
 
