@@ -135,15 +135,15 @@ PRESETS = {
     # s = 1.1 over 32 lists keeps ~30-45 % of the prefixes at 3-5 cached prompts). Host tier
     # 176k tokens (23 GB pinned): it alone holds the working set. A host hit costs a 686 MB
     # host-to-device copy (~15-30 ms over PCIe 5) against a ~0.2 s prefill. Replays of 48
-    # requests; capacity probes of 1.5 s of warm-up arrivals + 150 counted ones, TTFT probes
-    # of 30 at 0.6 x no_reuse's replay rate; SLO 4 s (prefill, 32 decode steps, queueing),
+    # requests; capacity probes of 1 s of warm-up arrivals + 150 counted ones, TTFT probes
+    # of 24 at 0.6 x no_reuse's replay rate; SLO 4 s (prefill, 32 decode steps, queueing),
     # drain 4 s. The time budget (480 s) keeps a 7-configuration call under 9 minutes.
     "h200-llama8b-tiers": dict(
         model="llama-3.1-8b-dummy", device="cuda", dtype="bfloat16", docs=400,
         passage_tokens=1024, topk=5, question_tokens=64, num_requests=48, topics=32,
         max_tokens=32, gpu_kv_tokens=48000, host_kv_tokens=176000, zipf=1.1, cpu_threads=0,
-        max_num_seqs=64, max_num_batched_tokens=8192, load=0.6, slo=4.0, warmup_s=1.5,
-        window_requests=150, ttft_requests=30, drain_s=4.0, max_probes=4, time_budget=480.0,
+        max_num_seqs=64, max_num_batched_tokens=8192, load=0.6, slo=4.0, warmup_s=1.0,
+        window_requests=150, ttft_requests=24, drain_s=4.0, max_probes=4, time_budget=480.0,
     ),
     # its CPU twin: the same shape scaled down (passages of 64 tokens, 32 topics, working set
     # 9,136 tokens, 3.0x the GPU pool, within the host tier), tiny random model; prefill

@@ -73,7 +73,7 @@ capacity)
     LIMIT=${LIMIT:-258}
     # shellcheck disable=SC2086 # EXTRA is a flag list
     timeout "$LIMIT" python3 -u bench/bench_kv_reuse.py --preset "${PRESET:-h200-llama8b-tiers}" \
-        --time-budget $((LIMIT - 12)) --reserve-s "${RESERVE_S:-60}" --control \
+        --time-budget $((LIMIT - 8)) --reserve-s "${RESERVE_S:-60}" --control \
         --configs no_reuse,tree_host_pgdsf_aware,block_cache \
         ${EXTRA:-} --out "$OUT/kv_capacity.json" > "$OUT/kv_capacity.log" 2>&1
     echo "capacity exit $? (124: stopped by the time limit; the JSON holds every finished configuration)"
