@@ -19,24 +19,32 @@ Per configuration (``CONFIGS``), a fresh engine, one after the other in one proc
    replay** (another draw of ``--num-requests`` from the same distribution, all at once)
    measures the steady state: its prompt tokens computed (admitted prompt tokens minus cache
    hits, recomputation after preemption included) are ``prefill_tokens``, the
-   machine-independent measure of reuse (the cold replay's: ``prefill_tokens_cold``). Both
-   replays' tokens are compared with the first configuration's (``agreement``: the share of
-   requests whose tokens are equal; ``identical``: all are). The passes below start warm.
-2. **sustained** (``--window-s`` > 0): ``bench/sustained.py``'s method. A probe offers
-   Poisson arrivals at a rate for ``--warmup-s`` + ``--window-s`` seconds (requests
-   unfinished ``--drain-s`` after the last arrival are aborted: misses); the rate is
-   sustained iff completed >= 95 % of the offered rate and >= 90 % of the window's requests
-   finish within ``--slo`` s. Capacity: ``find_capacity`` (geometric bisection) in
-   [0.6 c, 1.5 c] around the warm replay's all-at-once throughput c, at most
-   ``--max-probes`` probes (if 0.6 c is not sustained, once more below it). TTFT (mean /
-   p90 over the window's requests): one probe at the **common rate**, ``--rate`` or
-   ``--load`` x no_reuse's capacity, the same for every configuration. With
-   ``--capacity-configs`` only the named configurations search their capacity (the first
-   configuration always does: it sets the common rate); the others run the TTFT probe only
-   (``throughput_rps`` None), which keeps a device run short.
+   machine-independent measure of reuse (the cold replay's: ``prefill_tokens_cold``). With
+   sustained passes on, a configuration without a cache skips the warm replay (it would
+   repeat the cold one). The replays' tokens are compared with the first configuration's
+   (``agreement``: the share of requests whose tokens are equal; ``identical``: all are; the
+   warm replay counts where both have one). With ``--control`` the first configuration
+   replays its cold requests once more in a shuffled arrival order (``control.agreement``:
+   the noise floor of agreement; 1.0 in exact arithmetic). The passes below start warm.
+2. **sustained** (``--window-requests`` > 0; ``bench/kv_capacity.py``'s method): a probe
+   offers Poisson arrivals at a rate from the same Zipf popularity: ``--warmup-s`` worth of
+   warm-up arrivals, then ``--window-requests`` counted ones; the window's arrivals
+   unfinished ``--drain-s`` after the last arrival are aborted (misses). Sustained iff >= 95 %
+   of the window's arrivals complete (completed >= 95 % of offered), >= 90 % within
+   ``--slo`` s, and their latency grows by at most ``--max-latency-growth`` s per s of
+   arrivals (no queue building up: the overload a short window hides from the SLO). First
+   the TTFT probe (``--ttft-requests`` counted arrivals) at the **common
+   rate**, ``--rate`` or ``--load`` x the first configuration's all-at-once throughput, the
+   same for every configuration (mean / p90 TTFT over its window). Then, for
+   ``--capacity-configs``, the capacity search: from ``--capacity-guess`` x this
+   configuration's all-at-once throughput (warm replay), steps of ``1 + --rel-tol`` that
+   grow while the verdict holds, then bisection to within ``1 + --rel-tol``; at most
+   ``--max-probes`` probes, and none that would end past the time budget less ``--reserve-s``
+   per configuration still to run. ``capacity.bound`` says what was found: "=" bracketed
+   within the tolerance, "~" bracketed wider, ">=" / "<" one-sided.
 
-Without ``--window-s`` (the small CPU presets) only the replays run, and the cold replay's
-TTFT (queueing included) and all-at-once throughput are reported.
+Without ``--window-requests`` (the small CPU presets) only the replays run, and the cold
+replay's TTFT (queueing included) and all-at-once throughput are reported.
 
 Configurations: no reuse, block prefix cache (the engine before the knowledge tree), the tree
 on the GPU only and GPU + host with LRU and PGDSF, cache-aware admission on (window 8) in
@@ -59,6 +67,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import sys
 import tempfile
 import time
@@ -70,10 +79,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import LLAMA_31_8B, SMOKE  # noqa: E402
+from kv_capacity import (  # noqa: E402
+    arrival_window_stats,
+    keeps_up,
+    probe_offsets,
+    search_capacity,
+)
 from ragserve.generation import LLMEngine, SamplingParams  # noqa: E402
 from ragserve.generation.block_manager import hash_block_tokens  # noqa: E402
 from ragserve.generation.model_runner import kv_cache_bytes_per_block  # noqa: E402
-from sustained import find_capacity, is_sustained, window_stats  # noqa: E402
 
 log = logging.getLogger("bench_kv_reuse")
 
@@ -83,8 +97,9 @@ BLOCK_SIZE = 16  # the engine's default block size (working-set arithmetic)
 
 # settings every preset has unless it says otherwise (no sustained passes)
 DEFAULTS = dict(
-    rate=0.0, load=0.0, slo=0.0, warmup_s=0.0, window_s=0.0, drain_s=0.0,
-    max_probes=4, time_budget=0.0,
+    rate=0.0, load=0.0, slo=0.0, warmup_s=0.0, window_requests=0, ttft_requests=0,
+    drain_s=0.0, max_probes=4, rel_tol=0.1, capacity_guess=0.9, reserve_s=0.0,
+    max_latency_growth=0.05, time_budget=0.0,
 )  # fmt: skip
 
 PRESETS = {
@@ -120,14 +135,18 @@ PRESETS = {
     # s = 1.1 over 32 lists keeps ~30-45 % of the prefixes at 3-5 cached prompts). Host tier
     # 176k tokens (23 GB pinned): it alone holds the working set. A host hit costs a 686 MB
     # host-to-device copy (~15-30 ms over PCIe 5) against a ~0.2 s prefill. Replays of 48
-    # requests; probes of 1 + 4 s of arrivals; SLO 4 s (prefill, 32 decode steps, queueing).
-    # The time budget (480 s) keeps the call under 9 minutes.
+    # requests; capacity probes of 1 s of warm-up arrivals + 150 counted ones, TTFT probes
+    # of 24 at 0.6 x no_reuse's replay rate; SLO 4 s (prefill, 32 decode steps, queueing),
+    # drain 4 s; the capacity search starts at 0.95 x the warm replay's rate (the 04:49 run's
+    # no_reuse saturated near 0.92 x; a 5 % overload passes). The time budget (480 s) keeps a
+    # 7-configuration call under 9 minutes.
     "h200-llama8b-tiers": dict(
         model="llama-3.1-8b-dummy", device="cuda", dtype="bfloat16", docs=400,
         passage_tokens=1024, topk=5, question_tokens=64, num_requests=48, topics=32,
         max_tokens=32, gpu_kv_tokens=48000, host_kv_tokens=176000, zipf=1.1, cpu_threads=0,
-        max_num_seqs=64, max_num_batched_tokens=8192, load=0.8, slo=4.0, warmup_s=1.0,
-        window_s=4.0, drain_s=3.0, max_probes=4, time_budget=480.0,
+        max_num_seqs=64, max_num_batched_tokens=8192, load=0.6, slo=4.0, warmup_s=1.0,
+        window_requests=150, ttft_requests=24, drain_s=4.0, max_probes=4, capacity_guess=0.95,
+        time_budget=480.0,
     ),
     # its CPU twin: the same shape scaled down (passages of 64 tokens, 32 topics, working set
     # 9,136 tokens, 3.0x the GPU pool, within the host tier), tiny random model; prefill
@@ -252,7 +271,7 @@ def _zipf(n: int, s: float) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Response:
-    """One probe request as ``sustained.window_stats`` reads it (monotonic seconds)."""
+    """One request of a pass as ``kv_capacity.arrival_window_stats`` reads it (monotonic s)."""
 
     error: str | None
     finish_time: float
@@ -331,30 +350,26 @@ def replay(engine: LLMEngine, workload, params, deadline) -> dict:
     }
 
 
-def probe(engine, corpus, a, params, rate: float, deadline) -> dict:
-    """One sustained-load point at ``rate`` req/s (seeded by the rate, so every configuration
-    gets the same requests at the same rate): window statistics and TTFT."""
+def probe(engine, corpus, a, params, rate: float, num_window: int, deadline) -> dict:
+    """One sustained-load point at ``rate`` req/s (``kv_capacity``'s module doc): a warm-up of
+    ``--warmup-s`` worth of arrivals, then ``num_window`` counted ones, drawn from the corpus's
+    Zipf popularity (seeded by the rate: every configuration gets the same requests at the
+    same rate). Window statistics, sustained or not, and the window's TTFT."""
     rng = np.random.default_rng([a.seed, int(rate * 1000)])
-    span = a.warmup_s + a.window_s
-    offsets = np.cumsum(rng.exponential(1.0 / rate, max(int(4 * rate * span), 8)))
-    offsets = offsets[offsets <= span] if (offsets <= span).sum() >= 2 else offsets[:2]
-    offsets = (offsets - offsets[0]).tolist()
-    if offsets[-1] <= a.warmup_s:  # too few arrivals for a window: stretch to one after it
-        offsets[-1] = a.warmup_s + a.window_s
+    num_warmup = max(math.ceil(rate * a.warmup_s), 1)
+    offsets = probe_offsets(rng, rate, num_warmup, num_window)
     requests = [corpus.request(rng, a) for _ in offsets]
     run = drive(engine, requests, params, offsets, deadline, drain_s=a.drain_s)
-    stats = window_stats(run["responses"], offsets, run["start"], a.warmup_s, a.slo)
-    measured = [
-        r.ttft for r, t in zip(run["responses"], offsets, strict=True)
-        if t >= a.warmup_s and r.ttft is not None
-    ]  # fmt: skip
+    stats = arrival_window_stats(run["responses"], offsets, num_warmup, a.slo)
+    measured = [r.ttft for r in run["responses"][num_warmup:] if r.ttft is not None]
     stats |= {
         "rate": rate,
-        "requests": len(offsets),
+        "warmup_requests": num_warmup,
         "mean_ttft_s": float(np.mean(measured)) if measured else None,
         "p90_ttft_s": float(np.percentile(measured, 90)) if measured else None,
+        "seconds": run["seconds"],
     }
-    stats["sustained"] = is_sustained(stats)
+    stats["sustained"] = keeps_up(stats, a.max_latency_growth)
     log.info("  probe %.2f req/s: %s", rate, {k: _round(v) for k, v in stats.items()})
     return stats
 
@@ -363,45 +378,49 @@ def _round(v):
     return round(v, 3) if isinstance(v, float) else v
 
 
-def sustained_capacity(engine, corpus, a, params, estimate: float, deadline) -> dict:
-    """The highest sustained rate: ``find_capacity`` in [0.6 c, 1.5 c] around the warm
-    replay's all-at-once throughput c; if 0.6 c is not sustained, once more below it. At
-    most ``max_probes`` probes."""
-    points: list[dict] = []
-    lo, hi = 0.6 * estimate, 1.5 * estimate
-    while True:
-        cap = find_capacity(
-            lambda r: probe(engine, corpus, a, params, r, deadline),
-            lo,
-            hi,
-            rel_tol=0.15,
-            max_points=max(a.max_probes - len(points), 2),
-        )
-        points += [stats for _, _, stats in cap.points]
-        if cap.bound != "<" or len(points) + 2 > a.max_probes:
-            return {"rate": cap.rate, "bound": cap.bound, "upper": cap.upper, "points": points}
-        lo, hi = lo / 2.5, lo
+def probe_seconds(a: argparse.Namespace, rate: float, num_window: int) -> float:
+    """A probe's longest wall time: its arrivals, then the whole drain."""
+    return (max(math.ceil(rate * a.warmup_s), 1) + num_window) / rate + a.drain_s
 
 
-def sustained_passes(name, engine, corpus, a, params, warm, deadline, state) -> dict:
-    """The capacity search (configurations in ``--capacity-configs``, and any that runs
-    before a common rate is known) and the TTFT probe at the common rate."""
-    row: dict = {"throughput_rps": None, "throughput_method": "not searched (--capacity-configs)"}
-    if name in a.capacity_configs or state.get("rate") is None:
-        cap = sustained_capacity(engine, corpus, a, params, warm["requests_per_s"], deadline)
-        if state.get("rate") is None:  # not even the lowest probe sustained: its rate
-            state["rate"] = a.rate or a.load * (cap["rate"] or cap["points"][-1]["rate"])
-        row = {
-            "throughput_rps": cap["rate"],
-            "throughput_method": f"sustained ({cap['bound']})",
-            "capacity": cap,
-        }
-    paced = probe(engine, corpus, a, params, state["rate"], deadline)
-    return row | {
+def sustained_passes(name, engine, corpus, a, params, estimate, deadline, state) -> dict:
+    """The TTFT probe at the common rate (``--rate``, or ``--load`` x the first
+    configuration's all-at-once throughput), then, for ``--capacity-configs``, the capacity
+    search from ``--capacity-guess`` x ``estimate`` (this configuration's all-at-once
+    throughput). A probe that would end past the search's deadline (the budget less
+    ``--reserve-s`` per configuration still to run) is not started: the bound says so."""
+    if state.get("rate") is None:
+        state["rate"] = a.rate or a.load * estimate
+    paced = probe(engine, corpus, a, params, state["rate"], a.ttft_requests, deadline)
+    row: dict = {
         "mean_ttft_s": paced["mean_ttft_s"],
         "p90_ttft_s": paced["p90_ttft_s"],
         "rate_rps": state["rate"],
         "paced": paced,
+        "throughput_rps": None,
+        "throughput_method": "not searched (--capacity-configs)",
+    }
+    if name not in a.capacity_configs:
+        return row
+    later = state["names"][state["names"].index(name) + 1 :]
+    search_end = None if deadline is None else deadline - a.reserve_s * len(later)
+
+    def fits(rate: float) -> bool:
+        ends = time.monotonic() + probe_seconds(a, rate, a.window_requests)
+        return search_end is None or ends <= search_end
+
+    cap = search_capacity(
+        lambda r: probe(engine, corpus, a, params, r, a.window_requests, deadline),
+        a.capacity_guess * estimate,
+        rel_tol=a.rel_tol,
+        max_probes=a.max_probes,
+        fits=fits,
+        judge=lambda stats: keeps_up(stats, a.max_latency_growth),
+    )
+    return row | {
+        "throughput_rps": cap["rate"],
+        "throughput_method": f"sustained ({cap['bound']})",
+        "capacity": cap,
     }
 
 
@@ -472,30 +491,26 @@ def run_config(name: str, model: str, a, workload, corpus, params, deadline, sta
     engine = build_engine(model, a, CONFIGS[name])
     try:
         warm_up(engine, workload, params)
-        rep = replay(engine, workload, params, deadline)
-        log.info(
-            "  replay: %.3f req/s, %d of %d prompt tokens computed",
-            rep["requests_per_s"],
-            rep["prefill_tokens"],
-            rep["prompt_tokens"],
-        )
-        warm = replay(engine, make_workload(a, second=True), params, deadline)
-        log.info(
-            "  warm replay: %.3f req/s, %d of %d prompt tokens computed",
-            warm["requests_per_s"],
-            warm["prefill_tokens"],
-            warm["prompt_tokens"],
-        )
-        outputs = rep.pop("outputs") + warm.pop("outputs")
+        rep = _logged("replay", replay(engine, workload, params, deadline))
+        row: dict = {}
+        if a.control and "baseline" not in state:
+            row["control"] = control_replay(engine, workload, params, deadline, rep["outputs"])
+        warm = None
+        if CONFIGS[name].get("enable_prefix_caching", True) or not a.window_requests:
+            warm = replay(engine, make_workload(a, second=True), params, deadline)
+            _logged("warm replay", warm)
+        outputs = (rep.pop("outputs"), warm.pop("outputs") if warm else None)
         state.setdefault("baseline", (name, outputs))
         base_name, base = state["baseline"]
-        share = agreement(outputs, base)
-        row = {
+        share = agreement(outputs[0] + (outputs[1] if base[1] and outputs[1] else []),
+                          base[0] + (base[1] if base[1] and outputs[1] else []))  # fmt: skip
+        steady = warm or rep  # NOTE: without a cache the cold replay is the steady state
+        row |= {
             "mean_ttft_s": rep["mean_ttft_s"],
             "p90_ttft_s": rep["p90_ttft_s"],
             "throughput_rps": rep["requests_per_s"],
             "throughput_method": "all at once",
-            "prefill_tokens": warm.pop("prefill_tokens"),
+            "prefill_tokens": steady["prefill_tokens"],
             "prefill_tokens_cold": rep["prefill_tokens"],
             "replay": rep,
             "warm_replay": warm,
@@ -503,9 +518,11 @@ def run_config(name: str, model: str, a, workload, corpus, params, deadline, sta
             "identical": share == 1.0,
             "identical_to": base_name,
         }
-        if a.window_s > 0:
+        if a.window_requests > 0:
             try:
-                row |= sustained_passes(name, engine, corpus, a, params, warm, deadline, state)
+                row |= sustained_passes(
+                    name, engine, corpus, a, params, steady["requests_per_s"], deadline, state
+                )
             except PassTimeout as exc:  # NOTE: the replays' figures are kept
                 row["error"] = f"PassTimeout: {exc}"
         row["stats"] = engine.stats()
@@ -513,6 +530,27 @@ def run_config(name: str, model: str, a, workload, corpus, params, deadline, sta
     finally:
         del engine
         _free_device_memory()
+
+
+def _logged(what: str, rep: dict) -> dict:
+    log.info("  %s: %.3f req/s, %d of %d prompt tokens computed", what,
+             rep["requests_per_s"], rep["prefill_tokens"], rep["prompt_tokens"])  # fmt: skip
+    return rep
+
+
+def control_replay(engine, workload, params, deadline, outputs: list[list[int]]) -> dict:
+    """The noise floor of ``agreement``: the cold replay's requests again in the same engine,
+    in another (seeded, shuffled) arrival order, so prefill chunks and batches are composed
+    differently; the share of requests whose tokens equal the first pass's. Exact arithmetic
+    gives 1.0; bf16 with near-tied logits (random weights) gives less without any KV reused."""
+    order = np.random.default_rng(12).permutation(len(workload)).tolist()
+    rep = _logged("control replay", replay(engine, [workload[i] for i in order], params,
+                                           deadline))  # fmt: skip
+    again = [None] * len(workload)
+    for pos, i in enumerate(order):
+        again[i] = rep["outputs"][pos]
+    return {"agreement": agreement(again, outputs), "order_seed": 12,
+            "requests_per_s": rep["requests_per_s"]}  # fmt: skip
 
 
 def _free_device_memory() -> None:
@@ -546,6 +584,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "common-rate TTFT probe only)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--control", action="store_true", help="the first configuration replays "
+                   "its cold requests again in another order: agreement's noise floor")  # fmt: skip
     for key, value in {**PRESETS["cpu-smollm2"], **DEFAULTS}.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value))
     a = p.parse_args(argv)
@@ -562,8 +602,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--capacity-configs: unknown {unknown}; choose from {list(CONFIGS)}")
     if a.topics < 0 or a.topk > a.docs or a.num_requests < 1:
         p.error("need --topics >= 0, --topk <= --docs and --num-requests >= 1")
-    if a.window_s > 0 and not (a.slo > 0 and (a.rate > 0 or a.load > 0)):
-        p.error("--window-s needs --slo and --rate or --load above 0")
+    if a.window_requests > 0 and not (
+        a.slo > 0 and (a.rate > 0 or a.load > 0) and a.window_requests >= 2
+        and a.ttft_requests >= 2 and a.warmup_s >= 0 and a.drain_s >= 0
+    ):  # fmt: skip
+        p.error("--window-requests needs --slo and --rate or --load above 0, "
+                "--window-requests and --ttft-requests >= 2")  # fmt: skip
     a.dummy = a.model in DUMMY_MODELS
     return a
 
@@ -594,7 +638,7 @@ def main(argv: list[str] | None = None) -> dict:
         "configs": {},
     }
     names = a.configs.split(",")
-    state: dict = {}
+    state: dict = {"names": names}
     for name in names:
         if deadline is not None and time.monotonic() > deadline:
             results["configs"][name] = {"skipped": "time budget spent"}

@@ -17,16 +17,22 @@
 #                                         then the ablations with the common-rate TTFT probe only
 #                                         (tree_gpu_pgdsf, tree_host_pgdsf, tree_host_lru,
 #                                         tree_gpu_lru), as far as the budget goes
+#   bash bench/h200_kv_tiers_run.sh capacity one GPU, <= LIMIT s (258): no tests; no_reuse (with
+#                                         the shuffled-order control replay), then
+#                                         tree_host_pgdsf_aware, then block_cache: TTFT probe at
+#                                         the common rate and capacity from 150-request windows
+#                                         (bench/kv_capacity.py), each search leaving RESERVE_S
+#                                         (60) per configuration still to run
 # Writes $OUT/kv_tiers*.json (rewritten after every configuration), unbuffered logs beside them.
 # Needs torch and numpy only (no faiss, no model packages: random weights).
-# Env (compact): PRESET (default h200-llama8b-tiers; cpu-tiny for the CPU twin), EXTRA (flags).
+# Env (compact, capacity): PRESET (default h200-llama8b-tiers; cpu-tiny for the CPU twin), EXTRA (flags).
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kv_tiers_out}
 mkdir -p "$OUT"
 command -v nvidia-smi >/dev/null &&
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia_smi.txt"
-if [ "${1:-one}" != compact ]; then
+if [ "${1:-one}" != compact ] && [ "${1:-one}" != capacity ]; then
     timeout 60 python3 -m pytest -q -m gpu tests/generation/test_kv_swap.py \
         > "$OUT/gpu_tests.log" 2>&1
     tail -3 "$OUT/gpu_tests.log"
@@ -63,6 +69,15 @@ compact)
         ${EXTRA:-} --out "$OUT/kv_tiers_compact.json" > "$OUT/kv_tiers_compact.log" 2>&1
     echo "compact exit $? (124: stopped by the time limit; the JSON holds every finished configuration)"
     ;;
-*) echo "usage: $0 [one|two|exact|compact]" >&2; exit 2 ;;
+capacity)
+    LIMIT=${LIMIT:-258}
+    # shellcheck disable=SC2086 # EXTRA is a flag list
+    timeout "$LIMIT" python3 -u bench/bench_kv_reuse.py --preset "${PRESET:-h200-llama8b-tiers}" \
+        --time-budget $((LIMIT - 8)) --reserve-s "${RESERVE_S:-60}" --control \
+        --configs no_reuse,tree_host_pgdsf_aware,block_cache \
+        ${EXTRA:-} --out "$OUT/kv_capacity.json" > "$OUT/kv_capacity.log" 2>&1
+    echo "capacity exit $? (124: stopped by the time limit; the JSON holds every finished configuration)"
+    ;;
+*) echo "usage: $0 [one|two|exact|compact|capacity]" >&2; exit 2 ;;
 esac
-grep -E "bench_kv_reuse (no_reuse|block_cache|tree_)[a-z_]*: \{" "$OUT"/kv_tiers*.log | cut -c1-600
+grep -E "bench_kv_reuse (no_reuse|block_cache|tree_)[a-z_]*: \{" "$OUT"/kv_*.log | cut -c1-600

@@ -13,7 +13,10 @@
 #   bash bench/h200_plan.sh 3   overflow_stream  issue 10 again after the 2026-12-01 run
 #                                          (latency phase fixed, rates bisected to 10 %;
 #                                          <= 330 s in all: CALL_S 330 unless set)
-# Carry: .whl (every call), .gpurun and .bench_before (call 1).
+#   bash bench/h200_plan.sh 4   kv_capacity  issue 12's TTFT and sustained capacity from
+#                                          150-request windows, with the agreement control
+#                                          (h200_kv_tiers_run.sh capacity, <= 268 s)
+# Carry: .whl (calls 1-3), .gpurun and .bench_before (call 1); call 4 needs none.
 # Env: CALL_S (the call's budget, default 565), TWIN=cpu (the CPU twin: the same parts on
 # tiny CPU configurations, to check this script, not to measure).
 set -uo pipefail
@@ -76,8 +79,8 @@ export -f run_gpu_tests
 
 if [ "${TWIN:-}" = cpu ]; then  # tiny sizes, CPU devices; the same parts and scripts
     export PRESET_OV=cpu KV_GIB=0 NUM=3 CONCURRENT=4 ROUNDS=2 DATA=${DATA:-/tmp/plan_twin_data}
-    export PRESET_KV=cpu-tiny EXTRA="--num-requests 4 --window-s 0.4 --warmup-s 0.1 \
---drain-s 0.5 --slo 5 --load 0.5 --max-probes 2"
+    export PRESET_KV=cpu-tiny RESERVE_S=2 EXTRA="--num-requests 4 --window-requests 12 \
+--ttft-requests 6 --warmup-s 0.1 --drain-s 1 --slo 5 --load 0.5 --max-probes 2"
     # --coverage 25 50: lists placed pinned in the latency phase even where Algorithm 1 wants
     # none (50 % is over the budget: capped at the tier's chunk prices)
     export ARGS="--num-docs 6000 --dim 16 --nlist 32 --topics 128 --nprobe 8 --budget-gb 0.0002 \
@@ -100,5 +103,10 @@ case $CALL in
     part overflow_stream 325 env GPU_TESTS=0 LIMIT=312 bash bench/h200_overflow_stream_run.sh
     summary overflow_stream
     ;;
-*) echo "usage: $0 1|2|3 (OUT=<folder>)" >&2; exit 2 ;;
+4)
+    part kv_capacity 268 env PRESET="${PRESET_KV:-h200-llama8b-tiers}" \
+        bash bench/h200_kv_tiers_run.sh capacity
+    summary kv_capacity
+    ;;
+*) echo "usage: $0 1|2|3|4 (OUT=<folder>)" >&2; exit 2 ;;
 esac

@@ -62,6 +62,63 @@ def _kv_row(name: str, r: dict) -> str:
     )
 
 
+def kv_capacity(d: Path) -> str:
+    """Issue 12's deciding figures: TTFT and capacity ratios of the tree with host tier and
+    cache-aware admission vs no reuse and the block cache, with the capacity ratio's interval
+    from the two brackets; per configuration its bracket, TTFT and agreement; the control."""
+    doc = json.loads((d / "kv_capacity.json").read_text())
+    rows = doc["configs"]
+    tree = rows.get("tree_host_pgdsf_aware", {})
+    parts = []
+    for ref, target_ttft, target_cap in (("no_reuse", 4.0, 2.0), ("block_cache", 1.5, 1.5)):
+        r = rows.get(ref, {})
+        text = f"vs {ref}:"
+        if r.get("mean_ttft_s") and tree.get("mean_ttft_s"):
+            text += f" ttft {r['mean_ttft_s'] / tree['mean_ttft_s']:.2f}x (target >= {target_ttft})"
+        lo, hi = _ratio_interval(tree.get("capacity"), r.get("capacity"))
+        if lo is not None:
+            text += f" capacity {_fmt_interval(lo, hi)} (target >= {target_cap})"
+        parts.append(text if text.endswith(")") else f"{text} -")
+    control = rows.get("no_reuse", {}).get("control")
+    parts.append(f"control agreement {control['agreement']:.2f}" if control else "no control")
+    return "; ".join(parts) + " | " + "; ".join(_cap_row(n, r) for n, r in rows.items())
+
+
+def _bracket(cap: dict | None) -> tuple[float, float] | None:
+    """[low, high) of a capacity search (``kv_capacity.search_capacity``), None if unknown."""
+    if not cap or (cap.get("rate") is None and cap.get("upper") is None):
+        return None
+    return cap.get("rate") or 0.0, cap.get("upper") or float("inf")
+
+
+def _ratio_interval(num: dict | None, den: dict | None) -> tuple[float | None, float | None]:
+    a, b = _bracket(num), _bracket(den)
+    if a is None or b is None or b[0] == 0.0:
+        return None, None
+    return a[0] / b[1], a[1] / b[0]
+
+
+def _fmt_interval(lo: float, hi: float) -> str:
+    if hi == float("inf"):
+        return f">= {lo:.2f}x" if lo > 0 else "undetermined (both brackets open)"
+    return f"{lo:.2f}-{hi:.2f}x" if lo > 0 else f"< {hi:.2f}x"
+
+
+def _cap_row(name: str, r: dict) -> str:
+    if "skipped" in r or "agreement" not in r:
+        return f"{name} {'skipped' if 'skipped' in r else 'failed'}"
+    cap, ttft = r.get("capacity"), r.get("mean_ttft_s")
+    span = _bracket(cap)
+    if span is None:
+        text = "capacity -"
+    else:
+        hi = "inf" if span[1] == float("inf") else f"{span[1]:.2f}"
+        text = f"capacity [{span[0]:.2f}, {hi}) req/s ({cap['bound']}, {len(cap['points'])} probes)"
+    if ttft is not None:
+        text += f", ttft {ttft:.3f} s (p90 {r['p90_ttft_s']:.3f})"
+    return f"{name} {text}, agree {r['agreement']:.2f}{' (cut)' if 'error' in r else ''}"
+
+
 def overflow_stream(d: Path) -> str:
     doc = json.loads((d / "overflow_stream.json").read_text())
     caps, parts = {}, []
@@ -96,7 +153,7 @@ def gpu_tests(d: Path) -> str:
 
 
 PARTS = {"overhead": overhead, "kv_tiers": kv_tiers, "overflow_stream": overflow_stream,
-         "gpu_tests": gpu_tests}  # fmt: skip
+         "gpu_tests": gpu_tests, "kv_capacity": kv_capacity}  # fmt: skip
 
 
 def main(argv: list[str]) -> None:

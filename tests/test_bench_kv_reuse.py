@@ -89,40 +89,55 @@ def test_cpu_twin_runs_every_config(bench, tmp_path) -> None:
     assert hits > 0  # topics repeat: the tree reuses passages
 
 
-def test_sustained_passes_use_a_common_rate(bench) -> None:
+SUSTAINED = ["--window-requests", "12", "--ttft-requests", "6", "--warmup-s", "0.1",
+             "--drain-s", "1", "--slo", "5", "--load", "0.5", "--max-probes", "2"]  # fmt: skip
+
+
+def test_sustained_passes_use_a_common_rate_and_the_control_replay(bench) -> None:
     argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs", "no_reuse,block_cache",
-            "--window-s", "0.4", "--warmup-s", "0.1", "--drain-s", "0.5", "--slo", "5",
-            "--load", "0.5", "--max-probes", "2"]  # fmt: skip
+            "--control", *SUSTAINED]  # fmt: skip
     rows = bench.main(argv)["configs"]
     base = rows["no_reuse"]
-    cap = base["capacity"]
-    assert 1 <= len(cap["points"]) <= 2 + 2  # a second bracket only after a failed lower end
-    sustained = [p["rate"] for p in cap["points"] if p["sustained"]]
-    assert base["throughput_rps"] == (max(sustained) if sustained else None)
-    if base["throughput_rps"] is not None:
-        assert base["rate_rps"] == pytest.approx(0.5 * base["throughput_rps"])
-    assert rows["block_cache"]["rate_rps"] == base["rate_rps"]  # the same rate for everyone
+    # the common rate: 0.5 x the first configuration's all-at-once throughput
+    assert base["rate_rps"] == pytest.approx(0.5 * base["replay"]["requests_per_s"])
+    assert base["warm_replay"] is None  # no cache: the cold replay is the steady state
+    assert base["control"]["agreement"] == 1.0  # float32 on CPU: order changes no token
+    assert "control" not in rows["block_cache"]
     for row in rows.values():
-        assert row["paced"]["rate"] == base["rate_rps"]
+        assert row["paced"]["rate"] == base["rate_rps"] and row["paced"]["window_requests"] == 6
         assert row["mean_ttft_s"] == row["paced"]["mean_ttft_s"]
         assert row["identical"] is True
+        cap = row["capacity"]
+        assert 1 <= len(cap["points"]) <= 2 and cap["bound"] in ("=", "~", ">=", "<")
+        assert all(p["window_requests"] == 12 for p in cap["points"])
+        sustained = [p["rate"] for p in cap["points"] if p["sustained"]]
+        assert row["throughput_rps"] == (max(sustained) if sustained else None)
+        assert cap["points"][0]["rate"] == pytest.approx(
+            0.9 * (row["warm_replay"] or row["replay"])["requests_per_s"]
+        )
 
 
 def test_capacity_searched_only_where_asked(bench) -> None:
     argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs",
             "no_reuse,block_cache,tree_gpu_lru", "--capacity-configs", "block_cache",
-            "--window-s", "0.4", "--warmup-s", "0.1", "--drain-s", "0.5", "--slo", "5",
-            "--load", "0.5", "--max-probes", "2"]  # fmt: skip
+            *SUSTAINED]  # fmt: skip
     rows = bench.main(argv)["configs"]
-    # no_reuse runs first: it searches anyway, since the common rate comes from it
-    assert [name for name, row in rows.items() if "capacity" in row] == [
-        "no_reuse",
-        "block_cache",
-    ]
+    assert [name for name, row in rows.items() if "capacity" in row] == ["block_cache"]
     skipped = rows["tree_gpu_lru"]
     assert skipped["throughput_rps"] is None and "throughput_ratio_vs_no_reuse" not in skipped
     assert skipped["paced"]["rate"] == rows["no_reuse"]["rate_rps"]
     assert skipped["mean_ttft_s"] == skipped["paced"]["mean_ttft_s"]
+
+
+def test_reserve_keeps_probes_for_later_configurations(bench) -> None:
+    # a 1000-s reserve per later configuration leaves the first none: its search stops
+    argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs", "no_reuse,block_cache",
+            "--time-budget", "600", "--reserve-s", "1000", *SUSTAINED]  # fmt: skip
+    rows = bench.main(argv)["configs"]
+    first = rows["no_reuse"]["capacity"]
+    assert first["points"] == [] and first["stopped"].startswith("time budget")
+    assert rows["no_reuse"]["mean_ttft_s"] is not None  # the TTFT probe still ran
+    assert len(rows["block_cache"]["capacity"]["points"]) >= 1  # the last one has no reserve
 
 
 def test_cpu_tiers_twin_host_tier_serves_hits_and_beats_the_block_cache(bench) -> None:
@@ -171,10 +186,9 @@ def test_a_sustained_pass_cut_by_the_budget_keeps_the_replays(bench, monkeypatch
     def cut(*a, **kw):
         raise bench.PassTimeout("stopped at the time budget after 0 requests")
 
-    monkeypatch.setattr(bench, "sustained_capacity", cut)
+    monkeypatch.setattr(bench, "search_capacity", cut)
     argv = ["--preset", "cpu-tiny", "--num-requests", "3", "--configs", "no_reuse",
-            "--window-s", "0.4", "--warmup-s", "0.1", "--drain-s", "0.5", "--slo", "5",
-            "--load", "0.5"]  # fmt: skip
+            *SUSTAINED]  # fmt: skip
     row = bench.main(argv)["configs"]["no_reuse"]
     assert row["error"].startswith("PassTimeout")
     assert row["prefill_tokens"] > 0 and row["identical"] is True and "stats" in row

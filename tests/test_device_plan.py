@@ -35,6 +35,17 @@ def test_call_1_cpu_twin(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_call_4_cpu_twin(tmp_path: Path) -> None:
+    run = _plan("4", tmp_path / "out")
+    assert run.returncode == 0, run.stderr
+    line = (tmp_path / "out" / "summary.txt").read_text().strip()
+    assert line.startswith("kv_capacity: vs no_reuse: ttft"), line
+    assert "control agreement 1.00" in line  # CPU float32: the shuffled order changes nothing
+    for name in ("no_reuse", "tree_host_pgdsf_aware", "block_cache"):
+        assert f"{name} capacity [" in line, line
+
+
+@pytest.mark.slow
 def test_call_2_cpu_twin_cut_by_its_budget(tmp_path: Path) -> None:
     # no .git: the fallback list of test files; 45 s: the stream part is stopped by timeout
     run = _plan("2", tmp_path / "out", CALL_S="45", GIT_DIR=str(tmp_path / "no-git"))
@@ -43,3 +54,13 @@ def test_call_2_cpu_twin_cut_by_its_budget(tmp_path: Path) -> None:
     assert re.search(r"gpu_tests: \d+ (skipped|passed)", summary), summary
     assert "overflow_stream: exit 124" in run.stdout, run.stdout
     assert "overflow_stream: " in summary
+
+
+@pytest.mark.slow
+def test_call_3_cpu_twin_runs_every_overflow_phase(tmp_path: Path) -> None:
+    run = _plan("3", tmp_path / "out")
+    assert run.returncode == 0, run.stderr
+    line = (tmp_path / "out" / "summary.txt").read_text().strip()
+    assert line.startswith("overflow_stream: cpu "), line
+    assert "failures 0" in line and "gpu_tier " in line  # the latency phase ran (p90 rows)
+    assert "overflow_stream: exit 0" in run.stdout, run.stdout

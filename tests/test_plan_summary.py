@@ -50,6 +50,27 @@ def test_kv_line_has_ratios_and_every_config(summary, tmp_path) -> None:
     assert "(cut)" in line
 
 
+def test_kv_capacity_line_has_ratio_intervals_and_the_control(summary, tmp_path) -> None:
+    def row(rate, upper, bound, ttft):
+        cap = {"rate": rate, "upper": upper, "bound": bound, "points": [{}, {}]}
+        return {"capacity": cap, "mean_ttft_s": ttft, "p90_ttft_s": 2 * ttft, "agreement": 0.25}
+
+    configs = {"no_reuse": {**row(5.0, 5.5, "=", 0.16), "control": {"agreement": 0.3}},
+               "tree_host_pgdsf_aware": row(16.0, None, ">=", 0.04),
+               "block_cache": {"skipped": "time budget spent"}}  # fmt: skip
+    (tmp_path / "kv_capacity.json").write_text(json.dumps({"configs": configs}))
+    line = summary.kv_capacity(tmp_path)
+    # tree >= 16 over no_reuse in [5, 5.5): at least 16 / 5.5 = 2.91x, no upper end
+    assert "vs no_reuse: ttft 4.00x (target >= 4.0) capacity >= 2.91x (target >= 2.0)" in line
+    assert "vs block_cache: -" in line and "control agreement 0.30" in line
+    assert "no_reuse capacity [5.00, 5.50) req/s (=, 2 probes), ttft 0.160 s" in line
+    assert "tree_host_pgdsf_aware capacity [16.00, inf) req/s (>=" in line
+    assert "block_cache skipped" in line
+    configs["no_reuse"] = row(5.0, None, ">=", 0.16)  # two open brackets: no ratio to read
+    (tmp_path / "kv_capacity.json").write_text(json.dumps({"configs": configs}))
+    assert "capacity undetermined (both brackets open)" in summary.kv_capacity(tmp_path)
+
+
 def test_missing_result_is_one_clear_line(tmp_path) -> None:
     run = subprocess.run([sys.executable, str(BENCH / "plan_summary.py"), "overflow_stream",
                           str(tmp_path)], capture_output=True, text=True, check=True)  # fmt: skip
