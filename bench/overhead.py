@@ -555,6 +555,7 @@ def _timed(server, profiler=None, intervals: list | None = None) -> dict:
 # owns it; an instant no traced work covers is "transit" (pipes, queues, wake-ups).
 PHASES = (
     "model",  # model forward + sampling, query embedding, index scan
+    "integrity_check",  # the KV block manager's check when the engine goes idle
     "engine_schedule",  # the engine's scheduler: batch, block tables
     "engine_postprocess",  # append tokens, detokenize, stop checks
     "engine_other",  # the rest of LLMEngine.step
@@ -601,7 +602,7 @@ def _trace_model_work(trace_dir: str) -> None:
     from multiprocessing import util
 
     from ragserve import retrieval
-    from ragserve.generation import llm_engine
+    from ragserve.generation import block_manager, kv_cache_manager, llm_engine
     from ragserve.generation import scheduler as gen_scheduler
     from ragserve.generation.model_runner import ModelRunner
     from ragserve.retrieval.index import VectorIndex
@@ -614,6 +615,12 @@ def _trace_model_work(trace_dir: str) -> None:
         _patch(cls, name, "model", intervals)
     engine = llm_engine.LLMEngine
     for owner, name, label in (
+        (block_manager.BlockManager, "check_integrity", "integrity_check"),
+        (
+            getattr(kv_cache_manager, "TieredBlockManager", None),
+            "check_integrity",
+            "integrity_check",
+        ),
         (gen_scheduler.Scheduler, "schedule", "engine_schedule"),
         (engine, "_postprocess", "engine_postprocess"),
         (engine, "step", "engine_other"),
