@@ -420,6 +420,7 @@ def _served(
             "output": r.output,
             "model": _covered(intervals, r.arrival_time, r.finish_time),
             "phases": decompose(intervals, r.arrival_time, r.finish_time),
+            "calls": _calls(intervals, r.arrival_time, r.finish_time),
         }  # fmt: skip
         for r, b in zip(responses[1:], busy[1:], strict=True)
     ]
@@ -681,6 +682,15 @@ def _trace_server(server, intervals: list) -> None:
     _patch(server, "_add", "server_add", intervals)
 
 
+def _calls(intervals: list, lo: float, hi: float) -> dict[str, int]:
+    """How many traced intervals of each label start in ``[lo, hi]`` (load-independent)."""
+    out: dict[str, int] = {}
+    for a, _, label in intervals:
+        if lo <= a <= hi:
+            out[label] = out.get(label, 0) + 1
+    return out
+
+
 def decompose(intervals: list, lo: float, hi: float) -> dict[str, float]:
     """Seconds of ``[lo, hi]`` owned by each label (``PHASES`` precedence; "wait" labels
     own nothing and cut "sched_work" out), the rest as "transit"."""
@@ -748,6 +758,12 @@ def summarize(side: dict) -> dict:
         }
         if "phases" in served[0]
         else None,
+        "calls_per_node": {
+            k: sum(r["calls"].get(k, 0) for r in served) / nodes
+            for k in ("gen_send", "sched_receive", "sched_work", "engine_stats")
+        }
+        if "calls" in served[0]
+        else None,
     }
 
 
@@ -779,6 +795,10 @@ def report(result: dict) -> str:
                   "| --- |" + " --- |" * len(phases)]  # fmt: skip
         for k in next(iter(phases.values())):
             lines.append(f"| {k} | " + " | ".join(f"{p[k]:.3f}" for p in phases.values()) + " |")
+    for side, r in result["sides"].items():
+        if r.get("calls_per_node"):
+            calls = ", ".join(f"{k} {v:.1f}" for k, v in r["calls_per_node"].items())
+            lines.append(f"{side}: calls per node: {calls} (sched_work = scheduler cycles)")
     return "\n".join(lines)
 
 
