@@ -566,6 +566,7 @@ PHASES = (
     "gen_send",  # building and sending a generation results message
     "retrieval_host",  # the retrieval worker's batch outside embedding/scan: docstore, results
     "ret_send",  # building and sending a retrieval results message
+    "other_send",  # a worker's other pipe writes (engine stats alone, call replies)
     "worker_drain",  # a worker reading its inbox without waiting
     "sched_receive",  # the scheduler thread reading worker messages
     "sched_work",  # the scheduler thread's cycle outside poll/admission
@@ -600,7 +601,7 @@ def _trace_model_work(trace_dir: str) -> None:
     daemon thread and when the worker exits (so a live server's trace can be read,
     ``_read_trace``)."""
     import threading
-    from multiprocessing import util
+    from multiprocessing import connection, util
 
     from ragserve import retrieval
     from ragserve.generation import block_manager, kv_cache_manager, llm_engine
@@ -633,6 +634,7 @@ def _trace_model_work(trace_dir: str) -> None:
         (workers, "run_isolated", "retrieval_host"),
         (getattr(workers, "Outbox", None), "send_retrieval", "ret_send"),
         (workers, "_send_retrieval", "ret_send"),
+        (connection.Connection, "_send_bytes", "other_send"),
     ):
         _patch(owner, name, label, intervals)
     drain = workers._drain
