@@ -50,8 +50,8 @@ compact)
         --time-budget $((LIMIT - 20)) --out "$OUT/overhead_compact.json" \
         > "$OUT/overhead_compact.log" 2>&1
     echo "compact exit $? (124: stopped by the time limit; the JSON holds every finished point)"
-    grep "^| \|^preset\|s\.e\.\|scheduler work per node\|Error" "$OUT/overhead_compact.log" \
-        | tail -8
+    grep "^| \|^preset\|s\.e\.\|scheduler work per node\|^where\|calls per node\|Error" \
+        "$OUT/overhead_compact.log" | tail -44
     ;;
 *) echo "usage: $0 [full|compact]" >&2; exit 2 ;;
 esac

@@ -297,7 +297,8 @@ def serve_side(args) -> None:
         os.environ[TRACE_ENV] = trace.name  # NOTE: read by this module in the spawned workers
     asked: list = []
     with Server(data["model"], data["index"], config=config) as server:
-        clock = _timed(server, profiler)
+        server_intervals: list = []
+        clock = _timed(server, profiler, server_intervals if args.num else None)
         pool = ThreadPoolExecutor(args.concurrent)
         num_rounds = 0
         for line in sys.stdin:
@@ -312,7 +313,8 @@ def serve_side(args) -> None:
                 continue
             if command == "summary":
                 time.sleep(3 * TRACE_FLUSH_S)  # the workers' last intervals flushed
-                rows = _served([r for r, _ in asked], [b for _, b in asked], trace.name)
+                rows = _served([r for r, _ in asked], [b for _, b in asked], trace.name,
+                               server_intervals)  # fmt: skip
                 side = {"src": ragserve.__file__, "served": rows, "data_plane_us": data_plane_us()}
                 print(json.dumps(side), flush=True)
                 continue
@@ -388,7 +390,8 @@ def run_side(args) -> dict:
     with tempfile.TemporaryDirectory() as trace:
         os.environ[TRACE_ENV] = trace  # NOTE: read by this module in the spawned workers
         with Server(data["model"], data["index"], config=config) as server:
-            clock = _timed(server)
+            server_intervals: list = []
+            clock = _timed(server, intervals=server_intervals)
             for q in questions:
                 busy0 = _busy(clock)
                 r = server.run(q, graph)
@@ -396,14 +399,17 @@ def run_side(args) -> dict:
                 if r.error is not None:
                     raise RuntimeError(f"{q!r} failed: {r.error}")
                 responses.append(r)
-        served = _served(responses, busy, trace)
+        served = _served(responses, busy, trace, server_intervals)
     return {"src": ragserve.__file__, "served": served, "data_plane_us": data_plane}
 
 
-def _served(responses: list, busy: list[float], trace_dir: str) -> list[dict]:
+def _served(
+    responses: list, busy: list[float], trace_dir: str, server_intervals: list
+) -> list[dict]:
     """Per question (the first, a warm-up, dropped): end to end, nodes, scheduler work, the
-    answer and the model time (the part of its life the workers' traced intervals cover)."""
-    intervals = _read_trace(trace_dir)
+    answer, the model time (the part of its life the workers' traced intervals cover) and
+    its decomposition (``decompose``: the workers' and the server's labelled intervals)."""
+    intervals = sorted(_read_trace(trace_dir) + [list(i) for i in server_intervals])
     if not intervals:
         raise RuntimeError("the workers traced no model work")
     return [
@@ -413,6 +419,8 @@ def _served(responses: list, busy: list[float], trace_dir: str) -> list[dict]:
             "scheduler": b,
             "output": r.output,
             "model": _covered(intervals, r.arrival_time, r.finish_time),
+            "phases": decompose(intervals, r.arrival_time, r.finish_time),
+            "calls": _calls(intervals, r.arrival_time, r.finish_time),
         }  # fmt: skip
         for r, b in zip(responses[1:], busy[1:], strict=True)
     ]
@@ -488,10 +496,12 @@ def data_plane_us(repeats: int = 300) -> dict[str, float]:
     return out
 
 
-def _covered(intervals: list[list[float]], lo: float, hi: float) -> float:
-    """Seconds of ``[lo, hi]`` covered by the union of the sorted ``intervals``."""
+def _covered(intervals: list[list], lo: float, hi: float) -> float:
+    """Seconds of ``[lo, hi]`` covered by the union of the sorted "model" ``intervals``."""
     total, end = 0.0, lo
-    for a, b in intervals:
+    for a, b, label in intervals:
+        if label != "model":
+            continue
         a, b = max(a, end), min(b, hi)
         if b > a:
             total += b - a
@@ -509,14 +519,17 @@ def _busy(clock: dict, timeout: float = 5.0) -> float:
     return clock["step"] - clock["poll"]
 
 
-def _timed(server, profiler=None) -> dict:
+def _timed(server, profiler=None, intervals: list | None = None) -> dict:
     """Wrap the scheduler thread's step, poll and admission in wall-clock accumulators (and
-    ``profiler``, a ``cProfile.Profile``, around each step)."""
+    ``profiler``, a ``cProfile.Profile``, around each step); with ``intervals``, also record
+    them there (step "sched_work", poll and admission "wait") and ``_trace_server``'s."""
     clock = {"step": 0.0, "poll": 0.0, "steps": 0}
+    if intervals is not None:
+        _trace_server(server, intervals)
 
     def timed(name, fn):
         def wrapper(*a, **kw):
-            t0 = time.perf_counter()
+            t0, m0 = time.perf_counter(), time.monotonic()
             try:
                 return (
                     fn(*a, **kw)
@@ -526,6 +539,9 @@ def _timed(server, profiler=None) -> dict:
             finally:
                 clock[name] += time.perf_counter() - t0
                 clock["steps"] += name == "step"
+                if intervals is not None:
+                    label = "sched_work" if name == "step" else "wait"
+                    intervals.append((m0, time.monotonic(), label))
 
         return wrapper
 
@@ -535,40 +551,108 @@ def _timed(server, profiler=None) -> dict:
     return clock
 
 
+# The decomposition's buckets, in precedence order: where the traced intervals of several
+# overlap (nested calls, or two processes at once), the first label that covers an instant
+# owns it; an instant no traced work covers is "transit" (pipes, queues, wake-ups).
+PHASES = (
+    "model",  # model forward + sampling, query embedding, index scan
+    "integrity_check",  # the KV block manager's check when the engine goes idle
+    "engine_schedule",  # the engine's scheduler: batch, block tables
+    "engine_postprocess",  # append tokens, detokenize, stop checks
+    "engine_other",  # the rest of LLMEngine.step
+    "runner",  # GenerationRunner.step outside the engine: admission, deltas
+    "tokenize",  # prompt tokenization (prefetch thread or add_request)
+    "engine_stats",  # LLMEngine.stats, once per update message
+    "gen_send",  # building and sending a generation results message
+    "retrieval_host",  # the retrieval worker's batch outside embedding/scan: docstore, results
+    "ret_send",  # building and sending a retrieval results message
+    "other_send",  # a worker's other pipe writes (engine stats alone, call replies)
+    "worker_drain",  # a worker reading its inbox without waiting
+    "sched_receive",  # the scheduler thread reading worker messages
+    "sched_work",  # the scheduler thread's cycle outside poll/admission
+    "server_add",  # Server._add in the caller's thread (graph, state, inbox)
+)
+
+
+def _traced(fn, label: str, intervals: list, clock=time.monotonic):
+    def wrapper(*a, **kw):
+        t0 = clock()
+        try:
+            return fn(*a, **kw)
+        finally:
+            intervals.append((t0, clock(), label))
+
+    return wrapper
+
+
+def _patch(owner, name: str, label: str, intervals: list) -> None:
+    """Wrap ``owner.name`` (if the side's source has it) in a labelled interval."""
+    if hasattr(owner, name):
+        setattr(owner, name, _traced(getattr(owner, name), label, intervals))
+
+
 def _trace_model_work(trace_dir: str) -> None:
-    """In a worker process: record ``(start, end)`` (``time.monotonic``, system-wide) of every
-    model forward (``ModelRunner.execute_model``), embedding (``encode``) and index scan
-    (``VectorIndex.search``, a staged sub-stage ``StagedSearch.step``); appended as JSON lines
-    to ``trace_dir/<pid>.jsonl`` every ``TRACE_FLUSH_S`` by a daemon thread and when the
-    worker exits (so a live server's trace can be read, ``_read_trace``)."""
+    """In a worker process: record ``(start, end, label)`` (``time.monotonic``, system-wide)
+    of every model forward (``ModelRunner.execute_model``), embedding (``encode``) and index
+    scan (``VectorIndex.search``, a staged sub-stage ``StagedSearch.step``), label "model",
+    and of the worker's host work (``PHASES``: engine scheduling, postprocessing, runner,
+    tokenization, stats, sends, inbox reads; patched by name where the side's source has
+    them); appended as JSON lines to ``trace_dir/<pid>.jsonl`` every ``TRACE_FLUSH_S`` by a
+    daemon thread and when the worker exits (so a live server's trace can be read,
+    ``_read_trace``)."""
     import threading
-    from multiprocessing import util
+    from multiprocessing import connection, util
 
     from ragserve import retrieval
+    from ragserve.generation import block_manager, kv_cache_manager, llm_engine
+    from ragserve.generation import scheduler as gen_scheduler
     from ragserve.generation.model_runner import ModelRunner
     from ragserve.retrieval.index import VectorIndex
     from ragserve.retrieval.staged import StagedSearch
+    from ragserve.runtime import runners, workers
 
-    intervals: list[tuple[float, float]] = []
-
-    def traced(fn):
-        def wrapper(*a, **kw):
-            t0 = time.monotonic()
-            try:
-                return fn(*a, **kw)
-            finally:
-                intervals.append((t0, time.monotonic()))
-
-        return wrapper
-
+    intervals: list[tuple[float, float, str]] = []
     for cls, name in ((ModelRunner, "execute_model"), (VectorIndex, "search"),
                       (StagedSearch, "step")):  # fmt: skip
-        setattr(cls, name, traced(getattr(cls, name)))
+        _patch(cls, name, "model", intervals)
+    engine = llm_engine.LLMEngine
+    for owner, name, label in (
+        (block_manager.BlockManager, "check_integrity", "integrity_check"),
+        (
+            getattr(kv_cache_manager, "TieredBlockManager", None),
+            "check_integrity",
+            "integrity_check",
+        ),
+        (gen_scheduler.Scheduler, "schedule", "engine_schedule"),
+        (engine, "_postprocess", "engine_postprocess"),
+        (engine, "step", "engine_other"),
+        (engine, "_tokenize", "tokenize"),
+        (engine, "stats", "engine_stats"),
+        (runners.GenerationRunner, "step", "runner"),
+        (getattr(workers, "Outbox", None), "send_generation", "gen_send"),
+        (workers, "_send_generation", "gen_send"),
+        (workers, "run_isolated", "retrieval_host"),
+        (getattr(workers, "Outbox", None), "send_retrieval", "ret_send"),
+        (workers, "_send_retrieval", "ret_send"),
+        (connection.Connection, "_send_bytes", "other_send"),
+    ):
+        _patch(owner, name, label, intervals)
+    drain = workers._drain
+
+    def traced_drain(inbox, block):
+        t0 = time.monotonic()
+        try:
+            return drain(inbox, block)
+        finally:
+            if not block:  # NOTE: a blocking read is the worker waiting, not working
+                intervals.append((t0, time.monotonic(), "worker_drain"))
+
+    workers._drain = traced_drain
     load = retrieval.load_embedder
 
     def load_embedder(*a, **kw):
         embedder = load(*a, **kw)
-        embedder.encode = traced(embedder.encode)
+        embedder.encode = _traced(embedder.encode, "model", intervals)
         return embedder
 
     retrieval.load_embedder = load_embedder
@@ -590,6 +674,49 @@ def _trace_model_work(trace_dir: str) -> None:
 
     threading.Thread(target=flusher, name="overhead-trace", daemon=True).start()
     util.Finalize(None, flush, exitpriority=100)
+
+
+def _trace_server(server, intervals: list) -> None:
+    """The server process's share of the decomposition: the scheduler thread's cycles
+    (``sched_work``; its poll and admission, which wait, are recorded to be subtracted),
+    its reads of worker messages (``sched_receive``) and ``Server._add``."""
+    _patch(server.executor, "_receive", "sched_receive", intervals)
+    _patch(server, "_add", "server_add", intervals)
+
+
+def _calls(intervals: list, lo: float, hi: float) -> dict[str, int]:
+    """How many traced intervals of each label start in ``[lo, hi]`` (load-independent)."""
+    out: dict[str, int] = {}
+    for a, _, label in intervals:
+        if lo <= a <= hi:
+            out[label] = out.get(label, 0) + 1
+    return out
+
+
+def decompose(intervals: list, lo: float, hi: float) -> dict[str, float]:
+    """Seconds of ``[lo, hi]`` owned by each label (``PHASES`` precedence; "wait" labels
+    own nothing and cut "sched_work" out), the rest as "transit"."""
+    rank = {label: i for i, label in enumerate(PHASES)}
+    events = []
+    for a, b, label in intervals:
+        a, b = max(a, lo), min(b, hi)
+        if b > a and (label in rank or label == "wait"):
+            events += [(a, 1, label), (b, -1, label)]
+    events.sort()
+    active = dict.fromkeys([*PHASES, "wait"], 0)
+    out = dict.fromkeys([*PHASES, "transit"], 0.0)
+    t = lo
+    for x, delta, label in events:
+        if x > t:
+            owner = next((p for p in PHASES if active[p] > 0), "transit")
+            if owner == "sched_work" and active["wait"] > 0:
+                owner = next((p for p in PHASES[rank["sched_work"] + 1 :] if active[p] > 0),
+                             "transit")  # fmt: skip
+            out[owner] += x - t
+            t = x
+        active[label] += delta
+    out["transit"] += max(0.0, hi - t)
+    return out
 
 
 def _read_trace(trace_dir: str) -> list[list[float]]:
@@ -628,6 +755,17 @@ def summarize(side: dict) -> dict:
         "num_questions": n,
         "scheduler_ms_per_node": 1e3 * sum(r["scheduler"] for r in served) / nodes,
         "data_plane_us": side["data_plane_us"],
+        "phases_ms_per_node": {
+            k: 1e3 * sum(r["phases"][k] for r in served) / nodes for k in served[0]["phases"]
+        }
+        if "phases" in served[0]
+        else None,
+        "calls_per_node": {
+            k: sum(r["calls"].get(k, 0) for r in served) / nodes
+            for k in ("gen_send", "sched_receive", "sched_work", "engine_stats")
+        }
+        if "calls" in served[0]
+        else None,
     }
 
 
@@ -650,6 +788,19 @@ def report(result: dict) -> str:
             lines.append(f"{side}: orchestration share {100 * r['orchestration_share']:.2f} % "
                          f"+- {100 * r['orchestration_share_se']:.2f} % (1 s.e., "
                          f"{r['num_questions']} questions)")  # fmt: skip
+    phases = {side: r["phases_ms_per_node"] for side, r in result["sides"].items()
+              if r.get("phases_ms_per_node")}  # fmt: skip
+    if phases:
+        lines += ["where a node's time goes (ms per node; model = forward + sampling, "
+                  "embedding, scan; transit = no traced work: pipes, queues, wake-ups):",
+                  "| phase | " + " | ".join(phases) + " |",
+                  "| --- |" + " --- |" * len(phases)]  # fmt: skip
+        for k in next(iter(phases.values())):
+            lines.append(f"| {k} | " + " | ".join(f"{p[k]:.3f}" for p in phases.values()) + " |")
+    for side, r in result["sides"].items():
+        if r.get("calls_per_node"):
+            calls = ", ".join(f"{k} {v:.1f}" for k, v in r["calls_per_node"].items())
+            lines.append(f"{side}: calls per node: {calls} (sched_work = scheduler cycles)")
     return "\n".join(lines)
 
 

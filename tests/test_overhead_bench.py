@@ -58,7 +58,29 @@ def test_share_standard_error(overhead) -> None:
 
 
 def test_live_trace_skips_a_line_being_written(overhead, tmp_path) -> None:
-    (tmp_path / "1.jsonl").write_text(json.dumps([2.0, 3.0]) + "\n[4.0, 5")
-    (tmp_path / "2.jsonl").write_text(json.dumps([0.5, 1.0]) + "\n")
-    assert overhead._read_trace(str(tmp_path)) == [[0.5, 1.0], [2.0, 3.0]]
-    assert overhead._covered(overhead._read_trace(str(tmp_path)), 0.0, 2.5) == 1.0
+    (tmp_path / "1.jsonl").write_text(json.dumps([2.0, 3.0, "model"]) + "\n[4.0, 5")
+    (tmp_path / "2.jsonl").write_text(
+        json.dumps([0.5, 1.0, "model"]) + "\n" + json.dumps([1.0, 2.0, "gen_send"]) + "\n"
+    )
+    trace = overhead._read_trace(str(tmp_path))
+    assert trace == [[0.5, 1.0, "model"], [1.0, 2.0, "gen_send"], [2.0, 3.0, "model"]]
+    assert overhead._covered(trace, 0.0, 2.5) == 1.0  # model intervals only
+
+
+def test_decomposition_gives_each_instant_to_one_phase(overhead) -> None:
+    intervals = [
+        (1.0, 5.0, "engine_other"),  # an engine step ...
+        (2.0, 3.0, "model"),  # ... holding the forward (higher rank)
+        (4.0, 6.0, "gen_send"),  # overlaps the step's end: the step keeps 4..5
+        (7.0, 10.0, "sched_work"),  # a scheduler cycle ...
+        (8.0, 9.0, "wait"),  # ... waiting in poll: not scheduler work
+        (8.5, 9.0, "sched_receive"),  # reading a message inside the poll
+        (11.0, 20.0, "model"),  # past the window: clipped
+    ]
+    phases = overhead.decompose(intervals, 0.0, 12.0)
+    assert sum(phases.values()) == pytest.approx(12.0)
+    expected = {"model": 2.0, "engine_other": 3.0, "gen_send": 1.0, "sched_work": 2.0,
+                "sched_receive": 0.5, "transit": 3.5}  # fmt: skip
+    assert {k: v for k, v in phases.items() if v} == pytest.approx(expected)
+    calls = overhead._calls(intervals, 0.0, 12.0)
+    assert calls["model"] == 2 and calls["gen_send"] == 1 and calls["wait"] == 1  # by start

@@ -8,6 +8,7 @@ The runner's clock is a fake that advances 1.0 s per call pair, so every engine 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
@@ -86,6 +87,16 @@ def test_chunked_updates_equal_per_step_updates(engine) -> None:
         n = len(updates)
         assert sizes == [1] + [3] * ((n - 2) // 3) + ([(n - 1) % 3 or 3] if n > 1 else [])
         assert chunked[tid][0] == updates[0]  # TTFT: the first update is not delayed
+
+
+def test_coalesced_updates_are_first_and_final_only(engine) -> None:
+    """``chunk_s = inf`` (the scheduler's update coalescing): two updates per task."""
+    plain = run(engine, tasks(None))
+    coalesced = run(engine, tasks(math.inf))
+    for tid, updates in plain.items():
+        assert joined(coalesced[tid]) == joined(updates)
+        assert coalesced[tid][0] == updates[0]
+        assert len(coalesced[tid]) == min(2, len(updates))
 
 
 def test_stop_string_with_holdback_is_cut_the_same(engine) -> None:

@@ -133,6 +133,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self._integrity_due = False  # the engine went idle; its check is deferred
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, backend %s",
             self.model_config.architecture,
@@ -220,6 +221,7 @@ class LLMEngine:
         With ``enable_step_isolation`` a request whose forward pass, sampling or token
         handling raises finishes alone with ``finish_reason == "error"`` (its blocks freed)
         and the others' tokens are those of the step without it (``step_isolation.py``)."""
+        self.run_deferred_checks()
         out = self.scheduler.schedule()
         self._run_swaps()
         if out.is_empty:
@@ -244,8 +246,16 @@ class LLMEngine:
                     raise
                 outputs.append(self._fail(seq, exc))
         if not self.scheduler.has_unfinished():
-            self.block_manager.check_integrity()
+            self._integrity_due = True
+            if not self.config.enable_deferred_integrity_check:
+                self.run_deferred_checks()
         return outputs
+
+    def run_deferred_checks(self) -> None:
+        """The integrity check due since the engine last went idle, if any (idempotent)."""
+        if self._integrity_due:
+            self._integrity_due = False
+            self.block_manager.check_integrity()
 
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
         """End ``seq`` alone with ``finish_reason == "error"`` (its blocks are freed)."""
@@ -306,6 +316,7 @@ class LLMEngine:
                 if output.finished and output.request_id in pending:
                     final[output.request_id] = output
                     pending.discard(output.request_id)
+        self.run_deferred_checks()
         return [final[rid] for rid in ids]
 
     # ------------------------------------------------------------------ helpers

@@ -104,6 +104,9 @@ class ServerConfig:
     ``busy_poll_timeout``: with tasks in flight, the scheduler waits up to this long for
     worker messages, woken at once by new requests, aborts and calls (the process backend;
     ``Scheduler``); ``None``: a cycle every ``poll_timeout`` while busy, as before.
+    ``enable_update_coalescing``: a generation node whose text nobody watches mid-way (no
+    stream listener, no transform with ``needs_partial_updates``) reports its first token and
+    its end only, not every engine step (``Scheduler``); same text, fewer messages and cycles.
 
     ``cosched`` is data (which co-scheduling optimizations run, and their knobs); the
     ``Server`` builds the transforms from it (``make_transforms``). The default runs them all;
@@ -140,6 +143,7 @@ class ServerConfig:
     max_node_runs: int = 256
     poll_timeout: float = 0.02
     busy_poll_timeout: float | None = 0.5
+    enable_update_coalescing: bool = True
     cosched: CoScheduleConfig = field(default_factory=CoScheduleConfig)
     gpu_tier: GpuTierConfig | None = None
     call_timeout_s: float = 600.0

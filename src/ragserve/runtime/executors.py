@@ -82,6 +82,8 @@ class LocalExecutor(BaseExecutor):
                 updates.extend(run_isolated(self.retrieval, tasks))
             if self.generation.has_work():
                 updates.extend(self.generation.step())
+                if not self.generation.has_work():
+                    self.generation.run_deferred_checks()
             if updates or not self.generation.has_work() or time.monotonic() >= deadline:
                 return updates
 

@@ -189,6 +189,14 @@ class GenerationRunner:
     def has_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self._tokenizing)
 
+    def run_deferred_checks(self) -> None:
+        """The engine's checks deferred off its last step (``LLMEngine.run_deferred_checks``;
+        an engine without them has none): the worker calls this once the step's updates are
+        sent."""
+        run = getattr(self.engine, "run_deferred_checks", None)
+        if run is not None:
+            run()
+
     def close(self) -> None:
         """Stop the prefetch thread (tasks still waiting for it are dropped)."""
         if self._prefetch is not None:

@@ -62,6 +62,7 @@ class Server:
             poll_timeout=self.config.poll_timeout,
             operators=self.config.operators,
             busy_poll_timeout=self.config.busy_poll_timeout,
+            enable_update_coalescing=self.config.enable_update_coalescing,
         )
         self._cosched_names: tuple[str, ...] = self.config.cosched.enabled
         self.workflows: dict[str, CompiledGraph] = {n: get_workflow(n) for n in BUILTIN_WORKFLOWS}

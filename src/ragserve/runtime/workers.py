@@ -289,6 +289,8 @@ def _generation_loop(runner: GenerationRunner, inbox: Any, outbox: Outbox) -> No
             outbox.send_generation(updates, stats)
         elif stats is not None:
             outbox.conn.send(EngineStatsMsg(stats))
+        if not busy:
+            runner.run_deferred_checks()  # NOTE: after the send: off the request's path
         was_busy = busy
 
 

@@ -15,7 +15,9 @@ threads only call ``add_request`` / ``abort``, which go through a thread-safe in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import queue
 import time
 from collections import OrderedDict
@@ -28,7 +30,12 @@ from ragserve.scheduler.cpu_pool import CpuPool
 from ragserve.scheduler.executor import BaseExecutor, Update
 from ragserve.scheduler.lowering import lower
 from ragserve.scheduler.memory_store import MemoryStore
-from ragserve.scheduler.messages import GenerationUpdate, RetrievalResult, Wavefront
+from ragserve.scheduler.messages import (
+    GenerationTask,
+    GenerationUpdate,
+    RetrievalResult,
+    Wavefront,
+)
 from ragserve.scheduler.operator_config import OperatorConfig
 from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState
 from ragserve.scheduler.transforms import BaseTransform
@@ -52,6 +59,11 @@ class Scheduler:
     cycles follow events rather than a clock; ``None``, or an executor that cannot be woken:
     ``poll_timeout``.
 
+    ``enable_update_coalescing``: a generation task of a request with no stream listener
+    (``on_delta``/``on_update``), under transforms none of which ``needs_partial_updates``,
+    is dispatched with ``chunk_s = inf`` unless it has its own: the worker sends its first
+    token and its final update only (``GenerationRunner``), never one per engine step.
+
     ``abort(id)`` of an id not (yet) added is remembered (``abort_memory_s``, at most
     ``max_remembered_aborts`` ids): a request added later with that id finishes at once,
     aborted. So an abort that overtakes its request (a client gone while the request was
@@ -68,6 +80,7 @@ class Scheduler:
         poll_timeout: float = 0.05,
         operators: OperatorConfig | None = None,
         busy_poll_timeout: float | None = None,
+        enable_update_coalescing: bool = False,
     ) -> None:
         self.executor = executor
         self.transforms = tuple(transforms)
@@ -75,6 +88,7 @@ class Scheduler:
         self.poll_timeout = poll_timeout
         wakes = busy_poll_timeout is not None and executor.can_wake
         self.busy_poll_timeout = busy_poll_timeout if wakes else poll_timeout
+        self.enable_update_coalescing = enable_update_coalescing
         self.operators = operators or OperatorConfig()
         self.memory = MemoryStore(
             self.operators.memory_max_entries,
@@ -244,7 +258,7 @@ class Scheduler:
                 node = req.graph.nodes[run.node_id]
                 lowered = lower(run, node, run.task_id, self.memory)
                 if lowered.resource == "engine":
-                    wavefront.generation.append(lowered.payload)
+                    wavefront.generation.append(self._coalesced(req, lowered.payload))
                 elif lowered.resource == "retrieval":
                     wavefront.retrieval.append(lowered.payload)
                 elif lowered.resource == "operators":
@@ -256,6 +270,18 @@ class Scheduler:
                     self._inline.append(lowered.payload)
         self._has_new_runs = False
         return wavefront
+
+    def _coalesced(self, req: RequestState, task: GenerationTask) -> GenerationTask:
+        """``task`` reporting first token and end only, when nothing reads it mid-way."""
+        if (
+            not self.enable_update_coalescing
+            or task.chunk_s is not None
+            or req.on_delta is not None
+            or req.on_update is not None
+            or any(t.needs_partial_updates for t in self.transforms)
+        ):
+            return task
+        return dataclasses.replace(task, chunk_s=math.inf)
 
     def _function_pool(self) -> CpuPool:
         if self._pool is None:

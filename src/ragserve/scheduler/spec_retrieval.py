@@ -32,6 +32,8 @@ class SpeculativeRetrievalTransform(BaseTransform):
     """Issue one speculative retrieval per generation run once ``fraction`` of its
     ``max_tokens`` exist, if the node after it is a retrieval reading its output."""
 
+    needs_partial_updates = True  # it fires on a partial text
+
     def __init__(self, similarity: SimilarityTransform, fraction: float = 0.5) -> None:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")

@@ -17,7 +17,12 @@ from ragserve.scheduler.view import SchedulerView
 
 
 class BaseTransform(ABC):
-    """One rewrite of the wavefront; stateful transforms keep their own bookkeeping."""
+    """One rewrite of the wavefront; stateful transforms keep their own bookkeeping.
+
+    ``needs_partial_updates``: the transform reads generation updates before a node's last
+    (its partial text), so the scheduler must not coalesce them (``Scheduler``)."""
+
+    needs_partial_updates: bool = False
 
     @abstractmethod
     def apply(self, wavefront: Wavefront) -> Wavefront:
