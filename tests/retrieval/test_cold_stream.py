@@ -64,9 +64,22 @@ def test_cost_model_split_is_exact_and_calibrated(built) -> None:
     assert_same(index.search(q, K, NLIST), oracle(index, q, K, NLIST))
 
 
+def test_a_tier_holding_every_list_allocates_no_stream_buffers(built) -> None:
+    index, q = built
+    stream = StreamConfig(mode="on", share=1.0)
+    tier = index.set_gpu_tier(BIG, device="cpu", clusters=range(NLIST), stream_cold=stream)
+    assert_same(index.search(q, K, NLIST), oracle(index, q, K, NLIST))
+    streamer = tier.streamer
+    assert streamer is not None and not streamer._allocated and streamer.num_batches == 0
+    tier = index.set_gpu_tier(BIG, device="cpu", clusters=[1], stream_cold=stream)
+    assert not tier.streamer._allocated  # buffers come with the first streamed batch
+    assert_same(index.search(q, K, NLIST), oracle(index, q, K, NLIST))
+    assert tier.streamer._allocated and tier.streamer.num_batches >= 1
+
+
 def test_stream_modes(built) -> None:
     index, _ = built
-    assert index.set_gpu_tier(BIG, device="cpu", clusters=[1]).streamer is None  # default: off
+    assert index.set_gpu_tier(BIG, device="cpu", clusters=[1]).streamer is None  # auto: not on CPU
     assert index.set_gpu_tier(BIG, device="cpu", clusters=[1], stream_cold="auto").streamer is None
     with pytest.raises(ValueError, match="stream_cold must be one of"):
         index.set_gpu_tier(BIG, device="cpu", clusters=[1], stream_cold="always")

@@ -82,7 +82,7 @@ def test_serve_flags(tmp_path) -> None:
             "gpu_index_device": "cuda",
             "gpu_index_dtype": "float32",
             "gpu_index_scan": "auto",
-            "gpu_index_stream": "off",
+            "gpu_index_stream": "auto",
             "gpu_index_stream_host_gb": None,
         }
         return argparse.Namespace(**{**base, **kw})
@@ -108,7 +108,7 @@ def test_serve_flags(tmp_path) -> None:
         )
     )
     assert (cfg.scan, cfg.stream_cold, cfg.stream_host_bytes) == ("dense", "on", 500_000_000)
-    assert gpu_tier_config(args(gpu_index_gb=1.0)).stream_cold == "off"
+    assert gpu_tier_config(args(gpu_index_gb=1.0)).stream_cold == "auto"
     with pytest.raises(ValueError, match="gpu-index-stream-host-gb"):
         gpu_tier_config(args(gpu_index_gb=1.0, gpu_index_stream_host_gb=0.0))
 

@@ -145,8 +145,28 @@ class ColdStreamer:
         self.stage_rows = max(
             1, min(config.stage_bytes, config.host_budget_bytes // 2) // self.row_bytes
         )
-        dev = torch.device(device)
-        self._is_cuda = dev.type == "cuda"
+        self._dev = torch.device(device)
+        self._is_cuda = self._dev.type == "cuda"
+        self._allocated = False  # the buffers come with the first batch (``_allocate``)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cold-stream")
+        self._lock = threading.Lock()
+        self.model: StreamCostModel | None = None
+        self.list_rows = np.zeros(nlist, np.int64)
+        self.num_batches = 0
+        self.num_lists = 0
+        self.num_bytes = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held (0 on CPU, and before the first streamed batch): the two
+        bounce buffers."""
+        return 2 * self.stage_rows * self.row_bytes if self._is_cuda and self._allocated else 0
+
+    def _allocate(self) -> None:
+        """The staging buffers (device), the pinned bounce buffers and the side streams, made
+        on the producer thread's first batch: a tier whose lists are all resident never
+        streams, so it holds none of them (``stream_cold="auto"`` costs it nothing)."""
+        torch, dev, dim = self._torch, self._dev, self.dim
         self._vec = [torch.empty((self.stage_rows, dim), device=dev) for _ in range(2)]
         self._ids = [torch.empty(self.stage_rows, dtype=torch.int64, device=dev) for _ in range(2)]
         self._bias = [torch.zeros(self.stage_rows, device=dev) for _ in range(2)]
@@ -158,18 +178,7 @@ class ColdStreamer:
             self._copy_done = [torch.cuda.Event() for _ in range(2)]
             self._scan_done = [torch.cuda.Event() for _ in range(2)]
             torch.cuda.synchronize(dev)  # NOTE: the buffers' fills precede the other streams
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cold-stream")
-        self._lock = threading.Lock()
-        self.model: StreamCostModel | None = None
-        self.list_rows = np.zeros(nlist, np.int64)
-        self.num_batches = 0
-        self.num_lists = 0
-        self.num_bytes = 0
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Pinned host memory held (0 on CPU): the two bounce buffers."""
-        return 2 * self.stage_rows * self.row_bytes if self._is_cuda else 0
+        self._allocated = True
 
     def split(self, cold: np.ndarray, num_queries: int) -> np.ndarray:
         """bool like ``cold`` (``[n, w]``, ``-1`` = not cold): the probes to stream."""
@@ -197,6 +206,8 @@ class ColdStreamer:
         self._pool.shutdown(wait=True)
 
     def _run(self, q: np.ndarray, lc: np.ndarray, k: int, lists: np.ndarray, list_data: ListData):
+        if not self._allocated:
+            self._allocate()
         if not self._is_cuda:
             return self._run_on_stream(q, lc, k, lists, list_data)
         with self._torch.cuda.stream(self._compute):

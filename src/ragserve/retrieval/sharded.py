@@ -93,7 +93,7 @@ class ShardServer:
         device: str = "cuda",
         dtype: str = "float32",
         scan: str = "auto",
-        stream_cold: str | StreamConfig = "off",
+        stream_cold: str | StreamConfig = "auto",
     ) -> dict[str, Any]:
         """This shard's lists on ``device`` within ``budget_bytes`` (hottest first, re-placed
         on drift: ``VectorIndex.set_gpu_tier``); returns ``tier_state()``."""
@@ -332,7 +332,7 @@ class ShardedIndex:
         device: str = "cuda",
         dtype: str = "float32",
         scan: str = "auto",
-        stream_cold: str | StreamConfig = "off",
+        stream_cold: str | StreamConfig = "auto",
     ) -> ShardedTier | None:
         """A GPU tier on every shard, each within ``shard_tier_budget(budget_bytes, M)``
         (the shards place their own hottest lists; IVF-Flat only, as ``VectorIndex``), with

@@ -43,7 +43,7 @@ class GpuTierConfig:
     generation_profile: tuple[tuple[float, float], ...] | None = None
     retrieval_profile: tuple[tuple[float, float], ...] | None = None
     scan: str = "auto"
-    stream_cold: str = "off"
+    stream_cold: str = "auto"
     stream_host_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:

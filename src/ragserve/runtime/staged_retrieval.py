@@ -76,7 +76,7 @@ class StagedRetrievalRunner(RetrievalRunner):
         device: str = "cuda",
         dtype: str = "float32",
         scan: str = "auto",
-        stream_cold: str = "off",
+        stream_cold: str = "auto",
     ) -> dict[str, Any]:
         """Place the index's GPU tier (called through the worker's ``call`` message)."""
         tier = self.index.set_gpu_tier(
