@@ -15,7 +15,7 @@ from ragserve.cli.launch_config import (
     read_file,
     tomllib,
 )
-from ragserve.cli.main import build_parser
+from ragserve.cli.main import UsageError, build_parser
 from ragserve.cli.serve import serve_launch_config
 from ragserve.runtime import CoScheduleConfig, ServerConfig
 from ragserve.server import ServeConfig
@@ -85,13 +85,16 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path) -> None:
     path.write_text(dump_toml(custom()))
     argv = ["serve", "--config", str(path), "--port", "9100", "--cosched", "off"]
     argv += ["--kv-cache-gb", "1", "--max-model-len", "1024", "--workflow", "more:graph"]
+    argv += ["--host-kv-cache-gb", "0.5"]
     config = serve_launch_config(build_parser().parse_args(argv))
     assert config.serve.port == 9100 and config.serve.host == "0.0.0.0"  # flag, then file
     assert config.runtime.cosched.enabled == ()
     assert config.runtime.cosched.cache_topk == 8  # knobs from the file are kept
     engine = dict(config.runtime.engine_kwargs)
     assert engine["kv_cache_bytes"] == 1 << 30 and engine["max_model_len"] == 1024
-    assert engine["dtype"] == "bfloat16"
+    assert engine["host_kv_cache_bytes"] == 1 << 29 and engine["dtype"] == "bfloat16"
+    with pytest.raises(UsageError, match="--host-kv-cache-gb must be >= 0"):
+        serve_launch_config(build_parser().parse_args(["serve", "--host-kv-cache-gb", "-1"]))
     assert config.workflows == ("mygraphs:agent", "more:graph")
     assert config.runtime.default_nprobe == 16
 

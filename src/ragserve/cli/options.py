@@ -46,6 +46,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB")
     g.add_argument("--kv-cache-mb", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument(
+        "--host-kv-cache-gb",
+        type=float,
+        default=None,
+        help="host tier of the knowledge tree's KV, GiB of pinned CPU memory (default 0: GPU only)",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="LLM context bound")
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences batched at once")
     g.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the LLM (CPU)")
@@ -85,6 +91,10 @@ def apply_flags(config: LaunchConfig, args: argparse.Namespace) -> LaunchConfig:
     elif args.kv_cache_mb is not None:
         _positive("--kv-cache-mb", args.kv_cache_mb)
         engine["kv_cache_bytes"] = args.kv_cache_mb << 20
+    if args.host_kv_cache_gb is not None:
+        if args.host_kv_cache_gb < 0:
+            raise UsageError(f"--host-kv-cache-gb must be >= 0, got {args.host_kv_cache_gb}")
+        engine["host_kv_cache_bytes"] = int(args.host_kv_cache_gb * (1 << 30))
     for flag in ("max_num_seqs", "max_model_len", "cpu_threads", "nprobe"):
         if getattr(args, flag) is not None:
             _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
