@@ -33,7 +33,10 @@ phase is recorded with its error and the next one runs):
    (``stream_cold="on"``, ``cold_stream``; its cost model calibrated first), in the latency
    phase (measured p90 next to Eq. 1 with streaming, ``StreamedLatencyModel``; Algorithm 1
    re-run with that model, ``partition_streamed``) and as a third SLO-bound rate. The
-   tier-only rows run with ``stream_cold="off"``.
+   tier-only rows run with ``stream_cold="off"``. Unless ``--skip stream_omp``, the latency
+   phase also times the split of a cost model calibrated assuming Faiss's OpenMP threads (the
+   2026-12-01 run's; ``gpu_tier_stream_omp``), each row with its prediction before timing,
+   the balanced split's beside it, and the measured share of cold probes streamed.
 """
 
 from __future__ import annotations
@@ -400,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "--skip",
         nargs="*",
         default=[],
-        choices=["latency", "cpu_rate", "tier_rate", "stream", "stream_rate"],
+        choices=["latency", "cpu_rate", "tier_rate", "stream", "stream_rate", "stream_omp"],
     )
     ap.add_argument("--device", default=None, help="build and tier device (default cuda if any)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/tier_overflow.json"))
@@ -617,13 +620,37 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     def stream_latency(batch: int, check: np.ndarray, ref: np.ndarray) -> None:
+        """The streamed tier at ``B``: the split by the calibrated cost model (the CPU scan's
+        real parallelism), and, unless skipped, by one calibrated assuming Faiss's OpenMP
+        threads (``gpu_tier_stream_omp``: the 2026-12-01 run's split). Each predicted before
+        it is timed (Eq. 1 with the router's split, and with a balanced one)."""
+        from ragserve.retrieval.index_tier import scan_threads
+
+        cost = place_streamed()
+        streamed = streamed_model(st, st["plan"], cost, batch, args.dim)
+        st["streamed_model"] = streamed
+        algorithm_1_streamed(streamed)
+        stream_point("gpu_tier_stream", cost, batch, check, ref)
+        omp = max(1, faiss_threads())
+        if "stream_omp" not in args.skip and omp != scan_threads(st["index"]._index):
+            old = st["index"].calibrate_stream(threads=omp)
+            stream_point("gpu_tier_stream_omp", old, batch, check, ref)
+        st["index"].drop_gpu_tier()
+
+    def stream_point(system: str, cost: Any, batch: int, check: np.ndarray, ref: np.ndarray):
         from ragserve.retrieval.partition import BetaHitRate
 
         index, q, plan = st["index"], st["q"], st["plan"]
-        cost = place_streamed()
         streamed = streamed_model(st, plan, cost, batch, args.dim)
-        st["streamed_model"] = streamed
-        algorithm_1_streamed(streamed)
+        balanced = dataclasses.replace(streamed, split=None)
+        mean = float(plan.hit_rate)
+        tail = BetaHitRate.from_mean(mean, st["sigma2"]).tail(batch, "batch_mean", 0.1)
+        eta = min(max(tail, 0.0), 1.0)
+        pred, pred_balanced = (
+            streamed.hybrid_seconds(batch, eta),
+            balanced.hybrid_seconds(batch, eta),
+        )
+        share = float(streamed.streamed_shares(np.asarray([batch]), np.asarray([1 - mean]))[0])
         found = index.search(check, args.topk, args.nprobe).ids
         streamer = index.gpu_tier.streamer
         streamer.reset_counts()
@@ -634,19 +661,19 @@ def main(argv: list[str] | None = None) -> int:
             args.latency_seconds,
             args.max_batches,
         )
-        mean = float(plan.hit_rate)
-        tail = BetaHitRate.from_mean(mean, st["sigma2"]).tail(batch, "batch_mean", 0.1)
-        pred = streamed.hybrid_seconds(batch, min(max(tail, 0.0), 1.0))
         res.add(
-            system="gpu_tier_stream",
+            system=system,
             num_clusters=len(plan.cluster_ids),
             coverage=len(plan.cluster_ids) / args.nlist,
             batch=batch,
             hit_rate_model=mean,
             tail_hit_rate_model=tail,
             predicted_s=pred,
-            predicted_no_stream_s=st["model"].hybrid_seconds(batch, min(max(tail, 0.0), 1.0)),
+            predicted_balanced_s=pred_balanced,
+            predicted_mean_hit_s=streamed.hybrid_seconds(batch, min(mean, 1.0)),
+            predicted_no_stream_s=st["model"].hybrid_seconds(batch, eta),
             p90_error=(pred - stats["p90_s"]) / stats["p90_s"],
+            p90_error_balanced=(pred_balanced - stats["p90_s"]) / stats["p90_s"],
             exact_ids=exact_share(found, ref),
             stream_cost_model=dataclasses.asdict(cost) if cost is not None else None,
             streamed_model={
@@ -654,13 +681,16 @@ def main(argv: list[str] | None = None) -> int:
                 "s_per_byte": streamed.stream.s_per_byte,
                 "bytes_per_probe": streamed.bytes_per_probe,
                 "distinct_share": streamed.distinct_share,
+                "split": None if streamed.split is None else dataclasses.asdict(streamed.split),
             },
+            streamed_probe_share_model=share / max(1 - mean, 1e-12),
+            streamed_probe_share_measured=streamer.num_streamed_probes
+            / max(streamer.num_cold_probes, 1),
             streamed_batches=streamer.num_batches,
             streamed_gb=streamer.num_bytes / 1e9,
             pinned_bytes=streamer.pinned_bytes,
             **_drop(stats),
         )
-        index.drop_gpu_tier()
 
     def recorder(system: str) -> Callable[[dict], None]:
         """Saves each rate point under ``rate_points_<system>`` as it is measured."""
@@ -753,11 +783,18 @@ def _bracket(model: Any, args: Any) -> tuple[float, float]:
     return peak * 0.3, peak * 1.2
 
 
+def faiss_threads() -> int:
+    import faiss
+
+    return int(faiss.omp_get_max_threads())
+
+
 def streamed_model(st: dict, plan: Any, cost: Any, batch: int, dim: int) -> Any:
-    """Eq. 1 with streaming for ``plan``: the stream side of the calibrated ``cost`` model,
-    the access-weighted bytes of a cold probe, and the share of a batch's cold probes whose
-    list is distinct (from the calibration probes, in batches of ``batch``)."""
-    from ragserve.retrieval.latency_model import StreamedLatencyModel, StreamModel
+    """Eq. 1 with streaming for ``plan``: the stream side of the calibrated ``cost`` model and
+    its CPU side as the router's split pricing, the access-weighted bytes of a cold probe, and
+    the share of a batch's cold probes whose list is distinct (from the calibration probes, in
+    batches of ``batch``)."""
+    from ragserve.retrieval.latency_model import SplitPricing, StreamedLatencyModel, StreamModel
 
     counts, sizes = st["counts"], st["index"].cluster_sizes()
     cold = np.ones(len(counts), dtype=bool)
@@ -773,11 +810,17 @@ def streamed_model(st: dict, plan: Any, cost: Any, batch: int, dim: int) -> Any:
         if len(c):
             shares.append(len(np.unique(c)) / len(c))
     distinct = float(np.mean(shares)) if shares else 1.0
-    fixed, per_byte = (
-        (np.inf, 0.0) if cost is None else (cost.stream_fixed_s, cost.stream_s_per_byte)
-    )
+    if cost is None:  # nothing is streamed under no cost model
+        return StreamedLatencyModel(
+            st["model"], StreamModel(np.inf, 0.0), per_probe, max(distinct, 1e-6)
+        )
+    split = SplitPricing(cost.cpu_fixed_s, cost.cpu_s_per_row, cost.threads, per_probe / row_bytes)
     return StreamedLatencyModel(
-        st["model"], StreamModel(fixed, per_byte), per_probe, max(distinct, 1e-6)
+        st["model"],
+        StreamModel(cost.stream_fixed_s, cost.stream_s_per_byte),
+        per_probe,
+        max(distinct, 1e-6),
+        split,
     )
 
 

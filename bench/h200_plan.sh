@@ -16,13 +16,17 @@
 #   bash bench/h200_plan.sh 4   kv_capacity  issue 12's TTFT and sustained capacity from
 #                                          150-request windows, with the agreement control
 #                                          (h200_kv_tiers_run.sh capacity, <= 268 s)
-# Carry: .whl (calls 1-3), .gpurun and .bench_before (call 1); call 4 needs none.
+#   bash bench/h200_plan.sh 5   overflow_stream  issue 10's streamed latency model after call
+#                                          3: latency phase (the split by the CPU scan's real
+#                                          parallelism, and the call-3 split) and the streamed
+#                                          rate only (<= 300 s: CALL_S 300 unless set)
+# Carry: .whl (calls 1-3, 5), .gpurun and .bench_before (call 1); call 4 needs none.
 # Env: CALL_S (the call's budget, default 565), TWIN=cpu (the CPU twin: the same parts on
 # tiny CPU configurations, to check this script, not to measure).
 set -uo pipefail
 CALL=${1:-}
 : "${OUT:?OUT must name the folder results are written to}"
-CALL_S=${CALL_S:-$([ "$CALL" = 3 ] && echo 330 || echo 565)}
+CALL_S=${CALL_S:-$(case $CALL in 3) echo 330 ;; 5) echo 300 ;; *) echo 565 ;; esac)}
 START=$SECONDS
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -103,10 +107,18 @@ case $CALL in
     part overflow_stream 325 env GPU_TESTS=0 LIMIT=312 bash bench/h200_overflow_stream_run.sh
     summary overflow_stream
     ;;
+5)  # the H200 corpus of call 3 (TWIN=cpu: the twin's), no CPU or tier-only rate
+    OV_ARGS=${ARGS:-"--num-docs 20000000 --dim 768 --nlist 16384 --topics 65536 --nprobe 256 \
+--budget-gb 24"}
+    part overflow_stream 295 env GPU_TESTS=0 LIMIT=282 \
+        ARGS="$OV_ARGS --skip cpu_rate tier_rate --rate-order stream --stream-rate 44 60" \
+        bash bench/h200_overflow_stream_run.sh
+    summary overflow_stream
+    ;;
 4)
     part kv_capacity 268 env PRESET="${PRESET_KV:-h200-llama8b-tiers}" \
         bash bench/h200_kv_tiers_run.sh capacity
     summary kv_capacity
     ;;
-*) echo "usage: $0 1|2|3|4 (OUT=<folder>)" >&2; exit 2 ;;
+*) echo "usage: $0 1|2|3|4|5 (OUT=<folder>)" >&2; exit 2 ;;
 esac

@@ -141,7 +141,7 @@ def overflow_stream(d: Path) -> str:
     errors = [
         f"{p['system']} {100 * p['p90_error']:+.0f} %"
         for p in doc.get("points", [])
-        if p.get("system") in ("gpu_tier", "gpu_tier_stream") and "p90_error" in p
+        if str(p.get("system", "")).startswith("gpu_tier") and "p90_error" in p
     ]
     text += f"; p90 model error {', '.join(errors) or '-'} (target within 15 %)"
     return text + f"; failures {len(doc.get('failures', []))}"

@@ -113,6 +113,19 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
         assert p["exact_ids"] == 1.0
         assert 0.0 <= p["tail_hit_rate_measured"] <= p["hit_rate_measured"] <= 1.0
         assert p["predicted_s"] > 0 and p["p90_s"] > 0
+    import faiss
+
+    streamed = {p["system"]: p for p in doc["points"] if p["system"].startswith("gpu_tier_str")}
+    want = {"gpu_tier_stream"} | (
+        {"gpu_tier_stream_omp"} if faiss.omp_get_max_threads() > 1 else set()
+    )
+    assert set(streamed) == want
+    assert streamed["gpu_tier_stream"]["stream_cost_model"]["threads"] == 1  # the scan's own
+    for p in streamed.values():
+        assert p["exact_ids"] == 1.0 and p["predicted_s"] > 0 and p["predicted_balanced_s"] > 0
+        assert p["streamed_model"]["split"]["threads"] == p["stream_cost_model"]["threads"]
+        assert 0.0 <= p["streamed_probe_share_measured"] <= 1.0
+        assert 0.0 <= p["streamed_probe_share_model"] <= 1.0
     for system in ("cpu", "tier"):
         rate = doc[f"slo_rate_{system}"]
         assert rate["points"], system

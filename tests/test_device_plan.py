@@ -64,3 +64,13 @@ def test_call_3_cpu_twin_runs_every_overflow_phase(tmp_path: Path) -> None:
     assert line.startswith("overflow_stream: cpu "), line
     assert "failures 0" in line and "gpu_tier " in line  # the latency phase ran (p90 rows)
     assert "overflow_stream: exit 0" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+def test_call_5_cpu_twin_times_both_streamed_splits(tmp_path: Path) -> None:
+    run = _plan("5", tmp_path / "out")
+    assert run.returncode == 0, run.stderr
+    line = (tmp_path / "out" / "summary.txt").read_text().strip()
+    assert line.startswith("overflow_stream: cpu -, tier -, stream "), line
+    assert "gpu_tier_stream " in line and "gpu_tier_stream_omp " in line, line
+    assert "failures 0" in line and "overflow_stream: exit 0" in run.stdout, run.stdout

@@ -25,6 +25,7 @@ from ragserve.retrieval.cold_stream import StreamConfig, StreamCostModel, plan_s
 from ragserve.retrieval.latency_model import (
     PiecewiseLinear,
     SearchLatencyModel,
+    SplitPricing,
     StreamedLatencyModel,
     StreamModel,
 )
@@ -221,3 +222,112 @@ def test_algorithm_1_and_eq2_price_the_streamed_path() -> None:
         got = [rps[n].requests_per_second[i] for n in ("base", "fast", "never")]
         assert got[1] >= got[0] and got[2] == pytest.approx(got[0])
     assert rps["fast"].requests_per_second[0] > rps["base"].requests_per_second[0]
+
+
+def _lut_model(lut_at_64: float = 2.0) -> SearchLatencyModel:
+    return SearchLatencyModel(
+        256,
+        PiecewiseLinear((1.0, 64.0), (0.001, 0.01)),
+        PiecewiseLinear((1.0, 64.0), (lut_at_64 / 64, lut_at_64)),
+    )
+
+
+def test_without_split_pricing_the_streamed_model_is_the_balanced_closed_form() -> None:
+    """No ``SplitPricing``: the router balances at ``T_LUT``'s pace, the closed form
+    ``T_CQ + min(m L, L (s0 + m g) / (L + g))``; a pricing at ``T_LUT``'s pace is the same."""
+    rng = np.random.default_rng(3)
+    base = _lut_model()
+    for _ in range(50):
+        b, eta = int(rng.integers(1, 65)), float(rng.uniform())
+        s0, s1, bpp = rng.uniform(0, 0.3), 10 ** rng.uniform(-11, -9), 10 ** rng.uniform(5, 7)
+        ds = float(rng.uniform(0.3, 1.0))
+        model = StreamedLatencyModel(base, StreamModel(s0, s1), bpp, ds)
+        lut, g, m = base.lut_seconds(b), b * 256 * bpp * ds * s1, 1.0 - eta
+        expect = base.cq_seconds(b) + min(m * lut, lut * (s0 + m * g) / (lut + g))
+        assert model.hybrid_seconds(b, eta) == pytest.approx(expect, rel=1e-9, abs=1e-12)
+        # the router priced at T_LUT's pace: L_r = c1 * b * 256 * rpp / min(b, threads)
+        rpp = 100.0
+        same = SplitPricing(0.0, lut * min(b, 4) / (b * 256 * rpp), 4, rpp)
+        priced = StreamedLatencyModel(base, StreamModel(s0, s1), bpp, ds, split=same)
+        assert priced.hybrid_seconds(b, eta) == pytest.approx(expect, rel=1e-9, abs=1e-12)
+
+
+def test_split_pricing_predicts_the_split_plan_split_makes() -> None:
+    """The oracle is the router's own rule: ``plan_split`` under a ``StreamCostModel`` whose
+    CPU pace is 2x (or 0.5x) the real one; each side then takes its real time. One list a
+    probe (distinct share 1), equal sizes: the model's streamed share and latency are
+    ``plan_split``'s to one list's granularity."""
+    n, w, rows, row_bytes = 48, 64, 1000, 3080
+    cold = np.arange(n * w).reshape(n, w)  # every probe its own cold list
+    list_rows = np.full(n * w, rows)
+    real_s_per_row = 2e-7  # the CPU's real pace (one thread), seconds per probed row
+    base = SearchLatencyModel(
+        w,
+        PiecewiseLinear((1.0, 64.0), (0.0, 0.0)),
+        PiecewiseLinear((1.0, 64.0), (real_s_per_row * w * rows, real_s_per_row * 64 * w * rows)),
+    )
+    stream = StreamModel(0.002, 5e-11)
+    for router_pace in (0.5, 1.0, 2.0):  # the router's CPU rate over the real one
+        cost = StreamCostModel(0.0, real_s_per_row * router_pace, 0.002, 5e-11, threads=1)
+        take = plan_split(cold, list_rows, row_bytes, n, cost)
+        streamed = len(take) * rows * row_bytes
+        real = max(cost.stream_seconds(streamed), real_s_per_row * (n * w - len(take)) * rows)
+        pricing = SplitPricing(0.0, cost.cpu_s_per_row, cost.threads, rows)
+        model = StreamedLatencyModel(base, stream, rows * row_bytes, 1.0, split=pricing)
+        y = float(model.streamed_shares(np.asarray([n]), np.asarray([1.0]))[0])
+        assert abs(y * n * w - len(take)) <= 1.0
+        one_list = max(stream.s_per_byte * rows * row_bytes, real_s_per_row * rows)
+        assert model.hybrid_seconds(n, 0.0) == pytest.approx(real, abs=one_list)
+        balanced = StreamedLatencyModel(base, stream, rows * row_bytes, 1.0)
+        if router_pace == 1.0:
+            assert model.hybrid_seconds(n, 0.0) == pytest.approx(balanced.hybrid_seconds(n, 0.0))
+        else:  # a mispriced split finishes later than the balanced one
+            assert model.hybrid_seconds(n, 0.0) > balanced.hybrid_seconds(n, 0.0) * 1.1
+
+
+def test_split_pricing_inverse_and_algorithm_1() -> None:
+    """``required_hit_rate`` inverts ``hybrid_seconds`` with a mispriced split, and Algorithm 1
+    needs at least the coverage of the balanced model under it."""
+    from ragserve.retrieval.partition import PartitionConfig, partition
+
+    base = _lut_model(1.0)
+    fast_router = SplitPricing(0.0, 1e-8, 14, 500.0)  # prices the CPU well below T_LUT
+    skew = StreamedLatencyModel(base, StreamModel(0.001, 1e-10), 2e6, 0.8, split=fast_router)
+    even = StreamedLatencyModel(base, StreamModel(0.001, 1e-10), 2e6, 0.8)
+    for b, seconds in ((8, 0.05), (48, 0.4), (64, 0.3)):
+        eta = skew.required_hit_rate(b, seconds)
+        assert eta is not None and eta >= even.required_hit_rate(b, seconds) - 1e-9
+        if eta > 0:
+            assert skew.hybrid_seconds(b, eta) == pytest.approx(seconds, rel=1e-6)
+    assert skew.required_hit_rate(64, 0.0001) is None  # below T_CQ: infeasible
+    rng = np.random.default_rng(0)
+    counts = rng.zipf(1.3, 512).astype(np.float64)
+    cbytes = np.full(512, 1 << 20, np.int64)
+    config = PartitionConfig(slo_seconds=0.4, throughput=200.0, max_variance=0.05)
+    got = len(partition(skew, counts, cbytes, config).cluster_ids)
+    assert got >= len(partition(even, counts, cbytes, config).cluster_ids)
+    with pytest.raises(ValueError, match="SplitPricing"):
+        SplitPricing(0.0, 1e-8, 0, 500.0)
+
+
+def test_calibration_assumes_the_scans_real_parallelism(built) -> None:
+    """Faiss's ``search_preassigned`` at the default ``parallel_mode`` 0 scans on the calling
+    thread: the calibrated model's ``threads`` is 1 unless told otherwise."""
+    import faiss
+
+    from ragserve.retrieval.index_tier import scan_threads
+
+    index, _ = built
+    ivf = index._index
+    assert ivf.parallel_mode == 0 and scan_threads(ivf) == 1
+    ivf.parallel_mode = 3
+    try:
+        assert scan_threads(ivf) == max(1, faiss.omp_get_max_threads())
+    finally:
+        ivf.parallel_mode = 0
+    index.set_gpu_tier(BIG, device="cpu", clusters=range(0, NLIST, 4), stream_cold="on")
+    points = ((4, 2), (8, 4))
+    assert index.calibrate_stream(points=points, repeats=1).threads == 1
+    assert index.calibrate_stream(points=points, repeats=1, threads=14).threads == 14
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        index.calibrate_stream(points=points, repeats=1, threads=0)

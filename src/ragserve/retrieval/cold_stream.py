@@ -80,7 +80,10 @@ class StreamCostModel:
         stream = stream_fixed_s + stream_s_per_byte * streamed_bytes
 
     ``probed_rows`` counts a list once per query probing it (Faiss scans it per query);
-    ``streamed_bytes`` once per batch (one copy serves every query)."""
+    ``streamed_bytes`` once per batch (one copy serves every query). ``threads``: the CPU
+    scan's parallelism (``index_tier.scan_threads``: 1 at Faiss's default ``parallel_mode``).
+    The split this model picks is what runs; ``latency_model.SplitPricing`` carries its CPU
+    side into the latency model."""
 
     cpu_fixed_s: float
     cpu_s_per_row: float
@@ -155,6 +158,8 @@ class ColdStreamer:
         self.num_batches = 0
         self.num_lists = 0
         self.num_bytes = 0
+        self.num_cold_probes = 0  # cold probes the split saw, and those it streamed
+        self.num_streamed_probes = 0
 
     @property
     def pinned_bytes(self) -> int:
@@ -185,7 +190,11 @@ class ColdStreamer:
         lists = plan_split(
             cold, self.list_rows, self.row_bytes, num_queries, self.model, self.config.share
         )
-        return np.isin(cold, lists) & (cold >= 0)
+        take = np.isin(cold, lists) & (cold >= 0)
+        with self._lock:
+            self.num_cold_probes += int((cold >= 0).sum())
+            self.num_streamed_probes += int(take.sum())
+        return take
 
     def scan(
         self, queries: np.ndarray, cluster_ids: np.ndarray, k: int, list_data: ListData
@@ -198,9 +207,11 @@ class ColdStreamer:
         return self._pool.submit(self._run, q, lc, int(k), lists, list_data)
 
     def reset_counts(self) -> None:
-        """Zero ``num_batches``/``num_lists``/``num_bytes`` (after calibration)."""
+        """Zero ``num_batches``/``num_lists``/``num_bytes`` and the probe counts (after
+        calibration)."""
         with self._lock:
             self.num_batches = self.num_lists = self.num_bytes = 0
+            self.num_cold_probes = self.num_streamed_probes = 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

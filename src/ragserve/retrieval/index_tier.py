@@ -56,6 +56,7 @@ class TierSpec(NamedTuple):
 # (queries, cold lists per query) of the stream's calibration: both sides' terms vary
 STREAM_POINTS = ((4, 4), (16, 8), (32, 16), (64, 32))
 ASSIGNS = ("auto", "tier", "faiss")  # where ``search`` assigns queries (``set_gpu_tier``)
+_NO_HEAP_INIT = 1024  # NOTE: Faiss's PARALLEL_MODE_NO_HEAP_INIT flag (IndexIVF.h; not exported)
 
 
 class GpuTierMixin:
@@ -167,14 +168,19 @@ class GpuTierMixin:
         points: Sequence[tuple[int, int]] = STREAM_POINTS,
         repeats: int = 2,
         seed: int = 0,
+        threads: int | None = None,
     ) -> StreamCostModel | None:
         """Fit the streamer's ``StreamCostModel`` from timed scans of random non-resident lists,
         streamed and on the CPU at the same time (as they run when serving, sharing the host's
         cores and memory bandwidth), at ``points`` (queries, lists per query); None (streams
         nothing under the cost model) without a streamer or cold lists. Each point's median of
-        ``repeats`` after a warm-up. (A search calibrates on first use when there is none.)"""
+        ``repeats`` after a warm-up. ``threads``: the CPU scan's parallelism the model assumes
+        (None: the real one, ``scan_threads``; the 2026-12-01 H200 run assumed Faiss's OpenMP
+        threads). (A search calibrates on first use when there is none.)"""
         with self._rw.read():
-            return self._calibrate_stream(points=points, repeats=repeats, seed=seed)
+            return self._calibrate_stream(
+                points=points, repeats=repeats, seed=seed, threads=threads
+            )
 
     def _calibrate_stream(
         self,
@@ -182,6 +188,7 @@ class GpuTierMixin:
         points: Sequence[tuple[int, int]] = STREAM_POINTS,
         repeats: int = 2,
         seed: int = 0,
+        threads: int | None = None,
     ) -> StreamCostModel | None:
         from ragserve.retrieval.cold_stream import StreamCostModel
         from ragserve.retrieval.tier_scan_model import nnls_relative
@@ -196,6 +203,9 @@ class GpuTierMixin:
         if not len(cold):
             return None
         rng = np.random.default_rng(seed)
+        threads = scan_threads(self._index) if threads is None else int(threads)
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         cpu_rows, cpu_s, stream_bytes, stream_s = [], [], [], []
         for n, w in points:
             w = min(w, len(cold))
@@ -205,7 +215,7 @@ class GpuTierMixin:
             on_cpu = functools.partial(stepwise.scan, self._index, q, sub, 10)
             on_stream = functools.partial(streamer.scan, q, probes, 10, self._list_data)
             cpu, gpu = _concurrent_seconds(on_cpu, on_stream, repeats)
-            par = max(1, min(n, streamer_threads()))
+            par = max(1, min(n, threads))
             cpu_rows.append(sizes[probes].sum() / par)
             cpu_s.append(cpu)
             stream_bytes.append(sizes[np.unique(probes)].sum() * streamer.row_bytes)
@@ -213,7 +223,7 @@ class GpuTierMixin:
         ones = np.ones(len(points))
         c0, c1 = nnls_relative(np.stack([ones, cpu_rows], 1), np.array(cpu_s))
         s0, s1 = nnls_relative(np.stack([ones, stream_bytes], 1), np.array(stream_s))
-        streamer.model = StreamCostModel(c0, c1, s0, s1, streamer_threads())
+        streamer.model = StreamCostModel(c0, c1, s0, s1, threads)
         streamer.reset_counts()
         return streamer.model
 
@@ -408,8 +418,13 @@ def check_tier_options(scan: str, stream_cold: str | StreamConfig) -> None:
         raise ValueError(f"stream_cold must be a mode or a StreamConfig, got {stream_cold!r}")
 
 
-def streamer_threads() -> int:
-    """Faiss's OpenMP threads: the CPU side's parallelism in ``StreamCostModel``."""
+def scan_threads(index: faiss.IndexIVF) -> int:
+    """The CPU scan's parallelism in ``StreamCostModel``: ``stepwise.scan`` calls Faiss's
+    ``search_preassigned``, which at ``parallel_mode`` 0 (the default) runs on the calling
+    thread (Faiss splits a batch over its OpenMP threads in ``search`` only); other modes use
+    the OpenMP threads."""
+    if index.parallel_mode & ~_NO_HEAP_INIT == 0:
+        return 1
     return max(1, int(faiss.omp_get_max_threads()))
 
 

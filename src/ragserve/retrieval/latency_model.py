@@ -12,12 +12,22 @@ query has hit rate ``eta`` (fraction of its probed clusters on the GPU) takes (E
 
     tau_s(b) = T_CQ(b) + (1 - eta) * T_LUT(b)
 
-With cold lists streamed to the GPU as well (``cold_stream``), the cold part ``m = 1 - eta``
-is split so that both sides finish together: the CPU scans a share at ``T_LUT``'s pace, the
-stream copies the rest at ``StreamModel``'s (``s0`` fixed, ``g(b) = b * nprobe * bytes per
-probe * seconds per byte`` for all of it), giving (``StreamedLatencyModel``)::
+With cold lists streamed to the GPU as well (``cold_stream``), the router streams a share
+``y`` of the batch's probes (of the cold ``m = 1 - eta``) and the CPU scans the rest. The
+router picks ``y`` with its own pricing of the CPU (``SplitPricing``: the streamer's
+``StreamCostModel``, pace ``L_r``, fixed ``c0``) so that the two sides would finish together;
+each side then takes its real time, the CPU at ``T_LUT``'s pace, the stream at
+``StreamModel``'s (``s0`` fixed, ``g(b) = b * nprobe * bytes per probe * seconds per byte``
+for all of it), giving (``StreamedLatencyModel``)::
 
-    tau_s(b) = T_CQ(b) + min(m T_LUT, T_LUT (s0 + m g) / (T_LUT + g))
+    y = clip((c0 + L_r m - s0) / (g + L_r), 0, m)
+    tau_s(b) = T_CQ(b) + max(s0 + g y if y > 0 else 0, T_LUT (m - y))
+
+With no ``SplitPricing`` the router is taken to price the CPU at ``T_LUT`` (``L_r = T_LUT``,
+``c0 = 0``: the balanced split), where this is ``T_CQ + min(m T_LUT, T_LUT (s0 + m g) /
+(T_LUT + g))``. NOTE: on the H200 (2026-12-01) the router's pace was 2.1x ``T_LUT``'s (its
+``threads`` assumed Faiss's 14 OpenMP threads; the scan runs on one), so it gave the CPU about
+twice the share that finishes with the stream; the balanced form under-predicted by 34 %.
 
 Nothing here imports faiss or torch: measurements come in as arrays, or through
 ``measure_cpu_model`` (any object with ``assign``/``scan``, e.g. ``VectorIndex``) and
@@ -328,18 +338,43 @@ class StreamModel:
 
 
 @dataclass(frozen=True)
+class SplitPricing:
+    """How the router prices the CPU's share when it splits a batch's cold probes (the CPU
+    side of ``cold_stream.StreamCostModel``): ``cpu_fixed_s + cpu_s_per_row * rows / min(b,
+    threads)`` for ``rows`` probed rows, a cold probe being ``rows_per_probe`` rows. The split
+    it picks with this pricing is the one that runs, whatever the CPU's real pace."""
+
+    cpu_fixed_s: float
+    cpu_s_per_row: float
+    threads: int
+    rows_per_probe: float
+
+    def __post_init__(self) -> None:
+        if min(self.cpu_fixed_s, self.cpu_s_per_row, self.rows_per_probe) < 0 or self.threads < 1:
+            raise ValueError(f"SplitPricing needs non-negative terms and threads >= 1, got {self}")
+
+    def lut_array(self, batch_sizes: np.ndarray, nprobe: int) -> np.ndarray:
+        """``L_r(b)``: the router's seconds (beyond ``cpu_fixed_s``) for all probes of ``b``."""
+        b = np.maximum(np.asarray(batch_sizes, dtype=np.float64), 1.0)
+        rows = b * nprobe * self.rows_per_probe
+        return self.cpu_s_per_row * rows / np.minimum(b, float(self.threads))
+
+
+@dataclass(frozen=True)
 class StreamedLatencyModel:
     """Eq. 1 with cold lists streamed (module doc): ``SearchLatencyModel``'s interface, so
     Algorithm 1 (``partition``) and Eq. 2 (``memory_split``) price the streamed path.
 
     ``bytes_per_probe``: mean bytes of a cold list per probe (access-weighted);
     ``distinct_share``: share of a batch's cold probes whose list is not already streamed for
-    another query of the batch (1: no sharing, the conservative default)."""
+    another query of the batch (1: no sharing, the conservative default); ``split``: the
+    router's pricing of the CPU, which sets the split (None: ``T_LUT``'s, the balanced split)."""
 
     base: SearchLatencyModel
     stream: StreamModel
     bytes_per_probe: float
     distinct_share: float = 1.0
+    split: SplitPricing | None = None
 
     def __post_init__(self) -> None:
         if self.bytes_per_probe < 0 or not 0.0 < self.distinct_share <= 1.0:
@@ -373,16 +408,36 @@ class StreamedLatencyModel:
         per_probe = self.bytes_per_probe * self.distinct_share * self.stream.s_per_byte
         return b * self.base.nprobe * per_probe
 
+    def streamed_shares(self, batch_sizes: np.ndarray, cold: np.ndarray) -> np.ndarray:
+        """``y``: the share of a batch's probes the router streams when a share ``cold`` of
+        them is not resident (module doc), elementwise."""
+        b = np.asarray(batch_sizes, dtype=np.float64)
+        m = np.asarray(cold, dtype=np.float64)
+        lut_r, c0 = self._router(b)
+        g, s0 = self.stream_array(b), self.stream.fixed_s
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = np.where(g + lut_r > 0, (c0 + lut_r * m - s0) / (g + lut_r), 0.0)
+        return np.clip(y, 0.0, m)
+
+    def cold_array(self, batch_sizes: np.ndarray, cold: np.ndarray) -> np.ndarray:
+        """Seconds of the cold part (both sides, the later one), elementwise."""
+        b = np.asarray(batch_sizes, dtype=np.float64)
+        m = np.asarray(cold, dtype=np.float64)
+        y = self.streamed_shares(b, m)
+        stream = np.where(y > 0, self.stream.fixed_s + self.stream_array(b) * y, 0.0)
+        return np.maximum(stream, self.lut_array(b) * (m - y))
+
+    def _router(self, b: np.ndarray) -> tuple[np.ndarray, float]:
+        if self.split is None:
+            return self.lut_array(b), 0.0
+        return self.split.lut_array(b, self.base.nprobe), self.split.cpu_fixed_s
+
     def hybrid_seconds(self, batch_size: float, tail_hit_rate: float) -> float:
         """Eq. 1 with streaming at the batch's tail hit rate ``eta`` (module doc)."""
         if not 0.0 <= tail_hit_rate <= 1.0:
             raise ValueError(f"tail_hit_rate must be in [0, 1], got {tail_hit_rate}")
         b = np.asarray([batch_size], dtype=np.float64)
-        lut, g = float(self.lut_array(b)[0]), float(self.stream_array(b)[0])
-        m = 1.0 - tail_hit_rate
-        cold = m * lut
-        if lut + g > 0:
-            cold = min(cold, lut * (self.stream.fixed_s + m * g) / (lut + g))
+        cold = float(self.cold_array(b, np.asarray([1.0 - tail_hit_rate]))[0])
         return self.cq_seconds(batch_size) + cold
 
     def required_hit_rate(self, batch_size: float, seconds: float) -> float | None:
@@ -391,20 +446,20 @@ class StreamedLatencyModel:
         return None if math.isinf(eta) else eta
 
     def required_hit_rates(self, batch_sizes: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-        """Vectorised; ``inf`` marks the infeasible entries. The cold time is the smaller of
-        two increasing lines in ``m``: the largest ``m`` within budget is the larger of the two
-        lines' roots."""
+        """Vectorised; ``inf`` marks the infeasible entries. The cold time is non-decreasing
+        in ``m`` (both sides' shares grow with it), so the largest ``m`` within budget is found
+        by bisection (60 halvings of ``[0, 1]``)."""
         b = np.asarray(batch_sizes, dtype=np.float64)
-        cq, lut, g = self.cq_array(b), self.lut_array(b), self.stream_array(b)
-        left = np.asarray(seconds, dtype=np.float64) - cq
-        s0 = self.stream.fixed_s
-        with np.errstate(divide="ignore", invalid="ignore"):
-            m_cpu = np.where(lut > 0, left / lut, np.inf)
-            reach = np.where(lut > 0, left * (lut + g) / lut - s0, np.inf)
-            m_stream = np.where(g > 0, reach / g, np.where(reach >= 0, np.inf, -np.inf))
-        m = np.maximum(m_cpu, m_stream)
-        eta = np.clip(1.0 - m, 0.0, None)
-        return np.where((left < 0) | (eta > 1.0), np.inf, eta)
+        left = np.asarray(seconds, dtype=np.float64) - self.cq_array(b)
+        b, left = np.broadcast_arrays(b, left)
+        lo, hi = np.zeros(b.shape), np.ones(b.shape)
+        fits_all = self.cold_array(b, hi) <= left
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            ok = self.cold_array(b, mid) <= left
+            lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
+        m = np.where(fits_all, 1.0, lo)
+        return np.where(left < 0, np.inf, 1.0 - m)
 
 
 LatencyModel = SearchLatencyModel | StreamedLatencyModel  # what Algorithm 1 and Eq. 2 price
