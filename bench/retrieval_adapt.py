@@ -8,7 +8,7 @@ Choose on `--show tune` (pydocs), then run the chosen setting once on the held-o
 
     .venv/bin/python bench/retrieval_adapt.py --corpora pydocs --show tune \
         --configs heading+sentence/10/1/0.05/held --cache /tmp/q14/bcache --out FILE
-    (each config: sources/epochs/reg/temperature/targets held|stored; rows "none" are the unadapted baseline)
+    (each config: sources/epochs/reg/temperature/targets held|stored; "none": no adapter)
 """
 
 from __future__ import annotations

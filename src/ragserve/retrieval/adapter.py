@@ -225,3 +225,73 @@ class AdaptedEmbedder:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def adapt_queries(index: Any, embedder: Any) -> Any:
+    """`embedder` with `index`'s query adapter applied to its queries (itself when the index
+    has none), for code that embeds queries for an index with its own embedder instance."""
+    adapter = getattr(index, "query_adapter", None)
+    if adapter is None or isinstance(embedder, AdaptedEmbedder):
+        return embedder
+    return AdaptedEmbedder(embedder, adapter)
+
+
+# -- in the index (VectorIndex) and beside its snapshot (called by persist.py) ---------------------
+
+
+class QueryAdapterMixin:
+    """`VectorIndex`'s side of corpus adaptation: `enable_query_adapter` trains the map on the
+    live passages once; from then on `embedder` maps queries through it. Later upserts do not
+    retrain it."""
+
+    _query_adapter: QueryAdapter | None
+
+    @property
+    def query_adapter(self) -> QueryAdapter | None:
+        return self._query_adapter
+
+    def enable_query_adapter(
+        self, config: AdaptConfig | None = None, *, embedder: Embedder | None = None
+    ) -> int:
+        """Train a query map (`config`, default `AdaptConfig()`) on pseudo-pairs of the live
+        passages, embedded with `embedder` (default: the index's own, unadapted) and record it.
+        Returns the number of pairs. Persisted at the next save/compaction."""
+        config = config or AdaptConfig()
+        with self._write_mutex:
+            row_ids, stored = self.vectors_of(self._store.row_ids_where("1"))
+            docs = self._store.get(row_ids.tolist())
+            encoder = embedder or self._base_embedder()
+            adapter, num_pairs = fit_adapter(docs, stored, encoder, config, self.passage_header)
+            if adapter.dim != self.dim:
+                raise ValueError(f"query adapter is {adapter.dim}-d, the index {self.dim}-d")
+            self._query_adapter = adapter
+            self.metadata[CONFIG_KEY] = {
+                "config": config.to_dict(),
+                "sha256": adapter.sha256(),
+                "num_pairs": num_pairs,
+                "num_passages": len(docs),
+            }
+        return num_pairs
+
+
+def save_file(vi: Any, directory: Path) -> None:
+    """Write the index's adapter matrix into `directory` (atomically) unless it is there."""
+    adapter = vi.query_adapter
+    path = directory / FILE
+    if adapter is None or path.is_file():
+        return
+    import io
+
+    from ragserve.retrieval.storage import atomic_write_bytes
+
+    buffer = io.BytesIO()
+    np.save(buffer, adapter.matrix)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def load_file(directory: Path, metadata: dict[str, Any]) -> QueryAdapter | None:
+    """The recorded adapter (its checksum verified), or None when the index has none."""
+    recorded = metadata.get(CONFIG_KEY)
+    if not recorded:
+        return None
+    return QueryAdapter.load(directory / FILE, recorded.get("sha256"))
