@@ -1,0 +1,139 @@
+"""Corpus adaptation by fine-tuning MiniLM itself (issue 14; offline, not a build option):
+the encoder trained on the corpus's own (first sentence -> rest of the passage) pairs with
+in-batch negatives, every passage re-embedded, dense and ensemble recall measured.
+
+Same corpora, questions, splits and passages as `retrieval_quality.py`; the evaluation
+questions never enter training. Choose on `--show tune` (pydocs) only.
+
+    .venv/bin/python bench/retrieval_finetune.py --corpora pydocs --show tune \
+        --configs 1/2e-5/16 --cache /tmp/q14/bcache --out FILE
+    (each config: epochs/lr/batch; "none": the unadapted encoder)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ragserve.retrieval import load_embedder
+from ragserve.retrieval.adapter import pseudo_pairs
+from ragserve.retrieval.ensemble import EnsembleConfig
+from ragserve.retrieval.ingest import ChunkConfig, Chunker
+from retrieval_quality import (
+    FAQ_CORPORA,
+    CachedPassages,
+    build_index,
+    evaluate,
+    prepare_faq,
+    pydocs_new,
+)
+
+TEMPERATURE = 0.05
+
+
+def finetune(embedder, pairs, epochs: int, lr: float, batch: int, seed: int = 0):
+    """A copy of `embedder` whose model is trained on `pairs` (query, target text, owner)."""
+    tuned = copy.copy(embedder)
+    tuned.model = copy.deepcopy(embedder.model).float().train()
+    opt = torch.optim.AdamW(tuned.model.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    owners = torch.tensor([p.doc for p in pairs])
+    for _ in range(epochs):
+        order = torch.randperm(len(pairs), generator=generator)
+        for start in range(0, len(pairs), batch):
+            idx = order[start : start + batch]
+            if len(idx) < 2:
+                continue
+            q = _embed(tuned, [pairs[i].query for i in idx])
+            p = _embed(tuned, [pairs[i].held_out_text for i in idx])
+            logits = q @ p.T / TEMPERATURE
+            same = owners[idx][:, None] == owners[idx][None, :]
+            logits = logits.masked_fill(same & ~torch.eye(len(idx), dtype=torch.bool), -1e9)
+            loss = torch.nn.functional.cross_entropy(logits, torch.arange(len(idx)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    tuned.model.eval()
+    return tuned
+
+
+def _embed(embedder, texts: list[str]) -> torch.Tensor:
+    enc = embedder.tokenizer(
+        texts, padding=True, truncation=True, max_length=embedder.max_length, return_tensors="pt"
+    )
+    hidden = embedder.model(**enc).last_hidden_state
+    mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: list) -> None:
+    base = load_embedder("all-minilm-l6-v2")
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    try:
+        hidden = prepare_faq(FAQ_CORPORA[name], work)
+        chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
+        docs, questions = pydocs_new(work, hidden, chunker)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    pairs = pseudo_pairs(docs, ("sentence",))
+    for config in configs:
+        t0 = time.perf_counter()
+        if config == "none":
+            embedder, train_s = base, 0.0
+        else:
+            epochs, lr, batch = config.split("/")
+            embedder = finetune(base, pairs, int(epochs), float(lr), int(batch))
+            train_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        index = build_index(docs, embedder, cache if config == "none" else None)
+        embed_s = time.perf_counter() - t0
+        if "ensemble" in modes:
+            side = CachedPassages(load_embedder("multilingual-e5-small-q4"), cache)
+            index.enable_ensemble(EnsembleConfig(), embedder=side)
+        index.bm25()
+        for mode in modes:
+            result = evaluate(index, questions, mode, None, True)
+            rows.append({"corpus": name, "finetune": config, "mode": mode,
+                         "num_passages": len(docs), "num_pairs": len(pairs),
+                         "train_seconds": round(train_s, 1),
+                         "reembed_seconds": round(embed_s, 1), **result})  # fmt: skip
+            t = result[show]
+            logging.info("%-10s finetune %-12s %-8s %s R@1 %.3f R@5 %.3f R@10 %.3f MRR %.3f "
+                         "(%d) pairs %d train %.0f s re-embed %.0f s", name, config, mode, show,
+                         t["recall@1"], t["recall@5"], t["recall@10"], t["mrr@10"],
+                         t["num_questions"], len(pairs), train_s, embed_s)  # fmt: skip
+        index.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--corpora", default="pydocs")
+    p.add_argument("--configs", default="none,1/2e-5/16")
+    p.add_argument("--modes", default="dense,ensemble")
+    p.add_argument("--show", default="tune", choices=["tune", "test", "all"])
+    p.add_argument("--cache", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_finetune.json"))
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    for name in args.corpora.split(","):
+        run_corpus(name, args.configs.split(","), args.modes.split(","), args.cache, args.show,
+                   rows)  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    logging.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
