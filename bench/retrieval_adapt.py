@@ -9,6 +9,7 @@ Choose on `--show tune` (pydocs), then run the chosen setting once on the held-o
     .venv/bin/python bench/retrieval_adapt.py --corpora pydocs --show tune \
         --configs heading+sentence/10/1/0.05/held --cache /tmp/q14/bcache --out FILE
     (each config: sources/epochs/reg/temperature/targets held|stored; "none": no adapter)
+    .venv/bin/python bench/retrieval_adapt.py --cost --corpora pydocs --cache /tmp/q14/bcache
 """
 
 from __future__ import annotations
@@ -121,6 +122,37 @@ def _kinds(docs, pairs) -> list[str]:
     return ["heading" if (p.query, p.doc) in heading else "sentence" for p in pairs]
 
 
+def cost(name: str, cache, rounds: int = 2) -> None:
+    """Build-time cost of `enable_query_adapter()` (default config: pseudo-queries and held-out
+    targets embedded for real, then training) beside embedding the corpus's passages once with
+    MiniLM, interleaved `rounds` times; logs medians and seconds per 1k passages."""
+    from ragserve.retrieval.index import passage_text
+
+    embedder = load_embedder("all-minilm-l6-v2")
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    try:
+        hidden = prepare_faq(FAQ_CORPORA[name], work)
+        chunker = Chunker(embedder.tokenizer, embedder.passage_window, ChunkConfig(None, 32))
+        docs, _ = pydocs_new(work, hidden, chunker)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    index = build_index(docs, embedder, cache)
+    times: dict[str, list[float]] = {"passages": [], "adapter": []}
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        embedder.encode([passage_text(d) for d in docs], is_query=False)
+        times["passages"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        num_pairs = index.enable_query_adapter()
+        times["adapter"].append(time.perf_counter() - t0)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    logging.info("%s: %d passages, %d pairs; passages %.1f s (%s), adapter %.1f s (%s): "
+                 "x%.2f, %.0f s per 1k passages", name, len(docs), num_pairs, med["passages"],
+                 times["passages"], med["adapter"], times["adapter"],
+                 med["adapter"] / med["passages"], 1000 * med["adapter"] / len(docs))  # fmt: skip
+    index.close()
+
+
 def table(path: Path) -> str:
     """`--out` as a Markdown table: pydocs on its test half, the others on all questions (the
     split never used for a choice), tune-half R@5 alongside."""
@@ -147,12 +179,17 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=None)
     p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_adapt.json"))
     p.add_argument("--table", action="store_true", help="print --out as a Markdown table, exit")
+    p.add_argument("--cost", action="store_true", help="time the default adapter's build cost")
     args = p.parse_args()
     if args.table:
         print(table(args.out))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    if args.cost:
+        for name in args.corpora.split(","):
+            cost(name, args.cache)
+        return
     configs = [parse_config(c) for c in args.configs.split(",")]
     rows: list[dict] = []
     for name in args.corpora.split(","):

@@ -117,7 +117,7 @@ def test_adapted_search_equals_the_mapped_query_oracle():
     vi, encoder = build(adapt=FAST)
     adapter = vi.query_adapter
     assert adapter is not None and not np.allclose(adapter.matrix, np.eye(encoder.dim))
-    assert vi.metadata["query_adapter"]["num_pairs"] == 120
+    assert vi.metadata["query_adapter"]["num_pairs"] == 60
     mapped = adapter.apply(encoder.encode(QUERIES, is_query=True))
     oracle = vi.documents_of(vi.search(mapped, 5))
     got = vi.search_text(QUERIES, 5, mode="dense", collapse_sections=False)
