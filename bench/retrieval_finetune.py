@@ -1,6 +1,7 @@
-"""Corpus adaptation by fine-tuning MiniLM itself (issue 14; offline, not a build option):
-the encoder trained on the corpus's own (first sentence -> rest of the passage) pairs with
-in-batch negatives, every passage re-embedded, dense and ensemble recall measured.
+"""Corpus adaptation by fine-tuning MiniLM itself (issue 14; `retrieval/finetune.py`, the
+`index build --finetune-encoder` option): the encoder trained on the corpus's own (first
+sentence -> rest of the passage) pairs with in-batch negatives, every passage re-embedded,
+dense and ensemble recall measured.
 
 Same corpora, questions, splits and passages as `retrieval_quality.py`; the evaluation
 questions never enter training. Choose on `--show tune` (pydocs) only.
@@ -13,7 +14,6 @@ questions never enter training. Choose on `--show tune` (pydocs) only.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import shutil
@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from ragserve.retrieval import load_embedder
 from ragserve.retrieval.adapter import pseudo_pairs
 from ragserve.retrieval.ensemble import EnsembleConfig
+from ragserve.retrieval.finetune import FinetuneConfig, finetune_embedder
 from ragserve.retrieval.ingest import ChunkConfig, Chunker
 from retrieval_quality import (
     FAQ_CORPORA,
@@ -35,44 +34,6 @@ from retrieval_quality import (
     prepare_faq,
     pydocs_new,
 )
-
-TEMPERATURE = 0.05
-
-
-def finetune(embedder, pairs, epochs: int, lr: float, batch: int, seed: int = 0):
-    """A copy of `embedder` whose model is trained on `pairs` (query, target text, owner)."""
-    tuned = copy.copy(embedder)
-    tuned.model = copy.deepcopy(embedder.model).float().train()
-    opt = torch.optim.AdamW(tuned.model.parameters(), lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    owners = torch.tensor([p.doc for p in pairs])
-    for _ in range(epochs):
-        order = torch.randperm(len(pairs), generator=generator)
-        for start in range(0, len(pairs), batch):
-            idx = order[start : start + batch]
-            if len(idx) < 2:
-                continue
-            q = _embed(tuned, [pairs[i].query for i in idx])
-            p = _embed(tuned, [pairs[i].held_out_text for i in idx])
-            logits = q @ p.T / TEMPERATURE
-            same = owners[idx][:, None] == owners[idx][None, :]
-            logits = logits.masked_fill(same & ~torch.eye(len(idx), dtype=torch.bool), -1e9)
-            loss = torch.nn.functional.cross_entropy(logits, torch.arange(len(idx)))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    tuned.model.eval()
-    return tuned
-
-
-def _embed(embedder, texts: list[str]) -> torch.Tensor:
-    enc = embedder.tokenizer(
-        texts, padding=True, truncation=True, max_length=embedder.max_length, return_tensors="pt"
-    )
-    hidden = embedder.model(**enc).last_hidden_state
-    mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-    return torch.nn.functional.normalize(pooled, dim=-1)
 
 
 def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: list) -> None:
@@ -91,7 +52,8 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
             embedder, train_s = base, 0.0
         else:
             epochs, lr, batch = config.split("/")
-            embedder = finetune(base, pairs, int(epochs), float(lr), int(batch))
+            config_ = FinetuneConfig(int(epochs), float(lr), int(batch))
+            embedder, _ = finetune_embedder(base, docs, config_)
             train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         index = build_index(docs, embedder, cache if config == "none" else None)
@@ -125,7 +87,6 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-    torch.manual_seed(0)
     rows: list[dict] = []
     for name in args.corpora.split(","):
         run_corpus(name, args.configs.split(","), args.modes.split(","), args.cache, args.show,
