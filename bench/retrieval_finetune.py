@@ -76,6 +76,23 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
         index.close()
 
 
+def table(path: Path) -> str:
+    """`--out` as a Markdown table: pydocs on its test half, the others on all questions (the
+    split never used for a choice), tune-half R@5 alongside."""
+    out = [
+        "| corpus (split) | fine-tune | mode | train s | R@1 | R@5 | R@10 | MRR@10 | tune R@5 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in json.loads(path.read_text())["rows"]:
+        split = "test" if r["corpus"] == "pydocs" else "all"
+        t = r[split]
+        figures = [t["recall@1"], t["recall@5"], t["recall@10"], t["mrr@10"], r["tune"]["recall@5"]]
+        out.append(f"| {r['corpus']} ({split}, {t['num_questions']}) | {r['finetune']} | "
+                   f"{r['mode']} | {r['train_seconds']:.0f} | "
+                   + " | ".join(f"{v:.3f}" for v in figures) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpora", default="pydocs")
@@ -84,7 +101,11 @@ def main() -> None:
     p.add_argument("--show", default="tune", choices=["tune", "test", "all"])
     p.add_argument("--cache", type=Path, default=None)
     p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_finetune.json"))
+    p.add_argument("--table", action="store_true", help="print --out as a Markdown table, exit")
     args = p.parse_args()
+    if args.table:
+        print(table(args.out))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     rows: list[dict] = []
