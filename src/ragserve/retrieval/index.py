@@ -21,6 +21,7 @@ import faiss
 import numpy as np
 
 from ragserve.retrieval import stepwise
+from ragserve.retrieval.adapter import QueryAdapterMixin, adapt_queries
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
@@ -59,7 +60,7 @@ def auto_nlist(num_vectors: int) -> int:
     return max(1, min(int(4 * math.sqrt(num_vectors)), num_vectors // 39))
 
 
-class VectorIndex(GpuTierMixin, EnsembleMixin):
+class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin):
     """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2).
 
     Ids in `TopK` are Faiss row ids (int64, never reused); `get_documents` maps them back.
@@ -97,6 +98,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin):
         self._sectioned: bool | None = None  # `has_sections`, asked of the store on first use
         self._side = None  # the ensemble's second encoder (ensemble.py), built on first use
         self._side_synced = False
+        self._query_adapter = None  # corpus adaptation of the queries (adapter.py), if built
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -437,7 +439,11 @@ class VectorIndex(GpuTierMixin, EnsembleMixin):
 
     @property
     def embedder(self) -> Embedder:
-        """The query/passage encoder, loaded on first use from `embedder_name`."""
+        """The query/passage encoder, loaded on first use from `embedder_name`; its queries go
+        through the index's query adapter when it has one (`enable_query_adapter`)."""
+        return adapt_queries(self, self._base_embedder())
+
+    def _base_embedder(self) -> Embedder:
         if self._embedder is None:
             from ragserve.retrieval.embedder import load_embedder
 
@@ -549,6 +555,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin):
             "has_bm25": self._bm25 is not None,
             "passage_header": self.passage_header,
             "ensemble": self.metadata.get("ensemble"),
+            "query_adapter": self.metadata.get("query_adapter"),
             "embedder": self.spec.embedder,
             "num_documents": self.num_documents,
             "code_size_bytes": int(self._index.code_size),

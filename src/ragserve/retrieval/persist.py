@@ -20,7 +20,7 @@ import faiss
 import numpy as np
 
 from ragserve import __version__
-from ragserve.retrieval import bm25, ensemble
+from ragserve.retrieval import adapter, bm25, ensemble
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.storage import (
@@ -65,6 +65,7 @@ def save_index(vi: VectorIndex, directory: Path) -> Path:
         copy.close()
         bm25.save_snapshot(vi, tmp, generation=1)
         ensemble.save_snapshot(vi, tmp, generation=1)
+        adapter.save_file(vi, tmp)
         _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
         if directory.exists():
             directory.rmdir()
@@ -149,6 +150,7 @@ def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | N
     vi._bm25 = lexical
     try:
         vi._side = _load_side(directory, vi.metadata)  # synced with the store on first use
+        vi._query_adapter = _load_adapter(directory, vi.metadata)
     except IndexCorruptError:
         vi.close()
         raise
@@ -170,6 +172,13 @@ def _load_side(directory: Path, metadata: dict[str, Any]):
         raise IndexCorruptError(directory / metadata[ensemble.SNAPSHOT_KEY], str(exc)) from None
 
 
+def _load_adapter(directory: Path, metadata: dict[str, Any]):
+    try:
+        return adapter.load_file(directory, metadata)
+    except ValueError as exc:
+        raise IndexCorruptError(directory / adapter.FILE, str(exc)) from None
+
+
 def compact_index(vi: VectorIndex) -> None:
     """Snapshot the in-memory index under a new generation and drop the log it covers."""
     if vi.directory is None:
@@ -181,6 +190,7 @@ def compact_index(vi: VectorIndex) -> None:
         generation = vi.generation + 1
         bm25.save_snapshot(vi, vi.directory, generation)
         ensemble.save_snapshot(vi, vi.directory, generation)
+        adapter.save_file(vi, vi.directory)
         with snapshot_lock(vi.directory, exclusive=True):  # loads see before or after, whole
             manifest = _write_snapshot(vi, vi.directory, data, generation, seq)
             remove_stale_files(vi.directory, manifest)

@@ -1,0 +1,121 @@
+"""Corpus adaptation by fine-tuning MiniLM itself (issue 14; `retrieval/finetune.py`, the
+`index build --finetune-encoder` option): the encoder trained on the corpus's own (first
+sentence -> rest of the passage) pairs with in-batch negatives, every passage re-embedded,
+dense and ensemble recall measured.
+
+Same corpora, questions, splits and passages as `retrieval_quality.py`; the evaluation
+questions never enter training. Choose on `--show tune` (pydocs) only.
+
+    .venv/bin/python bench/retrieval_finetune.py --corpora pydocs --show tune \
+        --configs 1/2e-5/16 --cache /tmp/q14/bcache --out FILE
+    (each config: epochs/lr/batch; "none": the unadapted encoder)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ragserve.retrieval import load_embedder
+from ragserve.retrieval.adapter import pseudo_pairs
+from ragserve.retrieval.ensemble import EnsembleConfig
+from ragserve.retrieval.finetune import FinetuneConfig, finetune_embedder
+from ragserve.retrieval.ingest import ChunkConfig, Chunker
+from retrieval_quality import (
+    FAQ_CORPORA,
+    CachedPassages,
+    build_index,
+    evaluate,
+    prepare_faq,
+    pydocs_new,
+)
+
+
+def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: list) -> None:
+    base = load_embedder("all-minilm-l6-v2")
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    try:
+        hidden = prepare_faq(FAQ_CORPORA[name], work)
+        chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
+        docs, questions = pydocs_new(work, hidden, chunker)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    pairs = pseudo_pairs(docs, ("sentence",))
+    for config in configs:
+        t0 = time.perf_counter()
+        if config == "none":
+            embedder, train_s = base, 0.0
+        else:
+            epochs, lr, batch = config.split("/")
+            config_ = FinetuneConfig(int(epochs), float(lr), int(batch))
+            embedder, _ = finetune_embedder(base, docs, config_)
+            train_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        index = build_index(docs, embedder, cache if config == "none" else None)
+        embed_s = time.perf_counter() - t0
+        if "ensemble" in modes:
+            side = CachedPassages(load_embedder("multilingual-e5-small-q4"), cache)
+            index.enable_ensemble(EnsembleConfig(), embedder=side)
+        index.bm25()
+        for mode in modes:
+            result = evaluate(index, questions, mode, None, True)
+            rows.append({"corpus": name, "finetune": config, "mode": mode,
+                         "num_passages": len(docs), "num_pairs": len(pairs),
+                         "train_seconds": round(train_s, 1),
+                         "reembed_seconds": round(embed_s, 1), **result})  # fmt: skip
+            t = result[show]
+            logging.info("%-10s finetune %-12s %-8s %s R@1 %.3f R@5 %.3f R@10 %.3f MRR %.3f "
+                         "(%d) pairs %d train %.0f s re-embed %.0f s", name, config, mode, show,
+                         t["recall@1"], t["recall@5"], t["recall@10"], t["mrr@10"],
+                         t["num_questions"], len(pairs), train_s, embed_s)  # fmt: skip
+        index.close()
+
+
+def table(path: Path) -> str:
+    """`--out` as a Markdown table: pydocs on its test half, the others on all questions (the
+    split never used for a choice), tune-half R@5 alongside."""
+    out = [
+        "| corpus (split) | fine-tune | mode | train s | R@1 | R@5 | R@10 | MRR@10 | tune R@5 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in json.loads(path.read_text())["rows"]:
+        split = "test" if r["corpus"] == "pydocs" else "all"
+        t = r[split]
+        figures = [t["recall@1"], t["recall@5"], t["recall@10"], t["mrr@10"], r["tune"]["recall@5"]]
+        out.append(f"| {r['corpus']} ({split}, {t['num_questions']}) | {r['finetune']} | "
+                   f"{r['mode']} | {r['train_seconds']:.0f} | "
+                   + " | ".join(f"{v:.3f}" for v in figures) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--corpora", default="pydocs")
+    p.add_argument("--configs", default="none,1/2e-5/16")
+    p.add_argument("--modes", default="dense,ensemble")
+    p.add_argument("--show", default="tune", choices=["tune", "test", "all"])
+    p.add_argument("--cache", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_finetune.json"))
+    p.add_argument("--table", action="store_true", help="print --out as a Markdown table, exit")
+    args = p.parse_args()
+    if args.table:
+        print(table(args.out))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    rows: list[dict] = []
+    for name in args.corpora.split(","):
+        run_corpus(name, args.configs.split(","), args.modes.split(","), args.cache, args.show,
+                   rows)  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    logging.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()

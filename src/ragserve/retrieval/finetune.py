@@ -1,0 +1,120 @@
+"""Corpus adaptation of the encoder itself: a Hugging Face embedder fine-tuned on the corpus's
+own (first sentence -> rest of the passage) pairs (`adapter.pseudo_pairs`) with in-batch
+negatives, then saved as a model folder that `load_embedder(path)` reads back.
+
+```
+loss  = CE( cos(E(query_i), E(target_j)) / TEMPERATURE over j in the batch, target i )
+        pairs of the same passage in a batch are masked, not negatives
+E     = the embedder's own pooling (mean or CLS) + L2 normalisation, fp32, dropout on
+```
+
+Deterministic for a given corpus, config and torch build: the pair order comes from a seeded
+generator and dropout from a forked, seeded global RNG (the caller's RNG state is restored).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.embedder import Embedder
+    from ragserve.retrieval.types import Document
+
+TEMPERATURE = 0.05
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Defaults: measured on the pydocs tune half (BENCHMARKS.md, "Retrieval quality (issue
+    14)", fifth run, B)."""
+
+    epochs: int = 1
+    lr: float = 2e-5
+    batch_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 2 or self.lr <= 0:
+            raise ValueError("finetune epochs must be >= 1, batch_size >= 2 and lr > 0")
+
+
+def finetune_embedder(
+    embedder: Embedder, docs: Sequence[Document], config: FinetuneConfig, header: str = "path"
+) -> tuple[Embedder, int]:
+    """A copy of `embedder` (a Hugging Face one) trained on `docs`' pseudo-pairs; `embedder`
+    itself is unchanged. Returns (the copy, the number of pairs)."""
+    import torch
+
+    from ragserve.retrieval.adapter import pseudo_pairs
+
+    if not hasattr(embedder, "model") or embedder.passage_prefix or embedder.query_prefix:
+        raise ValueError("finetuning needs a Hugging Face embedder without query prefixes")
+    pairs = pseudo_pairs(docs, ("sentence",), header)
+    if not pairs:
+        raise ValueError("no pseudo-queries in the corpus (no passage has a first sentence)")
+    tuned = copy.copy(embedder)
+    tuned.model = copy.deepcopy(embedder.model).float().train()
+    opt = torch.optim.AdamW(tuned.model.parameters(), lr=config.lr)
+    order_rng = torch.Generator().manual_seed(config.seed)
+    owners = torch.tensor([p.doc for p in pairs])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        for _ in range(config.epochs):
+            order = torch.randperm(len(pairs), generator=order_rng)
+            for start in range(0, len(pairs), config.batch_size):
+                idx = order[start : start + config.batch_size]
+                if len(idx) < 2:
+                    continue
+                q = _embed(tuned, [pairs[i].query for i in idx])
+                p = _embed(tuned, [pairs[i].held_out_text for i in idx])
+                logits = q @ p.T / TEMPERATURE
+                same = owners[idx][:, None] == owners[idx][None, :]
+                logits = logits.masked_fill(same & ~torch.eye(len(idx), dtype=torch.bool), -1e9)
+                loss = torch.nn.functional.cross_entropy(logits, torch.arange(len(idx)))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    tuned.model.eval()
+    return tuned, len(pairs)
+
+
+def _embed(embedder: Embedder, texts: list[str]):
+    import torch
+
+    enc = embedder.tokenizer(
+        texts, padding=True, truncation=True, max_length=embedder.max_length, return_tensors="pt"
+    ).to(embedder.device)
+    hidden = embedder.model(**enc).last_hidden_state
+    if embedder.pooling == "cls":
+        pooled = hidden[:, 0]
+    else:
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def save_embedder(embedder: Embedder, directory: Path) -> Path:
+    """Write `embedder` as a model folder (weights, tokenizer, window, pooling) that
+    `load_embedder(str(directory))` loads back; returns the folder's absolute path."""
+    directory = Path(directory).absolute()
+    tmp = directory.with_name(f".{directory.name}-partial")  # not "*.tmp": compaction sweeps those
+    shutil.rmtree(tmp, ignore_errors=True)
+    embedder.model.save_pretrained(tmp)
+    embedder.tokenizer.save_pretrained(tmp)
+    (tmp / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": embedder.max_length})
+    )
+    (tmp / "1_Pooling").mkdir()
+    cls = embedder.pooling == "cls"
+    (tmp / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_cls_token": cls, "pooling_mode_mean_tokens": not cls})
+    )
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    return directory
