@@ -3,13 +3,15 @@ outputs always equal the non-speculative run."""
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
 from test_split import HashEmbedder, StagedExecutor, make_index, run_requests
 
+from ragserve.graph import State
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
-from ragserve.scheduler import Scheduler
+from ragserve.scheduler import RequestState, Scheduler
 from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
 from ragserve.scheduler.similarity import SimilarityTransform
 from ragserve.scheduler.spec_retrieval import SpeculativeRetrievalTransform
@@ -24,23 +26,60 @@ class PromptExecutor(StagedExecutor):
     def __init__(self, runner: StagedRetrievalRunner) -> None:
         super().__init__(runner)
         self.submitted: list[str] = []
+        self.chunks: dict[str, float | None] = {}  # task id -> its chunk_s
 
     def submit_generation(self, tasks: list) -> None:
         super().submit_generation(tasks)
         for t in tasks:
             self.submitted.append(t.task_id)
+            self.chunks[t.task_id] = t.chunk_s
             self._running[t.task_id] = (f"g{zlib.crc32(t.prompt.encode()):08x}", 0)
 
 
-def _run(transforms: list, workflow: str, n: int = 8):
+def _run(transforms: list, workflow: str, n: int = 8, **scheduler_kwargs):
     index = make_index("ivf_flat", "ip")
     runner = StagedRetrievalRunner(index, HashEmbedder(), default_nprobe=16)
     runner.cost.seconds_per_vector = 1.0
     runner.cost.observe_scan = lambda *args: None
     ex = PromptExecutor(runner)
     graph = get_workflow(workflow, topk=3, **({"rounds": 2} if workflow == "irg" else {}))
-    done = run_requests(Scheduler(ex, transforms), [(f"r{i}", graph, f"q {i}") for i in range(n)])
+    scheduler = Scheduler(ex, transforms, **scheduler_kwargs)
+    done = run_requests(scheduler, [(f"r{i}", graph, f"q {i}") for i in range(n)])
     return done, ex
+
+
+def test_speculative_generations_are_coalesced_like_their_requests_tasks() -> None:
+    """Under ``enable_update_coalescing`` a speculative generation (a side task) of a request
+    nobody streams reports first token and end only (``chunk_s = inf``), as the request's own
+    generation would; outputs equal the uncoalesced run's."""
+    plain, ex_plain = _run([SpeculationTransform(capacity=1000, first_clusters=1)], "oneshot")
+    spec = SpeculationTransform(capacity=1000, first_clusters=1)
+    fast, ex = _run([spec], "oneshot", enable_update_coalescing=True)
+    assert {r: d.output for r, d in fast.items()} == {r: d.output for r, d in plain.items()}
+    assert spec.stats.num_adopted > 0 and all(d.error is None for d in fast.values())
+    started = [t for t in ex.submitted if t.startswith("spec/")]
+    assert started and all(ex.chunks[t] == math.inf for t in started)
+    assert all(c is None for t, c in ex_plain.chunks.items() if t.startswith("spec/"))
+    assert all(ex.chunks[t] == math.inf for t in ex.submitted)
+
+
+def test_a_streamed_requests_speculation_keeps_per_step_updates() -> None:
+    index = make_index("ivf_flat", "ip")
+    runner = StagedRetrievalRunner(index, HashEmbedder(), default_nprobe=16)
+    ex = PromptExecutor(runner)
+    spec = SpeculationTransform(capacity=1000, first_clusters=1)
+    scheduler = Scheduler(ex, [spec], enable_update_coalescing=True)
+    graph = get_workflow("oneshot", topk=3)
+    for i in range(4):
+        scheduler.add_request(
+            RequestState(f"r{i}", graph, State(input=f"q {i}"), None, on_delta=lambda d: None)
+        )
+    for _ in range(5000):
+        scheduler.step()
+        if not scheduler.has_unfinished():
+            break
+    started = [t for t in ex.submitted if t.startswith("spec/")]
+    assert started and all(ex.chunks[t] is None for t in started)
 
 
 @pytest.mark.parametrize("workflow", ["oneshot", "irg"])

@@ -87,6 +87,10 @@ class EngineConfig:
     # block (~3 ms at 12k blocks). False: inside the step that empties the engine, delaying
     # that step's final outputs.
     enable_deferred_integrity_check: bool = True
+    # Detokenize each new token through a fast tokenizer's Rust backend directly, skipping the
+    # Python wrapper (same text: ``detokenizer.make_decoder``; a tokenizer whose wrapper cleans
+    # up spaces, or a slow one, always goes through ``tokenizer.decode``). False: the wrapper.
+    enable_fast_detokenize: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:

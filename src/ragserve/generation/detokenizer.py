@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ragserve.generation.sequence import Sequence
@@ -10,17 +11,57 @@ from ragserve.generation.sequence import Sequence
 _CONTEXT_TOKENS = 5
 
 
+def make_decoder(tokenizer: Any, fast: bool = True) -> Callable[[list[int]], str]:
+    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it.
+
+    ``fast``: call the Rust backend of a fast tokenizer directly (``backend_tokenizer``),
+    skipping the Python wrapper's argument conversion (about half of a short decode's cost).
+    Only where the wrapper adds nothing (``_plain_wrapper``); any other tokenizer (or
+    ``fast=False``) goes through ``tokenizer.decode``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if fast and backend is not None and _plain_wrapper(tokenizer):
+        decode = backend.decode
+        return lambda ids: decode(ids, skip_special_tokens=True)
+    decode = tokenizer.decode
+    return lambda ids: decode(ids, skip_special_tokens=True)
+
+
+# transformers' own decode methods (4.x and 5.x): they pass the ids to the backend as they are
+_PLAIN_DECODE = {"PreTrainedTokenizerBase.decode", "PreTrainedTokenizerFast.decode"}
+_PLAIN_INNER_DECODE = {"PreTrainedTokenizerFast._decode", "TokenizersBackend._decode"}
+
+
+def _plain_wrapper(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.decode`` is the backend's decode plus nothing: transformers' own
+    ``decode``/``_decode`` (not a subclass's override) and no space clean-up."""
+    cls = type(tokenizer)
+    return (
+        getattr(cls.decode, "__qualname__", None) in _PLAIN_DECODE
+        and getattr(getattr(cls, "_decode", None), "__qualname__", None) in _PLAIN_INNER_DECODE
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    )
+
+
 class IncrementalDetokenizer:
     """Appends the text of newly generated tokens to ``seq.text``.
 
     Text is released only when it no longer ends in an incomplete UTF-8 sequence, so
-    multi-token characters appear once they are whole.
+    multi-token characters appear once they are whole. ``decode``: ``make_decoder``'s
+    function (default: ``tokenizer.decode``). The prefix window's text is decoded once per
+    window, not once per token while the window waits for a character to complete.
     """
 
-    def __init__(self, tokenizer: Any, seq: Sequence):
+    def __init__(
+        self,
+        tokenizer: Any,
+        seq: Sequence,
+        decode: Callable[[list[int]], str] | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.decode = decode or (None if tokenizer is None else make_decoder(tokenizer, False))
         self.read_offset = seq.num_prompt_tokens
         self.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT_TOKENS, 0)
+        self._prefix_text: str | None = None  # decode of ids[prefix_offset:read_offset]
 
     def update(self, seq: Sequence) -> int:
         """Decode the sequence's new tokens into ``seq.text``; returns the old text length."""
@@ -28,13 +69,15 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return old_len
         ids = seq.token_ids
-        decode = self.tokenizer.decode
-        prefix = decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(ids[self.prefix_offset :], skip_special_tokens=True)
+        prefix = self._prefix_text
+        if prefix is None:
+            prefix = self._prefix_text = self.decode(ids[self.prefix_offset : self.read_offset])
+        full = self.decode(ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             seq.text += full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(ids)
+            self._prefix_text = None
         return old_len
 
 

@@ -20,7 +20,12 @@ import torch
 from ragserve.generation import faults
 from ragserve.generation.builtin import resolve_model
 from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
-from ragserve.generation.detokenizer import IncrementalDetokenizer, check_finished, find_stop
+from ragserve.generation.detokenizer import (
+    IncrementalDetokenizer,
+    check_finished,
+    find_stop,
+    make_decoder,
+)
 from ragserve.generation.errors import PromptTooLongError
 from ragserve.generation.evidence_order import order_evidence
 from ragserve.generation.fusion import (
@@ -71,6 +76,11 @@ class LLMEngine:
         dtype = _resolve_dtype(config.dtype, device)
         max_model_len = _resolve_max_model_len(config, self.model_config)
         self.tokenizer = _load_tokenizer(folder)
+        self._decode = (
+            None
+            if self.tokenizer is None
+            else make_decoder(self.tokenizer, config.enable_fast_detokenize)
+        )
         self.eos_token_ids = self.model_config.eos_token_ids or _tokenizer_eos(self.tokenizer)
         model = load_model(
             self.model_config,
@@ -202,7 +212,7 @@ class LLMEngine:
         if spans is not None and ratio is not None and any(k is not None for *_, k in spans):
             seq.fusion = FusionPlan(tuple(spans), ratio)
         self._seqs[request_id] = seq
-        self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq)
+        self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq, self._decode)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:

@@ -245,12 +245,36 @@ def _thread_local_progress_lock() -> None:
     tqdm.set_lock(threading.RLock())
 
 
+class _ParentWatch:
+    """Whether the server process is gone: checked on every blocking read, and by the
+    non-blocking reads between engine steps at most every ``interval_s`` (a check is a
+    ``select`` over the parent's sentinel, more than the read itself; 0: every read)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._checked_at = -float("inf")
+
+    def is_gone(self, block: bool) -> bool:
+        now = time.monotonic()
+        if not block and now - self._checked_at < self.interval_s:
+            return False
+        self._checked_at = now
+        parent = multiprocessing.parent_process()
+        return parent is not None and not parent.is_alive()
+
+
+PARENT_CHECK_S = 0.5
+_parent = _ParentWatch(PARENT_CHECK_S)
+
+
 def _drain(inbox: Any, block: bool) -> list[Any]:
     """Queued messages (waiting up to 0.5 s for one when ``block``); ``[ShutdownMsg()]`` once
-    the server process is gone, so a killed server leaves no orphan workers."""
-    parent = multiprocessing.parent_process()
-    if parent is not None and not parent.is_alive():
+    the server process is gone (``_ParentWatch``), so a killed server leaves no orphan
+    workers. A non-blocking read of an empty inbox costs one poll of its pipe."""
+    if _parent.is_gone(block):
         return [ShutdownMsg()]
+    if not block and inbox.empty():
+        return []
     msgs = []
     try:
         msgs.append(inbox.get(timeout=0.5) if block else inbox.get_nowait())

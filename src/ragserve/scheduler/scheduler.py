@@ -62,7 +62,9 @@ class Scheduler:
     ``enable_update_coalescing``: a generation task of a request with no stream listener
     (``on_delta``/``on_update``), under transforms none of which ``needs_partial_updates``,
     is dispatched with ``chunk_s = inf`` unless it has its own: the worker sends its first
-    token and its final update only (``GenerationRunner``), never one per engine step.
+    token and its final update only (``GenerationRunner``), never one per engine step. The
+    same holds for a transform's generation side task submitted for a request (a speculative
+    generation: ``SchedulerView.submit_generation(tasks, request_id)``).
 
     ``abort(id)`` of an id not (yet) added is remembered (``abort_memory_s``, at most
     ``max_remembered_aborts`` ids): a request added later with that id finishes at once,
@@ -483,7 +485,10 @@ class _View:
     def peek_next(self, task: TaskView, output: Any) -> NextStep | None:
         return peek_next(task, output)
 
-    def submit_generation(self, tasks: list) -> None:
+    def submit_generation(self, tasks: list, request_id: str | None = None) -> None:
+        req = None if request_id is None else self._s._active.get(request_id)
+        if req is not None:
+            tasks = [self._s._coalesced(req, t) for t in tasks]
         self._s._side.generation.extend(tasks)
 
     def submit_retrieval(self, tasks: list) -> None:

@@ -232,7 +232,8 @@ class SpeculationTransform(BaseTransform):
         )
         self._specs[spec.spec_id] = spec
         self._by_retrieval[partial.task_id] = spec
-        self._view.submit_generation([task])  # dispatched after the next wavefront
+        # dispatched after the next wavefront; coalesced as the request's own task would be
+        self._view.submit_generation([task], request_id=run.request_id)
         self._running.add(task.task_id)
         self.stats.num_started += 1
 

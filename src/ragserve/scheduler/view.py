@@ -10,9 +10,11 @@ request objects. Through it, on the scheduler thread only:
 - ``peek_next(task, output) -> NextStep | None``: where the request would go, and with what
   state, if the task's node returned ``output`` (``State.write``, then the node's edge);
   ``None`` when its router raises;
-- ``submit_generation(tasks)`` / ``submit_retrieval(tasks)``: side tasks (speculation),
-  dispatched with the next cycle's wavefront, after it; their updates reach the transforms'
-  ``on_updates`` and never the requests;
+- ``submit_generation(tasks, request_id=None)`` / ``submit_retrieval(tasks)``: side tasks
+  (speculation), dispatched with the next cycle's wavefront, after it; their updates reach
+  the transforms' ``on_updates`` and never the requests; generation side tasks done for a
+  request (``request_id``) have their updates coalesced as that request's own would be
+  (``Scheduler``'s ``enable_update_coalescing``);
 - ``abort(task_ids)``: a side task not yet dispatched is dropped; a dispatched generation is
   aborted in the engine.
 """
@@ -63,7 +65,7 @@ class SchedulerView(Protocol):
 
     def peek_next(self, task: TaskView, output: Any) -> NextStep | None: ...
 
-    def submit_generation(self, tasks: list) -> None: ...
+    def submit_generation(self, tasks: list, request_id: str | None = None) -> None: ...
 
     def submit_retrieval(self, tasks: list) -> None: ...
 
