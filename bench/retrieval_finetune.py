@@ -33,6 +33,7 @@ from retrieval_quality import (
     evaluate,
     prepare_faq,
     pydocs_new,
+    split_table,
 )
 
 
@@ -77,20 +78,11 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
 
 
 def table(path: Path) -> str:
-    """`--out` as a Markdown table: pydocs on its test half, the others on all questions (the
-    split never used for a choice), tune-half R@5 alongside."""
-    out = [
-        "| corpus (split) | fine-tune | mode | train s | R@1 | R@5 | R@10 | MRR@10 | tune R@5 |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in json.loads(path.read_text())["rows"]:
-        split = "test" if r["corpus"] == "pydocs" else "all"
-        t = r[split]
-        figures = [t["recall@1"], t["recall@5"], t["recall@10"], t["mrr@10"], r["tune"]["recall@5"]]
-        out.append(f"| {r['corpus']} ({split}, {t['num_questions']}) | {r['finetune']} | "
-                   f"{r['mode']} | {r['train_seconds']:.0f} | "
-                   + " | ".join(f"{v:.3f}" for v in figures) + " |")  # fmt: skip
-    return "\n".join(out)
+    """`--out` as a Markdown table (`retrieval_quality.split_table`)."""
+    columns = {"fine-tune": "---", "mode": "---", "train s": "---:"}
+    return split_table(
+        path, columns, lambda r: [r["finetune"], r["mode"], f"{r['train_seconds']:.0f}"]
+    )
 
 
 def main() -> None:

@@ -103,6 +103,25 @@ class Question:
     split: str  # "tune" or "test"
 
 
+def split_table(path: Path, columns: dict[str, str], cells) -> str:
+    """The ``"rows"`` of the JSON at ``path`` as a Markdown table: pydocs on its test half, the
+    others on all questions (the split never used for a choice), tune-half R@5 alongside.
+    ``columns`` maps the configuration's own headers to their alignment (``"---"`` /
+    ``"---:"``); ``cells(row)`` gives their cells."""
+    out = [
+        "| corpus (split) | " + " | ".join(columns) + " | R@1 | R@5 | R@10 | MRR@10 | tune R@5 |",
+        "|---|" + "|".join(columns.values()) + "|---:|---:|---:|---:|---:|",
+    ]
+    for r in json.loads(path.read_text())["rows"]:
+        split = "test" if r["corpus"] == "pydocs" else "all"
+        t = r[split]
+        figures = [t["recall@1"], t["recall@5"], t["recall@10"], t["mrr@10"], r["tune"]["recall@5"]]
+        out.append(f"| {r['corpus']} ({split}, {t['num_questions']}) | "
+                   + " | ".join(cells(r)) + " | "
+                   + " | ".join(f"{v:.3f}" for v in figures) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
 def split_of(text: str) -> str:
     return "tune" if zlib.crc32(text.encode()) % 2 == 0 else "test"
 
