@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rag_setup import CPU_SMALL_MODEL, PRESETS, prepare  # noqa: E402
+from overhead import OVERHEAD_PRESETS  # noqa: E402
+from rag_setup import prepare  # noqa: E402
 
 
 def run(data: dict, coalescing: bool, questions: list[str], preset) -> dict:
@@ -61,17 +61,7 @@ def main() -> None:
     ap.add_argument("--num", type=int, default=6)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    preset = replace(
-        PRESETS["smoke"],
-        model=CPU_SMALL_MODEL,
-        num_docs=20_000,
-        dim=64,
-        nlist=64,
-        nprobes=(16,),
-        num_topics=256,
-        max_tokens=16,
-        topk=3,
-    )  # fmt: skip  (the overhead bench's "cpu" preset)
+    preset = OVERHEAD_PRESETS["cpu"]  # the overhead bench's (its num_requests unused here)
     data = prepare(preset, "synthetic", args.data)
     questions = data["questions"][: args.num]
     off, on = run(data, False, questions, preset), run(data, True, questions, preset)
