@@ -175,8 +175,9 @@ class GpuTierMixin:
         cores and memory bandwidth), at ``points`` (queries, lists per query); None (streams
         nothing under the cost model) without a streamer or cold lists. Each point's median of
         ``repeats`` after a warm-up. ``threads``: the CPU scan's parallelism the model assumes
-        (None: the real one, ``scan_threads``; the 2026-12-01 H200 run assumed Faiss's OpenMP
-        threads). (A search calibrates on first use when there is none.)"""
+        (None: the real one, ``scan_threads``; the 2026-12-01 H200 runs, before the scan was
+        parallel, assumed Faiss's OpenMP threads while it ran on one). (A search calibrates on
+        first use when there is none.)"""
         with self._rw.read():
             return self._calibrate_stream(
                 points=points, repeats=repeats, seed=seed, threads=threads
@@ -419,12 +420,12 @@ def check_tier_options(scan: str, stream_cold: str | StreamConfig) -> None:
 
 
 def scan_threads(index: faiss.IndexIVF) -> int:
-    """The CPU scan's parallelism in ``StreamCostModel``: ``stepwise.scan`` calls Faiss's
-    ``search_preassigned``, which at ``parallel_mode`` 0 (the default) runs on the calling
-    thread (Faiss splits a batch over its OpenMP threads in ``search`` only); other modes use
-    the OpenMP threads."""
+    """The CPU scan's parallelism in ``StreamCostModel``: ``stepwise.scan`` slices a batch over
+    ``stepwise.scan_threads()`` threads (Faiss's OpenMP thread count by default; 1 after
+    ``stepwise.set_scan_threads(1)``); an index already in a Faiss ``parallel_mode`` other than
+    0 is scanned in one call that Faiss spreads over its OpenMP threads."""
     if index.parallel_mode & ~_NO_HEAP_INIT == 0:
-        return 1
+        return stepwise.scan_threads()
     return max(1, int(faiss.omp_get_max_threads()))
 
 
