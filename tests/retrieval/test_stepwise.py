@@ -170,6 +170,7 @@ def scan_calls(monkeypatch):
         real(*args)
 
     monkeypatch.setattr(stepwise, "_scan_rows", record)
+    monkeypatch.setattr(stepwise, "MIN_SCAN_BYTES_PER_THREAD", 0)  # these indexes are tiny
     previous = stepwise.set_scan_threads(None)
     yield calls
     stepwise.set_scan_threads(previous)
@@ -226,6 +227,21 @@ def test_index_in_faiss_parallel_mode_is_scanned_in_one_call(indexes, data, scan
     assert scan_calls == [(0, len(q))]
     np.testing.assert_array_equal(got.ids, ref_i)
     np.testing.assert_array_equal(got.scores, ref_d)
+
+
+def test_small_scans_are_not_split(indexes, data, scan_calls, monkeypatch):
+    index, (_, q) = indexes["ivf_flat", "ip"], data
+    plan = stepwise.assign(index, q, 5)
+    ref = stepwise.scan(index, q, plan, K)
+    stepwise.set_scan_threads(4)
+    est = len(q) * 5 * index.ntotal * index.code_size / index.nlist  # bytes of codes scanned
+    for per_thread, expected in ((est + 1, 1), (est / 2, 2), (est / 3, 3), (1, 4)):
+        monkeypatch.setattr(stepwise, "MIN_SCAN_BYTES_PER_THREAD", int(per_thread))
+        scan_calls.clear()
+        got = stepwise.scan(index, q, plan, K)
+        assert len(scan_calls) == expected
+        np.testing.assert_array_equal(got.ids, ref.ids)
+        np.testing.assert_array_equal(got.scores, ref.scores)
 
 
 def test_scan_threads_setting_and_bad_values(monkeypatch, scan_calls):

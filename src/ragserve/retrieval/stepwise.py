@@ -14,7 +14,8 @@ which is the order Faiss's own heaps give equal scores inside one result list.
 CPU parallelism: Faiss's `search_preassigned` runs on the calling thread at its default
 `parallel_mode` 0 (only `index.search` slices a batch over Faiss's OpenMP threads), so `scan`
 slices the batch itself: contiguous row ranges, one `search_preassigned` call each, the first on
-the calling thread and the rest on a shared pool of `scan_threads() - 1` workers. Each query's
+the calling thread and the rest on a shared pool of `scan_threads() - 1` workers (a small scan,
+under `MIN_SCAN_BYTES_PER_THREAD` of codes a thread, is cut into fewer ranges or none). Each query's
 scan is the same per-query loop either way, so the result is bit-identical to the one-thread
 scan; `set_scan_threads(1)` (or `RAGSERVE_CPU_SCAN_THREADS=1`) switches back to it. The pool is
 shared by every caller, so concurrent scans (shards, the tier beside its streamer) add at most
@@ -40,6 +41,9 @@ from ragserve.retrieval.types import ProbePlan, TopK
 
 KINDS = ("ivf_flat", "ivf_sq8", "ivf_pq")
 SCAN_THREADS_ENV = "RAGSERVE_CPU_SCAN_THREADS"
+# NOTE: a thread's share of a scan is at least this many bytes of codes (~1 ms of Faiss's scan
+# on one core), so a handoff to the pool (tens of microseconds) never costs more than it saves.
+MIN_SCAN_BYTES_PER_THREAD = 16 << 20
 _NO_HEAP_INIT = 1024  # NOTE: Faiss's PARALLEL_MODE_NO_HEAP_INIT flag (IndexIVF.h; not exported)
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 
@@ -127,7 +131,7 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
     dist = np.empty((n, k), dtype=np.float32)
     ids = np.empty((n, k), dtype=np.int64)
     call = functools.partial(_scan_rows, index, q, k, iq, dq, dist, ids, _ivf_params(width))
-    threads = 1 if index.parallel_mode & ~_NO_HEAP_INIT else min(n, scan_threads())
+    threads = 1 if index.parallel_mode & ~_NO_HEAP_INIT else _split_threads(index, n, width)
     if threads <= 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
         call(0, n)
     else:
@@ -193,6 +197,13 @@ def empty_topk(n: int, k: int, is_l2: bool) -> TopK:
 def _ivf_params(width: int) -> faiss.SearchParametersIVF:
     """Read-only per-call search parameters, shared by concurrent scans of the same width."""
     return faiss.SearchParametersIVF(nprobe=width)
+
+
+def _split_threads(index: faiss.IndexIVF, n: int, width: int) -> int:
+    """Threads for a scan of `n` queries x `width` lists: `scan_threads()`, at most one a query
+    and one per `MIN_SCAN_BYTES_PER_THREAD` of codes (at the mean list size)."""
+    est = n * width * index.ntotal * index.code_size / max(1, index.nlist)
+    return max(1, min(n, scan_threads(), int(est // max(1, MIN_SCAN_BYTES_PER_THREAD))))
 
 
 def _scan_rows(
