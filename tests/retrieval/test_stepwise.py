@@ -170,7 +170,7 @@ def scan_calls(monkeypatch):
         real(*args)
 
     monkeypatch.setattr(stepwise, "_scan_rows", record)
-    monkeypatch.setattr(stepwise, "MIN_SCAN_BYTES_PER_THREAD", 0)  # these indexes are tiny
+    monkeypatch.setattr(stepwise, "MIN_SCAN_ROWS_PER_THREAD", 0)  # these indexes are tiny
     previous = stepwise.set_scan_threads(None)
     yield calls
     stepwise.set_scan_threads(previous)
@@ -234,9 +234,9 @@ def test_small_scans_are_not_split(indexes, data, scan_calls, monkeypatch):
     plan = stepwise.assign(index, q, 5)
     ref = stepwise.scan(index, q, plan, K)
     stepwise.set_scan_threads(4)
-    est = len(q) * 5 * index.ntotal * index.code_size / index.nlist  # bytes of codes scanned
+    est = len(q) * 5 * index.ntotal / index.nlist  # probed rows at the mean list size
     for per_thread, expected in ((est + 1, 1), (est / 2, 2), (est / 3, 3), (1, 4)):
-        monkeypatch.setattr(stepwise, "MIN_SCAN_BYTES_PER_THREAD", int(per_thread))
+        monkeypatch.setattr(stepwise, "MIN_SCAN_ROWS_PER_THREAD", int(per_thread))
         scan_calls.clear()
         got = stepwise.scan(index, q, plan, K)
         assert len(scan_calls) == expected

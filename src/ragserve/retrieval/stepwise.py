@@ -15,12 +15,13 @@ CPU parallelism: Faiss's `search_preassigned` runs on the calling thread at its 
 `parallel_mode` 0 (only `index.search` slices a batch over Faiss's OpenMP threads), so `scan`
 slices the batch itself: contiguous row ranges, one `search_preassigned` call each, the first on
 the calling thread and the rest on a shared pool of `scan_threads() - 1` workers (a small scan,
-under `MIN_SCAN_BYTES_PER_THREAD` of codes a thread, is cut into fewer ranges or none). Each query's
-scan is the same per-query loop either way, so the result is bit-identical to the one-thread
-scan; `set_scan_threads(1)` (or `RAGSERVE_CPU_SCAN_THREADS=1`) switches back to it. The pool is
-shared by every caller, so concurrent scans (shards, the tier beside its streamer) add at most
-`scan_threads() - 1` threads in all, and the calls open no OpenMP team of their own. An index
-whose `parallel_mode` is already non-zero is scanned in one call (Faiss parallelises it).
+under `MIN_SCAN_ROWS_PER_THREAD` probed rows a thread, is cut into fewer ranges or none).
+Each query's scan is the same per-query loop either way, so the result is bit-identical to the
+one-thread scan; `set_scan_threads(1)` (or `RAGSERVE_CPU_SCAN_THREADS=1`) switches back to it.
+The pool is shared by every caller, so concurrent scans (shards, the tier beside its streamer)
+add at most `scan_threads() - 1` threads in all, and the calls open no OpenMP team of their
+own. An index whose `parallel_mode` is already non-zero is scanned in one call (Faiss
+parallelises it).
 
 NOTE: a tie *across* the k-th boundary (two different vectors with bit-identical scores, one
 kept and one dropped) is resolved by id here, while Faiss keeps whichever its heap reached first;
@@ -41,9 +42,9 @@ from ragserve.retrieval.types import ProbePlan, TopK
 
 KINDS = ("ivf_flat", "ivf_sq8", "ivf_pq")
 SCAN_THREADS_ENV = "RAGSERVE_CPU_SCAN_THREADS"
-# NOTE: a thread's share of a scan is at least this many bytes of codes (~1 ms of Faiss's scan
-# on one core), so a handoff to the pool (tens of microseconds) never costs more than it saves.
-MIN_SCAN_BYTES_PER_THREAD = 16 << 20
+# NOTE: a thread's share of a scan is at least this many probed rows (~0.5 ms of Faiss's scan on
+# one core at 128 dims, any kind), so a handoff to the pool (tens of microseconds) pays for itself.
+MIN_SCAN_ROWS_PER_THREAD = 16384
 _NO_HEAP_INIT = 1024  # NOTE: Faiss's PARALLEL_MODE_NO_HEAP_INIT flag (IndexIVF.h; not exported)
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 
@@ -201,9 +202,9 @@ def _ivf_params(width: int) -> faiss.SearchParametersIVF:
 
 def _split_threads(index: faiss.IndexIVF, n: int, width: int) -> int:
     """Threads for a scan of `n` queries x `width` lists: `scan_threads()`, at most one a query
-    and one per `MIN_SCAN_BYTES_PER_THREAD` of codes (at the mean list size)."""
-    est = n * width * index.ntotal * index.code_size / max(1, index.nlist)
-    return max(1, min(n, scan_threads(), int(est // max(1, MIN_SCAN_BYTES_PER_THREAD))))
+    and one per `MIN_SCAN_ROWS_PER_THREAD` probed rows (at the mean list size)."""
+    rows = n * width * index.ntotal / max(1, index.nlist)
+    return max(1, min(n, scan_threads(), int(rows // max(1, MIN_SCAN_ROWS_PER_THREAD))))
 
 
 def _scan_rows(
