@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import threading
 
 import faiss
@@ -213,6 +215,22 @@ def test_concurrent_parallel_scans_match_the_one_thread_scan(indexes, data, scan
         np.testing.assert_array_equal(out.ids, ref.ids)
         np.testing.assert_array_equal(out.scores, ref.scores)
     assert any(t.name.startswith(stepwise._POOL_PREFIX) for t in threading.enumerate())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_scans_on_its_own_pool(indexes, data, scan_calls):
+    index, (_, q) = indexes["ivf_flat", "l2"], data
+    plan = stepwise.assign(index, q, 5)
+    stepwise.set_scan_threads(3)
+    ref = stepwise.scan(index, q, plan, K)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # NOTE: the child reports through its exit code only
+        signal.alarm(20)  # a pool inherited without its threads would hang here
+        got = stepwise.scan(index, q, plan, K)
+        same = np.array_equal(got.ids, ref.ids) and np.array_equal(got.scores, ref.scores)
+        os._exit(0 if same and len(scan_calls) == 6 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
 def test_index_in_faiss_parallel_mode_is_scanned_in_one_call(indexes, data, scan_calls):

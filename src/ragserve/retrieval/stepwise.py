@@ -279,6 +279,17 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
+def _forget_pool() -> None:
+    """In a forked child: none of the parent's pool threads exist there, and its lock may have
+    been held at the fork."""
+    global _pool_lock, _pool_executor, _pool_workers
+    _pool_lock, _pool_executor, _pool_workers = threading.Lock(), None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def check_queries(index: faiss.Index, queries: np.ndarray) -> np.ndarray:
     q = np.ascontiguousarray(queries, dtype=np.float32)
     if q.ndim != 2 or q.shape[1] != index.d:
