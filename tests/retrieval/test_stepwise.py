@@ -217,6 +217,29 @@ def test_concurrent_parallel_scans_match_the_one_thread_scan(indexes, data, scan
     assert any(t.name.startswith(stepwise._POOL_PREFIX) for t in threading.enumerate())
 
 
+def test_a_failing_range_raises_after_every_range_is_done(indexes, data, monkeypatch):
+    import time
+
+    index, (_, q) = indexes["ivf_flat", "ip"], data
+    done = []
+
+    def rows(*args):
+        if args[-2] == 0:
+            raise RuntimeError("range 0 failed")
+        time.sleep(0.2)  # the others still read the index when range 0 fails
+        done.append(args[-2])
+
+    monkeypatch.setattr(stepwise, "_scan_rows", rows)
+    monkeypatch.setattr(stepwise, "MIN_SCAN_ROWS_PER_THREAD", 0)
+    previous = stepwise.set_scan_threads(3)
+    try:
+        with pytest.raises(RuntimeError, match="range 0 failed"):
+            stepwise.scan(index, q, stepwise.assign(index, q, 5), K)
+    finally:
+        stepwise.set_scan_threads(previous)
+    assert sorted(done) == [16, 32]  # NOTE: both finished before the error reached the caller
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_scans_on_its_own_pool(indexes, data, scan_calls):
     index, (_, q) = indexes["ivf_flat", "l2"], data

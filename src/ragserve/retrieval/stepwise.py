@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import faiss
 import numpy as np
@@ -139,7 +139,10 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
         bounds = np.linspace(0, n, threads + 1).astype(int).tolist()
         pool = _pool(threads - 1)
         rest = [pool.submit(call, a, b) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
-        call(bounds[0], bounds[1])
+        try:
+            call(bounds[0], bounds[1])
+        finally:  # NOTE: every range done before the caller lets go of the index (its lock)
+            wait(rest)
         for future in rest:
             future.result()
     # NOTE: Faiss's heap already returns rows in the canonical order (see `merge`); only
