@@ -5,6 +5,8 @@ split rule and the Eq. 1 model with streaming."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from tests.retrieval.test_gpu_tier import (
@@ -334,7 +336,20 @@ def test_calibration_assumes_the_scans_real_parallelism(built) -> None:
         points = ((4, 2), (8, 4))
         assert index.calibrate_stream(points=points, repeats=1).threads == 1
         stepwise.set_scan_threads(3)
-        assert index.calibrate_stream(points=points, repeats=1).threads == 3
+        split = stepwise.split_threads
+        asked = []  # the threads each point's scan had divide its rows (a small one is not split)
+
+        def record(*args):
+            if sys._getframe(1).f_code.co_name == "_calibrate_stream":
+                asked.append(args[1:])
+            return split(*args)
+
+        stepwise.split_threads = record
+        try:
+            assert index.calibrate_stream(points=points, repeats=1).threads == 3
+        finally:
+            stepwise.split_threads = split
+        assert asked == list(points)
     finally:
         ivf.parallel_mode = 0
         stepwise.set_scan_threads(previous)

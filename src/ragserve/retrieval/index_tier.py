@@ -204,6 +204,7 @@ class GpuTierMixin:
         if not len(cold):
             return None
         rng = np.random.default_rng(seed)
+        real = threads is None and self._index.parallel_mode & ~_NO_HEAP_INIT == 0
         threads = scan_threads(self._index) if threads is None else int(threads)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -216,7 +217,9 @@ class GpuTierMixin:
             on_cpu = functools.partial(stepwise.scan, self._index, q, sub, 10)
             on_stream = functools.partial(streamer.scan, q, probes, 10, self._list_data)
             cpu, gpu = _concurrent_seconds(on_cpu, on_stream, repeats)
-            par = max(1, min(n, threads))
+            # NOTE: the threads this point's scan really had (a small one is not split), so
+            # `c1` is one core's cost of a row; the model then prices min(queries, threads).
+            par = stepwise.split_threads(self._index, n, w) if real else max(1, min(n, threads))
             cpu_rows.append(sizes[probes].sum() / par)
             cpu_s.append(cpu)
             stream_bytes.append(sizes[np.unique(probes)].sum() * streamer.row_bytes)

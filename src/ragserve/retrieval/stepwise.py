@@ -132,7 +132,7 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
     dist = np.empty((n, k), dtype=np.float32)
     ids = np.empty((n, k), dtype=np.int64)
     call = functools.partial(_scan_rows, index, q, k, iq, dq, dist, ids, _ivf_params(width))
-    threads = 1 if index.parallel_mode & ~_NO_HEAP_INIT else _split_threads(index, n, width)
+    threads = 1 if index.parallel_mode & ~_NO_HEAP_INIT else split_threads(index, n, width)
     if threads <= 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
         call(0, n)
     else:
@@ -203,9 +203,10 @@ def _ivf_params(width: int) -> faiss.SearchParametersIVF:
     return faiss.SearchParametersIVF(nprobe=width)
 
 
-def _split_threads(index: faiss.IndexIVF, n: int, width: int) -> int:
-    """Threads for a scan of `n` queries x `width` lists: `scan_threads()`, at most one a query
-    and one per `MIN_SCAN_ROWS_PER_THREAD` probed rows (at the mean list size)."""
+def split_threads(index: faiss.IndexIVF, n: int, width: int) -> int:
+    """Threads `scan` gives `n` queries x `width` lists (at `parallel_mode` 0): `scan_threads()`,
+    at most one a query and one per `MIN_SCAN_ROWS_PER_THREAD` probed rows (at the mean list
+    size)."""
     rows = n * width * index.ntotal / max(1, index.nlist)
     return max(1, min(n, scan_threads(), int(rows // max(1, MIN_SCAN_ROWS_PER_THREAD))))
 
