@@ -8,10 +8,16 @@ to CPU-only Faiss and exhaustive GPU search (the ceiling), on a synthetic Zipf-s
         --scan grouped dense auto --check-queries 64     # the scan strategies side by side
         [--assign faiss tier]   # and index.search's coarse assignment: Faiss (CPU) vs the tier
 
+    OMP_NUM_THREADS=14 python bench/bench_gpu_tier.py ... --nprobe 256 --batch 1 32 256 \
+        --cpu-scan-threads 14 1 --faiss-oneshot --cpu-only   # the CPU baseline both ways
+
 Every figure is measured in this one process, side by side: the same index, queries and batch
 size. Coverage = share of lists on the GPU, hottest first by the access counts of a warm-up
 query sample (the placement `set_gpu_tier` would make). Each point also checks its ids against
-the CPU-only result (`exact_ids`: share of identical rows).
+the CPU-only result (`exact_ids`: share of identical rows). The CPU-only points run once per
+`--cpu-scan-threads` value (`stepwise.set_scan_threads`: 1 is the one-thread scan ragserve had
+before 2026-12-01, 0 the default, Faiss's OpenMP thread count), each checked against the first;
+`--faiss-oneshot` adds Faiss's own `index.search` (its OpenMP split of the batch).
 """
 
 from __future__ import annotations
@@ -263,6 +269,66 @@ def assign_stages(res, index, assigner, q, args) -> None:
                 res.add(system="assign_stage", assign=mode, nprobe=nprobe, **stats)
 
 
+def cpu_baseline(
+    res: Results,
+    index: Any,
+    q: np.ndarray,
+    check: np.ndarray,
+    nprobe: int,
+    args: argparse.Namespace,
+) -> np.ndarray:
+    """CPU-only points at ``nprobe``, once per ``--cpu-scan-threads`` value (the first one is
+    left set, for the tier's CPU part), and Faiss's one-shot search with ``--faiss-oneshot``;
+    returns the first value's ids of ``check``, against which the others' ``exact_ids`` are
+    counted."""
+    import faiss
+
+    from ragserve.retrieval import stepwise
+
+    ref = None
+    for threads in args.cpu_scan_threads:
+        stepwise.set_scan_threads(threads or None)
+        found = index.search(check, args.topk, nprobe).ids
+        ref = found if ref is None else ref
+        for batch in [] if args.skip_cpu else args.batch:
+            stats = timed(
+                lambda b, n=nprobe: index.search(b, args.topk, n),
+                q,
+                batch,
+                args.min_seconds,
+                args.max_batches,
+            )
+            res.add(
+                system="cpu_faiss",
+                scan_threads=stepwise.scan_threads(),
+                nprobe=nprobe,
+                coverage=0.0,
+                exact_ids=exact_share(found, ref),
+                **stats,
+            )
+    if args.faiss_oneshot and not args.skip_cpu:
+        ivf = index.faiss_index
+        params = faiss.SearchParametersIVF(nprobe=nprobe)
+        found = ivf.search(check, args.topk, params=params)[1]
+        for batch in args.batch:
+            stats = timed(
+                lambda b: ivf.search(b, args.topk, params=params),
+                q,
+                batch,
+                args.min_seconds,
+                args.max_batches,
+            )
+            res.add(
+                system="cpu_faiss_oneshot",
+                nprobe=nprobe,
+                coverage=0.0,
+                exact_ids=exact_share(found, ref),
+                **stats,
+            )
+    stepwise.set_scan_threads(args.cpu_scan_threads[0] or None)
+    return ref
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-docs", type=int, default=200_000)
@@ -300,8 +366,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="no CPU-only points; ids are checked against the float32 whole-index tier",
     )
+    ap.add_argument(
+        "--cpu-scan-threads",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="the CPU-only points once per value (1: one thread; 0: Faiss's OpenMP threads)",
+    )
+    ap.add_argument("--faiss-oneshot", action="store_true", help="also Faiss's index.search")
+    ap.add_argument("--cpu-only", action="store_true", help="stop after the CPU-only points")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_tier.json"))
     args = ap.parse_args(argv)
+    if any(t < 0 for t in args.cpu_scan_threads):
+        ap.error(f"--cpu-scan-threads must be >= 0, got {args.cpu_scan_threads}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import faiss
     import torch
@@ -334,18 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     refs = {}
     index.drop_gpu_tier()
     if args.skip_cpu:
+        args.cpu_scan_threads = args.cpu_scan_threads[:1]
         index.set_gpu_tier(1 << 40, device=device, clusters=range(args.nlist))
     for nprobe in args.nprobe:
-        refs[nprobe] = index.search(check, args.topk, nprobe).ids
-        for batch in [] if args.skip_cpu else args.batch:
-            stats = timed(
-                lambda b, n=nprobe: index.search(b, args.topk, n),
-                q,
-                batch,
-                args.min_seconds,
-                args.max_batches,
-            )
-            res.add(system="cpu_faiss", nprobe=nprobe, coverage=0.0, **stats)
+        refs[nprobe] = cpu_baseline(res, index, q, check, nprobe, args)
+    if args.cpu_only:
+        logger.info("done: %s", args.out)
+        return 0
     for cov in args.coverage:
         if cov == 0:
             continue

@@ -1,7 +1,9 @@
-"""Does ragserve's CPU scan use Faiss's OpenMP threads? Counts this process's threads after a
-``stepwise.scan`` (Faiss ``search_preassigned``) and after a Faiss ``search`` of the same
-batch, OpenMP allowed ``--threads`` threads; run in a fresh process (the OpenMP pool, once
-made, stays). Linux only (``/proc/self/task``).
+"""Does ragserve's CPU scan use several threads? Counts this process's threads after a
+``stepwise.scan`` (Faiss ``search_preassigned``) switched to one thread
+(``stepwise.set_scan_threads(1)``), after one at the default (parallel over queries, as many
+threads as Faiss's OpenMP), and after a Faiss ``search`` of the same batch, OpenMP allowed
+``--threads`` threads; run in a fresh process (the pools, once made, stay). Linux only
+(``/proc/self/task``).
 
     PYTHONPATH=src python bench/faiss_scan_threads.py
 """
@@ -37,8 +39,16 @@ def main() -> None:
 
     print(f"parallel_mode {index.parallel_mode}, OpenMP threads allowed {args.threads}")
     print(f"threads before any scan: {count()}")
-    stepwise.scan(index, q, ProbePlan(lists, dists), 10)
-    print(f"after stepwise.scan (search_preassigned) of 32 queries: {count()}")
+    previous = stepwise.set_scan_threads(1)
+    one = stepwise.scan(index, q, ProbePlan(lists, dists), 10)
+    print(f"after a one-thread stepwise.scan (search_preassigned) of 32 queries: {count()}")
+    stepwise.set_scan_threads(previous)
+    par = stepwise.scan(index, q, ProbePlan(lists, dists), 10)
+    print(
+        f"after a default stepwise.scan ({stepwise.scan_threads()} threads) of the same 32: "
+        f"{count()}; bit-identical: {np.array_equal(one.ids, par.ids)}"
+        f" {one.scores.tobytes() == par.scores.tobytes()}"
+    )
     index.nprobe = 8
     index.search(q, 10)
     print(f"after index.search of the same 32 queries: {count()}")

@@ -20,13 +20,18 @@
 #                                          3: latency phase (the split by the CPU scan's real
 #                                          parallelism, and the call-3 split) and the streamed
 #                                          rate only (<= 300 s: CALL_S 300 unless set)
-# Carry: .whl (calls 1-3, 5), .gpurun and .bench_before (call 1); call 4 needs none.
+#   bash bench/h200_plan.sh 6   cpu_scan   issue 10's CPU-only baseline at the 5M x 768 shape
+#                                          (bench_gpu_tier.py --cpu-only, nprobe 256, batch
+#                                          1/32/256): ragserve's scan on 14 threads and on one
+#                                          (stepwise.set_scan_threads), Faiss's own
+#                                          index.search beside them (<= 270 s)
+# Carry: .whl (calls 1-3, 5, 6), .gpurun and .bench_before (call 1); call 4 needs none.
 # Env: CALL_S (the call's budget, default 565), TWIN=cpu (the CPU twin: the same parts on
 # tiny CPU configurations, to check this script, not to measure).
 set -uo pipefail
 CALL=${1:-}
 : "${OUT:?OUT must name the folder results are written to}"
-CALL_S=${CALL_S:-$(case $CALL in 3) echo 330 ;; 5) echo 300 ;; *) echo 565 ;; esac)}
+CALL_S=${CALL_S:-$(case $CALL in 3) echo 330 ;; 5 | 6) echo 300 ;; *) echo 565 ;; esac)}
 START=$SECONDS
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -80,6 +85,20 @@ run_gpu_tests() {  # the faiss wheel (the retrieval tests import faiss), then th
     return $rc
 }
 export -f run_gpu_tests
+cpu_scan() {  # the faiss wheel, then the CPU-only baseline both ways (bench_gpu_tier.py)
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || return 1
+    fi
+    PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 timeout "$LIMIT" python3 \
+        bench/bench_gpu_tier.py --cpu-only --cpu-scan-threads 14 1 --faiss-oneshot \
+        --max-batches 40 --check-queries 256 "$@" --out "$OUT/cpu_scan.json" \
+        > "$OUT/cpu_scan.log" 2>&1
+    local rc=$?
+    echo "exit code $rc (124: stopped by the time limit; the JSON holds every finished point)"
+    return $rc
+}
+export -f cpu_scan
 
 if [ "${TWIN:-}" = cpu ]; then  # tiny sizes, CPU devices; the same parts and scripts
     export PRESET_OV=cpu KV_GIB=0 NUM=3 CONCURRENT=4 ROUNDS=2 DATA=${DATA:-/tmp/plan_twin_data}
@@ -87,6 +106,8 @@ if [ "${TWIN:-}" = cpu ]; then  # tiny sizes, CPU devices; the same parts and sc
 --ttft-requests 6 --warmup-s 0.1 --drain-s 1 --slo 5 --load 0.5 --max-probes 2"
     # --coverage 25 50: lists placed pinned in the latency phase even where Algorithm 1 wants
     # none (50 % is over the budget: capped at the tier's chunk prices)
+    export CPU_SCAN_ARGS="--num-docs 100000 --dim 64 --nlist 512 --topics 2048 --nprobe 64 \
+--batch 1 32 256 --min-seconds 1 --num-queries 1024"
     export ARGS="--num-docs 6000 --dim 16 --nlist 32 --topics 128 --nprobe 8 --budget-gb 0.0002 \
 --device cpu --slo-search 0.5 --llm-rate 200 --coverage 25 50"
 fi
@@ -110,15 +131,23 @@ case $CALL in
 5)  # the H200 corpus of call 3 (TWIN=cpu: the twin's), no CPU or tier-only rate
     OV_ARGS=${ARGS:-"--num-docs 20000000 --dim 768 --nlist 16384 --topics 65536 --nprobe 256 \
 --budget-gb 24"}
-    part overflow_stream 295 env GPU_TESTS=0 LIMIT=282 \
+    # NOTE: call 5 compares the one-thread scan's split with call 3's (14 threads): the scan
+    # is pinned to one thread, as it ran in call 3 (the default is now Faiss's thread count)
+    part overflow_stream 295 env GPU_TESTS=0 LIMIT=282 RAGSERVE_CPU_SCAN_THREADS=1 \
         ARGS="$OV_ARGS --skip cpu_rate tier_rate --rate-order stream --stream-rate 44 60" \
         bash bench/h200_overflow_stream_run.sh
     summary overflow_stream
+    ;;
+6)  # the retrieval-alone table's corpus (5M x 768, 4,096 lists); 14 threads first (the refs)
+    CS_ARGS=${CPU_SCAN_ARGS:-"--num-docs 5000000 --dim 768 --nlist 4096 --topics 16384 \
+--nprobe 256 --batch 1 32 256 --min-seconds 3"}
+    part cpu_scan 270 env OMP_NUM_THREADS=14 bash -c "cpu_scan $CS_ARGS"
+    summary cpu_scan
     ;;
 4)
     part kv_capacity 268 env PRESET="${PRESET_KV:-h200-llama8b-tiers}" \
         bash bench/h200_kv_tiers_run.sh capacity
     summary kv_capacity
     ;;
-*) echo "usage: $0 1|2|3|4|5 (OUT=<folder>)" >&2; exit 2 ;;
+*) echo "usage: $0 1|2|3|4|5|6 (OUT=<folder>)" >&2; exit 2 ;;
 esac

@@ -147,13 +147,31 @@ def overflow_stream(d: Path) -> str:
     return text + f"; failures {len(doc.get('failures', []))}"
 
 
+def cpu_scan(d: Path) -> str:
+    """q/s (p90) of each CPU-only point by batch; the parallel / one-thread ratio of ragserve's
+    scan; ids against the first scan setting."""
+    doc = json.loads((d / "cpu_scan.json").read_text())
+    rows, qps = [], {}
+    for p in doc["points"]:
+        name = f"{p['system']}" + (f"@{p['scan_threads']}" if "scan_threads" in p else "")
+        qps[name, p["batch"]] = p["qps"]
+        rows.append(
+            f"{name} b{p['batch']} {p['qps']:.1f} q/s ({1e3 * p['p90_s']:.0f} ms, "
+            f"ids {p['exact_ids']:.2f})"
+        )
+    one = {b: v for (n, b), v in qps.items() if n == "cpu_faiss@1"}
+    many = {b: v for (n, b), v in qps.items() if n.startswith("cpu_faiss@") and n != "cpu_faiss@1"}
+    ratios = [f"b{b} {many[b] / one[b]:.2f}x" for b in sorted(one) if b in many]
+    return f"parallel / one-thread {', '.join(ratios) or '-'} | " + "; ".join(rows)
+
+
 def gpu_tests(d: Path) -> str:
     lines = (d / "gpu_tests.log").read_text().strip().splitlines()
     return lines[-1] if lines else "empty log"
 
 
 PARTS = {"overhead": overhead, "kv_tiers": kv_tiers, "overflow_stream": overflow_stream,
-         "gpu_tests": gpu_tests, "kv_capacity": kv_capacity}  # fmt: skip
+         "gpu_tests": gpu_tests, "kv_capacity": kv_capacity, "cpu_scan": cpu_scan}  # fmt: skip
 
 
 def main(argv: list[str]) -> None:

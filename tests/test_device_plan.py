@@ -74,3 +74,14 @@ def test_call_5_cpu_twin_times_both_streamed_splits(tmp_path: Path) -> None:
     assert line.startswith("overflow_stream: cpu -, tier -, stream "), line
     assert "gpu_tier_stream " in line and "gpu_tier_stream_omp " in line, line
     assert "failures 0" in line and "overflow_stream: exit 0" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+def test_call_6_cpu_twin_measures_the_cpu_scan_both_ways(tmp_path: Path) -> None:
+    run = _plan("6", tmp_path / "out")
+    assert run.returncode == 0, run.stderr
+    line = (tmp_path / "out" / "summary.txt").read_text().strip()
+    assert line.startswith("cpu_scan: parallel / one-thread b1 "), line
+    for name in ("cpu_faiss@14 b256", "cpu_faiss@1 b256", "cpu_faiss_oneshot b256"):
+        assert name in line, line
+    assert line.count("ids 1.00") == 9, line  # every setting returns the same ids

@@ -88,3 +88,18 @@ def test_overflow_line_reads_bounds_honestly(summary, tmp_path) -> None:
     line = summary.overflow_stream(tmp_path)
     assert "cpu = 11.0 q/s," in line and "tier >= 26.0 q/s (< 32.2)" in line
     assert "stream - (cut after 1 points)" in line and "gpu_tier +5 %" in line
+
+
+def test_cpu_scan_line_has_the_thread_ratio_per_batch(summary, tmp_path) -> None:
+    def point(system, batch, qps, **extra):
+        return {"system": system, "batch": batch, "qps": qps, "p90_s": batch / qps,
+                "exact_ids": 1.0, **extra}  # fmt: skip
+
+    points = [point("cpu_faiss", b, q * 8, scan_threads=14) for b, q in ((1, 12.0), (32, 12.5))]
+    points += [point("cpu_faiss", b, q, scan_threads=1) for b, q in ((1, 12.0), (32, 12.5))]
+    points.append(point("cpu_faiss_oneshot", 32, 110.0))
+    (tmp_path / "cpu_scan.json").write_text(json.dumps({"points": points}))
+    line = summary.cpu_scan(tmp_path)
+    assert line.startswith("parallel / one-thread b1 8.00x, b32 8.00x | "), line
+    assert "cpu_faiss@1 b32 12.5 q/s (2560 ms, ids 1.00)" in line
+    assert "cpu_faiss_oneshot b32 110.0 q/s" in line

@@ -5,6 +5,8 @@ split rule and the Eq. 1 model with streaming."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from tests.retrieval.test_gpu_tier import (
@@ -311,23 +313,46 @@ def test_split_pricing_inverse_and_algorithm_1() -> None:
 
 
 def test_calibration_assumes_the_scans_real_parallelism(built) -> None:
-    """Faiss's ``search_preassigned`` at the default ``parallel_mode`` 0 scans on the calling
-    thread: the calibrated model's ``threads`` is 1 unless told otherwise."""
+    """``stepwise.scan`` slices a batch over ``stepwise.scan_threads()`` (Faiss's OpenMP
+    threads by default; 1 when switched to the one-thread scan): the calibrated model's
+    ``threads`` follows it unless told otherwise."""
     import faiss
 
+    from ragserve.retrieval import stepwise
     from ragserve.retrieval.index_tier import scan_threads
 
     index, _ = built
     ivf = index._index
-    assert ivf.parallel_mode == 0 and scan_threads(ivf) == 1
-    ivf.parallel_mode = 3
+    omp = max(1, faiss.omp_get_max_threads())
+    previous = stepwise.set_scan_threads(None)
     try:
-        assert scan_threads(ivf) == max(1, faiss.omp_get_max_threads())
+        assert ivf.parallel_mode == 0 and scan_threads(ivf) == stepwise.scan_threads() == omp
+        stepwise.set_scan_threads(1)
+        assert scan_threads(ivf) == 1
+        ivf.parallel_mode = 3  # Faiss's own split over its OpenMP threads
+        assert scan_threads(ivf) == omp
+        ivf.parallel_mode = 0
+        index.set_gpu_tier(BIG, device="cpu", clusters=range(0, NLIST, 4), stream_cold="on")
+        points = ((4, 2), (8, 4))
+        assert index.calibrate_stream(points=points, repeats=1).threads == 1
+        stepwise.set_scan_threads(3)
+        split = stepwise.split_threads
+        asked = []  # the threads each point's scan had divide its rows (a small one is not split)
+
+        def record(*args):
+            if sys._getframe(1).f_code.co_name == "_calibrate_stream":
+                asked.append(args[1:])
+            return split(*args)
+
+        stepwise.split_threads = record
+        try:
+            assert index.calibrate_stream(points=points, repeats=1).threads == 3
+        finally:
+            stepwise.split_threads = split
+        assert asked == list(points)
     finally:
         ivf.parallel_mode = 0
-    index.set_gpu_tier(BIG, device="cpu", clusters=range(0, NLIST, 4), stream_cold="on")
-    points = ((4, 2), (8, 4))
-    assert index.calibrate_stream(points=points, repeats=1).threads == 1
+        stepwise.set_scan_threads(previous)
     assert index.calibrate_stream(points=points, repeats=1, threads=14).threads == 14
     with pytest.raises(ValueError, match="threads must be >= 1"):
         index.calibrate_stream(points=points, repeats=1, threads=0)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import threading
 
 import faiss
 import numpy as np
@@ -156,3 +159,141 @@ def test_merge_orders_cross_step_ties_like_faiss(is_l2):
     np.testing.assert_array_equal(got.ids, ref_ids[:, :k])
     np.testing.assert_array_equal(got.scores, ref_scores[:, :k])
     np.testing.assert_array_equal(stepwise.merge(b, a, is_l2).ids, got.ids)  # symmetric
+
+
+@pytest.fixture
+def scan_calls(monkeypatch):
+    """The (start, stop) row ranges of every Faiss `search_preassigned` call `scan` makes."""
+    calls = []
+    real = stepwise._scan_rows
+
+    def record(*args):
+        calls.append(args[-2:])
+        real(*args)
+
+    monkeypatch.setattr(stepwise, "_scan_rows", record)
+    monkeypatch.setattr(stepwise, "MIN_SCAN_ROWS_PER_THREAD", 0)  # these indexes are tiny
+    previous = stepwise.set_scan_threads(None)
+    yield calls
+    stepwise.set_scan_threads(previous)
+
+
+@pytest.mark.parametrize("kind", stepwise.KINDS)
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_parallel_scan_is_bit_identical_to_one_thread_and_faiss(
+    indexes, data, kind, metric, scan_calls
+):
+    index, (_, q) = indexes[kind, metric], data
+    for n in (1, 3, len(q)):  # n = 1, n < threads, n > threads
+        ref_d, ref_i = _faiss(index, q[:n], K, 5)
+        plan = stepwise.assign(index, q[:n], 5)
+        got = {}
+        for threads in (1, 4):
+            stepwise.set_scan_threads(threads)
+            scan_calls.clear()
+            got[threads] = stepwise.scan(index, q[:n], plan, K)
+            ranges = sorted(scan_calls)
+            assert len(ranges) == min(n, threads)  # the switch decides how the batch is cut
+            assert [a for a, _ in ranges] == [0, *(b for _, b in ranges[:-1])]
+            assert ranges[-1][1] == n
+            np.testing.assert_array_equal(got[threads].ids, ref_i)
+            np.testing.assert_array_equal(got[threads].scores, ref_d)
+        assert got[1].scores.tobytes() == got[4].scores.tobytes()
+
+
+def test_concurrent_parallel_scans_match_the_one_thread_scan(indexes, data, scan_calls):
+    from concurrent.futures import ThreadPoolExecutor
+
+    index, (_, q) = indexes["ivf_pq", "l2"], data
+    plan = stepwise.assign(index, q, 7)
+    stepwise.set_scan_threads(1)
+    ref = stepwise.scan(index, q, plan, K)
+    stepwise.set_scan_threads(3)
+    with ThreadPoolExecutor(4) as callers:  # several Python threads share the scan pool
+        outs = list(callers.map(lambda _: stepwise.scan(index, q, plan, K), range(8)))
+    for out in outs:
+        np.testing.assert_array_equal(out.ids, ref.ids)
+        np.testing.assert_array_equal(out.scores, ref.scores)
+    assert any(t.name.startswith(stepwise._POOL_PREFIX) for t in threading.enumerate())
+
+
+def test_a_failing_range_raises_after_every_range_is_done(indexes, data, monkeypatch):
+    import time
+
+    index, (_, q) = indexes["ivf_flat", "ip"], data
+    done = []
+
+    def rows(*args):
+        if args[-2] == 0:
+            raise RuntimeError("range 0 failed")
+        time.sleep(0.2)  # the others still read the index when range 0 fails
+        done.append(args[-2])
+
+    monkeypatch.setattr(stepwise, "_scan_rows", rows)
+    monkeypatch.setattr(stepwise, "MIN_SCAN_ROWS_PER_THREAD", 0)
+    previous = stepwise.set_scan_threads(3)
+    try:
+        with pytest.raises(RuntimeError, match="range 0 failed"):
+            stepwise.scan(index, q, stepwise.assign(index, q, 5), K)
+    finally:
+        stepwise.set_scan_threads(previous)
+    assert sorted(done) == [16, 32]  # NOTE: both finished before the error reached the caller
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_scans_on_its_own_pool(indexes, data, scan_calls):
+    index, (_, q) = indexes["ivf_flat", "l2"], data
+    plan = stepwise.assign(index, q, 5)
+    stepwise.set_scan_threads(3)
+    ref = stepwise.scan(index, q, plan, K)  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # NOTE: the child reports through its exit code only
+        signal.alarm(20)  # a pool inherited without its threads would hang here
+        got = stepwise.scan(index, q, plan, K)
+        same = np.array_equal(got.ids, ref.ids) and np.array_equal(got.scores, ref.scores)
+        os._exit(0 if same and len(scan_calls) == 6 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_index_in_faiss_parallel_mode_is_scanned_in_one_call(indexes, data, scan_calls):
+    index, (_, q) = indexes["ivf_sq8", "ip"], data
+    ref_d, ref_i = _faiss(index, q, K, 5)
+    stepwise.set_scan_threads(4)
+    index.parallel_mode = 3  # Faiss parallelises the call itself: no second split on top
+    try:
+        got = stepwise.scan(index, q, stepwise.assign(index, q, 5), K)
+    finally:
+        index.parallel_mode = 0
+    assert scan_calls == [(0, len(q))]
+    np.testing.assert_array_equal(got.ids, ref_i)
+    np.testing.assert_array_equal(got.scores, ref_d)
+
+
+def test_small_scans_are_not_split(indexes, data, scan_calls, monkeypatch):
+    index, (_, q) = indexes["ivf_flat", "ip"], data
+    plan = stepwise.assign(index, q, 5)
+    ref = stepwise.scan(index, q, plan, K)
+    stepwise.set_scan_threads(4)
+    est = len(q) * 5 * index.ntotal / index.nlist  # probed rows at the mean list size
+    for per_thread, expected in ((est + 1, 1), (est / 2, 2), (est / 3, 3), (1, 4)):
+        monkeypatch.setattr(stepwise, "MIN_SCAN_ROWS_PER_THREAD", int(per_thread))
+        scan_calls.clear()
+        got = stepwise.scan(index, q, plan, K)
+        assert len(scan_calls) == expected
+        np.testing.assert_array_equal(got.ids, ref.ids)
+        np.testing.assert_array_equal(got.scores, ref.scores)
+
+
+def test_scan_threads_setting_and_bad_values(monkeypatch, scan_calls):
+    assert stepwise.scan_threads() == max(1, faiss.omp_get_max_threads())
+    stepwise.set_scan_threads(5)
+    assert stepwise.scan_threads() == 5
+    for bad in (0, -1, 2.0, "2", True):
+        with pytest.raises(ValueError, match="scan threads must be a positive integer"):
+            stepwise.set_scan_threads(bad)
+    monkeypatch.setenv(stepwise.SCAN_THREADS_ENV, "3")
+    assert stepwise._threads_from_env() == 3
+    monkeypatch.setenv(stepwise.SCAN_THREADS_ENV, "two")
+    with pytest.raises(ValueError, match="RAGSERVE_CPU_SCAN_THREADS must be a positive"):
+        stepwise._threads_from_env()

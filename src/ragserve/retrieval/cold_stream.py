@@ -81,7 +81,8 @@ class StreamCostModel:
 
     ``probed_rows`` counts a list once per query probing it (Faiss scans it per query);
     ``streamed_bytes`` once per batch (one copy serves every query). ``threads``: the CPU
-    scan's parallelism (``index_tier.scan_threads``: 1 at Faiss's default ``parallel_mode``).
+    scan's parallelism (``index_tier.scan_threads``: ``stepwise.scan_threads()``, Faiss's
+    OpenMP thread count unless ``stepwise.set_scan_threads`` says otherwise).
     The split this model picks is what runs; ``latency_model.SplitPricing`` carries its CPU
     side into the latency model."""
 

@@ -175,8 +175,9 @@ class GpuTierMixin:
         cores and memory bandwidth), at ``points`` (queries, lists per query); None (streams
         nothing under the cost model) without a streamer or cold lists. Each point's median of
         ``repeats`` after a warm-up. ``threads``: the CPU scan's parallelism the model assumes
-        (None: the real one, ``scan_threads``; the 2026-12-01 H200 run assumed Faiss's OpenMP
-        threads). (A search calibrates on first use when there is none.)"""
+        (None: the real one, ``scan_threads``; the 2026-12-01 H200 runs, before the scan was
+        parallel, assumed Faiss's OpenMP threads while it ran on one). (A search calibrates on
+        first use when there is none.)"""
         with self._rw.read():
             return self._calibrate_stream(
                 points=points, repeats=repeats, seed=seed, threads=threads
@@ -203,6 +204,7 @@ class GpuTierMixin:
         if not len(cold):
             return None
         rng = np.random.default_rng(seed)
+        real = threads is None and self._index.parallel_mode & ~_NO_HEAP_INIT == 0
         threads = scan_threads(self._index) if threads is None else int(threads)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -215,7 +217,9 @@ class GpuTierMixin:
             on_cpu = functools.partial(stepwise.scan, self._index, q, sub, 10)
             on_stream = functools.partial(streamer.scan, q, probes, 10, self._list_data)
             cpu, gpu = _concurrent_seconds(on_cpu, on_stream, repeats)
-            par = max(1, min(n, threads))
+            # NOTE: the threads this point's scan really had (a small one is not split), so
+            # `c1` is one core's cost of a row; the model then prices min(queries, threads).
+            par = stepwise.split_threads(self._index, n, w) if real else max(1, min(n, threads))
             cpu_rows.append(sizes[probes].sum() / par)
             cpu_s.append(cpu)
             stream_bytes.append(sizes[np.unique(probes)].sum() * streamer.row_bytes)
@@ -419,12 +423,12 @@ def check_tier_options(scan: str, stream_cold: str | StreamConfig) -> None:
 
 
 def scan_threads(index: faiss.IndexIVF) -> int:
-    """The CPU scan's parallelism in ``StreamCostModel``: ``stepwise.scan`` calls Faiss's
-    ``search_preassigned``, which at ``parallel_mode`` 0 (the default) runs on the calling
-    thread (Faiss splits a batch over its OpenMP threads in ``search`` only); other modes use
-    the OpenMP threads."""
+    """The CPU scan's parallelism in ``StreamCostModel``: ``stepwise.scan`` slices a batch over
+    ``stepwise.scan_threads()`` threads (Faiss's OpenMP thread count by default; 1 after
+    ``stepwise.set_scan_threads(1)``); an index already in a Faiss ``parallel_mode`` other than
+    0 is scanned in one call that Faiss spreads over its OpenMP threads."""
     if index.parallel_mode & ~_NO_HEAP_INIT == 0:
-        return 1
+        return stepwise.scan_threads()
     return max(1, int(faiss.omp_get_max_threads()))
 
 

@@ -11,6 +11,18 @@ the shared index is never mutated and concurrent scans are safe. Partial results
 outside Faiss under a total order — score first, then id (ascending for L2, descending for IP) —
 which is the order Faiss's own heaps give equal scores inside one result list.
 
+CPU parallelism: Faiss's `search_preassigned` runs on the calling thread at its default
+`parallel_mode` 0 (only `index.search` slices a batch over Faiss's OpenMP threads), so `scan`
+slices the batch itself: contiguous row ranges, one `search_preassigned` call each, the first on
+the calling thread and the rest on a shared pool of `scan_threads() - 1` workers (a small scan,
+under `MIN_SCAN_ROWS_PER_THREAD` probed rows a thread, is cut into fewer ranges or none).
+Each query's scan is the same per-query loop either way, so the result is bit-identical to the
+one-thread scan; `set_scan_threads(1)` (or `RAGSERVE_CPU_SCAN_THREADS=1`) switches back to it.
+The pool is shared by every caller, so concurrent scans (shards, the tier beside its streamer)
+add at most `scan_threads() - 1` threads in all, and the calls open no OpenMP team of their
+own. An index whose `parallel_mode` is already non-zero is scanned in one call (Faiss
+parallelises it).
+
 NOTE: a tie *across* the k-th boundary (two different vectors with bit-identical scores, one
 kept and one dropped) is resolved by id here, while Faiss keeps whichever its heap reached first;
 that only happens with duplicate vectors or duplicate PQ codes in one list.
@@ -19,6 +31,9 @@ that only happens with duplicate vectors or duplicate PQ codes in one list.
 from __future__ import annotations
 
 import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import faiss
 import numpy as np
@@ -26,6 +41,11 @@ import numpy as np
 from ragserve.retrieval.types import ProbePlan, TopK
 
 KINDS = ("ivf_flat", "ivf_sq8", "ivf_pq")
+SCAN_THREADS_ENV = "RAGSERVE_CPU_SCAN_THREADS"
+# NOTE: a thread's share of a scan is at least this many probed rows (~0.5 ms of Faiss's scan on
+# one core at 128 dims, any kind), so a handoff to the pool (tens of microseconds) pays for itself.
+MIN_SCAN_ROWS_PER_THREAD = 16384
+_NO_HEAP_INIT = 1024  # NOTE: Faiss's PARALLEL_MODE_NO_HEAP_INIT flag (IndexIVF.h; not exported)
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 
 
@@ -111,9 +131,20 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
     dq = np.ascontiguousarray(plan.coarse_dists, dtype=np.float32)
     dist = np.empty((n, k), dtype=np.float32)
     ids = np.empty((n, k), dtype=np.int64)
-    params = _ivf_params(width)
-    sp = faiss.swig_ptr
-    index.search_preassigned_c(n, sp(q), k, sp(iq), sp(dq), sp(dist), sp(ids), False, params)
+    call = functools.partial(_scan_rows, index, q, k, iq, dq, dist, ids, _ivf_params(width))
+    threads = 1 if index.parallel_mode & ~_NO_HEAP_INIT else split_threads(index, n, width)
+    if threads <= 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
+        call(0, n)
+    else:
+        bounds = np.linspace(0, n, threads + 1).astype(int).tolist()
+        pool = _pool(threads - 1)
+        rest = [pool.submit(call, a, b) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
+        try:
+            call(bounds[0], bounds[1])
+        finally:  # NOTE: every range done before the caller lets go of the index (its lock)
+            wait(rest)
+        for future in rest:
+            future.result()
     # NOTE: Faiss's heap already returns rows in the canonical order (see `merge`); only
     # the fill value of missing slots is normalised, so a one-step search costs no sort.
     dist[ids < 0] = np.inf if index.metric_type == faiss.METRIC_L2 else -np.inf
@@ -170,6 +201,97 @@ def empty_topk(n: int, k: int, is_l2: bool) -> TopK:
 def _ivf_params(width: int) -> faiss.SearchParametersIVF:
     """Read-only per-call search parameters, shared by concurrent scans of the same width."""
     return faiss.SearchParametersIVF(nprobe=width)
+
+
+def split_threads(index: faiss.IndexIVF, n: int, width: int) -> int:
+    """Threads `scan` gives `n` queries x `width` lists (at `parallel_mode` 0): `scan_threads()`,
+    at most one a query and one per `MIN_SCAN_ROWS_PER_THREAD` probed rows (at the mean list
+    size)."""
+    rows = n * width * index.ntotal / max(1, index.nlist)
+    return max(1, min(n, scan_threads(), int(rows // max(1, MIN_SCAN_ROWS_PER_THREAD))))
+
+
+def _scan_rows(
+    index: faiss.IndexIVF,
+    q: np.ndarray,
+    k: int,
+    iq: np.ndarray,
+    dq: np.ndarray,
+    dist: np.ndarray,
+    ids: np.ndarray,
+    params: faiss.SearchParametersIVF,
+    a: int,
+    b: int,
+) -> None:
+    """Faiss's `search_preassigned` of rows `a:b` into the same rows of `dist` / `ids`."""
+    sp = faiss.swig_ptr
+    index.search_preassigned_c(
+        b - a, sp(q[a:b]), k, sp(iq[a:b]), sp(dq[a:b]), sp(dist[a:b]), sp(ids[a:b]), False, params
+    )
+
+
+def set_scan_threads(threads: int | None) -> int | None:
+    """Set the CPU scan's parallelism over a batch's queries, for this process; returns the
+    previous setting. None (the default) follows Faiss's OpenMP thread count
+    (`faiss.omp_get_max_threads()`, read at each scan); 1 is the one-thread scan (ragserve's CPU
+    path before 2026-12-01); n > 1 uses n threads. The initial setting is
+    `RAGSERVE_CPU_SCAN_THREADS` when set (so shard and worker processes inherit it)."""
+    global _scan_threads
+    previous, _scan_threads = _scan_threads, _check_threads(threads, "scan threads")
+    return previous
+
+
+def scan_threads() -> int:
+    """How many threads a `scan` of a large enough batch uses now (see `set_scan_threads`)."""
+    return _scan_threads or max(1, int(faiss.omp_get_max_threads()))
+
+
+def _check_threads(threads: object, what: str) -> int | None:
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"{what} must be a positive integer or None, got {threads!r}")
+    return threads
+
+
+def _threads_from_env() -> int | None:
+    raw = os.environ.get(SCAN_THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{SCAN_THREADS_ENV} must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+_POOL_PREFIX = "ragserve-cpu-scan"
+_pool_lock = threading.Lock()
+_pool_executor: ThreadPoolExecutor | None = None
+_pool_workers = 0
+_scan_threads: int | None = _threads_from_env()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The shared scan pool with at least `workers` threads (grown, never shrunk)."""
+    global _pool_executor, _pool_workers
+    with _pool_lock:
+        pool = _pool_executor
+        if pool is None or _pool_workers < workers:
+            # NOTE: a replaced pool is not shut down: a scan holding it may still submit; its
+            # idle threads exit once it is garbage-collected.
+            pool = _pool_executor = ThreadPoolExecutor(workers, thread_name_prefix=_POOL_PREFIX)
+            _pool_workers = workers
+        return pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: none of the parent's pool threads exist there, and its lock may have
+    been held at the fork."""
+    global _pool_lock, _pool_executor, _pool_workers
+    _pool_lock, _pool_executor, _pool_workers = threading.Lock(), None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def check_queries(index: faiss.Index, queries: np.ndarray) -> np.ndarray:
