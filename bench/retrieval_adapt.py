@@ -37,6 +37,7 @@ from ragserve.retrieval.ingest import ChunkConfig, Chunker
 from retrieval_quality import (
     FAQ_CORPORA,
     CachedPassages,
+    add_study_args,
     build_index,
     evaluate,
     prepare_faq,
@@ -162,13 +163,7 @@ def table(path: Path) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--corpora", default="pydocs")
-    p.add_argument("--configs", default="none,heading+sentence/10/1/0.05/held")
-    p.add_argument("--modes", default="dense,ensemble")
-    p.add_argument("--show", default="tune", choices=["tune", "test", "all"])
-    p.add_argument("--cache", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_adapt.json"))
-    p.add_argument("--table", action="store_true", help="print --out as a Markdown table, exit")
+    add_study_args(p, "none,heading+sentence/10/1/0.05/held", "bench/results/retrieval_adapt.json")
     p.add_argument("--cost", action="store_true", help="time the default adapter's build cost")
     args = p.parse_args()
     if args.table:

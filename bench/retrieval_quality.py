@@ -103,6 +103,18 @@ class Question:
     split: str  # "tune" or "test"
 
 
+def add_study_args(p: argparse.ArgumentParser, configs: str, out: str) -> None:
+    """The options the adapter and fine-tune studies share (``bench/retrieval_adapt.py``,
+    ``bench/retrieval_finetune.py``)."""
+    p.add_argument("--corpora", default="pydocs")
+    p.add_argument("--configs", default=configs)
+    p.add_argument("--modes", default="dense,ensemble")
+    p.add_argument("--show", default="tune", choices=["tune", "test", "all"])
+    p.add_argument("--cache", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=Path(out))
+    p.add_argument("--table", action="store_true", help="print --out as a Markdown table, exit")
+
+
 def split_table(path: Path, columns: dict[str, str], cells) -> str:
     """The ``"rows"`` of the JSON at ``path`` as a Markdown table: pydocs on its test half, the
     others on all questions (the split never used for a choice), tune-half R@5 alongside.
