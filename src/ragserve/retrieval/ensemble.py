@@ -230,6 +230,12 @@ class EnsembleMixin:
     _side: SideDense | None
     _side_synced: bool
 
+    def _apply_side(self, docs, side: np.ndarray | None, added, removed) -> None:
+        if side is None:  # not yet synced: the next `side_dense()` embeds what is missing
+            self._side_synced = False
+            return
+        self._side.apply(np.asarray(added, dtype=np.int64), side, removed)
+
     @property
     def ensemble_config(self) -> EnsembleConfig | None:
         """The ensemble recorded at build (`enable_ensemble`), or None."""

@@ -26,6 +26,7 @@ from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
+from ragserve.retrieval.passages import PASSAGE_HEADERS, PassageMixin, check_header, passage_text
 from ragserve.retrieval.rwlock import RWLock
 from ragserve.retrieval.tier_placement import AccessCounts
 from ragserve.retrieval.types import Document, ProbePlan, ScoredDocument, TopK
@@ -60,7 +61,7 @@ def auto_nlist(num_vectors: int) -> int:
     return max(1, min(int(4 * math.sqrt(num_vectors)), num_vectors // 39))
 
 
-class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin):
+class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
     """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2).
 
     Ids in `TopK` are Faiss row ids (int64, never reused); `get_documents` maps them back.
@@ -285,65 +286,6 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin):
     def vectors_of(self, row_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """(live row ids, their stored float32 vectors) among `row_ids`, by row id."""
         return self._store.vectors([int(r) for r in row_ids])
-
-    @property
-    def default_mode(self) -> str:
-        """The search mode of `search_text(mode=None)`: recorded at build (`metadata`), else
-        "dense"."""
-        return str(self.metadata.get("default_mode", "dense"))
-
-    @property
-    def passage_header(self) -> str:
-        """What embedded passages start with (`passage_text`): recorded at build, else "path"
-        (indexes built before the option embedded the heading path)."""
-        return str(self.metadata.get("passage_header", "path"))
-
-    def embed_text(self, doc: Document) -> str:
-        """The text this index embeds for `doc` (its `passage_header`)."""
-        return passage_text(doc, self.passage_header)
-
-    def _apply_side(self, docs, side: np.ndarray | None, added, removed) -> None:
-        if side is None:  # not yet synced: the next `side_dense()` embeds what is missing
-            self._side_synced = False
-            return
-        self._side.apply(np.asarray(added, dtype=np.int64), side, removed)
-
-    @property
-    def collapse_sections(self) -> bool:
-        """Whether `search_text(collapse_sections=None)` keeps one passage per section:
-        recorded at build (`metadata`), else True (also for indexes built before the switch)."""
-        return bool(self.metadata.get("collapse_sections", True))
-
-    @property
-    def has_sections(self) -> bool:
-        """Whether some passage shares a section with others (`collapse.section_key`); an
-        index without one (factbook, synthetic corpora) collapses nothing. Stays True after
-        the sectioned passages are deleted (collapsing them away is then a no-op)."""
-        if self._sectioned is None:
-            from ragserve.retrieval.collapse import SECTIONED_SQL
-
-            self._sectioned = self._store.any_where(SECTIONED_SQL)
-        return self._sectioned
-
-    def collapses(self, collapse_sections: bool | None) -> bool:
-        """Whether a search asking `collapse_sections` (None: the index's `collapse_sections`)
-        collapses: asked and `has_sections`. False means its results are the plain ranking."""
-        if collapse_sections is None:
-            collapse_sections = self.collapse_sections
-        elif not isinstance(collapse_sections, bool):
-            raise ValueError(f"collapse_sections must be a bool or None, got {collapse_sections!r}")
-        return collapse_sections and self.has_sections
-
-    def bm25(self) -> BM25Index:
-        """The BM25 side index; built from the stored passages on first use."""
-        from ragserve.retrieval.bm25 import BM25Index, passage_text
-
-        with self._write_mutex:
-            if self._bm25 is None:
-                rows = self._store.row_ids_where("1")
-                docs = self._store.get([int(r) for r in rows])
-                self._bm25 = BM25Index.from_texts(rows, [passage_text(d) for d in docs])
-            return self._bm25
 
     def documents_of(self, result: TopK) -> list[list[ScoredDocument]]:
         """Resolve a `TopK` into documents, dropping missing slots and deleted documents."""
@@ -620,24 +562,12 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin):
             self._writer_lock = None
 
 
-PASSAGE_HEADERS = ("path", "none")
-
-
-def check_header(header: str) -> str:
-    if header not in PASSAGE_HEADERS:
-        raise ValueError(
-            f"passage_header must be one of {', '.join(PASSAGE_HEADERS)}, got {header!r}"
-        )
-    return header
-
-
-def passage_text(doc: Document, header: str = "path") -> str:
-    """What the embedder sees of a passage: with header "path", its title (the heading path,
-    `"Tutorial > Data Structures > Sets"`) in front, `"<title>: <text>"`; with "none", the
-    text alone. The text shown to the LLM is always `doc.text`."""
-    if header == "path" and doc.title and not doc.text.startswith(doc.title):
-        return f"{doc.title}: {doc.text}"
-    return doc.text
-
-
+__all__ = [
+    "PASSAGE_HEADERS",
+    "IndexSpec",
+    "VectorIndex",
+    "auto_nlist",
+    "check_header",
+    "passage_text",
+]
 _passage_text = passage_text  # the name older callers import

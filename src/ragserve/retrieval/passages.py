@@ -1,0 +1,90 @@
+"""`VectorIndex`'s text side: what an embedded passage reads (`passage_text`, the recorded
+`passage_header`), the search modes recorded at build (`default_mode`, `collapse_sections`),
+section collapsing's check (`has_sections`) and the BM25 side index built on first use."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ragserve.retrieval.types import Document
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.bm25 import BM25Index
+
+
+class PassageMixin:
+    """The text side of `VectorIndex` (module doc); needs its `metadata`, `_store`,
+    `_write_mutex`, `_bm25` and `_sectioned`."""
+
+    @property
+    def default_mode(self) -> str:
+        """The search mode of `search_text(mode=None)`: recorded at build (`metadata`), else
+        "dense"."""
+        return str(self.metadata.get("default_mode", "dense"))
+
+    @property
+    def passage_header(self) -> str:
+        """What embedded passages start with (`passage_text`): recorded at build, else "path"
+        (indexes built before the option embedded the heading path)."""
+        return str(self.metadata.get("passage_header", "path"))
+
+    def embed_text(self, doc: Document) -> str:
+        """The text this index embeds for `doc` (its `passage_header`)."""
+        return passage_text(doc, self.passage_header)
+
+    @property
+    def collapse_sections(self) -> bool:
+        """Whether `search_text(collapse_sections=None)` keeps one passage per section:
+        recorded at build (`metadata`), else True (also for indexes built before the switch)."""
+        return bool(self.metadata.get("collapse_sections", True))
+
+    @property
+    def has_sections(self) -> bool:
+        """Whether some passage shares a section with others (`collapse.section_key`); an
+        index without one (factbook, synthetic corpora) collapses nothing. Stays True after
+        the sectioned passages are deleted (collapsing them away is then a no-op)."""
+        if self._sectioned is None:
+            from ragserve.retrieval.collapse import SECTIONED_SQL
+
+            self._sectioned = self._store.any_where(SECTIONED_SQL)
+        return self._sectioned
+
+    def collapses(self, collapse_sections: bool | None) -> bool:
+        """Whether a search asking `collapse_sections` (None: the index's `collapse_sections`)
+        collapses: asked and `has_sections`. False means its results are the plain ranking."""
+        if collapse_sections is None:
+            collapse_sections = self.collapse_sections
+        elif not isinstance(collapse_sections, bool):
+            raise ValueError(f"collapse_sections must be a bool or None, got {collapse_sections!r}")
+        return collapse_sections and self.has_sections
+
+    def bm25(self) -> BM25Index:
+        """The BM25 side index; built from the stored passages on first use."""
+        from ragserve.retrieval.bm25 import BM25Index, passage_text
+
+        with self._write_mutex:
+            if self._bm25 is None:
+                rows = self._store.row_ids_where("1")
+                docs = self._store.get([int(r) for r in rows])
+                self._bm25 = BM25Index.from_texts(rows, [passage_text(d) for d in docs])
+            return self._bm25
+
+
+PASSAGE_HEADERS = ("path", "none")
+
+
+def check_header(header: str) -> str:
+    if header not in PASSAGE_HEADERS:
+        raise ValueError(
+            f"passage_header must be one of {', '.join(PASSAGE_HEADERS)}, got {header!r}"
+        )
+    return header
+
+
+def passage_text(doc: Document, header: str = "path") -> str:
+    """What the embedder sees of a passage: with header "path", its title (the heading path,
+    `"Tutorial > Data Structures > Sets"`) in front, `"<title>: <text>"`; with "none", the
+    text alone. The text shown to the LLM is always `doc.text`."""
+    if header == "path" and doc.title and not doc.text.startswith(doc.title):
+        return f"{doc.title}: {doc.text}"
+    return doc.text
