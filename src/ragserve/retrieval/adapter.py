@@ -101,6 +101,17 @@ def pseudo_pairs(
     return pairs
 
 
+def in_batch_loss(logits, owners):
+    """Cross-entropy of each row's own column (``logits[i, i]``) against the batch's others;
+    columns of the same owner as the row (another pair of its passage) are masked out, not
+    negatives. ``logits`` ``[b, b]``, ``owners`` ``[b]`` (torch tensors)."""
+    import torch
+
+    same = owners[:, None] == owners[None, :]
+    logits = logits.masked_fill(same & ~torch.eye(len(owners), dtype=torch.bool), -1e9)
+    return torch.nn.functional.cross_entropy(logits, torch.arange(len(owners)))
+
+
 def train_query_map(
     queries: np.ndarray,
     passages: np.ndarray,
@@ -135,10 +146,7 @@ def train_query_map(
             if len(batch) < 2:
                 continue
             mapped = torch.nn.functional.normalize(qt[batch] @ w.T, dim=1)
-            logits = mapped @ pt[tt[batch]].T / config.temperature
-            same = ot[batch][:, None] == ot[batch][None, :]
-            logits = logits.masked_fill(same & ~torch.eye(len(batch), dtype=torch.bool), -1e9)
-            loss = torch.nn.functional.cross_entropy(logits, torch.arange(len(batch)))
+            loss = in_batch_loss(mapped @ pt[tt[batch]].T / config.temperature, ot[batch])
             loss = loss + config.reg * ((w - eye) ** 2).sum()
             opt.zero_grad()
             loss.backward()

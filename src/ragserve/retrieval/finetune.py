@@ -51,7 +51,7 @@ def finetune_embedder(
     itself is unchanged. Returns (the copy, the number of pairs)."""
     import torch
 
-    from ragserve.retrieval.adapter import pseudo_pairs
+    from ragserve.retrieval.adapter import in_batch_loss, pseudo_pairs
 
     if not hasattr(embedder, "model") or embedder.passage_prefix or embedder.query_prefix:
         raise ValueError("finetuning needs a Hugging Face embedder without query prefixes")
@@ -73,10 +73,7 @@ def finetune_embedder(
                     continue
                 q = _embed(tuned, [pairs[i].query for i in idx])
                 p = _embed(tuned, [pairs[i].held_out_text for i in idx])
-                logits = q @ p.T / TEMPERATURE
-                same = owners[idx][:, None] == owners[idx][None, :]
-                logits = logits.masked_fill(same & ~torch.eye(len(idx), dtype=torch.bool), -1e9)
-                loss = torch.nn.functional.cross_entropy(logits, torch.arange(len(idx)))
+                loss = in_batch_loss(q @ p.T / TEMPERATURE, owners[idx])
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
