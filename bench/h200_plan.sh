@@ -25,13 +25,16 @@
 #                                          1/32/256): ragserve's scan on 14 threads and on one
 #                                          (stepwise.set_scan_threads), Faiss's own
 #                                          index.search beside them (<= 270 s)
+#   bash bench/h200_plan.sh 7   overflow_stream  issue 10's overflow run (call 3) again with
+#                                          the CPU scan on 14 threads: CPU-only, tier and
+#                                          stream rates re-bracketed (<= 325 s)
 # Carry: .whl (calls 1-3, 5, 6), .gpurun and .bench_before (call 1); call 4 needs none.
 # Env: CALL_S (the call's budget, default 565), TWIN=cpu (the CPU twin: the same parts on
 # tiny CPU configurations, to check this script, not to measure).
 set -uo pipefail
 CALL=${1:-}
 : "${OUT:?OUT must name the folder results are written to}"
-CALL_S=${CALL_S:-$(case $CALL in 3) echo 330 ;; 5 | 6) echo 300 ;; *) echo 565 ;; esac)}
+CALL_S=${CALL_S:-$(case $CALL in 3 | 7) echo 330 ;; 5 | 6) echo 300 ;; *) echo 565 ;; esac)}
 START=$SECONDS
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -144,10 +147,20 @@ case $CALL in
     part cpu_scan 270 env OMP_NUM_THREADS=14 bash -c "cpu_scan $CS_ARGS"
     summary cpu_scan
     ;;
+7)  # call 3's corpus and tier again, the CPU scan on its 14 threads (the default since
+    # 2026-12-01): every rate moves, so brackets are set from call 6's CPU-only figures
+    # (93.7 q/s at batch 32: CPU-only 50..100, the tier's CPU side ~41 % of the probes:
+    # 120..240, the stream 160..320), widened by find_capacity's expand when they miss
+    OV_ARGS=${ARGS:-"--num-docs 20000000 --dim 768 --nlist 16384 --topics 65536 --nprobe 256 \
+--budget-gb 24 --rate-points 5 --cpu-rate 50 100 --tier-rate 120 240 --stream-rate 160 320"}
+    part overflow_stream 325 env GPU_TESTS=0 LIMIT=312 ARGS="$OV_ARGS" \
+        bash bench/h200_overflow_stream_run.sh
+    summary overflow_stream
+    ;;
 4)
     part kv_capacity 268 env PRESET="${PRESET_KV:-h200-llama8b-tiers}" \
         bash bench/h200_kv_tiers_run.sh capacity
     summary kv_capacity
     ;;
-*) echo "usage: $0 1|2|3|4|5|6 (OUT=<folder>)" >&2; exit 2 ;;
+*) echo "usage: $0 1|2|3|4|5|6|7 (OUT=<folder>)" >&2; exit 2 ;;
 esac
