@@ -400,6 +400,13 @@ def main(argv: list[str] | None = None) -> int:
         "explicit brackets, tier's and stream's come from the rates measured before them)",
     )
     ap.add_argument(
+        "--rate-placement",
+        choices=["plan", "fill"],
+        default="plan",
+        help="the tier's lists in the rate phases: Algorithm 1's plan, or the budget filled "
+        "hottest-first",
+    )
+    ap.add_argument(
         "--skip",
         nargs="*",
         default=[],
@@ -588,13 +595,26 @@ def main(argv: list[str] | None = None) -> int:
         if "stream" not in args.skip:
             stream_latency(batch, check, ref)
 
-    def place_streamed() -> Any:
-        """The plan's tier with streaming on and its cost model calibrated (once: the same
-        placement reuses it); the model."""
+    def rate_clusters() -> list[int]:
+        """The tier's lists in the rate phases: the plan's (Algorithm 1 at ``--llm-rate``), or
+        with ``--rate-placement fill`` the hottest lists that fill the budget at the tier's
+        chunk prices (a plan that needs no tier at the LLM's rate still has a budget to use)."""
+        if args.rate_placement == "plan":
+            return list(st["plan"].cluster_ids)
+        from ragserve.retrieval.partition import fill_budget
+
+        got = fill_budget(st["counts"], st["cbytes"], st["budget"])
+        res.doc["rate_placement"] = {"mode": "fill", "num_clusters": len(got.cluster_ids)}
+        return [int(c) for c in got.cluster_ids]
+
+    def place_streamed(clusters: list[int] | None = None) -> Any:
+        """The plan's tier (or ``clusters``) with streaming on and its cost model calibrated
+        (once: the same placement reuses it); the model."""
         from ragserve.retrieval.cold_stream import StreamConfig
 
         stream = StreamConfig(mode="on", host_budget_bytes=int(args.stream_host_gb * 1e9))
-        clusters = list(st["plan"].cluster_ids)
+        if clusters is None:
+            clusters = list(st["plan"].cluster_ids)
         st["index"].set_gpu_tier(st["budget"], device=device, clusters=clusters, stream_cold=stream)
         if st.get("stream_cost") is not None:
             st["index"].gpu_tier.streamer.model = st["stream_cost"]
@@ -716,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def tier_rate() -> None:
         index = st["index"]
-        clusters = list(st["plan"].cluster_ids)
+        clusters = rate_clusters()
         index.set_gpu_tier(st["budget"], device=device, clusters=clusters, stream_cold="off")
         cpu = res.doc.get("slo_rate_cpu", {}).get("capacity_qps")
         lo, hi = args.tier_rate or ((cpu or 1.0) * 1.5, (cpu or 1.0) * 8.0)
@@ -735,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def stream_rate() -> None:
         index = st["index"]
-        place_streamed()
+        place_streamed(rate_clusters())
         cpu = res.doc.get("slo_rate_cpu", {}).get("capacity_qps")
         tier = res.doc.get("slo_rate_tier", {}).get("capacity_qps")
         base = tier or (cpu or 1.0) * 2.0
