@@ -25,6 +25,10 @@ MAX_GROUP_SCORES = 1 << 26  # (query, row) scores of one bmm group or dense slab
 MAX_GROUP_BYTES = 1 << 29  # vector bytes gathered for one bmm group
 BUCKET_BOUNDS = 1 << np.arange(31, dtype=np.int64)  # bucket b: (2^(b-1), 2^b] queries per list
 NUM_BUCKETS = len(BUCKET_BOUNDS)
+FUSED_BLOCK_N = 64  # chunk rows per fused-kernel program
+FUSED_BLOCK_D = 32  # vector components per step of its loop
+FMA_MAX_QUERIES = 4  # runs of at most this many queries skip tl.dot (no padding to 16)
+DOT_MAX_BLOCK_M = 64  # query slots per tl.dot block
 
 
 class Pool(NamedTuple):
@@ -97,7 +101,7 @@ def grouped_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k:
     dev, size = qd.device, pool.vectors.shape[1]
     width, kk = plan.width, min(k, size)
     dump = n * width  # candidate block of padding slots
-    qslot, dslot, run_chunk = _slots(torch, pool, lc, plan, dump)
+    qslot, dslot, run_chunk, _ = _slots(torch, pool, lc, plan, dump)
     keys = torch.full(((dump + 1) * kk,), -np.inf, device=dev)
     ids = torch.full(((dump + 1) * kk,), -1, dtype=torch.int64, device=dev)
     ar = torch.arange(kk, device=dev)
@@ -116,14 +120,17 @@ def grouped_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k:
     return canonical_topk(torch, keys, ids, k, pool.is_l2)
 
 
-def _slots(torch: Any, pool: Pool, lc: Any, plan: GroupedPlan, dump: int) -> tuple[Any, Any, Any]:
+def _slots(
+    torch: Any, pool: Pool, lc: Any, plan: GroupedPlan, dump: int
+) -> tuple[Any, Any, Any, Any]:
     """The grouped scan's index arrays, built on the device::
 
         runs (distinct chunks) sorted by (bucket, chunk)   run r of bucket b:
         slots of bucket b: [run][query 0 .. mpad_b)         slot_offsets[b] + r * mpad_b + rank
 
     ``qslot``: query row per slot (padding: row 0); ``dslot``: candidate block per slot
-    (padding: ``dump``); ``run_chunk``: chunk per run."""
+    (padding: ``dump``); ``run_chunk``: chunk per run; ``dest_chunk``: chunk per candidate
+    block (``[dump]``; blocks no pair fills: chunk 0)."""
     n, w = lc.shape
     dev, num_chunks = lc.device, pool.vectors.shape[0]
     pair, chunk, dest = _pairs(torch, pool, lc, plan.num_pairs, plan.width)
@@ -148,7 +155,9 @@ def _slots(torch: Any, pool: Pool, lc: Any, plan: GroupedPlan, dump: int) -> tup
     dslot[slot] = dest[order]
     run_chunk = torch.zeros(plan.num_runs, dtype=torch.int64, device=dev)
     run_chunk[run] = chunk[order]
-    return qslot, dslot, run_chunk
+    dest_chunk = torch.zeros(dump, dtype=torch.int64, device=dev)
+    dest_chunk[dest] = chunk
+    return qslot, dslot, run_chunk, dest_chunk
 
 
 def _pairs(torch: Any, pool: Pool, lc: Any, num_pairs: int, width: int) -> tuple[Any, Any, Any]:
@@ -166,6 +175,71 @@ def _pairs(torch: Any, pool: Pool, lc: Any, num_pairs: int, width: int) -> tuple
     row = pair // w
     dest = row * width + pos - (torch.cumsum(per_row, 0) - per_row)[row]
     return pair, chunk, dest
+
+
+def fused_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k: int):
+    """Top-k keys and ids ``[n, k]`` of the resident probes ``lc`` for ``qd``: the grouped
+    layout (``_slots``), each run's chunk read in place by ``tier_kernels.chunk_scan_kernel``
+    (one launch per bucket), every (query, chunk) slot's ``S`` keys written to its candidate
+    block, then a top-``kk`` per block and the canonical merge (module doc)."""
+    kernel = fused_kernel(qd.device)
+    n = lc.shape[0]
+    dev, (_, size, dim) = qd.device, pool.vectors.shape
+    width, kk = plan.width, min(k, size)
+    dump = n * width
+    qslot, dslot, run_chunk, dest_chunk = _slots(torch, pool, lc, plan, dump)
+    out = torch.full((dump, size), -np.inf, device=dev)
+    precision = "ieee" if pool.vectors.dtype == torch.float32 else "tf32"  # NOTE: fp32 only
+    for b in np.flatnonzero(plan.runs):
+        mp, runs = int(plan.mpad[b]), int(plan.runs[b])
+        block_m, use_dot = fused_block_m(mp)
+        grid = (runs, -(-size // FUSED_BLOCK_N), -(-mp // block_m))
+        kernel[grid](
+            qd, pool.vectors, pool.bias, qslot, dslot, run_chunk, out,
+            int(plan.run_offsets[b]), int(plan.slot_offsets[b]), mp, dump,
+            2.0 if pool.is_l2 else 1.0,
+            DIM=dim, S=size, BLOCK_M=block_m, BLOCK_N=FUSED_BLOCK_N, BLOCK_D=FUSED_BLOCK_D,
+            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=4,
+        )  # fmt: skip
+    vals, at = out.topk(kk, dim=1)
+    ids = pool.ids.view(-1)[dest_chunk[:, None] * size + at]
+    return canonical_topk(torch, vals.view(n, width * kk), ids.view(n, width * kk), k, pool.is_l2)
+
+
+def fused_block_m(num_queries: int) -> tuple[int, bool]:
+    """The fused kernel's query block for runs of ``num_queries`` slots, and whether it uses
+    ``tl.dot``: runs of at most ``FMA_MAX_QUERIES`` take the FMA path at their own (power of
+    two) size, larger ones ``tl.dot`` blocks of 16 to ``DOT_MAX_BLOCK_M`` slots."""
+    pow2 = 1 << max(0, int(num_queries) - 1).bit_length()
+    if num_queries <= FMA_MAX_QUERIES:
+        return pow2, False
+    return min(DOT_MAX_BLOCK_M, max(16, pow2)), True
+
+
+def fused_available(device: Any) -> bool:
+    """Whether the fused scan can run on ``device``: Triton installed and a CUDA device, or
+    Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported) on CPU."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return True
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def fused_kernel(device: Any) -> Any:
+    if not fused_available(device):
+        raise ValueError(
+            "scan='fused' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+        )
+    from ragserve.retrieval.tier_kernels import chunk_scan_kernel
+
+    return chunk_scan_kernel
 
 
 def _groups(plan: GroupedPlan, pool: Pool, size: int):
