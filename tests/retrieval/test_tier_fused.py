@@ -129,13 +129,32 @@ def _position_independent_dot() -> None:
     interp.InterpreterBuilder.create_dot = create_dot
 
 
+def check_swaps(metric: str, device: str, rounds: int) -> None:
+    """Searches while lists are loaded, evicted and their chunks reused: never a stale row."""
+    import test_gpu_tier as g
+
+    from ragserve.retrieval.tier_placement import PlacementConfig
+
+    index, q = g.make_index(metric)
+    config = PlacementConfig(update_every=1, max_swap_bytes=4096)
+    index.access_counts.observe(np.repeat(index.assign(q, g.NPROBE).cluster_ids, 50, 0))
+    tier = index.set_gpu_tier(g.tier_bytes(index, 12), device=device, placement=config,
+                              scan="fused")  # fmt: skip
+    g.search_during_churn(index, q, g.oracle(index, q), rounds=rounds)
+    assert tier.scan_counts["fused"] > 0
+    tier.wait_idle()
+    tier.check_integrity()
+    index.close()
+
+
 def interpreter_checks() -> None:
     """Run in a subprocess with TRITON_INTERPRET=1."""
     _position_independent_dot()
+    check_float32("ip", 24, "cpu")  # NOTE: each metric at one dim: the interpreter is slow
+    check_float32("l2", 64, "cpu")
     for metric in ("ip", "l2"):
-        for dim in (24, 64):
-            check_float32(metric, dim, "cpu")
         check_half(metric, "float16", "cpu")
+    check_swaps("l2", "cpu", rounds=6)
 
 
 def test_interpreter_matches_faiss() -> None:
@@ -180,6 +199,11 @@ def test_fused_on_cpu_without_interpreter_is_refused() -> None:
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_cuda_fused_matches_faiss(metric: str, dim: int) -> None:
     check_float32(metric, dim, "cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_fused_during_swaps() -> None:
+    check_swaps("ip", "cuda", rounds=20)
 
 
 @pytest.mark.gpu

@@ -48,6 +48,7 @@ from ragserve.retrieval.tier_scan import (
     dense_scan,
     fused_available,
     fused_scan,
+    fused_warm_up,
     grouped_scan,
     plan_grouped,
     upload,
@@ -531,6 +532,9 @@ class GpuTier:
         if not len(resident):
             return None
         self._tried_calibration = True
+        if "fused" in self.strategies:
+            with self._lock:
+                fused_warm_up(self._torch, self._pool)
         rng = np.random.default_rng(seed)
         samples = []
         for n, share in points:

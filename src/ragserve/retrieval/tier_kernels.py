@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# NOTE: the launch's integers are not specialized (== 1, % 16), so that each block size
+# compiles once (``tier_scan.fused_warm_up``) whatever the batch's offsets and padding
+@triton.jit(do_not_specialize=["run0", "slot0", "mpad", "dump"])
 def chunk_scan_kernel(
     q_ptr,
     x_ptr,

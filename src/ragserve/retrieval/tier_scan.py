@@ -9,6 +9,10 @@ is better) and ids of the resident lists it probed, as tensors on the pool's dev
 - ``dense``: one matmul of the batch against every row of the pool's span (a view: no copy),
   in slabs of chunks; rows of lists a query did not probe are masked to ``-inf`` before each
   slab's top-k. Reads every resident row, probed or not.
+- ``fused``: grouped's layout, but a Triton kernel (``tier_kernels``; CUDA, or Triton's
+  interpreter on CPU) reads each probed chunk once, in place, and scores it against every
+  query probing it; each (query, chunk) slot's keys go to its candidate block, then a top-k
+  per block. No gather copy, no padding of small runs to 16 queries, one launch per bucket.
 
 The host computes only counts (the grouped scan's shapes: pairs, row width, chunks and query
 padding per bucket) from the probe ids it already holds; the pairs, their sort by chunk and the
@@ -204,6 +208,24 @@ def fused_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k: i
     vals, at = out.topk(kk, dim=1)
     ids = pool.ids.view(-1)[dest_chunk[:, None] * size + at]
     return canonical_topk(torch, vals.view(n, width * kk), ids.view(n, width * kk), k, pool.is_l2)
+
+
+def fused_warm_up(torch: Any, pool: Pool) -> None:
+    """Compile every variant of the fused kernel for this pool (one per query block size of
+    ``fused_block_m``) with launches that store nothing, so that no scan waits for Triton."""
+    kernel = fused_kernel(pool.vectors.device)
+    dev, (_, size, dim) = pool.vectors.device, pool.vectors.shape
+    qd = torch.zeros((1, dim), dtype=pool.vectors.dtype, device=dev)
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    out = torch.empty((1, size), device=dev)
+    precision = "ieee" if pool.vectors.dtype == torch.float32 else "tf32"
+    sizes = {fused_block_m(m) for m in range(1, 2 * DOT_MAX_BLOCK_M + 1)}
+    for block_m, use_dot in sorted(sizes):
+        kernel[(1, 1, 1)](
+            qd, pool.vectors, pool.bias, zero, zero, zero, out, 0, 0, 1, 0, 1.0,
+            DIM=dim, S=size, BLOCK_M=block_m, BLOCK_N=FUSED_BLOCK_N, BLOCK_D=FUSED_BLOCK_D,
+            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=4,
+        )  # fmt: skip
 
 
 def fused_block_m(num_queries: int) -> tuple[int, bool]:
