@@ -147,6 +147,25 @@ def check_swaps(metric: str, device: str, rounds: int) -> None:
     index.close()
 
 
+def check_slices(device: str) -> None:
+    """A batch cut into slices of one query (``MAX_FUSED_SCORES`` lowered), some of them with
+    no resident probe, equals Faiss."""
+    from ragserve.retrieval import tier_scan
+
+    index, q = make_index("ip", 24)
+    partial = np.random.default_rng(1).choice(NLIST, 9, replace=False)
+    tier = index.set_gpu_tier(BIG, device=device, clusters=partial, scan="fused")
+    before = tier_scan.MAX_FUSED_SCORES
+    tier_scan.MAX_FUSED_SCORES = 1
+    try:
+        for nprobe in (1, NPROBE):
+            assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
+    finally:
+        tier_scan.MAX_FUSED_SCORES = before
+    assert tier.scan_counts["fused"] == 2
+    index.close()
+
+
 def interpreter_checks() -> None:
     """Run in a subprocess with TRITON_INTERPRET=1."""
     _position_independent_dot()
@@ -155,6 +174,7 @@ def interpreter_checks() -> None:
     for metric in ("ip", "l2"):
         check_half(metric, "float16", "cpu")
     check_swaps("l2", "cpu", rounds=6)
+    check_slices("cpu")
 
 
 def test_interpreter_matches_faiss() -> None:
@@ -170,10 +190,10 @@ def test_interpreter_matches_faiss() -> None:
 
 def test_block_choice() -> None:
     """FMA blocks at the run's own size up to ``FMA_MAX_QUERIES``, tl.dot blocks of 16-64."""
-    assert [fused_block_m(m) for m in (1, 2, 3, 4)] == [(1, False), (2, False), (4, False),
-                                                         (4, False)]  # fmt: skip
+    assert [fused_block_m(m)[:2] for m in (1, 2, 3, 4)] == [(1, False), (2, False), (4, False),
+                                                             (4, False)]  # fmt: skip
     assert FMA_MAX_QUERIES == 4
-    assert [fused_block_m(m) for m in (5, 16, 17, 64, 1000)] == [
+    assert [fused_block_m(m)[:2] for m in (5, 16, 17, 64, 1000)] == [
         (16, True), (16, True), (32, True), (64, True), (64, True)
     ]  # fmt: skip
 
@@ -202,8 +222,9 @@ def test_cuda_fused_matches_faiss(metric: str, dim: int) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_fused_during_swaps() -> None:
+def test_cuda_fused_during_swaps_and_in_slices() -> None:
     check_swaps("ip", "cuda", rounds=20)
+    check_slices("cuda")
 
 
 @pytest.mark.gpu

@@ -48,6 +48,7 @@ from ragserve.retrieval.tier_scan import (
     dense_scan,
     fused_available,
     fused_scan,
+    fused_slices,
     fused_warm_up,
     grouped_scan,
     plan_grouped,
@@ -508,7 +509,12 @@ class GpuTier:
         if strategy == "dense":
             keys, ids = dense_scan(torch, pool, qd, lcd, k)
         elif strategy == "fused":
-            keys, ids = fused_scan(torch, pool, qd, lcd, plan, k)
+            parts = [
+                fused_scan(torch, pool, qd[a:b], lcd[a:b], part, k)
+                for a, b, part in fused_slices(lc, self._counts_ext, plan, self.chunk_size)
+            ]
+            keys = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+            ids = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         else:
             keys, ids = grouped_scan(torch, pool, qd, lcd, plan, k)
         self._scan_counts[strategy] += 1

@@ -59,17 +59,26 @@ def chunk_scan_kernel(
     n_ok = n < S
     x_rows = x_ptr + (chunk * S + n) * DIM
     q_rows = q_ptr + qrow * DIM
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for d0 in range(0, DIM, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = d < DIM
-        q = tl.load(q_rows[:, None] + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
-        x = tl.load(x_rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if USE_DOT:
-            acc += tl.dot(q, tl.trans(x), input_precision=DOT_PRECISION)
-        else:
-            prod = q.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for d0 in range(0, DIM, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            q_ok = live[:, None] & (d < DIM)[None, :]
+            q = tl.load(q_rows[:, None] + d[None, :], mask=q_ok, other=0.0)
+            x_ok = n_ok[:, None] & (d < DIM)[None, :]
+            x = tl.load(x_rows[:, None] + d[None, :], mask=x_ok, other=0.0)
+            acc = tl.dot(q, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    else:
+        # NOTE: products summed per lane across the steps, reduced across lanes once at the end
+        part = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_D], tl.float32)
+        for d0 in range(0, DIM, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            q_ok = live[:, None] & (d < DIM)[None, :]
+            q = tl.load(q_rows[:, None] + d[None, :], mask=q_ok, other=0.0)
+            x_ok = n_ok[:, None] & (d < DIM)[None, :]
+            x = tl.load(x_rows[:, None] + d[None, :], mask=x_ok, other=0.0)
+            part += q.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+        acc = tl.sum(part, axis=2)
     bias = tl.load(bias_ptr + chunk * S + n, mask=n_ok, other=float("-inf"))
     keys = acc * scale + bias[None, :]
     out = out_ptr + dst[:, None] * S + n[None, :]

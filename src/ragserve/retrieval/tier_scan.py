@@ -27,6 +27,7 @@ import numpy as np
 
 MAX_GROUP_SCORES = 1 << 26  # (query, row) scores of one bmm group or dense slab
 MAX_GROUP_BYTES = 1 << 29  # vector bytes gathered for one bmm group
+MAX_FUSED_SCORES = 1 << 28  # keys the fused scan writes for one slice of the batch (1 GiB)
 BUCKET_BOUNDS = 1 << np.arange(31, dtype=np.int64)  # bucket b: (2^(b-1), 2^b] queries per list
 NUM_BUCKETS = len(BUCKET_BOUNDS)
 FUSED_BLOCK_N = 64  # chunk rows per fused-kernel program
@@ -196,14 +197,14 @@ def fused_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k: i
     precision = "ieee" if pool.vectors.dtype == torch.float32 else "tf32"  # NOTE: fp32 only
     for b in np.flatnonzero(plan.runs):
         mp, runs = int(plan.mpad[b]), int(plan.runs[b])
-        block_m, use_dot = fused_block_m(mp)
+        block_m, use_dot, num_warps = fused_block_m(mp)
         grid = (runs, -(-size // FUSED_BLOCK_N), -(-mp // block_m))
         kernel[grid](
             qd, pool.vectors, pool.bias, qslot, dslot, run_chunk, out,
             int(plan.run_offsets[b]), int(plan.slot_offsets[b]), mp, dump,
             2.0 if pool.is_l2 else 1.0,
             DIM=dim, S=size, BLOCK_M=block_m, BLOCK_N=FUSED_BLOCK_N, BLOCK_D=FUSED_BLOCK_D,
-            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=4,
+            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=num_warps,
         )  # fmt: skip
     vals, at = out.topk(kk, dim=1)
     ids = pool.ids.view(-1)[dest_chunk[:, None] * size + at]
@@ -220,22 +221,36 @@ def fused_warm_up(torch: Any, pool: Pool) -> None:
     out = torch.empty((1, size), device=dev)
     precision = "ieee" if pool.vectors.dtype == torch.float32 else "tf32"
     sizes = {fused_block_m(m) for m in range(1, 2 * DOT_MAX_BLOCK_M + 1)}
-    for block_m, use_dot in sorted(sizes):
+    for block_m, use_dot, num_warps in sorted(sizes):
         kernel[(1, 1, 1)](
             qd, pool.vectors, pool.bias, zero, zero, zero, out, 0, 0, 1, 0, 1.0,
             DIM=dim, S=size, BLOCK_M=block_m, BLOCK_N=FUSED_BLOCK_N, BLOCK_D=FUSED_BLOCK_D,
-            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=4,
+            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=num_warps,
         )  # fmt: skip
 
 
-def fused_block_m(num_queries: int) -> tuple[int, bool]:
-    """The fused kernel's query block for runs of ``num_queries`` slots, and whether it uses
-    ``tl.dot``: runs of at most ``FMA_MAX_QUERIES`` take the FMA path at their own (power of
-    two) size, larger ones ``tl.dot`` blocks of 16 to ``DOT_MAX_BLOCK_M`` slots."""
+def fused_block_m(num_queries: int) -> tuple[int, bool, int]:
+    """The fused kernel's query block for runs of ``num_queries`` slots, whether it uses
+    ``tl.dot``, and its warps: runs of at most ``FMA_MAX_QUERIES`` take the FMA path at their
+    own (power of two) size, larger ones ``tl.dot`` blocks of 16 to ``DOT_MAX_BLOCK_M`` slots.
+    NOTE: 8 warps from 4 query rows up keep every variant at <= 158 registers and unspilled
+    on sm_90 (ptxas -v; 4 warps: 128-255 with spills), so more programs share an SM."""
     pow2 = 1 << max(0, int(num_queries) - 1).bit_length()
     if num_queries <= FMA_MAX_QUERIES:
-        return pow2, False
-    return min(DOT_MAX_BLOCK_M, max(16, pow2)), True
+        return pow2, False, 8 if pow2 >= 4 else 4
+    return min(DOT_MAX_BLOCK_M, max(16, pow2)), True, 8
+
+
+def fused_slices(lc: np.ndarray, counts: np.ndarray, plan: GroupedPlan, size: int):
+    """``(first row, end row, plan)`` of each slice of the batch ``lc`` that the fused scan
+    runs apart, so that none writes more than ``MAX_FUSED_SCORES`` keys (one slice: the whole
+    batch and ``plan``)."""
+    n = len(lc)
+    rows = max(1, MAX_FUSED_SCORES // max(1, plan.width * size))
+    if rows >= n:
+        return [(0, n, plan)]
+    starts = range(0, n, rows)
+    return [(a, min(n, a + rows), plan_grouped(lc[a : a + rows], counts)) for a in starts]
 
 
 def fused_available(device: Any) -> bool:
