@@ -5,7 +5,7 @@ to CPU-only Faiss and exhaustive GPU search (the ceiling), on a synthetic Zipf-s
         --nprobe 128 256 512 --coverage 0 5 10 20 50 100 --out bench/results/gpu_tier_h200.json
 
     python bench/bench_gpu_tier.py ... --coverage 100 50 --batch 1 32 256 \
-        --scan grouped dense auto --check-queries 64     # the scan strategies side by side
+        --scan grouped dense fused auto --check-queries 64   # the scan strategies side by side
         [--assign faiss tier]   # and index.search's coarse assignment: Faiss (CPU) vs the tier
 
     OMP_NUM_THREADS=14 python bench/bench_gpu_tier.py ... --nprobe 256 --batch 1 32 256 \
@@ -192,6 +192,8 @@ def compare_scans(
             calibrate_seconds=time.perf_counter() - t0,
             dense=model.dense if model else None,
             grouped=model.grouped if model else None,
+            fused=model.fused if model else None,
+            strategies=list(tier.strategies),
         )
         for nprobe in args.nprobe:
             for scan in args.scan:
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--scan",
         nargs="+",
-        choices=["grouped", "dense", "auto"],
+        choices=["grouped", "dense", "fused", "auto"],
         default=None,
         help="compare these tier scan strategies (coverage x nprobe x batch) instead of the sweep",
     )

@@ -252,7 +252,7 @@ def test_bad_scan_is_refused() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("scan", [*SCANS, "fused"])
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_cuda_strategies_equal_faiss(metric: str, scan: str) -> None:
     index, q = make_index(metric)

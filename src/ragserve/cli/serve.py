@@ -84,8 +84,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tier.add_argument(
         "--gpu-index-scan",
         default="auto",
-        choices=("auto", "grouped", "dense"),
-        help="tier scan strategy (auto: a cost model calibrated on the tier picks per batch)",
+        choices=("auto", "grouped", "dense", "fused"),
+        help="tier scan strategy (auto: a cost model calibrated on the tier picks per batch; "
+        "fused: the Triton kernel, CUDA)",
     )
     tier.add_argument(
         "--gpu-index-stream",

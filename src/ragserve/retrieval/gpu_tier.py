@@ -9,14 +9,17 @@ Resident lists live in one pool of fixed-size chunks (``S = chunk_size`` rows)::
 
 The pool is one contiguous ``[num_chunks * S, dim]`` block of rows; ``chunk_list`` (on the
 device) maps each chunk to its resident list (or to none), so a scan may read it in place.
-``scan`` picks per batch between two strategies (``tier_scan``): *grouped* gathers the probed
+``scan`` picks per batch between strategies (``tier_scan``): *grouped* gathers the probed
 chunks and scores each with the queries probing it in one ``bmm`` per group; *dense* scores
-every resident row with one matmul per slab and masks rows of unprobed lists to ``-inf``. Both
+every resident row with one matmul per slab and masks rows of unprobed lists to ``-inf``;
+*fused* (Triton, CUDA; ``tier_kernels``) reads each probed chunk once in place and scores it
+with all the queries probing it in one kernel launch per bucket. All
 use ``key = a * q.x + bias`` (IP: ``a = 1``, bias 0; L2: ``a = 2``, ``bias = -|x|^2``, and the
 distance is ``|q|^2 - key``) and return each query's canonical top-k of its candidates
 (better score first, equal scores by id as Faiss's heaps order them), which `stepwise.merge`
 combines with the CPU-scanned lists. ``scan="auto"`` chooses by a cost model calibrated on the
-tier itself (``tier_scan_model``); ``"grouped"``/``"dense"`` force one.
+tier itself (``tier_scan_model``), among grouped, dense and (CUDA with Triton) fused;
+``"grouped"``/``"dense"``/``"fused"`` force one.
 
 Swaps: ``begin_load`` copies a list into free chunks on a side CUDA stream; the list becomes
 resident (scanned here) only once that copy has completed (``poll``); until then, and after
@@ -43,6 +46,10 @@ from ragserve.retrieval.tier_scan import (
     GroupedPlan,
     Pool,
     dense_scan,
+    fused_available,
+    fused_scan,
+    fused_slices,
+    fused_warm_up,
     grouped_scan,
     plan_grouped,
     upload,
@@ -115,7 +122,8 @@ class GpuTier:
     """Resident IVF lists on ``device`` within ``budget_bytes`` (see module doc).
 
     Public state: ``clusters`` (resident now, sorted), ``loading`` (in transit), ``num_bytes``
-    (device bytes allocated), ``budget_bytes``, ``device``, ``dtype``, ``hit_rate`` (decayed
+    (device bytes allocated), ``budget_bytes``, ``device``, ``dtype``, ``strategies`` (the scans
+    ``auto`` chooses among: fused only on CUDA with Triton), ``hit_rate`` (decayed
     share of probes served here), ``streamer`` (the ``cold_stream.ColdStreamer`` that scans
     non-resident lists here too, or None; ``stream`` config), ``assigner`` (the
     ``tier_assign.DeviceAssigner`` that ``index.search`` assigns with, or None: Faiss),
@@ -154,6 +162,13 @@ class GpuTier:
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available (use device='cpu')")
+        # NOTE: auto considers fused on CUDA only (the interpreter runs it on CPU when asked)
+        can_fuse = fused_available(dev)
+        self.strategies = tuple(
+            s for s in STRATEGIES if s != "fused" or (can_fuse and dev.type == "cuda")
+        )
+        self._can_fuse = can_fuse
+        _check_fused(scan, can_fuse)
         self._torch = torch
         self.device = str(dev)
         self.dtype = dtype
@@ -413,13 +428,15 @@ class GpuTier:
 
     @property
     def scan_strategy(self) -> str:
-        """``"auto"`` (the cost model picks per batch), ``"grouped"`` or ``"dense"``."""
+        """``"auto"`` (the cost model picks per batch), ``"grouped"``, ``"dense"`` or
+        ``"fused"``."""
         return self._scan
 
     def set_scan(self, strategy: str) -> None:
         """Switch the scan strategy (any time; every strategy returns the same results)."""
         if strategy not in SCANS:
             raise ValueError(f"scan must be one of {SCANS}, got {strategy!r}")
+        _check_fused(strategy, self._can_fuse)
         self._scan = strategy
 
     @property
@@ -491,6 +508,13 @@ class GpuTier:
         pool = self._pool if span is None else self._pool._replace(span=span)
         if strategy == "dense":
             keys, ids = dense_scan(torch, pool, qd, lcd, k)
+        elif strategy == "fused":
+            parts = [
+                fused_scan(torch, pool, qd[a:b], lcd[a:b], part, k)
+                for a, b, part in fused_slices(lc, self._counts_ext, plan, self.chunk_size)
+            ]
+            keys = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+            ids = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         else:
             keys, ids = grouped_scan(torch, pool, qd, lcd, plan, k)
         self._scan_counts[strategy] += 1
@@ -514,6 +538,9 @@ class GpuTier:
         if not len(resident):
             return None
         self._tried_calibration = True
+        if "fused" in self.strategies:
+            with self._lock:
+                fused_warm_up(self._torch, self._pool)
         rng = np.random.default_rng(seed)
         samples = []
         for n, share in points:
@@ -521,7 +548,7 @@ class GpuTier:
             q = rng.standard_normal((n, self.dim)).astype(np.float32)
             lc = rng.permuted(np.tile(resident, (n, 1)), axis=1)[:, :w]
             seconds, features = {}, None
-            for strategy in STRATEGIES:
+            for strategy in self.strategies:
                 seconds[strategy], features = self._time(strategy, q, lc, repeats)
             if features is not None and np.isfinite(list(seconds.values())).all():
                 samples.append(ScanSample(features, seconds))
@@ -558,6 +585,13 @@ class GpuTier:
         with self._lock:
             self._scan_counts[strategy] -= repeats + 1  # NOTE: calibration is not serving
         return float(np.median(times[1:])), features
+
+
+def _check_fused(scan: str, can_fuse: bool) -> None:
+    if scan == "fused" and not can_fuse:
+        raise ValueError(
+            "scan='fused' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+        )
 
 
 class _nullcontext:

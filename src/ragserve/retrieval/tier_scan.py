@@ -9,6 +9,10 @@ is better) and ids of the resident lists it probed, as tensors on the pool's dev
 - ``dense``: one matmul of the batch against every row of the pool's span (a view: no copy),
   in slabs of chunks; rows of lists a query did not probe are masked to ``-inf`` before each
   slab's top-k. Reads every resident row, probed or not.
+- ``fused``: grouped's layout, but a Triton kernel (``tier_kernels``; CUDA, or Triton's
+  interpreter on CPU) reads each probed chunk once, in place, and scores it against every
+  query probing it; each (query, chunk) slot's keys go to its candidate block, then a top-k
+  per block. No gather copy, no padding of small runs to 16 queries, one launch per bucket.
 
 The host computes only counts (the grouped scan's shapes: pairs, row width, chunks and query
 padding per bucket) from the probe ids it already holds; the pairs, their sort by chunk and the
@@ -23,8 +27,13 @@ import numpy as np
 
 MAX_GROUP_SCORES = 1 << 26  # (query, row) scores of one bmm group or dense slab
 MAX_GROUP_BYTES = 1 << 29  # vector bytes gathered for one bmm group
+MAX_FUSED_SCORES = 1 << 28  # keys the fused scan writes for one slice of the batch (1 GiB)
 BUCKET_BOUNDS = 1 << np.arange(31, dtype=np.int64)  # bucket b: (2^(b-1), 2^b] queries per list
 NUM_BUCKETS = len(BUCKET_BOUNDS)
+FUSED_BLOCK_N = 64  # chunk rows per fused-kernel program
+FUSED_BLOCK_D = 32  # vector components per step of its loop
+FMA_MAX_QUERIES = 4  # runs of at most this many queries skip tl.dot (no padding to 16)
+DOT_MAX_BLOCK_M = 64  # query slots per tl.dot block
 
 
 class Pool(NamedTuple):
@@ -97,7 +106,7 @@ def grouped_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k:
     dev, size = qd.device, pool.vectors.shape[1]
     width, kk = plan.width, min(k, size)
     dump = n * width  # candidate block of padding slots
-    qslot, dslot, run_chunk = _slots(torch, pool, lc, plan, dump)
+    qslot, dslot, run_chunk, _ = _slots(torch, pool, lc, plan, dump)
     keys = torch.full(((dump + 1) * kk,), -np.inf, device=dev)
     ids = torch.full(((dump + 1) * kk,), -1, dtype=torch.int64, device=dev)
     ar = torch.arange(kk, device=dev)
@@ -116,14 +125,17 @@ def grouped_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k:
     return canonical_topk(torch, keys, ids, k, pool.is_l2)
 
 
-def _slots(torch: Any, pool: Pool, lc: Any, plan: GroupedPlan, dump: int) -> tuple[Any, Any, Any]:
+def _slots(
+    torch: Any, pool: Pool, lc: Any, plan: GroupedPlan, dump: int
+) -> tuple[Any, Any, Any, Any]:
     """The grouped scan's index arrays, built on the device::
 
         runs (distinct chunks) sorted by (bucket, chunk)   run r of bucket b:
         slots of bucket b: [run][query 0 .. mpad_b)         slot_offsets[b] + r * mpad_b + rank
 
     ``qslot``: query row per slot (padding: row 0); ``dslot``: candidate block per slot
-    (padding: ``dump``); ``run_chunk``: chunk per run."""
+    (padding: ``dump``); ``run_chunk``: chunk per run; ``dest_chunk``: chunk per candidate
+    block (``[dump]``; blocks no pair fills: chunk 0)."""
     n, w = lc.shape
     dev, num_chunks = lc.device, pool.vectors.shape[0]
     pair, chunk, dest = _pairs(torch, pool, lc, plan.num_pairs, plan.width)
@@ -148,7 +160,9 @@ def _slots(torch: Any, pool: Pool, lc: Any, plan: GroupedPlan, dump: int) -> tup
     dslot[slot] = dest[order]
     run_chunk = torch.zeros(plan.num_runs, dtype=torch.int64, device=dev)
     run_chunk[run] = chunk[order]
-    return qslot, dslot, run_chunk
+    dest_chunk = torch.zeros(dump, dtype=torch.int64, device=dev)
+    dest_chunk[dest] = chunk
+    return qslot, dslot, run_chunk, dest_chunk
 
 
 def _pairs(torch: Any, pool: Pool, lc: Any, num_pairs: int, width: int) -> tuple[Any, Any, Any]:
@@ -166,6 +180,103 @@ def _pairs(torch: Any, pool: Pool, lc: Any, num_pairs: int, width: int) -> tuple
     row = pair // w
     dest = row * width + pos - (torch.cumsum(per_row, 0) - per_row)[row]
     return pair, chunk, dest
+
+
+def fused_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k: int):
+    """Top-k keys and ids ``[n, k]`` of the resident probes ``lc`` for ``qd``: the grouped
+    layout (``_slots``), each run's chunk read in place by ``tier_kernels.chunk_scan_kernel``
+    (one launch per bucket), every (query, chunk) slot's ``S`` keys written to its candidate
+    block, then a top-``kk`` per block and the canonical merge (module doc)."""
+    kernel = fused_kernel(qd.device)
+    n = lc.shape[0]
+    dev, (_, size, dim) = qd.device, pool.vectors.shape
+    width, kk = plan.width, min(k, size)
+    dump = n * width
+    qslot, dslot, run_chunk, dest_chunk = _slots(torch, pool, lc, plan, dump)
+    out = torch.full((dump, size), -np.inf, device=dev)
+    precision = "ieee" if pool.vectors.dtype == torch.float32 else "tf32"  # NOTE: fp32 only
+    for b in np.flatnonzero(plan.runs):
+        mp, runs = int(plan.mpad[b]), int(plan.runs[b])
+        block_m, use_dot, num_warps = fused_block_m(mp)
+        grid = (runs, -(-size // FUSED_BLOCK_N), -(-mp // block_m))
+        kernel[grid](
+            qd, pool.vectors, pool.bias, qslot, dslot, run_chunk, out,
+            int(plan.run_offsets[b]), int(plan.slot_offsets[b]), mp, dump,
+            2.0 if pool.is_l2 else 1.0,
+            DIM=dim, S=size, BLOCK_M=block_m, BLOCK_N=FUSED_BLOCK_N, BLOCK_D=FUSED_BLOCK_D,
+            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=num_warps,
+        )  # fmt: skip
+    vals, at = out.topk(kk, dim=1)
+    ids = pool.ids.view(-1)[dest_chunk[:, None] * size + at]
+    return canonical_topk(torch, vals.view(n, width * kk), ids.view(n, width * kk), k, pool.is_l2)
+
+
+def fused_warm_up(torch: Any, pool: Pool) -> None:
+    """Compile every variant of the fused kernel for this pool (one per query block size of
+    ``fused_block_m``) with launches that store nothing, so that no scan waits for Triton."""
+    kernel = fused_kernel(pool.vectors.device)
+    dev, (_, size, dim) = pool.vectors.device, pool.vectors.shape
+    qd = torch.zeros((1, dim), dtype=pool.vectors.dtype, device=dev)
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    out = torch.empty((1, size), device=dev)
+    precision = "ieee" if pool.vectors.dtype == torch.float32 else "tf32"
+    sizes = {fused_block_m(m) for m in range(1, 2 * DOT_MAX_BLOCK_M + 1)}
+    for block_m, use_dot, num_warps in sorted(sizes):
+        kernel[(1, 1, 1)](
+            qd, pool.vectors, pool.bias, zero, zero, zero, out, 0, 0, 1, 0, 1.0,
+            DIM=dim, S=size, BLOCK_M=block_m, BLOCK_N=FUSED_BLOCK_N, BLOCK_D=FUSED_BLOCK_D,
+            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=num_warps,
+        )  # fmt: skip
+
+
+def fused_block_m(num_queries: int) -> tuple[int, bool, int]:
+    """The fused kernel's query block for runs of ``num_queries`` slots, whether it uses
+    ``tl.dot``, and its warps: runs of at most ``FMA_MAX_QUERIES`` take the FMA path at their
+    own (power of two) size, larger ones ``tl.dot`` blocks of 16 to ``DOT_MAX_BLOCK_M`` slots.
+    NOTE: 8 warps from 4 query rows up keep every variant at <= 158 registers and unspilled
+    on sm_90 (ptxas -v; 4 warps: 128-255 with spills), so more programs share an SM."""
+    pow2 = 1 << max(0, int(num_queries) - 1).bit_length()
+    if num_queries <= FMA_MAX_QUERIES:
+        return pow2, False, 8 if pow2 >= 4 else 4
+    return min(DOT_MAX_BLOCK_M, max(16, pow2)), True, 8
+
+
+def fused_slices(lc: np.ndarray, counts: np.ndarray, plan: GroupedPlan, size: int):
+    """``(first row, end row, plan)`` of each slice of the batch ``lc`` that the fused scan
+    runs apart, so that none writes more than ``MAX_FUSED_SCORES`` keys (one slice: the whole
+    batch and ``plan``)."""
+    n = len(lc)
+    rows = max(1, MAX_FUSED_SCORES // max(1, plan.width * size))
+    if rows >= n:
+        return [(0, n, plan)]
+    starts = range(0, n, rows)
+    return [(a, min(n, a + rows), plan_grouped(lc[a : a + rows], counts)) for a in starts]
+
+
+def fused_available(device: Any) -> bool:
+    """Whether the fused scan can run on ``device``: Triton installed and a CUDA device, or
+    Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported) on CPU."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return True
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def fused_kernel(device: Any) -> Any:
+    if not fused_available(device):
+        raise ValueError(
+            "scan='fused' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+        )
+    from ragserve.retrieval.tier_kernels import chunk_scan_kernel
+
+    return chunk_scan_kernel
 
 
 def _groups(plan: GroupedPlan, pool: Pool, size: int):

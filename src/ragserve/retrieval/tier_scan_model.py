@@ -6,10 +6,13 @@ sizes and probe widths), fitted by non-negative least squares on relative error:
 
     dense   = d0 + d1 * span_rows + d2 * queries * span_rows
     grouped = g0 + g1 * gathered_rows + g2 * scored_rows
+    fused   = f0 + f1 * gathered_rows + f2 * scored_rows      (read in place, no copy)
 
 ``span_rows``: rows of the pool the dense scan reads (every resident chunk, probed or not);
 ``gathered_rows``: rows of the distinct probed chunks the grouped scan copies;
-``scored_rows``: (padded query, row) scores of its ``bmm`` groups.
+``scored_rows``: (padded query, row) scores of its ``bmm`` groups. The fused scan (a Triton
+kernel, CUDA only) has the grouped scan's terms with its own coefficients; a model fitted
+without fused timings (``fused`` None) chooses between the other two.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-STRATEGIES = ("grouped", "dense")
+STRATEGIES = ("grouped", "dense", "fused")
+REQUIRED = ("grouped", "dense")  # every fitted model has these; fused where it was timed
 
 
 class ScanFeatures(NamedTuple):
@@ -35,7 +39,7 @@ class ScanFeatures(NamedTuple):
     def terms(self, strategy: str) -> np.ndarray:
         if strategy == "dense":
             return np.array([1.0, self.span_rows, self.num_queries * self.span_rows])
-        if strategy == "grouped":
+        if strategy in ("grouped", "fused"):
             return np.array([1.0, self.gathered_rows, self.scored_rows])
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
@@ -56,6 +60,12 @@ class ScanCostModel:
     grouped: tuple[float, float, float]
     setting: tuple = ()  # what it was measured on (``GpuTier.model_setting``)
     span_rows: int = 0  # the calibrated tier's span
+    fused: tuple[float, float, float] | None = None  # None: not timed (no Triton or no CUDA)
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """The strategies this model predicts (``choose`` picks among them)."""
+        return tuple(s for s in STRATEGIES if getattr(self, s) is not None)
 
     def fits(self, setting: tuple, span_rows: int) -> bool:
         """Whether this model may serve a tier of ``setting`` and ``span_rows``: the same
@@ -63,24 +73,26 @@ class ScanCostModel:
         return setting == self.setting and self.span_rows <= 2 * span_rows <= 4 * self.span_rows
 
     def predict(self, strategy: str, features: ScanFeatures) -> float:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if strategy not in self.strategies:
+            raise ValueError(f"strategy must be one of {self.strategies}, got {strategy!r}")
         return float(np.dot(getattr(self, strategy), features.terms(strategy)))
 
     def choose(self, features: ScanFeatures) -> str:
-        """The strategy predicted faster (grouped on a tie: it reads less)."""
-        dense = self.predict("dense", features)
-        return "dense" if dense < self.predict("grouped", features) else "grouped"
+        """The strategy predicted fastest (on a tie the first of grouped, dense, fused)."""
+        seconds = [self.predict(s, features) for s in self.strategies]
+        return self.strategies[int(np.argmin(seconds))]
 
     @classmethod
     def fit(
         cls, samples: Sequence[ScanSample], setting: tuple = (), span_rows: int = 0
     ) -> ScanCostModel:
         """Non-negative least squares on relative error over ``samples`` (at least 3 timing
-        each strategy)."""
+        grouped and dense each; fused fitted when 3 time it)."""
         coef = {}
         for strategy in STRATEGIES:
             timed = [s for s in samples if strategy in s.seconds]
+            if strategy not in REQUIRED and len(timed) < 3:
+                continue
             if len(timed) < 3:
                 raise ValueError(f"samples: 3 of {strategy} are needed to fit, got {len(timed)}")
             a = np.stack([s.features.terms(strategy) for s in timed])
@@ -88,7 +100,7 @@ class ScanCostModel:
             if not np.all(np.isfinite(t)) or np.any(t <= 0):
                 raise ValueError(f"samples: {strategy} seconds must be positive, got {t}")
             coef[strategy] = tuple(float(c) for c in nnls_relative(a, t))
-        return cls(coef["dense"], coef["grouped"], setting, span_rows)
+        return cls(coef["dense"], coef["grouped"], setting, span_rows, coef.get("fused"))
 
 
 def nnls_relative(a: np.ndarray, t: np.ndarray) -> np.ndarray:

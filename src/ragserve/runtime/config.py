@@ -14,7 +14,8 @@ from ragserve.scheduler.operator_config import OperatorConfig
 if TYPE_CHECKING:
     from ragserve.retrieval.index_tier import TierSpec
 
-TIER_SCANS = ("auto", "grouped", "dense")  # ``retrieval.gpu_tier.SCANS`` (no torch import here)
+# ``retrieval.gpu_tier.SCANS`` (no torch import here)
+TIER_SCANS = ("auto", "grouped", "dense", "fused")
 STREAM_MODES = ("auto", "on", "off")  # ``retrieval.cold_stream.STREAM_MODES``
 
 
@@ -29,7 +30,7 @@ class GpuTierConfig:
     ``retrieval_profile`` ``((tier_bytes, requests/s), ...)``. The engine's ``kv_cache_bytes``
     then comes from the same split (an explicit one in ``engine_kwargs`` wins).
 
-    ``scan``: the tier's scan strategy (``"auto"``, ``"grouped"``, ``"dense"``);
+    ``scan``: the tier's scan strategy (``"auto"``, ``"grouped"``, ``"dense"``, ``"fused"``);
     ``stream_cold``: stream non-resident lists from host memory to the tier's device and scan
     them there beside Faiss (``"auto"``: on a CUDA tier only, ``"on"``, ``"off"``: the default
     until the prepared H200 run measures it), through
