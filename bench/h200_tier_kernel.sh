@@ -43,6 +43,18 @@ timeout -k 5 "$LEFT" "$PY" bench/bench_gpu_tier.py $ARGS --coverage 100 \
 echo "compare: exit $? after $((SECONDS - START)) s (limit ${LEFT} s; 124: stopped, the JSON \
 keeps every finished point)" | tee -a "$OUT/summary.txt"
 
+# 3. the 14-thread CPU-only reference beside it (nprobe 256, batch 32/256; session 7's
+#    baseline, here in the same call), if the call has >= 45 s left
+LEFT=$((CALL_S - (SECONDS - START) - 5))
+if ((LEFT >= 45)) && [ "${TWIN:-}" != cpu ]; then
+    timeout -k 5 "$LEFT" "$PY" bench/bench_gpu_tier.py --num-docs 5000000 --dim 768 --nlist 4096 \
+        --topics 16384 --nprobe 256 --batch 32 256 --cpu-only --cpu-scan-threads 14 \
+        --check-queries 64 --min-seconds 1 --max-batches 4 --out "$OUT/cpu_ref.json" \
+        > "$OUT/cpu_ref.log" 2>&1
+    echo "cpu_ref: exit $? after $((SECONDS - START)) s; $(grep -o '"qps": [0-9.]*' \
+        "$OUT/cpu_ref.json" 2>/dev/null | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+fi
+
 "$PY" - "$OUT/tier_kernel.json" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, sys
 from collections import defaultdict
