@@ -222,9 +222,46 @@ def compare_scans(
                         end_to_end(
                             res, index, tier, assigner, whole, q, check, refs, point, batch, args
                         )
+            if args.fused_blocks:
+                fused_blocks(res, index, tier, q, plans[nprobe], refs[nprobe], cov, nprobe, args)
         if cov == 100:
             assign_stages(res, index, assigner, q, args)
     index.drop_gpu_tier()
+
+
+def fused_blocks(res, index, tier, q, plan, ref, cov, nprobe, args) -> None:
+    """The fused scan's tier part at other (chunk rows, components) blocks per program
+    (``--fused-blocks``; the module's defaults restored after), each compiled first."""
+    import torch
+
+    from ragserve.retrieval import tier_scan
+
+    default = (tier_scan.FUSED_BLOCK_N, tier_scan.FUSED_BLOCK_D)
+    tier.set_scan("fused")
+    try:
+        for spec in args.fused_blocks:
+            rows, comps = (int(v) for v in spec.split("x"))
+            tier_scan.FUSED_BLOCK_N, tier_scan.FUSED_BLOCK_D = rows, comps
+            tier_scan.fused_warm_up(torch, tier._pool)
+            found = index.search(q[: args.check_queries], args.topk, nprobe).ids
+
+            def part(idx: np.ndarray) -> None:
+                pending, _ = tier.scan(q[idx], plan[idx], args.topk)
+                if pending is not None:
+                    pending.result()
+
+            for batch in args.batch:
+                stats = timed(part, np.arange(len(q)), batch, args.min_seconds, args.max_batches)
+                res.add(
+                    system="tier_scan",
+                    scan=f"fused:{spec}",
+                    nprobe=nprobe,
+                    coverage=cov,
+                    exact_ids=exact_share(found, ref),
+                    **stats,
+                )
+    finally:
+        tier_scan.FUSED_BLOCK_N, tier_scan.FUSED_BLOCK_D = default
 
 
 def end_to_end(res, index, tier, assigner, whole, q, check, refs, point, batch, args) -> None:
@@ -331,6 +368,10 @@ def cpu_baseline(
     return ref
 
 
+def _pow2_at_least_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-docs", type=int, default=200_000)
@@ -362,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         default=["faiss", "tier"],
         help="with --scan: index.search's coarse assignment modes timed at 100%% coverage",
     )
+    ap.add_argument(
+        "--fused-blocks",
+        nargs="*",
+        default=[],
+        help="with --scan: the fused scan's tier part also at these ROWSxCOMPONENTS blocks per "
+        "program (e.g. 32x32 128x32; the default is tier_scan.FUSED_BLOCK_N x FUSED_BLOCK_D)",
+    )
     ap.add_argument("--check-queries", type=int, default=256, help="ids checked against Faiss")
     ap.add_argument(
         "--skip-cpu",
@@ -379,12 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-only", action="store_true", help="stop after the CPU-only points")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_tier.json"))
     args = ap.parse_args(argv)
+    for spec in args.fused_blocks:
+        parts = spec.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and _pow2_at_least_16(int(p)) for p in parts):
+            ap.error(f"--fused-blocks: ROWSxCOMPONENTS with powers of two >= 16, got {spec!r}")
     if any(t < 0 for t in args.cpu_scan_threads):
         ap.error(f"--cpu-scan-threads must be >= 0, got {args.cpu_scan_threads}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import faiss
     import torch
 
+    from ragserve.retrieval import tier_scan
     from ragserve.retrieval.partition import hottest_first
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -396,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "build_seconds": build_s,
         "cluster_size_max": int(index.cluster_sizes().max()),
+        "fused_blocks": f"{tier_scan.FUSED_BLOCK_N}x{tier_scan.FUSED_BLOCK_D}",
     }
     res = Results(args.out, meta)
     q = make_queries(spec, args.num_queries, seed=1)

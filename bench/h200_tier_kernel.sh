@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 10, session 7: the fused tier scan (Triton kernel over the chunk pool) on one H200,
-# <= 4 minutes (CALL_S, default 235 s). Carry: .whl (the faiss-cpu wheel).
-#   1. gpu_tests: pytest -m gpu on the fused kernel's and the scan strategies' tests (<= 80 s)
+# <= 4 minutes (CALL_S, default 238 s). Carry: .whl (the faiss-cpu wheel).
+#   1. gpu_tests: pytest -m gpu on the fused kernel's and the scan strategies' tests (<= 100 s)
 #   2. compare:   5M x 768 IVF4096, the whole index resident (float32), grouped vs fused vs
 #                 auto, nprobe 128/256/512, batch 1/32/256, ids checked against CPU Faiss
-#                 (bench_gpu_tier.py --scan ... --skip-cpu --skip-exhaustive: no CPU-only rows)
+#                 (bench_gpu_tier.py --scan ... --skip-cpu --skip-exhaustive: no CPU-only rows);
+#                 the fused tier part also at three other blocks per program (--fused-blocks)
 # Writes $OUT/gpu_tests.log, $OUT/tier_kernel.json + .log and $OUT/summary.txt (one line per
 # part, then one line per nprobe: queries/s of each strategy at batch 1/32/256, auto's choice,
 # and whether every point's ids equal Faiss's).
@@ -12,7 +13,7 @@
 # (checks this script and the path, not a measurement).
 set -uo pipefail
 : "${OUT:?OUT must name the folder results are written to}"
-CALL_S=${CALL_S:-235}
+CALL_S=${CALL_S:-238}
 START=$SECONDS
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -25,20 +26,22 @@ export PYTHONPATH=$SITE:$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_TH
 PY=${PY:-python3}
 ARGS="--num-docs 5000000 --dim 768 --nlist 4096 --topics 16384 --nprobe 128 256 512 \
 --batch 1 32 256 --check-queries 64 --min-seconds 0.5 --max-batches 20"
+BLOCKS="--fused-blocks 32x32 128x32 64x16"  # the fused kernel's tier part at other blocks too
 if [ "${TWIN:-}" = cpu ]; then
     export TRITON_INTERPRET=1 OMP_NUM_THREADS=2
-    ARGS="--num-docs 20000 --dim 64 --nlist 64 --topics 256 --nprobe 8 16 --batch 1 8 \
+    BLOCKS="--fused-blocks 128x32"  # NOTE: the interpreter is slow: one other block only
+    ARGS="--num-docs 20000 --dim 64 --nlist 64 --topics 256 --nprobe 8 --batch 1 8 \
 --check-queries 16 --num-queries 64 --min-seconds 0.05 --max-batches 3 --device cpu"
 fi
 
-timeout -k 5 80 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/retrieval/test_tier_fused.py \
+timeout -k 5 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/retrieval/test_tier_fused.py \
     tests/retrieval/test_tier_scan.py > "$OUT/gpu_tests.log" 2>&1
 echo "gpu_tests: exit $? ($(tail -1 "$OUT/gpu_tests.log"))" | tee -a "$OUT/summary.txt"
 
 LEFT=$((CALL_S - (SECONDS - START) - 5))
 # shellcheck disable=SC2086 # one option a word
 timeout -k 5 "$LEFT" "$PY" bench/bench_gpu_tier.py $ARGS --coverage 100 \
-    --scan grouped fused auto --assign tier --skip-cpu --skip-exhaustive \
+    --scan grouped fused auto --assign tier --skip-cpu --skip-exhaustive $BLOCKS \
     --out "$OUT/tier_kernel.json" > "$OUT/tier_kernel.log" 2>&1
 echo "compare: exit $? after $((SECONDS - START)) s (limit ${LEFT} s; 124: stopped, the JSON \
 keeps every finished point)" | tee -a "$OUT/summary.txt"
