@@ -57,6 +57,12 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> list[int]:
         """``logits``: float32 ``[n, vocab]`` -> n token ids (one host sync)."""
+        return self.sample(logits, request_ids, params).tolist()
+
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        """The n token ids as an int64 tensor on the logits' device, without a host sync."""
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
@@ -65,7 +71,7 @@ class Sampler:
             for row, i in enumerate(sampled):
                 gen = self._generator(request_ids[i], params[i])
                 tokens[i] = torch.multinomial(probs[row], 1, generator=gen)[0]
-        return tokens.tolist()
+        return tokens
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
