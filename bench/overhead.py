@@ -711,7 +711,7 @@ def _trace_model_work(trace_dir: str) -> None:
     util.Finalize(None, flush, exitpriority=100)
 
 
-def _trace_token_reads(intervals: list) -> None:
+def _trace_token_reads(intervals: list, clock=time.monotonic) -> None:
     """Overlapped scheduling (a side without it has no ``SampledTokens``): a launched step's
     token read is model time (the wait for the device), and so is the gap since its launch if
     the device was still running it when the read began (``is_ready`` false then: the host
@@ -724,14 +724,14 @@ def _trace_token_reads(intervals: list) -> None:
     read = cls.tolist
 
     def traced(self):
-        t0 = time.monotonic()
+        t0 = clock()
         busy = not self.is_ready()
         try:
             return read(self)
         finally:
             if busy:
                 intervals.append((self.launched_at, t0, "model"))
-            intervals.append((t0, time.monotonic(), "model"))
+            intervals.append((t0, clock(), "model"))
 
     cls.tolist = traced
 
