@@ -14,7 +14,9 @@
 # Needs, carried: .whl/ (faiss-cpu wheel), .gpurun/data/model (written here by
 # `python bench/rag_bench.py --preset h200 --model-only --out .gpurun`) and .bench_before/src
 # (`mkdir -p .bench_before && git archive bc6b31c src | tar -x -C .bench_before`).
-# Env: PRESET (default h200; cpu for the CPU twin), LIMIT (compact: seconds, default 255).
+# Env: PRESET (default h200; cpu for the CPU twin), LIMIT (compact: seconds, default 255),
+# OV_EXTRA (more bench/overhead.py options, e.g. "--engine-option
+# after:enable_async_scheduling=false" for the after side without overlapped engine steps).
 set -uo pipefail
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -31,6 +33,8 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 nproc
 OV=(python3 bench/overhead.py --preset "$PRESET" --data "$DATA" --before-src .bench_before/src)
+read -r -a EXTRA <<< "${OV_EXTRA:-}"
+OV+=("${EXTRA[@]}")
 case ${1:-full} in
 full)
     timeout 320 "${OV[@]}" --num 24 --out "$OUT/overhead_h200.json" > "$OUT/overhead_h200.log" 2>&1

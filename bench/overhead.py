@@ -660,6 +660,9 @@ def _trace_model_work(trace_dir: str) -> None:
         ),
         (gen_scheduler.Scheduler, "schedule", "engine_schedule"),
         (engine, "_postprocess", "engine_postprocess"),
+        # NOTE: inside _postprocess on a synchronous step; an overlapped step advances its
+        # computed tokens at launch, outside it: the same work under the same label either way
+        (gen_scheduler.Scheduler, "update_after_step", "engine_postprocess"),
         (engine, "step", "engine_other"),
         (engine, "_tokenize", "tokenize"),
         (engine, "stats", "engine_stats"),

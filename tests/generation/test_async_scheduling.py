@@ -152,17 +152,26 @@ def test_same_outputs_with_aborts_mid_run(tiny_models) -> None:
     assert len(sync["b"][0]) == 3 and len(sync["a"][0]) == 12
 
 
-def test_same_outputs_under_preemption(tiny_models) -> None:
+@pytest.mark.parametrize("host_blocks", [0, 32])
+def test_same_outputs_under_preemption(tiny_models, host_blocks) -> None:
     """A pool of 12 blocks of 4 tokens for 5 requests of ~20 tokens: the newest running
-    requests are preempted (some with a token still in flight) and recomputed."""
+    requests are preempted (some with a token still in flight) and recomputed, or with a host
+    tier swapped back in."""
     probe = make(tiny_models, False)
     per_block = probe.config.kv_cache_bytes // probe.block_manager.num_blocks
     arrivals = {0: {r: (p, greedy(10)) for r, p in zip("abcde", PROMPTS, strict=True)}}
     runs = []
     for overlap in (False, True):
-        engine = make(tiny_models, overlap, kv_cache_bytes=12 * per_block, max_model_len=40)
+        engine = make(
+            tiny_models,
+            overlap,
+            kv_cache_bytes=12 * per_block,
+            max_model_len=40,
+            host_kv_cache_bytes=host_blocks * per_block,
+        )
         runs.append(summary(drive(engine, arrivals)))
         assert engine.stats()["preemptions"] > 0
+        assert (engine.stats().get("num_swapped_in_blocks", 0) > 0) == bool(host_blocks)
     assert runs[0] == runs[1]
 
 
