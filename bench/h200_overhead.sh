@@ -6,6 +6,8 @@
 #                                         node), one side after the other; 2. rounds of
 #                                         concurrent IRG requests (scheduler work per node), both
 #                                         servers up at once
+#   bash bench/h200_overhead.sh async     the engine's overlapped steps alone (< 90 s):
+#                                         same outputs as without, time per step with/without
 #   bash bench/h200_overhead.sh compact   both on one server start per side, <= LIMIT s (255):
 #                                         both servers up at once, 20 paired sequential questions
 #                                         (sides alternating question by question; at most 40 %
@@ -57,5 +59,14 @@ compact)
     grep "^| \|^preset\|s\.e\.\|scheduler work per node\|^where\|calls per node\|Error" \
         "$OUT/overhead_compact.log" | tail -44
     ;;
-*) echo "usage: $0 [full|compact]" >&2; exit 2 ;;
+async)
+    # the overlapped engine steps on the device (bench/async_check.py): outputs equal to the
+    # synchronous loop's (greedy and seeded, CUDA graphs on) and the wall time per forward
+    # step with and without the overlap; 8 of the 8B model's layers, random weights; < 90 s
+    timeout 150 python3 bench/async_check.py --model "$DATA/model" --layers "${LAYERS:-8}" \
+        --out "$OUT/async_check.json" > "$OUT/async_check.log" 2>&1
+    echo "async check exit $?"
+    grep "^exactness\|^timing\|FAILED\|Error" "$OUT/async_check.log" | tail -8
+    ;;
+*) echo "usage: $0 [full|compact|async]" >&2; exit 2 ;;
 esac
