@@ -11,8 +11,11 @@ beside the forward too::
     step() call n+1:  schedule n+1 | launch n+1 | wait n, append n's tokens -> outputs of n
 
 A request that step n finishes (EOS, a stop string, an abort) was already in step n+1: that
-token is discarded (its KV write lands in blocks freed after, which the device reuses only in
-stream order). A request whose pending token ends it by length is not scheduled again.
+token is discarded. NOTE: its blocks are freed at once, while step n+1 may still write its
+row's KV into them; every later user of a block (a later step's forward, a swap on the side
+stream, which waits for the compute stream first) runs after step n+1 in stream order, and
+on CPU the step has run when it returns. A request whose pending token ends it by length
+(``max_tokens``, the context end) is not scheduled again.
 """
 
 from __future__ import annotations

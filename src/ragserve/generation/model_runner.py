@@ -11,8 +11,8 @@ the forward and sampling and returns ``SampledTokens`` at once; the host reads t
 sampled (``start == len(seq.token_ids)``: not yet on the host) reads it from that step's device
 tensor, so step n+1 is queued before step n's tokens reach the host::
 
-    host:  launch n | post n-1, send, schedule n+1 | launch n+1 | wait n | post n ...
-    GPU:   ... n-1 ][ forward + sample n ..................... ][ n+1 ...
+    host:  launch n | wait n-1, post n-1, send, schedule n+1 | launch n+1 | wait n | post n
+    GPU:   ... n-1 ][ forward + sample n ............................... ][ n+1 ...
 """
 
 from __future__ import annotations
