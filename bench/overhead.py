@@ -8,6 +8,11 @@ questions of the ``oneshot`` workflow (retrieve, then generate) one at a time (g
 sides must give the same answers, or the run fails). The worker processes trace their model
 work (``_trace_model_work``: model forward, query embedding, index scan) as intervals of the
 system-wide monotonic clock; a request's model time is the part of its life they cover.
+With the engine's overlapped scheduling (``enable_async_scheduling``) a step is launched
+(``ModelRunner.launch_model``) and its tokens read later (``SampledTokens.tolist``): both are
+model time, and so is the host work between them when the device was still running the step
+at the read (host work hidden under the forward); when the step had already ended, that work
+counts as orchestration (a conservative rule: the device's share of that gap is not counted).
 
     orchestration per node = (end-to-end - model time) / nodes    (everything but the model
         forward, the embedding and the index scan: scheduler, transforms, messages,
@@ -106,8 +111,17 @@ def main() -> None:
         default=None,
         help="--concurrent: no question (first 40 %%) or round started past this many seconds",
     )
+    ap.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="SIDE:KEY=VALUE",
+        help="an LLMEngine keyword for one side (VALUE as JSON), e.g. "
+        "before:enable_async_scheduling=false (with --before-src src: this tree without overlap)",
+    )
     ap.add_argument("--side", help=argparse.SUPPRESS)  # child mode: "before" | "after"
     args = ap.parse_args()  # fmt: skip
+    _engine_options(args.engine_option, "")  # a malformed option fails here, not in a child
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.side and args.concurrent:
         serve_side(args)
@@ -264,6 +278,7 @@ def _server_child(args, side: str, src: Path, data: Path) -> subprocess.Popen:
            "--concurrent", str(args.concurrent), "--workflow", args.workflow]  # fmt: skip
     cmd += ["--kv-cache-gib", str(args.kv_cache_gib)] if args.kv_cache_gib else []
     cmd += ["--num", str(args.num)] if args.num else []  # the child traces its workers
+    cmd += [f"--engine-option={o}" for o in args.engine_option]
     if args.profile and side == "after":
         cmd += ["--profile", str(args.profile)]
     logger.info("server %s from %s", side, src)
@@ -341,10 +356,28 @@ def _config(server_config: type, args, data: dict):
     engine = dict(data["engine_kwargs"])
     if args.kv_cache_gib:
         engine["kv_cache_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    engine |= _engine_options(args.engine_option, args.side)
     kwargs = {"engine_kwargs": engine, "default_nprobe": data["nprobe"]}
     if "worker_start_method" in {f.name for f in fields(server_config)}:
         kwargs["worker_start_method"] = "spawn"
     return server_config(**kwargs)
+
+
+def _engine_options(options: list[str], side: str) -> dict:
+    """``SIDE:KEY=VALUE`` items (``--engine-option``) for ``side``; VALUE is JSON."""
+    out = {}
+    for item in options:
+        where, _, pair = item.partition(":")
+        key, eq, value = pair.partition("=")
+        if where not in ("before", "after") or not key or not eq:
+            raise SystemExit(f"--engine-option wants SIDE:KEY=VALUE (SIDE before|after): {item!r}")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise SystemExit(f"--engine-option {item!r}: VALUE is not JSON") from None
+        if where == side:
+            out[key] = parsed
+    return out
 
 
 def _side_env(src: Path) -> dict:
@@ -367,6 +400,7 @@ def _child(args, side: str, src: Path, data: Path) -> dict:
     cmd = [sys.executable, __file__, "--preset", args.preset, "--side", side, "--data", str(data)]
     cmd += ["--num", str(args.num)] if args.num else []
     cmd += ["--kv-cache-gib", str(args.kv_cache_gib)] if args.kv_cache_gib else []
+    cmd += [f"--engine-option={o}" for o in args.engine_option]
     logger.info("side %s from %s", side, src)
     out = subprocess.run(cmd, env=_side_env(src), check=True, stdout=subprocess.PIPE,
                          text=True).stdout  # fmt: skip
@@ -612,9 +646,10 @@ def _trace_model_work(trace_dir: str) -> None:
     from ragserve.runtime import runners, workers
 
     intervals: list[tuple[float, float, str]] = []
-    for cls, name in ((ModelRunner, "execute_model"), (VectorIndex, "search"),
-                      (StagedSearch, "step")):  # fmt: skip
+    for cls, name in ((ModelRunner, "execute_model"), (ModelRunner, "launch_model"),
+                      (VectorIndex, "search"), (StagedSearch, "step")):  # fmt: skip
         _patch(cls, name, "model", intervals)
+    _trace_token_reads(intervals)
     engine = llm_engine.LLMEngine
     for owner, name, label in (
         (block_manager.BlockManager, "check_integrity", "integrity_check"),
@@ -625,6 +660,9 @@ def _trace_model_work(trace_dir: str) -> None:
         ),
         (gen_scheduler.Scheduler, "schedule", "engine_schedule"),
         (engine, "_postprocess", "engine_postprocess"),
+        # NOTE: inside _postprocess on a synchronous step; an overlapped step advances its
+        # computed tokens at launch, outside it: the same work under the same label either way
+        (gen_scheduler.Scheduler, "update_after_step", "engine_postprocess"),
         (engine, "step", "engine_other"),
         (engine, "_tokenize", "tokenize"),
         (engine, "stats", "engine_stats"),
@@ -674,6 +712,31 @@ def _trace_model_work(trace_dir: str) -> None:
 
     threading.Thread(target=flusher, name="overhead-trace", daemon=True).start()
     util.Finalize(None, flush, exitpriority=100)
+
+
+def _trace_token_reads(intervals: list, clock=time.monotonic) -> None:
+    """Overlapped scheduling (a side without it has no ``SampledTokens``): a launched step's
+    token read is model time (the wait for the device), and so is the gap since its launch if
+    the device was still running it when the read began (``is_ready`` false then: the host
+    work in the gap ran beside the forward)."""
+    from ragserve.generation import model_runner
+
+    cls = getattr(model_runner, "SampledTokens", None)
+    if cls is None:
+        return
+    read = cls.tolist
+
+    def traced(self):
+        t0 = clock()
+        busy = not self.is_ready()
+        try:
+            return read(self)
+        finally:
+            if busy:
+                intervals.append((self.launched_at, t0, "model"))
+            intervals.append((t0, clock(), "model"))
+
+    cls.tolist = traced
 
 
 def _trace_server(server, intervals: list) -> None:

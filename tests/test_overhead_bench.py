@@ -84,3 +84,30 @@ def test_decomposition_gives_each_instant_to_one_phase(overhead) -> None:
     assert {k: v for k, v in phases.items() if v} == pytest.approx(expected)
     calls = overhead._calls(intervals, 0.0, 12.0)
     assert calls["model"] == 2 and calls["gen_send"] == 1 and calls["wait"] == 1  # by start
+
+
+def test_token_reads_count_hidden_host_work_only_while_the_device_ran(
+    overhead, monkeypatch
+) -> None:
+    """Overlapped steps: a token read is model time, and the gap since the step's launch too
+    when the step was still running at the read (host work beside the forward); a step that
+    had already ended leaves the gap to the host phases."""
+    from ragserve.generation import model_runner
+
+    class FakeTokens:
+        def __init__(self, launched_at: float, ready: bool):
+            self.launched_at, self.ready = launched_at, ready
+
+        def is_ready(self) -> bool:
+            return self.ready
+
+        def tolist(self) -> list[int]:
+            return [7]
+
+    monkeypatch.setattr(model_runner, "SampledTokens", FakeTokens)
+    intervals: list = []
+    clock = iter([10.0, 10.5, 20.0, 20.25])
+    overhead._trace_token_reads(intervals, clock=lambda: next(clock))
+    assert FakeTokens(8.0, ready=False).tolist() == [7]
+    assert FakeTokens(18.0, ready=True).tolist() == [7]
+    assert intervals == [(8.0, 10.0, "model"), (10.0, 10.5, "model"), (20.0, 20.25, "model")]

@@ -41,7 +41,7 @@ def test_abort_mid_decode_frees_every_block(engine):
     for rid in ("a", "b", "c"):
         engine.add_request(rid, PROMPT + rid, greedy(30))
     seen: dict[str, int] = {}
-    for _ in range(3):
+    while len(seen) < 3 or min(seen.values()) < 3:  # overlapped steps return a step late
         for out in engine.step():
             seen[out.request_id] = len(out.token_ids)
     assert seen == {"a": 3, "b": 3, "c": 3}

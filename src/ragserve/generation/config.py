@@ -91,6 +91,13 @@ class EngineConfig:
     # Python wrapper (same text: ``detokenizer.make_decoder``; a tokenizer whose wrapper cleans
     # up spaces, or a slow one, always goes through ``tokenizer.decode``). False: the wrapper.
     enable_fast_detokenize: bool = True
+    # Overlapped (async) scheduling: step n+1's forward is queued before step n's sampled
+    # tokens reach the host (its decode inputs read them on the device), and step n's
+    # postprocessing, the caller's sends and step n+1's scheduling run while the GPU computes.
+    # A request that step n finishes (EOS, stop) has its step-n+1 token discarded; one that its
+    # pending token ends by length is not scheduled again. Greedy and seeded outputs are those
+    # of the synchronous loop. False: schedule, run, wait, postprocess in turn.
+    enable_async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:

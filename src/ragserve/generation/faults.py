@@ -6,8 +6,8 @@ raise for chosen requests, in process or inside a worker process.
 sequence in ``seqs`` has ``marker`` among its stop strings (a field every API passes through
 unchanged). Unset (production), ``check`` is one dictionary lookup. Stages, in step order:
 
-- ``forward``: ``ModelRunner.execute_model`` before the forward pass of its batch;
-- ``sample``: ``ModelRunner.execute_model`` between the logits and the sampler;
+- ``forward``: ``ModelRunner.launch_model`` (``execute_model``) before its batch's forward;
+- ``sample``: ``ModelRunner.launch_model`` between the logits and the sampler;
 - ``append``: ``LLMEngine`` appending a sampled token (detokenizer, stop strings).
 """
 

@@ -2,6 +2,20 @@
 
 ``step()`` is one scheduling iteration: schedule -> run the model -> append tokens, check
 stops, free finished requests. An external scheduler (ragserve's RAG workflows) drives it.
+
+With ``enable_async_scheduling`` the iteration is overlapped (vLLM's async scheduling): step
+n+1 is scheduled and launched before step n's tokens are read, so ``step()`` returns step n's
+outputs while the device computes step n+1, and the caller's work between two calls runs
+beside the forward too::
+
+    step() call n+1:  schedule n+1 | launch n+1 | wait n, append n's tokens -> outputs of n
+
+A request that step n finishes (EOS, a stop string, an abort) was already in step n+1: that
+token is discarded. NOTE: its blocks are freed at once, while step n+1 may still write its
+row's KV into them; every later user of a block (a later step's forward, a swap on the side
+stream, which waits for the compute stream first) runs after step n+1 in stream order, and
+on CPU the step has run when it returns. A request whose pending token ends it by length
+(``max_tokens``, the context end) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -13,7 +27,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,6 +60,7 @@ from ragserve.generation.kv_setup import (
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import (
     ModelRunner,
+    SampledTokens,
     kv_cache_bytes_per_block,
     select_backend,
 )
@@ -57,6 +72,13 @@ from ragserve.generation.step_isolation import execute_isolated
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Inflight(NamedTuple):
+    """A launched step whose tokens have not been read (``None``: nothing in it samples)."""
+
+    out: SchedulerOutput
+    tokens: SampledTokens | None
 
 
 class LLMEngine:
@@ -138,12 +160,15 @@ class LLMEngine:
                 else None
             ),
             overlap_swap_in=config.overlap_swap_in and self.host_kv_cache is not None,
+            max_model_len=max_model_len,
         )
         self.swap_cost = None  # SwapCostModel once profile_prefill_cost has timed the host tier
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._integrity_due = False  # the engine went idle; its check is deferred
+        self._inflight: _Inflight | None = None  # overlapped scheduling: the launched step
+        self._carried: list[RequestOutput] = []  # outputs of a step whose successor raised
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens, backend %s",
             self.model_config.architecture,
@@ -222,7 +247,11 @@ class LLMEngine:
             self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests queued or running (or outputs held back by a raising step).
+
+        NOTE: a launched step whose requests all ended since (overlapped scheduling) does not
+        count: nothing of it reaches an output; the next ``step`` waits for it."""
+        return self.scheduler.has_unfinished() or bool(self._carried)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -230,10 +259,19 @@ class LLMEngine:
 
         With ``enable_step_isolation`` a request whose forward pass, sampling or token
         handling raises finishes alone with ``finish_reason == "error"`` (its blocks freed)
-        and the others' tokens are those of the step without it (``step_isolation.py``)."""
+        and the others' tokens are those of the step without it (``step_isolation.py``).
+        Overlapped (``enable_async_scheduling``): the outputs are those of the step launched
+        by the previous call (see the module docstring)."""
+        carried, self._carried = self._carried, []
         self.run_deferred_checks()
         out = self.scheduler.schedule()
         self._run_swaps()
+        if self.config.enable_async_scheduling:
+            return carried + self._step_overlapped(out)
+        return carried + self._run_step(out)
+
+    def _run_step(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Run ``out`` and read its tokens (the synchronous step)."""
         if out.is_empty:
             return []
         if self.host_kv_cache is not None:  # only the blocks this step uses
@@ -244,18 +282,77 @@ class LLMEngine:
         failed = [self._fail(seq, exc) for seq, exc in ran.failed]
         return failed + self._postprocess(ran.out, ran.tokens)
 
-    def _postprocess(self, out: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
-        self.scheduler.update_after_step(out)
+    def _step_overlapped(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Launch ``out``, then land the step launched before it (its outputs)."""
+        prev, self._inflight = self._inflight, None
+        if out.is_empty:
+            return self._land(prev)
+        if self.host_kv_cache is not None:
+            self.host_kv_cache.wait_for(_step_blocks(out.seqs))
+        state = self._sampler_state(out)
+        try:
+            tokens = self.model_runner.launch_model(out, None if prev is None else prev.tokens)
+        except Exception:
+            if state is not None:
+                self.model_runner.sampler.set_state(state)
+            # NOTE: once the previous step has landed, ``out`` runs again synchronously:
+            # step isolation bisects it (or the error leaves ``step``) as without overlap.
+            landed = self._land(prev)
+            try:
+                return landed + self._run_step(out.keep(self._is_live))
+            except Exception:
+                self._carried = landed
+                raise
+        for seq, flag in zip(out.seqs, out.sample, strict=True):
+            seq.num_pending_tokens += flag
+        self._inflight = _Inflight(out, tokens)
+        try:
+            return self._land(prev)
+        finally:  # NOTE: also when landing raises (isolation off): the next step needs it
+            self.scheduler.update_after_step(out.keep(self._is_live))
+
+    def _land(self, step: _Inflight | None) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and postprocess them."""
+        if step is None:
+            return []
+        tokens = [] if step.tokens is None else step.tokens.tolist()
+        return self._postprocess(step.out, tokens, landed=True)
+
+    def _sampler_state(self, out: SchedulerOutput) -> Any:
+        """The sampler's random state where a failed launch must rewind it (isolation on and
+        a random sample in the step), else ``None``."""
+        if not self.config.enable_step_isolation:
+            return None
+        rows = zip(out.seqs, out.sample, strict=True)
+        if all(s.params.is_greedy for s, flag in rows if flag):
+            return None
+        return self.model_runner.sampler.get_state()
+
+    def _is_live(self, seq: Sequence) -> bool:
+        """Still this engine's request (not finished or aborted since it was scheduled)."""
+        return self._seqs.get(seq.request_id) is seq
+
+    def _postprocess(
+        self, out: SchedulerOutput, tokens: list[int], *, landed: bool = False
+    ) -> list[RequestOutput]:
+        """Append ``out``'s sampled tokens. ``landed``: an overlapped step, whose computed
+        tokens were advanced at launch; its tokens for requests ended since are dropped."""
+        if not landed:
+            self.scheduler.update_after_step(out)
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
         outputs = []
         for seq, token in zip(sampled, tokens, strict=True):
+            if landed:
+                seq.num_pending_tokens -= 1
+                if not self._is_live(seq):
+                    continue
             try:
                 outputs.append(self._append_token(seq, token))
             except Exception as exc:
                 if not self.config.enable_step_isolation:
                     raise
                 outputs.append(self._fail(seq, exc))
-        if not self.scheduler.has_unfinished():
+        if not self.has_unfinished():
             self._integrity_due = True
             if not self.config.enable_deferred_integrity_check:
                 self.run_deferred_checks()
@@ -326,6 +423,8 @@ class LLMEngine:
                 if output.finished and output.request_id in pending:
                     final[output.request_id] = output
                     pending.discard(output.request_id)
+        while self._inflight is not None and not self.scheduler.has_unfinished():
+            self.step()  # lands a step that held only requests finished since
         self.run_deferred_checks()
         return [final[rid] for rid in ids]
 

@@ -4,10 +4,20 @@ Everything the layers need (positions, slot mapping, block tables) is built on t
 once per step and copied to the device in one go; there are no host/device syncs inside
 the layer loop and exactly one after sampling. ``run_model`` is the single place a
 CUDA-graph runner hooks in (same inputs, same output).
+
+``launch_model`` is the overlapped form (``EngineConfig.enable_async_scheduling``): it queues
+the forward and sampling and returns ``SampledTokens`` at once; the host reads them later
+(``tolist``, the one sync). A decode row whose input is a token the previous launched step
+sampled (``start == len(seq.token_ids)``: not yet on the host) reads it from that step's device
+tensor, so step n+1 is queued before step n's tokens reach the host::
+
+    host:  launch n | wait n-1, post n-1, send, schedule n+1 | launch n+1 | wait n | post n
+    GPU:   ... n-1 ][ forward + sample n ............................... ][ n+1 ...
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -40,6 +50,37 @@ def select_backend(name: str, device: torch.device) -> BaseAttentionBackend:
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class SampledTokens:
+    """The tokens a launched step sampled, one per sampled sequence in step order: on the
+    device (``device``, int64) until ``tolist`` copies them to the host.
+
+    ``row_of[seq]``: the row of ``seq``'s token; ``launched_at``: ``time.monotonic()`` when
+    the step was queued (the overhead bench's mark for host work hidden under it)."""
+
+    def __init__(self, device_tokens: torch.Tensor, seqs: list[Sequence]):
+        self.device = device_tokens
+        self.row_of = {seq: i for i, seq in enumerate(seqs)}
+        self._event: torch.cuda.Event | None = None
+        if device_tokens.device.type == "cuda":
+            self._host = torch.empty(len(seqs), dtype=torch.int64, pin_memory=True)
+            self._host.copy_(device_tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = device_tokens
+        self.launched_at = time.monotonic()
+
+    def is_ready(self) -> bool:
+        """Whether the tokens are on the host (``tolist`` will not wait)."""
+        return self._event is None or self._event.query()
+
+    def tolist(self) -> list[int]:
+        """The token ids; waits for the step (the host sync)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
@@ -88,12 +129,18 @@ class ModelRunner:
         self.graph_runner.capture()
 
     def prepare_inputs(
-        self, out: SchedulerOutput, fused_rows: dict[int, list[int]] | None = None
+        self,
+        out: SchedulerOutput,
+        fused_rows: dict[int, list[int]] | None = None,
+        prev: SampledTokens | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat ``input_ids``, ``positions``, the step's metadata and the rows to sample.
         ``fused_rows``: sequence index -> the positions a fused prefill computes (its whole
-        prompt is scheduled; only those rows run, with per-query positions)."""
+        prompt is scheduled; only those rows run, with per-query positions). ``prev``: the
+        previous launched step's tokens, the input of decode rows whose token is pending."""
         fused_rows = fused_rows or {}
+        pending_rows: list[int] = []  # flat rows whose input is in ``prev.device``
+        pending_src: list[int] = []
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -112,6 +159,14 @@ class ModelRunner:
                 positions.extend(fused_rows[i])
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
                 n = len(pos)
+            elif n == 1 and start == len(seq.token_ids):  # its input is still on the device
+                if prev is None or seq not in prev.row_of:
+                    raise RuntimeError(f"{seq.request_id}: pending token of no launched step")
+                pending_rows.append(len(ids))
+                pending_src.append(prev.row_of[seq])
+                ids.append(0)
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
             elif n == 1:  # decode: plain ints are far cheaper than numpy per sequence
                 ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -138,6 +193,9 @@ class ModelRunner:
             query_positions=positions_t if fused_rows else None,
         )
         input_ids = _to(np.asarray(ids, dtype=np.int64), dev)
+        if pending_rows:
+            src = prev.device[_to(np.asarray(pending_src, dtype=np.int64), dev)]
+            input_ids[_to(np.asarray(pending_rows, dtype=np.int64), dev)] = src
         return input_ids, positions_t, metadata, _to(np.asarray(logits_rows, dtype=np.int64), dev)
 
     def run_model(
@@ -148,12 +206,21 @@ class ModelRunner:
             return self.graph_runner.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> list[int]:
         """Sampled tokens of the sequences with ``out.sample`` set, in order. A sequence with a
         fusion plan and nothing computed yet is a fused prefill: its stored passage KV is
         written and its rows chosen first (``fusion/``), then those rows run in the step's
         batched forward beside the other sequences."""
+        sampled = self.launch_model(out)
+        return [] if sampled is None else sampled.tolist()
+
+    @torch.inference_mode()
+    def launch_model(
+        self, out: SchedulerOutput, prev: SampledTokens | None = None
+    ) -> SampledTokens | None:
+        """``execute_model`` without its host sync: the step's forward and sampling are queued
+        (on CPU: run) and their tokens returned on the device (``None``: nothing samples).
+        ``prev``: the tokens of the step launched before, for inputs still pending."""
         faults.check("forward", out.seqs)
         fused_rows: dict[int, list[int]] = {}
         if self.fusion is not None:
@@ -163,16 +230,17 @@ class ModelRunner:
                         seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
                         self.backend, seq.passage_blocks,
                     )  # fmt: skip
-        input_ids, positions, metadata, logits_rows = self.prepare_inputs(out, fused_rows)
+        input_ids, positions, metadata, logits_rows = self.prepare_inputs(out, fused_rows, prev)
         hidden = self.run_model(input_ids, positions, metadata)
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
         if not sampled:
-            return []
+            return None
         logits = self.model.compute_logits(hidden[logits_rows])
         if self.logits_hook is not None:
             self.logits_hook(sampled, logits)
         faults.check("sample", sampled)
-        return self.sampler(logits, [s.request_id for s in sampled], [s.params for s in sampled])
+        rids, params = [s.request_id for s in sampled], [s.params for s in sampled]
+        return SampledTokens(self.sampler.sample(logits, rids, params), sampled)
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

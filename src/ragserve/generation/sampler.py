@@ -57,30 +57,36 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> list[int]:
         """``logits``: float32 ``[n, vocab]`` -> n token ids (one host sync)."""
+        return self.sample(logits, request_ids, params).tolist()
+
+    def sample(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        """The n token ids as an int64 tensor on the logits' device, without a host sync."""
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
+            idx = _on(sampled, logits.device)
             probs = self._probs(logits[idx], [params[i] for i in sampled])
             for row, i in enumerate(sampled):
                 gen = self._generator(request_ids[i], params[i])
                 tokens[i] = torch.multinomial(probs[row], 1, generator=gen)[0]
-        return tokens.tolist()
+        return tokens
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        temps = _on([p.temperature for p in params], logits.device)
         logits = logits / temps[:, None]
         top_ks = [p.top_k for p in params if p.top_k is not None]
         if top_ks:
             vocab = logits.shape[-1]
-            ks = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)
+            ks = _on([min(p.top_k or vocab, vocab) for p in params], logits.device)
             sorted_desc = logits.sort(dim=-1, descending=True).values
             kth = sorted_desc.gather(-1, (ks - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+            top_ps = _on([p.top_p for p in params], logits.device)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above
             drop_sorted = before >= top_ps[:, None]
@@ -89,3 +95,12 @@ class Sampler:
             probs = probs.masked_fill(drop, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
+
+
+def _on(values: list, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``; on CUDA through pinned memory without a host
+    sync, so a launched step's sampling does not wait for the step before it."""
+    tensor = torch.tensor(values)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

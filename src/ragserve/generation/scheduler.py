@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ragserve.generation.block_manager import BlockManager
@@ -54,6 +55,15 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.seqs
 
+    def keep(self, predicate: Callable[[Sequence], bool]) -> SchedulerOutput:
+        """The same step with only the sequences ``predicate`` keeps."""
+        rows = [i for i, s in enumerate(self.seqs) if predicate(s)]
+        return SchedulerOutput(
+            [self.seqs[i] for i in rows],
+            [self.num_scheduled_tokens[i] for i in rows],
+            [self.sample[i] for i in rows],
+        )
+
 
 class Scheduler:
     """Owns the waiting and running queues and the ``BlockManager``.
@@ -71,8 +81,10 @@ class Scheduler:
         fairness_window: int | None = None,
         lookahead: int = 64,
         overlap_swap_in: bool = False,
+        max_model_len: int | None = None,
     ):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len  # a pending token at this length ends its request
         self.fairness_window = fairness_window  # None: first come, first served
         self.lookahead = lookahead
         self.overlap_swap_in = overlap_swap_in
@@ -102,7 +114,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_pending_tokens and self._ends_by_length(seq):
+                i += 1  # its pending token is its last: a step for it would be discarded
+                continue
+            n = min(_total_tokens(seq) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -152,9 +167,17 @@ class Scheduler:
             counts.append(n)
             budget -= cost
         sample = [
-            s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts, strict=True)
+            s.num_computed_tokens + n == _total_tokens(s) for s, n in zip(seqs, counts, strict=True)
         ]
         return SchedulerOutput(seqs, counts, sample)
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s pending tokens reach ``max_tokens`` or the context end (the finish
+        check that needs no token value)."""
+        if seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens:
+            return True
+        limit = self.max_model_len
+        return limit is not None and _total_tokens(seq) >= limit
 
     def _pick_waiting(self) -> tuple[int, list]:
         """Index in ``waiting`` of the request to admit next, and its cached blocks.
@@ -236,3 +259,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finish_time = time.monotonic()
+
+
+def _total_tokens(seq: Sequence) -> int:
+    """Known tokens plus those sampled by launched steps (overlapped scheduling)."""
+    return seq.num_tokens + seq.num_pending_tokens

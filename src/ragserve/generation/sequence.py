@@ -81,6 +81,9 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # tokens sampled by launched steps but not yet on the host (overlapped scheduling:
+        # ``LLMEngine.enable_async_scheduling``); the scheduler counts them as known
+        self.num_pending_tokens = 0
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"
