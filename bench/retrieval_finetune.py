@@ -27,6 +27,7 @@ from ragserve.retrieval import load_embedder
 from ragserve.retrieval.adapter import pseudo_pairs
 from ragserve.retrieval.ensemble import EnsembleConfig
 from ragserve.retrieval.finetune import FinetuneConfig, finetune_embedder, save_embedder
+from ragserve.retrieval.index import passage_text
 from ragserve.retrieval.ingest import ChunkConfig, Chunker
 from retrieval_quality import (
     FAQ_CORPORA,
@@ -110,6 +111,36 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
         index.close()
 
 
+def build_cost(sizes: list[int], out: Path) -> None:
+    """Build-time cost vs corpus size: for the first N pydocs passages (N in `sizes`), the
+    seconds to fine-tune on their pairs and to embed them once with the base encoder, side by
+    side in one process (so both see the same load); rows written to `out`."""
+    base = load_embedder("all-minilm-l6-v2")
+    work = Path(tempfile.mkdtemp(prefix="cost-"))
+    try:
+        hidden = prepare_faq(FAQ_CORPORA["pydocs"], work)
+        chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
+        docs, _ = pydocs_new(work, hidden, chunker)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for n in sizes:
+        subset = docs[:n]
+        t0 = time.perf_counter()
+        base.encode([passage_text(d) for d in subset], is_query=False)
+        embed_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _, num_pairs = finetune_embedder(base, subset, FinetuneConfig())
+        train_s = time.perf_counter() - t0
+        rows.append({"num_passages": len(subset), "num_pairs": num_pairs,
+                     "embed_seconds": round(embed_s, 1),
+                     "train_seconds": round(train_s, 1)})  # fmt: skip
+        logging.info("%d passages, %d pairs: embed %.1f s, fine-tune %.1f s (x%.1f)", len(subset),
+                     num_pairs, embed_s, train_s, train_s / embed_s)  # fmt: skip
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+
+
 def table(path: Path) -> str:
     """`--out` as a Markdown table (`retrieval_quality.split_table`)."""
     columns = {"fine-tune": "---", "mode": "---", "train s": "---:"}
@@ -123,12 +154,16 @@ def main() -> None:
     add_study_args(p, "none,1/2e-5/16", "bench/results/retrieval_finetune.json")
     p.add_argument("--keep-encoders", type=Path, default=None, help="save/reuse tuned encoders")
     p.add_argument("--ensemble-configs", default="1/0.2/50", help="weight/bm25_weight/depth,...")
+    p.add_argument("--cost", default=None, help="N1,N2,...: build cost on the first N passages")
     args = p.parse_args()
     if args.table:
         print(table(args.out))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    if args.cost:
+        build_cost([int(n) for n in args.cost.split(",")], args.out)
+        return
     rows: list[dict] = []
     for name in args.corpora.split(","):
         run_corpus(name, args.configs.split(","), args.modes.split(","), args.cache, args.show,
