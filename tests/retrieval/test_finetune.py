@@ -183,3 +183,14 @@ def test_a_fine_tuned_index_queries_with_its_own_encoder_everywhere_even_moved(t
     runner = build_runner(WorkerSpec(kind="retrieval", index=str(moved)))
     assert runner.embedder.name == str((moved / "encoder").absolute())
     np.testing.assert_allclose(runner.embedder.encode(QUERIES, is_query=True), tuned_q, atol=1e-6)
+
+
+def test_saved_encoder_is_the_index_folders_own_when_it_has_one(tmp_path):
+    from ragserve.retrieval.finetune import saved_encoder
+
+    tuned = {"finetune_encoder": {"enabled": True, "dir": "encoder"}}
+    assert saved_encoder(tmp_path, tuned) is None  # saved elsewhere: the recorded path
+    (tmp_path / "encoder").mkdir()
+    assert saved_encoder(tmp_path, tuned) == str(tmp_path.absolute() / "encoder")
+    assert saved_encoder(tmp_path, {"finetune_encoder": {"enabled": False}}) is None
+    assert saved_encoder(tmp_path, {}) is None

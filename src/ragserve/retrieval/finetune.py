@@ -97,9 +97,11 @@ def can_finetune(embedder: Embedder) -> bool:
 
 def saved_encoder(directory: Path, metadata: dict) -> str | None:
     """The fine-tuned encoder kept inside the index folder `directory`, resolved against where
-    the folder is now (a moved or copied index uses its own copy); None when it has none."""
+    the folder is now (a moved or copied index uses its own copy); None when the index has none
+    or the folder holds none (an index saved elsewhere: the recorded path is used then)."""
     name = (metadata.get(METADATA_KEY) or {}).get("dir")
-    return str(Path(directory).absolute() / name) if name else None
+    folder = Path(directory).absolute() / name if name else None
+    return str(folder) if folder is not None and folder.is_dir() else None
 
 
 def _embed(embedder: Embedder, texts: list[str]):
