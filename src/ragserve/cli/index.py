@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -79,10 +80,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--finetune-encoder",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=None,
         help="corpus adaptation: fine-tune the encoder on the corpus's own (first sentence -> "
-        "rest of passage) pairs and save it in OUT/encoder (2.6-10x the embedding time on CPU; "
-        "off: held-out recall rose on two of three sets, tied on one; BENCHMARKS.md)",
+        "rest of passage) pairs and save it in OUT/encoder. Default: on for a folder of 100 to "
+        "1000 passages with the default embedder (held-out recall rose; build time bounded; "
+        "BENCHMARKS.md), off otherwise; `index info` says which",
     )
     b.add_argument(
         "--query-adapter",
@@ -172,19 +174,25 @@ def _build(args: argparse.Namespace) -> int:
     if not docs:
         print(f"error: no documents in {args.corpus}", file=sys.stderr)
         return 2
-    if args.finetune_encoder:
+    finetune, reason = _finetune_choice(args, embedder, len(docs))
+    tuned = {"enabled": finetune, "reason": reason}
+    print(f"encoder fine-tuning {'on' if finetune else 'off'} ({reason})")
+    if finetune:
         from ragserve.retrieval.finetune import FinetuneConfig, finetune_embedder
 
         print(f"fine-tuning {embedder.name} on {len(docs)} passages")
+        t0 = time.perf_counter()
         try:
-            embedder, num_pairs = finetune_embedder(
-                embedder, docs, FinetuneConfig(), args.passage_header
-            )
+            config = FinetuneConfig()
+            embedder, num_pairs = finetune_embedder(embedder, docs, config, args.passage_header)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        print(f"fine-tuned on {num_pairs} pseudo-queries")
-        embedder.name = str((out / ENCODER_DIR).absolute())  # recorded by the index
+        train_s = round(time.perf_counter() - t0, 1)
+        print(f"fine-tuned on {num_pairs} pseudo-queries ({train_s} s)")
+        tuned |= {"dir": ENCODER_DIR, "base": args.embedder, "num_pairs": num_pairs,
+                  "train_seconds": train_s, **dataclasses.asdict(config)}  # fmt: skip
+        embedder.name = str((out / ENCODER_DIR).absolute())  # recorded; reloads use `dir`
     print(f"embedding {len(docs)} passages with {embedder.name}")
     index = VectorIndex.build(
         docs,
@@ -208,11 +216,13 @@ def _build(args: argparse.Namespace) -> int:
         index.bm25()
     if ensemble:
         from ragserve.retrieval.ensemble import EnsembleConfig
+        from ragserve.retrieval.finetune import TUNED_ENSEMBLE_WEIGHT
 
         print(f"embedding {index.num_documents} passages with {ensemble} (ensemble)")
+        weight = TUNED_ENSEMBLE_WEIGHT if finetune else 1.0
         try:
             index.enable_ensemble(
-                EnsembleConfig(ensemble, bm25_weight=0.0 if args.no_bm25 else 0.2)
+                EnsembleConfig(ensemble, weight, bm25_weight=0.0 if args.no_bm25 else 0.2)
             )
         except (ValueError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -227,8 +237,9 @@ def _build(args: argparse.Namespace) -> int:
         print(f"query adapter trained on {num_pairs} pseudo-queries")
     index.metadata["default_mode"] = default_mode
     index.metadata["collapse_sections"] = args.collapse_sections
+    index.metadata["finetune_encoder"] = tuned
     index.save(out)
-    if args.finetune_encoder:
+    if finetune:
         from ragserve.retrieval.finetune import save_embedder
 
         save_embedder(embedder, out / ENCODER_DIR)
@@ -238,6 +249,29 @@ def _build(args: argparse.Namespace) -> int:
     )
     index.close()
     return 0
+
+
+def _finetune_choice(args: argparse.Namespace, embedder, num_passages: int) -> tuple[bool, str]:
+    """Whether the build fine-tunes the encoder, and why (recorded; `index info` shows it).
+    Without a flag: on for a folder of documents (where it was measured) of AUTO_MIN to
+    AUTO_MAX passages with the default embedder (the one measured)."""
+    from ragserve.retrieval.embedder import DEFAULT_EMBEDDER
+    from ragserve.retrieval.finetune import AUTO_MAX_PASSAGES, AUTO_MIN_PASSAGES, can_finetune
+
+    if args.finetune_encoder is not None:
+        return args.finetune_encoder, f"--{'' if args.finetune_encoder else 'no-'}finetune-encoder"
+    if not Path(args.corpus).is_dir():
+        return False, "default: off for .jsonl/.parquet/factbook corpora (measured on folders)"
+    if embedder.name != DEFAULT_EMBEDDER or not can_finetune(embedder):
+        return False, f"default: off for embedder {embedder.name} (measured: {DEFAULT_EMBEDDER})"
+    if num_passages < AUTO_MIN_PASSAGES:
+        return False, f"default: off below {AUTO_MIN_PASSAGES} passages ({num_passages})"
+    if num_passages > AUTO_MAX_PASSAGES:
+        return (
+            False,
+            f"default: off above {AUTO_MAX_PASSAGES} passages ({num_passages}; build time)",
+        )
+    return True, f"default: on for a folder of {num_passages} passages (<= {AUTO_MAX_PASSAGES})"
 
 
 def _ensemble_embedder(args: argparse.Namespace, embedder_name: str) -> str | None:

@@ -27,6 +27,15 @@ if TYPE_CHECKING:
     from ragserve.retrieval.types import Document
 
 TEMPERATURE = 0.05
+METADATA_KEY = "finetune_encoder"  # index metadata: the build's choice, why, and the folder
+# `index build` over a folder of documents fine-tunes by default between these sizes (BENCHMARKS.md,
+# "Retrieval quality (issue 14)", sixth run): below, no corpus was measured (the smallest held-out
+# one had 102 passages); above, the build's training time passes the bound measured there.
+AUTO_MIN_PASSAGES = 100
+AUTO_MAX_PASSAGES = 1000
+# The ensemble's side-encoder weight for an index with a fine-tuned encoder (chosen on the pydocs
+# tune half; raised held-out R@1 and MRR on five sets): the tuned encoder earns more of the say.
+TUNED_ENSEMBLE_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,7 @@ def finetune_embedder(
 
     from ragserve.retrieval.adapter import in_batch_loss, pseudo_pairs
 
-    if not hasattr(embedder, "model") or embedder.passage_prefix or embedder.query_prefix:
+    if not can_finetune(embedder):
         raise ValueError("finetuning needs a Hugging Face embedder without query prefixes")
     pairs = pseudo_pairs(docs, ("sentence",), header)
     if not pairs:
@@ -79,6 +88,20 @@ def finetune_embedder(
                 opt.step()
     tuned.model.eval()
     return tuned, len(pairs)
+
+
+def can_finetune(embedder: Embedder) -> bool:
+    """A Hugging Face embedder without query/passage prefixes (what `finetune_embedder` trains)."""
+    return hasattr(embedder, "model") and not (embedder.passage_prefix or embedder.query_prefix)
+
+
+def saved_encoder(directory: Path, metadata: dict) -> str | None:
+    """The fine-tuned encoder kept inside the index folder `directory`, resolved against where
+    the folder is now (a moved or copied index uses its own copy); None when the index has none
+    or the folder holds none (an index saved elsewhere: the recorded path is used then)."""
+    name = (metadata.get(METADATA_KEY) or {}).get("dir")
+    folder = Path(directory).absolute() / name if name else None
+    return str(folder) if folder is not None and folder.is_dir() else None
 
 
 def _embed(embedder: Embedder, texts: list[str]):

@@ -498,6 +498,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
             "passage_header": self.passage_header,
             "ensemble": self.metadata.get("ensemble"),
             "query_adapter": self.metadata.get("query_adapter"),
+            "finetune_encoder": self.metadata.get("finetune_encoder"),
             "embedder": self.spec.embedder,
             "num_documents": self.num_documents,
             "code_size_bytes": int(self._index.code_size),

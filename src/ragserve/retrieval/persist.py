@@ -20,7 +20,7 @@ import faiss
 import numpy as np
 
 from ragserve import __version__
-from ragserve.retrieval import adapter, bm25, ensemble
+from ragserve.retrieval import adapter, bm25, ensemble, finetune
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.storage import (
@@ -135,18 +135,19 @@ def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | N
         raise IndexCorruptError(
             store_path, f"holds {count} documents but the index has {index.ntotal} vectors"
         )
+    metadata = dict(manifest.get("metadata") or {})
     spec = IndexSpec(
         manifest["dim"],
         manifest["nlist"],
         manifest["kind"],
         manifest["metric"],
-        manifest["embedder"],
+        finetune.saved_encoder(directory, metadata) or manifest["embedder"],
         manifest.get("nprobe", 1),
     )
     vi = VectorIndex(index, store, spec, embedder=embedder, directory=directory)
     vi.generation = int(manifest.get("generation", 1))
     vi.applied_seq = int(manifest["applied_seq"])
-    vi.metadata = dict(manifest.get("metadata") or {})
+    vi.metadata = metadata
     vi._bm25 = lexical
     try:
         vi._side = _load_side(directory, vi.metadata)  # synced with the store on first use
