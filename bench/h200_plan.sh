@@ -30,13 +30,15 @@
 #                                          stream rates re-bracketed (<= 325 s)
 #   bash bench/h200_plan.sh 8   overflow_stream  call 7 with the tier filled to its budget in
 #                                          the rate phases, the model checked there (<= 325 s)
+#   bash bench/h200_plan.sh 9   overflow_stream  call 8's stream and CPU-only rates only,
+#                                          bisected further (<= 325 s)
 # Carry: .whl (calls 1-3, 5, 6), .gpurun and .bench_before (call 1); call 4 needs none.
 # Env: CALL_S (the call's budget, default 565), TWIN=cpu (the CPU twin: the same parts on
 # tiny CPU configurations, to check this script, not to measure).
 set -uo pipefail
 CALL=${1:-}
 : "${OUT:?OUT must name the folder results are written to}"
-CALL_S=${CALL_S:-$(case $CALL in 3 | 7 | 8) echo 330 ;; 5 | 6) echo 300 ;; *) echo 565 ;; esac)}
+CALL_S=${CALL_S:-$(case $CALL in 3 | 7 | 8 | 9) echo 330 ;; 5 | 6) echo 300 ;; *) echo 565 ;; esac)}
 START=$SECONDS
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -169,10 +171,19 @@ case $CALL in
 --rate-order tier stream cpu" bash bench/h200_overflow_stream_run.sh
     summary overflow_stream
     ;;
+9)  # call 8's stream and CPU-only rates only, bisected further: is the filled tier + stream
+    # >= 3x CPU-only? (call 8: stream [212, 252), CPU 75.6 = [75.6, 81.5))
+    OV_ARGS=${ARGS:-"--num-docs 20000000 --dim 768 --nlist 16384 --topics 65536 --nprobe 256 \
+--budget-gb 24 --rate-points 4 --cpu-rate 70 90 --stream-rate 212 252"}
+    part overflow_stream 325 env GPU_TESTS=0 LIMIT=312 \
+        ARGS="$OV_ARGS --rate-placement fill --skip latency tier_rate --rate-order stream cpu" \
+        bash bench/h200_overflow_stream_run.sh
+    summary overflow_stream
+    ;;
 4)
     part kv_capacity 268 env PRESET="${PRESET_KV:-h200-llama8b-tiers}" \
         bash bench/h200_kv_tiers_run.sh capacity
     summary kv_capacity
     ;;
-*) echo "usage: $0 1|2|3|4|5|6|7|8 (OUT=<folder>)" >&2; exit 2 ;;
+*) echo "usage: $0 1|2|3|4|5|6|7|8|9 (OUT=<folder>)" >&2; exit 2 ;;
 esac
