@@ -5,9 +5,6 @@ CPU: under Triton's interpreter in a subprocess (skipped without triton); GPU: c
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -65,13 +62,11 @@ def check_fused(device: str, dtype: torch.dtype) -> None:
 
 def test_interpreter_matches_eager() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    code = "import torch, test_attention_fused_ops as t; t.check_fused('cpu', torch.float32)"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    from ragserve.generation.testing import run_in_triton_interpreter
+
+    run_in_triton_interpreter(
+        HERE, "import torch, test_attention_fused_ops as t; t.check_fused('cpu', torch.float32)"
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.gpu

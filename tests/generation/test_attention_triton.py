@@ -6,9 +6,6 @@ GPU (``gpu``): compiled, in float32 and bfloat16, with and without split-KV.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -111,13 +108,9 @@ def test_interpreter_matches_reference() -> None:
     """Mixed, decode and chunked batches, split-KV, MHA and odd head sizes, cache fusion's
     scattered rows (per-query positions), on CPU."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    code = "import test_attention_triton as t; t.interpreter_checks()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from ragserve.generation.testing import run_in_triton_interpreter
+
+    run_in_triton_interpreter(HERE, "import test_attention_triton as t; t.interpreter_checks()")
 
 
 @pytest.mark.gpu

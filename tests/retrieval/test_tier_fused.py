@@ -11,9 +11,6 @@ against a float64 oracle over the same rounded vectors; the block choice of the 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import faiss
@@ -185,13 +182,9 @@ def interpreter_checks() -> None:
 
 def test_interpreter_matches_faiss() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    code = "import test_tier_fused as t; t.interpreter_checks()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from ragserve.generation.testing import run_in_triton_interpreter
+
+    run_in_triton_interpreter(HERE, "import test_tier_fused as t; t.interpreter_checks()")
 
 
 def test_block_choice() -> None:

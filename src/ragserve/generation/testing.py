@@ -87,3 +87,20 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **over
         if (tok_dir / name).is_file():
             shutil.copy(tok_dir / name, out / name)
     return out
+
+
+def run_in_triton_interpreter(test_dir: str | Path, code: str, timeout: float = 300) -> None:
+    """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (Triton reads it when a
+    kernel is decorated, so it must be set before the kernel modules are imported) and
+    ``test_dir`` on the path; raise ``AssertionError`` with the end of its stderr if it fails.
+    The CPU twin of the Triton kernels' CUDA tests."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(test_dir), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
