@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ragserve.generation import EngineConfig, ModelConfig, ModelLoadError
-from ragserve.generation.llm_engine import _resolve_max_model_len
+from ragserve.generation.engine_setup import resolve_max_model_len
 
 BASE = {
     "vocab_size": 100,
@@ -55,9 +55,9 @@ def test_sliding_window_caps_the_context():
     mistral = ModelConfig.from_dict(
         {**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
     )
-    assert _resolve_max_model_len(EngineConfig(model="m"), mistral) == 4096
+    assert resolve_max_model_len(EngineConfig(model="m"), mistral) == 4096
     with pytest.raises(ValueError, match="exceeds"):
-        _resolve_max_model_len(EngineConfig(model="m", max_model_len=5000), mistral)
+        resolve_max_model_len(EngineConfig(model="m", max_model_len=5000), mistral)
     qwen2 = ModelConfig.from_dict(
         {
             **BASE,
@@ -67,7 +67,7 @@ def test_sliding_window_caps_the_context():
         }
     )
     assert qwen2.sliding_window is None and qwen2.attention_bias
-    assert _resolve_max_model_len(EngineConfig(model="m"), qwen2) == 8192
+    assert resolve_max_model_len(EngineConfig(model="m"), qwen2) == 8192
 
 
 def test_bad_configs_name_the_file():

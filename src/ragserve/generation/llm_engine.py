@@ -33,12 +33,21 @@ import torch
 
 from ragserve.generation import faults
 from ragserve.generation.builtin import resolve_model
-from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from ragserve.generation.config import EngineConfig, ModelConfig
 from ragserve.generation.detokenizer import (
     IncrementalDetokenizer,
     check_finished,
     find_stop,
     make_decoder,
+)
+from ragserve.generation.engine_setup import (
+    is_dummy_dir,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+    size_kv_pool,
+    tokenizer_eos,
 )
 from ragserve.generation.errors import PromptTooLongError
 from ragserve.generation.evidence_order import order_evidence
@@ -71,8 +80,6 @@ from ragserve.generation.step_isolation import execute_isolated
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class _Inflight(NamedTuple):
     """A launched step whose tokens have not been read (``None``: nothing in it samples)."""
@@ -89,21 +96,21 @@ class LLMEngine:
 
     def __init__(self, model: str | Path, **kwargs: Any):
         config = EngineConfig(model=str(model), **kwargs)
-        self.model_dir = None if _is_dummy_dir(config) else resolve_model(config.model)
+        self.model_dir = None if is_dummy_dir(config) else resolve_model(config.model)
         folder = self.model_dir or Path(config.model)
         self.model_config = ModelConfig.from_folder(folder)
-        device = _resolve_device(config.device)
+        device = resolve_device(config.device)
         if device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
-        dtype = _resolve_dtype(config.dtype, device)
-        max_model_len = _resolve_max_model_len(config, self.model_config)
-        self.tokenizer = _load_tokenizer(folder)
+        dtype = resolve_dtype(config.dtype, device)
+        max_model_len = resolve_max_model_len(config, self.model_config)
+        self.tokenizer = load_tokenizer(folder)
         self._decode = (
             None
             if self.tokenizer is None
             else make_decoder(self.tokenizer, config.enable_fast_detokenize)
         )
-        self.eos_token_ids = self.model_config.eos_token_ids or _tokenizer_eos(self.tokenizer)
+        self.eos_token_ids = self.model_config.eos_token_ids or tokenizer_eos(self.tokenizer)
         model = load_model(
             self.model_config,
             folder,
@@ -113,7 +120,7 @@ class LLMEngine:
             load_format=config.load_format,
             seed=config.seed,
         )
-        num_blocks, max_model_len = _size_kv_pool(
+        num_blocks, max_model_len = size_kv_pool(
             config, self.model_config, device, dtype, max_model_len
         )
         self.config = replace(
@@ -567,80 +574,3 @@ def _check_segment_ends(request_id: str, ends: Sequence_[int], num_tokens: int) 
             f"prompt length {num_tokens}, got {list(out)}"
         )
     return out
-
-
-def _is_dummy_dir(config: EngineConfig) -> bool:
-    return config.load_format == "dummy" and (Path(config.model) / "config.json").is_file()
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'")
-    return _DTYPES[dtype]
-
-
-def _resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None:
-        # NOTE: within the window, sliding-window attention equals full attention.
-        limit = min(limit, cfg.sliding_window)
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit}")
-    return config.max_model_len
-
-
-def _size_kv_pool(
-    config: EngineConfig,
-    cfg: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_model_len: int,
-) -> tuple[int, int]:
-    """``(num_blocks, max_model_len)``: the pool from ``kv_cache_bytes``, else on CUDA a share
-    of the memory left after the weights, else (CPU) up to 32 full contexts within a modest
-    default. An implicit ``max_model_len`` shrinks to the pool; an explicit one must fit."""
-    per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype)
-    if config.kv_cache_bytes is not None:
-        pool_bytes = config.kv_cache_bytes
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        pool_bytes = int(free * config.kv_cache_memory_fraction)
-    else:
-        per_token = per_block // config.block_size
-        pool_bytes = min(CPU_DEFAULT_KV_CACHE_BYTES, 32 * max_model_len * per_token)
-    num_blocks = pool_bytes // per_block
-    pool_tokens = num_blocks * config.block_size
-    if pool_tokens < max_model_len:
-        if config.max_model_len is not None or num_blocks < 1:
-            raise ValueError(
-                f"the KV pool holds {pool_tokens} tokens, less than max_model_len="
-                f"{max_model_len}; raise kv_cache_bytes or lower max_model_len"
-            )
-        logger.warning("the KV pool holds %d tokens: max_model_len lowered", pool_tokens)
-        max_model_len = pool_tokens
-    return num_blocks, max_model_len
-
-
-def _load_tokenizer(folder: Path) -> Any:
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any((folder / n).is_file() for n in names):
-        logger.info("no tokenizer in %s: prompts must be token ids", folder)
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def _tokenizer_eos(tokenizer: Any) -> tuple[int, ...]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return () if eos is None else (int(eos),)
