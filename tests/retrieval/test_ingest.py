@@ -154,3 +154,18 @@ def test_a_file_without_text_is_empty_not_skipped(tmp_path):
 def test_missing_folder():
     with pytest.raises(FileNotFoundError, match="no corpus folder"):
         ingest_folder(DOCS / "nope")
+
+
+def test_rst_directive_arguments_lose_their_inline_markup(tmp_path):
+    path = tmp_path / "changes.rst"
+    path.write_text(
+        "Changes\n=======\n\n"
+        ".. versionchanged:: 1.4 the ``Row`` object is a *named* tuple\n\n"
+        ".. seealso:: `speed tips <https://example.org/tips>`_ and :ref:`howto`\n\n"
+        "   Body text.\n",
+        encoding="utf-8",
+    )
+    text = _text(parse_file(path))
+    assert "1.4 the Row object is a named tuple" in text
+    assert "speed tips and howto" in text and "Body text." in text
+    assert not [m for m in ("``", "`_", "<https", "*named*") if m in text], text

@@ -152,7 +152,11 @@ def _register_directives() -> None:
         def run(self):
             out = []
             if self.arguments and self.name not in ("only", "tab", "tabs"):
-                out.append(nodes.paragraph(text=" ".join(self.arguments)))
+                # NOTE: parsed as inline text, so that markup in an argument (``literal``,
+                # `link <url>`_, *emphasis*) becomes its text, as in the directive's body
+                text = " ".join(self.arguments)
+                inline, _ = self.state.inline_text(text, self.lineno)
+                out.append(nodes.paragraph(text, "", *inline))
             if self.content:
                 box = nodes.container()
                 self.state.nested_parse(self.content, self.content_offset, box)
