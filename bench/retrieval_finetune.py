@@ -72,16 +72,22 @@ def ensemble_runs(modes, ensemble_configs: str):
             yield ("ensemble" if config == EnsembleConfig() else f"ensemble {c}"), mode, config
 
 
-def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: list,
-               keep: Path | None = None, ensemble_configs: str = "1/0.2/50") -> None:  # fmt: skip
-    base = load_embedder("all-minilm-l6-v2")
+def faq_corpus(name: str, base) -> tuple[list, list]:
+    """``(passages, questions)`` of FAQ corpus ``name``: its question headings hidden, chunked
+    to fill ``base``'s window with a 32-token overlap, as every run here does."""
     work = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     try:
         hidden = prepare_faq(FAQ_CORPORA[name], work)
         chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
-        docs, questions = pydocs_new(work, hidden, chunker)
+        return pydocs_new(work, hidden, chunker)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: list,
+               keep: Path | None = None, ensemble_configs: str = "1/0.2/50") -> None:  # fmt: skip
+    base = load_embedder("all-minilm-l6-v2")
+    docs, questions = faq_corpus(name, base)
     pairs = pseudo_pairs(docs, ("sentence",))
     for config in configs:
         if config == "none":
@@ -116,13 +122,7 @@ def build_cost(sizes: list[int], out: Path) -> None:
     seconds to fine-tune on their pairs and to embed them once with the base encoder, side by
     side in one process (so both see the same load); rows written to `out`."""
     base = load_embedder("all-minilm-l6-v2")
-    work = Path(tempfile.mkdtemp(prefix="cost-"))
-    try:
-        hidden = prepare_faq(FAQ_CORPORA["pydocs"], work)
-        chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
-        docs, _ = pydocs_new(work, hidden, chunker)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    docs, _ = faq_corpus("pydocs", base)
     rows = []
     for n in sizes:
         subset = docs[:n]

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from ragserve.retrieval import load_embedder
 from ragserve.retrieval.ensemble import EnsembleConfig
-from ragserve.retrieval.ingest import ChunkConfig, Chunker
-from retrieval_finetune import tuned_encoder
-from retrieval_quality import FAQ_CORPORA, CachedPassages, build_index, prepare_faq, pydocs_new
+from retrieval_finetune import faq_corpus, tuned_encoder
+from retrieval_quality import CachedPassages, build_index
 
 DEFAULT_FUSION = EnsembleConfig(weight=0.5, bm25_weight=0.2, depth=50)
 
@@ -34,13 +31,7 @@ def _passage(d) -> dict:
 
 def corpus_misses(name: str, keep: Path | None, cache: Path | None, k: int = 5) -> dict:
     base = load_embedder("all-minilm-l6-v2")
-    work = Path(tempfile.mkdtemp(prefix=f"{name}-"))
-    try:
-        hidden = prepare_faq(FAQ_CORPORA[name], work)
-        chunker = Chunker(base.tokenizer, base.passage_window, ChunkConfig(None, 32))
-        docs, questions = pydocs_new(work, hidden, chunker)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    docs, questions = faq_corpus(name, base)
     by_id = {d.id: d for d in docs}
     embedder, _ = tuned_encoder(base, docs, "1/2e-5/16", keep, name)
     index = build_index(docs, embedder, None)

@@ -30,6 +30,7 @@ and the enqueueing of a scan's kernels, never a wait on the device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -297,7 +298,7 @@ class GpuTier:
     def _write_chunks(self, chunks: np.ndarray, n: int, host_v, host_i, host_b) -> Any:
         torch = self._torch
         stream = self._side
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             dev_chunks = torch.from_numpy(chunks).to(self.device, non_blocking=True)
             vec = host_v.to(self.device, non_blocking=True).to(self._tdtype)
@@ -592,11 +593,3 @@ def _check_fused(scan: str, can_fuse: bool) -> None:
         raise ValueError(
             "scan='fused' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)"
         )
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
