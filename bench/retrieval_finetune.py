@@ -58,7 +58,10 @@ def tuned_encoder(base, docs, config: str, keep: Path | None, name: str):
     return embedder, train_s
 
 
-def ensemble_runs(modes, ensemble_configs: str):
+SIDE = "multilingual-e5-small-q4"  # the ensemble's side encoder unless --side names another
+
+
+def ensemble_runs(modes, ensemble_configs: str, side: str = SIDE):
     """(row label, mode, EnsembleConfig or None): the default ensemble is labelled
     `ensemble`, other weight/bm25_weight/depth settings `ensemble W/B/D`."""
     for mode in modes:
@@ -67,9 +70,9 @@ def ensemble_runs(modes, ensemble_configs: str):
             continue
         for c in ensemble_configs.split(","):
             weight, bm25_weight, depth = c.split("/")
-            config = EnsembleConfig(weight=float(weight), bm25_weight=float(bm25_weight),
-                                    depth=int(depth))  # fmt: skip
-            yield ("ensemble" if config == EnsembleConfig() else f"ensemble {c}"), mode, config
+            config = EnsembleConfig(side, float(weight), float(bm25_weight), int(depth))
+            default = config == EnsembleConfig()
+            yield ("ensemble" if default else f"ensemble {c}"), mode, config
 
 
 def faq_corpus(name: str, base) -> tuple[list, list]:
@@ -85,7 +88,8 @@ def faq_corpus(name: str, base) -> tuple[list, list]:
 
 
 def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: list,
-               keep: Path | None = None, ensemble_configs: str = "1/0.2/50") -> None:  # fmt: skip
+               keep: Path | None = None, ensemble_configs: str = "1/0.2/50",
+               side_name: str = SIDE) -> None:  # fmt: skip
     base = load_embedder("all-minilm-l6-v2")
     docs, questions = faq_corpus(name, base)
     pairs = pseudo_pairs(docs, ("sentence",))
@@ -98,13 +102,15 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
         index = build_index(docs, embedder, cache if config == "none" else None)
         embed_s = time.perf_counter() - t0
         if "ensemble" in modes:
-            side = CachedPassages(load_embedder("multilingual-e5-small-q4"), cache)
-            index.enable_ensemble(EnsembleConfig(), embedder=side)
+            side = CachedPassages(load_embedder(side_name), cache)
+            index.enable_ensemble(EnsembleConfig(side_name), embedder=side)
         index.bm25()
-        for label, mode, ensemble in ensemble_runs(modes, ensemble_configs):
+        for label, mode, ensemble in ensemble_runs(modes, ensemble_configs, side_name):
             if ensemble is not None:
                 index.metadata["ensemble"] = ensemble.to_dict()
             result = evaluate(index, questions, mode, None, True)
+            if ensemble is not None and side_name != SIDE:
+                label = f"{label} side {side_name}"
             rows.append({"corpus": name, "finetune": config, "mode": label,
                          "num_passages": len(docs), "num_pairs": len(pairs),
                          "train_seconds": round(train_s, 1),
@@ -154,6 +160,7 @@ def main() -> None:
     add_study_args(p, "none,1/2e-5/16", "bench/results/retrieval_finetune.json")
     p.add_argument("--keep-encoders", type=Path, default=None, help="save/reuse tuned encoders")
     p.add_argument("--ensemble-configs", default="1/0.2/50", help="weight/bm25_weight/depth,...")
+    p.add_argument("--side", default=SIDE, help="the ensemble's side encoder")
     p.add_argument("--cost", default=None, help="N1,N2,...: build cost on the first N passages")
     args = p.parse_args()
     if args.table:
@@ -167,7 +174,7 @@ def main() -> None:
     rows: list[dict] = []
     for name in args.corpora.split(","):
         run_corpus(name, args.configs.split(","), args.modes.split(","), args.cache, args.show,
-                   rows, args.keep_encoders, args.ensemble_configs)  # fmt: skip
+                   rows, args.keep_encoders, args.ensemble_configs, args.side)  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
     logging.info("wrote %s", args.out)

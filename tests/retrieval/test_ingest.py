@@ -169,3 +169,15 @@ def test_rst_directive_arguments_lose_their_inline_markup(tmp_path):
     assert "1.4 the Row object is a named tuple" in text
     assert "speed tips and howto" in text and "Body text." in text
     assert not [m for m in ("``", "`_", "<https", "*named*") if m in text], text
+
+
+def test_rst_file_wide_metadata_is_not_text(tmp_path):
+    path = tmp_path / "faq.rst"
+    path.write_text(
+        ":tocdepth: 2\n:orphan:\n\n===\nFAQ\n===\n\nWhat is it?\n-----------\n\n"
+        ":Author: kept: a field list inside a section is text\n\nAn answer.\n",
+        encoding="utf-8",
+    )
+    text = _text(parse_file(path))
+    assert "tocdepth" not in text and "orphan" not in text
+    assert "An answer." in text and "Author: kept" in text

