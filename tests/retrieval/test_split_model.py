@@ -86,9 +86,7 @@ def test_a_damaged_slice_is_a_one_line_error_and_leaves_nothing(tmp_path):
         extract_folder(paths[:2], SPEC, target)  # a slice missing
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None, reason="needs transformers"
-)
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 def test_all_mpnet_base_v2_loads_from_its_packages(tmp_path, monkeypatch):
     from importlib import metadata
 
