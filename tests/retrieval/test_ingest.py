@@ -94,6 +94,19 @@ def test_html_sphinx_toctree_dropped_like_rst_toctree():
     assert _text(page) == "Questions by topic."
 
 
+def test_html_docutils_page_contents_dropped_but_a_contents_wrapper_kept():
+    from ragserve.retrieval.ingest.html import parse_html
+
+    page = parse_html(
+        '<html><body><div class="document"><h1>FAQ</h1><div class="contents topic">'
+        '<p class="topic-title">Contents</p><ul><li><a href="#q1">Is it fast?</a></li></ul>'
+        '</div><h2 id="q1">Is it fast?</h2><p>Yes, quite.</p></div></body></html>'
+    )
+    assert _text(page).count("Is it fast?") == 0 and "Yes, quite." in _text(page)
+    doxygen = parse_html('<html><body><div class="contents"><h1>API</h1><p>Call f().</p></div>')
+    assert _text(doxygen) == "Call f()."
+
+
 def test_pdf_text_and_title():
     doc = parse_file(DOCS / "report.pdf", "report")
     assert _titles(doc) == ["Annual Report"]

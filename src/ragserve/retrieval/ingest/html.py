@@ -14,6 +14,10 @@ _DROP = ("script", "style", "noscript", "nav", "header", "footer", "aside", "for
 # headings), dropped as the rST parser drops `.. toctree::`
 _DROP_CLASSES = ("headerlink", "sphinxsidebar", "related", "footer", "navigation", "toctree",
                  "toctree-wrapper", "breadcrumb", "sidebar", "skip-link", "mobile-nav")  # fmt: skip
+# docutils' in-page table of contents (`.. contents::` as `<div class="contents topic">`: the
+# page's own headings again, dropped as the rST parser drops the directive); a bare "contents"
+# class is kept, since some generators (Doxygen) wrap the whole page body in one
+_DROP_SELECTORS = ("div.contents.topic",)
 _MAIN = ("main", "[role=main]", "article", "div.body", "div.document", "body")
 
 
@@ -26,8 +30,8 @@ def parse_html(text: str, doc_title: str | None = None) -> ParsedDocument:
     page_title = soup.title.get_text(" ", strip=True) if soup.title else None
     for tag in soup.find_all(_DROP):
         tag.decompose()
-    for cls in _DROP_CLASSES:
-        for tag in soup.select(f".{cls}"):
+    for selector in (*(f".{cls}" for cls in _DROP_CLASSES), *_DROP_SELECTORS):
+        for tag in soup.select(selector):
             tag.decompose()
     main = next((m for sel in _MAIN if (m := soup.select_one(sel)) is not None), soup)
     markdown = markdownify(str(main), heading_style="ATX", code_language="", strip=["a", "img"])
