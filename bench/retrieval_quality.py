@@ -104,6 +104,19 @@ FAQ_CORPORA = {
         "*.html",
         "python-scrapy-doc",
     ),
+    # session 8: two more (the FAQ page's name is matched without case: FAQ.html, FAQ.txt)
+    "lxml": FaqCorpus(
+        Path("/usr/share/doc/python-lxml-doc/html"),
+        ("FAQ", "intro", "installation", "tutorial"),
+        "*.html",
+        "python-lxml-doc",
+    ),
+    "docutils": FaqCorpus(
+        Path("/usr/share/doc/docutils-doc"),
+        ("FAQ", "README", "docs/user/rst/quickstart", "docs/user/tools"),
+        "*.txt",
+        "docutils-doc",
+    ),
 }
 MODES = ("dense", "bm25", "hybrid")
 K = 10
@@ -173,8 +186,9 @@ def prepare_faq(corpus: FaqCorpus, work: Path, parts=None) -> dict[str, tuple[st
             paths = sorted(corpus.source.glob(part + corpus.pattern.removeprefix("*")))
         for path in paths:
             rel = path.relative_to(corpus.source).as_posix().removesuffix(".txt")
+            rel += "" if Path(rel).suffix else ".rst"  # docutils' own sources: rST in *.txt
             text = path.read_text(encoding="utf-8")
-            if part == "faq":
+            if part.lower() == "faq":
                 hide = _hide_html_questions if path.suffix == ".html" else _hide_questions
                 text = hide(text, rel, hidden)
             dest = out / rel

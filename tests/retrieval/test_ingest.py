@@ -103,6 +103,12 @@ def test_html_docutils_page_contents_dropped_but_a_contents_wrapper_kept():
         '</div><h2 id="q1">Is it fast?</h2><p>Yes, quite.</p></div></body></html>'
     )
     assert _text(page).count("Is it fast?") == 0 and "Yes, quite." in _text(page)
+    menu = parse_html(
+        '<html><body><div class="document"><div class="sidemenu"><div class="menu"><ul>'
+        "<li>Download</li></ul></div><div class=\"banner\">Donate!</div></div>"
+        "<h1>Intro</h1><p>Text.</p></div></body></html>"
+    )
+    assert _text(menu) == "Text."
     doxygen = parse_html('<html><body><div class="contents"><h1>API</h1><p>Call f().</p></div>')
     assert _text(doxygen) == "Call f()."
 

@@ -13,7 +13,8 @@ _DROP = ("script", "style", "noscript", "nav", "header", "footer", "aside", "for
 # "toctree-wrapper": a Sphinx table of contents in the page body (links to other pages'
 # headings), dropped as the rST parser drops `.. toctree::`
 _DROP_CLASSES = ("headerlink", "sphinxsidebar", "related", "footer", "navigation", "toctree",
-                 "toctree-wrapper", "breadcrumb", "sidebar", "skip-link", "mobile-nav")  # fmt: skip
+                 "toctree-wrapper", "breadcrumb", "sidebar", "skip-link", "mobile-nav",
+                 "sidemenu", "menu", "banner")  # fmt: skip
 # docutils' in-page table of contents (`.. contents::` as `<div class="contents topic">`: the
 # page's own headings again, dropped as the rST parser drops the directive); a bare "contents"
 # class is kept, since some generators (Doxygen) wrap the whole page body in one
