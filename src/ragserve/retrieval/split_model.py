@@ -65,6 +65,15 @@ def slice_paths(name: str) -> list[Path]:
     return paths
 
 
+def installed(name: str) -> bool:
+    """Whether every slice package of split model `name` is installed."""
+    try:
+        slice_paths(name)
+    except SplitModelError:
+        return False
+    return True
+
+
 class JoinedFile(io.RawIOBase):
     """Read-only, seekable view of several files one after another (the zip's slices)."""
 
