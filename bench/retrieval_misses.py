@@ -4,7 +4,9 @@ the top 10), every gold passage as ingested (source, heading path, text) and the
 retrieved. Read to find ingest defects, never to choose a setting.
 
 Default = MiniLM fine-tuned on the corpus (1/2e-5/16, as `retrieval_finetune.py`) in the
-ensemble at e5 weight 0.5 / BM25 0.2 / depth 50, sections collapsed, exhaustive.
+ensemble with its side encoder (`--side`: all-mpnet-base-v2 at 1 / 0.2 / 50, the default with
+`ragserve[mpnet]` since the seventh run; multilingual-e5-small-q4 at 0.5 / 0.2 / 50 otherwise),
+sections collapsed, exhaustive.
 
     .venv/bin/python bench/retrieval_misses.py --corpora scrapy,celery \
         --keep-encoders /tmp/s7/enc --cache /tmp/q14/bcache \
@@ -19,26 +21,27 @@ from pathlib import Path
 
 from ragserve.retrieval import load_embedder
 from ragserve.retrieval.ensemble import EnsembleConfig
+from ragserve.retrieval.finetune import side_weight
 from retrieval_finetune import faq_corpus, tuned_encoder
 from retrieval_quality import CachedPassages, build_index
-
-DEFAULT_FUSION = EnsembleConfig(weight=0.5, bm25_weight=0.2, depth=50)
 
 
 def _passage(d) -> dict:
     return {"source": d.metadata["source"], "section": d.metadata["section"], "text": d.text}
 
 
-def corpus_misses(name: str, keep: Path | None, cache: Path | None, k: int = 5) -> dict:
+def corpus_misses(
+    name: str, keep: Path | None, cache: Path | None, side_name: str, k: int = 5
+) -> dict:
     base = load_embedder("all-minilm-l6-v2")
     docs, questions = faq_corpus(name, base)
     by_id = {d.id: d for d in docs}
     embedder, _ = tuned_encoder(base, docs, "1/2e-5/16", keep, name)
     index = build_index(docs, embedder, None)
-    side = CachedPassages(load_embedder("multilingual-e5-small-q4"), cache)
-    index.enable_ensemble(EnsembleConfig(), embedder=side)
+    side = CachedPassages(load_embedder(side_name), cache)
+    fusion = EnsembleConfig(side_name, side_weight(side_name, True), bm25_weight=0.2, depth=50)
+    index.enable_ensemble(fusion, embedder=side)
     index.bm25()
-    index.metadata["ensemble"] = DEFAULT_FUSION.to_dict()
     hits = index.search_text(
         [q.text for q in questions], 10, mode="ensemble", collapse_sections=True
     )
@@ -61,9 +64,13 @@ def main() -> None:
     p.add_argument("--corpora", default="scrapy,celery")
     p.add_argument("--keep-encoders", type=Path, default=None)
     p.add_argument("--cache", type=Path, default=None)
+    p.add_argument("--side", default="all-mpnet-base-v2", help="the ensemble's side encoder")
     p.add_argument("--out", type=Path, default=Path("bench/results/retrieval_misses.json"))
     args = p.parse_args()
-    out = {c: corpus_misses(c, args.keep_encoders, args.cache) for c in args.corpora.split(",")}
+    out = {
+        c: corpus_misses(c, args.keep_encoders, args.cache, args.side)
+        for c in args.corpora.split(",")
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
     for name, r in out.items():
