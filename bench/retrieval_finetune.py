@@ -8,7 +8,7 @@ questions never enter training. Choose on `--show tune` (pydocs) only.
 
     .venv/bin/python bench/retrieval_finetune.py --corpora pydocs --show tune \
         --configs 1/2e-5/16 --cache /tmp/q14/bcache --out FILE
-    (each config: epochs/lr/batch; "none": the unadapted encoder)
+    (each config: epochs/lr/batch[/max_pairs]; "none": the unadapted encoder)
     --keep-encoders DIR saves each tuned encoder (and reuses a saved one: re-evaluations need
     no training); --ensemble-configs W/B/D,... adds ensemble rows per fusion setting.
 """
@@ -26,7 +26,12 @@ from pathlib import Path
 from ragserve.retrieval import load_embedder
 from ragserve.retrieval.adapter import pseudo_pairs
 from ragserve.retrieval.ensemble import EnsembleConfig
-from ragserve.retrieval.finetune import FinetuneConfig, finetune_embedder, save_embedder
+from ragserve.retrieval.finetune import (
+    FinetuneConfig,
+    finetune_embedder,
+    sample_pairs,
+    save_embedder,
+)
 from ragserve.retrieval.index import passage_text
 from ragserve.retrieval.ingest import ChunkConfig, Chunker
 from retrieval_quality import (
@@ -49,13 +54,20 @@ def tuned_encoder(base, docs, config: str, keep: Path | None, name: str):
     if folder is not None and (folder / "train.json").is_file():
         return load_embedder(str(folder)), json.loads((folder / "train.json").read_text())["s"]
     t0 = time.perf_counter()
-    epochs, lr, batch = config.split("/")
-    embedder, _ = finetune_embedder(base, docs, FinetuneConfig(int(epochs), float(lr), int(batch)))
+    embedder, _ = finetune_embedder(base, docs, parse_config(config))
     train_s = time.perf_counter() - t0
     if folder is not None:
         save_embedder(embedder, folder)
         (folder / "train.json").write_text(json.dumps({"s": round(train_s, 1)}))
     return embedder, train_s
+
+
+def parse_config(config: str) -> FinetuneConfig:
+    """``epochs/lr/batch`` or ``epochs/lr/batch/max_pairs`` as a `FinetuneConfig`."""
+    epochs, lr, batch, *cap = config.split("/")
+    return FinetuneConfig(
+        int(epochs), float(lr), int(batch), max_pairs=int(cap[0]) if cap else None
+    )
 
 
 SIDE = "multilingual-e5-small-q4"  # the ensemble's side encoder unless --side names another
@@ -95,9 +107,10 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
     pairs = pseudo_pairs(docs, ("sentence",))
     for config in configs:
         if config == "none":
-            embedder, train_s = base, 0.0
+            embedder, train_s, trained = base, 0.0, 0
         else:
             embedder, train_s = tuned_encoder(base, docs, config, keep, name)
+            trained = len(sample_pairs(pairs, parse_config(config)))
         t0 = time.perf_counter()
         index = build_index(docs, embedder, cache if config == "none" else None)
         embed_s = time.perf_counter() - t0
@@ -113,7 +126,7 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
                 label = f"{label} side {side_name}"
             rows.append({"corpus": name, "finetune": config, "mode": label,
                          "num_passages": len(docs), "num_pairs": len(pairs),
-                         "train_seconds": round(train_s, 1),
+                         "trained_pairs": trained, "train_seconds": round(train_s, 1),
                          "reembed_seconds": round(embed_s, 1), **result})  # fmt: skip
             t = result[show]
             logging.info("%-10s finetune %-12s %-8s %s R@1 %.3f R@5 %.3f R@10 %.3f MRR %.3f "

@@ -59,10 +59,15 @@ class FinetuneConfig:
     lr: float = 2e-5
     batch_size: int = 16
     seed: int = 0
+    # Train on at most this many pairs, a seeded sample when the corpus has more (None: all):
+    # bounds the training time of a large corpus; the passages are all embedded by the result.
+    max_pairs: int | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 2 or self.lr <= 0:
             raise ValueError("finetune epochs must be >= 1, batch_size >= 2 and lr > 0")
+        if self.max_pairs is not None and self.max_pairs < 2:
+            raise ValueError("finetune max_pairs must be >= 2 (or None: every pair)")
 
 
 def finetune_embedder(
@@ -76,7 +81,7 @@ def finetune_embedder(
 
     if not can_finetune(embedder):
         raise ValueError("finetuning needs a Hugging Face embedder without query prefixes")
-    pairs = pseudo_pairs(docs, ("sentence",), header)
+    pairs = sample_pairs(pseudo_pairs(docs, ("sentence",), header), config)
     if not pairs:
         raise ValueError("no pseudo-queries in the corpus (no passage has a first sentence)")
     tuned = copy.copy(embedder)
@@ -100,6 +105,18 @@ def finetune_embedder(
                 opt.step()
     tuned.model.eval()
     return tuned, len(pairs)
+
+
+def sample_pairs(pairs: list, config: FinetuneConfig) -> list:
+    """`pairs` when they are at most `config.max_pairs`, else a sample of that many drawn by
+    `config.seed` (kept in corpus order); deterministic for a given corpus and config."""
+    import torch
+
+    if config.max_pairs is None or len(pairs) <= config.max_pairs:
+        return pairs
+    rng = torch.Generator().manual_seed(config.seed + 1)  # not the training order's stream
+    keep = torch.randperm(len(pairs), generator=rng)[: config.max_pairs].sort().values
+    return [pairs[i] for i in keep.tolist()]
 
 
 def can_finetune(embedder: Embedder) -> bool:
