@@ -62,6 +62,35 @@ def test_saved_encoder_loads_back_equal(tuned, tmp_path):
     )
 
 
+def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
+    """Above `max_pairs` the training set is a sample of that many pairs, the same for the same
+    seed, another for another seed, kept in corpus order; at or under the cap, every pair (the
+    tuned weights equal an uncapped run's)."""
+    from ragserve.retrieval.adapter import pseudo_pairs
+    from ragserve.retrieval.finetune import sample_pairs
+
+    pairs = pseudo_pairs(docs(), ("sentence",))
+    cap = FinetuneConfig(max_pairs=4)
+    got = sample_pairs(pairs, cap)
+    assert len(got) == 4 and got == sample_pairs(pairs, cap)
+    assert [p.doc for p in got] == sorted(p.doc for p in got)
+    others = {tuple(p.doc for p in sample_pairs(pairs, FinetuneConfig(max_pairs=4, seed=s)))
+              for s in range(6)}  # fmt: skip
+    assert len(others) > 1
+    assert sample_pairs(pairs, FinetuneConfig(max_pairs=len(pairs))) == pairs
+    capped, n = finetune_embedder(base, docs(), FinetuneConfig(1, 1e-4, 3, max_pairs=4))
+    assert n == 4
+    q = capped.encode(QUERIES, is_query=True)
+    assert np.abs(q - base.encode(QUERIES, is_query=True)).max() > 1e-4
+    same, _ = finetune_embedder(base, docs(), FinetuneConfig(1, 1e-4, 3, max_pairs=len(TEXTS)))
+    np.testing.assert_array_equal(
+        same.encode(QUERIES, is_query=True),
+        finetune_embedder(base, docs(), FAST)[0].encode(QUERIES, is_query=True),
+    )
+    with pytest.raises(ValueError, match="max_pairs"):
+        FinetuneConfig(max_pairs=1)
+
+
 def test_bad_inputs_say_what_is_wrong(base):
     with pytest.raises(ValueError, match="finetune epochs"):
         FinetuneConfig(batch_size=1)
@@ -117,10 +146,10 @@ def test_the_build_default_follows_the_measured_bounds_and_the_flags_override_it
     def choice(n: int, flag=None, corpus=folder, embedder=base):
         return _finetune_choice(Namespace(finetune_encoder=flag, corpus=str(corpus)), embedder, n)
 
-    assert choice(100) == (True, "default: on for a folder of 100 passages (<= 1000)")
-    assert choice(1000)[0] is True
+    on = "default: on for a folder of {} passages (>= 100; on at most 1000 pseudo-queries)"
+    assert choice(100) == (True, on.format(100))
     assert choice(99) == (False, "default: off below 100 passages (99)")
-    assert choice(1001) == (False, "default: off above 1000 passages (1001; build time)")
+    assert choice(50_000) == (True, on.format(50_000))  # training bounded by the pair cap
     assert choice(500, corpus=tmp_path / "c.jsonl")[1].startswith("default: off for .jsonl")
     e5 = type("Packed", (), {"name": "multilingual-e5-small-q4"})()
     assert choice(500, embedder=e5)[1].startswith("default: off for embedder multilingual")
@@ -150,6 +179,7 @@ def test_a_folder_build_fine_tunes_by_default_and_index_info_says_why(
     entry = live["finetune_encoder"]
     assert entry["enabled"] is True and entry["reason"].startswith("default: on")
     assert (entry["dir"], entry["num_pairs"], entry["lr"]) == ("encoder", 6, FinetuneConfig().lr)
+    assert entry["max_pairs"] == finetune.AUTO_MAX_PAIRS  # the build's training is bounded
     assert live["embedder"] == str((tmp_path / "auto" / "encoder").absolute())
 
 

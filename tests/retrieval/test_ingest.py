@@ -105,7 +105,7 @@ def test_html_docutils_page_contents_dropped_but_a_contents_wrapper_kept():
     assert _text(page).count("Is it fast?") == 0 and "Yes, quite." in _text(page)
     menu = parse_html(
         '<html><body><div class="document"><div class="sidemenu"><div class="menu"><ul>'
-        "<li>Download</li></ul></div><div class=\"banner\">Donate!</div></div>"
+        '<li>Download</li></ul></div><div class="banner">Donate!</div></div>'
         "<h1>Intro</h1><p>Text.</p></div></body></html>"
     )
     assert _text(menu) == "Text."
@@ -200,3 +200,114 @@ def test_rst_file_wide_metadata_is_not_text(tmp_path):
     text = _text(parse_file(path))
     assert "tocdepth" not in text and "orphan" not in text
     assert "An answer." in text and "Author: kept" in text
+
+
+MYST = """# Guide
+
+Intro with {doc}`Black is MIT <license>`, {py:func}`~pkg.mod.run` and [the std][std ref].
+
+(install-label)=
+## Install {#install}
+
+````{note}
+:class: tip
+Inner **bold** [link](http://a).
+```python
+code here
+```
+````
+
+:::{warning} Careful
+body text
+:::
+
+```{toctree}
+:maxdepth: 2
+hidden-page
+```
+
+```{eval-rst}
+.. note:: An rST note with :func:`len`.
+```
+
+```{code-block} python
+:linenos:
+print(1)
+```
+"""
+
+MKDOCS = """# Install
+
+!!! tip "Pro tip"
+    Use the **cache**.
+
+    Second paragraph.
+
+!!! warning
+    Plain warning.
+
+=== "Bash"
+
+    Save the script:
+
+    ```console
+    echo hi
+    ```
+
+::: hatch.cli
+    options:
+      depth: 0
+
+--8<-- "snippet.md"
+
+![diagram](x.png){ loading=lazy }
+End.
+"""
+
+
+def _blocks(text: str):
+    from ragserve.retrieval.ingest.markdown import parse_markdown
+
+    doc = parse_markdown(text, "stem")
+    return doc, [(b.text, b.is_code) for s in doc.sections for b in s.blocks]
+
+
+def test_myst_directives_roles_and_targets_read_as_sphinx_renders_them():
+    """MyST (Sphinx's Markdown): admonitions keep their prose, labelled like rST's; code
+    directives are code without their options; eval-rst goes through the rST parser; toctree
+    is dropped; roles show their title; `(label)=` and `{#id}` are not text."""
+    doc, blocks = _blocks(MYST)
+    assert _titles(doc) == ["Guide", "Guide > Install"]
+    assert blocks == [
+        ("Intro with Black is MIT, run and the std.", False),
+        ("Note: Inner bold link.", False),
+        ("code here", True),
+        ("Warning: Careful", False),
+        ("body text", False),
+        ("Note: An rST note with len.", False),
+        ("print(1)", True),
+    ]
+
+
+def test_mkdocs_material_blocks_are_prose_not_code():
+    """mkdocs-material admonitions and content tabs: CommonMark alone would keep their
+    indented bodies as code blocks; mkdocstrings inserts and snippet lines are not text."""
+    _, blocks = _blocks(MKDOCS)
+    assert blocks == [
+        ("Pro tip", False),
+        ("Use the cache.", False),
+        ("Second paragraph.", False),
+        ("Warning: Plain warning.", False),
+        ("Bash", False),
+        ("Save the script:", False),
+        ("echo hi", True),
+        ("diagram End.", False),
+    ]
+
+
+def test_markdown_fences_that_look_like_blocks_are_left_alone():
+    """A `!!! note` line inside fenced code is code; an unclosed MyST fence keeps its text."""
+    _, blocks = _blocks("# T\n\n```text\n!!! note\n    not an admonition\n```\n")
+    assert blocks == [("!!! note\n    not an admonition", True)]
+    _, blocks = _blocks("# T\n\n```{note}\nNever closed.\n")
+    assert blocks == [("Note: Never closed.", False)]
