@@ -119,6 +119,16 @@ FAQ_CORPORA = {
         "docutils-doc",
     ),
 }
+# session 9: a Markdown (MyST) set, Black 24.10's docs from its PyPI sdist (no Debian package
+# ships them): `pip download --no-deps --no-binary :all: black==24.10.0 -d D` and
+# `tar xzf D/black-24.10.0.tar.gz -C ~/.cache/ragserve-bench` (`package` names the command).
+BLACK_DOCS = Path.home() / ".cache" / "ragserve-bench" / "black-24.10.0" / "docs"
+FAQ_CORPORA["black"] = FaqCorpus(
+    BLACK_DOCS,
+    ("faq", "getting_started", "usage_and_configuration", "the_black_code_style", "guides"),
+    "*.md",
+    "(PyPI sdist) black==24.10.0: see BLACK_DOCS",
+)
 # session 9: larger corpora (over the 1,000-passage bound of the sixth run's fine-tuning
 # default): the same FAQ questions with more of each documentation set as distractors.
 # pydocs-large keeps pydocs' tune/test halves; the others are held out like their small sets.
@@ -138,6 +148,8 @@ MODES = ("dense", "bm25", "hybrid")
 K = 10
 # an rST heading: a text line followed by an underline of one repeated punctuation character
 _HEADING = re.compile(r"^(?P<title>[^\n]+)\n(?P<line>([=\-~^\"'`#*+<>])\3{2,})[ \t]*$", re.M)
+# an ATX Markdown heading
+_MD_HEADING = re.compile(r"^(?P<hashes>#{1,6})[ \t]+(?P<title>[^\n]+?)[ \t#]*$", re.M)
 # an HTML section heading (Sphinx adds a permalink anchor inside it)
 _HTML_HEADING = re.compile(r"<(?P<tag>h[2-4])(?P<attrs>[^>]*)>(?P<inner>.*?)</(?P=tag)>", re.S)
 
@@ -191,7 +203,8 @@ def prepare_faq(corpus: FaqCorpus, work: Path, parts=None) -> dict[str, tuple[st
     """Copy the documentation parts into `work/docs`, FAQ question headings (those ending in
     "?") replaced by "FAQ entry <n>"; returns placeholder -> (file, question)."""
     if not corpus.source.is_dir():
-        raise SystemExit(f"{corpus.source} missing: apt-get install {corpus.package}")
+        how = corpus.package if "sdist" in corpus.package else f"apt-get install {corpus.package}"
+        raise SystemExit(f"{corpus.source} missing: {how}")
     out = work / "docs"
     hidden: dict[str, tuple[str, str]] = {}
     for part in parts or corpus.parts:
@@ -205,8 +218,8 @@ def prepare_faq(corpus: FaqCorpus, work: Path, parts=None) -> dict[str, tuple[st
             rel += "" if Path(rel).suffix else ".rst"  # docutils' own sources: rST in *.txt
             text = path.read_text(encoding="utf-8")
             if part.lower() == "faq":
-                hide = _hide_html_questions if path.suffix == ".html" else _hide_questions
-                text = hide(text, rel, hidden)
+                hide = {".html": _hide_html_questions, ".md": _hide_md_questions}
+                text = hide.get(path.suffix, _hide_questions)(text, rel, hidden)
             dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(text, encoding="utf-8")
@@ -228,6 +241,16 @@ def _hide_questions(text: str, rel: str, hidden: dict) -> str:
         return f"{name}\n{m.group('line')[0] * len(name)}"
 
     return _HEADING.sub(swap, text)
+
+
+def _hide_md_questions(text: str, rel: str, hidden: dict) -> str:
+    def swap(m: re.Match) -> str:
+        title = m.group("title").strip()
+        if not title.endswith("?"):
+            return m.group(0)
+        return f"{m.group('hashes')} {_placeholder(rel, title, hidden)}"
+
+    return _MD_HEADING.sub(swap, text)
 
 
 def _hide_html_questions(text: str, rel: str, hidden: dict) -> str:

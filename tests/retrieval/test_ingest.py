@@ -311,3 +311,19 @@ def test_markdown_fences_that_look_like_blocks_are_left_alone():
     assert blocks == [("!!! note\n    not an admonition", True)]
     _, blocks = _blocks("# T\n\n```{note}\nNever closed.\n")
     assert blocks == [("Note: Never closed.", False)]
+
+
+def test_mkdocs_tabs_nested_in_a_list_item_keep_their_code():
+    text = (
+        '# T\n\n1. Run the installer:\n\n    === "x64"\n        ```\n        run x64\n'
+        '        ```\n    === "x86"\n        ```\n        run x86\n        ```\n2. Restart.\n'
+    )
+    _, blocks = _blocks(text)
+    assert blocks == [
+        ("- Run the installer:", False),
+        ("x64", False),
+        ("run x64", True),
+        ("x86", False),
+        ("run x86", True),
+        ("- Restart.", False),
+    ]

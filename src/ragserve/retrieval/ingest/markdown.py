@@ -188,7 +188,8 @@ def _mkdocs_to_myst(text: str) -> str:
         else:
             head = f"{{tab-item}} {block.group('tab')}"
         pad = block.group("indent")
-        out += [f"{pad}{colons}{head}", inner, f"{pad}{colons}", ""]
+        body = [pad + x if x.strip() else x for x in inner.split("\n")]  # e.g. in a list item
+        out += [f"{pad}{colons}{head}", *body, f"{pad}{colons}", ""]
     return "\n".join(out)
 
 
