@@ -18,7 +18,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ragserve.retrieval.ingest.sections import Block, ParsedDocument, SectionBuilder
+from ragserve.retrieval.ingest.sections import (
+    Block,
+    ParsedDocument,
+    SectionBuilder,
+    role_display_text,
+)
 
 _CODE_DIRECTIVES = ("code-block", "code", "sourcecode", "code-cell", "ipython", "doctest",
                     "testcode", "testoutput", "jupyter-execute", "parsed-literal")  # fmt: skip
@@ -34,7 +39,6 @@ _NO_ARGUMENT_TEXT = ("figure",)  # the argument is a path, the body its caption
 
 _OPTION = re.compile(r"^:[\w-]+:(?:\s.*)?$")
 _ROLE_TAIL = re.compile(r"\{[A-Za-z][\w:+.-]*\}$")
-_TARGET = re.compile(r"^(.*?)\s*<[^<>]+>$", re.S)
 _MYST_TARGET = re.compile(r"^\([\w\-:.]+\)=$")
 _ATTR = r"(?:[#.][\w-]+|[\w-]+=(?:\"[^\"]*\"|'[^']*'|[^\s}]+))"
 _ATTR_LIST = re.compile(r"\s*\{:?\s*" + _ATTR + r"(?:\s+" + _ATTR + r")*\s*\}")
@@ -223,7 +227,7 @@ def _inline(token) -> str:
             parts.append(_ATTR_LIST.sub("", text))
         elif child.type == "code_inline":
             role = (child.meta or {}).get("myst_role")
-            parts.append(_role_text(child.content) if role else child.content)
+            parts.append(role_display_text(child.content) if role else child.content)
         elif child.type in ("softbreak", "hardbreak"):
             parts.append(" ")
         elif child.type == "image":
@@ -231,14 +235,6 @@ def _inline(token) -> str:
         elif child.type == "html_inline":
             continue
     return "".join(parts)
-
-
-def _role_text(body: str) -> str:
-    """A MyST role's display text: the title of ``title <target>``, else the target (``~a.b``
-    → ``b``), as the rST parser shows Sphinx roles."""
-    shown = _TARGET.match(body)
-    body = shown.group(1) if shown else body.lstrip("!")
-    return body[1:].rsplit(".", 1)[-1] if body.startswith("~") else body
 
 
 def _front_matter(tokens) -> dict[str, Any]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import re
 
-from ragserve.retrieval.ingest.sections import ParsedDocument, SectionBuilder
+from ragserve.retrieval.ingest.sections import ParsedDocument, SectionBuilder, role_display_text
 
 # :role:`text`, :domain:role:`title <target>`, :role:`~pkg.mod.name` (Sphinx cross-references)
 _ROLE = re.compile(r":(?:[A-Za-z][\w.+-]*:)+`((?:[^`\\]|\\.)+)`")
-_TARGET = re.compile(r"^(.*?)\s*<[^<>]+>$", re.S)
 
 _CODE_DIRECTIVES = ("code-block", "sourcecode", "code", "doctest", "testcode", "testoutput",
                     "productionlist", "parsed-literal")  # fmt: skip
@@ -80,11 +79,7 @@ def _drop_file_metadata(tree) -> None:
 
 
 def _role_text(match: re.Match) -> str:
-    body = match.group(1).replace("\\", "")
-    shown = _TARGET.match(body)
-    body = shown.group(1) if shown else body.lstrip("!")
-    if body.startswith("~"):
-        body = body[1:].rsplit(".", 1)[-1]
+    body = role_display_text(match.group(1).replace("\\", ""))
     return "``" + body.replace("`", "'") + "``" if body else ""
 
 

@@ -3,8 +3,19 @@ blocks (paragraphs, list items, code) under it, in reading order."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+_ROLE_TARGET = re.compile(r"^(.*?)\s*<[^<>]+>$", re.S)
+
+
+def role_display_text(body: str) -> str:
+    """What a Sphinx / MyST cross-reference role shows: the title of ``title <target>``, else
+    the target without a leading ``!``, and ``~a.b.c`` as its last part ``c``."""
+    shown = _ROLE_TARGET.match(body)
+    body = shown.group(1) if shown else body.lstrip("!")
+    return body[1:].rsplit(".", 1)[-1] if body.startswith("~") else body
 
 
 @dataclass(frozen=True)
