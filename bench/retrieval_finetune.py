@@ -63,10 +63,16 @@ def tuned_encoder(base, docs, config: str, keep: Path | None, name: str):
 
 
 def parse_config(config: str) -> FinetuneConfig:
-    """``epochs/lr/batch`` or ``epochs/lr/batch/max_pairs`` as a `FinetuneConfig`."""
-    epochs, lr, batch, *cap = config.split("/")
+    """``epochs/lr/batch[/max_pairs[/group_by]]`` as a `FinetuneConfig` (an empty max_pairs:
+    every pair), e.g. ``1/2e-5/16/1000/source``."""
+    epochs, lr, batch, *rest = config.split("/")
+    cap = rest[0] if rest else ""
     return FinetuneConfig(
-        int(epochs), float(lr), int(batch), max_pairs=int(cap[0]) if cap else None
+        int(epochs),
+        float(lr),
+        int(batch),
+        max_pairs=int(cap) if cap else None,
+        group_by=rest[1] if len(rest) > 1 else None,
     )
 
 

@@ -92,6 +92,35 @@ def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
         FinetuneConfig(max_pairs=1)
 
 
+def test_grouped_batches_keep_a_file_together_and_mask_its_sections():
+    """`group_by="source"`: every pair once per epoch, each batch one file's pairs where the
+    file fills it, the file order and the order inside a file seeded; pairs of one section
+    share an owner (masked), pairs of a passage without source/section only their own."""
+    from ragserve.retrieval.adapter import PseudoPair
+    from ragserve.retrieval.finetune import _batches, _owners
+
+    meta = [{"source": f"f{i // 4}.md", "section": f"S{i // 2}"} for i in range(12)]
+    corpus = [Document(f"d{i}", "text", "t", m) for i, m in enumerate(meta)]
+    corpus.append(Document("loose", "text", "t", {}))
+    pairs = [PseudoPair(f"q{i}", i, "t") for i in range(13)]
+    config = FinetuneConfig(batch_size=4, group_by="source")
+
+    def epoch(seed, some=pairs[:12]):
+        rng = torch.Generator().manual_seed(seed)
+        return [b.tolist() for b in _batches(some, corpus, config, rng)]
+
+    batches = epoch(0)
+    assert sorted(i for b in batches for i in b) == list(range(12))
+    assert all(len({i // 4 for i in b}) == 1 for b in batches)  # one file per batch
+    assert epoch(0) == batches and any(epoch(s) != batches for s in range(1, 5))
+    with_loose = epoch(0, pairs)
+    assert sorted(i for b in with_loose for i in b) == list(range(13))
+    assert _owners(pairs, corpus, "source").tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
+    assert _owners(pairs, corpus, None).tolist() == list(range(13))
+    with pytest.raises(ValueError, match="group_by"):
+        FinetuneConfig(group_by="file")
+
+
 def test_bad_inputs_say_what_is_wrong(base):
     with pytest.raises(ValueError, match="finetune epochs"):
         FinetuneConfig(batch_size=1)

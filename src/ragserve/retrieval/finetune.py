@@ -65,10 +65,16 @@ class FinetuneConfig:
     # Train on at most this many pairs, a seeded sample when the corpus has more (None: all):
     # bounds the training time of a large corpus; the passages are all embedded by the result.
     max_pairs: int | None = None
+    # None: batches of pairs drawn at random (in-batch negatives from anywhere in the corpus);
+    # "source": each batch drawn from as few files as possible (harder in-batch negatives: the
+    # same file's other sections), with every pair of the same section masked, not a negative.
+    group_by: str | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 2 or self.lr <= 0:
             raise ValueError("finetune epochs must be >= 1, batch_size >= 2 and lr > 0")
+        if self.group_by not in (None, "source"):
+            raise ValueError(f"finetune group_by must be None or 'source', got {self.group_by!r}")
         if self.max_pairs is not None and self.max_pairs < 2:
             raise ValueError("finetune max_pairs must be >= 2 (or None: every pair)")
 
@@ -91,13 +97,11 @@ def finetune_embedder(
     tuned.model = copy.deepcopy(embedder.model).float().train()
     opt = torch.optim.AdamW(tuned.model.parameters(), lr=config.lr)
     order_rng = torch.Generator().manual_seed(config.seed)
-    owners = torch.tensor([p.doc for p in pairs])
+    owners = _owners(pairs, docs, config.group_by)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         for _ in range(config.epochs):
-            order = torch.randperm(len(pairs), generator=order_rng)
-            for start in range(0, len(pairs), config.batch_size):
-                idx = order[start : start + config.batch_size]
+            for idx in _batches(pairs, docs, config, order_rng):
                 if len(idx) < 2:
                     continue
                 q = _embed(tuned, [pairs[i].query for i in idx])
@@ -111,6 +115,46 @@ def finetune_embedder(
     # and the queries of a reloaded index then see the same weights.
     tuned.model = tuned.model.to(embedder.model.dtype).eval()
     return tuned, len(pairs)
+
+
+def _owners(pairs: list, docs: Sequence[Document], group_by: str | None):
+    """What a pair's own column shares with columns that are masked, not negatives: its
+    passage, or with `group_by`, its section (`metadata` source + section)."""
+    import torch
+
+    if group_by is None:
+        return torch.tensor([p.doc for p in pairs])
+    keys: dict[tuple, int] = {}
+    sections = [_section_key(docs[p.doc], p.doc) for p in pairs]
+    return torch.tensor([keys.setdefault(key, len(keys)) for key in sections])
+
+
+def _section_key(doc: Document, index: int) -> tuple:
+    meta = doc.metadata or {}
+    if meta.get("source") is None or meta.get("section") is None:
+        return ("passage", index)
+    return (meta["source"], meta["section"])
+
+
+def _batches(pairs: list, docs: Sequence[Document], config: FinetuneConfig, rng):
+    """One epoch's batches (index tensors): a seeded permutation cut into `batch_size` runs;
+    with `group_by="source"`, files in a seeded order, each file's pairs shuffled, so a batch
+    holds one file's pairs (or the tail of one and the head of the next)."""
+    import torch
+
+    if config.group_by is None:
+        order = torch.randperm(len(pairs), generator=rng)
+    else:
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(pairs):
+            groups.setdefault(str((docs[p.doc].metadata or {}).get("source", "")), []).append(i)
+        members = list(groups.values())
+        parts = []
+        for g in torch.randperm(len(members), generator=rng).tolist():
+            inner = torch.randperm(len(members[g]), generator=rng)
+            parts.append(torch.tensor(members[g])[inner])
+        order = torch.cat(parts)
+    return [order[s : s + config.batch_size] for s in range(0, len(pairs), config.batch_size)]
 
 
 def sample_pairs(pairs: list, config: FinetuneConfig) -> list:
