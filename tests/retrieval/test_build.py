@@ -137,8 +137,8 @@ def test_force_replaces_an_index_only_once_the_new_one_is_saved(tmp_path, monkey
 
 
 def test_a_tuned_build_saves_its_encoder_and_embedded_with_what_queries_use(tmp_path):
-    """The stored passage vectors equal the reloaded index's encoder on the same passages (on a
-    CPU with native bf16 too: the tuned copy returns to the base's dtype before embedding)."""
+    """The stored passage vectors equal the reloaded index's encoder on the same passages (the
+    tuned copy returns to the base's dtype before it embeds anything)."""
     out = tmp_path / "idx"
     config = BuildConfig(ensemble=None, finetune_encoder=True)
     report = build_index(_clean_docs(tmp_path), out, config)

@@ -13,6 +13,19 @@ def embedder():
     return load_embedder("all-minilm-l6-v2")
 
 
+def test_a_cpu_embedder_runs_in_fp32_unless_told(embedder):
+    """fp32 on every CPU by default, bf16-capable ones included (bf16 cost 3 of 325 held-out
+    answers in the top 5: BENCHMARKS.md, issue 14, session 10); an explicit dtype is kept."""
+    import torch
+
+    from ragserve.retrieval.embedder import _resolve_dtype
+
+    assert embedder.device.type != "cpu" or embedder.model.dtype == torch.float32
+    assert _resolve_dtype("auto", "cpu") == torch.float32
+    assert _resolve_dtype("auto", "cuda") == torch.float16
+    assert _resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+
+
 def test_encode_shapes_norms_and_batching(embedder):
     texts = [
         "What is the capital of France?",

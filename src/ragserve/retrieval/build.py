@@ -85,7 +85,8 @@ class BuildConfig:
         if self.chunk_tokens is not None and self.chunk_tokens < 0:
             raise BuildError(f"chunk_tokens must be >= 0 or None, got {self.chunk_tokens}")
         if not self.enable_bm25 and self.default_mode in ("bm25", "hybrid"):
-            raise BuildError(f"default mode {self.default_mode} needs the BM25 index (not --no-bm25)")
+            mode = self.default_mode
+            raise BuildError(f"default mode {mode} needs the BM25 index (not --no-bm25)")
 
 
 @dataclass

@@ -110,9 +110,9 @@ def finetune_embedder(
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-    # NOTE: back to the base's dtype (bf16 on CPUs with native bf16, `embedder._resolve_dtype`),
-    # which is what `load_embedder` gives the saved copy: the passages embedded at build time
-    # and the queries of a reloaded index then see the same weights.
+    # NOTE: back to the base's dtype (fp16 on CUDA, or what the caller asked for), which is what
+    # `load_embedder` gives the saved copy: the passages embedded at build time and the queries
+    # of a reloaded index then see the same weights.
     tuned.model = tuned.model.to(embedder.model.dtype).eval()
     return tuned, len(pairs)
 
