@@ -202,8 +202,9 @@ def _resolve_dtype(dtype: str, device_type: str):
 
     NOTE: not bf16 on CPUs with native bf16 (AMX / AVX512-BF16), although it embeds ~2x faster
     there: on the seven held-out question sets the default build (`build_index`) put 293 of 325
-    answers in the top 5 with bf16 encoders against 296 with fp32 (BENCHMARKS.md, "Retrieval
-    quality (issue 14)", session 10); `dtype="bfloat16"` still asks for it.
+    answers in the top 5 with bf16 encoders against 296 with fp32, the figures measured and
+    published (fine-tuning from the bf16-rounded base made the difference; BENCHMARKS.md,
+    "Retrieval quality (issue 14)", ninth run); `dtype="bfloat16"` still asks for it.
     """
     import torch
 
