@@ -54,6 +54,19 @@ def test_finetune_is_deterministic_leaves_the_base_and_the_rng_alone(base, tuned
     np.testing.assert_allclose(np.linalg.norm(qa, axis=1), 1.0, atol=1e-5)
 
 
+def test_a_reduced_precision_encoder_trains_from_its_full_precision_weights(tuned):
+    """A bf16 encoder (e.g. `dtype="bfloat16"`, or fp16 on CUDA) is fine-tuned from the model's
+    fp32 weights, not its rounded ones: the result is the fp32 run's encoder cast to bf16."""
+    half = load_embedder("all-minilm-l6-v2", dtype="bfloat16")
+    from_half, _ = finetune_embedder(half, docs(), FAST)
+    assert from_half.model.dtype == torch.bfloat16 and tuned.model.dtype == torch.float32
+    want = {k: v.to(torch.bfloat16) for k, v in tuned.model.state_dict().items()}
+    got = from_half.model.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert half.model.dtype == torch.bfloat16  # the base itself is left alone
+
+
 def test_saved_encoder_loads_back_equal(tuned, tmp_path):
     path = save_embedder(tuned, tmp_path / "encoder")
     loaded = load_embedder(str(path))

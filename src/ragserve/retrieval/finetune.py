@@ -94,7 +94,7 @@ def finetune_embedder(
     if not pairs:
         raise ValueError("no pseudo-queries in the corpus (no passage has a first sentence)")
     tuned = copy.copy(embedder)
-    tuned.model = copy.deepcopy(embedder.model).float().train()
+    tuned.model = _full_precision_copy(embedder).train()
     opt = torch.optim.AdamW(tuned.model.parameters(), lr=config.lr)
     order_rng = torch.Generator().manual_seed(config.seed)
     owners = _owners(pairs, docs, config.group_by)
@@ -155,6 +155,21 @@ def _batches(pairs: list, docs: Sequence[Document], config: FinetuneConfig, rng)
             parts.append(torch.tensor(members[g])[inner])
         order = torch.cat(parts)
     return [order[s : s + config.batch_size] for s in range(0, len(pairs), config.batch_size)]
+
+
+def _full_precision_copy(embedder: Embedder):
+    """An fp32 copy of `embedder`'s model to train: its own weights when it runs in fp32, else
+    the same model loaded again in fp32 (not the fp16/bf16 weights upcast: training from rounded
+    weights gave a different encoder, 3 of 325 held-out answers fewer in the top 5;
+    BENCHMARKS.md, "Retrieval quality (issue 14)", ninth run)."""
+    import torch
+
+    from ragserve.retrieval.embedder import load_embedder
+
+    if embedder.model.dtype == torch.float32:
+        return copy.deepcopy(embedder.model)
+    full = load_embedder(embedder.name, device=str(embedder.device), dtype="float32")
+    return full.model
 
 
 def sample_pairs(pairs: list, config: FinetuneConfig) -> list:
