@@ -62,10 +62,12 @@ def test_a_folder_build_in_python_reports_what_it_did_and_records_the_defaults(t
 
 def test_python_and_cli_builds_are_the_same_index(tmp_path, capsys):
     corpus = _clean_docs(tmp_path)
-    build_index(corpus, tmp_path / "py", DENSE)
+    (corpus / "toc.rst").write_text(".. toctree::\n\n   tutorial\n   guide/install\n")
+    assert build_index(corpus, tmp_path / "py", DENSE).empty == ["toc.rst"]
     args = ["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "cli")]
     assert main([*args, "--no-ensemble"]) == 0
-    assert "5 of 5 files ingested" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "5 of 6 files ingested" in out and "1 file(s) without text: toc.rst" in out
     for query in (QUESTION, "What does the tutorial cover?", "report figures"):
         assert _ids(tmp_path / "py", query) == _ids(tmp_path / "cli", query)
     a, b = VectorIndex.load(tmp_path / "py"), VectorIndex.load(tmp_path / "cli")

@@ -165,6 +165,9 @@ def _build(args: argparse.Namespace) -> int:
         print(f"warning: {report.skipped_summary}", file=sys.stderr)
     if report.num_files is not None:
         print(f"{report.num_ingested_files} of {report.num_files} files ingested")
+    if report.empty:
+        names = ", ".join(report.empty[:5]) + (", ..." if len(report.empty) > 5 else "")
+        print(f"{len(report.empty)} file(s) without text: {names}")
     print(
         f"{report.num_passages} passages of <= {report.passage_window} tokens "
         f"(longest {report.max_passage_tokens}, {report.num_truncated} truncated)"

@@ -19,7 +19,7 @@ import sys
 # imports its heavy dependencies (torch, faiss) inside its handler, so `ragserve --help` is fast.
 COMMANDS: tuple[str, ...] = ("index", "serve", "ask", "demo", "bench", "setup", "profile_memory")
 # Third-party loggers that report progress or load details at INFO: quiet unless -v.
-_QUIET_LOGGERS = ("faiss", "faiss.loader", "httpx", "urllib3", "transformers", "torch")
+_QUIET_LOGGERS = ("faiss", "faiss.loader", "httpx", "urllib3", "transformers", "torch", "bm25s")
 
 
 class UsageError(ValueError):

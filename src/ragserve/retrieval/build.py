@@ -99,6 +99,7 @@ class BuildReport:
     num_ingested_files: int | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)
     skipped_summary: str = ""
+    empty: list[str] = field(default_factory=list)  # readable files without text
     passage_window: int = 0
     max_passage_tokens: int = 0
     num_truncated: int = 0
@@ -189,6 +190,7 @@ def _passages(corpus: str | Path, config: BuildConfig, embedder: Embedder, repor
             docs = list(chunker.chunk_all(parsed))
             report.num_files, report.num_ingested_files = ingest.num_files, len(parsed)
             report.skipped, report.skipped_summary = list(ingest.skipped), ingest.summary()
+            report.empty = list(ingest.empty)
         else:
             records = list(load_corpus(corpus))
             docs = (
@@ -238,7 +240,7 @@ def _maybe_finetune(config, embedder, docs, is_folder: bool, out: Path, report: 
 
     tuned, reason = finetune_choice(config.finetune_encoder, is_folder, embedder, len(docs))
     report.finetune = {"enabled": tuned, "reason": reason}
-    logger.info("encoder fine-tuning %s (%s)", "on" if tuned else "off", reason)
+    logger.debug("encoder fine-tuning %s (%s)", "on" if tuned else "off", reason)
     if not tuned:
         return False, embedder
     logger.info("fine-tuning %s on %d passages", embedder.name, len(docs))
