@@ -153,9 +153,7 @@ def build_index(
     finally:
         index.close()
     report.seconds["total"] = round(time.perf_counter() - start, 1)
-    logger.info(
-        "index at %s: %d passages (%.1f s)", out, report.num_passages, report.seconds["total"]
-    )
+    logger.debug("index at %s: %d passages", out, report.num_passages)
     return report
 
 
