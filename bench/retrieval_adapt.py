@@ -43,6 +43,7 @@ from retrieval_quality import (
     prepare_faq,
     pydocs_new,
     split_table,
+    start_logging,
 )
 
 
@@ -169,8 +170,7 @@ def main() -> None:
     if args.table:
         print(table(args.out))
         return
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    start_logging()
     if args.cost:
         for name in args.corpora.split(","):
             cost(name, args.cache)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ragserve.retrieval import VectorIndex, build_index, load_embedder
 from ragserve.retrieval.ingest import ChunkConfig, Chunker
-from retrieval_quality import FAQ_CORPORA, evaluate, prepare_faq, pydocs_new
+from retrieval_quality import FAQ_CORPORA, evaluate, prepare_faq, pydocs_new, start_logging
 
 HELD_OUT = "pydocs,django,sqlalchemy,celery,scrapy,lxml,docutils"
 # BENCHMARKS.md, seventh run: "fine-tuned MiniLM + e5 0.5 / 0.2 / 50 (default before)", R@5
@@ -123,8 +123,7 @@ def main() -> None:
     if args.table:
         print(table(args.out))
         return
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    start_logging()
     work = args.work or Path(tempfile.mkdtemp(prefix="default-build-"))
     rows: list[dict] = []
     try:

@@ -161,6 +161,12 @@ class Question:
     split: str  # "tune" or "test"
 
 
+def start_logging() -> None:
+    """The retrieval scripts' progress log: timestamped INFO lines, Faiss's loader quiet."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+
+
 def add_study_args(p: argparse.ArgumentParser, configs: str, out: str) -> None:
     """The options the adapter and fine-tune studies share (``bench/retrieval_adapt.py``,
     ``bench/retrieval_finetune.py``)."""
@@ -572,8 +578,7 @@ def main() -> None:
     if args.table:
         print(table(args.out, args.split, args.corpora if "--corpora" in sys.argv else None))
         return
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    start_logging()
     if args.cost:
         embedding_cost(args.embedders.split(","), args.parts.split(","), args.cost_passages)
         return
