@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragserve.retrieval.embedder import DEFAULT_EMBEDDER
+from ragserve.retrieval.modes import MODES
+from ragserve.retrieval.stepwise import KINDS, METRICS
 
 if TYPE_CHECKING:
     from ragserve.retrieval.embedder import Embedder
@@ -39,9 +41,6 @@ logger = logging.getLogger(__name__)
 
 ENSEMBLE_EMBEDDER = "multilingual-e5-small-q4"  # the side encoder measured (BENCHMARKS.md)
 ENCODER_DIR = "encoder"  # OUT/encoder: the fine-tuned encoder
-MODES = ("dense", "bm25", "hybrid", "ensemble", "prf")
-KINDS = ("ivf_flat", "ivf_sq8", "ivf_pq")
-METRICS = ("ip", "l2")
 
 
 class BuildError(ValueError):
@@ -76,7 +75,7 @@ class BuildConfig:
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("kind", self.kind, KINDS),
-            ("metric", self.metric, METRICS),
+            ("metric", self.metric, tuple(METRICS)),
             ("passage_header", self.passage_header, ("path", "none")),
             ("default_mode", self.default_mode, (None, *MODES)),
         ):
@@ -308,11 +307,10 @@ def _index(docs: list[Document], embedder, config: BuildConfig, report: BuildRep
         if config.query_adapter:
             logger.info("training the query adapter on %d passages", index.num_documents)
             report.num_adapter_pairs = index.enable_query_adapter()
-    except (ValueError, FileNotFoundError) as exc:
+    except BaseException as exc:
         index.close()
-        raise BuildError(str(exc)) from None
-    except BaseException:
-        index.close()
+        if isinstance(exc, ValueError | FileNotFoundError):
+            raise BuildError(str(exc)) from None
         raise
     return index
 
