@@ -89,7 +89,8 @@ def _ensure(target: Path, convert: Callable[[Path], None]) -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-tmp-"))
         try:
-            convert(tmp)
+            with _gguf_parsed_once():
+                convert(tmp)
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -112,16 +113,14 @@ def _convert_model(name: str, out: Path) -> None:
 
     gguf = _gguf_path(name)
     logger.info("converting built-in model %s from %s (once)", name, gguf)
-    with _gguf_parsed_once():
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # NOTE: the weights are already dequantized to float32; drop the GGUF marker so
     # transformers agrees to write them as plain safetensors.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
     model.save_pretrained(out)
-    with _gguf_parsed_once():
-        _convert_tokenizer(name, out)
+    _convert_tokenizer(name, out)
 
 
 @contextlib.contextmanager
