@@ -9,11 +9,9 @@ replaces it with measured times).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -137,7 +135,6 @@ def make_kv_tiers(
     model_config: ModelConfig,
     model_runner: Any,
     tokenizer: Any,
-    folder: Path,
     num_blocks: int,
 ) -> tuple[BlockManager | TieredBlockManager, HostKVCache | None]:
     """The block manager for ``config`` and the host tier's memory (``None`` without one)."""
@@ -163,7 +160,7 @@ def make_kv_tiers(
         num_host_blocks=num_host_blocks,
         policy=config.kv_eviction_policy,
         cost_fn=PrefillCostModel.from_flops(model_config),
-        newline_counts=whitespace_newline_counts(tokenizer, _tokenizer_digest(folder)),
+        newline_counts=whitespace_newline_counts(tokenizer),
         swap_out_filter=config.swap_out_filter,
     )
     return manager, host
@@ -231,13 +228,6 @@ def fallback_prefill_cost(
     unit = PrefillCostModel.from_flops(cfg)  # at 1e-12 s per FLOP
     ratios = [s / unit(n, 0) * 1e-12 for n, c, s in samples if c == 0 and n == longest]
     return PrefillCostModel.from_flops(cfg, seconds_per_flop=float(np.median(ratios)))
-
-
-def _tokenizer_digest(folder: Path) -> str | None:
-    path = Path(folder) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
 def kv_tier_stats(

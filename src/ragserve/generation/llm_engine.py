@@ -155,7 +155,7 @@ class LLMEngine:
         if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
             self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
         self.block_manager, self.host_kv_cache = make_kv_tiers(
-            config, self.model_config, self.model_runner, self.tokenizer, folder, num_blocks
+            config, self.model_config, self.model_runner, self.tokenizer, num_blocks
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -14,7 +14,7 @@ cache fusion will add) takes precedence over the detected ones.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -39,25 +39,21 @@ def find_segment_ends(token_ids: Sequence[int], newline_counts: dict[int, int]) 
     return ends
 
 
-def whitespace_newline_counts(tokenizer: Any, cache_key: Hashable = None) -> dict[int, int]:
+def whitespace_newline_counts(tokenizer: Any) -> dict[int, int]:
     """``{token id: newlines}`` for the tokenizer's whitespace-only tokens (``{}`` for none).
 
-    Decoding the vocabulary takes about a second; tokenizers with the same ``cache_key`` (a
-    digest of their files) share one result per process.
+    Decoding the vocabulary takes about a second: one result per tokenizer object and
+    process (``engine_setup.load_tokenizer`` shares the object between engines).
     """
     if tokenizer is None:
         return {}
-    key = cache_key if cache_key is not None else id(tokenizer)
-    hit = _CACHE.get(key)
-    if hit is None:
-        hit = _CACHE[key] = _counts(tokenizer)
-    return dict(hit)
+    hit = _CACHE.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        ids = list(range(len(tokenizer)))
+        texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+        counts = tuple((i, t.count("\n")) for i, t in zip(ids, texts, strict=True) if t.isspace())
+        hit = _CACHE[id(tokenizer)] = (tokenizer, counts)
+    return dict(hit[1])
 
 
-_CACHE: dict[Hashable, tuple[tuple[int, int], ...]] = {}
-
-
-def _counts(tokenizer: Any) -> tuple[tuple[int, int], ...]:
-    ids = list(range(len(tokenizer)))
-    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
-    return tuple((i, t.count("\n")) for i, t in zip(ids, texts, strict=True) if t and t.isspace())
+_CACHE: dict[int, tuple[Any, tuple[tuple[int, int], ...]]] = {}
