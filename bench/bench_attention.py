@@ -3,7 +3,7 @@
 Decode: one query per sequence over a 1k-token paged context, batch 1..256; the figure is GPU
 time per layer call and the KV bytes it must read over that time. Prefill: 8 prompts of 1,024
 new tokens, and a 512-token chunk after a 2,048-token cached prefix. Triton tile configs are
-swept; ``auto`` in ``generation/attention/selector.py`` and the default configs in
+swept; ``auto`` in ``generation/attention/base.py`` (``resolve_backend``) and the default configs in
 ``triton_backend.py`` come from this table.
 
     PYTHONPATH=src python bench/bench_attention.py --out results/attention.json

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ragserve.generation.attention import available_backends, get_backend, resolve_backend, selector
+from ragserve.generation.attention import available_backends, base, get_backend, resolve_backend
 
 
 def test_registry_names() -> None:
@@ -16,9 +16,9 @@ def test_registry_names() -> None:
 def test_auto_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_backend("auto", "cpu") == "torch_ref"
     assert resolve_backend("flex", "cpu") == "flex"
-    monkeypatch.setattr(selector, "has_triton", lambda: True)
+    monkeypatch.setattr(base, "has_triton", lambda: True)
     assert resolve_backend("auto", "cuda") == "triton"
-    monkeypatch.setattr(selector, "has_triton", lambda: False)
+    monkeypatch.setattr(base, "has_triton", lambda: False)
     assert resolve_backend("auto", "cuda") == "torch_ref"
 
 

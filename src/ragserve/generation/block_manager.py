@@ -1,15 +1,10 @@
-"""Paged KV blocks: reference counts, automatic prefix caching, LRU eviction.
-
-A block holds ``block_size`` consecutive tokens of one sequence. A FULL block whose KV has
-been computed gets a chained hash ``hash((parent_hash, its tokens, extra_keys))``, so equal
-hashes mean equal whole prefixes; a later sequence with the same prefix reuses those blocks
-(ref count + 1) instead of recomputing them. Free blocks stay in the hash map until they are
-reallocated, in LRU order::
+"""Paged KV blocks with automatic prefix caching (the plain, GPU-only cache): chained block
+hashes ``hash((parent_hash, tokens, extra_keys))`` so equal hashes mean equal prefixes; free
+blocks keep their hashes until reallocated, least recently freed first::
 
     free queue   front [ unhashed blocks | hashed blocks, least recently freed first ] back
-                 allocation pops the front; a hit on a free hashed block takes it out
 
-The manager mutates ``seq.block_table`` in place; it never touches ``num_computed_tokens``.
+Mutates ``seq.block_table`` in place, never ``num_computed_tokens``.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from ragserve.generation.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ragserve.generation.fusion import FusionPlan
-    from ragserve.generation.kv_passages import PassageBlocks
+    from ragserve.generation.kv_tree import PassageBlocks
+    from ragserve.generation.segments import FusionPlan
 
 
 class SequenceStatus(enum.Enum):

@@ -11,9 +11,9 @@ from ragserve.generation.attention.base import (
     available_backends,
     get_backend,
     register_backend,
+    resolve_backend,
     store_kv,
 )
-from ragserve.generation.attention.selector import resolve_backend
 
 __all__ = [
     "AttentionMetadata",

@@ -6,10 +6,10 @@ keyed segments' KV taken from a ``PassageKVStore`` (computed once, alone, at pos
 recomputed with full attention over the whole prompt; every unkeyed token is computed.
 """
 
-from ragserve.generation.fusion.prefill import FusionPlan, FusionRunner
-from ragserve.generation.fusion.segment import Segment, paragraph_segments, tokenize_segments
+from ragserve.generation.fusion.prefill import FusionRunner
 from ragserve.generation.fusion.selectors import FUSION_SELECTORS
 from ragserve.generation.fusion.store import PassageKVStore
+from ragserve.generation.segments import FusionPlan, Segment, paragraph_segments, tokenize_segments
 
 __all__ = [
     "FUSION_SELECTORS",
