@@ -8,14 +8,14 @@ from ragserve.generation.attention import available_backends, base, get_backend,
 
 
 def test_registry_names() -> None:
-    assert {"torch_ref", "triton", "flex"} <= set(available_backends())
+    assert {"torch_ref", "triton"} <= set(available_backends())
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("nope")
 
 
 def test_auto_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_backend("auto", "cpu") == "torch_ref"
-    assert resolve_backend("flex", "cpu") == "flex"
+    assert resolve_backend("triton", "cpu") == "triton"
     monkeypatch.setattr(base, "has_triton", lambda: True)
     assert resolve_backend("auto", "cuda") == "triton"
     monkeypatch.setattr(base, "has_triton", lambda: False)

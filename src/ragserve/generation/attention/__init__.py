@@ -1,7 +1,6 @@
 """Paged attention backends behind one contract (see ``base``)."""
 
 from ragserve.generation.attention import (  # noqa: F401  (each registers its backend)
-    flex,
     torch_ref,
     triton_backend,
 )
