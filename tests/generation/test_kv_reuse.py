@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from oracle_cases import pool_bytes
+from oracle_cases import hf_greedy_one, pool_bytes
 
 from ragserve.generation import LLMEngine, SamplingParams
+from ragserve.generation.engine_setup import load_tokenizer
 
 MAX_TOKENS = 5
 WORDS = [
@@ -52,11 +52,9 @@ def _prompt(docs: list[str], order: list[int], question: str) -> str:
 
 @pytest.fixture(scope="module")
 def prompts(tiny_models) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
     rng = random.Random(7)
     docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(25, 45))) for _ in range(6)]
-    tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    tok = load_tokenizer(tiny_models["llama"])  # the engines' own (shared) tokenizer
     return [tok(_prompt(docs, o, q))["input_ids"] for o, q in _requests()]
 
 
@@ -65,11 +63,7 @@ def expected(hf_oracles, prompts) -> dict[str, list[list[int]]]:
     out = {}
     for arch in ("llama", "qwen2"):
         model = hf_oracles[arch]
-        runs = []
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)
-            runs.append(ids[0, len(p) :].tolist())
-        out[arch] = runs
+        out[arch] = [hf_greedy_one(model, p, MAX_TOKENS) for p in prompts]
     return out
 
 
