@@ -32,6 +32,22 @@ def extend_block_hashes(
     return hashes
 
 
+def check_ref_counts(ref_cnt: list[int], tables: dict[str, list[int]], held: Seq[int] = ()) -> None:
+    """Raise ``AssertionError`` unless ``ref_cnt`` counts each block's holders: the requests'
+    block ``tables`` (no block twice in one) and the extra ``held`` references."""
+    refs = [0] * len(ref_cnt)
+    for rid, table in tables.items():
+        if len(set(table)) != len(table):
+            raise AssertionError(f"request {rid} holds a block twice: {table}")
+        for block in table:
+            refs[block] += 1
+    for block in held:
+        refs[block] += 1
+    if refs != ref_cnt:
+        bad = [b for b in range(len(ref_cnt)) if refs[b] != ref_cnt[b]]
+        raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")
+
+
 class BlockManager:
     """Owns the KV block pool; ``allocate_slots`` returns ``False`` when a request does not fit
     (the scheduler then preempts), and has changed nothing in that case."""
@@ -161,15 +177,7 @@ class BlockManager:
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if ref counts, the free queue or the hash map disagree."""
-        refs = [0] * self.num_blocks
-        for rid, table in self._tables.items():
-            if len(set(table)) != len(table):
-                raise AssertionError(f"request {rid} holds a block twice: {table}")
-            for block in table:
-                refs[block] += 1
-        if refs != self.ref_cnt:
-            bad = [b for b in range(self.num_blocks) if refs[b] != self.ref_cnt[b]]
-            raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")
+        check_ref_counts(self.ref_cnt, self._tables)
         free = {b for b in range(self.num_blocks) if self.ref_cnt[b] == 0}
         if free != set(self.free_queue):
             raise AssertionError("free queue differs from the blocks with ref count 0")

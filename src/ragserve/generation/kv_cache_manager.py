@@ -16,7 +16,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from ragserve.generation.block_manager import extend_block_hashes
+from ragserve.generation.block_manager import check_ref_counts, extend_block_hashes
 from ragserve.generation.kv_passages import PassageTierMixin
 from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, KVNode, make_policy
 from ragserve.generation.segments import find_segment_ends
@@ -477,19 +477,8 @@ class TieredBlockManager(PassageTierMixin):
 
 
 def _check_refs(bm: TieredBlockManager) -> None:
-    refs = [0] * bm.num_blocks
-    for rid, table in bm._tables.items():
-        if len(set(table)) != len(table):
-            raise AssertionError(f"request {rid} holds a block twice: {table}")
-        for block in table:
-            refs[block] += 1
-    for handles in bm._passage_holds.values():
-        for handle in handles:
-            for entry in handle.entries:
-                refs[entry.gpu_block] += 1
-    if refs != bm.ref_cnt:
-        bad = [b for b in range(bm.num_blocks) if refs[b] != bm.ref_cnt[b]]
-        raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")
+    holds = [e.gpu_block for hs in bm._passage_holds.values() for h in hs for e in h.entries]
+    check_ref_counts(bm.ref_cnt, bm._tables, holds)
 
 
 def _check_gpu_pool(bm: TieredBlockManager) -> None:

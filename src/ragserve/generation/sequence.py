@@ -35,12 +35,6 @@ class RequestMetrics:
             return None
         return self.first_token_time - self.arrival_time
 
-    @property
-    def e2e_latency(self) -> float | None:
-        if self.finish_time is None:
-            return None
-        return self.finish_time - self.arrival_time
-
 
 @dataclass(frozen=True)
 class RequestOutput:

@@ -39,17 +39,7 @@ def rotate_keys(keys: torch.Tensor, rotary: RotaryEmbedding, delta: int) -> torc
 
 
 def _qkv(layer: nn.Module, x: torch.Tensor, positions: torch.Tensor):
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    n = x.shape[0]
-    q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = q.view(n, attn.num_heads, attn.head_dim)
-    k = k.view(n, attn.num_kv_heads, attn.head_dim)
-    v = v.view(n, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = attn.rotary(positions, q, k)
-    return q, k, v
+    return layer.self_attn.qkv(positions, layer.input_layernorm(x))
 
 
 def project_kv(
