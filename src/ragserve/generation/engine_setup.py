@@ -100,8 +100,9 @@ def load_tokenizer(folder: Path) -> Any:
     digest = hashlib.sha1()
     for f in files:
         digest.update(f.name.encode() + f.read_bytes())
-    config = folder / "config.json"
-    if config.is_file():  # the tokenizer class may come from the model type
+    named, config = folder / "tokenizer_config.json", folder / "config.json"
+    has_class = named.is_file() and "tokenizer_class" in json.loads(named.read_text())
+    if not has_class and config.is_file():  # the tokenizer class comes from the model type
         digest.update(str(json.loads(config.read_text()).get("model_type")).encode())
     key = digest.hexdigest()
     if key not in _TOKENIZERS:
