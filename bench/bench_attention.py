@@ -3,7 +3,7 @@
 Decode: one query per sequence over a 1k-token paged context, batch 1..256; the figure is GPU
 time per layer call and the KV bytes it must read over that time. Prefill: 8 prompts of 1,024
 new tokens, and a 512-token chunk after a 2,048-token cached prefix. Triton tile configs are
-swept; ``auto`` in ``generation/attention/selector.py`` and the default configs in
+swept; ``auto`` in ``generation/attention/base.py`` (``resolve_backend``) and the default configs in
 ``triton_backend.py`` come from this table.
 
     PYTHONPATH=src python bench/bench_attention.py --out results/attention.json
@@ -115,7 +115,7 @@ def bench_decode(batch: int, ctx: int, rows: list[dict]) -> None:
         )
         record(f"triton[n{cfg.block_n},w{cfg.num_warps},s{cfg.num_stages},sp{cfg.num_splits}]",
                graph_time(fn, layers), "graph")  # fmt: skip
-    for name in ("triton", "torch_ref", "flex"):
+    for name in ("triton", "torch_ref"):
         backend = TritonBackend() if name == "triton" else get_backend(name)
         backend.prepare(md)
         fn = lambda i, b=backend: b.forward(*qkv[i], *caches[i], md, scale)
@@ -145,7 +145,7 @@ def bench_prefill(lens: list[tuple[int, int]], label: str, rows: list[dict]) -> 
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
                 rows.append({"kind": "prefill", "case": label, "backend": f"q{bq}n{bn}w{w}",
                              "error": repr(exc)[:200]})  # fmt: skip
-    for name in ("torch_ref", "flex"):
+    for name in ("torch_ref",):
         backend = get_backend(name)
         backend.prepare(md)
         fn = lambda i, b=backend: b.forward(*qkv[i], *caches[i], md, scale)

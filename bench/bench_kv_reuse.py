@@ -85,6 +85,7 @@ from kv_capacity import (  # noqa: E402
     probe_offsets,
     search_capacity,
 )
+from kv_cost_profile import profile_kv_costs  # noqa: E402
 from ragserve.generation import LLMEngine, SamplingParams  # noqa: E402
 from ragserve.generation.block_manager import hash_block_tokens  # noqa: E402
 from ragserve.generation.model_runner import kv_cache_bytes_per_block  # noqa: E402
@@ -449,7 +450,7 @@ def build_engine(model: str, a: argparse.Namespace, config: dict) -> LLMEngine:
         # several lengths up to two passages: a GPU prefill of a few hundred tokens is mostly
         # per-call overhead (the profile rejects a fit dominated by it)
         lengths = (a.passage_tokens // 2, a.passage_tokens, 2 * a.passage_tokens)
-        log.info("  profiled prefill cost: %s", engine.profile_prefill_cost(lengths))
+        log.info("  profiled prefill cost: %s", profile_kv_costs(engine, lengths))
     return engine
 
 

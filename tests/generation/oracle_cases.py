@@ -29,14 +29,23 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
+@torch.no_grad()
+def hf_greedy_one(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy continuation of one prompt by the ``transformers`` model (its own KV cache; the
+    tokens ``generate(do_sample=False)`` gives, without its per-call machinery)."""
+    out = model(torch.tensor([prompt], device=model.device), use_cache=True)
+    tokens = []
+    while True:
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if len(tokens) == max_tokens:
+            return tokens
+        step = torch.tensor([[tokens[-1]]], device=model.device)
+        out = model(step, past_key_values=out.past_key_values, use_cache=True)
+
+
 def hf_greedy(model) -> list[list[int]]:
-    """Greedy continuation of every prompt by ``transformers.generate`` (one at a time)."""
-    runs = []
-    for prompt, n in zip(PROMPTS, MAX_TOKENS, strict=True):
-        ids = torch.tensor([prompt], device=model.device)
-        out = model.generate(ids, max_new_tokens=n, do_sample=False)
-        runs.append(out[0, len(prompt) :].tolist())
-    return runs
+    """Greedy continuation of every prompt by ``transformers`` (one at a time)."""
+    return [hf_greedy_one(model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
 
 
 def run_staggered(engine: LLMEngine) -> dict[int, list[int]]:

@@ -1,16 +1,13 @@
 """Fused RMSNorm and rotary kernels match the eager op sequences of ``models/layers.py``.
 
-CPU: under Triton's interpreter in a subprocess (skipped without triton); GPU: compiled, bf16.
+CPU: under Triton's interpreter, in the subprocess of ``test_attention_triton``'s small
+interpreter test (one interpreter start for both); GPU: compiled, bf16 and float32.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-
-HERE = Path(__file__).parent
 
 
 def _eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,15 +55,6 @@ def check_fused(device: str, dtype: torch.dtype) -> None:
         assert (fused - exact).abs().max() <= (eager - exact).abs().max() + ulp
     rk2, rq2 = rotary_qk(pos, k, q, cos, sin)  # not adjacent: two launches
     assert torch.equal(rq2, rq) and torch.equal(rk2, rk)
-
-
-def test_interpreter_matches_eager() -> None:
-    pytest.importorskip("triton")
-    from ragserve.generation.testing import run_in_triton_interpreter
-
-    run_in_triton_interpreter(
-        HERE, "import torch, test_attention_fused_ops as t; t.check_fused('cpu', torch.float32)"
-    )
 
 
 @pytest.mark.gpu

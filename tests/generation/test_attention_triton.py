@@ -78,8 +78,9 @@ def _fix_interpreter_scalars() -> None:
     interp._patch_lang_tensor = patched
 
 
-def interpreter_checks() -> None:
-    """Run in a subprocess with TRITON_INTERPRET=1 (it must be set before triton is imported)."""
+def interpreter_checks(full: bool) -> None:
+    """Run in a subprocess with TRITON_INTERPRET=1 (it must be set before triton is imported).
+    Not ``full``: one small mixed batch (prefill, chunk, decode) and one of scattered rows."""
     _fix_interpreter_scalars()
     from ragserve.generation.attention.triton_backend import (
         DECODE_CONFIG,
@@ -87,13 +88,19 @@ def interpreter_checks() -> None:
         TritonBackend,
     )
 
+    small_q = TritonBackend(decode=DECODE_CONFIG, prefill=KernelConfig(block_q=4, block_n=16))
+    if not full:
+        _check([(1, 37), (13, 13), (3, 17)], device="cpu", dtype=torch.float32, atol=1e-4,
+               num_heads=4, head_dim=16)  # fmt: skip
+        _check([(9, 20), (1, 5)], device="cpu", dtype=torch.float32, atol=1e-4, scattered=True,
+               backend=small_q, num_heads=6, num_kv_heads=2, head_dim=24, page=4)  # fmt: skip
+        return
     for kind in ("mixed", "decode", "chunked"):
         lens = [(q, min(s, 70)) for q, s in CASES[kind] if min(s, 70) >= q][:5]
         _check(lens, device="cpu", dtype=torch.float32, atol=1e-4, num_heads=4, head_dim=16)
     split = TritonBackend(decode=KernelConfig(block_q=1, block_n=16, num_splits=4))
     _check([(1, 50), (1, 3), (1, 33)], device="cpu", dtype=torch.float32, atol=1e-4,
            backend=split, num_heads=4, num_kv_heads=4, head_dim=16, page=8)  # fmt: skip
-    small_q = TritonBackend(decode=DECODE_CONFIG, prefill=KernelConfig(block_q=4, block_n=16))
     _check([(9, 20), (1, 5), (6, 6)], device="cpu", dtype=torch.float32, atol=1e-4,
            backend=small_q, num_heads=6, num_kv_heads=2, head_dim=24, page=4)  # fmt: skip
     _check_padding_rows("cpu", torch.float32)
@@ -104,13 +111,21 @@ def interpreter_checks() -> None:
            page=4)  # fmt: skip
 
 
-def test_interpreter_matches_reference() -> None:
-    """Mixed, decode and chunked batches, split-KV, MHA and odd head sizes, cache fusion's
-    scattered rows (per-query positions), on CPU."""
+@pytest.mark.parametrize(
+    "full", [False, pytest.param(True, marks=pytest.mark.slow, id="sweep")], ids=["small", None]
+)
+def test_interpreter_matches_reference(full: bool) -> None:
+    """On CPU: a small mixed batch and scattered rows (per-query positions), and in the same
+    interpreter process the fused RMSNorm/rotary kernels (``test_attention_fused_ops``); the
+    sweep (``slow``) adds decode and chunked batches, split-KV, MHA, odd head sizes and
+    padding rows."""
     pytest.importorskip("triton")
     from ragserve.generation.testing import run_in_triton_interpreter
 
-    run_in_triton_interpreter(HERE, "import test_attention_triton as t; t.interpreter_checks()")
+    code = f"import test_attention_triton as t; t.interpreter_checks({full})"
+    if not full:
+        code += "; import torch, test_attention_fused_ops as f; f.check_fused('cpu', torch.float32)"
+    run_in_triton_interpreter(HERE, code)
 
 
 @pytest.mark.gpu

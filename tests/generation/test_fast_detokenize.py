@@ -18,9 +18,9 @@ ARCHS = ("llama", "qwen2", "qwen3")
 
 @pytest.fixture(scope="module")
 def tokenizers(tiny_models):
-    from transformers import AutoTokenizer
+    from ragserve.generation.engine_setup import load_tokenizer
 
-    return {arch: AutoTokenizer.from_pretrained(tiny_models[arch]) for arch in ARCHS}
+    return {arch: load_tokenizer(tiny_models[arch]) for arch in ARCHS}  # the engines' own
 
 
 def _streams(tok, rng: random.Random) -> list[list[int]]:

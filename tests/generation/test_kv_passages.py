@@ -88,7 +88,7 @@ def test_a_stored_passage_never_matches_a_prompt_prefix():
     written(p)
     bm.release_passages("r")
     s = Sequence("s", P + [1, 2, 3], SamplingParams(max_tokens=1))
-    assert bm.get_computed_blocks(s) == [] and bm.cached_prefix_tokens(P + [1, 2]) == 0
+    assert bm.get_computed_blocks(s) == []
     bm.reset_prefix_cache()
     assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 8
     bm.check_integrity()

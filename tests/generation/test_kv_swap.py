@@ -119,37 +119,6 @@ def test_kv_config_errors_name_the_field(kwargs, field):
         EngineConfig(model="m", **kwargs)
 
 
-def test_evidence_order_greedy_walk():
-    from ragserve.generation.evidence_order import order_evidence
-
-    passages = {0: [10, 11], 1: [20, 21], 2: [30, 31], 3: [40, 41]}
-    cached = [[1, 2], [1, 2, 30, 31], [1, 2, 30, 31, 10, 11]]  # prefixes in the cache
-
-    def render(order):
-        return [1, 2] + [t for i in order for t in passages[i]]
-
-    def cached_tokens(ids):
-        return max(
-            (len(c) for c in cached if ids[: len(c)] == c),
-            default=0,
-        )
-
-    # 2 then 0 extend the cached prefix; 1 and 3 follow in relevance order
-    assert order_evidence(4, render, cached_tokens) == [2, 0, 1, 3]
-    assert order_evidence(2, render, lambda ids: 0) == [0, 1]  # nothing cached: unchanged
-    assert order_evidence(0, render, cached_tokens) == []
-    with pytest.raises(ValueError, match="num_passages"):
-        order_evidence(-1, render, cached_tokens)
-
-
-def test_cached_prefix_tokens_counts_whole_cached_blocks():
-    bm = _cached_manager()
-    assert bm.cached_prefix_tokens(list(range(12))) == 12
-    assert bm.cached_prefix_tokens(list(range(11))) == 8
-    assert bm.cached_prefix_tokens(list(range(4)) + [99] * 8) == 4
-    assert bm.cached_prefix_tokens([]) == 0
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_overlapped_swap_ins_are_waited_for_per_block(device):
     torch.manual_seed(0)
@@ -241,19 +210,6 @@ def test_set_kv_reuse_switches_hits_and_empties_the_cache(tiny_models):
         engine.set_kv_reuse(False)
     with pytest.raises(ValueError, match="enabled"):
         engine.set_kv_reuse(1)
-
-
-def test_swap_cost_model_and_its_profile():
-    from ragserve.generation.kv_setup import SwapCostModel, profile_swap_cost
-
-    model = SwapCostModel(per_block_s=0.5, fixed_s=1.0)
-    assert model(0) == 0.0 and model(4) == 3.0
-    gpu = torch.randn(2, 2, 40, 4, 1, 8)
-    host = HostKVCache(gpu, num_host_blocks=40, overlap=True)
-    fitted = profile_swap_cost(host, num_gpu_blocks=40)
-    assert fitted.per_block_s >= 0.0 and fitted.fixed_s >= 0.0
-    assert fitted(32) >= fitted(1) > 0.0
-    assert host.num_pending_blocks == 0
 
 
 def test_cheaper_to_swap_keeps_the_best_prefix_of_host_blocks():
@@ -377,7 +333,7 @@ def test_swap_out_skips_blocks_worth_less_than_the_host_victim(swap_out_filter):
 
 
 def test_a_step_waits_for_its_fused_passages_blocks_too():
-    from ragserve.generation.kv_passages import PassageBlocks
+    from ragserve.generation.kv_tree import PassageBlocks
     from ragserve.generation.llm_engine import _step_blocks
 
     seq = _seq("fused", list(range(9)))

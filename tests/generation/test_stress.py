@@ -12,7 +12,7 @@ from oracle_cases import pool_bytes
 from ragserve.generation import LLMEngine, SamplingParams
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_random_arrivals_aborts_and_preemption(tiny_models, seed):
     path = tiny_models["qwen3"]
     rng = random.Random(seed)

@@ -5,9 +5,9 @@ Public: ``LLMEngine``, ``SamplingParams``, ``RequestOutput`` (see ``docs/archite
 
 from ragserve.generation.config import EngineConfig, ModelConfig
 from ragserve.generation.errors import ModelLoadError, PromptTooLongError
-from ragserve.generation.fusion import Segment
 from ragserve.generation.llm_engine import LLMEngine
 from ragserve.generation.sampling_params import SamplingParams
+from ragserve.generation.segments import Segment
 from ragserve.generation.sequence import RequestMetrics, RequestOutput
 
 __all__ = [

@@ -1,15 +1,10 @@
-"""Paged KV blocks: reference counts, automatic prefix caching, LRU eviction.
-
-A block holds ``block_size`` consecutive tokens of one sequence. A FULL block whose KV has
-been computed gets a chained hash ``hash((parent_hash, its tokens, extra_keys))``, so equal
-hashes mean equal whole prefixes; a later sequence with the same prefix reuses those blocks
-(ref count + 1) instead of recomputing them. Free blocks stay in the hash map until they are
-reallocated, in LRU order::
+"""Paged KV blocks with automatic prefix caching (the plain, GPU-only cache): chained block
+hashes ``hash((parent_hash, tokens, extra_keys))`` so equal hashes mean equal prefixes; free
+blocks keep their hashes until reallocated, least recently freed first::
 
     free queue   front [ unhashed blocks | hashed blocks, least recently freed first ] back
-                 allocation pops the front; a hit on a free hashed block takes it out
 
-The manager mutates ``seq.block_table`` in place; it never touches ``num_computed_tokens``.
+Mutates ``seq.block_table`` in place, never ``num_computed_tokens``.
 """
 
 from __future__ import annotations
@@ -35,6 +30,22 @@ def extend_block_hashes(
         block = token_ids[i * block_size : (i + 1) * block_size]
         hashes.append(hash_block_tokens(parent, block))
     return hashes
+
+
+def check_ref_counts(ref_cnt: list[int], tables: dict[str, list[int]], held: Seq[int] = ()) -> None:
+    """Raise ``AssertionError`` unless ``ref_cnt`` counts each block's holders: the requests'
+    block ``tables`` (no block twice in one) and the extra ``held`` references."""
+    refs = [0] * len(ref_cnt)
+    for rid, table in tables.items():
+        if len(set(table)) != len(table):
+            raise AssertionError(f"request {rid} holds a block twice: {table}")
+        for block in table:
+            refs[block] += 1
+    for block in held:
+        refs[block] += 1
+    if refs != ref_cnt:
+        bad = [b for b in range(len(ref_cnt)) if refs[b] != ref_cnt[b]]
+        raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")
 
 
 class BlockManager:
@@ -166,15 +177,7 @@ class BlockManager:
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if ref counts, the free queue or the hash map disagree."""
-        refs = [0] * self.num_blocks
-        for rid, table in self._tables.items():
-            if len(set(table)) != len(table):
-                raise AssertionError(f"request {rid} holds a block twice: {table}")
-            for block in table:
-                refs[block] += 1
-        if refs != self.ref_cnt:
-            bad = [b for b in range(self.num_blocks) if refs[b] != self.ref_cnt[b]]
-            raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")
+        check_ref_counts(self.ref_cnt, self._tables)
         free = {b for b in range(self.num_blocks) if self.ref_cnt[b] == 0}
         if free != set(self.free_queue):
             raise AssertionError("free queue differs from the blocks with ref count 0")

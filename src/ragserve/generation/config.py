@@ -39,65 +39,36 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.85  # CUDA: share of free memory after weights
     enable_prefix_caching: bool = True
-    # Knowledge tree (RAGCache): document nodes over the prefix cache, a host tier and PGDSF.
-    # False keeps the plain hashed-block prefix cache (LRU, GPU only).
-    enable_knowledge_tree: bool = True
+    # Switches below: each optimization's off position is its exactness oracle; what each
+    # does is in docs/architecture.md ("LLM engine", "Document-KV reuse", "Cache fusion").
+    enable_knowledge_tree: bool = True  # False: the plain hashed-block cache (LRU, GPU only)
     host_kv_cache_bytes: int = 0  # host tier (pinned CPU memory on CUDA); 0: GPU tier only
     kv_eviction_policy: str = "pgdsf"  # "pgdsf" | "lru"
-    # Host-tier hits load while the running step computes (side stream / CPU thread); the
-    # request computes from the next step. False: copies finish before the step's forward.
-    overlap_swap_in: bool = True
-    # Swap-outs to the host tier are issued off the step's critical path (side stream / CPU
-    # thread); a reused GPU block is written only after its copy read it. False: blocking.
-    async_swap_out: bool = True
-    # With the host tier full, a block evicted from the GPU is copied out only if it ranks at
-    # least as high as the host tier's own victim (else dropped). False: always copied.
-    swap_out_filter: bool = True
-    # Admit waiting requests with a larger cached share first; none is passed over more than
-    # ``cache_aware_fairness_window`` times.
-    enable_cache_aware_scheduling: bool = True
-    cache_aware_fairness_window: int = 8
+    overlap_swap_in: bool = True  # host hits load during another step's forward
+    async_swap_out: bool = True  # swap-outs off the critical path (False: blocking)
+    swap_out_filter: bool = True  # full host tier: copy out only what outranks its victim
+    enable_cache_aware_scheduling: bool = True  # larger cached share admitted first, within
+    cache_aware_fairness_window: int = 8  # this many pass-overs
     attention_backend: str = "auto"
     enable_cuda_graphs: bool = True  # CUDA: decode steps replay captured graphs (cuda_graph.py)
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights)
     max_model_len: int | None = None
     seed: int = 0
-    # CPU: torch intra-op threads for this process (None leaves torch's default). NOTE: on a
-    # small shared machine 1 thread is often several times faster for small models, because
-    # OpenMP barriers stall whenever another process holds a core.
+    # CPU: torch intra-op threads (None: torch's default). NOTE: on a small shared machine 1
+    # thread is often several times faster for small models (OpenMP barriers stall).
     cpu_threads: int | None = None
-    # Cache fusion (``fusion/``): the recompute ratio of requests with keyed segments that pass
-    # no ``fusion_ratio`` (None: such requests are prefilled in full), the selector, its probe
-    # layer (None: num_layers // 4) and the device and host budgets of the separate passage KV
-    # store, used only without the knowledge tree (with it, passages live in the KV tiers).
-    fusion_ratio: float | None = None
+    fusion_ratio: float | None = None  # default for keyed-segment prompts (None: full prefill)
     fusion_selector: str = "qcfuse"  # "qcfuse" | "cacheblend" | "sift"
-    fusion_probe_layer: int | None = None
-    fusion_kv_cache_bytes: int = 256 * 1024**2
+    fusion_probe_layer: int | None = None  # None: num_layers // 4
+    fusion_kv_cache_bytes: int = 256 * 1024**2  # passage store budgets, used without the tree
     fusion_host_kv_cache_bytes: int = 0
-    # True: a fused prefill's rows run in the step's batched forward through the paged backend
-    # (per-query positions); False: session 1's dense per-request forward (the oracle path).
-    fusion_paged_prefill: bool = True
-    # A step that raises fails only the requests that make it raise (``step_isolation.py``);
-    # off: the exception leaves ``step()`` and the caller fails the whole step.
-    enable_step_isolation: bool = True
-    # The block manager's integrity check when the engine goes idle runs off the step's
-    # critical path: after the step's outputs are handed on (``run_deferred_checks``; the
-    # worker calls it once it has sent them, else the next step runs it first). It walks every
-    # block (~3 ms at 12k blocks). False: inside the step that empties the engine, delaying
-    # that step's final outputs.
+    fusion_paged_prefill: bool = True  # False: the dense per-request fused forward
+    enable_step_isolation: bool = True  # a raising step fails only the requests that raise
+    # NOTE: the idle-time integrity check walks every block (~3 ms at 12k): deferred, it runs
+    # after the step's outputs are handed on (``run_deferred_checks``, else the next step).
     enable_deferred_integrity_check: bool = True
-    # Detokenize each new token through a fast tokenizer's Rust backend directly, skipping the
-    # Python wrapper (same text: ``detokenizer.make_decoder``; a tokenizer whose wrapper cleans
-    # up spaces, or a slow one, always goes through ``tokenizer.decode``). False: the wrapper.
-    enable_fast_detokenize: bool = True
-    # Overlapped (async) scheduling: step n+1's forward is queued before step n's sampled
-    # tokens reach the host (its decode inputs read them on the device), and step n's
-    # postprocessing, the caller's sends and step n+1's scheduling run while the GPU computes.
-    # A request that step n finishes (EOS, stop) has its step-n+1 token discarded; one that its
-    # pending token ends by length is not scheduled again. Greedy and seeded outputs are those
-    # of the synchronous loop. False: schedule, run, wait, postprocess in turn.
-    enable_async_scheduling: bool = True
+    enable_fast_detokenize: bool = True  # decode through a fast tokenizer's backend directly
+    enable_async_scheduling: bool = True  # step n+1 launched before step n's tokens are read
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:

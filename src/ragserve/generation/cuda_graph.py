@@ -1,16 +1,12 @@
-"""CUDA graphs for decode steps: capture the model's forward once per padded batch size.
-
-A decode step of an 8B model launches ~500 small kernels; at small batch the launches, not the
-GPU, set the pace. The runner records the forward for batch sizes 1, 2, 4, 8, 16, 32, ...
-into CUDA graphs over static input buffers and replays the smallest one that fits::
+"""CUDA graphs for decode steps: the model's forward captured once per padded batch size
+(1, 2, 4, 8, then multiples of 16) over static buffers; ``run`` replays the smallest that
+fits::
 
     static rows   0 ......... n-1 | n ........ bs-1
                   real sequences  | padding: slot -1 (nothing stored), seq_len 0, token 0
 
-Needs a backend with ``supports_cuda_graphs`` (the kernels read lengths from device tensors
-and skip negative slots). Block tables are copied into a ``[max_batch, max_blocks]`` buffer;
-columns past a sequence's length are never read. The hidden states returned by ``run`` live
-in the graph's memory and are overwritten by the next replay.
+Needs a backend with ``supports_cuda_graphs``; the returned hidden states live in the graph's
+memory until the next replay.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ tokenizer (with its end-of-sequence id) from a model folder."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -80,14 +82,34 @@ def size_kv_pool(
     return num_blocks, max_model_len
 
 
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
+)  # fmt: skip
+_TOKENIZERS: dict[str, Any] = {}  # digest of the files -> tokenizer
+
+
 def load_tokenizer(folder: Path) -> Any:
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any((folder / n).is_file() for n in names):
+    """The folder's tokenizer (``None`` without one). NOTE: a load takes ~1 s; engines of one
+    process whose folders hold the same tokenizer files share one tokenizer object (the
+    engine only calls it and decodes with it, never configures it)."""
+    files = [folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()]
+    if not any(f.name in _TOKENIZER_FILES[:3] for f in files):
         logger.info("no tokenizer in %s: prompts must be token ids", folder)
         return None
-    from transformers import AutoTokenizer
+    digest = hashlib.sha1()
+    for f in files:
+        digest.update(f.name.encode() + f.read_bytes())
+    named, config = folder / "tokenizer_config.json", folder / "config.json"
+    has_class = named.is_file() and "tokenizer_class" in json.loads(named.read_text())
+    if not has_class and config.is_file():  # the tokenizer class comes from the model type
+        digest.update(str(json.loads(config.read_text()).get("model_type")).encode())
+    key = digest.hexdigest()
+    if key not in _TOKENIZERS:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(folder)
+    return _TOKENIZERS[key]
 
 
 def tokenizer_eos(tokenizer: Any) -> tuple[int, ...]:

@@ -2,9 +2,9 @@
 raise for chosen requests, in process or inside a worker process.
 
 ``$RAGSERVE_FAULT_INJECT`` holds ``stage:marker`` items separated by commas, e.g.
-``"forward:<poison>,append:<bad>"``. ``check(stage, seqs)`` raises ``InjectedFault`` when a
+``"forward:<poison>,append:<bad>"``. ``check_fault(stage, seqs)`` raises ``InjectedFault`` when a
 sequence in ``seqs`` has ``marker`` among its stop strings (a field every API passes through
-unchanged). Unset (production), ``check`` is one dictionary lookup. Stages, in step order:
+unchanged). Unset (production), ``check_fault`` is one dictionary lookup. Stages, in step order:
 
 - ``forward``: ``ModelRunner.launch_model`` (``execute_model``) before its batch's forward;
 - ``sample``: ``ModelRunner.launch_model`` between the logits and the sampler;
@@ -22,10 +22,10 @@ STAGES = ("forward", "sample", "append")
 
 
 class InjectedFault(RuntimeError):
-    """Raised by ``check`` for a sequence chosen by ``$RAGSERVE_FAULT_INJECT``."""
+    """Raised by ``check_fault`` for a sequence chosen by ``$RAGSERVE_FAULT_INJECT``."""
 
 
-def check(stage: str, seqs: Iterable[Any]) -> None:
+def check_fault(stage: str, seqs: Iterable[Any]) -> None:
     """Raise ``InjectedFault`` if ``$RAGSERVE_FAULT_INJECT`` names ``stage`` with a marker
     among the stop strings of one of ``seqs``; otherwise do nothing."""
     spec = os.environ.get(FAULT_ENV)

@@ -1,42 +1,22 @@
-"""GPU + host KV tiers under the knowledge tree (RAGCache), with the ``BlockManager`` interface.
-
-The GPU pool holds ``num_blocks`` blocks: free ones, blocks in use (ref count > 0), and cached
-blocks nobody uses (evictable). The host pool (``num_host_blocks``, pinned CPU memory on
-CUDA) holds copies of cached blocks evicted from the GPU::
+"""The GPU and host KV tiers under the knowledge tree (RAGCache), with the ``BlockManager``
+interface (``docs/architecture.md``, "Document-KV reuse")::
 
     GPU  [ in use (ref > 0) | cached, ref 0 (evictable, by node priority) | free ]
     host [ copies of evicted cached blocks (evictable leaves first)       | free ]
 
-- A hit on a GPU block shares it (ref + 1); a hit on a host-only block gets a GPU block and a
-  swap-in copy. A hit is always a prefix of the prompt, so ancestors come first.
-- Eviction takes the lowest-priority leaf block (no child on the GPU). With a host tier it is
-  copied out **once**: a block that already has a host copy (it was swapped in earlier) just
-  drops its GPU copy. Without room on the host the block (and its host-only subtree) is gone.
-- Preemption frees a request's blocks into this cache (generated blocks included), so a
-  preempted request swaps its KV back in instead of recomputing it whenever it was evicted
-  to the host meanwhile; only its last partial block is recomputed.
-- Swap out only what is worth keeping (``swap_out_filter``, default on): with the host pool
-  full, an evicted block whose node ranks below the host tier's own victim is dropped, not
-  copied (the copy would evict something more valuable; ``num_swap_out_skipped_blocks``).
-- Swap or recompute: with a swap cost model (``swap_cost_fn``: seconds to swap in n blocks,
-  measured by ``LLMEngine.profile_prefill_cost``) a hit's host part is swapped in only as
-  far as that is cheaper than recomputing it (``cost_fn``, given the tokens before it);
-  the rest is recomputed (``num_swap_skipped_blocks``). Without one, host hits are swapped.
-
-Copies are not done here: each mutation appends ``SwapOp``s, in the order they must run,
-and the engine runs them (``take_swap_ops``) before the step's forward pass writes any block.
+Copies are not done here: each mutation appends ``SwapOp``s, in the order they must run, and
+the engine runs them (``take_swap_ops``) before the step's forward pass writes any block.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from ragserve.generation.block_manager import extend_block_hashes, hash_block_tokens
-from ragserve.generation.kv_integrity import check_tiered_integrity
+from ragserve.generation.block_manager import check_ref_counts, extend_block_hashes
 from ragserve.generation.kv_passages import PassageTierMixin
 from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, KVNode, make_policy
 from ragserve.generation.segments import find_segment_ends
@@ -201,17 +181,6 @@ class TieredBlockManager(PassageTierMixin):
     def num_swap_in_blocks(self, computed_blocks: Seq[CachedBlock]) -> int:
         """How many of ``computed_blocks`` an allocation would swap in (host-only ones)."""
         return sum(1 for e in computed_blocks if e.gpu_block is None)
-
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of ``token_ids`` have cached KV (whole blocks, any tier)."""
-        bs = self.block_size
-        parent, n = None, 0
-        for i in range(len(token_ids) // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
-            if parent not in self.entries:
-                break
-            n += bs
-        return n
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(
@@ -499,5 +468,84 @@ class TieredBlockManager(PassageTierMixin):
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if ref counts, pools, the tree or the nodes disagree."""
-        check_tiered_integrity(self)
+        """Raise ``AssertionError`` naming the first invariant of the ref counts, pools, tree
+        or nodes that does not hold (tests call it after every step, the engine when idle)."""
+        _check_refs(self)
+        _check_gpu_pool(self)
+        _check_host_pool(self)
+        _check_tree(self)
+
+
+def _check_refs(bm: TieredBlockManager) -> None:
+    holds = [e.gpu_block for hs in bm._passage_holds.values() for h in hs for e in h.entries]
+    check_ref_counts(bm.ref_cnt, bm._tables, holds)
+
+
+def _check_gpu_pool(bm: TieredBlockManager) -> None:
+    free = list(bm.free_blocks)
+    free_set = set(free)  # NOTE: membership below must not scan the free list (O(n^2))
+    if len(free_set) != len(free):
+        raise AssertionError("a GPU block is free twice")
+    for block in free:
+        if bm.ref_cnt[block] or bm.gpu_entry[block] is not None:
+            raise AssertionError(f"free GPU block {block} is in use or cached")
+    evictable = 0
+    for block in range(bm.num_blocks):
+        entry = bm.gpu_entry[block]
+        if entry is not None and entry.gpu_block != block:
+            raise AssertionError(f"GPU block {block} maps to a cached block stored elsewhere")
+        if bm.ref_cnt[block] == 0 and block not in free_set:
+            if entry is None:
+                raise AssertionError(f"GPU block {block} is neither used, cached nor free")
+            evictable += 1
+    if evictable != bm._num_evictable:
+        raise AssertionError(f"{evictable} evictable GPU blocks, counter says {bm._num_evictable}")
+
+
+def _check_host_pool(bm: TieredBlockManager) -> None:
+    free = set(bm.free_host_blocks)
+    if len(free) != len(bm.free_host_blocks):
+        raise AssertionError("a host block is free twice")
+    for host in range(bm.num_host_blocks):
+        entry = bm.host_entry[host]
+        if (entry is None) != (host in free):
+            raise AssertionError(f"host block {host} is both free and cached, or neither")
+        if entry is not None and entry.host_block != host:
+            raise AssertionError(f"host block {host} maps to a cached block stored elsewhere")
+
+
+def _check_tree(bm: TieredBlockManager) -> None:
+    gpu_children: Counter[int] = Counter()
+    node_blocks: Counter[int] = Counter()
+    for h, entry in bm.entries.items():
+        if entry.block_hash != h or not entry.is_alive:
+            raise AssertionError(f"hash map holds a dead or misfiled block {h}")
+        if entry.gpu_block is None and entry.host_block is None:
+            raise AssertionError(f"cached block {h} has no copy in any tier")
+        if entry.locked:
+            raise AssertionError(f"cached block {h} is still locked")
+        parent = entry.parent
+        if parent is not None:
+            if bm.entries.get(parent.block_hash) is not parent or entry not in parent.children:
+                raise AssertionError(f"cached block {h} hangs under a block not in the tree")
+            if entry.gpu_block is not None:
+                if parent.gpu_block is None:
+                    raise AssertionError(f"cached block {h} is on the GPU but its parent is not")
+                if bm.ref_cnt[entry.gpu_block] > bm.ref_cnt[parent.gpu_block]:
+                    raise AssertionError(f"cached block {h} is used more than its parent")
+                gpu_children[id(parent)] += 1
+        elif entry.depth != 0:
+            raise AssertionError(f"cached block {h} at depth {entry.depth} has no parent")
+        if bm.nodes.get(entry.node.key) is not entry.node:
+            raise AssertionError(f"cached block {h} belongs to a node not in the tree")
+        node_blocks[entry.node.node_id] += 1
+    for entry in bm.entries.values():
+        if entry.num_gpu_children != gpu_children[id(entry)]:
+            raise AssertionError(f"cached block {entry.block_hash}: wrong GPU child count")
+    for key, node in bm.nodes.items():
+        if node.key != key or node.num_blocks != node_blocks[node.node_id]:
+            raise AssertionError(f"node {node.node_id} counts {node.num_blocks} blocks wrongly")
+        if node.num_blocks == 0 and not node.children:
+            raise AssertionError(f"node {node.node_id} is empty but still in the tree")
+        if node.parent is not None and node.parent.children.get(key) is not node:
+            raise AssertionError(f"node {node.node_id} is missing from its parent's children")

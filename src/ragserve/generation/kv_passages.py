@@ -1,53 +1,19 @@
-"""Cache fusion's passage KV inside the knowledge tree's GPU + host tiers.
-
-A keyed passage's KV computed **alone** at positions ``0..n-1`` is a chain of cached blocks
-like any prompt's, but its chain starts from a seed hash of ``("passage", key, token ids)``
-instead of ``None``, so it never matches a prompt prefix and a prompt never matches it. Its
-blocks belong to one ``KVNode`` per passage (no parent; cost = prefilling ``n`` tokens) and
-live in the same pools as the tree's: ref counted while a fused prefill reads them, then
-evictable by the same policy (PGDSF / LRU, leaf block first), swapped out to the host tier
-and back in through the same ``SwapOp``s. The last block may be partial::
+"""Cache fusion's passage KV inside the knowledge tree's GPU + host tiers: a passage is a
+chain of cached blocks seeded by ``hash(("passage", key, token ids))`` (never a prompt
+prefix), owned by one ``KVNode``, ref counted while a fused prefill reads it, then evicted,
+swapped and checked like any tree block (``docs/architecture.md``, "Cache fusion")::
 
     passage "p" (n = 2.5 blocks)   seed = hash(("passage", "p", tokens))
     blocks  [ b0: tokens 0..bs-1 ] -> [ b1: bs..2bs-1 ] -> [ b2: 2bs..n-1 | unused ]
     hashes    h(seed, t0)             h(h0, t1)            h(h1, t2)
-
-Life in one engine step: the scheduler admits a fused request with ``acquire_passages``
-(hits are shared, host copies swapped in, misses get fresh blocks, all ref counted), the
-engine runs the swaps, the fused prefill reads the ready blocks and writes the missing
-ones (``PassageBlocks.num_ready_blocks`` rises to ``len(blocks)``), and after the step
-``release_passages`` drops the references. A passage that does not fit is computed
-transiently (``blocks == ()``) and not stored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 from ragserve.generation.block_manager import hash_block_tokens
-from ragserve.generation.kv_tree import CachedBlock, KVNode
-
-
-@dataclass(eq=False)
-class PassageBlocks:
-    """One request's hold on a stored passage: ``blocks`` (GPU block ids, token ``j`` at
-    ``blocks[j // block_size]``, slot ``j % block_size``) of which the first
-    ``num_ready_blocks`` hold its KV; ``()``: not stored, compute it without storing.
-
-    Shared by every request that acquires the same passage in one step; the fused prefill
-    that computes it sets ``num_ready_blocks = len(blocks)``.
-    """
-
-    key: str
-    token_ids: tuple[int, ...]
-    blocks: tuple[int, ...] = ()
-    num_ready_blocks: int = 0
-    entries: list[CachedBlock] = field(default_factory=list, repr=False)
-
-    @property
-    def is_ready(self) -> bool:
-        return bool(self.blocks) and self.num_ready_blocks == len(self.blocks)
+from ragserve.generation.kv_tree import CachedBlock, KVNode, PassageBlocks
 
 
 class PassageTierMixin:

@@ -1,27 +1,9 @@
-"""The host KV tier's memory and the block copies between it and the GPU pool.
-
-The host pool is block-major, ``[num_host_blocks, 2, layers, block_size, kv_heads, head_dim]``
-(pinned on CUDA), so a run of consecutive host slots is one contiguous range: ``run``
-executes a step's ``SwapOp``s in order with **one copy per contiguous run** (consecutive ops
-of one kind whose host slots follow each other, rising or falling), counted in
-``num_copies``; a step's swap-outs go before its swap-ins where that changes no data, so the
-evictions a swap-in causes do not cut its run into single blocks.
-
-Swap-outs (``async_swap_out``, the engine's switch of that name, default on) are only issued:
-on CUDA the GPU blocks are gathered into a staging tensor on a side stream, then copied to
-pinned host memory asynchronously; on CPU one background thread runs them (all ops then run
-there, in order: the same code path). A GPU block that a copy reads or writes gets a pending
-marker (CUDA: an event recorded once the side stream has read or written the block; CPU: a
-future). The evicted block goes back to the manager's pool at once, but **no step may write
-it before its marker**: ``wait_for(blocks)`` makes the step's forward wait for the markers of
-the blocks it reads or writes and no others. So the device-to-host transfer never blocks the
-host, and on CUDA a step only waits for the on-device gather of the blocks it reuses.
-Without ``async_swap_out`` a swap-out is done when ``run`` returns.
-
-Swap-ins (``overlap``, the engine's ``overlap_swap_in``) likewise are only issued, from
-pinned memory on the side stream (CPU: the thread); without ``overlap`` they are done when
-``run`` returns. Every copy through a host slot is ordered after the earlier ones (one side
-stream, one thread), so a slot written by a swap-out and read by a later swap-in is safe.
+"""The host KV tier's memory (block-major, pinned on CUDA) and its copies with the GPU pool:
+``run`` executes a step's ``SwapOp``s in order, one copy per contiguous run of host slots,
+swap-outs first where that changes no data. Asynchronous copies (``async_swap_out``,
+``overlap``) go on a side CUDA stream (CPU: one thread) and mark their GPU blocks; no step
+may use a block before its marker: ``wait_for(blocks)`` makes the step wait for exactly its
+own blocks (``docs/architecture.md``, "Document-KV reuse").
 """
 
 from __future__ import annotations

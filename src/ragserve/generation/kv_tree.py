@@ -1,20 +1,14 @@
-"""The knowledge tree's data: document nodes, cached blocks, and the eviction policies.
-
-RAGCache's knowledge tree, built on chained block hashes. A prompt is cut into segments
-(the instructions, each passage, the question; ``segments.py``); a **node** is one segment
-given the path of segments above it, so two requests share a node only when everything
-before it is identical (exact and position-consistent). A **cached block** is one full KV
-block, keyed by its chained hash; it belongs to the node holding its last token::
+"""The knowledge tree's data (RAGCache over chained block hashes): document nodes, cached
+blocks, passage holds, and the eviction policies (``docs/architecture.md``, "Document-KV
+reuse"). A node is one segment given every segment before it; a block belongs to the node of
+its last token::
 
     tokens   [ instructions ....... | passage A ............. | passage B ..... | question ]
     blocks   [ b0      ][ b1      ][ b2      ][ b3      ][ b4      ][ b5      ][ b6 ...
     nodes    root-> I : b0 b1      A : b2 b3 (b2 ends in A)  B : b4 b5         Q : b6 ...
 
-Blocks chain like the tokens (``parent`` is the block before), so the set of cached blocks
-is closed under prefixes in each tier: a block is on the GPU only if its parent is, and it is
-cached at all only if its parent is. Eviction is therefore leaf-first (a block leaves a tier
-only once no child holds that tier) and ordered by its node's priority: RAGCache's PGDSF
-(``clock + frequency * cost / size``) or LRU.
+Each tier is closed under prefixes, so eviction is leaf-first, by node priority (PGDSF
+``clock + frequency * cost / size``, or LRU).
 """
 
 from __future__ import annotations
@@ -69,6 +63,27 @@ class CachedBlock:
     num_gpu_children: int = 0
     locked: bool = False
     is_alive: bool = True
+
+
+@dataclass(eq=False)
+class PassageBlocks:
+    """One request's hold on a stored passage: ``blocks`` (GPU block ids, token ``j`` at
+    ``blocks[j // block_size]``, slot ``j % block_size``) of which the first
+    ``num_ready_blocks`` hold its KV; ``()``: not stored, compute it without storing.
+
+    Shared by every request that acquires the same passage in one step; the fused prefill
+    that computes it sets ``num_ready_blocks = len(blocks)``.
+    """
+
+    key: str
+    token_ids: tuple[int, ...]
+    blocks: tuple[int, ...] = ()
+    num_ready_blocks: int = 0
+    entries: list[CachedBlock] = field(default_factory=list, repr=False)
+
+    @property
+    def is_ready(self) -> bool:
+        return bool(self.blocks) and self.num_ready_blocks == len(self.blocks)
 
 
 class EvictionPolicy:

@@ -1,21 +1,10 @@
-"""The LLM engine: ``add_request`` / ``step`` / ``abort`` over a paged KV cache.
+"""The LLM engine: ``add_request`` / ``step`` / ``abort`` over a paged KV cache; an external
+scheduler drives ``step()`` (``docs/architecture.md``, "LLM engine", "Overlapped steps").
 
-``step()`` is one scheduling iteration: schedule -> run the model -> append tokens, check
-stops, free finished requests. An external scheduler (ragserve's RAG workflows) drives it.
-
-With ``enable_async_scheduling`` the iteration is overlapped (vLLM's async scheduling): step
-n+1 is scheduled and launched before step n's tokens are read, so ``step()`` returns step n's
-outputs while the device computes step n+1, and the caller's work between two calls runs
-beside the forward too::
-
-    step() call n+1:  schedule n+1 | launch n+1 | wait n, append n's tokens -> outputs of n
-
-A request that step n finishes (EOS, a stop string, an abort) was already in step n+1: that
-token is discarded. NOTE: its blocks are freed at once, while step n+1 may still write its
-row's KV into them; every later user of a block (a later step's forward, a swap on the side
-stream, which waits for the compute stream first) runs after step n+1 in stream order, and
-on CPU the step has run when it returns. A request whose pending token ends it by length
-(``max_tokens``, the context end) is not scheduled again.
+NOTE (overlapped steps): a request that step n ends was already launched in step n+1; its
+blocks are freed at once while step n+1 may still write its row's KV into them. Every later
+user of a block (a later forward, a side-stream swap that waits for the compute stream)
+runs after step n+1 in stream order, and on CPU a step has run when it returns.
 """
 
 from __future__ import annotations
@@ -23,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragserve.generation import faults
+from ragserve.generation.attention import get_backend
 from ragserve.generation.builtin import resolve_model
 from ragserve.generation.config import EngineConfig, ModelConfig
 from ragserve.generation.detokenizer import (
@@ -50,31 +38,19 @@ from ragserve.generation.engine_setup import (
     tokenizer_eos,
 )
 from ragserve.generation.errors import PromptTooLongError
-from ragserve.generation.evidence_order import order_evidence
-from ragserve.generation.fusion import (
-    FusionPlan,
-    FusionRunner,
-    PassageKVStore,
-    Segment,
-    tokenize_segments,
-)
+from ragserve.generation.faults import check_fault
+from ragserve.generation.fusion import FusionRunner, PassageKVStore
 from ragserve.generation.kv_cache_manager import TieredBlockManager
-from ragserve.generation.kv_setup import (
-    PrefillCostModel,
-    kv_tier_stats,
-    make_kv_tiers,
-    profile_prefill_cost,
-    profile_swap_cost,
-)
+from ragserve.generation.kv_setup import kv_tier_stats, make_kv_tiers
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import (
     ModelRunner,
     SampledTokens,
     kv_cache_bytes_per_block,
-    select_backend,
 )
 from ragserve.generation.sampling_params import SamplingParams
 from ragserve.generation.scheduler import Scheduler, SchedulerOutput
+from ragserve.generation.segments import FusionPlan, Segment, tokenize_segments
 from ragserve.generation.sequence import RequestOutput, Sequence
 from ragserve.generation.step_isolation import execute_isolated
 
@@ -131,7 +107,7 @@ class LLMEngine:
             * kv_cache_bytes_per_block(self.model_config, config.block_size, dtype),
             max_model_len=max_model_len,
         )
-        backend = select_backend(config.attention_backend, device)
+        backend = get_backend(config.attention_backend, device)
         self.model_runner = ModelRunner(
             model,
             self.model_config,
@@ -155,7 +131,7 @@ class LLMEngine:
         if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
             self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
         self.block_manager, self.host_kv_cache = make_kv_tiers(
-            config, self.model_config, self.model_runner, self.tokenizer, folder, num_blocks
+            config, self.model_config, self.model_runner, self.tokenizer, num_blocks
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -169,7 +145,6 @@ class LLMEngine:
             overlap_swap_in=config.overlap_swap_in and self.host_kv_cache is not None,
             max_model_len=max_model_len,
         )
-        self.swap_cost = None  # SwapCostModel once profile_prefill_cost has timed the host tier
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -386,7 +361,7 @@ class LLMEngine:
                 self.host_kv_cache.run(ops)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
-        faults.check("append", [seq])
+        check_fault("append", [seq])
         seq.append_token(token)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = time.monotonic()
@@ -519,38 +494,6 @@ class LLMEngine:
         ``step`` (the step itself waits for the blocks it uses)."""
         if self.host_kv_cache is not None:
             self.host_kv_cache.synchronize()
-
-    def order_passages(
-        self, render: Callable[[Sequence_[int]], str], num_passages: int
-    ) -> list[int]:
-        """CacheWeaver: the order of ``num_passages`` passages (relevance order in) whose
-        prompt ``render(order)`` (text up to the passages) matches the longest cached prefix;
-        relevance order without the knowledge tree. Changes nothing."""
-        bm = self.block_manager
-        if not isinstance(bm, TieredBlockManager) or self.tokenizer is None:
-            return list(range(num_passages))
-        return order_evidence(
-            num_passages, lambda order: self._tokenize(render(order)), bm.cached_prefix_tokens
-        )
-
-    def profile_prefill_cost(
-        self, lengths: tuple[int, ...] = (64, 128, 256)
-    ) -> PrefillCostModel | None:
-        """Measure prefill times (after a warm-up; with and without a cached prefix), fit
-        PGDSF's cost model (a fit that prices recompute as free or as fixed overhead is
-        rejected for a FLOP-derived one: ``kv_setup.profile_prefill_cost``) and use it for
-        nodes created from now on; ``None`` without the knowledge tree. With a
-        host tier also time swap-ins (``swap_cost``): host hits are then swapped in only where
-        that beats recomputing them. Run it on an idle engine: it adds and drops its own
-        requests and empties the cache."""
-        if not isinstance(self.block_manager, TieredBlockManager):
-            return None
-        model = profile_prefill_cost(self, lengths)
-        self.block_manager.cost_fn = model
-        if self.host_kv_cache is not None:
-            self.swap_cost = profile_swap_cost(self.host_kv_cache, self.block_manager.num_blocks)
-            self.block_manager.swap_cost_fn = self.swap_cost
-        return model
 
 
 def _step_blocks(seqs: Sequence_[Sequence]) -> list[int]:

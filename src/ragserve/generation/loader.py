@@ -12,7 +12,7 @@ from torch import nn
 
 from ragserve.generation.config import ModelConfig
 from ragserve.generation.errors import ModelLoadError
-from ragserve.generation.models import get_model_class
+from ragserve.generation.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def load_model(
     values on the device itself.
     """
     with torch.device("meta"):
-        model = get_model_class(cfg)(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions)  # every SUPPORTED_ARCHITECTURES entry
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -1,18 +1,8 @@
-"""Runs one scheduled step on the device: packs inputs, runs the model, samples.
-
-Everything the layers need (positions, slot mapping, block tables) is built on the host
-once per step and copied to the device in one go; there are no host/device syncs inside
-the layer loop and exactly one after sampling. ``run_model`` is the single place a
-CUDA-graph runner hooks in (same inputs, same output).
-
-``launch_model`` is the overlapped form (``EngineConfig.enable_async_scheduling``): it queues
-the forward and sampling and returns ``SampledTokens`` at once; the host reads them later
-(``tolist``, the one sync). A decode row whose input is a token the previous launched step
-sampled (``start == len(seq.token_ids)``: not yet on the host) reads it from that step's device
-tensor, so step n+1 is queued before step n's tokens reach the host::
-
-    host:  launch n | wait n-1, post n-1, send, schedule n+1 | launch n+1 | wait n | post n
-    GPU:   ... n-1 ][ forward + sample n ............................... ][ n+1 ...
+"""Runs one scheduled step on the device: packs inputs (built on the host, copied once),
+runs the model (``run_model``: the CUDA-graph hook), samples (one host sync). ``launch_model``
+is the overlapped form: tokens stay on the device (``SampledTokens``) and a decode row whose
+input the previous launched step sampled reads it from there (``docs/architecture.md``,
+"Overlapped steps").
 """
 
 from __future__ import annotations
@@ -24,27 +14,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from ragserve.generation import faults
 from ragserve.generation.attention import (
     AttentionMetadata,
     BaseAttentionBackend,
-    get_backend,
-    resolve_backend,
 )
 from ragserve.generation.config import ModelConfig
 from ragserve.generation.cuda_graph import CUDAGraphRunner
+from ragserve.generation.faults import check_fault
 from ragserve.generation.fusion import FusionRunner
 from ragserve.generation.sampler import Sampler
 from ragserve.generation.scheduler import SchedulerOutput
 from ragserve.generation.sequence import Sequence
 
 LogitsHook = Callable[[list[Sequence], torch.Tensor], None]
-
-
-def select_backend(name: str, device: torch.device) -> BaseAttentionBackend:
-    """``name``, or for ``"auto"`` the best registered backend for the device
-    (``attention.resolve_backend`` owns that choice)."""
-    return get_backend(resolve_backend(name, device))
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -221,7 +203,7 @@ class ModelRunner:
         """``execute_model`` without its host sync: the step's forward and sampling are queued
         (on CPU: run) and their tokens returned on the device (``None``: nothing samples).
         ``prev``: the tokens of the step launched before, for inputs still pending."""
-        faults.check("forward", out.seqs)
+        check_fault("forward", out.seqs)
         fused_rows: dict[int, list[int]] = {}
         if self.fusion is not None:
             for i, seq in enumerate(out.seqs):
@@ -238,7 +220,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_rows])
         if self.logits_hook is not None:
             self.logits_hook(sampled, logits)
-        faults.check("sample", sampled)
+        check_fault("sample", sampled)
         rids, params = [s.request_id for s in sampled], [s.params for s in sampled]
         return SampledTokens(self.sampler.sample(logits, rids, params), sampled)
 

@@ -1,28 +1,9 @@
-"""Continuous batching with chunked prefill, prefix reuse and preemption by recompute.
-
-One rule (vLLM v1): every step, each scheduled request's computed tokens catch up with its
-total tokens, as far as the token budget allows. Running requests go first, in arrival
-order; when the KV pool is full the newest running request is preempted (its blocks are
-freed, it returns to the front of the waiting queue and is recomputed later, its prefix
-usually still cached). Waiting requests are admitted only when nobody was preempted.
-
-A request with a fusion plan (cache fusion) is prefilled whole in one step, charged to the
-token budget for the rows it computes (``FusionPlan.max_rows``), and never touches the prefix
-cache (its KV is approximate). With the knowledge tree's tiers its passages' stored KV is held
-from admission to the end of that step (``acquire_passages`` / ``release_passages``).
-
-Cache-aware admission (RAGCache, switchable): among the first ``lookahead`` waiting requests
-the one with the largest cached share of its tokens goes first (ties: arrival order; shares
-measured once per step, so a step admitting k requests looks up ``lookahead`` + k prompts,
-not k x ``lookahead``); a request passed over ``fairness_window`` times is admitted next
-whatever its share.
-
-Swap-in overlap (``overlap_swap_in``, switchable): a request admitted with cached blocks on
-the host tier while other requests run this step joins the running queue without tokens
-this step: its swap-ins are issued now and copy while this step's forward runs (the engine
-waits only for the blocks a step uses); it computes from the next step on. Preemption goes
-through the cache: a preempted request's blocks stay cached, and on readmission they are
-shared (GPU), swapped in (host, where cheaper than recomputing) or recomputed.
+"""Continuous batching: chunked prefill, prefix reuse, preemption, cache-aware admission,
+swap-in overlap and fused prefills under one rule (vLLM v1): each step every scheduled
+request's computed tokens catch up with its total tokens within the token budget. Running
+requests go first; when the pool is full the newest is preempted (blocks freed into the
+cache, back to the front of the waiting queue); waiting requests are admitted only when
+nobody was preempted (``docs/architecture.md``, "LLM engine").
 """
 
 from __future__ import annotations

@@ -1,28 +1,113 @@
-"""Where a prompt's documents begin and end, for the knowledge tree.
-
-The design: a prompt's segments are found in its token ids, so every caller (the RAG
-workflows, the HTTP front, plain ``generate``) gets document nodes without a new message
-field. A segment ends after a run of whitespace-only tokens that holds at least two
-newlines (a blank line): the built-in answer templates put the instructions, each passage
-and the question in their own paragraphs. Boundaries only group blocks into nodes (the
-unit of PGDSF's frequency and cost); reuse itself is exact at block level, so a missed or
-extra boundary never changes an output.
-
-``Sequence.segment_ends`` set by a caller (explicit segments, e.g. the ``Segment`` prompts
-cache fusion will add) takes precedence over the detected ones.
-"""
+"""A prompt's segments: the ``Segment``s a caller gives (cache fusion keys its passages), the
+token spans they become with their ``FusionPlan``, and the document ends the knowledge tree
+finds in plain token ids (``docs/architecture.md``, "Generation")."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+Span = tuple[int, int, str | None]  # (start, end, key) of one segment's tokens
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a prompt; a prompt given as segments is their concatenation.
+
+    ``content`` is text (tokenized on its own: only the first segment gets the tokenizer's
+    special prefix, e.g. BOS) or token ids. A ``key`` names the passage: its KV may be stored
+    once and reused wherever the segment lands (cache fusion); ``None`` is always computed.
+    """
+
+    content: str | list[int]
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.content, str | list):
+            raise ValueError(f"Segment.content must be str or list[int], got {self.content!r}")
+        if not self.content:
+            raise ValueError("Segment.content is empty")
+        if self.key is not None and (not isinstance(self.key, str) or not self.key):
+            raise ValueError(f"Segment.key must be a non-empty string or None, got {self.key!r}")
+
+
+def num_picked(num_tokens: int, ratio: float) -> int:
+    """Tokens recomputed of a keyed segment of ``num_tokens``: ``ceil(ratio * n)``."""
+    return min(num_tokens, math.ceil(ratio * num_tokens - 1e-9))
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """A request's segments as ``(start, end, key)`` token spans and its recompute ratio."""
+
+    spans: tuple[Span, ...]
+    ratio: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"fusion_ratio must be in [0, 1], got {self.ratio}")
+
+    @property
+    def num_keyed_tokens(self) -> int:
+        return sum(e - s for s, e, key in self.spans if key is not None)
+
+    def max_rows(self, num_tokens: int) -> int:
+        """Most rows a fused prefill of ``num_tokens`` computes (its token-budget cost): every
+        token outside the keyed spans, the last token, ``ceil(ratio * n)`` of each span."""
+        picked = sum(num_picked(e - s, self.ratio) for s, e, key in self.spans if key is not None)
+        return min(num_tokens, num_tokens - self.num_keyed_tokens + picked + 1)
+
+
+def paragraph_segments(text: str) -> list[Segment]:
+    """``text`` as segments split after blank lines (``"\\n\\n"``): the paragraphs between
+    the first and the last (a rendered answer template's passages) keyed by a digest of their
+    text, so the same passage anywhere in any prompt reuses its stored KV."""
+    parts = [p + "\n\n" for p in text.split("\n\n")]
+    parts[-1] = parts[-1][:-2]
+    parts = [p for p in parts if p]
+    if len(parts) < 3:
+        return [Segment(text)]
+    keyed = [Segment(p, key=hashlib.sha1(p.encode()).hexdigest()) for p in parts[1:-1]]
+    return [Segment(parts[0]), *keyed, Segment(parts[-1])]
+
+
+def tokenize_segments(
+    segments: Sequence[Segment], tokenize: Callable[[str, bool], list[int]] | None
+) -> tuple[list[int], list[Span]]:
+    """``(token ids, [(start, end, key) per segment])``; ``tokenize(text, is_first)``.
+
+    Raises ``ValueError`` for no segments, a text segment without a tokenizer, or a segment
+    that tokenizes to nothing.
+    """
+    if not segments:
+        raise ValueError("prompt: no segments")
+    ids: list[int] = []
+    spans: list[Span] = []
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, Segment):
+            raise ValueError(f"prompt: segment {i} is a {type(seg).__name__}, not a Segment")
+        if isinstance(seg.content, str):
+            if tokenize is None:
+                raise ValueError("this model has no tokenizer: give segments as token ids")
+            toks = tokenize(seg.content, i == 0)
+        else:
+            toks = [int(t) for t in seg.content]
+        if not toks:
+            raise ValueError(f"prompt: segment {i} has no tokens")
+        spans.append((len(ids), len(ids) + len(toks), seg.key))
+        ids.extend(toks)
+    return ids, spans
 
 
 def find_segment_ends(token_ids: Sequence[int], newline_counts: dict[int, int]) -> list[int]:
-    """Exclusive end positions of the segments of ``token_ids``; the last is ``len``.
+    """Exclusive end positions of the documents of plain ``token_ids``; the last is ``len``.
 
-    ``newline_counts`` maps each whitespace-only token id to the newlines it holds; any other
-    token ends a whitespace run.
+    A document ends after a run of whitespace-only tokens holding at least two newlines (a
+    blank line); ``newline_counts`` maps each whitespace-only token id to its newlines. The
+    ends only group cached blocks into tree nodes: a missed or extra one changes no output.
     """
     ends: list[int] = []
     run = 0
@@ -39,25 +124,21 @@ def find_segment_ends(token_ids: Sequence[int], newline_counts: dict[int, int]) 
     return ends
 
 
-def whitespace_newline_counts(tokenizer: Any, cache_key: Hashable = None) -> dict[int, int]:
+def whitespace_newline_counts(tokenizer: Any) -> dict[int, int]:
     """``{token id: newlines}`` for the tokenizer's whitespace-only tokens (``{}`` for none).
 
-    Decoding the vocabulary takes about a second; tokenizers with the same ``cache_key`` (a
-    digest of their files) share one result per process.
+    Decoding the vocabulary takes about a second: one result per tokenizer object and
+    process (``engine_setup.load_tokenizer`` shares the object between engines).
     """
     if tokenizer is None:
         return {}
-    key = cache_key if cache_key is not None else id(tokenizer)
-    hit = _CACHE.get(key)
-    if hit is None:
-        hit = _CACHE[key] = _counts(tokenizer)
-    return dict(hit)
+    hit = _CACHE.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        ids = list(range(len(tokenizer)))
+        texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+        counts = tuple((i, t.count("\n")) for i, t in zip(ids, texts, strict=True) if t.isspace())
+        hit = _CACHE[id(tokenizer)] = (tokenizer, counts)
+    return dict(hit[1])
 
 
-_CACHE: dict[Hashable, tuple[tuple[int, int], ...]] = {}
-
-
-def _counts(tokenizer: Any) -> tuple[tuple[int, int], ...]:
-    ids = list(range(len(tokenizer)))
-    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
-    return tuple((i, t.count("\n")) for i, t in zip(ids, texts, strict=True) if t and t.isspace())
+_CACHE: dict[int, tuple[Any, tuple[tuple[int, int], ...]]] = {}

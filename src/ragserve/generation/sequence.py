@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from ragserve.generation.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ragserve.generation.fusion import FusionPlan
-    from ragserve.generation.kv_passages import PassageBlocks
+    from ragserve.generation.kv_tree import PassageBlocks
+    from ragserve.generation.segments import FusionPlan
 
 
 class SequenceStatus(enum.Enum):
@@ -34,12 +34,6 @@ class RequestMetrics:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float | None:
-        if self.finish_time is None:
-            return None
-        return self.finish_time - self.arrival_time
 
 
 @dataclass(frozen=True)

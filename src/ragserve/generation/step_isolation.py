@@ -1,27 +1,14 @@
-"""Step isolation: a step whose forward pass or sampling raises fails only the requests that
-make it raise; the step is run again without them.
+"""Step isolation: a step that raises is bisected down to the requests that raise alone (the
+culprits), which fail; the step runs again without them. Rerunning part of a step is safe:
+``execute`` writes KV only into the slots the scheduler allocated and changes no sequence;
+the sampler's random state is restored before every attempt (``docs/architecture.md``,
+"LLM engine")::
 
-The model runner's ``execute_model`` writes the scheduled tokens' KV into slots the scheduler
-allocated and returns the sampled tokens; it changes no sequence. Running it again for part
-of the step is therefore safe: the same slots get the same keys and values. So when the whole
-step raises, the step's sequences are bisected (each half run alone, a half that raises split
-again) down to the single sequences that raise on their own, the culprits; then the step runs
-once more without them, the batch it would have been without the poison requests. The
-sampler's random state is restored before every attempt, so seeded and unseeded sampling
-draw exactly what they would have drawn.
-
-```
-step [a b c d e f g h] raises          culprit: f
-  [a b c d] ok     [e f g h] raises
-                   [e f] raises  [g h] ok
-                   [e] ok  [f] raises -> f fails alone
-rerun [a b c d e g h] -> tokens for the step
-```
-
-Cost: nothing while steps succeed (a sampler snapshot only when the step samples randomly);
-on a failure about ``2 log2(n)`` extra forward passes per culprit. A failure that no single
-sequence reproduces (e.g. out of memory for the whole batch) is not isolated: the rerun
-raises it to the caller.
+    step [a b c d e f g h] raises          culprit: f
+      [a b c d] ok     [e f g h] raises
+                       [e f] raises  [g h] ok
+                       [e] ok  [f] raises -> f fails alone
+    rerun [a b c d e g h] -> tokens for the step
 """
 
 from __future__ import annotations
@@ -88,21 +75,10 @@ def _bisect(attempt: Execute, part: SchedulerOutput, failed: list) -> None:
 
 
 def _halves(out: SchedulerOutput) -> list[SchedulerOutput]:
-    mid = len(out.seqs) // 2
-    return [_slice(out, 0, mid), _slice(out, mid, len(out.seqs))]
-
-
-def _slice(out: SchedulerOutput, start: int, stop: int) -> SchedulerOutput:
-    return SchedulerOutput(
-        out.seqs[start:stop], out.num_scheduled_tokens[start:stop], out.sample[start:stop]
-    )
+    first = set(map(id, out.seqs[: len(out.seqs) // 2]))
+    return [out.keep(lambda s: id(s) in first), out.keep(lambda s: id(s) not in first)]
 
 
 def _without(out: SchedulerOutput, seqs: list[Sequence]) -> SchedulerOutput:
-    drop = {id(s) for s in seqs}
-    keep = [i for i, s in enumerate(out.seqs) if id(s) not in drop]
-    return SchedulerOutput(
-        [out.seqs[i] for i in keep],
-        [out.num_scheduled_tokens[i] for i in keep],
-        [out.sample[i] for i in keep],
-    )
+    drop = set(map(id, seqs))
+    return out.keep(lambda s: id(s) not in drop)

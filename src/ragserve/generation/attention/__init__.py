@@ -1,7 +1,6 @@
 """Paged attention backends behind one contract (see ``base``)."""
 
 from ragserve.generation.attention import (  # noqa: F401  (each registers its backend)
-    flex,
     torch_ref,
     triton_backend,
 )
@@ -11,9 +10,9 @@ from ragserve.generation.attention.base import (
     available_backends,
     get_backend,
     register_backend,
+    resolve_backend,
     store_kv,
 )
-from ragserve.generation.attention.selector import resolve_backend
 
 __all__ = [
     "AttentionMetadata",

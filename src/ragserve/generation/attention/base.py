@@ -1,41 +1,30 @@
-"""The contract between the model and an attention implementation.
-
-Every layer calls ``backend.forward`` with the step's new tokens; the backend writes their
-keys/values into the paged cache, then attends over each sequence's whole context.
-
-KV cache layout, per layer: ``k_cache``/``v_cache`` are ``[num_blocks, block_size,
-num_kv_heads, head_dim]``; a sequence's context lives in the blocks its block table names, in
-order. Token ``t`` of a sequence is at block ``block_table[t // block_size]``, offset
-``t % block_size``; its flat slot is ``block_id * block_size + offset``.
-
-One step packs ``num_seqs`` sequences. Sequence ``i`` brings ``query_lens[i]`` new tokens (a
-prefill chunk, or 1 for decode) and attends to ``seq_lens[i]`` keys::
+"""The contract between the model and an attention backend (``docs/architecture.md``,
+"Attention backends"). Per layer, ``k_cache``/``v_cache`` are ``[num_blocks, block_size,
+num_kv_heads, head_dim]``; token ``t`` of a sequence is at slot ``block_table[t // block_size]
+* block_size + t % block_size``. Sequence ``i`` brings ``query_lens[i]`` new tokens and attends
+to ``seq_lens[i]`` keys, causally::
 
     kv positions   0 .............. seq_len - query_len ........ seq_len - 1
                    [ already cached: prefix hit / earlier chunks ][ new tokens ]
 
-New token ``j`` (0-based) sits at position ``seq_len - query_len + j`` and sees every kv
-position up to and including its own (causal).
-
-Per-query positions (``query_positions``, cache fusion): the new tokens may instead be any
-positions of the sequence, e.g. the recomputed rows of a fused prefill, with every other
-position's key/value already in the cache; new token ``j`` then sits at
-``query_positions[j]`` and sees every kv position ``<= query_positions[j]``::
+With ``query_positions`` (cache fusion) new token ``j`` sits at ``query_positions[j]`` and
+sees every kv position ``<= query_positions[j]``::
 
     kv positions   0 ..................................................... seq_len - 1
                    [ cached | new | cached ......... | new | cached | new new new ]
-
-A sequence's new positions are increasing and its last is ``seq_len - 1``, so a one-token
-query is an ordinary decode token (decode kernels and CUDA graphs ignore the field).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,10 +47,6 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens_cpu)
-
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens_cpu, default=0)
 
     @property
     def max_seq_len(self) -> int:
@@ -130,7 +115,9 @@ def register_backend(name: str) -> Callable:
     return wrap
 
 
-def get_backend(name: str) -> BaseAttentionBackend:
+def get_backend(name: str, device: torch.device | str = "cpu") -> BaseAttentionBackend:
+    """A new backend ``name`` (``"auto"``: ``resolve_backend``'s choice for ``device``)."""
+    name = resolve_backend(name, device)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
@@ -138,3 +125,21 @@ def get_backend(name: str) -> BaseAttentionBackend:
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """``name`` itself unless it is ``"auto"``: then the fastest backend that runs on ``device``.
+    NOTE: the CUDA choice is measured (``bench/bench_attention.py`` on an H200, BENCHMARKS.md
+    "LLM engine"): the Triton kernel beat FlexAttention and the SDPA reference at every batch."""
+    if name != "auto":
+        return name
+    device = torch.device(device)
+    if device.type == "cuda" and has_triton():
+        return "triton"
+    if device.type == "cuda":
+        logger.warning("triton is not installed; falling back to the torch_ref attention backend")
+    return "torch_ref"

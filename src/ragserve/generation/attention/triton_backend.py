@@ -61,11 +61,15 @@ def choose_num_splits(
 def _kernels(device: torch.device):
     import triton
 
-    from ragserve.generation.attention import triton_kernels as tk
+    from ragserve.generation.attention.triton_kernels import (
+        combine_splits_kernel,
+        store_kv_kernel,
+        unified_attention_kernel,
+    )
 
     if device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise RuntimeError("the triton backend runs on CUDA, or on CPU with TRITON_INTERPRET=1")
-    return tk.unified_attention_kernel, tk.combine_splits_kernel, tk.store_kv_kernel
+    return unified_attention_kernel, combine_splits_kernel, store_kv_kernel
 
 
 def store_kv_triton(

@@ -1,17 +1,7 @@
-"""Partial forwards of one sequence for cache fusion.
-
-Request path (paged, ``probe_attention`` and ``dense_first_layer``): the QCFuse probe runs
-the unkeyed rows through the first layers over the sequence's paged cache with per-query
-positions (the engine's attention backend, as the main fused forward in ``ModelRunner``) and
-computes one layer's attention probabilities for the question's rows only; the CacheBlend
-score runs every token through the first layer (one causal attention, no cache).
-
-Passage alone (``forward_rows``, dense, when a passage is first stored or indexed): the
-sequence's KV for every layer is a dense tensor ``kv`` of shape ``[2, num_layers,
-num_tokens, num_kv_heads, head_dim]`` (keys after RoPE). ``rows`` (sorted positions) are
-the tokens computed: at each layer their fresh keys/values overwrite ``kv`` and they attend,
-causally by position, to every token's entry in ``kv``; the other tokens keep whatever
-``kv`` holds (stored passage KV). With ``rows`` = every position this is a full prefill::
+"""Partial forwards of one sequence for cache fusion: the QCFuse probe over the paged cache
+(``probe_attention``), CacheBlend's dense first layer, and ``forward_rows``: ``rows`` through
+the layers over a dense ``kv`` ``[2, num_layers, num_tokens, kv_heads, head_dim]`` (keys after
+RoPE), each row writing its own KV and attending causally to every entry::
 
     positions  0 ........................................... num_tokens - 1
     kv         [ fresh | stored (re-rotated) | fresh | stored | fresh .... ]
@@ -49,17 +39,7 @@ def rotate_keys(keys: torch.Tensor, rotary: RotaryEmbedding, delta: int) -> torc
 
 
 def _qkv(layer: nn.Module, x: torch.Tensor, positions: torch.Tensor):
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    n = x.shape[0]
-    q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = q.view(n, attn.num_heads, attn.head_dim)
-    k = k.view(n, attn.num_kv_heads, attn.head_dim)
-    v = v.view(n, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = attn.rotary(positions, q, k)
-    return q, k, v
+    return layer.self_attn.qkv(positions, layer.input_layernorm(x))
 
 
 def project_kv(

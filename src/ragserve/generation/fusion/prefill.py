@@ -1,26 +1,13 @@
-"""The fused prefill of one request: stored passage KV + selective recompute -> paged cache.
-
-1. Each keyed segment's KV at positions ``0..n-1`` comes from its blocks in the paged cache
-   (``PassageBlocks`` held by the knowledge tree's tiers, ``kv_passages.py``; computed alone
-   and written there on a miss) or, without the tree, from the ``PassageKVStore``; keys are
-   re-rotated to the segment's start and written into the request's own blocks.
-2. The selector scores the tokens; ``ceil(ratio * n)`` of each keyed segment are recomputed
-   together with every unkeyed token (and the last token, whose logits are sampled).
-3. ``ModelRunner`` runs those rows in the step's ordinary batched forward, beside other
-   requests' prefills and decodes, through the paged attention backend with per-query
-   positions: each row attends to every key at or before its position (fresh for computed
-   rows, stored for the rest) and overwrites its own KV at every layer. Decoding then
-   continues on the paged cache like any request.
-
-``ratio = 1.0`` recomputes every token: the rows of a full prefill, through the same kernel.
-With ``paged=False`` (``EngineConfig.fusion_paged_prefill``) step 3 is session 1's dense
-per-request forward over the gathered KV instead, and only the last row joins the batch.
+"""The fused prefill of one request (``docs/architecture.md``, "Cache fusion"): each keyed
+segment's stored KV (knowledge-tree blocks or the ``PassageKVStore``), keys re-rotated to its
+start, is written into the request's blocks; the selector picks the rows to recompute; the
+model runner runs exactly those rows in the step's batched forward with per-query positions
+(``paged=False``: a dense per-request forward instead).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,38 +26,15 @@ from ragserve.generation.fusion.selectors import (
     FUSION_SELECTORS,
     attention_scores,
     kv_deviation,
-    num_picked,
     pick_rows,
     query_rows,
     received_attention,
 )
 from ragserve.generation.fusion.store import PassageKVStore
-from ragserve.generation.kv_passages import PassageBlocks
+from ragserve.generation.kv_tree import PassageBlocks
+from ragserve.generation.segments import FusionPlan
 
-Span = tuple[int, int, str | None]
 SIFT_INDEX_ENTRIES = 4096  # passages whose SIFT-style scores are kept (n floats each)
-
-
-@dataclass(frozen=True)
-class FusionPlan:
-    """A request's segments as ``(start, end, key)`` token spans and its recompute ratio."""
-
-    spans: tuple[Span, ...]
-    ratio: float
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"fusion_ratio must be in [0, 1], got {self.ratio}")
-
-    @property
-    def num_keyed_tokens(self) -> int:
-        return sum(e - s for s, e, key in self.spans if key is not None)
-
-    def max_rows(self, num_tokens: int) -> int:
-        """Most rows a fused prefill of ``num_tokens`` computes (its token-budget cost): every
-        token outside the keyed spans, the last token, ``ceil(ratio * n)`` of each span."""
-        picked = sum(num_picked(e - s, self.ratio) for s, e, key in self.spans if key is not None)
-        return min(num_tokens, num_tokens - self.num_keyed_tokens + picked + 1)
 
 
 class FusionRunner:

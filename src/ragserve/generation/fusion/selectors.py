@@ -1,29 +1,17 @@
-"""Which tokens of each reused passage to recompute.
-
-A selector scores every token of the prompt (higher: recompute first); ``pick_rows`` then
-takes ``ceil(ratio * n)`` top-scored tokens of each keyed segment of length ``n`` (ties: the
-earlier token). Scores come from a cheap partial forward (``forward.py``):
-
-- ``"qcfuse"`` (QCFuse-style, query-aware): the unkeyed tokens (instructions, question) run
-  up to a probe layer over the stored passage KV; a token's score is the attention the
-  query tokens (those after the last passage, else the last token) pay it at that layer,
-  summed over heads and query tokens.
-- ``"cacheblend"`` (CacheBlend-style, query-agnostic): every token runs the first layer with
-  full attention; a token's score is how far its fresh layer-1 keys and values are from the
-  stored ones (L2 over heads), the tokens whose KV deviates most from the isolated passage.
-- ``"sift"`` (SIFT-style, query-agnostic, precomputed): when a passage is stored, the
-  attention each of its tokens receives from the passage's own tokens at the probe layer
-  (computed alone) is kept as its index; SIFT's cross-attention consistency says the keys
-  that draw attention inside a document also draw it from what follows, so those tokens are
-  recomputed. Selection costs no forward at request time.
+"""Which tokens of each reused passage to recompute: a selector scores every token (higher:
+recompute first) and ``pick_rows`` takes ``ceil(ratio * n)`` top-scored tokens of each keyed
+segment (ties: the earlier token). ``"qcfuse"``: attention the query tokens pay at a probe
+layer; ``"cacheblend"``: layer-1 KV deviation from the stored KV; ``"sift"``: attention each
+token receives inside its passage alone (``docs/architecture.md``, "Cache fusion").
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
+
+from ragserve.generation.segments import num_picked
 
 FUSION_SELECTORS = ("qcfuse", "cacheblend", "sift")
 
@@ -52,11 +40,6 @@ def kv_deviation(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     """``[num_tokens]`` L2 distance between fresh and stored ``[2, num_tokens, heads, dim]``."""
     diff = (fresh.float() - stored.float()).pow(2)
     return diff.sum(dim=(0, 2, 3)).sqrt()
-
-
-def num_picked(num_tokens: int, ratio: float) -> int:
-    """Tokens recomputed of a keyed segment of ``num_tokens``: ``ceil(ratio * n)``."""
-    return min(num_tokens, math.ceil(ratio * num_tokens - 1e-9))
 
 
 def pick_rows(

@@ -1,11 +1,7 @@
-"""Per-passage KV store for cache fusion: device tier and host tier, LRU, byte budgets.
-
-An entry is one keyed passage's KV computed alone at positions ``0..n-1``:
-``[2, num_layers, n, num_kv_heads, head_dim]`` (keys after RoPE), keyed by (model tag,
-passage key) and checked against the passage's token ids (a key reused for other tokens is a
-miss, and the new KV replaces the old). The device tier keeps the most recently used
-entries within ``device_bytes``; an entry pushed out moves to the host tier (pinned memory
-on CUDA) when ``host_bytes`` allows, else it is dropped; a host hit moves back to the device.
+"""The passage KV store used without the knowledge tree: each keyed passage's KV computed
+alone, ``[2, num_layers, n, kv_heads, head_dim]``, keyed by (model tag, key) and checked
+against its token ids; LRU within a device budget, pushed out to a host tier (pinned on CUDA)
+within a host budget, a host hit moved back.
 """
 
 from __future__ import annotations
