@@ -24,6 +24,7 @@ also be a string at the top level (``"all"``, ``"off"``, ``"split,similarity"``)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.cli.main import UsageError
-from ragserve.cli.options import DEFAULT_INDEX, DEFAULT_MODEL
+from ragserve.cli.options import DEFAULT_INDEX, DEFAULT_MODEL, engine_flags, positive
 from ragserve.runtime.config import ServerConfig
 from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.server.config import ServeConfig
@@ -73,6 +74,43 @@ class LaunchConfig:
     workflows: tuple[str, ...] = ()
     runtime: ServerConfig = field(default_factory=ServerConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+def from_args(
+    args: argparse.Namespace,
+    base: LaunchConfig | None = None,
+    engine_defaults: dict[str, Any] | None = None,
+) -> LaunchConfig:
+    """``base`` + ``engine_defaults`` (the command's), then ``--config``, then the flags of
+    ``options.add_server_args``."""
+    base = base or LaunchConfig()
+    if engine_defaults:
+        engine = {**dict(base.runtime.engine_kwargs), **engine_defaults}
+        base = _with_runtime(base, engine_kwargs=tuple(sorted(engine.items())))
+    config = from_mapping(read_file(args.config), base) if args.config else base
+    top = {k: getattr(args, k) for k in ("model", "index", "embedder") if getattr(args, k)}
+    engine = {**dict(config.runtime.engine_kwargs), **engine_flags(args)}
+    runtime: dict[str, Any] = {"engine_kwargs": tuple(sorted(engine.items()))}
+    if args.in_process is not None:
+        runtime["in_process"] = args.in_process
+    if args.nprobe is not None:
+        positive("--nprobe", args.nprobe)
+        runtime["default_nprobe"] = args.nprobe
+    if args.cosched is not None:
+        knobs = {
+            f.name: getattr(config.runtime.cosched, f.name)
+            for f in dataclasses.fields(CoScheduleConfig)
+            if not f.name.startswith("enable_")
+        }
+        try:
+            runtime["cosched"] = CoScheduleConfig.from_names(args.cosched, **knobs)
+        except ValueError as exc:
+            raise UsageError(f"--{exc}") from exc
+    return _with_runtime(dataclasses.replace(config, **top), **runtime)
+
+
+def _with_runtime(config: LaunchConfig, **changes: Any) -> LaunchConfig:
+    return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, **changes))
 
 
 def engine_keys() -> tuple[str, ...]:

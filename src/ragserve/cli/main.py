@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import sys
+from typing import NoReturn
 
 # NOTE: sub-command modules are imported only when the parser is built, and each module
 # imports its heavy dependencies (torch, faiss) inside its handler, so `ragserve --help` is fast.
@@ -26,10 +27,23 @@ class UsageError(ValueError):
     """A command-line mistake the handler found (exit code 2)."""
 
 
+class Parser(argparse.ArgumentParser):
+    """Every ``ragserve`` parser (sub-command parsers inherit the class): a long flag is never
+    matched by a prefix (``--api-key`` must not be read as ``--api-key-file``), and a usage
+    error is one ``error:`` line naming the flag (exit code 2)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ragserve import __version__
 
-    parser = argparse.ArgumentParser(prog="ragserve", description=__doc__.splitlines()[0])
+    parser = Parser(prog="ragserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks")
     parser.add_argument("--version", action="version", version=f"ragserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)

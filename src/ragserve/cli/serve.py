@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.cli.main import UsageError
-from ragserve.cli.options import add_server_args, build_server, launch_config
+from ragserve.cli.options import add_server_args, build_server
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve /v1/chat/completions (RAG workflows, or the LLM itself), "
         "/v1/completions (plain LLM), /v1/embeddings, /v1/models, /v1/documents, /metrics and "
         "/health. Co-scheduled by default (--cosched).",
+    )
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="as --model (vLLM's form)"
     )
     add_server_args(p)
     p.add_argument(
@@ -59,7 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--api-key-file",
         default=None,
         help=f"require 'Authorization: Bearer KEY', KEY read from this file (or from "
-        f"${API_KEY_ENV}; never from the command line, where `ps` shows it). Default: no auth",
+        f"${API_KEY_ENV}, the recommended ways). Default: no auth",
+    )
+    h.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="as --api-key-file, the key itself (vLLM's flag; other local users see it in `ps`)",
     )
     h.add_argument(
         "--served-model-name", default=None, help="model id of the LLM itself (default: --model)"
@@ -147,10 +156,23 @@ def gpu_tier_config(args: argparse.Namespace) -> Any:
     )
 
 
-def read_api_key(path: str | None, *, from_env: bool = True) -> str | None:
-    """The API key from ``path`` (surrounding whitespace stripped), else from
-    ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``. An empty key is an error, never
-    "no auth"."""
+def read_api_key(
+    path: str | None, *, from_env: bool = True, key: str | None = None
+) -> str | None:
+    """The API key: ``key`` (``--api-key``, with a warning), else from ``path`` (surrounding
+    whitespace stripped), else from ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``.
+    An empty key is an error, never "no auth"."""
+    if key is not None:
+        if path is not None:
+            raise UsageError("give --api-key or --api-key-file, not both")
+        if not key.strip():
+            raise UsageError("--api-key is empty")
+        logger.warning(
+            "--api-key: a key on the command line is visible to other local users (ps); "
+            "prefer --api-key-file or $%s",
+            API_KEY_ENV,
+        )
+        return key.strip()
     if path is not None:
         try:
             key = Path(path).read_text(encoding="utf-8").strip()
@@ -169,7 +191,13 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
     """The ``LaunchConfig`` of ``serve``: the shared settings, then the HTTP and GPU-tier
     flags, and the API key from ``--api-key-file`` or (if ``key_from_env``)
     ``$RAGSERVE_API_KEY`` when the config file gives none."""
-    config = launch_config(args)
+    from ragserve.cli.launch_config import from_args
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UsageError(f"model given twice: {args.model_tag} and --model {args.model}")
+        args = argparse.Namespace(**{**vars(args), "model": args.model_tag})
+    config = from_args(args)
     tier = gpu_tier_config(args)
     if tier is not None:
         config = dataclasses.replace(
@@ -182,8 +210,9 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
         for dest, field in _SERVE_FLAGS.items()
         if getattr(args, dest) is not None
     }
-    key = read_api_key(args.api_key_file, from_env=key_from_env)
-    if key is not None and (args.api_key_file is not None or config.serve.api_key is None):
+    key = read_api_key(args.api_key_file, from_env=key_from_env, key=args.api_key)
+    given = args.api_key_file is not None or args.api_key is not None
+    if key is not None and (given or config.serve.api_key is None):
         changes["api_key"] = key
     if "served_model_name" not in changes and config.serve.served_model_name == "ragserve":
         changes["served_model_name"] = Path(config.model).name
