@@ -156,9 +156,7 @@ def gpu_tier_config(args: argparse.Namespace) -> Any:
     )
 
 
-def read_api_key(
-    path: str | None, *, from_env: bool = True, key: str | None = None
-) -> str | None:
+def read_api_key(path: str | None, *, from_env: bool = True, key: str | None = None) -> str | None:
     """The API key: ``key`` (``--api-key``, with a warning), else from ``path`` (surrounding
     whitespace stripped), else from ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``.
     An empty key is an error, never "no auth"."""
