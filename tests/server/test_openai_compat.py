@@ -4,6 +4,7 @@ fields, usage of every node, embeddings, token metrics, ``/health``'s ``cosched`
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import httpx
@@ -41,7 +42,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     engine = {"device": "cpu", "enable_prefix_caching": False}
     config = ServerConfig(in_process=True, engine_kwargs=engine)
     with Server(model, str(root / "index"), config=config) as server:
-        serve = ServeConfig(port=0, served_model_name="tiny", max_num_inflight=4)
+        serve = ServeConfig(port=0, served_model_name="tiny", max_num_inflight=4, tokenizer=model)
         with BackgroundServer(create_app(server, serve), serve) as bg:
             yield server, bg.url, model
 
@@ -203,15 +204,21 @@ def test_response_format_text_is_accepted(client) -> None:
     assert out.choices[0].finish_reason == "length"
 
 
-def test_embeddings_come_from_the_index_embedder(client) -> None:
+def test_models_list_every_model_with_its_kind_and_embeddings_use_the_listed_id(client) -> None:
     from ragserve.retrieval import load_embedder
 
+    kinds = {m.id: m.model_extra["kind"] for m in client.models.list()}
+    assert kinds == {
+        **{f"ragserve/{w}": "workflow" for w in ("oneshot", "hyde", "multistep", "irg", "recomp")},
+        "tiny": "llm",
+        "all-minilm-l6-v2": "embedding",
+    }
+    (embedder,) = [i for i, kind in kinds.items() if kind == "embedding"]
+    assert client.models.retrieve(embedder).model_extra["kind"] == "embedding"
     texts = ["The capital of Kenya is Nairobi.", "Lima"]
-    expected = load_embedder("all-minilm-l6-v2").encode(texts, is_query=False)
-    default = client.embeddings.create(model="all-minilm-l6-v2", input=texts)  # base64 on wire
-    floats = client.embeddings.create(
-        model="all-minilm-l6-v2", input=texts, encoding_format="float"
-    )
+    expected = load_embedder(embedder).encode(texts, is_query=False)
+    default = client.embeddings.create(model=embedder, input=texts)  # base64 on the wire
+    floats = client.embeddings.create(model=embedder, input=texts, encoding_format="float")
     for out in (default, floats):
         got = np.array([d.embedding for d in out.data], dtype=np.float32)
         assert got.shape == (2, 384) and [d.index for d in out.data] == [0, 1]
@@ -244,6 +251,63 @@ def test_metrics_count_chat_tokens_by_model_and_inter_token_latency(client, stac
     assert after[tokens] - before.get(tokens, 0) == out.usage.completion_tokens == 5
     assert after[prompt] - before.get(prompt, 0) == out.usage.prompt_tokens
     assert after[itl] - before.get(itl, 0) == 4  # five tokens, four gaps
+    for name, labels in (tokens, prompt, itl):  # vLLM's names for the same measures
+        vllm = name.replace("ragserve:", "vllm:")
+        assert after[(vllm, labels)] == after[(name, labels)]
+    ttft = ("vllm:time_to_first_token_seconds_count", (("workflow", "oneshot"),))
+    e2e = ("vllm:e2e_request_latency_seconds_count", (("workflow", "oneshot"),))
+    assert after[ttft] == after[("ragserve:time_to_first_token_seconds_count", ttft[1])] >= 1
+    assert after[e2e] >= 1
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert after[(f"vllm:{gauge}", ())] == after[(f"ragserve:{gauge}", ())]
+    assert after[("vllm:gpu_cache_usage_perc", ())] == after[("vllm:kv_cache_usage_perc", ())]
+
+
+def test_tokenize_counts_what_the_engine_counts_and_detokenize_inverts_it(client, oracle) -> None:
+    url = str(client.base_url).removesuffix("/v1/")
+    messages = [*HISTORY, {"role": "user", "content": "And its capital?"}]
+    chat = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}).json()
+    expected = oracle(messages, 1)
+    assert chat["tokens"] == list(expected.prompt_token_ids)
+    assert chat["count"] == len(expected.prompt_token_ids)
+    plain = httpx.post(f"{url}/tokenize", json={"prompt": "Once upon a time"}).json()
+    completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=1)
+    assert plain["count"] == completion.usage.prompt_tokens
+    bare = httpx.post(f"{url}/tokenize", json={"prompt": "Lima", "add_special_tokens": False})
+    back = httpx.post(f"{url}/detokenize", json={"tokens": bare.json()["tokens"]})
+    assert back.json() == {"prompt": "Lima"}
+    for path, body, status in (
+        ("/tokenize", {"prompt": "x", "messages": messages}, 400),
+        ("/tokenize", {"model": "ragserve/hyde", "prompt": "x"}, 404),
+        ("/detokenize", {"tokens": [10**9]}, 400),
+    ):
+        assert httpx.post(f"{url}{path}", json=body).status_code == status, (path, body)
+    assert httpx.get(f"{url}/version").json()["version"]
+
+
+def test_async_client_and_its_stream_equal_the_sync_client(client) -> None:
+    kwargs = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Name a river."}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "seed": 1,
+    }
+    sync = client.chat.completions.create(**kwargs)
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=str(client.base_url), api_key="-") as aclient:
+            out = await aclient.chat.completions.create(**kwargs)
+            stream = await aclient.chat.completions.create(
+                **kwargs, stream=True, stream_options={"include_usage": True}
+            )
+            return out, [c async for c in stream]
+
+    out, chunks = asyncio.run(run())
+    assert out.choices[0].message.content == sync.choices[0].message.content
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == sync.choices[0].message.content
+    assert chunks[-1].usage == sync.usage
 
 
 def test_health_and_stats_list_the_cosched_optimizations(stack) -> None:

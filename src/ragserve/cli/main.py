@@ -41,11 +41,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ragserve import __version__
+    from importlib.metadata import version
 
     parser = Parser(prog="ragserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks")
-    parser.add_argument("--version", action="version", version=f"ragserve {__version__}")
+    parser.add_argument("--version", action="version", version=f"ragserve {version('ragserve')}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"ragserve.cli.{name}").register(subparsers)

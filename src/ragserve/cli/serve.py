@@ -214,6 +214,8 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
         changes["api_key"] = key
     if "served_model_name" not in changes and config.serve.served_model_name == "ragserve":
         changes["served_model_name"] = Path(config.model).name
+    if config.serve.tokenizer is None:  # /tokenize: the served LLM's
+        changes["tokenizer"] = config.model
     try:
         serve = dataclasses.replace(config.serve, **changes)
     except ValueError as exc:

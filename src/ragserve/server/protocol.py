@@ -360,3 +360,28 @@ class EmbeddingRequest(_Request):
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize``: a ``prompt``, or chat ``messages`` (through the chat template)."""
+
+    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    tokens: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_TOKEN_IDS)]
