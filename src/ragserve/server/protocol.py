@@ -231,7 +231,9 @@ class ChatCompletionRequest(_Sampling):
     @classmethod
     def _text_only(cls, value):
         if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"only type 'text' is supported, not {value.get('type')!r}")
+            raise ValueError(
+                f"type {value.get('type')!r} is not supported (no guided decoding); only 'text'"
+            )
         return value
 
     @field_validator("messages")
