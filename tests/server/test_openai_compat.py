@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import base64
 
-import httpx
 import numpy as np
 import openai
 import pytest
+from http_cases import HTTP
 from prometheus_client.parser import text_string_to_metric_families
 
 from ragserve.server import BackgroundServer, ServeConfig, create_app
@@ -66,13 +66,13 @@ def oracle(stack):
     return run
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack[1]}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def samples(url: str) -> dict:
-    text = httpx.get(f"{url}/metrics").text
+    text = HTTP.get(f"{url}/metrics").text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -224,7 +224,7 @@ def test_models_list_every_model_with_its_kind_and_embeddings_use_the_listed_id(
         assert got.shape == (2, 384) and [d.index for d in out.data] == [0, 1]
         np.testing.assert_allclose(got, expected, atol=1e-5)
         assert out.usage.prompt_tokens > 2
-    raw = httpx.post(
+    raw = HTTP.post(
         f"{client.base_url}embeddings",
         json={"model": "all-minilm-l6-v2", "input": "Lima", "encoding_format": "base64"},
     ).json()
@@ -266,23 +266,23 @@ def test_metrics_count_chat_tokens_by_model_and_inter_token_latency(client, stac
 def test_tokenize_counts_what_the_engine_counts_and_detokenize_inverts_it(client, oracle) -> None:
     url = str(client.base_url).removesuffix("/v1/")
     messages = [*HISTORY, {"role": "user", "content": "And its capital?"}]
-    chat = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}).json()
+    chat = HTTP.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}).json()
     expected = oracle(messages, 1)
     assert chat["tokens"] == list(expected.prompt_token_ids)
     assert chat["count"] == len(expected.prompt_token_ids)
-    plain = httpx.post(f"{url}/tokenize", json={"prompt": "Once upon a time"}).json()
+    plain = HTTP.post(f"{url}/tokenize", json={"prompt": "Once upon a time"}).json()
     completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=1)
     assert plain["count"] == completion.usage.prompt_tokens
-    bare = httpx.post(f"{url}/tokenize", json={"prompt": "Lima", "add_special_tokens": False})
-    back = httpx.post(f"{url}/detokenize", json={"tokens": bare.json()["tokens"]})
+    bare = HTTP.post(f"{url}/tokenize", json={"prompt": "Lima", "add_special_tokens": False})
+    back = HTTP.post(f"{url}/detokenize", json={"tokens": bare.json()["tokens"]})
     assert back.json() == {"prompt": "Lima"}
     for path, body, status in (
         ("/tokenize", {"prompt": "x", "messages": messages}, 400),
         ("/tokenize", {"model": "ragserve/hyde", "prompt": "x"}, 404),
         ("/detokenize", {"tokens": [10**9]}, 400),
     ):
-        assert httpx.post(f"{url}{path}", json=body).status_code == status, (path, body)
-    assert httpx.get(f"{url}/version").json()["version"]
+        assert HTTP.post(f"{url}{path}", json=body).status_code == status, (path, body)
+    assert HTTP.get(f"{url}/version").json()["version"]
 
 
 def test_async_client_and_its_stream_equal_the_sync_client(client) -> None:
@@ -314,4 +314,4 @@ def test_health_and_stats_list_the_cosched_optimizations(stack) -> None:
     server, url, _ = stack
     enabled = ["split", "gen_chunks", "similarity", "speculation"]  # the defaults
     assert server.stats()["cosched"] == enabled
-    assert httpx.get(f"{url}/health").json() == {"status": "ok", "problems": [], "cosched": enabled}
+    assert HTTP.get(f"{url}/health").json() == {"status": "ok", "problems": [], "cosched": enabled}

@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from http_cases import HTTP
 
 from ragserve.server import BackgroundServer, ServeConfig, create_app
 
@@ -48,7 +49,7 @@ def url(tmp_path_factory: pytest.TempPathFactory):
 
 def chat(url: str, question: str, **extra) -> httpx.Response:
     body = {"model": "ragserve/memo", "messages": [{"role": "user", "content": question}]}
-    return httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60)
+    return HTTP.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60)
 
 
 def answer(r: httpx.Response) -> list[str]:
@@ -75,7 +76,7 @@ def test_streaming_passes_the_inputs_too(url: str) -> None:
         "inputs": {"session": "streamed"},
         "stream": True,
     }
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data")]
     assert lines[-1] == "[DONE]"
@@ -114,11 +115,11 @@ def test_bad_inputs_are_a_400_naming_the_key(url: str, extra: dict, mentions: st
 
 def test_a_workflow_without_inputs_refuses_any(url: str) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    r = httpx.post(
+    r = HTTP.post(
         f"{url}/v1/chat/completions", json={**body, "inputs": {"session": "a"}}, timeout=60
     )
     assert r.status_code == 400
     error = r.json()["error"]
     assert "has no input 'session' (it takes: none)" in error["message"]
     assert error["param"] == "inputs.session"
-    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
