@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from ragserve.cli.main import UsageError, build_parser, main
+from ragserve.cli.errors import UsageError
+from ragserve.cli.main import build_parser, main
 from ragserve.cli.serve import serve_launch_config
 
 

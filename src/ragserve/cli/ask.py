@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from ragserve.cli.main import UsageError
+from ragserve.cli.errors import UsageError
 from ragserve.cli.options import add_server_args, build_server, load_workflow
 
 logger = logging.getLogger(__name__)

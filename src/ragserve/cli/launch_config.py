@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ragserve.cli.main import UsageError
+from ragserve.cli.errors import UsageError
 from ragserve.cli.options import DEFAULT_INDEX, DEFAULT_MODEL, engine_flags, positive
 from ragserve.runtime.config import ServerConfig
 from ragserve.scheduler.cosched import CoScheduleConfig

@@ -16,15 +16,13 @@ import os
 import sys
 from typing import NoReturn
 
+from ragserve.cli.errors import UsageError
+
 # NOTE: sub-command modules are imported only when the parser is built, and each module
 # imports its heavy dependencies (torch, faiss) inside its handler, so `ragserve --help` is fast.
 COMMANDS: tuple[str, ...] = ("index", "serve", "ask", "demo", "bench", "setup", "profile_memory")
 # Third-party loggers that report progress or load details at INFO: quiet unless -v.
 _QUIET_LOGGERS = ("faiss", "faiss.loader", "httpx", "urllib3", "transformers", "torch", "bm25s")
-
-
-class UsageError(ValueError):
-    """A command-line mistake the handler found (exit code 2)."""
 
 
 class Parser(argparse.ArgumentParser):

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from ragserve.cli.main import UsageError
+from ragserve.cli.errors import UsageError
 
 logger = logging.getLogger(__name__)
 

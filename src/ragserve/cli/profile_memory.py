@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ragserve.cli.main import UsageError
+from ragserve.cli.errors import UsageError
 from ragserve.cli.options import add_server_args
 
 KV_MULTIPLES = (1, 4, 16, 64, 256)  # requests' worth of KV blocks in the default grid

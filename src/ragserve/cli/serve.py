@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ragserve.cli.main import UsageError
+from ragserve.cli.errors import UsageError
 from ragserve.cli.options import add_server_args, build_server
 
 logger = logging.getLogger(__name__)
