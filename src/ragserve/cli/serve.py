@@ -17,24 +17,24 @@ from ragserve.cli.options import add_server_args, build_server
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAGSERVE_API_KEY"
-# flag dest -> ServeConfig field
-_SERVE_FLAGS = {
-    "host": "host",
-    "port": "port",
-    "served_model_name": "served_model_name",
-    "max_inflight": "max_num_inflight",
-    "max_body_bytes": "max_body_bytes",
-    "drain_timeout": "drain_timeout_s",
-}
+# (flag, ServeConfig field, type, help): a flag given sets the field.
+HTTP_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--host", "host", str, "bind address (default: loopback)"),
+    ("--port", "port", int, "port (default 8000)"),
+    ("--served-model-name", "served_model_name", str, "id of the LLM itself (default: --model)"),
+    ("--max-inflight", "max_num_inflight", int, "admission bound; past it 429"),
+    ("--max-body-bytes", "max_body_bytes", int, "larger bodies get 413"),
+    ("--drain-timeout", "drain_timeout_s", float, "seconds to drain at exit"),
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API",
-        description="Serve /v1/chat/completions (RAG workflows, or the LLM itself), "
-        "/v1/completions (plain LLM), /v1/embeddings, /v1/models, /v1/documents, /metrics and "
-        "/health. Co-scheduled by default (--cosched).",
+        description="Serve vLLM's OpenAI-compatible API over RAG workflows (co-scheduled by "
+        "default, --cosched): /v1/chat/completions, /v1/completions, /v1/embeddings, "
+        "/v1/models, /tokenize, /detokenize, /v1/documents, /metrics, /health, /version.",
     )
     p.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="as --model (vLLM's form)"
@@ -56,8 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "module:factory (factory(embedder) returns a reranker; built by the retrieval worker)",
     )
     h = p.add_argument_group("HTTP")
-    h.add_argument("--host", default=None, help="bind address (default: loopback)")
-    h.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    for flag, field, kind, text in HTTP_FLAGS:
+        h.add_argument(flag, dest=field, type=kind, default=None, help=text)
     h.add_argument(
         "--api-key-file",
         default=None,
@@ -70,12 +70,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="KEY",
         help="as --api-key-file, the key itself (vLLM's flag; other local users see it in `ps`)",
     )
-    h.add_argument(
-        "--served-model-name", default=None, help="model id of the LLM itself (default: --model)"
-    )
-    h.add_argument("--max-inflight", type=int, default=None, help="admission bound; past it 429")
-    h.add_argument("--max-body-bytes", type=int, default=None, help="larger bodies get 413")
-    h.add_argument("--drain-timeout", type=float, default=None, help="seconds to drain at exit")
     tier = p.add_argument_group("GPU index tier (hot IVF-Flat lists in GPU memory)")
     tier.add_argument(
         "--gpu-index-gb", type=float, default=None, help="tier size in GB (overrides Eq. 2)"
@@ -203,11 +197,7 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
         )
     if args.workflows:
         config = dataclasses.replace(config, workflows=(*config.workflows, *args.workflows))
-    changes = {
-        field: getattr(args, dest)
-        for dest, field in _SERVE_FLAGS.items()
-        if getattr(args, dest) is not None
-    }
+    changes = {f: getattr(args, f) for _, f, _, _ in HTTP_FLAGS if getattr(args, f) is not None}
     key = read_api_key(args.api_key_file, from_env=key_from_env, key=args.api_key)
     given = args.api_key_file is not None or args.api_key is not None
     if key is not None and (given or config.serve.api_key is None):
