@@ -1,25 +1,10 @@
 """``LaunchConfig``: everything ``serve`` / ``ask`` / ``demo`` start a Server with, as data.
 
-It is read from a config file (TOML, or YAML when PyYAML is installed), CLI flags override
-it, and ``dump_toml`` writes it back (``ragserve serve --print-config``) so that reading the
-dump gives an equal ``LaunchConfig``. The file's layout::
-
-    model = "smollm2-135m-instruct"     # top level: what is served
-    index = "factbook"
-    embedder = "all-minilm-l6-v2"       # optional (default: the index's own)
-    workflows = ["mypkg.graphs:build"]  # user graphs, served as ragserve/<name>
-
-    [engine]    # LLMEngine / EngineConfig: device, dtype, max_num_seqs, kv_cache_bytes, ...
-    [runtime]   # ServerConfig: in_process, default_nprobe, max_active_requests, ...
-    [cosched]   # CoScheduleConfig: enable_split, enable_similarity, budget_s, ...
-    [serve]     # ServeConfig (``ragserve serve``): host, port, max_num_inflight, ...
-    [gpu_tier]  # GpuTierConfig: budget_bytes, device, dtype, scan, stream_cold, profiles, ...
-    [document_limits]  # DocumentLimits: max_text_chars, max_metadata_depth, ...
-    [operators]  # OperatorConfig: reranker, function_workers, function_timeout_s, ...
-
-TOML has no null: a field left out keeps its default (``None`` fields are left out by the
-dump). ``kv_cache_gb`` in ``[engine]`` is accepted for ``kv_cache_bytes``; ``cosched`` may
-also be a string at the top level (``"all"``, ``"off"``, ``"split,similarity"``).
+Read from a config file (TOML, YAML with PyYAML, or JSON; its layout is in the README,
+under ``--config FILE``: top-level ``model`` / ``index`` / ``embedder`` / ``workflows`` /
+``cosched``, sections ``SECTIONS``), then the flags (``from_args``); ``dump_toml`` writes it
+back (``ragserve serve --print-config``) so that reading the dump gives an equal config. TOML
+has no null: a field left out keeps its default (``None`` fields are left out by the dump).
 """
 
 from __future__ import annotations
