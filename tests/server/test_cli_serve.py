@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_process import make_assets, serve_process
+from stacks import make_assets, serve_process
 
 
 def test_serve_refuses_a_missing_index(tmp_path, capsys: pytest.CaptureFixture) -> None:

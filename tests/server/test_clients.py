@@ -15,7 +15,7 @@ import os
 import numpy as np
 import openai
 import pytest
-from serve_process import make_assets, serve_process
+from stacks import make_assets, serve_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -13,6 +13,7 @@ import openai
 import pytest
 from http_cases import HTTP
 from prometheus_client.parser import text_string_to_metric_families
+from stacks import FACTS
 
 from ragserve.server import BackgroundServer, ServeConfig, create_app
 from ragserve.server.graphs import tune_graph
@@ -21,38 +22,6 @@ pytestmark = pytest.mark.integration
 
 MAX_INFLIGHT = 3
 LONG = 480  # tokens a held request generates (ignore_eos); the tiny model's context is 512
-FACTS = [
-    ("France", "Paris"),
-    ("Japan", "Tokyo"),
-    ("Kenya", "Nairobi"),
-    ("Peru", "Lima"),
-    ("Canada", "Ottawa"),
-    ("Egypt", "Cairo"),
-]
-
-
-def corpus() -> list:
-    from ragserve.retrieval import Document
-
-    docs = [Document(f"{c}-cap", f"The capital of {c} is {cap}.", c) for c, cap in FACTS]
-    docs += [Document(f"{c}-geo", f"{c} is a country with many rivers.", c) for c, _ in FACTS]
-    return docs
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    from ragserve.generation.testing import make_tiny_model
-    from ragserve.retrieval import VectorIndex, load_embedder
-    from ragserve.runtime import Server, ServerConfig
-
-    root = tmp_path_factory.mktemp("http")
-    model = make_tiny_model(root / "tiny-llama", "llama", seed=0)
-    index = VectorIndex.build(corpus(), load_embedder("all-minilm-l6-v2"), nlist=2)
-    index.save(root / "index")
-    index.close()
-    config = ServerConfig(in_process=True, engine_kwargs={"device": "cpu"})
-    with Server(str(model), str(root / "index"), config=config) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

@@ -28,23 +28,14 @@ def memo_graph():
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory):
-    from ragserve.generation.testing import make_tiny_model
-    from ragserve.retrieval import Document, VectorIndex, load_embedder
-    from ragserve.runtime import Server, ServerConfig
-
-    root = tmp_path_factory.mktemp("inputs")
-    model = make_tiny_model(root / "tiny-llama", "llama", seed=0)
-    docs = [Document(f"d{i}", f"Fact number {i} about rivers.") for i in range(8)]
-    index = VectorIndex.build(docs, load_embedder("all-minilm-l6-v2"), nlist=2)
-    index.save(root / "index")
-    index.close()
-    config = ServerConfig(in_process=True, engine_kwargs={"device": "cpu"})
-    with Server(str(model), str(root / "index"), config=config) as server:
-        server.workflows["memo"] = memo_graph()
-        serve = ServeConfig(port=0, served_model_name="tiny")
+def url(server):
+    server.workflows["memo"] = memo_graph()
+    serve = ServeConfig(port=0, served_model_name="tiny")
+    try:
         with BackgroundServer(create_app(server, serve), serve) as bg:
             yield bg.url
+    finally:
+        del server.workflows["memo"]
 
 
 def chat(url: str, question: str, **extra) -> httpx.Response:

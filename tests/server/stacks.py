@@ -1,5 +1,6 @@
-"""``ragserve serve`` as a real process on a tiny model and an 8-document index (shared by the
-tests that drive it over HTTP)."""
+"""The real stacks the HTTP tests drive: ``ragserve serve`` as a process on a tiny model and
+an 8-document index (``make_assets``, ``serve_process``), and an in-process ``Server`` over
+capitals and rivers (``FACTS``, ``tiny_server``, one per session: ``conftest.py``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,34 @@ def make_assets(root: Path) -> tuple[str, str]:
     index.save(root / "index")
     index.close()
     return str(model), str(root / "index")
+
+
+FACTS = [
+    ("France", "Paris"),
+    ("Japan", "Tokyo"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Canada", "Ottawa"),
+    ("Egypt", "Cairo"),
+]
+
+
+@contextlib.contextmanager
+def tiny_server(root: Path):
+    """A ``Server`` (in process, CPU) over a tiny seeded llama and a 12-document index."""
+    from ragserve.generation.testing import make_tiny_model
+    from ragserve.retrieval import Document, VectorIndex, load_embedder
+    from ragserve.runtime import Server, ServerConfig
+
+    model = make_tiny_model(root / "tiny-llama", "llama", seed=0)
+    docs = [Document(f"{c}-cap", f"The capital of {c} is {cap}.", c) for c, cap in FACTS]
+    docs += [Document(f"{c}-geo", f"{c} is a country with many rivers.", c) for c, _ in FACTS]
+    index = VectorIndex.build(docs, load_embedder("all-minilm-l6-v2"), nlist=2)
+    index.save(root / "index")
+    index.close()
+    config = ServerConfig(in_process=True, engine_kwargs={"device": "cpu"})
+    with Server(str(model), str(root / "index"), config=config) as server:
+        yield server
 
 
 def free_port() -> int:
