@@ -138,65 +138,53 @@ class ServerMetrics:
     """The app's registry and the instruments handlers update."""
 
     def __init__(self, stats: Callable[[], Mapping[str, Any]], admitted: Callable[[], int]):
-        self.registry = CollectorRegistry(auto_describe=False)
-        r = self.registry
-        self.requests = Counter(
-            "ragserve:requests",
+        self.registry = r = CollectorRegistry(auto_describe=False)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"ragserve:{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, label: str, buckets: tuple) -> Histogram:
+            return Histogram(f"ragserve:{name}", doc, [label], buckets=buckets, registry=r)
+
+        self.requests = counter(
+            "requests",
             "Finished HTTP generation requests by workflow and status.",
-            ["workflow", "status"],
-            registry=r,
+            "workflow",
+            "status",
         )
-        self.ttft = Histogram(
-            "ragserve:time_to_first_token_seconds",
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
             "Time from arrival to the first answer token.",
-            ["workflow"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            "workflow",
+            TTFT_BUCKETS,
         )
-        self.e2e = Histogram(
-            "ragserve:e2e_request_latency_seconds",
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
             "Time from arrival to the last byte of the answer.",
-            ["workflow"],
-            buckets=E2E_BUCKETS,
-            registry=r,
+            "workflow",
+            E2E_BUCKETS,
         )
-        self.retrieval = Histogram(
-            "ragserve:retrieval_latency_seconds",
+        self.retrieval = histogram(
+            "retrieval_latency_seconds",
             "Latency of one retrieval node (embed + search) of a request.",
-            ["workflow"],
-            buckets=RETRIEVAL_BUCKETS,
-            registry=r,
+            "workflow",
+            RETRIEVAL_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            "ragserve:prompt_tokens",
-            "Prompt tokens of completions and chats (every generation node of a workflow).",
-            ["model_name"],
-            registry=r,
+        every_node = "of completions and chats (every generation node of a workflow)."
+        self.prompt_tokens = counter("prompt_tokens", f"Prompt tokens {every_node}", "model_name")
+        self.generation_tokens = counter(
+            "generation_tokens", f"Generated tokens {every_node}", "model_name"
         )
-        self.generation_tokens = Counter(
-            "ragserve:generation_tokens",
-            "Generated tokens of completions and chats (every generation node of a workflow).",
-            ["model_name"],
-            registry=r,
-        )
-        self.inter_token_latency = Histogram(
-            "ragserve:inter_token_latency_seconds",
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
             "Time between two tokens of an answer (each answer's mean, once per gap).",
-            ["model_name"],
-            buckets=ITL_BUCKETS,
-            registry=r,
+            "model_name",
+            ITL_BUCKETS,
         )
-        self.embedding_tokens = Counter(
-            "ragserve:embedding_tokens",
-            "Tokens read by the embedder for /v1/embeddings.",
-            ["model_name"],
-            registry=r,
+        self.embedding_tokens = counter(
+            "embedding_tokens", "Tokens read by the embedder for /v1/embeddings.", "model_name"
         )
-        self.rejected = Counter(
-            "ragserve:requests_rejected",
-            "Requests refused at admission (429).",
-            registry=r,
-        )
+        self.rejected = counter("requests_rejected", "Requests refused at admission (429).")
         r.register(StatsCollector(stats, admitted))
 
     def observe_itl(self, model_name: str, decode_s: float, num_tokens: int) -> None:
