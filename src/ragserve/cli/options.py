@@ -53,7 +53,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nprobe", type=int, default=None, help="default clusters probed")
     g = p.add_argument_group("engine")
     for flag, field, kind, text in ENGINE_FLAGS:
-        g.add_argument(flag, dest=field, type=kind, default=None, help=text)
+        metavar = flag[2:].upper().replace("-", "_")
+        g.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar, help=text)
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB")
     g.add_argument("--kv-cache-mb", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument(

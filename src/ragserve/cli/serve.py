@@ -57,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     h = p.add_argument_group("HTTP")
     for flag, field, kind, text in HTTP_FLAGS:
-        h.add_argument(flag, dest=field, type=kind, default=None, help=text)
+        metavar = flag[2:].upper().replace("-", "_")
+        h.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar, help=text)
     h.add_argument(
         "--api-key-file",
         default=None,
