@@ -178,6 +178,8 @@ def test_workflow_chat_single_turn_equals_server_run_and_usage_counts_every_node
     ("field", "value"),
     [
         ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("top_logprobs", 2),
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("logprobs", True),
         ("n", 2),

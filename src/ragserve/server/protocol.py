@@ -132,6 +132,7 @@ class _Sampling(_Request):
     n: StrictInt = 1
     user: Annotated[StrictStr, Field(max_length=256)] | None = None
     logprobs: StrictBool | StrictInt | None = None
+    top_logprobs: StrictInt | None = None
 
     # NOTE: field validators, so the 400's ``param`` names the unsupported field.
     @field_validator("n")
@@ -141,7 +142,7 @@ class _Sampling(_Request):
             raise ValueError("n > 1 is not supported (one choice per request)")
         return value
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _no_logprobs(cls, value):
         if value not in (None, False, 0):
@@ -187,7 +188,6 @@ class ChatCompletionRequest(_Sampling):
     inputs: dict[str, StrictStr | StrictBool | StrictInt | Float] | None = None
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
-    top_logprobs: int | None = None
     response_format: dict | None = None
 
     @field_validator("tools", "tool_choice")
@@ -195,13 +195,6 @@ class ChatCompletionRequest(_Sampling):
     def _no_tools(cls, value):
         if value and value != "none":
             raise ValueError("tools are not supported")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value):
-        if value:
-            raise ValueError("logprobs are not supported")
         return value
 
     @field_validator("inputs", mode="before")
