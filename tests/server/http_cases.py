@@ -3,6 +3,11 @@ HTTP-layer and the integration tests): ``(path, body, a word the message must co
 
 from __future__ import annotations
 
+import httpx
+
+# NOTE: one client for the tests' plain requests: building an httpx.Client (its SSL context)
+# costs more than a request on loopback.
+HTTP = httpx.Client(timeout=60)
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "x"}]
 MALFORMED = [

@@ -106,6 +106,8 @@ class FakeBackend:
         try:
             words = prompt.split()[::-1][: params.max_tokens]
             prompt_ids = list(range(len(prompt.split())))
+            if not words:  # as the engine: an empty answer still ends with a finished output
+                yield FakeOutput(request_id, prompt_ids, [], "", True, "stop")
             for n in range(1, len(words) + 1):
                 done = n == len(words)
                 reason = ("length" if n == params.max_tokens else "stop") if done else None

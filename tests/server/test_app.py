@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from http_cases import CHAT, MALFORMED, MSG
+from http_cases import CHAT, HTTP, MALFORMED, MSG
 from prometheus_client.parser import text_string_to_metric_families
 from server_fakes import FakeBackend, answer_for
 
@@ -37,7 +37,7 @@ def url(backend: FakeBackend):
         yield bg.url
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
@@ -51,7 +51,7 @@ def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
 
 
 def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"{url}/metrics").text
+    text = HTTP.get(f"{url}/metrics").text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -60,7 +60,7 @@ def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_health_and_models(client: openai.OpenAI, url: str) -> None:
-    assert httpx.get(f"{url}/health").json() == {
+    assert HTTP.get(f"{url}/health").json() == {
         "status": "ok",
         "problems": [],
         "cosched": ["split", "similarity"],  # the backend's health()["cosched"]
@@ -138,7 +138,7 @@ def test_stream_ends_with_done(url: str) -> None:
         "stream": True,
         "messages": [{"role": "user", "content": "x"}],
     }
-    r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    r = HTTP.post(f"{url}/v1/chat/completions", json=body)
     assert r.headers["content-type"].startswith("text/event-stream")
     events = [line for line in r.text.split("\n\n") if line]
     assert events[-1] == "data: [DONE]"
@@ -175,10 +175,10 @@ def test_backend_errors_map_to_status(url: str, backend: FakeBackend) -> None:
     body = {"model": "ragserve/oneshot", "messages": [{"role": "user", "content": "x"}]}
     backend.fail_with = ValueError("prompt of 9000 tokens exceeds the context of 2048")
     try:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body)
+        r = HTTP.post(f"{url}/v1/chat/completions", json=body)
         assert r.status_code == 400 and "exceeds the context" in r.json()["error"]["message"]
         backend.fail_with = RuntimeError("secret internal detail")
-        r = httpx.post(f"{url}/v1/chat/completions", json=body)
+        r = HTTP.post(f"{url}/v1/chat/completions", json=body)
         message = r.json()["error"]["message"]
         assert r.status_code == 500 and "secret internal detail" not in message
         assert "request id chatcmpl-" in message
@@ -204,7 +204,7 @@ def test_response_error_kind_sets_status(
     body = {"model": "ragserve/oneshot", "messages": [{"role": "user", "content": "x"}]}
     backend.fail_response = (message, kind)
     try:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body)
+        r = HTTP.post(f"{url}/v1/chat/completions", json=body)
     finally:
         backend.fail_response = None
     assert r.status_code == status
@@ -218,7 +218,7 @@ def test_response_error_kind_sets_status(
 @pytest.mark.parametrize(("path", "body", "mentions"), MALFORMED)
 def test_malformed_body_is_400(url: str, path: str, body, mentions: str) -> None:
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{url}{path}", headers={"content-type": "application/json"}, **kwargs)
+    r = HTTP.post(f"{url}{path}", headers={"content-type": "application/json"}, **kwargs)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -227,21 +227,21 @@ def test_malformed_body_is_400(url: str, path: str, body, mentions: str) -> None
 
 def test_body_size_limit(url: str) -> None:
     big = {"model": "ragserve/oneshot", "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
-    r = httpx.post(f"{url}{CHAT}", json=big)
+    r = HTTP.post(f"{url}{CHAT}", json=big)
     assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
     chunked = (piece for piece in [json.dumps(big).encode()[:3000], b"y" * 3000])
-    r = httpx.post(f"{url}{CHAT}", content=chunked)  # no Content-Length: counted as it arrives
+    r = HTTP.post(f"{url}{CHAT}", content=chunked)  # no Content-Length: counted as it arrives
     assert r.status_code == 413
 
 
 def test_documents_upsert_and_delete(url: str, backend: FakeBackend) -> None:
     docs = [{"id": "n1", "text": "new passage", "title": "New", "metadata": {"k": 1}}]
-    r = httpx.post(f"{url}/v1/documents", json={"documents": docs})
+    r = HTTP.post(f"{url}/v1/documents", json={"documents": docs})
     assert r.status_code == 200 and r.json()["data"][0]["status"] == "persisted"
     assert backend.docs["n1"].title == "New" and backend.docs["n1"].metadata == {"k": 1}
-    assert httpx.delete(f"{url}/v1/documents/n1").json()["deleted"] is True
+    assert HTTP.delete(f"{url}/v1/documents/n1").json()["deleted"] is True
     assert "n1" not in backend.docs
-    assert httpx.delete(f"{url}/v1/documents/n1").status_code == 404
+    assert HTTP.delete(f"{url}/v1/documents/n1").status_code == 404
 
 
 def test_metrics_move(url: str, client: openai.OpenAI) -> None:
@@ -288,11 +288,11 @@ def test_burst_past_admission_is_429_and_health_answers(url: str, backend: FakeB
             held = [OpenStream(http, f"q{i}") for i in range(MAX_INFLIGHT)]
             before = metric_samples(url)
             for _ in range(3):
-                r = httpx.post(f"{url}{CHAT}", json={"model": "ragserve/oneshot", "messages": MSG})
+                r = HTTP.post(f"{url}{CHAT}", json={"model": "ragserve/oneshot", "messages": MSG})
                 assert r.status_code == 429
                 assert r.headers["retry-after"] == "1"
                 assert r.json()["error"]["type"] == "rate_limit_error"
-                assert httpx.get(f"{url}/health").status_code == 200
+                assert HTTP.get(f"{url}/health").status_code == 200
             after = metric_samples(url)
             assert (
                 after[("ragserve:requests_rejected_total", ())]
@@ -304,7 +304,7 @@ def test_burst_past_admission_is_429_and_health_answers(url: str, backend: FakeB
             assert all(stream.rest()[-1] == "data: [DONE]" for stream in held)
     finally:
         backend.gate.set()
-    r = httpx.post(f"{url}{CHAT}", json={"model": "ragserve/oneshot", "messages": MSG})
+    r = HTTP.post(f"{url}{CHAT}", json={"model": "ragserve/oneshot", "messages": MSG})
     assert r.status_code == 200
 
 
@@ -342,12 +342,12 @@ def test_auth() -> None:
     backend = FakeBackend()
     config = ServeConfig(port=0, api_key="sekrit", served_model_name="tiny")
     with BackgroundServer(create_app(backend, config), config) as bg:
-        assert httpx.get(f"{bg.url}/health").status_code == 200
+        assert HTTP.get(f"{bg.url}/health").status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
-            r = httpx.get(f"{bg.url}/v1/models", headers=headers)
+            r = HTTP.get(f"{bg.url}/v1/models", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(f"{bg.url}/metrics").status_code == 401
-        assert httpx.post(f"{bg.url}{CHAT}", json={}).status_code == 401
+        assert HTTP.get(f"{bg.url}/metrics").status_code == 401
+        assert HTTP.post(f"{bg.url}{CHAT}", json={}).status_code == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{bg.url}/v1", api_key="nope", max_retries=0).models.list()
         good = openai.OpenAI(base_url=f"{bg.url}/v1", api_key="sekrit", max_retries=0)
@@ -364,7 +364,7 @@ def test_graceful_shutdown_drains_inflight_requests() -> None:
     backend.gate.clear()
     body = {"model": "ragserve/oneshot", "messages": MSG}
     caller = threading.Thread(
-        target=lambda: results.append(httpx.post(f"{bg.url}{CHAT}", json=body))
+        target=lambda: results.append(HTTP.post(f"{bg.url}{CHAT}", json=body))
     )
     caller.start()
     wait_for(lambda: backend.running, "the request to reach the backend")

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from stacks import make_assets, serve_process
 
 
 def test_serve_refuses_a_missing_index(tmp_path, capsys: pytest.CaptureFixture) -> None:
@@ -45,59 +43,23 @@ def test_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch) -> 
         read_api_key(str(tmp_path / "missing"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    from ragserve.generation.testing import make_tiny_model
-    from ragserve.retrieval import Document, VectorIndex, load_embedder
-
-    root = tmp_path_factory.mktemp("cli-serve")
-    model = make_tiny_model(root / "tiny", "llama", seed=0)
-    docs = [
-        Document(f"d{i}", f"Fact number {i} about the river Ix.", f"Fact {i}") for i in range(8)
-    ]
-    index = VectorIndex.build(docs, load_embedder("all-minilm-l6-v2"), nlist=2)
-    index.save(root / "index")
-    index.close()
-    return str(model), str(root / "index")
+    return make_assets(tmp_path_factory.mktemp("cli-serve"))
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 def test_serve_process_auth_and_sigterm_drain(assets: tuple[str, str], tmp_path) -> None:
     model, index = assets
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "ragserve.cli.main", "serve", "--model", model, "--index", index]
-    cmd += ["--port", str(port), "--served-model-name", "tiny"]
-    cmd += ["--drain-timeout", "180", "--device", "cpu", "--cpu-threads", "1"]
-    with open(tmp_path / "serve.log", "w") as log:  # a file, not a pipe: a full pipe blocks
-        env = {**os.environ, "RAGSERVE_API_KEY": "k3y"}  # a secret never goes on argv
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _exercise(proc, url, tmp_path)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    argv = [model, "--index", index, "--served-model-name", "tiny"]
+    argv += ["--drain-timeout", "180", "--device", "cpu", "--cpu-threads", "1"]
+    env = {**os.environ, "RAGSERVE_API_KEY": "k3y"}  # a secret never goes on argv
+    with serve_process(argv, tmp_path / "serve.log", env) as (proc, url):
+        _exercise(proc, url, tmp_path)
 
 
 def _exercise(proc: subprocess.Popen, url: str, tmp_path) -> None:
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "ragserve serve did not come up"
-        time.sleep(0.5)
     assert httpx.get(f"{url}/v1/models").status_code == 401
     # `serve` is co-scheduled by default: /health lists what runs
     cosched = httpx.get(f"{url}/health").json()["cosched"]

@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from http_cases import MALFORMED
+from http_cases import HTTP
 from prometheus_client.parser import text_string_to_metric_families
+from stacks import FACTS
 
 from ragserve.server import BackgroundServer, ServeConfig, create_app
 from ragserve.server.graphs import tune_graph
@@ -21,38 +22,6 @@ pytestmark = pytest.mark.integration
 
 MAX_INFLIGHT = 3
 LONG = 480  # tokens a held request generates (ignore_eos); the tiny model's context is 512
-FACTS = [
-    ("France", "Paris"),
-    ("Japan", "Tokyo"),
-    ("Kenya", "Nairobi"),
-    ("Peru", "Lima"),
-    ("Canada", "Ottawa"),
-    ("Egypt", "Cairo"),
-]
-
-
-def corpus() -> list:
-    from ragserve.retrieval import Document
-
-    docs = [Document(f"{c}-cap", f"The capital of {c} is {cap}.", c) for c, cap in FACTS]
-    docs += [Document(f"{c}-geo", f"{c} is a country with many rivers.", c) for c, _ in FACTS]
-    return docs
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    from ragserve.generation.testing import make_tiny_model
-    from ragserve.retrieval import VectorIndex, load_embedder
-    from ragserve.runtime import Server, ServerConfig
-
-    root = tmp_path_factory.mktemp("http")
-    model = make_tiny_model(root / "tiny-llama", "llama", seed=0)
-    index = VectorIndex.build(corpus(), load_embedder("all-minilm-l6-v2"), nlist=2)
-    index.save(root / "index")
-    index.close()
-    config = ServerConfig(in_process=True, engine_kwargs={"device": "cpu"})
-    with Server(str(model), str(root / "index"), config=config) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +31,13 @@ def url(server):
         yield bg.url
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def samples(url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"{url}/metrics").text
+    text = HTTP.get(f"{url}/metrics").text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -91,13 +60,6 @@ def ask(client: openai.OpenAI, question: str, **extra):
         max_tokens=6,
         extra_body=extra or None,
     )
-
-
-def test_models(client: openai.OpenAI) -> None:
-    ids = [m.id for m in client.models.list()]
-    for name in ("oneshot", "hyde", "multistep", "irg", "recomp"):
-        assert f"ragserve/{name}" in ids
-    assert ids[-1] == "tiny"
 
 
 def test_chat_and_streaming_chat_equal_server_run(client: openai.OpenAI, server) -> None:
@@ -163,7 +125,7 @@ def test_concurrent_chats_each_get_their_own_answer(url: str, server) -> None:
             "messages": [{"role": "user", "content": question}],
             "max_tokens": 6,
         }
-        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        return HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
 
     with ThreadPoolExecutor(len(questions)) as pool:
         answers = list(pool.map(post, questions))
@@ -199,14 +161,6 @@ def test_completions_streaming_equals_non_streaming(client: openai.OpenAI, serve
 def test_token_id_prompt(client: openai.OpenAI) -> None:
     out = client.completions.create(model="tiny", prompt=[1, 500, 900], max_tokens=3, temperature=0)
     assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens <= 3
-
-
-@pytest.mark.parametrize(("path", "body", "mentions"), MALFORMED)
-def test_malformed_body_is_400(url: str, path: str, body, mentions: str) -> None:
-    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{url}{path}", headers={"content-type": "application/json"}, **kwargs)
-    assert r.status_code == 400, r.text
-    assert mentions in r.json()["error"]["message"]
 
 
 def test_prompt_past_the_context_is_400(client: openai.OpenAI) -> None:
@@ -247,14 +201,14 @@ def test_upsert_then_retrieve_then_delete(client: openai.OpenAI, url: str) -> No
         "title": "Zorblax festival",
         "text": "The Zorblax lantern festival is held every spring in the town of Quuxville.",
     }
-    r = httpx.post(f"{url}/v1/documents", json={"documents": [doc]}, timeout=60)
+    r = HTTP.post(f"{url}/v1/documents", json={"documents": [doc]}, timeout=60)
     assert r.status_code == 200, r.text
     question = "Where is the Zorblax lantern festival held?"
     found = ask(client, question, topk=1).model_extra["documents"]
     assert [(d["id"], d["title"], d["text"]) for d in found] == [
         ("zorblax", "Zorblax festival", doc["text"])
     ]
-    assert httpx.delete(f"{url}/v1/documents/zorblax", timeout=60).status_code == 200
+    assert HTTP.delete(f"{url}/v1/documents/zorblax", timeout=60).status_code == 200
     after = ask(client, question, topk=3).model_extra["documents"]
     assert "zorblax" not in [d["id"] for d in after]
 
@@ -301,21 +255,21 @@ def test_burst_past_admission_is_429_while_health_answers(url: str, server) -> N
         held = [HeldStream(http) for _ in range(MAX_INFLIGHT)]
         assert server.stats()["num_running"] == MAX_INFLIGHT  # all still generating
         for _ in range(4):
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            r = HTTP.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 429, r.text
             assert int(r.headers["retry-after"]) >= 1
-            assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+            assert HTTP.get(f"{url}/health", timeout=5).json()["status"] == "ok"
         for stream in held:
             stream.response.close()
     wait_for(lambda: engine_idle(server), "the held requests to be aborted")
-    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert HTTP.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
 
 
 def test_auth_on_the_same_server(server) -> None:
     config = ServeConfig(port=0, api_key="k3y", served_model_name="tiny")
     with BackgroundServer(create_app(server, config), config) as bg:
-        assert httpx.get(f"{bg.url}/health").status_code == 200
-        assert httpx.get(f"{bg.url}/v1/models").status_code == 401
+        assert HTTP.get(f"{bg.url}/health").status_code == 200
+        assert HTTP.get(f"{bg.url}/v1/models").status_code == 401
         bad = openai.OpenAI(base_url=f"{bg.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.completions.create(model="tiny", prompt="x", max_tokens=2)

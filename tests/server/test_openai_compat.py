@@ -4,12 +4,13 @@ fields, usage of every node, embeddings, token metrics, ``/health``'s ``cosched`
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
-import httpx
 import numpy as np
 import openai
 import pytest
+from http_cases import HTTP
 from prometheus_client.parser import text_string_to_metric_families
 
 from ragserve.server import BackgroundServer, ServeConfig, create_app
@@ -41,7 +42,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     engine = {"device": "cpu", "enable_prefix_caching": False}
     config = ServerConfig(in_process=True, engine_kwargs=engine)
     with Server(model, str(root / "index"), config=config) as server:
-        serve = ServeConfig(port=0, served_model_name="tiny", max_num_inflight=4)
+        serve = ServeConfig(port=0, served_model_name="tiny", max_num_inflight=4, tokenizer=model)
         with BackgroundServer(create_app(server, serve), serve) as bg:
             yield server, bg.url, model
 
@@ -65,13 +66,13 @@ def oracle(stack):
     return run
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack[1]}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def samples(url: str) -> dict:
-    text = httpx.get(f"{url}/metrics").text
+    text = HTTP.get(f"{url}/metrics").text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -177,6 +178,8 @@ def test_workflow_chat_single_turn_equals_server_run_and_usage_counts_every_node
     ("field", "value"),
     [
         ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("top_logprobs", 2),
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("logprobs", True),
         ("n", 2),
@@ -203,21 +206,27 @@ def test_response_format_text_is_accepted(client) -> None:
     assert out.choices[0].finish_reason == "length"
 
 
-def test_embeddings_come_from_the_index_embedder(client) -> None:
+def test_models_list_every_model_with_its_kind_and_embeddings_use_the_listed_id(client) -> None:
     from ragserve.retrieval import load_embedder
 
+    kinds = {m.id: m.model_extra["kind"] for m in client.models.list()}
+    assert kinds == {
+        **{f"ragserve/{w}": "workflow" for w in ("oneshot", "hyde", "multistep", "irg", "recomp")},
+        "tiny": "llm",
+        "all-minilm-l6-v2": "embedding",
+    }
+    (embedder,) = [i for i, kind in kinds.items() if kind == "embedding"]
+    assert client.models.retrieve(embedder).model_extra["kind"] == "embedding"
     texts = ["The capital of Kenya is Nairobi.", "Lima"]
-    expected = load_embedder("all-minilm-l6-v2").encode(texts, is_query=False)
-    default = client.embeddings.create(model="all-minilm-l6-v2", input=texts)  # base64 on wire
-    floats = client.embeddings.create(
-        model="all-minilm-l6-v2", input=texts, encoding_format="float"
-    )
+    expected = load_embedder(embedder).encode(texts, is_query=False)
+    default = client.embeddings.create(model=embedder, input=texts)  # base64 on the wire
+    floats = client.embeddings.create(model=embedder, input=texts, encoding_format="float")
     for out in (default, floats):
         got = np.array([d.embedding for d in out.data], dtype=np.float32)
         assert got.shape == (2, 384) and [d.index for d in out.data] == [0, 1]
         np.testing.assert_allclose(got, expected, atol=1e-5)
         assert out.usage.prompt_tokens > 2
-    raw = httpx.post(
+    raw = HTTP.post(
         f"{client.base_url}embeddings",
         json={"model": "all-minilm-l6-v2", "input": "Lima", "encoding_format": "base64"},
     ).json()
@@ -244,10 +253,67 @@ def test_metrics_count_chat_tokens_by_model_and_inter_token_latency(client, stac
     assert after[tokens] - before.get(tokens, 0) == out.usage.completion_tokens == 5
     assert after[prompt] - before.get(prompt, 0) == out.usage.prompt_tokens
     assert after[itl] - before.get(itl, 0) == 4  # five tokens, four gaps
+    for name, labels in (tokens, prompt, itl):  # vLLM's names for the same measures
+        vllm = name.replace("ragserve:", "vllm:")
+        assert after[(vllm, labels)] == after[(name, labels)]
+    ttft = ("vllm:time_to_first_token_seconds_count", (("workflow", "oneshot"),))
+    e2e = ("vllm:e2e_request_latency_seconds_count", (("workflow", "oneshot"),))
+    assert after[ttft] == after[("ragserve:time_to_first_token_seconds_count", ttft[1])] >= 1
+    assert after[e2e] >= 1
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert after[(f"vllm:{gauge}", ())] == after[(f"ragserve:{gauge}", ())]
+    assert after[("vllm:gpu_cache_usage_perc", ())] == after[("vllm:kv_cache_usage_perc", ())]
+
+
+def test_tokenize_counts_what_the_engine_counts_and_detokenize_inverts_it(client, oracle) -> None:
+    url = str(client.base_url).removesuffix("/v1/")
+    messages = [*HISTORY, {"role": "user", "content": "And its capital?"}]
+    chat = HTTP.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}).json()
+    expected = oracle(messages, 1)
+    assert chat["tokens"] == list(expected.prompt_token_ids)
+    assert chat["count"] == len(expected.prompt_token_ids)
+    plain = HTTP.post(f"{url}/tokenize", json={"prompt": "Once upon a time"}).json()
+    completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=1)
+    assert plain["count"] == completion.usage.prompt_tokens
+    bare = HTTP.post(f"{url}/tokenize", json={"prompt": "Lima", "add_special_tokens": False})
+    back = HTTP.post(f"{url}/detokenize", json={"tokens": bare.json()["tokens"]})
+    assert back.json() == {"prompt": "Lima"}
+    for path, body, status in (
+        ("/tokenize", {"prompt": "x", "messages": messages}, 400),
+        ("/tokenize", {"model": "ragserve/hyde", "prompt": "x"}, 404),
+        ("/detokenize", {"tokens": [10**9]}, 400),
+    ):
+        assert HTTP.post(f"{url}{path}", json=body).status_code == status, (path, body)
+    assert HTTP.get(f"{url}/version").json()["version"]
+
+
+def test_async_client_and_its_stream_equal_the_sync_client(client) -> None:
+    kwargs = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Name a river."}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "seed": 1,
+    }
+    sync = client.chat.completions.create(**kwargs)
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=str(client.base_url), api_key="-") as aclient:
+            out = await aclient.chat.completions.create(**kwargs)
+            stream = await aclient.chat.completions.create(
+                **kwargs, stream=True, stream_options={"include_usage": True}
+            )
+            return out, [c async for c in stream]
+
+    out, chunks = asyncio.run(run())
+    assert out.choices[0].message.content == sync.choices[0].message.content
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == sync.choices[0].message.content
+    assert chunks[-1].usage == sync.usage
 
 
 def test_health_and_stats_list_the_cosched_optimizations(stack) -> None:
     server, url, _ = stack
     enabled = ["split", "gen_chunks", "similarity", "speculation"]  # the defaults
     assert server.stats()["cosched"] == enabled
-    assert httpx.get(f"{url}/health").json() == {"status": "ok", "problems": [], "cosched": enabled}
+    assert HTTP.get(f"{url}/health").json() == {"status": "ok", "problems": [], "cosched": enabled}

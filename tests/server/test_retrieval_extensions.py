@@ -3,9 +3,9 @@ a 400 naming the field."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
+from http_cases import HTTP
 from server_fakes import FakeBackend
 
 from ragserve.server import BackgroundServer, ServeConfig, create_app
@@ -47,6 +47,6 @@ def test_mode_and_filter_tune_retrieval_nodes(url: str, backend: FakeBackend) ->
 )
 def test_bad_mode_or_filter_is_400(url: str, extra: dict, mentions: str) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "q"}], **extra}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    r = HTTP.post(f"{url}/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert mentions in r.json()["error"]["message"]

@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from http_cases import HTTP
 
 from ragserve.server import BackgroundServer, ServeConfig, create_app
 
@@ -27,28 +28,19 @@ def memo_graph():
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory):
-    from ragserve.generation.testing import make_tiny_model
-    from ragserve.retrieval import Document, VectorIndex, load_embedder
-    from ragserve.runtime import Server, ServerConfig
-
-    root = tmp_path_factory.mktemp("inputs")
-    model = make_tiny_model(root / "tiny-llama", "llama", seed=0)
-    docs = [Document(f"d{i}", f"Fact number {i} about rivers.") for i in range(8)]
-    index = VectorIndex.build(docs, load_embedder("all-minilm-l6-v2"), nlist=2)
-    index.save(root / "index")
-    index.close()
-    config = ServerConfig(in_process=True, engine_kwargs={"device": "cpu"})
-    with Server(str(model), str(root / "index"), config=config) as server:
-        server.workflows["memo"] = memo_graph()
-        serve = ServeConfig(port=0, served_model_name="tiny")
+def url(server):
+    server.workflows["memo"] = memo_graph()
+    serve = ServeConfig(port=0, served_model_name="tiny")
+    try:
         with BackgroundServer(create_app(server, serve), serve) as bg:
             yield bg.url
+    finally:
+        del server.workflows["memo"]
 
 
 def chat(url: str, question: str, **extra) -> httpx.Response:
     body = {"model": "ragserve/memo", "messages": [{"role": "user", "content": question}]}
-    return httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60)
+    return HTTP.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60)
 
 
 def answer(r: httpx.Response) -> list[str]:
@@ -75,7 +67,7 @@ def test_streaming_passes_the_inputs_too(url: str) -> None:
         "inputs": {"session": "streamed"},
         "stream": True,
     }
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data")]
     assert lines[-1] == "[DONE]"
@@ -114,11 +106,11 @@ def test_bad_inputs_are_a_400_naming_the_key(url: str, extra: dict, mentions: st
 
 def test_a_workflow_without_inputs_refuses_any(url: str) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    r = httpx.post(
+    r = HTTP.post(
         f"{url}/v1/chat/completions", json={**body, "inputs": {"session": "a"}}, timeout=60
     )
     assert r.status_code == 400
     error = r.json()["error"]
     assert "has no input 'session' (it takes: none)" in error["message"]
     assert error["param"] == "inputs.session"
-    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert HTTP.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200

@@ -8,8 +8,8 @@ import logging
 import sys
 from typing import Any
 
-from ragserve.cli.main import UsageError
-from ragserve.cli.options import add_server_args, build_server, launch_config, load_workflow
+from ragserve.cli.errors import UsageError
+from ragserve.cli.options import add_server_args, build_server, load_workflow
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def make_server(args: argparse.Namespace, engine_defaults: dict[str, Any] | None = None) -> Any:
     """The ``Server`` of the command's flags and ``--config`` (co-scheduled by default)."""
-    return build_server(launch_config(args, engine_defaults=engine_defaults))
+    from ragserve.cli.launch_config import from_args
+
+    return build_server(from_args(args, engine_defaults=engine_defaults))
 
 
 def resolve_graph(args: argparse.Namespace) -> Any:

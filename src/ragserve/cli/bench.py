@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _missing(args: argparse.Namespace) -> int:
-    from ragserve.cli.main import UsageError
+    from ragserve.cli.errors import UsageError
 
     raise UsageError(
         "ragserve bench runs the harness in the source repository's bench/ folder, which the "

@@ -1,29 +1,15 @@
 """``LaunchConfig``: everything ``serve`` / ``ask`` / ``demo`` start a Server with, as data.
 
-It is read from a config file (TOML, or YAML when PyYAML is installed), CLI flags override
-it, and ``dump_toml`` writes it back (``ragserve serve --print-config``) so that reading the
-dump gives an equal ``LaunchConfig``. The file's layout::
-
-    model = "smollm2-135m-instruct"     # top level: what is served
-    index = "factbook"
-    embedder = "all-minilm-l6-v2"       # optional (default: the index's own)
-    workflows = ["mypkg.graphs:build"]  # user graphs, served as ragserve/<name>
-
-    [engine]    # LLMEngine / EngineConfig: device, dtype, max_num_seqs, kv_cache_bytes, ...
-    [runtime]   # ServerConfig: in_process, default_nprobe, max_active_requests, ...
-    [cosched]   # CoScheduleConfig: enable_split, enable_similarity, budget_s, ...
-    [serve]     # ServeConfig (``ragserve serve``): host, port, max_num_inflight, ...
-    [gpu_tier]  # GpuTierConfig: budget_bytes, device, dtype, scan, stream_cold, profiles, ...
-    [document_limits]  # DocumentLimits: max_text_chars, max_metadata_depth, ...
-    [operators]  # OperatorConfig: reranker, function_workers, function_timeout_s, ...
-
-TOML has no null: a field left out keeps its default (``None`` fields are left out by the
-dump). ``kv_cache_gb`` in ``[engine]`` is accepted for ``kv_cache_bytes``; ``cosched`` may
-also be a string at the top level (``"all"``, ``"off"``, ``"split,similarity"``).
+Read from a config file (TOML, YAML with PyYAML, or JSON; its layout is in the README,
+under ``--config FILE``: top-level ``model`` / ``index`` / ``embedder`` / ``workflows`` /
+``cosched``, sections ``SECTIONS``), then the flags (``from_args``); ``dump_toml`` writes it
+back (``ragserve serve --print-config``) so that reading the dump gives an equal config. TOML
+has no null: a field left out keeps its default (``None`` fields are left out by the dump).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -31,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ragserve.cli.main import UsageError
-from ragserve.cli.options import DEFAULT_INDEX, DEFAULT_MODEL
+from ragserve.cli.errors import UsageError
+from ragserve.cli.options import DEFAULT_INDEX, DEFAULT_MODEL, engine_flags, positive
 from ragserve.runtime.config import ServerConfig
 from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.server.config import ServeConfig
@@ -73,6 +59,43 @@ class LaunchConfig:
     workflows: tuple[str, ...] = ()
     runtime: ServerConfig = field(default_factory=ServerConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+def from_args(
+    args: argparse.Namespace,
+    base: LaunchConfig | None = None,
+    engine_defaults: dict[str, Any] | None = None,
+) -> LaunchConfig:
+    """``base`` + ``engine_defaults`` (the command's), then ``--config``, then the flags of
+    ``options.add_server_args``."""
+    base = base or LaunchConfig()
+    if engine_defaults:
+        engine = {**dict(base.runtime.engine_kwargs), **engine_defaults}
+        base = _with_runtime(base, engine_kwargs=tuple(sorted(engine.items())))
+    config = from_mapping(read_file(args.config), base) if args.config else base
+    top = {k: getattr(args, k) for k in ("model", "index", "embedder") if getattr(args, k)}
+    engine = {**dict(config.runtime.engine_kwargs), **engine_flags(args)}
+    runtime: dict[str, Any] = {"engine_kwargs": tuple(sorted(engine.items()))}
+    if args.in_process is not None:
+        runtime["in_process"] = args.in_process
+    if args.nprobe is not None:
+        positive("--nprobe", args.nprobe)
+        runtime["default_nprobe"] = args.nprobe
+    if args.cosched is not None:
+        knobs = {
+            f.name: getattr(config.runtime.cosched, f.name)
+            for f in dataclasses.fields(CoScheduleConfig)
+            if not f.name.startswith("enable_")
+        }
+        try:
+            runtime["cosched"] = CoScheduleConfig.from_names(args.cosched, **knobs)
+        except ValueError as exc:
+            raise UsageError(f"--{exc}") from exc
+    return _with_runtime(dataclasses.replace(config, **top), **runtime)
+
+
+def _with_runtime(config: LaunchConfig, **changes: Any) -> LaunchConfig:
+    return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, **changes))
 
 
 def engine_keys() -> tuple[str, ...]:

@@ -14,6 +14,9 @@ import importlib
 import logging
 import os
 import sys
+from typing import NoReturn
+
+from ragserve.cli.errors import UsageError
 
 # NOTE: sub-command modules are imported only when the parser is built, and each module
 # imports its heavy dependencies (torch, faiss) inside its handler, so `ragserve --help` is fast.
@@ -22,16 +25,25 @@ COMMANDS: tuple[str, ...] = ("index", "serve", "ask", "demo", "bench", "setup", 
 _QUIET_LOGGERS = ("faiss", "faiss.loader", "httpx", "urllib3", "transformers", "torch", "bm25s")
 
 
-class UsageError(ValueError):
-    """A command-line mistake the handler found (exit code 2)."""
+class Parser(argparse.ArgumentParser):
+    """Every ``ragserve`` parser (sub-command parsers inherit the class): a long flag is never
+    matched by a prefix (``--api-key`` must not be read as ``--api-key-file``), and a usage
+    error is one ``error:`` line naming the flag (exit code 2)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ragserve import __version__
+    from importlib.metadata import version
 
-    parser = argparse.ArgumentParser(prog="ragserve", description=__doc__.splitlines()[0])
+    parser = Parser(prog="ragserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks")
-    parser.add_argument("--version", action="version", version=f"ragserve {__version__}")
+    parser.add_argument("--version", action="version", version=f"ragserve {version('ragserve')}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"ragserve.cli.{name}").register(subparsers)

@@ -1,31 +1,41 @@
-"""The server flags ``serve``, ``ask`` and ``demo`` share, and the ``Server`` built from them.
+"""The server flags ``serve``, ``ask``, ``demo`` and ``profile-memory`` share (vLLM's names
+where ``vllm serve`` has the flag), and the checks run before a ``Server`` starts.
 
-Precedence: the command's defaults, then ``--config FILE``, then the flags given. Every flag
-defaults to ``None`` ("not given") so a file value is only overridden by a flag the user typed.
+Every flag defaults to ``None`` ("not given") so a ``--config`` file's value is only
+overridden by a flag the user typed (``launch_config.from_args``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ragserve.cli.main import UsageError
-
-if TYPE_CHECKING:  # imported lazily at run time: it loads the server packages
-    from ragserve.cli.launch_config import LaunchConfig
+from ragserve.cli.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_INDEX = "factbook"
 
-# flag dest -> EngineConfig field
-_ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_model_len", "cpu_threads")
+# (flag, EngineConfig field, type, help): a flag given sets the field.
+ENGINE_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--device", "device", str, "LLM device: auto, cpu, cuda, cuda:N"),
+    ("--dtype", "dtype", str, "auto, float32, bfloat16, float16"),
+    ("--max-model-len", "max_model_len", int, "LLM context bound"),
+    ("--max-num-seqs", "max_num_seqs", int, "sequences batched at once"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens per engine step"),
+    ("--block-size", "block_size", int, "KV cache block size, tokens"),
+    ("--gpu-memory-utilization", "kv_cache_memory_fraction", float,
+     "CUDA: share of the free memory after the weights given to the KV cache (0-1]"),
+    ("--seed", "seed", int, "the engine's sampling seed"),
+    ("--load-format", "load_format", str, "auto (safetensors) or dummy (random weights)"),
+    ("--cpu-threads", "cpu_threads", int, "torch threads of the LLM (CPU)"),
+)  # fmt: skip
+POSITIVE = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_threads")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -42,8 +52,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--nprobe", type=int, default=None, help="default clusters probed")
     g = p.add_argument_group("engine")
-    g.add_argument("--device", default=None, help="LLM device: auto, cpu, cuda, cuda:N")
-    g.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
+    for flag, field, kind, text in ENGINE_FLAGS:
+        metavar = flag[2:].upper().replace("-", "_")
+        g.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar, help=text)
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB")
     g.add_argument("--kv-cache-mb", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument(
@@ -52,9 +63,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="host tier of the knowledge tree's KV, GiB of pinned CPU memory (default 0: GPU only)",
     )
-    g.add_argument("--max-model-len", type=int, default=None, help="LLM context bound")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences batched at once")
-    g.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the LLM (CPU)")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of shared prompt prefixes (default on)",
+    )
+    g.add_argument(
+        "--enforce-eager", action="store_const", const=True, default=None, help="no CUDA graphs"
+    )
+    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        g.add_argument(flag, short, type=int, default=None, help="1 only (see --llm-replicas)")
     p.add_argument(
         "--in-process",
         action="store_const",
@@ -64,67 +83,44 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def launch_config(
-    args: argparse.Namespace,
-    base: LaunchConfig | None = None,
-    engine_defaults: dict[str, Any] | None = None,
-) -> LaunchConfig:
-    """The ``LaunchConfig``: ``base`` + ``engine_defaults`` (the command's), then
-    ``--config``, then the flags. Imported here, not at parse time (it loads the server)."""
-    from ragserve.cli.launch_config import LaunchConfig, from_mapping, read_file
-
-    base = base or LaunchConfig()
-    if engine_defaults:
-        engine = {**dict(base.runtime.engine_kwargs), **engine_defaults}
-        base = _with_runtime(base, engine_kwargs=tuple(sorted(engine.items())))
-    config = from_mapping(read_file(args.config), base) if args.config else base
-    return apply_flags(config, args)
-
-
-def apply_flags(config: LaunchConfig, args: argparse.Namespace) -> LaunchConfig:
-    top = {k: getattr(args, k) for k in ("model", "index", "embedder") if getattr(args, k)}
-    engine = dict(config.runtime.engine_kwargs)
-    engine.update({k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None})
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineConfig`` fields the engine flags give (checked; a bad value is a
+    ``UsageError`` naming the flag)."""
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        size = getattr(args, flag, None)
+        if size is not None and size != 1:
+            name = "--" + flag.replace("_", "-")
+            raise UsageError(
+                f"{name} {size}: ragserve runs each LLM replica on one device; scale out "
+                "with --ray --llm-replicas N instead"
+            )
+    engine = {f: getattr(args, f) for _, f, _, _ in ENGINE_FLAGS if getattr(args, f) is not None}
+    for field in POSITIVE:
+        if engine.get(field) is not None:
+            positive(f"--{field.replace('_', '-')}", engine[field])
+    fraction = engine.get("kv_cache_memory_fraction")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
     if args.kv_cache_gb is not None:
-        _positive("--kv-cache-gb", args.kv_cache_gb)
+        positive("--kv-cache-gb", args.kv_cache_gb)
         engine["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
     elif args.kv_cache_mb is not None:
-        _positive("--kv-cache-mb", args.kv_cache_mb)
+        positive("--kv-cache-mb", args.kv_cache_mb)
         engine["kv_cache_bytes"] = args.kv_cache_mb << 20
     if args.host_kv_cache_gb is not None:
         if args.host_kv_cache_gb < 0:
             raise UsageError(f"--host-kv-cache-gb must be >= 0, got {args.host_kv_cache_gb}")
         engine["host_kv_cache_bytes"] = int(args.host_kv_cache_gb * (1 << 30))
-    for flag in ("max_num_seqs", "max_model_len", "cpu_threads", "nprobe"):
-        if getattr(args, flag) is not None:
-            _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
-    runtime: dict[str, Any] = {"engine_kwargs": tuple(sorted(engine.items()))}
-    if args.in_process is not None:
-        runtime["in_process"] = args.in_process
-    if args.nprobe is not None:
-        runtime["default_nprobe"] = args.nprobe
-    if args.cosched is not None:
-        from ragserve.scheduler.cosched import CoScheduleConfig
-
-        knobs = {
-            f.name: getattr(config.runtime.cosched, f.name)
-            for f in dataclasses.fields(CoScheduleConfig)
-            if not f.name.startswith("enable_")
-        }
-        try:
-            runtime["cosched"] = CoScheduleConfig.from_names(args.cosched, **knobs)
-        except ValueError as exc:
-            raise UsageError(f"--{exc}") from exc
-    return _with_runtime(dataclasses.replace(config, **top), **runtime)
+    if args.enable_prefix_caching is not None:
+        engine["enable_prefix_caching"] = args.enable_prefix_caching
+    if args.enforce_eager:
+        engine["enable_cuda_graphs"] = False
+    return engine
 
 
-def _positive(flag: str, value: float) -> None:
+def positive(flag: str, value: float) -> None:
     if value <= 0:
         raise UsageError(f"{flag} must be > 0, got {value}")
-
-
-def _with_runtime(config: LaunchConfig, **changes: Any) -> LaunchConfig:
-    return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, **changes))
 
 
 def resolve_index(index: str) -> str:
@@ -217,8 +213,9 @@ def check_reranker(name: str) -> None:
         raise UsageError(str(exc)) from None
 
 
-def build_server(config: LaunchConfig) -> Any:
-    """The ``Server`` of ``config`` (user workflows registered); the index is checked first."""
+def build_server(config: Any) -> Any:
+    """The ``Server`` of a ``LaunchConfig`` (user workflows registered); the index is checked
+    first."""
     # NOTE: set before torch/Faiss load here (index build, in-process mode): OpenMP
     # spin-waiting on a busy machine makes small CPU matmuls many times slower.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ragserve.cli.main import UsageError
-from ragserve.cli.options import add_server_args, launch_config
+from ragserve.cli.errors import UsageError
+from ragserve.cli.options import add_server_args
 
 KV_MULTIPLES = (1, 4, 16, 64, 256)  # requests' worth of KV blocks in the default grid
 TIER_FRACTIONS = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)  # of the whole index, default grid
@@ -54,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handler(args: argparse.Namespace) -> int:
+    from ragserve.cli.launch_config import from_args
     from ragserve.cli.options import resolve_index
     from ragserve.retrieval import VectorIndex
     from ragserve.runtime.memory_profile import (
@@ -64,7 +65,7 @@ def handler(args: argparse.Namespace) -> int:
         write_profile,
     )
 
-    config = launch_config(args)
+    config = from_args(args)
     engine = dict(config.runtime.engine_kwargs)
     engine.pop("kv_cache_bytes", None)  # NOTE: the profile sets it, point by point
     for flag in ("requests", "batch", "prompt_tokens", "output_tokens"):

@@ -11,30 +11,33 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ragserve.cli.main import UsageError
-from ragserve.cli.options import add_server_args, build_server, launch_config
+from ragserve.cli.errors import UsageError
+from ragserve.cli.options import add_server_args, build_server
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAGSERVE_API_KEY"
-# flag dest -> ServeConfig field
-_SERVE_FLAGS = {
-    "host": "host",
-    "port": "port",
-    "served_model_name": "served_model_name",
-    "max_inflight": "max_num_inflight",
-    "max_body_bytes": "max_body_bytes",
-    "drain_timeout": "drain_timeout_s",
-}
+# (flag, ServeConfig field, type, help): a flag given sets the field.
+HTTP_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--host", "host", str, "bind address (default: loopback)"),
+    ("--port", "port", int, "port (default 8000)"),
+    ("--served-model-name", "served_model_name", str, "id of the LLM itself (default: --model)"),
+    ("--max-inflight", "max_num_inflight", int, "admission bound; past it 429"),
+    ("--max-body-bytes", "max_body_bytes", int, "larger bodies get 413"),
+    ("--drain-timeout", "drain_timeout_s", float, "seconds to drain at exit"),
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API",
-        description="Serve /v1/chat/completions (RAG workflows, or the LLM itself), "
-        "/v1/completions (plain LLM), /v1/embeddings, /v1/models, /v1/documents, /metrics and "
-        "/health. Co-scheduled by default (--cosched).",
+        description="Serve vLLM's OpenAI-compatible API over RAG workflows (co-scheduled by "
+        "default, --cosched): /v1/chat/completions, /v1/completions, /v1/embeddings, "
+        "/v1/models, /tokenize, /detokenize, /v1/documents, /metrics, /health, /version.",
+    )
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="as --model (vLLM's form)"
     )
     add_server_args(p)
     p.add_argument(
@@ -53,20 +56,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "module:factory (factory(embedder) returns a reranker; built by the retrieval worker)",
     )
     h = p.add_argument_group("HTTP")
-    h.add_argument("--host", default=None, help="bind address (default: loopback)")
-    h.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    for flag, field, kind, text in HTTP_FLAGS:
+        metavar = flag[2:].upper().replace("-", "_")
+        h.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar, help=text)
     h.add_argument(
         "--api-key-file",
         default=None,
         help=f"require 'Authorization: Bearer KEY', KEY read from this file (or from "
-        f"${API_KEY_ENV}; never from the command line, where `ps` shows it). Default: no auth",
+        f"${API_KEY_ENV}, the recommended ways). Default: no auth",
     )
     h.add_argument(
-        "--served-model-name", default=None, help="model id of the LLM itself (default: --model)"
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="as --api-key-file, the key itself (vLLM's flag; other local users see it in `ps`)",
     )
-    h.add_argument("--max-inflight", type=int, default=None, help="admission bound; past it 429")
-    h.add_argument("--max-body-bytes", type=int, default=None, help="larger bodies get 413")
-    h.add_argument("--drain-timeout", type=float, default=None, help="seconds to drain at exit")
     tier = p.add_argument_group("GPU index tier (hot IVF-Flat lists in GPU memory)")
     tier.add_argument(
         "--gpu-index-gb", type=float, default=None, help="tier size in GB (overrides Eq. 2)"
@@ -147,10 +151,21 @@ def gpu_tier_config(args: argparse.Namespace) -> Any:
     )
 
 
-def read_api_key(path: str | None, *, from_env: bool = True) -> str | None:
-    """The API key from ``path`` (surrounding whitespace stripped), else from
-    ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``. An empty key is an error, never
-    "no auth"."""
+def read_api_key(path: str | None, *, from_env: bool = True, key: str | None = None) -> str | None:
+    """The API key: ``key`` (``--api-key``, with a warning), else from ``path`` (surrounding
+    whitespace stripped), else from ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``.
+    An empty key is an error, never "no auth"."""
+    if key is not None:
+        if path is not None:
+            raise UsageError("give --api-key or --api-key-file, not both")
+        if not key.strip():
+            raise UsageError("--api-key is empty")
+        logger.warning(
+            "--api-key: a key on the command line is visible to other local users (ps); "
+            "prefer --api-key-file or $%s",
+            API_KEY_ENV,
+        )
+        return key.strip()
     if path is not None:
         try:
             key = Path(path).read_text(encoding="utf-8").strip()
@@ -169,7 +184,13 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
     """The ``LaunchConfig`` of ``serve``: the shared settings, then the HTTP and GPU-tier
     flags, and the API key from ``--api-key-file`` or (if ``key_from_env``)
     ``$RAGSERVE_API_KEY`` when the config file gives none."""
-    config = launch_config(args)
+    from ragserve.cli.launch_config import from_args
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UsageError(f"model given twice: {args.model_tag} and --model {args.model}")
+        args = argparse.Namespace(**{**vars(args), "model": args.model_tag})
+    config = from_args(args)
     tier = gpu_tier_config(args)
     if tier is not None:
         config = dataclasses.replace(
@@ -177,16 +198,15 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
         )
     if args.workflows:
         config = dataclasses.replace(config, workflows=(*config.workflows, *args.workflows))
-    changes = {
-        field: getattr(args, dest)
-        for dest, field in _SERVE_FLAGS.items()
-        if getattr(args, dest) is not None
-    }
-    key = read_api_key(args.api_key_file, from_env=key_from_env)
-    if key is not None and (args.api_key_file is not None or config.serve.api_key is None):
+    changes = {f: getattr(args, f) for _, f, _, _ in HTTP_FLAGS if getattr(args, f) is not None}
+    key = read_api_key(args.api_key_file, from_env=key_from_env, key=args.api_key)
+    given = args.api_key_file is not None or args.api_key is not None
+    if key is not None and (given or config.serve.api_key is None):
         changes["api_key"] = key
     if "served_model_name" not in changes and config.serve.served_model_name == "ragserve":
         changes["served_model_name"] = Path(config.model).name
+    if config.serve.tokenizer is None:  # /tokenize: the served LLM's
+        changes["tokenizer"] = config.model
     try:
         serve = dataclasses.replace(config.serve, **changes)
     except ValueError as exc:

@@ -1,36 +1,33 @@
 """``create_app(server, config)``: the OpenAI-compatible ASGI app in front of a ``Server``.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings`` (``chat.py``,
-``completions.py``, ``embeddings.py``), ``/v1/models``, ``/v1/documents`` (upsert, delete),
-``/metrics``, ``/health``. Every request passes ``GuardMiddleware`` (request id, auth, body
-size, deadline and depth) first; errors use OpenAI's error format. ``/health`` is 200 only
-while the backend says it can make progress, and lists the co-scheduling optimizations that
-run under ``cosched``.
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``,
+``/tokenize`` and ``/detokenize`` (one module each), ``/v1/documents`` (upsert, delete),
+``/metrics``, ``/health``, ``/version``. Every request passes ``GuardMiddleware`` (request id,
+auth, body size, deadline and depth) first; errors use OpenAI's error format. ``/health`` is
+200 only while the backend says it can make progress, and lists the co-scheduling
+optimizations that run under ``cosched``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
+import importlib.metadata
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
-from ragserve.server import chat, completions, embeddings
+from ragserve.server import chat, completions, embeddings, models, tokens
 from ragserve.server.admission import Admission
 from ragserve.server.backend import ServerBackend
 from ragserve.server.config import ServeConfig
-from ragserve.server.context import AppContext, backend_error, get_context
+from ragserve.server.context import AppContext, call_backend, get_context
 from ragserve.server.errors import APIError, install_error_handlers
-from ragserve.server.graphs import workflow_model_ids
 from ragserve.server.metrics import ServerMetrics
 from ragserve.server.middleware import GuardMiddleware
 from ragserve.server.protocol import DocumentsRequest
@@ -68,9 +65,8 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
         body_timeout_s=config.body_timeout_s,
         max_json_depth=config.max_json_depth,
     )
-    app.include_router(chat.router)
-    app.include_router(completions.router)
-    app.include_router(embeddings.router)
+    for module in (chat, completions, embeddings, models, tokens):
+        app.include_router(module.router)
     _add_admin_routes(app)
     return app
 
@@ -84,22 +80,12 @@ def _add_admin_routes(app: FastAPI) -> None:
         status = 200 if report.get("status") == "ok" else 503
         return JSONResponse(report, status_code=status)
 
-    def model_cards(request: Request) -> list[dict]:
-        ctx = get_context(request)
-        ids = [*workflow_model_ids(ctx.server.workflows), ctx.config.served_model_name]
-        card = {"object": "model", "created": int(time.time()), "owned_by": "ragserve"}
-        return [{"id": i, **card} for i in ids]
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        return {"object": "list", "data": model_cards(request)}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> dict:
-        for card in model_cards(request):
-            if card["id"] == model_id:
-                return card
-        raise APIError(404, f"model {model_id!r} does not exist", code="model_not_found")
+    @app.get("/version")
+    async def version() -> dict:
+        try:
+            return {"version": importlib.metadata.version("ragserve")}
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree
+            return {"version": "unknown"}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> HTTPResponse:
@@ -116,7 +102,7 @@ def _add_admin_routes(app: FastAPI) -> None:
         if len({d.id for d in docs}) != len(docs):
             raise APIError(400, "documents: duplicate ids in one request", param="documents")
         with request.app.state.upserts.admit():
-            await _call(ctx.server.add_documents, docs)
+            await call_backend(ctx.server.add_documents, docs)
         return {
             "object": "list",
             "data": [{"id": d.id, "object": "document", "status": "persisted"} for d in docs],
@@ -126,7 +112,7 @@ def _add_admin_routes(app: FastAPI) -> None:
     async def delete(doc_id: str, request: Request) -> dict:
         ctx = get_context(request)
         with request.app.state.upserts.admit():
-            result = await _call(ctx.server.delete_documents, [doc_id])
+            result = await call_backend(ctx.server.delete_documents, [doc_id])
         if result is not None and not result:
             raise APIError(404, f"document {doc_id!r} does not exist", code="document_not_found")
         return {"id": doc_id, "object": "document", "deleted": True}
@@ -141,15 +127,3 @@ async def _close_backend(server: ServerBackend) -> None:
     closer.start()
     while closer.is_alive():
         await asyncio.sleep(0.05)
-
-
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run a (possibly blocking, possibly async) Server method without blocking the loop."""
-    try:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
-        return await asyncio.to_thread(fn, *args)
-    except APIError:
-        raise
-    except Exception as exc:
-        raise backend_error(exc) from exc

@@ -10,19 +10,6 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 
-class ResponseLike(Protocol):
-    """``ragserve.runtime.Response``."""
-
-    request_id: str
-    output: str
-    state: Mapping[str, Any]
-    doc_ids: Sequence[str]
-    titles: Sequence[str | None]
-    timings: Mapping[str, Any]
-    error: Any
-    error_kind: str | None  # "bad_request" | "worker_died" | "internal" | "aborted" | None
-
-
 class ServerBackend(Protocol):
     """``ragserve.runtime.Server``: async requests, abort, upsert, workflows, stats.
 

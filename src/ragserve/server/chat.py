@@ -1,16 +1,8 @@
-"""``POST /v1/chat/completions``: a RAG workflow answers the last user message.
-
-The ``model`` field (or the ``workflow`` extension) picks the workflow; the served model name
-(the LLM's own id) chats with the LLM without retrieval. The messages before the question
-(system message, earlier turns) reach the answer node through the chat template. The answer
-comes back in OpenAI's ``chat.completion`` shape (or ``chat.completion.chunk`` SSE events
-ending in ``[DONE]``), with the retrieved documents in the extension field ``documents`` (of
-the response, or of the last chunk, the one with ``finish_reason``, when streaming).
-``finish_reason`` is the answer node's (``length`` when ``max_tokens`` cut it); ``usage``
-counts every generation node's tokens, broken down per node run in ``usage_by_node``.
-The extension field ``inputs`` carries the workflow's declared inputs (a memory node's
-session id): ``graphs.request_inputs_or_400``.
-"""
+"""``POST /v1/chat/completions``: a RAG workflow (``model``, or the ``workflow`` extension)
+answers the last user message, or the LLM itself (the served model name) chats, no retrieval.
+Earlier messages reach the answer node through the chat template. Extensions: ``documents``
+(of the response, or of the stream's last chunk), ``usage_by_node``, ``workflow``, ``inputs``
+(``graphs.request_inputs_or_400``); the README's HTTP section has the field list."""
 
 from __future__ import annotations
 

@@ -94,14 +94,22 @@ async def completions(body: CompletionRequest, request: Request):
     }
 
 
-async def _last_output(job: Job, prompt: str | list[int], params: Any) -> Any:
+async def _outputs(job: Job, prompt: str | list[int], params: Any):
+    """The engine's cumulative outputs (the first token timed); fails unless the last one is
+    finished."""
     last = None
     async for out in job.ctx.server.complete(prompt, params, request_id=job.request_id):
         if (last is None or not last.token_ids) and out.token_ids:
             job.first_token()
         last = out
+        yield out
     if last is None or not last.finished:
         raise RuntimeError("the engine ended the completion without a finished output")
+
+
+async def _last_output(job: Job, prompt: str | list[int], params: Any) -> Any:
+    async for out in _outputs(job, prompt, params):
+        last = out
     return last
 
 
@@ -116,9 +124,7 @@ async def _events(job: Job, prompt, params, include_usage: bool, final: dict[str
     }
     sent, last = "", None
     try:
-        async for out in job.ctx.server.complete(prompt, params, request_id=job.request_id):
-            if (last is None or not last.token_ids) and out.token_ids:
-                job.first_token()
+        async for out in _outputs(job, prompt, params):
             last = out
             delta = out.text[len(sent) :] if out.text.startswith(sent) else ""
             sent += delta
@@ -130,8 +136,6 @@ async def _events(job: Job, prompt, params, include_usage: bool, final: dict[str
                     "logprobs": None,
                 }
                 yield sse({**base, "choices": [choice]})
-        if last is None or not last.finished:
-            raise RuntimeError("the engine ended the completion without a finished output")
     except Exception as exc:
         final["end"] = "error"
         yield sse_error(exc, job.request_id)

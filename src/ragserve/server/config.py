@@ -20,7 +20,8 @@ class ServeConfig:
     ``body_timeout_s`` to send its body (else 408); an idle kept-alive connection closes after
     ``keep_alive_s``; past ``max_connections`` open connections a request gets 503. A body
     nested deeper than ``max_json_depth`` is a 400; ``max_num_upserts`` bounds the document
-    upserts/deletes in flight (past it: 429).
+    upserts/deletes in flight (past it: 429). ``tokenizer`` (the LLM's folder or built-in
+    name) serves ``/tokenize`` and ``/detokenize`` (``None``: they are 404).
     """
 
     host: str = "127.0.0.1"
@@ -39,6 +40,7 @@ class ServeConfig:
     max_connections: int = 1024
     max_json_depth: int = 64
     max_num_upserts: int = 8
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_inflight < 1:

@@ -4,12 +4,13 @@ the client disconnects (abort it, free its KV blocks) or the backend raises."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -28,10 +29,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class AppContext:
+    """What the handlers share; ``cache`` holds what is looked up once (the embedder's name,
+    the tokenizer)."""
+
     server: ServerBackend
     config: ServeConfig
     metrics: ServerMetrics
     admission: Admission
+    cache: dict[str, Any] = field(default_factory=dict)
 
 
 def get_context(request: Request) -> AppContext:
@@ -110,6 +115,16 @@ class Job:
             raise backend_error(exc, self.request_id) from exc
         finally:
             self.end(status)
+
+
+async def call_backend(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a (possibly blocking, possibly async) Server method without blocking the loop."""
+    try:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        return await asyncio.to_thread(fn, *args)
+    except Exception as exc:
+        raise backend_error(exc) from exc
 
 
 class ClientDisconnected(Exception):

@@ -1,6 +1,7 @@
 """``POST /v1/embeddings``: vectors of the index's own embedder (``Server.embed``), in
-OpenAI's ``list`` of ``embedding`` objects; ``model`` must name that embedder (or the served
-model name, which stands for the deployment). Vectors are L2-normalised, document side."""
+OpenAI's ``list`` of ``embedding`` objects; ``model`` names that embedder (its id in
+``/v1/models``) or the served model name (the deployment). Vectors are L2-normalised,
+document side."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import base64
 import numpy as np
 from fastapi import APIRouter, Request
 
-from ragserve.server.context import get_context
+from ragserve.server.context import call_backend, get_context
 from ragserve.server.errors import APIError
 from ragserve.server.protocol import EmbeddingRequest
 
@@ -18,13 +19,12 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
-    from ragserve.server.app import _call
-
     ctx = get_context(request)
     embed = getattr(ctx.server, "embed", None)
     if embed is None:
         raise APIError(404, "this server has no embedder", code="model_not_found")
-    out = await _call(embed, body.texts())
+    out = await call_backend(embed, body.texts())
+    ctx.cache["embedder"] = out.model
     if body.model not in (out.model, ctx.config.served_model_name):
         raise APIError(
             404,

@@ -1,4 +1,6 @@
-"""Prometheus metrics of the HTTP front, named in vLLM's style (``ragserve:*``).
+"""Prometheus metrics of the HTTP front, named in vLLM's style (``ragserve:*``), and the
+measures vLLM also exports repeated under vLLM's names (``VLLM_ALIASES``), so dashboards built
+for vLLM work unchanged.
 
 Each app gets its own ``CollectorRegistry`` (two apps in one process never collide). Counters
 and histograms are updated by the handlers; gauges of the engine (running/waiting requests,
@@ -11,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
@@ -30,6 +32,38 @@ _STAT_GAUGES = {
         "Workflow requests active in the scheduler.",
     ),
 }
+
+# ragserve family -> vLLM's names for the same measure (the labels stay ragserve's: TTFT and
+# e2e latency are per ``workflow``, token counts and inter-token latency per ``model_name``).
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "ragserve:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "ragserve:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "ragserve:inter_token_latency_seconds": (
+        "vllm:inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds",
+    ),
+    "ragserve:prompt_tokens": ("vllm:prompt_tokens",),
+    "ragserve:generation_tokens": ("vllm:generation_tokens",),
+    "ragserve:num_requests_running": ("vllm:num_requests_running",),
+    "ragserve:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "ragserve:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
+
+
+class VllmAliases(Collector):
+    """The families of ``source``, each one in ``VLLM_ALIASES`` followed by its copies."""
+
+    def __init__(self, source: Collector) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            yield family
+            for alias in VLLM_ALIASES.get(family.name, ()):
+                copy = Metric(alias, family.documentation, family.type, family.unit)
+                suffix = len(family.name)
+                copy.samples = [s._replace(name=alias + s.name[suffix:]) for s in family.samples]
+                yield copy
 
 
 def _is_queue(key: str) -> bool:
@@ -104,65 +138,53 @@ class ServerMetrics:
     """The app's registry and the instruments handlers update."""
 
     def __init__(self, stats: Callable[[], Mapping[str, Any]], admitted: Callable[[], int]):
-        self.registry = CollectorRegistry(auto_describe=False)
-        r = self.registry
-        self.requests = Counter(
-            "ragserve:requests",
+        self.registry = r = CollectorRegistry(auto_describe=False)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"ragserve:{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, label: str, buckets: tuple) -> Histogram:
+            return Histogram(f"ragserve:{name}", doc, [label], buckets=buckets, registry=r)
+
+        self.requests = counter(
+            "requests",
             "Finished HTTP generation requests by workflow and status.",
-            ["workflow", "status"],
-            registry=r,
+            "workflow",
+            "status",
         )
-        self.ttft = Histogram(
-            "ragserve:time_to_first_token_seconds",
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
             "Time from arrival to the first answer token.",
-            ["workflow"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            "workflow",
+            TTFT_BUCKETS,
         )
-        self.e2e = Histogram(
-            "ragserve:e2e_request_latency_seconds",
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
             "Time from arrival to the last byte of the answer.",
-            ["workflow"],
-            buckets=E2E_BUCKETS,
-            registry=r,
+            "workflow",
+            E2E_BUCKETS,
         )
-        self.retrieval = Histogram(
-            "ragserve:retrieval_latency_seconds",
+        self.retrieval = histogram(
+            "retrieval_latency_seconds",
             "Latency of one retrieval node (embed + search) of a request.",
-            ["workflow"],
-            buckets=RETRIEVAL_BUCKETS,
-            registry=r,
+            "workflow",
+            RETRIEVAL_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            "ragserve:prompt_tokens",
-            "Prompt tokens of completions and chats (every generation node of a workflow).",
-            ["model_name"],
-            registry=r,
+        every_node = "of completions and chats (every generation node of a workflow)."
+        self.prompt_tokens = counter("prompt_tokens", f"Prompt tokens {every_node}", "model_name")
+        self.generation_tokens = counter(
+            "generation_tokens", f"Generated tokens {every_node}", "model_name"
         )
-        self.generation_tokens = Counter(
-            "ragserve:generation_tokens",
-            "Generated tokens of completions and chats (every generation node of a workflow).",
-            ["model_name"],
-            registry=r,
-        )
-        self.inter_token_latency = Histogram(
-            "ragserve:inter_token_latency_seconds",
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
             "Time between two tokens of an answer (each answer's mean, once per gap).",
-            ["model_name"],
-            buckets=ITL_BUCKETS,
-            registry=r,
+            "model_name",
+            ITL_BUCKETS,
         )
-        self.embedding_tokens = Counter(
-            "ragserve:embedding_tokens",
-            "Tokens read by the embedder for /v1/embeddings.",
-            ["model_name"],
-            registry=r,
+        self.embedding_tokens = counter(
+            "embedding_tokens", "Tokens read by the embedder for /v1/embeddings.", "model_name"
         )
-        self.rejected = Counter(
-            "ragserve:requests_rejected",
-            "Requests refused at admission (429).",
-            registry=r,
-        )
+        self.rejected = counter("requests_rejected", "Requests refused at admission (429).")
         r.register(StatsCollector(stats, admitted))
 
     def observe_itl(self, model_name: str, decode_s: float, num_tokens: int) -> None:
@@ -176,4 +198,4 @@ class ServerMetrics:
             child.observe(gap)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(VllmAliases(self.registry))

@@ -132,6 +132,7 @@ class _Sampling(_Request):
     n: StrictInt = 1
     user: Annotated[StrictStr, Field(max_length=256)] | None = None
     logprobs: StrictBool | StrictInt | None = None
+    top_logprobs: StrictInt | None = None
 
     # NOTE: field validators, so the 400's ``param`` names the unsupported field.
     @field_validator("n")
@@ -141,7 +142,7 @@ class _Sampling(_Request):
             raise ValueError("n > 1 is not supported (one choice per request)")
         return value
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _no_logprobs(cls, value):
         if value not in (None, False, 0):
@@ -187,7 +188,6 @@ class ChatCompletionRequest(_Sampling):
     inputs: dict[str, StrictStr | StrictBool | StrictInt | Float] | None = None
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
-    top_logprobs: int | None = None
     response_format: dict | None = None
 
     @field_validator("tools", "tool_choice")
@@ -195,13 +195,6 @@ class ChatCompletionRequest(_Sampling):
     def _no_tools(cls, value):
         if value and value != "none":
             raise ValueError("tools are not supported")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value):
-        if value:
-            raise ValueError("logprobs are not supported")
         return value
 
     @field_validator("inputs", mode="before")
@@ -231,7 +224,9 @@ class ChatCompletionRequest(_Sampling):
     @classmethod
     def _text_only(cls, value):
         if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"only type 'text' is supported, not {value.get('type')!r}")
+            raise ValueError(
+                f"type {value.get('type')!r} is not supported (no guided decoding); only 'text'"
+            )
         return value
 
     @field_validator("messages")
@@ -360,3 +355,28 @@ class EmbeddingRequest(_Request):
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize``: a ``prompt``, or chat ``messages`` (through the chat template)."""
+
+    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    tokens: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_TOKEN_IDS)]
