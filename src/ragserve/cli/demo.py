@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from ragserve.cli.options import add_server_args, build_server, launch_config
+from ragserve.cli.options import add_server_args, build_server
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,9 @@ def demo_workflows(max_tokens: int, topk: int) -> dict[str, Any]:
 def handler(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = sys.stdout
-    config = launch_config(args, engine_defaults=demo_engine())
+    from ragserve.cli.launch_config import from_args
+
+    config = from_args(args, engine_defaults=demo_engine())
     _prepare(out, config.model, config.index)
     _step(out, "starting the LLM and index workers")
     with build_server(config) as server:
