@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -80,6 +81,12 @@ def write_config(path: Path, data: dict, *, in_process: bool) -> Path:
         lines.append("in_process = true")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _free_cuda_cache() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def free_port() -> int:
@@ -133,12 +140,21 @@ class ServedProcess:
         return self.log.read_text(errors="replace")[-n:]
 
     def control(self, **body) -> dict:
+        """``POST /bench/control``; retried while the engine still finishes cut requests
+        (``set_kv_reuse`` needs an idle engine)."""
         req = urllib.request.Request(
             f"{self.url}/bench/control", json.dumps(body).encode(),
             {"Content-Type": "application/json"},
         )  # fmt: skip
-        with urllib.request.urlopen(req, timeout=900) as r:
-            return json.loads(r.read())
+        for attempt in range(30):
+            try:
+                with urllib.request.urlopen(req, timeout=900) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as exc:
+                if attempt == 29 or self.proc.poll() is not None:
+                    raise RuntimeError(f"control {body}: {exc}\n{self.tail()}") from exc
+                time.sleep(2.0)
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -263,6 +279,7 @@ def run(args) -> int:
     t_start = time.monotonic()
     data = prepare(p, "synthetic", args.out / "data", nprobe=args.nprobe)
     data["nlist"] = p.nlist
+    _free_cuda_cache()  # the index build's GPU memory, cached by torch in this process
     data["engine_kwargs"] = {**data["engine_kwargs"], **json.loads(args.engine_json)}
     prepare_s = time.monotonic() - t_start
     config = write_config(args.out / "serve.toml", data, in_process=args.in_process)
