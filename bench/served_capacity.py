@@ -62,8 +62,13 @@ SYSTEMS: dict[str, dict] = {
     "no-cosched": {"prefix": "", "cosched": "off", "kv_reuse": True, "tier": True},
     "no-kv-reuse": {"prefix": "", "cosched": "all", "kv_reuse": False, "tier": True},
     "fusion-on": {"prefix": "fused-", "cosched": "all", "kv_reuse": True, "tier": True},
-    "baseline": {"prefix": "", "cosched": "off", "kv_reuse": False, "tier": True,
-                 "nprobe": EXHAUSTIVE},  # fmt: skip
+    "baseline": {
+        "prefix": "",
+        "cosched": "off",
+        "kv_reuse": False,
+        "tier": True,
+        "nprobe": EXHAUSTIVE,
+    },  # fmt: skip
     "no-tier": {"prefix": "", "cosched": "all", "kv_reuse": True, "tier": False},
 }
 ABLATIONS = ("no-cosched", "no-kv-reuse", "fusion-on", "no-tier")
@@ -213,8 +218,14 @@ def measure(server: ServedProcess, system: str, rate: float, data: dict, args,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p90_s": percentile(ttft, 90),
         "p90_by_workflow": {
-            m: percentile([r.latency if r.error is None else float("inf")
-                           for r in measured if r.workflow == m], 90)
+            m: percentile(
+                [
+                    r.latency if r.error is None else float("inf")
+                    for r in measured
+                    if r.workflow == m
+                ],
+                90,
+            )
             for m in models
         },  # fmt: skip
         "kv_hit_tokens": delta("prefix_cache_hit_tokens"),
@@ -330,7 +341,7 @@ def run(args) -> int:
         meta["wall_s"] = round(time.monotonic() - t_start, 1)
         save()
     if not args.no_plot:
-        plot(rows, args.out / "served_capacity.png")
+        plot(rows, args.out / "served_capacity.png", args.slo)
     print(report(json.loads(path.read_text())))
     return 0
 
@@ -363,8 +374,9 @@ def _fmt(v, digits: int = 2) -> str:
 def report(doc: dict) -> str:
     """Markdown: every point, then capacities and the issue's two ratios."""
     rows, meta = doc["rows"], doc["meta"]
-    head = ("| system | rate | offered | completed | within SLO | p50 / p90 / p99 s | TTFT p50 / p90 s "
-            "| KV hit tok/req | fused tok/req | tier hit | CPU % | GPU % | sustained |")  # fmt: skip
+    head = ("| system | rate | offered | completed | within SLO | p50 / p90 / p99 s "
+            "| TTFT p50 / p90 s | KV hit tok/req | fused tok/req | tier hit | CPU % | GPU % "
+            "| sustained |")  # fmt: skip
     lines = [head, "|" + " --- |" * 13]
     for r in rows:
         n = max(r["num_requests"], 1)
@@ -378,7 +390,8 @@ def report(doc: dict) -> str:
             f"| {_fmt(r['tier_hit_rate'])} | {_fmt(r['cpu_util_pct'], 0)} "
             f"| {_fmt(r['gpu_util_pct'], 0)} | {ok} |"
         )
-    lines += ["", "| system | sustained (offered req/s) | first unsustained |", "| --- | --- | --- |"]
+    lines += ["", "| system | sustained (offered req/s) | first unsustained |",
+              "| --- | --- | --- |"]  # fmt: skip
     systems = list(dict.fromkeys(r["system"] for r in rows))
     for s in systems:
         good, bad = capacity(rows, s)
@@ -390,16 +403,18 @@ def report(doc: dict) -> str:
         base_row = max((r for r in rows if r["system"] == "baseline" and r["sustained"]),
                        key=lambda r: r["offered_rps"])  # fmt: skip
         at = rate_at_p90(rows, "ragserve", p90_or_inf(base_row))
+        ratio = _fmt(at and at / base_row["offered_rps"])
         lines.append(f"ragserve / baseline (sustained): {rs / base:.2f}; at the baseline's p90 "
                      f"{p90_or_inf(base_row):.2f} s: {_fmt(at)} vs {base_row['offered_rps']:.2f} "
-                     f"req/s = {_fmt(at and at / base_row['offered_rps'])} (target >= 1.5)")  # fmt: skip
+                     f"req/s = {ratio} (target >= 1.5)")  # fmt: skip
     if meta.get("not_run"):
         lines.append(f"not run: {json.dumps(meta['not_run'])}")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """p50 (dashed) and p90 (solid) latency vs offered load, one colour per system."""
+def plot(rows: list[dict], path: Path, slo: float | None = None) -> None:
+    """p50 (dashed) and p90 (solid) latency vs offered load, one colour per system; the SLO
+    as a dotted line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -413,6 +428,8 @@ def plot(rows: list[dict], path: Path) -> None:
         (line,) = ax.plot(x, [p90_or_inf(r) for r in own], label=f"{system} p90", **style)
         ax.plot(x, [r["latency_p50_s"] or np.nan for r in own], "--", color=line.get_color(),
                 alpha=0.6)  # fmt: skip
+    if slo is not None:
+        ax.axhline(slo, color="grey", linestyle=":", label=f"SLO {slo:g} s")
     ax.set_xlabel("offered load (req/s, mixed workflows)")
     ax.set_ylabel("end-to-end latency (s); solid p90, dashed p50")
     ax.set_yscale("log")
@@ -455,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--commit", default=None, help="the src commit measured (recorded)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--report", type=Path, default=None, help="print a results.json's tables")
+    ap.add_argument("--plot", type=Path, default=None, help="with --report: draw its plot here")
     return ap
 
 
@@ -462,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.report is not None:
-        print(report(json.loads(args.report.read_text())))
+        doc = json.loads(args.report.read_text())
+        print(report(doc))
+        if args.plot is not None:
+            plot(doc["rows"], args.plot, doc["meta"].get("slo_s"))
         return 0
     parse_rates(args.rates)  # a bad spec fails before the index and the server
     return run(args)
