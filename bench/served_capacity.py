@@ -16,7 +16,8 @@ server, prompts, seed and arrivals:
   list probed, ``nprobe`` = ``nlist``, on the tier holding the whole index: a torch matmul over
   the corpus), no co-scheduling, no KV reuse;
 - ablations: ``no-cosched``, ``no-kv-reuse``, ``no-tier`` (each one feature off), and
-  ``fusion-on`` (cache fusion is off as shipped: no built-in workflow sets ``fusion_ratio``).
+  ``fusion-on`` (cache fusion is off as shipped: no built-in workflow sets ``fusion_ratio``);
+- ``ragserve-again``: the shipped defaults once more, run last (a drift check).
 
 Switches go through ``POST /bench/control`` between points (the KV cache is emptied before
 every point). Sustained: completed >= 95 % of offered and >= 90 % within the SLO
@@ -70,6 +71,8 @@ SYSTEMS: dict[str, dict] = {
         "nprobe": EXHAUSTIVE,
     },  # fmt: skip
     "no-tier": {"prefix": "", "cosched": "all", "kv_reuse": True, "tier": False},
+    # the shipped defaults again, run last: whether the server drifted over the run
+    "ragserve-again": {"prefix": "", "cosched": "all", "kv_reuse": True, "tier": True},
 }
 ABLATIONS = ("no-cosched", "no-kv-reuse", "fusion-on", "no-tier")
 
