@@ -109,6 +109,7 @@ def server_command(config: Path, port: int, args) -> list[str]:
            "--port", str(port), "--max-inflight", str(args.max_inflight)]  # fmt: skip
     if args.tier_gb > 0:
         cmd += ["--gpu-index-gb", str(args.tier_gb), "--gpu-index-device", args.tier_device]
+        cmd += ["--gpu-index-scan", args.tier_scan]
     return cmd + workflow_flags()
 
 
@@ -159,7 +160,7 @@ class ServedProcess:
                 with urllib.request.urlopen(req, timeout=900) as r:
                     return json.loads(r.read())
             except urllib.error.HTTPError as exc:
-                if attempt == 29 or self.proc.poll() is not None:
+                if attempt == 29 or (self.proc is not None and self.proc.poll() is not None):
                     raise RuntimeError(f"control {body}: {exc}\n{self.tail()}") from exc
                 time.sleep(2.0)
         raise AssertionError("unreachable")
@@ -173,6 +174,28 @@ class ServedProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log_file.close()
+
+
+class InThreadServer:
+    """``--server-mode thread``: the same server on a thread of this process (tests)."""
+
+    def __init__(self, cmd: list[str], preset: str) -> None:
+        from served_server import ThreadServed
+
+        os.environ["SERVED_PRESET"] = preset
+        t0 = time.monotonic()
+        self._served = ThreadServed(cmd[cmd.index("serve") :])
+        self.url = self._served.url
+        self.start_s = time.monotonic() - t0
+        self.proc = None
+
+    control = ServedProcess.control
+
+    def tail(self, n: int = 4000) -> str:
+        return ""
+
+    def stop(self) -> None:
+        self._served.stop()
 
 
 # -- one point ---------------------------------------------------------------------------
@@ -315,7 +338,10 @@ def run(args) -> int:
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         tmp.replace(path)
 
-    server = ServedProcess(cmd, args.out / "server.log", args.preset, args.start_timeout)
+    if args.server_mode == "process":
+        server = ServedProcess(cmd, args.out / "server.log", args.preset, args.start_timeout)
+    else:
+        server = InThreadServer(cmd, args.preset)
     meta["server_start_s"] = round(server.start_s, 1)
     save()
     tier_state = [args.tier_gb > 0]
@@ -462,10 +488,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nprobe", type=int, default=None, help="default: the preset's")
     ap.add_argument("--tier-gb", type=float, default=0.0, help="--gpu-index-gb (0: no tier)")
     ap.add_argument("--tier-device", default="cuda", help="--gpu-index-device")
+    ap.add_argument("--tier-scan", default="auto", help="--gpu-index-scan (auto: as shipped)")
     ap.add_argument("--max-inflight", type=int, default=1024, help="serve's admission bound")
     ap.add_argument("--engine-json", default="{}", help="extra [engine] keys, JSON")
     ap.add_argument("--in-process", action="store_true", help="[runtime] in_process (tests)")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--server-mode", choices=("process", "thread"), default="process",
+                    help="the server in its own process, or on a thread here (tests)")  # fmt: skip
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--budget", type=float, default=float("inf"),
                     help="seconds from the start after which no new point begins")  # fmt: skip

@@ -55,24 +55,50 @@ def add_control(app: Any, server: Any, config: Any) -> None:
         return {"stats": stats, "tier": tier_stats}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_app(argv: list[str]) -> tuple[Any, Any]:
+    """``(app, ServeConfig)`` of ``ragserve serve ARGV`` (the ``serve`` handler's steps: CLI
+    parser, ``serve_launch_config``, ``build_server``, ``create_app``), with the control
+    route added."""
     from ragserve.cli.main import build_parser, configure_logging
     from ragserve.cli.options import build_server
     from ragserve.cli.serve import check_port, serve_launch_config
     from ragserve.server.app import create_app
-    from ragserve.server.launch import _uvicorn_server
 
     args = build_parser().parse_args(argv)
     if args.command != "serve":
         raise SystemExit("usage: served_server.py serve [ragserve serve flags]")
     configure_logging(args.verbose)
-    config = serve_launch_config(args)  # as `ragserve serve` (cli/serve.py handler)
+    config = serve_launch_config(args)
     check_port(config.serve.host, config.serve.port)
     server = build_server(config)
     app = create_app(server, config.serve, own_server=True)
     add_control(app, server, config)
     print(f"served: co-scheduling {server.stats()['cosched']}", file=sys.stderr, flush=True)
-    _uvicorn_server(app, config.serve).run()
+    return app, config.serve
+
+
+class ThreadServed:
+    """``build_app`` served by uvicorn on a thread of this process (the CPU test's fast path:
+    no second interpreter importing torch and transformers again); ``stop`` drains and closes
+    the Server as SIGTERM does."""
+
+    def __init__(self, argv: list[str]) -> None:
+        from ragserve.server.launch import BackgroundServer
+
+        app, serve_config = build_app(argv)
+        self._bg = BackgroundServer(app, serve_config).start()
+        self.url = self._bg.url
+        self.start_s = 0.0
+
+    def stop(self) -> None:
+        self._bg.stop(60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ragserve.server.launch import _uvicorn_server
+
+    app, serve_config = build_app(sys.argv[1:] if argv is None else argv)
+    _uvicorn_server(app, serve_config).run()
     return 0
 
 

@@ -22,13 +22,16 @@ def _import(name: str):
         sys.path.remove(str(BENCH))
 
 
-def test_served_capacity_cpu_tiny(tmp_path: Path) -> None:
+def test_served_capacity_cpu_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every system, the server on a thread here (the same ``ragserve serve`` build as the
+    device's separate process: ``served_server.build_app``)."""
     bench = _import("served_capacity")
+    monkeypatch.setenv("SERVED_PRESET", "smoke")
     out = tmp_path / "served"
-    argv = ["--preset", "smoke", "--in-process", "--out", str(out), "--tier-gb", "0.001",
-            "--tier-device", "cpu", "--warmup", "0.3", "--window", "1", "--drain", "30",
-            "--sample-s", "0.2", "--rates", "ragserve=2,4", "llm-alone=4", "baseline=4",
-            "ablations=auto"]  # fmt: skip
+    argv = ["--preset", "smoke", "--in-process", "--server-mode", "thread", "--out", str(out),
+            "--tier-gb", "0.001", "--tier-device", "cpu", "--tier-scan", "dense", "--warmup",
+            "0.3", "--window", "1", "--drain", "30", "--sample-s", "0.2", "--rates",
+            "ragserve=2,4", "llm-alone=4", "baseline=4", "ablations=auto"]  # fmt: skip
     assert bench.main(argv) == 0
     doc = json.loads((out / "results.json").read_text())
     pairs = [(r["system"], r["rate"]) for r in doc["rows"]]
@@ -59,6 +62,25 @@ def test_served_capacity_cpu_tiny(tmp_path: Path) -> None:
     assert (out / "served_capacity.png").stat().st_size > 0
     table = bench.report(doc)
     assert "| ragserve | 2 |" in table and "| no-tier |" in table
+
+
+@pytest.mark.slow
+def test_served_capacity_server_process(tmp_path: Path) -> None:
+    """The device's path: the server as its own process (``served_server.py serve``), SIGTERM
+    at the end; one system, two rates."""
+    bench = _import("served_capacity")
+    out = tmp_path / "served"
+    argv = ["--preset", "smoke", "--in-process", "--out", str(out), "--warmup", "0.3",
+            "--window", "1", "--drain", "30", "--sample-s", "0.2", "--rates", "ragserve=2,4",
+            "no-kv-reuse=2", "--no-plot"]  # fmt: skip
+    assert bench.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [(r["system"], r["rate"], r["num_errors"]) for r in doc["rows"]] == [
+        ("ragserve", 2.0, 0), ("ragserve", 4.0, 0), ("no-kv-reuse", 2.0, 0)]  # fmt: skip
+    assert (
+        doc["meta"]["server_start_s"] > 0
+        and "closing the Server" in (out / "server.log").read_text()
+    )
 
 
 def test_served_capacity_rates_checked_before_anything_starts(tmp_path: Path) -> None:
