@@ -264,7 +264,7 @@ SMOKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--ctx", type=int, default=1024, help="decode context length")

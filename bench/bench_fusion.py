@@ -214,7 +214,7 @@ def _free_device_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
     ap.add_argument("--ratios", default=None, help="comma list; default: the preset's")
     ap.add_argument(

@@ -373,7 +373,7 @@ def _pow2_at_least_16(n: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--num-docs", type=int, default=200_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--nlist", type=int, default=1024)

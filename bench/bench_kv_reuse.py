@@ -575,7 +575,7 @@ def add_ratios(results: dict, names: list[str]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smollm2")
     p.add_argument("--configs", default=None, help="comma-separated subset (default: all but "
                    "tree_host_pgdsf_sync_out)")  # fmt: skip

@@ -133,7 +133,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--sets", default="factbook,pydocs")
     p.add_argument("--topk", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=24)

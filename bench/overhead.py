@@ -78,7 +78,9 @@ OVERHEAD_PRESETS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--preset", choices=sorted(OVERHEAD_PRESETS), default="cpu")
     ap.add_argument("--num", type=int, default=None, help="questions per side (preset's default)")
     ap.add_argument("--before", default=BEFORE, help="git revision of the 'before' source")

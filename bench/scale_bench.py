@@ -289,7 +289,7 @@ def summarize_configs(entries: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     ap.add_argument("--dataset", choices=("synthetic", "factbook"), default="synthetic")
     ap.add_argument("--configs", nargs="+", default=["1x1", "2x1", "1x2", "2x2"])
