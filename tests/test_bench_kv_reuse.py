@@ -186,7 +186,7 @@ def test_a_sustained_pass_cut_by_the_budget_keeps_the_replays(bench, monkeypatch
     def cut(*a, **kw):
         raise bench.PassTimeout("stopped at the time budget after 0 requests")
 
-    monkeypatch.setattr(bench, "search_capacity", cut)
+    monkeypatch.setattr(sys.modules["kv_reuse_passes"], "search_capacity", cut)
     argv = ["--preset", "cpu-tiny", "--num-requests", "3", "--configs", "no_reuse",
             *SUSTAINED]  # fmt: skip
     row = bench.main(argv)["configs"]["no_reuse"]
