@@ -179,8 +179,9 @@ def run_all(p: dict, args: argparse.Namespace, folder: Path) -> dict:
             result["configs"][name] = row
             log.info("%s: %s", name, {k: v for k, v in row.items() if k != "counters"})
             write(result, args.out)
-        del engine
-        _free_device_memory()
+        if engine is not None:
+            del engine
+            _free_device_memory()
     return result
 
 
