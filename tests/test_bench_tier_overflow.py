@@ -1,6 +1,6 @@
 """``bench/bench_tier_overflow.py``'s CPU twin: the list-by-list build equals Faiss's own add,
-the open-loop dispatcher batches what has arrived, and (slow) every phase runs end to end on
-a tiny corpus so a typo cannot reach the device."""
+the open-loop dispatcher batches what has arrived, the phases up to the partition run on a
+tiny corpus, and (slow) every phase runs end to end there so a typo cannot reach the device."""
 
 from __future__ import annotations
 
@@ -76,11 +76,9 @@ def test_open_loop_batches_what_has_arrived() -> None:
     assert np.isnan(cut).sum() >= 1  # past the timeout the rest is not served
 
 
-@pytest.mark.slow
-def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
-    mod = _bench()
-    out = tmp_path / "ov.json"
-    profile = tmp_path / "eq2.json"  # a profile-memory file: T_G flat past 40 KV blocks
+def _argv(tmp_path: Path) -> list[str]:
+    """A tiny corpus and a profile-memory file whose T_G is flat past 40 KV blocks."""
+    profile = tmp_path / "eq2.json"
     profile.write_text(
         json.dumps(
             {
@@ -90,22 +88,41 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
             }
         )
     )
-    argv = ["--eq2-profile", str(profile),
+    return ["--eq2-profile", str(profile),
             "--num-docs", "6000", "--dim", "16", "--nlist", "32", "--topics", "128",
             "--nprobe", "8", "--budget-gb", "0.0002", "--llm-rate", "200",
             "--slo-search", "0.05", "--coverage", "10", "30", "--model-batches", "1", "4", "16",
             "--model-repeats", "1", "--min-seconds", "0.05", "--max-batches", "3",
             "--rate-warmup", "0.2", "--rate-window", "1", "--rate-points", "2",
-            "--device", "cpu", "--out", str(out)]  # fmt: skip
-    assert mod.main(argv) == 0
-    doc = json.loads(out.read_text())
-    assert doc["failures"] == []
+            "--device", "cpu", "--out", str(tmp_path / "ov.json")]  # fmt: skip
+
+
+def test_smoke_build_model_budget_partition(tmp_path: Path) -> None:
+    """The default tier's run of the script: the phases up to the partition (no timing)."""
+    mod = _bench()
+    skip = ["--skip", "latency", "cpu_rate", "tier_rate", "stream"]
+    assert mod.main([*_argv(tmp_path), *skip]) == 0
+    doc = json.loads((tmp_path / "ov.json").read_text())
+    assert doc["failures"] == [] and doc["points"] == []  # nothing timed
+    assert set(doc["phase_seconds"]) == {"build", "model", "budget", "partition"}
     assert doc["budget"]["source"] == "stated" and doc["budget"]["share_of_index"] < 1
     eq2 = doc["eq2"]
     assert eq2["source"] == "eq2" and eq2["kv_cache_bytes"] + eq2["budget_bytes"] <= 4_000_000
     assert eq2["num_kv_blocks"] >= 40  # T_G grows up to 40 blocks: Eq. 2 never starves it
     part = doc["partition"]
     assert part["batch_size"] >= 1 and part["predicted_s"] > 0
+
+
+@pytest.mark.slow  # benchmark-shaped: timed latency points and SLO-bound rate searches
+def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
+    import faiss
+
+    from ragserve.retrieval import stepwise
+
+    mod = _bench()
+    assert mod.main(_argv(tmp_path)) == 0
+    doc = json.loads((tmp_path / "ov.json").read_text())
+    assert doc["failures"] == []
     tier = [p for p in doc["points"] if p["system"] == "gpu_tier"]
     assert [p["num_clusters"] for p in tier] == sorted({p["num_clusters"] for p in tier})
     assert sum(p["partitioner_choice"] for p in tier) == 1
@@ -113,14 +130,14 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
         assert p["exact_ids"] == 1.0
         assert 0.0 <= p["tail_hit_rate_measured"] <= p["hit_rate_measured"] <= 1.0
         assert p["predicted_s"] > 0 and p["p90_s"] > 0
-    import faiss
-
     streamed = {p["system"]: p for p in doc["points"] if p["system"].startswith("gpu_tier_str")}
-    want = {"gpu_tier_stream"} | (
-        {"gpu_tier_stream_omp"} if faiss.omp_get_max_threads() > 1 else set()
+    # the OpenMP-calibrated split runs only where it differs from the scan's own parallelism
+    scan = stepwise.scan_threads()
+    omp = faiss.omp_get_max_threads()
+    assert set(streamed) == {"gpu_tier_stream"} | (
+        {"gpu_tier_stream_omp"} if omp != scan else set()
     )
-    assert set(streamed) == want
-    assert streamed["gpu_tier_stream"]["stream_cost_model"]["threads"] == 1  # the scan's own
+    assert streamed["gpu_tier_stream"]["stream_cost_model"]["threads"] == scan  # the scan's own
     for p in streamed.values():
         assert p["exact_ids"] == 1.0 and p["predicted_s"] > 0 and p["predicted_balanced_s"] > 0
         assert p["streamed_model"]["split"]["threads"] == p["stream_cost_model"]["threads"]
