@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import OVERHEAD_PRESETS  # noqa: E402
+from overhead_side import OVERHEAD_PRESETS  # noqa: E402
 from rag_setup import prepare  # noqa: E402
 
 
