@@ -1,10 +1,12 @@
-"""``bench/bench_tier_overflow.py``'s CPU twin: the list-by-list build equals Faiss's own add,
-the open-loop dispatcher batches what has arrived, the phases up to the partition run on a
-tiny corpus, and (slow) every phase runs end to end there so a typo cannot reach the device."""
+"""``bench/bench_tier_overflow.py``'s CPU twin: the list-by-list build equals Faiss's own add
+(``tier_overflow_build``), the open-loop dispatcher batches what has arrived
+(``tier_overflow_rates``), the phases up to the partition run on a tiny corpus, and (slow)
+every phase runs end to end there so a typo cannot reach the device."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -16,13 +18,12 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def _bench():
+def _bench(name: str = "bench_tier_overflow"):
     sys.path.insert(0, str(BENCH))
     try:
-        import bench_tier_overflow
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
-    return bench_tier_overflow
 
 
 def test_build_by_list_equals_faiss_add() -> None:
@@ -30,7 +31,7 @@ def test_build_by_list_equals_faiss_add() -> None:
 
     from ragserve.retrieval import gpu_kmeans
 
-    mod = _bench()
+    mod = _bench("tier_overflow_build")
     args = argparse.Namespace(
         num_docs=3000, dim=16, nlist=16, topics=64, zipf=1.1, train_per_list=64, nprobe=4
     )
@@ -59,7 +60,7 @@ def test_build_by_list_equals_faiss_add() -> None:
 
 
 def test_open_loop_batches_what_has_arrived() -> None:
-    mod = _bench()
+    mod = _bench("tier_overflow_rates")
     batches: list[int] = []
 
     def search(q: np.ndarray) -> None:
