@@ -59,7 +59,8 @@ PRESETS = {
     "cpu-tiny": dict(config={**LLAMA_31_8B, **TINY}, device="cpu", dtype="float32", docs=6,
                      passage_tokens=40, topk=3, question_tokens=8, prefix_tokens=8,
                      num_ttft=2, num_requests=3, max_tokens=2, kv_gb=0.01,
-                     ratios=(0.15, 1.0), dense_ratios=(1.0,), time_budget_s=120.0),
+                     ratios=(0.15, 1.0), dense_ratios=(1.0,), time_budget_s=120.0,
+                     cpu_threads=1),
 }  # fmt: skip
 SELECTORS = ("qcfuse", "cacheblend", "sift")
 COUNTERS = ("num_fused_tokens", "num_recomputed_tokens", "num_fusion_store_hits",
@@ -143,7 +144,7 @@ def make_engine(folder: Path, p: dict, kind: str) -> LLMEngine:
         max_model_len=8192, kv_cache_bytes=int(p["kv_gb"] * 2**30),
         max_num_seqs=max(p["num_requests"], 8), enable_prefix_caching=kind != "full",
         fusion_selector="qcfuse" if kind == "full" else kind.removesuffix("-dense"),
-        fusion_paged_prefill=not kind.endswith("-dense"),
+        fusion_paged_prefill=not kind.endswith("-dense"), cpu_threads=p.get("cpu_threads"),
     )  # fmt: skip
 
 

@@ -5,24 +5,15 @@ failing configuration and keeps to its time budget."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from ragserve.generation import EngineConfig, ModelConfig
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_kv_reuse
-    finally:
-        sys.path.remove(str(BENCH))
-    return bench_kv_reuse
+def bench(bench_module):
+    return bench_module("bench_kv_reuse")
 
 
 @pytest.mark.parametrize("preset", ["h200-llama8b", "h200-llama8b-tiers"])
@@ -195,11 +186,13 @@ def test_time_budget_skips_what_would_start_too_late(bench) -> None:
     }
 
 
-def test_a_sustained_pass_cut_by_the_budget_keeps_the_replays(bench, monkeypatch) -> None:
+def test_a_sustained_pass_cut_by_the_budget_keeps_the_replays(
+    bench, bench_module, monkeypatch
+) -> None:
     def cut(*a, **kw):
         raise bench.PassTimeout("stopped at the time budget after 0 requests")
 
-    monkeypatch.setattr(sys.modules["kv_reuse_passes"], "search_capacity", cut)
+    monkeypatch.setattr(bench_module("kv_reuse_passes"), "search_capacity", cut)
     # a short TTFT probe (2 counted arrivals, offered above capacity: it ends when they do)
     argv = ["--preset", "cpu-tiny", "--num-requests", "2", "--max-tokens", "2", "--configs",
             "no_reuse", *SUSTAINED, "--ttft-requests", "2", "--load", "4"]  # fmt: skip

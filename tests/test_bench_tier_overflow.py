@@ -6,32 +6,20 @@ every phase runs end to end there so a typo cannot reach the device."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
-
-def _bench(name: str = "bench_tier_overflow"):
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-def test_build_by_list_equals_faiss_add() -> None:
+def test_build_by_list_equals_faiss_add(bench_module) -> None:
     import faiss
 
     from ragserve.retrieval import gpu_kmeans
 
-    mod = _bench("tier_overflow_build")
+    mod = bench_module("tier_overflow_build")
     args = argparse.Namespace(
         num_docs=3000, dim=16, nlist=16, topics=64, zipf=1.1, train_per_list=64, nprobe=4
     )
@@ -59,8 +47,8 @@ def test_build_by_list_equals_faiss_add() -> None:
     np.testing.assert_array_equal(index.search(q, 5, 4).ids, want_ids)
 
 
-def test_open_loop_batches_what_has_arrived() -> None:
-    mod = _bench("tier_overflow_rates")
+def test_open_loop_batches_what_has_arrived(bench_module) -> None:
+    mod = bench_module("tier_overflow_rates")
     batches: list[int] = []
 
     def search(q: np.ndarray) -> None:
@@ -98,9 +86,9 @@ def _argv(tmp_path: Path) -> list[str]:
             "--device", "cpu", "--out", str(tmp_path / "ov.json")]  # fmt: skip
 
 
-def test_smoke_build_model_budget_partition(tmp_path: Path) -> None:
+def test_smoke_build_model_budget_partition(bench_module, tmp_path: Path) -> None:
     """The default tier's run of the script: the phases up to the partition (no timing)."""
-    mod = _bench()
+    mod = bench_module("bench_tier_overflow")
     skip = ["--skip", "latency", "cpu_rate", "tier_rate", "stream"]
     assert mod.main([*_argv(tmp_path), *skip]) == 0
     doc = json.loads((tmp_path / "ov.json").read_text())
@@ -115,12 +103,12 @@ def test_smoke_build_model_budget_partition(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # benchmark-shaped: timed latency points and SLO-bound rate searches
-def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
+def test_overflow_bench_end_to_end(bench_module, tmp_path: Path) -> None:
     import faiss
 
     from ragserve.retrieval import stepwise
 
-    mod = _bench()
+    mod = bench_module("bench_tier_overflow")
     assert mod.main(_argv(tmp_path)) == 0
     doc = json.loads((tmp_path / "ov.json").read_text())
     assert doc["failures"] == []
@@ -155,8 +143,8 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
         assert (rate["bound"] == "=") == tight
 
 
-def test_overflow_bench_needs_a_budget(tmp_path: Path) -> None:
-    mod = _bench()
+def test_overflow_bench_needs_a_budget(bench_module, tmp_path: Path) -> None:
+    mod = bench_module("bench_tier_overflow")
     with pytest.raises(SystemExit):
         mod.main(["--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()

@@ -5,32 +5,18 @@ worker trace (``overhead_trace``)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+@pytest.fixture(scope="module")
+def report(bench_module):
+    return bench_module("overhead_report")
 
 
 @pytest.fixture(scope="module")
-def report():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import overhead_report
-    finally:
-        sys.path.remove(str(BENCH))
-    return overhead_report
-
-
-@pytest.fixture(scope="module")
-def trace():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import overhead_trace
-    finally:
-        sys.path.remove(str(BENCH))
-    return overhead_trace
+def trace(bench_module):
+    return bench_module("overhead_trace")
 
 
 def _rounds(before, after):
