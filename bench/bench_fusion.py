@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import LLAMA_31_8B  # noqa: E402
+from dummy_engine import LLAMA_31_8B, dummy_folder, free_device_memory  # noqa: E402
 from ragserve.generation import LLMEngine, SamplingParams, Segment  # noqa: E402
 
 log = logging.getLogger("bench_fusion")
@@ -182,7 +182,7 @@ def run_all(p: dict, args: argparse.Namespace, folder: Path) -> dict:
             write(result, args.out)
         if engine is not None:
             del engine
-            _free_device_memory()
+            free_device_memory()
     return result
 
 
@@ -203,16 +203,6 @@ def write(result: dict, out: Path | None) -> None:
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(out)
-
-
-def _free_device_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -242,9 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--selectors: unknown {bad}; use {SELECTORS}")
     args.time_budget_s = args.time_budget_s or p["time_budget_s"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
-    folder = Path(tempfile.mkdtemp()) / "llama-3.1-8b-random"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(p["config"]))
+    folder = dummy_folder(Path(tempfile.mkdtemp()) / "llama-3.1-8b-random", p["config"])
     log.info("preset %s: %s", args.preset, {k: v for k, v in p.items() if k != "config"})
     result = run_all(p, args, folder)
     summarize(result)

@@ -45,7 +45,6 @@ progress goes to stdout.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import sys
@@ -57,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import LLAMA_31_8B, SMOKE  # noqa: E402
+from dummy_engine import LLAMA_31_8B, SMOKE, dummy_folder, free_device_memory  # noqa: E402
 from kv_reuse_passes import (  # noqa: E402
     PassTimeout,
     agreement,
@@ -212,13 +211,6 @@ def kv_bytes_per_token(model: str, a: argparse.Namespace) -> int:
     return kv_cache_bytes_per_block(ModelConfig.from_folder(folder), 16, dtype) // 16
 
 
-def dummy_folder(root: Path, name: str) -> Path:
-    """A config-only model folder of ``DUMMY_MODELS[name]`` (random weights at load)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(DUMMY_MODELS[name]))
-    return root
-
-
 def warm_up(engine: LLMEngine, workload, params: SamplingParams) -> None:
     """One request through every kernel shape (compiles, graph captures) before timing; the
     cache it leaves is dropped."""
@@ -268,14 +260,6 @@ def run_config(name: str, model: str, a, workload, corpus, params, deadline, sta
         return row
     finally:
         del engine  # NOTE: freed by the caller's collect, after its except clause
-
-
-def _free_device_memory() -> None:
-    gc.collect()
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def add_ratios(results: dict, names: list[str]) -> None:
@@ -337,7 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.monotonic()
     deadline = started + a.time_budget if a.time_budget else None
     tmp = tempfile.TemporaryDirectory()
-    model = str(dummy_folder(Path(tmp.name) / "model", a.model)) if a.dummy else a.model
+    model = (
+        str(dummy_folder(Path(tmp.name) / "model", DUMMY_MODELS[a.model])) if a.dummy else a.model
+    )
     workload = make_workload(a)
     corpus = make_corpus(a)
     mean_prompt = float(np.mean([len(ids) for ids, _, _ in workload]))
@@ -367,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as exc:  # noqa: BLE001 - record it and go on with the next one
             row = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             log.error("%s failed: %s", name, row["error"])
-        _free_device_memory()  # after the except clause: its traceback held the engine
+        free_device_memory()  # after the except clause: its traceback held the engine
         results["configs"][name] = row
         shown = ("stats", "traceback", "replay", "paced", "capacity")
         log.info("%s: %s", name, {k: rounded(v) for k, v in row.items() if k not in shown})

@@ -20,7 +20,7 @@ def bench(bench_module):
 def test_h200_preset_is_a_valid_run(bench, tmp_path, preset) -> None:
     a = bench.parse_args(["--preset", preset])
     assert a.dummy and a.device == "cuda" and a.dtype == "bfloat16"
-    model = bench.dummy_folder(tmp_path / "model", a.model)
+    model = bench.dummy_folder(tmp_path / "model", bench.DUMMY_MODELS[a.model])
     cfg = ModelConfig.from_folder(model)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads) == (32, 4096, 8)
     per_token = bench.kv_bytes_per_token(str(model), a)
