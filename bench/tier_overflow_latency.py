@@ -38,13 +38,7 @@ def latency(args: argparse.Namespace, res: Results, st: dict, device: str) -> No
         sets.setdefault(k, order[:k])
     check = q[:64]
     ref = index.search(check, args.topk, args.nprobe).ids
-    cpu = timed(
-        lambda b: index.search(b, args.topk, args.nprobe),
-        q,
-        batch,
-        args.latency_seconds,
-        args.max_batches,
-    )
+    cpu = _time_search(args, index, q, batch)
     res.add(system="cpu_faiss", batch=batch, predicted_s=mdl.cpu_seconds(batch), **_drop(cpu))
     probes = index.assign(q, args.nprobe).cluster_ids
     for k, clusters in sorted(sets.items()):
@@ -52,13 +46,7 @@ def latency(args: argparse.Namespace, res: Results, st: dict, device: str) -> No
             st["budget"], device=device, clusters=clusters.tolist(), stream_cold="off"
         )
         found = index.search(check, args.topk, args.nprobe).ids
-        stats = timed(
-            lambda b: index.search(b, args.topk, args.nprobe),
-            q,
-            batch,
-            args.latency_seconds,
-            args.max_batches,
-        )
+        stats = _time_search(args, index, q, batch)
         on = np.zeros(args.nlist, dtype=bool)
         on[clusters] = True
         rates = per_query_hit_rates(probes, on)
@@ -184,13 +172,7 @@ def stream_point(
     found = index.search(check, args.topk, args.nprobe).ids
     streamer = index.gpu_tier.streamer
     streamer.reset_counts()
-    stats = timed(
-        lambda b: index.search(b, args.topk, args.nprobe),
-        q,
-        batch,
-        args.latency_seconds,
-        args.max_batches,
-    )
+    stats = _time_search(args, index, q, batch)
     res.add(
         system=system,
         num_clusters=len(plan.cluster_ids),
@@ -261,6 +243,17 @@ def streamed_model(st: dict, plan: Any, cost: Any, batch: int, dim: int) -> Any:
         per_probe,
         max(distinct, 1e-6),
         split,
+    )
+
+
+def _time_search(args: argparse.Namespace, index: Any, q: np.ndarray, batch: int) -> dict:
+    """Closed-loop batches of ``batch`` queries for ``--latency-seconds`` (p50/p90)."""
+    return timed(
+        lambda b: index.search(b, args.topk, args.nprobe),
+        q,
+        batch,
+        args.latency_seconds,
+        args.max_batches,
     )
 
 

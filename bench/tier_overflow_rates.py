@@ -140,17 +140,26 @@ def recorder(res: Results, system: str) -> Callable[[dict], None]:
     return record
 
 
-def cpu_rate(args: argparse.Namespace, res: Results, st: dict, device: str) -> None:
+def _search_rate(
+    args: argparse.Namespace, res: Results, st: dict, system: str, bracket: tuple[float, float]
+) -> float | None:
+    """The SLO-bound rate of the index as placed now, from ``bracket``, in
+    ``res.doc["slo_rate_<system>"]``; returns its capacity (queries/s, or None)."""
     index = st["index"]
-    lo, hi = args.cpu_rate or _bracket(st["model"], args)
-    res.doc["slo_rate_cpu"] = slo_rate(
+    lo, hi = bracket
+    res.doc[f"slo_rate_{system}"] = slo_rate(
         lambda b: index.search(b, args.topk, args.nprobe),
         st["q"],
         lo,
         hi,
         args,
-        recorder(res, "cpu"),
+        recorder(res, system),
     )
+    return res.doc[f"slo_rate_{system}"]["capacity_qps"]
+
+
+def cpu_rate(args: argparse.Namespace, res: Results, st: dict, device: str) -> None:
+    _search_rate(args, res, st, "cpu", args.cpu_rate or _bracket(st["model"], args))
 
 
 def tier_rate(args: argparse.Namespace, res: Results, st: dict, device: str) -> None:
@@ -158,17 +167,10 @@ def tier_rate(args: argparse.Namespace, res: Results, st: dict, device: str) -> 
     clusters = rate_clusters(args, res, st)
     index.set_gpu_tier(st["budget"], device=device, clusters=clusters, stream_cold="off")
     cpu = res.doc.get("slo_rate_cpu", {}).get("capacity_qps")
-    lo, hi = args.tier_rate or ((cpu or 1.0) * 1.5, (cpu or 1.0) * 8.0)
-    res.doc["slo_rate_tier"] = slo_rate(
-        lambda b: index.search(b, args.topk, args.nprobe),
-        st["q"],
-        lo,
-        hi,
-        args,
-        recorder(res, "tier"),
+    tier = _search_rate(
+        args, res, st, "tier", args.tier_rate or ((cpu or 1.0) * 1.5, (cpu or 1.0) * 8.0)
     )
     index.drop_gpu_tier()
-    tier = res.doc["slo_rate_tier"]["capacity_qps"]
     if cpu and tier:
         res.doc["slo_rate_ratio"] = tier / cpu
 
@@ -179,19 +181,10 @@ def stream_rate(args: argparse.Namespace, res: Results, st: dict, device: str) -
     cpu = res.doc.get("slo_rate_cpu", {}).get("capacity_qps")
     tier = res.doc.get("slo_rate_tier", {}).get("capacity_qps")
     base = tier or (cpu or 1.0) * 2.0
-    lo, hi = args.stream_rate or (base * 0.75, base * 4.0)
-    res.doc["slo_rate_stream"] = slo_rate(
-        lambda b: index.search(b, args.topk, args.nprobe),
-        st["q"],
-        lo,
-        hi,
-        args,
-        recorder(res, "stream"),
-    )
+    got = _search_rate(args, res, st, "stream", args.stream_rate or (base * 0.75, base * 4.0))
     streamer = index.gpu_tier.streamer
     res.doc["slo_rate_stream"]["streamed_gb"] = streamer.num_bytes / 1e9
     index.drop_gpu_tier()
-    got = res.doc["slo_rate_stream"]["capacity_qps"]
     if cpu and got:
         res.doc["slo_rate_stream_ratio"] = got / cpu
 
