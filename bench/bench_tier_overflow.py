@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from bench_gpu_tier import Results, make_queries
+from bench_gpu_tier import Results, add_corpus_args, make_queries
 from tier_overflow_build import build_index
 from tier_overflow_latency import latency
 from tier_overflow_rates import cpu_rate, stream_rate, tier_rate
@@ -136,11 +136,7 @@ def eq2_budget(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
-    ap.add_argument("--num-docs", type=int, default=200_000)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--nlist", type=int, default=1024)
-    ap.add_argument("--topics", type=int, default=4096)
-    ap.add_argument("--zipf", type=float, default=1.1)
+    add_corpus_args(ap)
     ap.add_argument("--train-per-list", type=int, default=64, help="k-means sample per list")
     ap.add_argument("--nprobe", type=int, default=256)
     ap.add_argument("--topk", type=int, default=10)
