@@ -23,7 +23,6 @@ Per configuration (``CONFIGS``), a fresh engine, one after the other in one proc
 2. **sustained** (``--window-requests`` > 0): the TTFT probe at the common rate, then for
    ``--capacity-configs`` the capacity search.
 
-
 Without ``--window-requests`` (the small CPU presets) only the replays run, and the cold
 replay's TTFT (queueing included) and all-at-once throughput are reported.
 
