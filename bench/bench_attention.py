@@ -163,7 +163,7 @@ def bench_prefill(lens: list[tuple[int, int]], label: str, rows: list[dict]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--batches", default="1,16,64,256")
     args = parser.parse_args()

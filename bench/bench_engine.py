@@ -26,34 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from dummy_engine import LLAMA_31_8B, SMOKE, dummy_folder  # noqa: E402
 from gpu_peaks import peaks  # noqa: E402
 from ragserve.generation import LLMEngine, SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench_engine")
-
-LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}  # fmt: skip
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -259,12 +236,8 @@ def bench_hf(hf, engine: LLMEngine, n: int, inp: int, out: int) -> dict:
     return result
 
 
-SMOKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--ctx", type=int, default=1024, help="decode context length")
@@ -293,9 +266,7 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1))
 
-    folder = Path(tempfile.mkdtemp()) / "llama-3.1-8b-random"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = dummy_folder(Path(tempfile.mkdtemp()) / "llama-3.1-8b-random", config)
     start = time.perf_counter()
     engine = LLMEngine(
         folder, device=device, dtype=dtype, load_format="dummy", max_model_len=2048,

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import LLAMA_31_8B  # noqa: E402
+from dummy_engine import LLAMA_31_8B, dummy_folder, free_device_memory  # noqa: E402
 from ragserve.generation import LLMEngine, SamplingParams, Segment  # noqa: E402
 
 log = logging.getLogger("bench_fusion")
@@ -59,7 +59,8 @@ PRESETS = {
     "cpu-tiny": dict(config={**LLAMA_31_8B, **TINY}, device="cpu", dtype="float32", docs=6,
                      passage_tokens=40, topk=3, question_tokens=8, prefix_tokens=8,
                      num_ttft=2, num_requests=3, max_tokens=2, kv_gb=0.01,
-                     ratios=(0.15, 1.0), dense_ratios=(1.0,), time_budget_s=120.0),
+                     ratios=(0.15, 1.0), dense_ratios=(1.0,), time_budget_s=120.0,
+                     cpu_threads=1),
 }  # fmt: skip
 SELECTORS = ("qcfuse", "cacheblend", "sift")
 COUNTERS = ("num_fused_tokens", "num_recomputed_tokens", "num_fusion_store_hits",
@@ -143,7 +144,7 @@ def make_engine(folder: Path, p: dict, kind: str) -> LLMEngine:
         max_model_len=8192, kv_cache_bytes=int(p["kv_gb"] * 2**30),
         max_num_seqs=max(p["num_requests"], 8), enable_prefix_caching=kind != "full",
         fusion_selector="qcfuse" if kind == "full" else kind.removesuffix("-dense"),
-        fusion_paged_prefill=not kind.endswith("-dense"),
+        fusion_paged_prefill=not kind.endswith("-dense"), cpu_threads=p.get("cpu_threads"),
     )  # fmt: skip
 
 
@@ -179,8 +180,9 @@ def run_all(p: dict, args: argparse.Namespace, folder: Path) -> dict:
             result["configs"][name] = row
             log.info("%s: %s", name, {k: v for k, v in row.items() if k != "counters"})
             write(result, args.out)
-        del engine
-        _free_device_memory()
+        if engine is not None:
+            del engine
+            free_device_memory()
     return result
 
 
@@ -203,18 +205,8 @@ def write(result: dict, out: Path | None) -> None:
         tmp.replace(out)
 
 
-def _free_device_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
     ap.add_argument("--ratios", default=None, help="comma list; default: the preset's")
     ap.add_argument(
@@ -240,9 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--selectors: unknown {bad}; use {SELECTORS}")
     args.time_budget_s = args.time_budget_s or p["time_budget_s"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
-    folder = Path(tempfile.mkdtemp()) / "llama-3.1-8b-random"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(p["config"]))
+    folder = dummy_folder(Path(tempfile.mkdtemp()) / "llama-3.1-8b-random", p["config"])
     log.info("preset %s: %s", args.preset, {k: v for k, v in p.items() if k != "config"})
     result = run_all(p, args, folder)
     summarize(result)

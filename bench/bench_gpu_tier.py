@@ -372,13 +372,19 @@ def _pow2_at_least_16(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_corpus_args(ap: argparse.ArgumentParser) -> None:
+    """The synthetic corpus's options (``build_index``, ``make_queries``), shared with
+    ``bench_tier_overflow.py``."""
     ap.add_argument("--num-docs", type=int, default=200_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--nlist", type=int, default=1024)
     ap.add_argument("--topics", type=int, default=4096)
     ap.add_argument("--zipf", type=float, default=1.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
+    add_corpus_args(ap)
     ap.add_argument("--nprobe", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--coverage", type=float, nargs="+", default=[0, 5, 10, 20, 50, 100])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])

@@ -1,47 +1,27 @@
 """Document-KV reuse (RAGCache) in the LLM engine: TTFT, sustained throughput and prefill work
 per reuse configuration.
 
-Workload (as RAGCache): a corpus of ``--docs`` passages of ``--passage-tokens`` tokens with
-Zipf popularity (``--zipf``); each request retrieves ``--topk`` distinct passages in relevance
-order under a fixed 48-token instruction prefix, then a question of ``--question-tokens`` new
-tokens; greedy, ``--max-tokens`` out. With ``--topics N`` requests ask about N topics (Zipf
-over topics), each topic a fixed relevance list drawn as above, as repeated popular questions
-do (high reuse); with 0 every request draws its own list. The **working set** (distinct KV
-tokens of all topics' passage prefixes, whole blocks; logged and in the JSON) is what the
-tiers compete for: the ``*-tiers`` presets make it larger than the GPU KV pool
-(``--gpu-kv-tokens``) and smaller than GPU + host (``--host-kv-tokens``), so a GPU-only cache
-thrashes and the host tier can keep it all.
+Workload: ``kv_reuse_workload`` (RAGCache's: Zipf-popular passages under a fixed instruction,
+``--topics`` repeated relevance lists); greedy, ``--max-tokens`` out. The **working set**
+(logged and in the JSON) is what the tiers compete for: the ``*-tiers`` presets make it larger
+than the GPU KV pool (``--gpu-kv-tokens``) and smaller than GPU + host (``--host-kv-tokens``),
+so a GPU-only cache thrashes and the host tier can keep it all.
 
-Per configuration (``CONFIGS``), a fresh engine, one after the other in one process:
+Per configuration (``CONFIGS``), a fresh engine, one after the other in one process
+(``kv_reuse_passes`` has each pass's method):
 
 1. **replay**: ``--num-requests`` requests of a fixed seeded sequence, all at once; it
    leaves the cache in the state of a server that has seen the workload. Then a **warm
    replay** (another draw of ``--num-requests`` from the same distribution, all at once)
-   measures the steady state: its prompt tokens computed (admitted prompt tokens minus cache
-   hits, recomputation after preemption included) are ``prefill_tokens``, the
-   machine-independent measure of reuse (the cold replay's: ``prefill_tokens_cold``). With
-   sustained passes on, a configuration without a cache skips the warm replay (it would
-   repeat the cold one). The replays' tokens are compared with the first configuration's
-   (``agreement``: the share of requests whose tokens are equal; ``identical``: all are; the
-   warm replay counts where both have one). With ``--control`` the first configuration
-   replays its cold requests once more in a shuffled arrival order (``control.agreement``:
-   the noise floor of agreement; 1.0 in exact arithmetic). The passes below start warm.
-2. **sustained** (``--window-requests`` > 0; ``bench/kv_capacity.py``'s method): a probe
-   offers Poisson arrivals at a rate from the same Zipf popularity: ``--warmup-s`` worth of
-   warm-up arrivals, then ``--window-requests`` counted ones; the window's arrivals
-   unfinished ``--drain-s`` after the last arrival are aborted (misses). Sustained iff >= 95 %
-   of the window's arrivals complete (completed >= 95 % of offered), >= 90 % within
-   ``--slo`` s, and their latency grows by at most ``--max-latency-growth`` s per s of
-   arrivals (no queue building up: the overload a short window hides from the SLO). First
-   the TTFT probe (``--ttft-requests`` counted arrivals) at the **common
-   rate**, ``--rate`` or ``--load`` x the first configuration's all-at-once throughput, the
-   same for every configuration (mean / p90 TTFT over its window). Then, for
-   ``--capacity-configs``, the capacity search: from ``--capacity-guess`` x this
-   configuration's all-at-once throughput (warm replay), steps of ``1 + --rel-tol`` that
-   grow while the verdict holds, then bisection to within ``1 + --rel-tol``; at most
-   ``--max-probes`` probes, and none that would end past the time budget less ``--reserve-s``
-   per configuration still to run. ``capacity.bound`` says what was found: "=" bracketed
-   within the tolerance, "~" bracketed wider, ">=" / "<" one-sided.
+   measures the steady state: its prompt tokens computed are ``prefill_tokens`` (the cold
+   replay's: ``prefill_tokens_cold``). With sustained passes on, a configuration without a
+   cache skips the warm replay (it would repeat the cold one). The replays' tokens are
+   compared with the first configuration's (``agreement``: the share of requests whose
+   tokens are equal; ``identical``: all are; the warm replay counts where both have one).
+   With ``--control`` the first configuration replays its cold requests once more in a
+   shuffled arrival order (``control.agreement``). The passes below start warm.
+2. **sustained** (``--window-requests`` > 0): the TTFT probe at the common rate, then for
+   ``--capacity-configs`` the capacity search.
 
 Without ``--window-requests`` (the small CPU presets) only the replays run, and the cold
 replay's TTFT (queueing included) and all-at-once throughput are reported.
@@ -64,37 +44,41 @@ progress goes to stdout.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
-import math
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import LLAMA_31_8B, SMOKE  # noqa: E402
-from kv_capacity import (  # noqa: E402
-    arrival_window_stats,
-    keeps_up,
-    probe_offsets,
-    search_capacity,
+from dummy_engine import LLAMA_31_8B, SMOKE, dummy_folder, free_device_memory  # noqa: E402
+from kv_reuse_passes import (  # noqa: E402
+    PassTimeout,
+    agreement,
+    control_replay,
+    logged_replay,
+    replay,
+    rounded,
+    sustained_passes,
+)
+from kv_reuse_workload import (  # noqa: E402
+    INSTRUCTION_TOKENS,
+    make_corpus,
+    make_workload,
+    working_set_tokens,
 )
 from kv_cost_profile import profile_kv_costs  # noqa: E402
 from ragserve.generation import LLMEngine, SamplingParams  # noqa: E402
-from ragserve.generation.block_manager import hash_block_tokens  # noqa: E402
 from ragserve.generation.model_runner import kv_cache_bytes_per_block  # noqa: E402
 
 log = logging.getLogger("bench_kv_reuse")
 
 DUMMY_MODELS = {"llama-3.1-8b-dummy": LLAMA_31_8B, "tiny-llama-dummy": {**LLAMA_31_8B, **SMOKE}}
-INSTRUCTION_TOKENS = 48
-BLOCK_SIZE = 16  # the engine's default block size (working-set arithmetic)
+
 
 # settings every preset has unless it says otherwise (no sustained passes)
 DEFAULTS = dict(
@@ -183,248 +167,6 @@ CONFIGS = {
 DEFAULT_CONFIGS = [name for name in CONFIGS if name != "tree_host_pgdsf_sync_out"]
 
 
-class PassTimeout(Exception):
-    """A pass ran past the run's time budget."""
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Passages, the instruction prefix and the topics' relevance lists (seeded)."""
-
-    docs: list[list[int]]
-    instruction: list[int]
-    topics: list[list[int]]
-    doc_popularity: np.ndarray
-    topic_popularity: np.ndarray | None
-
-    def request(self, rng: np.random.Generator, a: argparse.Namespace):
-        """(prompt ids, segment ends) of one request drawn with ``rng``."""
-        if self.topics:
-            chosen = self.topics[rng.choice(len(self.topics), p=self.topic_popularity)]
-        else:
-            chosen = _draw_list(rng, a, self.doc_popularity)
-        ids, ends = list(self.instruction), [len(self.instruction)]
-        for d in chosen:
-            ids += self.docs[d]
-            ends.append(len(ids))
-        ids += _tokens(rng, a.question_tokens)
-        ends.append(len(ids))
-        return ids, tuple(ends)
-
-
-def _tokens(rng: np.random.Generator, n: int) -> list[int]:
-    return rng.integers(1000, 30000, n).tolist()  # ordinary tokens of both tokenizers' ranges
-
-
-def _draw_list(rng: np.random.Generator, a: argparse.Namespace, p: np.ndarray) -> list[int]:
-    return [int(d) for d in rng.choice(a.docs, size=a.topk, replace=False, p=p)]
-
-
-def make_corpus(a: argparse.Namespace) -> Corpus:
-    rng = np.random.default_rng(a.seed)
-    docs = [_tokens(rng, a.passage_tokens) for _ in range(a.docs)]
-    instruction = _tokens(rng, INSTRUCTION_TOKENS)
-    popularity = _zipf(a.docs, a.zipf)
-    topics = [_draw_list(rng, a, popularity) for _ in range(a.topics)]
-    topic_popularity = _zipf(a.topics, a.zipf) if a.topics else None
-    return Corpus(docs, instruction, topics, popularity, topic_popularity)
-
-
-def make_workload(
-    a: argparse.Namespace, second: bool = False
-) -> list[tuple[list[int], tuple[int, ...], float]]:
-    """The replay: (prompt ids, segment ends, arrival offset at 1 req/s) per request; seeded.
-    ``second``: another draw of the same distribution (the warm replay)."""
-    corpus = make_corpus(a)
-    rng = np.random.default_rng(a.seed + (2 if second else 1))
-    arrivals = np.cumsum(rng.exponential(1.0, a.num_requests))
-    return [(*corpus.request(rng, a), float(t - arrivals[0])) for t in arrivals]
-
-
-def working_set_tokens(a: argparse.Namespace, workload) -> int:
-    """Distinct KV tokens (whole blocks) of the passage prefixes the workload can ask for:
-    every topic's (or, without topics, the replay's) prompt up to its question."""
-    if a.topics:
-        corpus = make_corpus(a)
-        prefixes = [_prefix(corpus, t) for t in corpus.topics]
-    else:
-        prefixes = [ids[: ends[-2]] for ids, ends, _ in workload]
-    seen: set[int] = set()
-    for ids in prefixes:
-        parent = None
-        for i in range(len(ids) // BLOCK_SIZE):
-            parent = hash_block_tokens(parent, ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
-            seen.add(parent)
-    return len(seen) * BLOCK_SIZE
-
-
-def _prefix(corpus: Corpus, topic: list[int]) -> list[int]:
-    ids = list(corpus.instruction)
-    for d in topic:
-        ids += corpus.docs[d]
-    return ids
-
-
-def _zipf(n: int, s: float) -> np.ndarray:
-    p = 1.0 / np.arange(1, n + 1) ** s
-    return p / p.sum()
-
-
-@dataclass(frozen=True)
-class Response:
-    """One request of a pass as ``kv_capacity.arrival_window_stats`` reads it (monotonic s)."""
-
-    error: str | None
-    finish_time: float
-    latency: float
-    ttft: float | None
-
-
-def drive(engine: LLMEngine, requests, params, offsets, deadline, drain_s=None) -> dict:
-    """Run ``requests`` ((ids, ends) each) arriving ``offsets[i]`` s after the start; latency
-    and TTFT count from the nominal arrival. With ``drain_s`` requests unfinished that long
-    after the last arrival are aborted (``error``). Returns responses, outputs, seconds."""
-    start = time.monotonic()
-    order = sorted(range(len(requests)), key=lambda i: offsets[i], reverse=True)
-    first, outputs, finished = {}, {}, {}
-    last_log = start
-    cutoff = None if drain_s is None else start + max(offsets) + drain_s
-    while order or engine.has_unfinished():
-        now = time.monotonic()
-        if deadline is not None and now > deadline:
-            raise PassTimeout(f"stopped at the time budget after {len(outputs)} requests")
-        if cutoff is not None and now > cutoff and not order:
-            for i in range(len(requests)):
-                if i not in outputs:
-                    engine.abort(str(i))
-            break
-        if now - last_log > 10.0:
-            log.info("  ... %d/%d done, %d started", len(outputs), len(requests), len(first))
-            last_log = now
-        while order and offsets[order[-1]] <= now - start:
-            i = order.pop()
-            ids, ends = requests[i]
-            engine.add_request(str(i), ids, params, segment_ends=ends)
-        if not engine.has_unfinished():
-            time.sleep(min(0.01, max(offsets[order[-1]] - (now - start), 0.0)))
-            continue
-        for out in engine.step():
-            i = int(out.request_id)
-            if i not in first and out.token_ids:
-                first[i] = out.metrics.first_token_time
-            if out.finished:
-                outputs[i] = out.token_ids
-                finished[i] = (out.metrics.finish_time, out.finish_reason)
-    seconds = time.monotonic() - start
-    responses = []
-    for i in range(len(requests)):
-        arrival = start + offsets[i]
-        fin, reason = finished.get(i, (None, "abort"))
-        ok = fin is not None and reason in ("length", "stop")
-        responses.append(
-            Response(
-                None if ok else f"finish reason {reason}",
-                fin if fin is not None else float("inf"),
-                fin - arrival if fin is not None else float("inf"),
-                first[i] - arrival if i in first else None,
-            )
-        )
-    return {"responses": responses, "outputs": outputs, "seconds": seconds, "start": start}
-
-
-def replay(engine: LLMEngine, workload, params, deadline) -> dict:
-    """All requests at once: outputs, TTFT, all-at-once throughput, prompt tokens computed."""
-    sched = engine.scheduler
-    hit0, query0 = sched.prefix_cache_hit_tokens, sched.prefix_cache_query_tokens
-    requests = [(ids, ends) for ids, ends, _ in workload]
-    run = drive(engine, requests, params, [0.0] * len(requests), deadline)
-    t = np.asarray([r.ttft for r in run["responses"]])
-    return {
-        "mean_ttft_s": float(t.mean()),
-        "p90_ttft_s": float(np.percentile(t, 90)),
-        "seconds": run["seconds"],
-        "requests_per_s": len(workload) / run["seconds"],
-        "prefill_tokens": (sched.prefix_cache_query_tokens - query0)
-        - (sched.prefix_cache_hit_tokens - hit0),
-        "prompt_tokens": sum(len(ids) for ids, _ in requests),
-        "outputs": [run["outputs"][i] for i in range(len(workload))],
-    }
-
-
-def probe(engine, corpus, a, params, rate: float, num_window: int, deadline) -> dict:
-    """One sustained-load point at ``rate`` req/s (``kv_capacity``'s module doc): a warm-up of
-    ``--warmup-s`` worth of arrivals, then ``num_window`` counted ones, drawn from the corpus's
-    Zipf popularity (seeded by the rate: every configuration gets the same requests at the
-    same rate). Window statistics, sustained or not, and the window's TTFT."""
-    rng = np.random.default_rng([a.seed, int(rate * 1000)])
-    num_warmup = max(math.ceil(rate * a.warmup_s), 1)
-    offsets = probe_offsets(rng, rate, num_warmup, num_window)
-    requests = [corpus.request(rng, a) for _ in offsets]
-    run = drive(engine, requests, params, offsets, deadline, drain_s=a.drain_s)
-    stats = arrival_window_stats(run["responses"], offsets, num_warmup, a.slo)
-    measured = [r.ttft for r in run["responses"][num_warmup:] if r.ttft is not None]
-    stats |= {
-        "rate": rate,
-        "warmup_requests": num_warmup,
-        "mean_ttft_s": float(np.mean(measured)) if measured else None,
-        "p90_ttft_s": float(np.percentile(measured, 90)) if measured else None,
-        "seconds": run["seconds"],
-    }
-    stats["sustained"] = keeps_up(stats, a.max_latency_growth)
-    log.info("  probe %.2f req/s: %s", rate, {k: _round(v) for k, v in stats.items()})
-    return stats
-
-
-def _round(v):
-    return round(v, 3) if isinstance(v, float) else v
-
-
-def probe_seconds(a: argparse.Namespace, rate: float, num_window: int) -> float:
-    """A probe's longest wall time: its arrivals, then the whole drain."""
-    return (max(math.ceil(rate * a.warmup_s), 1) + num_window) / rate + a.drain_s
-
-
-def sustained_passes(name, engine, corpus, a, params, estimate, deadline, state) -> dict:
-    """The TTFT probe at the common rate (``--rate``, or ``--load`` x the first
-    configuration's all-at-once throughput), then, for ``--capacity-configs``, the capacity
-    search from ``--capacity-guess`` x ``estimate`` (this configuration's all-at-once
-    throughput). A probe that would end past the search's deadline (the budget less
-    ``--reserve-s`` per configuration still to run) is not started: the bound says so."""
-    if state.get("rate") is None:
-        state["rate"] = a.rate or a.load * estimate
-    paced = probe(engine, corpus, a, params, state["rate"], a.ttft_requests, deadline)
-    row: dict = {
-        "mean_ttft_s": paced["mean_ttft_s"],
-        "p90_ttft_s": paced["p90_ttft_s"],
-        "rate_rps": state["rate"],
-        "paced": paced,
-        "throughput_rps": None,
-        "throughput_method": "not searched (--capacity-configs)",
-    }
-    if name not in a.capacity_configs:
-        return row
-    later = state["names"][state["names"].index(name) + 1 :]
-    search_end = None if deadline is None else deadline - a.reserve_s * len(later)
-
-    def fits(rate: float) -> bool:
-        ends = time.monotonic() + probe_seconds(a, rate, a.window_requests)
-        return search_end is None or ends <= search_end
-
-    cap = search_capacity(
-        lambda r: probe(engine, corpus, a, params, r, a.window_requests, deadline),
-        a.capacity_guess * estimate,
-        rel_tol=a.rel_tol,
-        max_probes=a.max_probes,
-        fits=fits,
-        judge=lambda stats: keeps_up(stats, a.max_latency_growth),
-    )
-    return row | {
-        "throughput_rps": cap["rate"],
-        "throughput_method": f"sustained ({cap['bound']})",
-        "capacity": cap,
-    }
-
-
 def engine_kwargs(a: argparse.Namespace, config: dict, per_token: int) -> dict:
     """``LLMEngine`` keyword arguments of one configuration (``CONFIGS[name]``)."""
     kw = dict(config)
@@ -469,13 +211,6 @@ def kv_bytes_per_token(model: str, a: argparse.Namespace) -> int:
     return kv_cache_bytes_per_block(ModelConfig.from_folder(folder), 16, dtype) // 16
 
 
-def dummy_folder(root: Path, name: str) -> Path:
-    """A config-only model folder of ``DUMMY_MODELS[name]`` (random weights at load)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(DUMMY_MODELS[name]))
-    return root
-
-
 def warm_up(engine: LLMEngine, workload, params: SamplingParams) -> None:
     """One request through every kernel shape (compiles, graph captures) before timing; the
     cache it leaves is dropped."""
@@ -483,23 +218,18 @@ def warm_up(engine: LLMEngine, workload, params: SamplingParams) -> None:
     engine.block_manager.reset_prefix_cache()
 
 
-def agreement(outputs: list[list[int]], base: list[list[int]]) -> float:
-    """Share of requests whose generated tokens equal the baseline's."""
-    return sum(o == b for o, b in zip(outputs, base, strict=True)) / len(base)
-
-
 def run_config(name: str, model: str, a, workload, corpus, params, deadline, state) -> dict:
     engine = build_engine(model, a, CONFIGS[name])
     try:
         warm_up(engine, workload, params)
-        rep = _logged("replay", replay(engine, workload, params, deadline))
+        rep = logged_replay("replay", replay(engine, workload, params, deadline))
         row: dict = {}
         if a.control and "baseline" not in state:
             row["control"] = control_replay(engine, workload, params, deadline, rep["outputs"])
         warm = None
         if CONFIGS[name].get("enable_prefix_caching", True) or not a.window_requests:
             warm = replay(engine, make_workload(a, second=True), params, deadline)
-            _logged("warm replay", warm)
+            logged_replay("warm replay", warm)
         outputs = (rep.pop("outputs"), warm.pop("outputs") if warm else None)
         state.setdefault("baseline", (name, outputs))
         base_name, base = state["baseline"]
@@ -529,37 +259,7 @@ def run_config(name: str, model: str, a, workload, corpus, params, deadline, sta
         row["stats"] = engine.stats()
         return row
     finally:
-        del engine
-        _free_device_memory()
-
-
-def _logged(what: str, rep: dict) -> dict:
-    log.info("  %s: %.3f req/s, %d of %d prompt tokens computed", what,
-             rep["requests_per_s"], rep["prefill_tokens"], rep["prompt_tokens"])  # fmt: skip
-    return rep
-
-
-def control_replay(engine, workload, params, deadline, outputs: list[list[int]]) -> dict:
-    """The noise floor of ``agreement``: the cold replay's requests again in the same engine,
-    in another (seeded, shuffled) arrival order, so prefill chunks and batches are composed
-    differently; the share of requests whose tokens equal the first pass's. Exact arithmetic
-    gives 1.0; bf16 with near-tied logits (random weights) gives less without any KV reused."""
-    order = np.random.default_rng(12).permutation(len(workload)).tolist()
-    rep = _logged("control replay", replay(engine, [workload[i] for i in order], params,
-                                           deadline))  # fmt: skip
-    again = [None] * len(workload)
-    for pos, i in enumerate(order):
-        again[i] = rep["outputs"][pos]
-    return {"agreement": agreement(again, outputs), "order_seed": 12,
-            "requests_per_s": rep["requests_per_s"]}  # fmt: skip
-
-
-def _free_device_memory() -> None:
-    gc.collect()
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        del engine  # NOTE: freed by the caller's collect, after its except clause
 
 
 def add_ratios(results: dict, names: list[str]) -> None:
@@ -576,7 +276,7 @@ def add_ratios(results: dict, names: list[str]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smollm2")
     p.add_argument("--configs", default=None, help="comma-separated subset (default: all but "
                    "tree_host_pgdsf_sync_out)")  # fmt: skip
@@ -621,7 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.monotonic()
     deadline = started + a.time_budget if a.time_budget else None
     tmp = tempfile.TemporaryDirectory()
-    model = str(dummy_folder(Path(tmp.name) / "model", a.model)) if a.dummy else a.model
+    model = (
+        str(dummy_folder(Path(tmp.name) / "model", DUMMY_MODELS[a.model])) if a.dummy else a.model
+    )
     workload = make_workload(a)
     corpus = make_corpus(a)
     mean_prompt = float(np.mean([len(ids) for ids, _, _ in workload]))
@@ -651,10 +353,10 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as exc:  # noqa: BLE001 - record it and go on with the next one
             row = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             log.error("%s failed: %s", name, row["error"])
-        _free_device_memory()  # after the except clause: its traceback held the engine
+        free_device_memory()  # after the except clause: its traceback held the engine
         results["configs"][name] = row
         shown = ("stats", "traceback", "replay", "paced", "capacity")
-        log.info("%s: %s", name, {k: _round(v) for k, v in row.items() if k not in shown})
+        log.info("%s: %s", name, {k: rounded(v) for k, v in row.items() if k not in shown})
         add_ratios(results, names)
         results["seconds"] = time.monotonic() - started
         if a.out:

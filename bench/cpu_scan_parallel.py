@@ -62,7 +62,7 @@ def variants(index: faiss.IndexIVF, q: np.ndarray, plan, topk: int, threads: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--num-docs", type=int, default=200_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--nlist", type=int, default=1024)

@@ -20,7 +20,7 @@ from ragserve.retrieval import auto_nlist, stepwise
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="5000,20000,80000")
     p.add_argument("--queries", type=int, default=200)
     p.add_argument("--repeats", type=int, default=5)

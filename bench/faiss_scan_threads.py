@@ -21,7 +21,7 @@ from ragserve.retrieval.types import ProbePlan
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=8)
     args = ap.parse_args()
     faiss.omp_set_num_threads(1)  # build and assign without making the pool

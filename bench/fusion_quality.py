@@ -186,7 +186,7 @@ def _table(rows: dict) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--countries", type=int, default=6)
     p.add_argument("--faq", type=int, default=16)
     p.add_argument("--topk", type=int, default=3)

@@ -102,7 +102,7 @@ def drain_costs(old_src: str, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", required=True, help="a model folder with tokenizer.json")
     ap.add_argument("--old-src", required=True, help="the src/ folder to compare the drain with")
     ap.add_argument("--repeats", type=int, default=15)

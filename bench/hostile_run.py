@@ -199,7 +199,7 @@ def gen_kill_cycles(url: str, server, cycles: int) -> dict | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--num-fuzz", type=int, default=600)
     ap.add_argument("--kill-cycles", type=int, default=10)
     ap.add_argument("--gen-kill-cycles", type=int, default=0)

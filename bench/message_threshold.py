@@ -54,7 +54,9 @@ def _worker(conn, handle, max_message_bytes: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--slot-bytes", type=int, default=None, help="ring slot size (config's)")
     ap.add_argument("--slots", type=int, default=None, help="ring slots (config's)")

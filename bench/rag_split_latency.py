@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from ragserve.scheduler import RetrievalTask
     from ragserve.scheduler.staged_messages import StagedRetrievalTask
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--index", required=True)
     ap.add_argument("--nprobe", type=int, default=256)
     ap.add_argument("--rates", type=float, nargs="+", default=[5.0, 10.0, 20.0])

@@ -17,7 +17,7 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--num-cpus", type=int, default=2)

@@ -31,7 +31,7 @@ logger = logging.getLogger("ray_spec_soak")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     ap.add_argument("--config", default="2x1", help="replicas x shards")
     ap.add_argument("--rate", type=float, default=16.0, help="arrivals per second")

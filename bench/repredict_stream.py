@@ -62,7 +62,7 @@ def repredict(doc: dict, row: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("result", type=Path, help="bench_tier_overflow.py's JSON")
     ap.add_argument("--out", type=Path, default=None, help="write the re-predictions here")
     args = ap.parse_args(argv)

@@ -40,7 +40,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rag_bench import _time_scheduler, arrivals, run_arrivals, workflow_graphs  # noqa: E402
+from overhead_trace import time_scheduler  # noqa: E402
+from rag_bench import arrivals, run_arrivals, workflow_graphs  # noqa: E402
 from rag_report import summarize  # noqa: E402
 from rag_setup import PRESETS, prepare  # noqa: E402
 from rag_systems import SYSTEMS, system_transforms  # noqa: E402
@@ -188,7 +189,7 @@ def bench_config(cfg: str, p, data: dict, args, state: dict, entry: dict, on_poi
     server, chain = start_server(replicas, shards, p, data, args)
     entry["start_s"] = time.monotonic() - t0
     entry["tier"] = {k: v for k, v in server.stats()["workers"].items() if "tier_bytes" in v}
-    clock = _time_scheduler(server)
+    clock = time_scheduler(server)
     graphs = workflow_graphs(p, data["nprobe"])
     point_s = args.warmup + args.window + args.timeout + 5.0
 
@@ -289,7 +290,7 @@ def summarize_configs(entries: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     ap.add_argument("--dataset", choices=("synthetic", "factbook"), default="synthetic")
     ap.add_argument("--configs", nargs="+", default=["1x1", "2x1", "1x2", "2x2"])

@@ -62,7 +62,7 @@ def measure(sharded, q: np.ndarray, plan, k: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--num-docs", type=int, default=200_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--nlist", type=int, default=512)

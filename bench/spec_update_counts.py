@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import OVERHEAD_PRESETS  # noqa: E402
+from overhead_side import OVERHEAD_PRESETS  # noqa: E402
 from rag_setup import prepare  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def run(data: dict, coalescing: bool, questions: list[str], preset) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--num", type=int, default=6)
     ap.add_argument("--out", type=Path, default=None)

@@ -46,3 +46,23 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     if "RAGSERVE_TEST_HOME" not in os.environ:
         os.environ["RAGSERVE_TEST_HOME"] = str(tmp_path_factory.getbasetemp() / "ragserve-home")
     monkeypatch.setenv("RAGSERVE_HOME", os.environ["RAGSERVE_TEST_HOME"])
+
+
+@pytest.fixture(scope="session")
+def bench_module():
+    """``bench_module("name")``: the ``bench/`` script or module ``name``, imported with its
+    folder first on ``sys.path`` while it (and the sibling modules it imports) load."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parents[1] / "bench")
+
+    def load(name: str):
+        sys.path.insert(0, folder)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(folder)
+
+    return load

@@ -5,21 +5,14 @@ JSON is written)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
-
-@pytest.fixture()
-def bench_fusion(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import bench_fusion
-
-    yield bench_fusion
-    sys.modules.pop("bench_fusion", None)
+@pytest.fixture(scope="module")
+def bench_fusion(bench_module):
+    return bench_module("bench_fusion")
 
 
 def test_cpu_twin_runs_every_configuration(bench_fusion, monkeypatch, tmp_path: Path) -> None:

@@ -5,31 +5,22 @@ failing configuration and keeps to its time budget."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from ragserve.generation import EngineConfig, ModelConfig
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_kv_reuse
-    finally:
-        sys.path.remove(str(BENCH))
-    return bench_kv_reuse
+def bench(bench_module):
+    return bench_module("bench_kv_reuse")
 
 
 @pytest.mark.parametrize("preset", ["h200-llama8b", "h200-llama8b-tiers"])
 def test_h200_preset_is_a_valid_run(bench, tmp_path, preset) -> None:
     a = bench.parse_args(["--preset", preset])
     assert a.dummy and a.device == "cuda" and a.dtype == "bfloat16"
-    model = bench.dummy_folder(tmp_path / "model", a.model)
+    model = bench.dummy_folder(tmp_path / "model", bench.DUMMY_MODELS[a.model])
     cfg = ModelConfig.from_folder(model)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads) == (32, 4096, 8)
     per_token = bench.kv_bytes_per_token(str(model), a)
@@ -73,6 +64,7 @@ def test_unknown_config_is_refused_before_any_work(bench) -> None:
         bench.parse_args(["--preset", "cpu-tiny", "--capacity-configs", "no_reuse,lfu"])
 
 
+@pytest.mark.slow  # eight engines one after the other; the smoke run below covers the path
 def test_cpu_twin_runs_every_config(bench, tmp_path) -> None:
     out = tmp_path / "kv.json"
     argv = ["--preset", "cpu-tiny", "--num-requests", "3", "--out", str(out),
@@ -93,6 +85,7 @@ SUSTAINED = ["--window-requests", "12", "--ttft-requests", "6", "--warmup-s", "0
              "--drain-s", "1", "--slo", "5", "--load", "0.5", "--max-probes", "2"]  # fmt: skip
 
 
+@pytest.mark.slow  # benchmark-shaped: real sustained-load probes or replays
 def test_sustained_passes_use_a_common_rate_and_the_control_replay(bench) -> None:
     argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs", "no_reuse,block_cache",
             "--control", *SUSTAINED]  # fmt: skip
@@ -117,6 +110,7 @@ def test_sustained_passes_use_a_common_rate_and_the_control_replay(bench) -> Non
         )
 
 
+@pytest.mark.slow  # benchmark-shaped: real sustained-load probes or replays
 def test_capacity_searched_only_where_asked(bench) -> None:
     argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs",
             "no_reuse,block_cache,tree_gpu_lru", "--capacity-configs", "block_cache",
@@ -129,6 +123,7 @@ def test_capacity_searched_only_where_asked(bench) -> None:
     assert skipped["mean_ttft_s"] == skipped["paced"]["mean_ttft_s"]
 
 
+@pytest.mark.slow  # benchmark-shaped: real sustained-load probes or replays
 def test_reserve_keeps_probes_for_later_configurations(bench) -> None:
     # a 1000-s reserve per later configuration leaves the first none: its search stops
     argv = ["--preset", "cpu-tiny", "--num-requests", "4", "--configs", "no_reuse,block_cache",
@@ -140,6 +135,7 @@ def test_reserve_keeps_probes_for_later_configurations(bench) -> None:
     assert len(rows["block_cache"]["capacity"]["points"]) >= 1  # the last one has no reserve
 
 
+@pytest.mark.slow  # benchmark-shaped: real sustained-load probes or replays
 def test_cpu_tiers_twin_host_tier_serves_hits_and_beats_the_block_cache(bench) -> None:
     argv = ["--preset", "cpu-tiny-tiers", "--num-requests", "32", "--max-tokens", "2",
             "--configs", "no_reuse,block_cache,tree_gpu_pgdsf,tree_host_pgdsf"]  # fmt: skip
@@ -155,7 +151,11 @@ def test_cpu_tiers_twin_host_tier_serves_hits_and_beats_the_block_cache(bench) -
     assert rows["tree_gpu_pgdsf"]["prefill_tokens"] > 2 * host["prefill_tokens"]
 
 
-def test_a_failing_config_is_recorded_and_the_run_goes_on(bench, monkeypatch, tmp_path) -> None:
+def test_smoke_a_failing_config_is_recorded_and_the_run_goes_on(
+    bench, monkeypatch, tmp_path
+) -> None:
+    """The default tier's run of the script: replays of the host tier's configuration after a
+    configuration that fails to build, the JSON written."""
     real = bench.build_engine
 
     def build(model, a, config):
@@ -165,12 +165,16 @@ def test_a_failing_config_is_recorded_and_the_run_goes_on(bench, monkeypatch, tm
 
     monkeypatch.setattr(bench, "build_engine", build)
     out = tmp_path / "kv.json"
-    argv = ["--preset", "cpu-tiny", "--num-requests", "3", "--load", "0", "--out", str(out),
-            "--configs", "no_reuse,block_cache,tree_gpu_lru"]  # fmt: skip
+    argv = ["--preset", "cpu-tiny", "--num-requests", "3", "--max-tokens", "2", "--load", "0",
+            "--out", str(out), "--configs", "no_reuse,block_cache,tree_host_pgdsf"]  # fmt: skip
     rows = bench.main(argv)["configs"]
     assert rows["block_cache"]["error"] == "RuntimeError: CUDA out of memory (simulated)"
-    assert rows["tree_gpu_lru"]["identical"] is True
     assert json.loads(out.read_text())["configs"]["block_cache"]["error"]
+    for name in ("no_reuse", "tree_host_pgdsf"):
+        assert rows[name]["identical"] is True and rows[name]["agreement"] == 1.0, name
+    assert rows["tree_host_pgdsf"]["ttft_speedup_vs_no_reuse"] > 0
+    assert rows["no_reuse"]["stats"]["prefix_cache_hit_tokens"] == 0
+    assert rows["tree_host_pgdsf"]["stats"]["prefix_cache_hit_tokens"] > 0  # topics repeat
 
 
 def test_time_budget_skips_what_would_start_too_late(bench) -> None:
@@ -182,13 +186,16 @@ def test_time_budget_skips_what_would_start_too_late(bench) -> None:
     }
 
 
-def test_a_sustained_pass_cut_by_the_budget_keeps_the_replays(bench, monkeypatch) -> None:
+def test_a_sustained_pass_cut_by_the_budget_keeps_the_replays(
+    bench, bench_module, monkeypatch
+) -> None:
     def cut(*a, **kw):
         raise bench.PassTimeout("stopped at the time budget after 0 requests")
 
-    monkeypatch.setattr(bench, "search_capacity", cut)
-    argv = ["--preset", "cpu-tiny", "--num-requests", "3", "--configs", "no_reuse",
-            *SUSTAINED]  # fmt: skip
+    monkeypatch.setattr(bench_module("kv_reuse_passes"), "search_capacity", cut)
+    # a short TTFT probe (2 counted arrivals, offered above capacity: it ends when they do)
+    argv = ["--preset", "cpu-tiny", "--num-requests", "2", "--max-tokens", "2", "--configs",
+            "no_reuse", *SUSTAINED, "--ttft-requests", "2", "--load", "4"]  # fmt: skip
     row = bench.main(argv)["configs"]["no_reuse"]
     assert row["error"].startswith("PassTimeout")
     assert row["prefill_tokens"] > 0 and row["identical"] is True and "stats" in row

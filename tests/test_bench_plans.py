@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,9 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 PLANS = sorted((BENCH / "plans").glob("*.json"))
 
 
-def _rag_bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import rag_bench
-    finally:
-        sys.path.remove(str(BENCH))
-    return rag_bench
-
-
 @pytest.mark.parametrize("plan", PLANS, ids=[p.stem for p in PLANS])
-def test_plan_parses(plan: Path) -> None:
-    rag_bench = _rag_bench()
+def test_plan_parses(bench_module, plan: Path) -> None:
+    rag_bench = bench_module("rag_bench")
     args = rag_bench.build_parser(argparse.ArgumentParser()).parse_args(
         ["--preset", "h200", "--plan", str(plan)]
     )
@@ -56,8 +46,8 @@ def test_tier_plan_4_covers_the_missing_points() -> None:
 
 
 @pytest.mark.slow
-def test_tier_plan_4_runs_on_the_smoke_preset(tmp_path: Path) -> None:
-    rag_bench = _rag_bench()
+def test_tier_plan_4_runs_on_the_smoke_preset(bench_module, tmp_path: Path) -> None:
+    rag_bench = bench_module("rag_bench")
     raw = json.loads((BENCH / "plans" / "h200_tier_capacity4.json").read_text())
     for ph in raw:  # same phases, CPU-sized: rates, windows, probe widths
         ph.update(capacity=[0.5, 1.0], warmup=0.2, window=1.5, timeout=5, nprobes=[8])

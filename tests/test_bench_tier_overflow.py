@@ -1,36 +1,25 @@
-"""``bench/bench_tier_overflow.py``'s CPU twin: the list-by-list build equals Faiss's own add,
-the open-loop dispatcher batches what has arrived, and (slow) every phase runs end to end on
-a tiny corpus so a typo cannot reach the device."""
+"""``bench/bench_tier_overflow.py``'s CPU twin: the list-by-list build equals Faiss's own add
+(``tier_overflow_build``), the open-loop dispatcher batches what has arrived
+(``tier_overflow_rates``), the phases up to the partition run on a tiny corpus, and (slow)
+every phase runs end to end there so a typo cannot reach the device."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
-
-def _bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_tier_overflow
-    finally:
-        sys.path.remove(str(BENCH))
-    return bench_tier_overflow
-
-
-def test_build_by_list_equals_faiss_add() -> None:
+def test_build_by_list_equals_faiss_add(bench_module) -> None:
     import faiss
 
     from ragserve.retrieval import gpu_kmeans
 
-    mod = _bench()
+    mod = bench_module("tier_overflow_build")
     args = argparse.Namespace(
         num_docs=3000, dim=16, nlist=16, topics=64, zipf=1.1, train_per_list=64, nprobe=4
     )
@@ -58,8 +47,8 @@ def test_build_by_list_equals_faiss_add() -> None:
     np.testing.assert_array_equal(index.search(q, 5, 4).ids, want_ids)
 
 
-def test_open_loop_batches_what_has_arrived() -> None:
-    mod = _bench()
+def test_open_loop_batches_what_has_arrived(bench_module) -> None:
+    mod = bench_module("tier_overflow_rates")
     batches: list[int] = []
 
     def search(q: np.ndarray) -> None:
@@ -76,11 +65,9 @@ def test_open_loop_batches_what_has_arrived() -> None:
     assert np.isnan(cut).sum() >= 1  # past the timeout the rest is not served
 
 
-@pytest.mark.slow
-def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
-    mod = _bench()
-    out = tmp_path / "ov.json"
-    profile = tmp_path / "eq2.json"  # a profile-memory file: T_G flat past 40 KV blocks
+def _argv(tmp_path: Path) -> list[str]:
+    """A tiny corpus and a profile-memory file whose T_G is flat past 40 KV blocks."""
+    profile = tmp_path / "eq2.json"
     profile.write_text(
         json.dumps(
             {
@@ -90,22 +77,41 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
             }
         )
     )
-    argv = ["--eq2-profile", str(profile),
+    return ["--eq2-profile", str(profile),
             "--num-docs", "6000", "--dim", "16", "--nlist", "32", "--topics", "128",
             "--nprobe", "8", "--budget-gb", "0.0002", "--llm-rate", "200",
             "--slo-search", "0.05", "--coverage", "10", "30", "--model-batches", "1", "4", "16",
             "--model-repeats", "1", "--min-seconds", "0.05", "--max-batches", "3",
             "--rate-warmup", "0.2", "--rate-window", "1", "--rate-points", "2",
-            "--device", "cpu", "--out", str(out)]  # fmt: skip
-    assert mod.main(argv) == 0
-    doc = json.loads(out.read_text())
-    assert doc["failures"] == []
+            "--device", "cpu", "--out", str(tmp_path / "ov.json")]  # fmt: skip
+
+
+def test_smoke_build_model_budget_partition(bench_module, tmp_path: Path) -> None:
+    """The default tier's run of the script: the phases up to the partition (no timing)."""
+    mod = bench_module("bench_tier_overflow")
+    skip = ["--skip", "latency", "cpu_rate", "tier_rate", "stream"]
+    assert mod.main([*_argv(tmp_path), *skip]) == 0
+    doc = json.loads((tmp_path / "ov.json").read_text())
+    assert doc["failures"] == [] and doc["points"] == []  # nothing timed
+    assert set(doc["phase_seconds"]) == {"build", "model", "budget", "partition"}
     assert doc["budget"]["source"] == "stated" and doc["budget"]["share_of_index"] < 1
     eq2 = doc["eq2"]
     assert eq2["source"] == "eq2" and eq2["kv_cache_bytes"] + eq2["budget_bytes"] <= 4_000_000
     assert eq2["num_kv_blocks"] >= 40  # T_G grows up to 40 blocks: Eq. 2 never starves it
     part = doc["partition"]
     assert part["batch_size"] >= 1 and part["predicted_s"] > 0
+
+
+@pytest.mark.slow  # benchmark-shaped: timed latency points and SLO-bound rate searches
+def test_overflow_bench_end_to_end(bench_module, tmp_path: Path) -> None:
+    import faiss
+
+    from ragserve.retrieval import stepwise
+
+    mod = bench_module("bench_tier_overflow")
+    assert mod.main(_argv(tmp_path)) == 0
+    doc = json.loads((tmp_path / "ov.json").read_text())
+    assert doc["failures"] == []
     tier = [p for p in doc["points"] if p["system"] == "gpu_tier"]
     assert [p["num_clusters"] for p in tier] == sorted({p["num_clusters"] for p in tier})
     assert sum(p["partitioner_choice"] for p in tier) == 1
@@ -113,14 +119,14 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
         assert p["exact_ids"] == 1.0
         assert 0.0 <= p["tail_hit_rate_measured"] <= p["hit_rate_measured"] <= 1.0
         assert p["predicted_s"] > 0 and p["p90_s"] > 0
-    import faiss
-
     streamed = {p["system"]: p for p in doc["points"] if p["system"].startswith("gpu_tier_str")}
-    want = {"gpu_tier_stream"} | (
-        {"gpu_tier_stream_omp"} if faiss.omp_get_max_threads() > 1 else set()
+    # the OpenMP-calibrated split runs only where it differs from the scan's own parallelism
+    scan = stepwise.scan_threads()
+    omp = faiss.omp_get_max_threads()
+    assert set(streamed) == {"gpu_tier_stream"} | (
+        {"gpu_tier_stream_omp"} if omp != scan else set()
     )
-    assert set(streamed) == want
-    assert streamed["gpu_tier_stream"]["stream_cost_model"]["threads"] == 1  # the scan's own
+    assert streamed["gpu_tier_stream"]["stream_cost_model"]["threads"] == scan  # the scan's own
     for p in streamed.values():
         assert p["exact_ids"] == 1.0 and p["predicted_s"] > 0 and p["predicted_balanced_s"] > 0
         assert p["streamed_model"]["split"]["threads"] == p["stream_cost_model"]["threads"]
@@ -137,8 +143,8 @@ def test_overflow_bench_end_to_end(tmp_path: Path) -> None:
         assert (rate["bound"] == "=") == tight
 
 
-def test_overflow_bench_needs_a_budget(tmp_path: Path) -> None:
-    mod = _bench()
+def test_overflow_bench_needs_a_budget(bench_module, tmp_path: Path) -> None:
+    mod = bench_module("bench_tier_overflow")
     with pytest.raises(SystemExit):
         mod.main(["--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()

@@ -41,13 +41,9 @@ def test_overflow_script_cpu_twin(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_eq2_profile_script_cpu_twin(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from rag_setup import SMOKE_MODEL, write_model
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    model = write_model(tmp_path / "model", SMOKE_MODEL)
+def test_eq2_profile_script_cpu_twin(bench_module, tmp_path: Path) -> None:
+    rag_setup = bench_module("rag_setup")
+    model = rag_setup.write_model(tmp_path / "model", rag_setup.SMOKE_MODEL)
     engine = tmp_path / "engine.toml"
     engine.write_text('[engine]\ndevice = "cpu"\ndtype = "float32"\nload_format = "dummy"\n'
                       "enable_prefix_caching = false\n")  # fmt: skip

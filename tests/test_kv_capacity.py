@@ -4,24 +4,15 @@ capacity search, against a simulated system with a known capacity (fast, no engi
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture(scope="module")
-def kc():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import kv_capacity
-    finally:
-        sys.path.remove(str(BENCH))
-    return kv_capacity
+def kc(bench_module):
+    return bench_module("kv_capacity")
 
 
 def test_probe_offsets_offer_exactly_the_rate(kc) -> None:

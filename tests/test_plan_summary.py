@@ -14,13 +14,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
-def summary():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import plan_summary
-    finally:
-        sys.path.remove(str(BENCH))
-    return plan_summary
+def summary(bench_module):
+    return bench_module("plan_summary")
 
 
 def test_overhead_line_has_both_targets(summary, tmp_path) -> None:

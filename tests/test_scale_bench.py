@@ -17,17 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
 
-def _module():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import scale_bench
-    finally:
-        sys.path.remove(str(BENCH))
-    return scale_bench
-
-
-def test_configs_and_brackets() -> None:
-    sb = _module()
+def test_configs_and_brackets(bench_module) -> None:
+    sb = bench_module("scale_bench")
     assert sb.parse_config("2x1") == (2, 1) and sb.parse_config("1X4") == (1, 4)
     for bad in ("2", "0x1", "axb"):
         with pytest.raises(ValueError, match="REPLICASxSHARDS|must be >= 1"):
@@ -55,19 +46,15 @@ def test_configs_and_brackets() -> None:
         sb.main(["--configs", "1x1", "--capacity", "1:2", "--window", "5"])
 
 
-def test_fill_stats_measure_what_a_short_warm_up_loses() -> None:
+def test_fill_stats_measure_what_a_short_warm_up_loses(bench_module) -> None:
     """A warm-up shorter than the time from scheduled arrival to finish loses
     ``mean((that - warmup)+) / window`` of the window's completions, as the criterion's
     completed rate shows; a warm-up of at least that loses none. A client that submits late
     shows as submit lag (and adds to the loss)."""
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(BENCH))
-    try:
-        from sustained import window_stats
-    finally:
-        sys.path.remove(str(BENCH))
-    sb = _module()
+    window_stats = bench_module("sustained").window_stats
+    sb = bench_module("scale_bench")
     rate, span, start = 100.0, 33.0, 1000.0
     times = np.arange(1, int(rate * span) + 1) / rate  # steady arrivals, 0.01 .. 33 s
 
@@ -95,8 +82,8 @@ def test_fill_stats_measure_what_a_short_warm_up_loses() -> None:
     assert failed["window_done_share"] == 0.0 and failed["window_latency_max_s"] is None
 
 
-def test_capacity_of_a_cut_short_bisection_and_ratios() -> None:
-    sb = _module()
+def test_capacity_of_a_cut_short_bisection_and_ratios(bench_module) -> None:
+    sb = bench_module("scale_bench")
     pts = [{"rate": 40.0, "sustained": True}, {"rate": 70.0, "sustained": False}]
     assert sb.from_points(pts) == {"capacity_rps": 40.0, "bound": "=", "upper_rps": 70.0}
     assert sb.from_points(pts[:1]) == {"capacity_rps": 40.0, "bound": ">=", "upper_rps": None}
