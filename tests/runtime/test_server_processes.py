@@ -30,9 +30,9 @@ def _long_graph(max_tokens: int = 200) -> object:
     return g.add_edge(START, 0).add_edge(0, 1).add_edge(1, END).compile()
 
 
-def test_50_concurrent_mixed_requests_equal_each_alone(server: Server) -> None:
+def test_concurrent_mixed_requests_equal_each_alone(server: Server) -> None:
     names = sorted(BUILTIN_WORKFLOWS)
-    jobs = [(f"What is the capital of country number {i}?", names[i % 5]) for i in range(50)]
+    jobs = [(f"What is the capital of country number {i}?", names[i % 5]) for i in range(10)]  # each workflow twice
     graphs = {n: small_workflow(n) for n in names}
 
     async def together():
@@ -46,7 +46,7 @@ def test_50_concurrent_mixed_requests_equal_each_alone(server: Server) -> None:
     assert stats["num_node_runs"] - before["num_node_runs"] == num_nodes
     assert stats["scheduler_busy_s"] > before["scheduler_busy_s"]
     assert stats["scheduler_s_per_node"] == stats["scheduler_busy_s"] / stats["num_node_runs"]
-    assert [r.error for r in concurrent] == [None] * 50
+    assert [r.error for r in concurrent] == [None] * len(jobs)
     assert [r.output for r in concurrent] == [r.output for r in alone]
     assert [r.doc_ids for r in concurrent] == [r.doc_ids for r in alone]
     # NOTE: batched embedding moves passage scores by float rounding; ids and texts are equal.

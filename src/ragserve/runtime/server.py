@@ -25,6 +25,7 @@ from ragserve.retrieval.limits import check_document
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.main_guard import check_main_guard
+from ragserve.runtime.worker_start import start_fork_server
 from ragserve.scheduler import GenerationParams, RequestState, Response, Scheduler
 from ragserve.scheduler.cosched import make_transforms
 from ragserve.scheduler.request import RequestError
@@ -54,6 +55,8 @@ class Server:
         self.config = config or ServerConfig()
         if not self.config.in_process:
             check_main_guard()
+            if self.config.backend != "ray":
+                start_fork_server(self.config.worker_start_method)  # preloads meanwhile
         self.executor = _make_executor(model, index, embedder, self.config)
         self.scheduler = Scheduler(
             self.executor,
