@@ -17,11 +17,9 @@ from ragserve.workflows import BUILTIN_WORKFLOWS
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: str, small_index: str):
-    config = ServerConfig(engine_kwargs={"device": "cpu"}, queue_size=4)
-    with Server(tiny_model, small_index, config=config) as s:
-        yield s
+@pytest.fixture
+def server(process_server: Server) -> Server:
+    return process_server
 
 
 def _long_graph(max_tokens: int = 200) -> object:
@@ -32,7 +30,9 @@ def _long_graph(max_tokens: int = 200) -> object:
 
 def test_concurrent_mixed_requests_equal_each_alone(server: Server) -> None:
     names = sorted(BUILTIN_WORKFLOWS)
-    jobs = [(f"What is the capital of country number {i}?", names[i % 5]) for i in range(10)]  # each workflow twice
+    jobs = [
+        (f"What is the capital of country number {i}?", names[i % 5]) for i in range(10)
+    ]  # each workflow twice
     graphs = {n: small_workflow(n) for n in names}
 
     async def together():
