@@ -55,8 +55,6 @@ class Server:
         self.config = config or ServerConfig()
         if not self.config.in_process:
             check_main_guard()
-            if self.config.backend != "ray":
-                start_fork_server(self.config.worker_start_method)  # preloads meanwhile
         self.executor = _make_executor(model, index, embedder, self.config)
         self.scheduler = Scheduler(
             self.executor,
@@ -490,6 +488,9 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
     from ragserve.runtime.memory_plan import plan_gpu_memory
     from ragserve.runtime.workers import WorkerSpec
 
+    if not config.in_process and config.backend != "ray":
+        _check_paths(model, index, embedder, "worker processes")
+        start_fork_server(config.worker_start_method)  # it imports while the rest resolves
     if isinstance(index, str) and index == "factbook" and not Path(index).is_dir():
         from ragserve.retrieval import builtin_index
 
@@ -533,7 +534,6 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         return LocalExecutor(
             GenerationRunner(engine, tokenizer_prefetch=config.tokenizer_prefetch), retrieval
         )
-    _check_paths(model, index, embedder, "worker processes")
     log_level = logging.getLogger("ragserve").getEffectiveLevel()
     gen = WorkerSpec(
         "generation",
