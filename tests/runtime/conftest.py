@@ -33,10 +33,6 @@ def small_corpus() -> list:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from ragserve.generation.testing import make_tiny_model
-    from ragserve.runtime.worker_start import start_fork_server
-
-    # NOTE: the workers' fork server imports torch & co. while this builds the model and index
-    start_fork_server("forkserver")
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", seed=0))
 
