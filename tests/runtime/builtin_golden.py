@@ -19,28 +19,35 @@ QUESTIONS = (
 )
 
 
-def outputs(model: str, index: str) -> dict:
+def outputs(server) -> dict:
+    """Every built-in workflow on every question, through ``server`` (in process, prefix
+    caching off: ``serve``)."""
     from test_workflows_e2e import small_workflow
 
-    from ragserve.runtime import Server, ServerConfig
     from ragserve.workflows import BUILTIN_WORKFLOWS
+
+    out: dict = {}
+    for name in sorted(BUILTIN_WORKFLOWS):
+        for q in QUESTIONS:
+            r = server.run(q, small_workflow(name))
+            out[f"{name}|{q}"] = {
+                "error": r.error,
+                "output": r.output,
+                "doc_ids": list(r.doc_ids),
+                "state": {k: _plain(v) for k, v in r.state.items()},
+                "kinds": [t.kind for t in r.node_timings],
+            }
+    return out
+
+
+def serve(model: str, index: str):
+    """The Server the goldens are written with (as ``conftest.local_server``)."""
+    from ragserve.runtime import Server, ServerConfig
 
     config = ServerConfig(
         in_process=True, engine_kwargs={"device": "cpu", "enable_prefix_caching": False}
     )
-    out: dict = {}
-    with Server(model, index, config=config) as server:
-        for name in sorted(BUILTIN_WORKFLOWS):
-            for q in QUESTIONS:
-                r = server.run(q, small_workflow(name))
-                out[f"{name}|{q}"] = {
-                    "error": r.error,
-                    "output": r.output,
-                    "doc_ids": list(r.doc_ids),
-                    "state": {k: _plain(v) for k, v in r.state.items()},
-                    "kinds": [t.kind for t in r.node_timings],
-                }
-    return out
+    return Server(model, index, config=config)
 
 
 def _plain(value):
@@ -65,4 +72,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     with tempfile.TemporaryDirectory() as tmp:
         model, index = build(Path(tmp))
-        Path(sys.argv[1]).write_text(json.dumps(outputs(model, index), indent=1, sort_keys=True))
+        with serve(model, index) as server:
+            data = outputs(server)
+        Path(sys.argv[1]).write_text(json.dumps(data, indent=1, sort_keys=True))

@@ -62,3 +62,15 @@ def local_server(tiny_model: str, small_index: str):
     )
     with Server(tiny_model, small_index, config=config) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def process_server(tiny_model: str, small_index: str):
+    """One ``Server`` over worker processes (default config, CPU), shared by the modules that
+    only use it: each leaves it as it found it (documents deleted, switches reset); a test
+    that kills a worker checks it is back before it ends."""
+    from ragserve.runtime import Server, ServerConfig
+
+    config = ServerConfig(engine_kwargs={"device": "cpu"}, queue_size=4)
+    with Server(tiny_model, small_index, config=config) as s:
+        yield s

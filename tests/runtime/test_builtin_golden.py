@@ -10,9 +10,9 @@ from pathlib import Path
 from builtin_golden import outputs
 
 
-def test_builtin_workflow_outputs_are_unchanged(tiny_model: str, small_index: str) -> None:
+def test_builtin_workflow_outputs_are_unchanged(local_server) -> None:
     expected = json.loads((Path(__file__).parent / "fixtures/builtin_outputs.json").read_text())
-    actual = json.loads(json.dumps(outputs(tiny_model, small_index)))
+    actual = json.loads(json.dumps(outputs(local_server)))
     assert sorted(actual) == sorted(expected) and len(expected) == 15
     for key, want in expected.items():
         assert actual[key] == want, key

@@ -10,6 +10,9 @@ import pytest
 
 from ragserve.runtime import GpuTierConfig, Server, ServerConfig
 from ragserve.runtime.memory_plan import load_profiles, plan_gpu_memory
+from ragserve.workflows import get_workflow
+
+SHORT = get_workflow("oneshot", max_tokens=6)  # the built-in, with a short answer
 
 ENGINE = {"device": "cpu", "enable_prefix_caching": False}
 
@@ -24,8 +27,8 @@ def test_in_process_server_serves_through_the_tier(local_server, tiny_model, sma
         tier = s.executor.retrieval.index.gpu_tier
         assert tier is not None and tier.device == "cpu" and len(tier.clusters) == 4
         for q in ("What is the capital of Kenya?", "Which countries are in Europe?"):
-            with_tier = s.run(q, "oneshot")
-            plain = local_server.run(q, "oneshot")
+            with_tier = s.run(q, SHORT)
+            plain = local_server.run(q, SHORT)
             assert with_tier.error is None
             assert with_tier.doc_ids == plain.doc_ids
         assert tier.hit_rate == 1.0
@@ -36,7 +39,7 @@ def test_worker_process_builds_the_tier(tiny_model, small_index) -> None:
         engine_kwargs=ENGINE, gpu_tier=GpuTierConfig(budget_bytes=1 << 26, device="cpu")
     )
     with Server(tiny_model, small_index, config=config) as s:
-        r = s.run("What is the capital of Peru?", "oneshot")
+        r = s.run("What is the capital of Peru?", SHORT)
         assert r.error is None and r.doc_ids
 
 
@@ -127,7 +130,7 @@ def test_scan_and_stream_reach_the_tier(tiny_model, small_index) -> None:
         tier = s.executor.retrieval.index.gpu_tier
         assert tier.scan_strategy == "dense"
         assert tier.streamer is not None and tier.streamer.config.host_budget_bytes == 1 << 20
-        assert s.run("What is the capital of Kenya?", "oneshot").error is None
+        assert s.run("What is the capital of Kenya?", SHORT).error is None
     from ragserve.retrieval.cold_stream import STREAM_MODES
     from ragserve.retrieval.gpu_tier import SCANS
     from ragserve.runtime import config as runtime_config

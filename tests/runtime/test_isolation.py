@@ -14,6 +14,9 @@ import pytest
 from ragserve.graph import Passage
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.scheduler import GenerationParams, GenerationTask, RetrievalTask
+from ragserve.workflows import get_workflow
+
+SHORT = get_workflow("oneshot", max_tokens=6)  # the built-in, with a short answer
 
 
 class PickyEmbedder:
@@ -151,10 +154,8 @@ def test_a_task_the_engine_fails_in_a_step_fails_alone(tiny_model, monkeypatch) 
 
 def test_surrogate_question_fails_alone_in_process(local_server) -> None:
     async def together():
-        bad = local_server.submit("What \ud800 is Python?", "oneshot")
-        good = [
-            local_server.submit(f"What is the capital of Peru? {i}", "oneshot") for i in range(3)
-        ]
+        bad = local_server.submit("What \ud800 is Python?", SHORT)
+        good = [local_server.submit(f"What is the capital of Peru? {i}", SHORT) for i in range(3)]
         return await asyncio.gather(bad, *good)
 
     bad, *good = asyncio.run(asyncio.wait_for(together(), 120))

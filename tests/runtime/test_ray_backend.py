@@ -1,6 +1,8 @@
 """The Ray backend: 2 LLM replicas + 2 index shards as actors of one local Ray cluster (CPU,
 tiny model) answer exactly like the single-process backend, survive killed actors, and
-report per-actor stats. One cluster for the whole module (starting it takes ~1 minute)."""
+report per-actor stats. One cluster for the whole module; starting it takes ~16 s, so the module
+runs in ``make test-all`` (slow). The executor's fault handling and the placement plan keep
+their contract tests in the default tier (test_ray_executor_faults.py, test_ray_placement.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from ragserve.workflows import BUILTIN_WORKFLOWS, get_workflow
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 QUESTIONS = ["What is the capital of Kenya?", "Where is Peru?", "Which country has Rome?"]
 

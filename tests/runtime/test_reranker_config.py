@@ -4,7 +4,6 @@ order; a name that cannot be built fails the start in one line."""
 
 from __future__ import annotations
 
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -83,17 +82,19 @@ def test_load_reranker_names_what_failed(reranker_module: str) -> None:
 
 @pytest.mark.integration
 def test_a_configured_reranker_orders_through_the_worker_processes(
-    tiny_model: str, small_index: str, reranker_module: str, tmp_path: Path
+    tiny_model: str, small_index: str, reranker_module: str, process_server: Server
 ) -> None:
-    index = str(shutil.copytree(small_index, tmp_path / "index"))
     q = "What is the capital of France?"
     orders = {}
     for name in ("embedding", f"{reranker_module}:make"):
-        config = ServerConfig(
-            engine_kwargs={"device": "cpu"}, operators=OperatorConfig(reranker=name)
-        )
-        with Server(tiny_model, index, config=config) as s:
-            r = s.run(q, _graph())
+        if name == "embedding":  # the default
+            r = process_server.run(q, _graph())
+        else:
+            config = ServerConfig(
+                engine_kwargs={"device": "cpu"}, operators=OperatorConfig(reranker=name)
+            )
+            with Server(tiny_model, small_index, config=config) as s:
+                r = s.run(q, _graph())
         assert r.error is None, r.error
         docs, top = r.state["docs"], r.state["top"]
         assert len(docs) == 4

@@ -1,22 +1,8 @@
-"""``validate()`` turns a builder's nodes and edges into an immutable ``CompiledGraph``.
-
-Checks, in order, each raising ``GraphError`` naming the node: unknown endpoints, a node with
-no or several outgoing edges, a loop of plain edges (no conditional exit), a node that cannot
-reach ``END``, a node unreachable from ``START``, a fan-out whose branches do not join (or
-write the same key), and a template variable (or operator input) that neither the inputs nor
-any node that can run before it produces.
-
-Fan-out and join (``add_edge(src, (a, b))``)::
-
-    src ──┬─▶ a ─▶ a2 ─┐
-          └─▶ b ───────┴─▶ join ─▶ ...       join: the first node every branch reaches
-
-Each branch is a chain of plain edges (no router, no nested fan-out inside it) that ends at
-the join; no edge enters a branch from outside. Branches run concurrently, each on its own
-copy of the state taken at the fan-out; the join waits for all of them, then merges their
-writes into the request's state in branch order. Branches must write disjoint keys (checked
-here), so the merge never depends on which branch finished first.
-"""
+"""``validate()`` turns a builder's nodes and edges into an immutable ``CompiledGraph``, raising
+``GraphError`` naming the node for: unknown endpoints, zero or several outgoing edges, a loop
+of plain edges, a node that cannot reach ``END`` or be reached from ``START``, a fan-out whose
+branches do not join or write the same key, and a template variable nothing produces.
+Fan-out / join semantics: docs/architecture.md "Graph"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Worker results as Arrow record batches (one row per update / result).
-
-    generation:  every ``GenerationUpdate`` field as a column (token ids list<int64>; the
-                 prompt's null when not sent)
-    retrieval:   passages list<struct<doc_id, text, title, score>>; the slim results (the
-                 three result classes, without passages) ride in the message (``wire.py``)
-                 and ``attach_retrieval`` puts the passages back into them.
-
-Reading uses the batch's buffers in place (a batch read from shared memory is never copied
-before this); the Python values built here (``Passage``, token tuples) are what the scheduler
-then uses.
-"""
+"""Worker results as Arrow record batches (one row per update / result): every
+``GenerationUpdate`` field as a column; a retrieval result's passages as
+``list<struct<doc_id, text, title, score>>`` (the slim results ride in the message and
+``attach_retrieval`` puts the passages back). Reading uses the batch's buffers in place."""
 
 from __future__ import annotations
 

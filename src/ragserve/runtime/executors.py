@@ -209,6 +209,20 @@ class WorkerHandle:
         self.ring.close()
 
 
+def _wait_all_ready(workers: list[WorkerHandle], timeout: float) -> None:
+    """Block until every worker is ready (they build at the same time); raise as soon as one
+    fails, or when ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout
+    waiting = {w.conn: w for w in workers}
+    while waiting:
+        ready = wait(list(waiting), max(deadline - time.monotonic(), 0.0))
+        if not ready:
+            late = next(iter(waiting.values())).spec.kind
+            raise RuntimeError(f"{late} worker did not start within {timeout:.0f} s")
+        for conn in ready:
+            waiting.pop(conn).wait_ready(0.0)
+
+
 class Waker:
     """A self-pipe (a socket pair) to wait on beside the workers' pipes: ``wake`` (any
     thread) makes it readable until ``drain``. Once closed, ``wake`` does nothing (a socket
@@ -259,9 +273,11 @@ class ProcessExecutor(BaseExecutor):
         self._errors: list[Update] = []
         self._tokens = itertools.count()
         try:
-            for w in self.workers.values():
-                w.wait_ready(config.worker_start_timeout)
+            _wait_all_ready(list(self.workers.values()), config.worker_start_timeout)
         except BaseException:
+            for w in self.workers.values():  # NOTE: a start failed: the others stop at once
+                if not w.ready:
+                    w.proc.kill()
             self.close()
             raise
 

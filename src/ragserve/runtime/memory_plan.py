@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ragserve.runtime.config import GpuTierConfig, ServerConfig
+from ragserve.runtime.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -156,13 +156,3 @@ def kv_dtype(name: str, device: str = "auto") -> Any:
         on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         return torch.bfloat16 if on_cuda else torch.float32
     return getattr(torch, name)
-
-
-__all__ = [
-    "GpuTierConfig",
-    "TierPlan",
-    "free_gpu_bytes",
-    "kv_dtype",
-    "load_profiles",
-    "plan_gpu_memory",
-]

@@ -222,13 +222,3 @@ def model_folder(model: str | Path, engine_kwargs: dict[str, Any]) -> Path:
     from ragserve.generation.builtin import resolve_model
 
     return resolve_model(model)
-
-
-__all__ = [
-    "GenerationWorkload",
-    "kv_block_bytes",
-    "model_folder",
-    "measure_generation_profile",
-    "measure_retrieval_profile",
-    "write_profile",
-]

@@ -1,21 +1,8 @@
-"""How a results message's rows cross to the server, and reading them back: the one place
-that picks the encoding (``uses_arrow``), by the rows' estimated size.
-
-    small_message_bytes <= estimate <= slot_bytes   an Arrow record batch
-                                            (``arrow_batches.py``) in a shared-memory slot
-                                            (``shm.py``): the bytes skip the pipe, whose
-                                            copies dominate at this size
-    otherwise                               the rows ride pickled in the message itself
-                                            (``payload`` None): below the threshold pickling
-                                            a few dataclasses is faster than building and
-                                            reading a batch; above a slot, Arrow would go
-                                            through the pipe too, slower than pickle
-
-The threshold is measured (``bench/message_threshold.py``, BENCHMARKS.md "Orchestration
-overhead"); ``small_message_bytes=0`` sends every payload that fits a slot as Arrow. The
-estimate counts the bytes of the strings and 8 per token id and passage, plus a fixed part
-per row; both encodings carry exactly the same values.
-"""
+"""How a results message's rows cross to the server, and reading them back. ``uses_arrow`` is
+the one place that picks: an Arrow batch in a shared-memory slot when ``small_message_bytes
+<= estimate <= slot_bytes``, else the rows pickled in the message (threshold measured:
+``bench/message_threshold.py``, BENCHMARKS.md "Orchestration overhead"). Both carry the same
+values."""
 
 from __future__ import annotations
 

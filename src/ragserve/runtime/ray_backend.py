@@ -1,26 +1,8 @@
-"""``RayExecutor``: the scheduler's tasks on Ray actors (``ServerConfig(backend="ray")``).
-
-```
-Server ─ Scheduler ─ RayExecutor ──route──> LLMReplica 0..N-1   (one LLMEngine each; GPU/PG)
-                          │
-                          └──────────────> RetrievalCoordinator (embedder, staged runner)
-                                               └─ fan-out ─> ShardServer 0..M-1 (a folder each)
-```
-
-One scheduler (this process) drives every actor. Each actor has one long-poll call in flight
-(``poll``); ``RayExecutor.poll`` waits on all of them with ``ray.wait``. An actor that dies
-fails that call: a replica's in-flight generation tasks then end with ``worker_died`` (and are
-aborted on its restarted instance, in case a late submit reached it); the coordinator's
-in-flight retrievals are resubmitted once (they are idempotent), then failed. Ray restarts
-dead actors (``max_restarts``); shards restart from their folders, so acknowledged upserts
-survive. Without ``ray_address`` a local cluster is started (no dashboard) and shut at close.
-
-GPUs: one placement group of ``{"GPU": 1, "CPU": 1}`` bundles (``plan_gpus``). Replica ``i``
-takes bundle ``i``; with ``ServerConfig.gpu_tier`` on a GPU, index shard ``j`` (or the
-coordinator, for one shard) takes ``TIER_GPU_SHARE`` of bundle ``j``'s GPU beside the replica
-there (Ray's fractional GPUs: both see the same device as ``cuda``) and places its tier in its
-constructor, so a restarted actor gets its tier back.
-"""
+"""``RayExecutor``: the scheduler's tasks on Ray actors (``ServerConfig(backend="ray")``): LLM
+replicas, one retrieval coordinator fanning out to index shards, GPUs from one placement group
+(``plan_gpus``). One long-poll call per actor, waited on with ``ray.wait``; a dead replica
+fails its in-flight tasks, a dead coordinator's retrievals are resent once. Layout and faults:
+docs/architecture.md "Scale-out on Ray", docs/scale_out.md."""
 
 from __future__ import annotations
 

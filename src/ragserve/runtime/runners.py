@@ -1,17 +1,9 @@
-"""The work itself, shared by the in-process executor and the worker processes.
-
-``GenerationRunner`` turns tasks into ``LLMEngine`` requests and engine outputs into
-``GenerationUpdate`` deltas (per engine step, or per chunk of decode steps).
-``RetrievalRunner`` embeds one batch of queries and searches them together (one search per
-distinct ``nprobe``).
-
-One request never fails another: a task the engine or tokenizer rejects on ``add`` fails
-alone; a retrieval batch that raises is retried task by task (``run_isolated``), so only the
-task that still fails gets an error; a task the engine fails alone in a step (its step
-isolation, ``generation/step_isolation.py``) gets an error update; an engine step that still
-raises fails the tasks it held (the engine and the worker survive; requests added later run
-normally).
-"""
+"""The work itself, shared by the in-process executor and the worker processes:
+``GenerationRunner`` (tasks -> ``LLMEngine`` requests -> ``GenerationUpdate`` deltas, per step
+or per chunk of decode steps) and ``RetrievalRunner`` (one embedded batch, one search per
+distinct ``nprobe``). One request never fails another: a task rejected on ``add``, a retrieval
+that still fails alone (``run_isolated``) or a task the engine fails in a step gets an error;
+the engine and the worker survive."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from ragserve.retrieval.limits import check_document
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.main_guard import check_main_guard
+from ragserve.runtime.worker_start import start_fork_server
 from ragserve.scheduler import GenerationParams, RequestState, Response, Scheduler
 from ragserve.scheduler.cosched import make_transforms
 from ragserve.scheduler.request import RequestError
@@ -487,6 +488,9 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
     from ragserve.runtime.memory_plan import plan_gpu_memory
     from ragserve.runtime.workers import WorkerSpec
 
+    if not config.in_process and config.backend != "ray":
+        _check_paths(model, index, embedder, "worker processes")
+        start_fork_server(config.worker_start_method)  # it imports while the rest resolves
     if isinstance(index, str) and index == "factbook" and not Path(index).is_dir():
         from ragserve.retrieval import builtin_index
 
@@ -530,7 +534,6 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         return LocalExecutor(
             GenerationRunner(engine, tokenizer_prefetch=config.tokenizer_prefetch), retrieval
         )
-    _check_paths(model, index, embedder, "worker processes")
     log_level = logging.getLogger("ragserve").getEffectiveLevel()
     gen = WorkerSpec(
         "generation",

@@ -1,20 +1,12 @@
-"""A shared-memory ring of fixed-size slots carrying Arrow record batches between processes.
-
-The writer (a worker) serializes its batch as an Arrow IPC stream, takes a free slot (waiting
-at most ``timeout`` when all are in flight: the data plane's back-pressure) and copies the
-stream in; a small ``ShmRef`` goes through its pipe. The reader (the server) opens the stream
-on the slot's memory itself: the batch's buffers lie in the segment (zero-copy); once the
-reader is done with it the slot is free again. A stream larger than a slot, or one that found
-no free slot in time, travels inline (``InlineArrow``), still as Arrow.
+"""A shared-memory ring of fixed-size slots carrying Arrow IPC streams from a worker (the one
+writer) to the server (the one reader); a stream past a slot, or with no free slot in time,
+goes inline (``InlineArrow``). docs/architecture.md "Data plane".
 
     [ flags: 1 byte per slot | pad to 64 ] [ slot 0 ] [ slot 1 ] ...   slot i at
     header + i * slot_bytes:  [ Arrow IPC stream (schema, one record batch) | unused ]
 
-A slot's flag is 0 (free) or 1 (written, not yet read). One writer (the worker) and one reader
-(the server's scheduler thread) per ring: only the writer sets 0 -> 1 and only the reader
-1 -> 0, so no lock is needed; the ``ShmRef`` travels through a pipe (a system call) after the
-slot is written, which orders the writes before the reader's.
-"""
+Only the writer sets a flag 0 -> 1 and only the reader 1 -> 0, so no lock is needed; the
+``ShmRef`` goes through a pipe after the slot is written, which orders the writes."""
 
 from __future__ import annotations
 

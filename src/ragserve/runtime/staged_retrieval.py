@@ -1,23 +1,8 @@
-"""The retrieval side of co-scheduling: ``StagedRetrievalTask`` messages adapted to the staged
-search engine (``retrieval/staged.py``), which owns the mechanism.
-
-``StagedRetrievalRunner`` is a ``RetrievalRunner`` (plain tasks are still searched in one shot)
-that also keeps ``StagedRetrievalTask``s active across calls::
-
-    run(tasks):  plain tasks  -> one-shot search (as before)
-                 staged tasks -> embedded as one batch, added to the StagedSearch
-                 one sub-stage of every active search -> partials / final results
-
-The worker loop keeps calling ``run([])`` while ``has_pending()``, draining its inbox between
-sub-stages.
-
-Section collapsing (``RetrievalRunner.collapses``): a collapsed staged task is searched
-step-wise ``FETCH_FACTOR`` times deeper and collapsed at the end (partials too), so it
-equals ``search_text(..., collapse_sections=True)``: that search's first rounds are prefixes
-of this ranking. When the deeper ranking is full and still short of ``topk`` sections, the
-task is finished by ``search_text`` itself (one more one-shot search, rare). Without
-collapsing the step-wise results are the Faiss one-shot top-k, as before.
-"""
+"""``StagedRetrievalRunner``: a ``RetrievalRunner`` that also keeps ``StagedRetrievalTask``s
+active across calls, one sub-stage per ``run`` (the mechanism: ``retrieval/staged.py``); the
+worker keeps calling ``run([])`` while ``has_pending()``. A collapsed staged task is searched
+``FETCH_FACTOR`` times deeper and collapsed at the end, so it equals ``search_text(...,
+collapse_sections=True)``; otherwise the results are Faiss's one-shot top-k."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""The typed messages between the server and its worker processes.
-
-Server -> worker (the worker's bounded inbox; pickled by the sender, ``encode``):
-
-    SubmitGenerationMsg(tasks)   AbortGenerationMsg(task_ids)      generation worker
-    SubmitRetrievalMsg(tasks)    CallRetrievalMsg(token, method, args)   retrieval worker
-    ShutdownMsg()                                                   either
-
-Worker -> server (its pipe): ``ReadyMsg``, ``FatalMsg``, ``EngineStatsMsg``,
-``GenerationResultsMsg`` (its task ids plus an ``ArrowPayload`` holding the updates),
-``RetrievalResultsMsg`` (the slim results plus an ``ArrowPayload`` holding their passages;
-``runtime/arrow_batches.py``) and ``CallReplyMsg``. Results whose rows are small travel
-without a payload, their rows pickled in the message itself (``runtime/payloads.py``
-decides). Each side dispatches on the message's type through an explicit table, never on a
-name read from the wire; ``CallRetrievalMsg.method`` is looked up in ``RETRIEVAL_CALLS``, a
-fixed table of the retrieval runner's callable methods.
-"""
+"""The typed messages between the server and its worker processes, and the fixed tables of
+methods a call message may name. Which message goes where: docs/architecture.md "Data plane"."""
 
 from __future__ import annotations
 

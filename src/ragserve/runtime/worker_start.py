@@ -32,6 +32,19 @@ def worker_context(method: str) -> BaseContext:
     return ctx
 
 
+def start_fork_server(method: str) -> int | None:
+    """Launch the fork server now, if ``method`` uses one, and return its pid (``None`` for
+    ``"spawn"``). It imports ``PRELOAD`` in the background while the caller goes on (index and
+    memory plan resolution); the first worker start then waits only for what is left."""
+    worker_context(method)
+    if method != "forkserver":
+        return None
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return forkserver._forkserver._forkserver_pid  # noqa: SLF001 (stdlib's only handle)
+
+
 def worker_process(ctx: BaseContext, target: Callable[..., None], args: tuple, name: str) -> Any:
     """A daemon process (not started) running ``target(*args)`` under this process's current
     environment."""

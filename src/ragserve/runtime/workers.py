@@ -1,17 +1,7 @@
 """The persistent worker processes: one owns the LLM engine, one the embedder and the index.
-
-Each worker reads typed messages (``wire.py``) from its bounded inbox
-(``multiprocessing.Queue``), dispatching on their type through a fixed table, and writes
-typed messages to its own pipe. The token ids of generation updates and the passages of
-retrieval results cross as Arrow record batches (``arrow_batches.py``) in the shared-memory
-ring (``shm.py``), not pickled; the slim messages around them are. Results whose rows are
-small ride pickled in the message itself (``payloads.py`` decides, by estimated size).
-
-Messages in arrive pickled by the sender (``wire.encode``), so a message that cannot be
-pickled fails in the caller's thread with an error, never silently in the queue's feeder
-thread. A result that cannot be sent back (unpicklable, or an Arrow payload over
-``max_message_bytes``) is replaced by errors for the tasks (or call) it carried.
-"""
+Each reads typed messages (``wire.py``) from its bounded inbox and writes results to its pipe
+(rows as Arrow in its shared-memory ring, or pickled: ``payloads.py``). A result that cannot
+be sent back is replaced by errors for the tasks (or call) it carried."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Messages of co-scheduled (staged) retrieval: a retrieval node cut into cluster sub-stages.
-
-A ``StagedRetrievalTask`` is a ``RetrievalTask`` with instructions for the retrieval worker's
-staged search (``ragserve.retrieval.staged``, adapted by ``runtime.staged_retrieval``): how to
-cut it into sub-stages, which clusters to scan first, whether to report partial top-k after
-each sub-stage. A plain ``RetrievalTask`` is still searched in one shot, as before.
-
-Back come ``RetrievalPartial`` (after each non-final sub-stage, only when asked for; consumed
-by the transforms, never seen by the scheduler) and a ``StagedRetrievalResult`` (a
-``RetrievalResult`` carrying what the similarity cache needs).
-"""
+"""Messages of staged retrieval (a retrieval node cut into cluster sub-stages):
+``StagedRetrievalTask`` (how to cut, which clusters first, whether to report partials), and
+back ``RetrievalPartial`` (for the transforms only) and ``StagedRetrievalResult``."""
 
 from __future__ import annotations
 
