@@ -91,23 +91,28 @@ def handler(args: argparse.Namespace) -> int:
 
 
 def _prepare(out: Any, model: str, index: str) -> None:
-    """First run only: the built-in model's conversion (one core, in a thread) overlaps the
-    factbook index build (the embedder's threads); each says when it starts and ends."""
-    from concurrent.futures import ThreadPoolExecutor
+    """First run only: the built-in model's conversion (mostly one core) overlaps the factbook
+    index build (the embedder's threads); each says when it starts and ends.
 
-    from ragserve.cli.options import DEFAULT_INDEX, check_model, resolve_index
-    from ragserve.generation.builtin import BUILTIN_MODELS, is_converted
+    NOTE: the conversion runs in a spawned process, not a thread: two threads importing
+    transformers' lazy modules at once can see a half-initialised module.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from ragserve.cli.options import DEFAULT_INDEX, resolve_index
+    from ragserve.generation.builtin import BUILTIN_MODELS, ensure_builtin, is_converted
     from ragserve.retrieval.builtin import builtin_index_dir, is_built
 
     convert = model in BUILTIN_MODELS and not is_converted(model)
     build = index == DEFAULT_INDEX and not is_built(builtin_index_dir(index))
     if not (convert or build):
         return
-    with ThreadPoolExecutor(1) as pool:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         t0 = time.perf_counter()
         if convert:
             _step(out, f"converting the built-in model {model} (first run only)")
-            converted = pool.submit(check_model, model)
+            converted = pool.submit(ensure_builtin, model)
         if build:
             _step(out, "building the factbook index (first run only)")
             resolve_index(index)
