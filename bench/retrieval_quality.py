@@ -31,7 +31,7 @@ search mode (dense, bm25, hybrid) and section collapsing (on, the default, or of
         [--cache DIR] [--out bench/results/retrieval_quality.json]
     .venv/bin/python bench/retrieval_quality.py --cost      # embedding time, embedders side by side
 
-Issue 14's quality modes (session 5): `--modes dense,ensemble,prf` picks the modes,
+Issue 14's quality modes (session 5): `--modes dense,ensemble` picks the modes (prf: at e82677a),
 `--ensemble multilingual-e5-small-q4` adds the second encoder to every index (rows per
 `--ensemble-configs weight/bm25_weight/depth`), `--headers path,none` compares the embedded
 passage header; rows record the embedding seconds (first run; a cached re-run reports the

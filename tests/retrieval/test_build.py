@@ -124,7 +124,7 @@ def test_force_replaces_an_index_only_once_the_new_one_is_saved(tmp_path, monkey
 
     monkeypatch.setattr(finetune_module, "save_embedder", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        build_index(corpus, out, BuildConfig(ensemble=None, finetune_encoder=True), force=True)
+        build_index(corpus, out, BuildConfig(ensemble=None, finetune=True), force=True)
     assert (out / "manifest.json").read_text() == manifest and _ids(out) == before
     assert _leftovers(tmp_path) == []
     monkeypatch.undo()
@@ -142,9 +142,9 @@ def test_a_tuned_build_saves_its_encoder_and_embedded_with_what_queries_use(tmp_
     """The stored passage vectors equal the reloaded index's encoder on the same passages (the
     tuned copy returns to the base's dtype before it embeds anything)."""
     out = tmp_path / "idx"
-    config = BuildConfig(ensemble=None, finetune_encoder=True)
+    config = BuildConfig(ensemble=None, finetune=True)
     report = build_index(_clean_docs(tmp_path), out, config)
-    assert report.finetune["enabled"] and report.finetune["reason"] == "--finetune-encoder"
+    assert report.finetune["enabled"] and report.finetune["reason"] == "--finetune"
     assert report.finetune["num_pairs"] > 0 and (out / "encoder" / "config.json").is_file()
     index = VectorIndex.load(out)
     assert index.embedder_name == str(out.absolute() / "encoder")

