@@ -138,12 +138,15 @@ def test_force_replaces_an_index_only_once_the_new_one_is_saved(tmp_path, monkey
     assert _leftovers(tmp_path) == []
 
 
-def test_a_tuned_build_saves_its_encoder_and_embedded_with_what_queries_use(tmp_path):
+def test_a_tuned_build_saves_its_encoder_and_embedded_with_what_queries_use(tmp_path, capsys):
     """The stored passage vectors equal the reloaded index's encoder on the same passages (the
-    tuned copy returns to the base's dtype before it embeds anything)."""
+    tuned copy returns to the base's dtype before it embeds anything); without `progress` the
+    build draws no estimate or bar."""
     out = tmp_path / "idx"
     config = BuildConfig(ensemble=None, finetune=True)
+    capsys.readouterr()
     report = build_index(_clean_docs(tmp_path), out, config)
+    assert "fine-tuning" not in capsys.readouterr().err
     assert report.finetune["enabled"] and report.finetune["reason"] == "--finetune"
     assert report.finetune["num_pairs"] > 0 and (out / "encoder" / "config.json").is_file()
     index = VectorIndex.load(out)

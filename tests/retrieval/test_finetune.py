@@ -41,11 +41,23 @@ def tuned(base):
 
 
 def test_finetune_is_deterministic_leaves_the_base_and_the_rng_alone(base, tuned, capsys):
+    """A second run (with `progress`) equals the first; its time estimate and how to skip come
+    first on stderr, then a bar over the training steps (2 batches of 3 pairs)."""
+    from ragserve.retrieval.finetune import SECONDS_PER_PAIR, describe_estimate, estimate_seconds
+
     before = base.encode(QUERIES, is_query=True)
     rng_state = torch.random.get_rng_state()
     capsys.readouterr()
-    b, num_pairs = finetune_embedder(base, docs(), FAST)
-    assert capsys.readouterr().err == ""  # no progress unless asked
+    b, num_pairs = finetune_embedder(base, docs(), FAST, progress=True)
+    err = capsys.readouterr().err
+    line = describe_estimate(len(TEXTS), FAST)
+    assert line == (
+        "fine-tuning the encoder on 6 pseudo-queries: about 1 s on a 2-core CPU "
+        "(--no-finetune / BuildConfig(finetune=False) skips it)"
+    )
+    assert err.index(line) < err.index("0/2") < err.index("2/2")
+    assert estimate_seconds(1000, FinetuneConfig(epochs=2)) == 2000 * SECONDS_PER_PAIR
+    assert "about 3 min" in describe_estimate(1000, FinetuneConfig())
     assert torch.equal(torch.random.get_rng_state(), rng_state)
     a = tuned
     assert num_pairs == len(TEXTS)
@@ -56,6 +68,7 @@ def test_finetune_is_deterministic_leaves_the_base_and_the_rng_alone(base, tuned
     np.testing.assert_allclose(np.linalg.norm(qa, axis=1), 1.0, atol=1e-5)
 
 
+@pytest.mark.slow  # a second training run, from a bf16 load
 def test_a_reduced_precision_encoder_trains_from_its_full_precision_weights(tuned):
     """A bf16 encoder (e.g. `dtype="bfloat16"`, or fp16 on CUDA) is fine-tuned from the model's
     fp32 weights, not its rounded ones: the result is the fp32 run's encoder cast to bf16."""
@@ -78,10 +91,9 @@ def test_saved_encoder_loads_back_equal(tuned, tmp_path):
     )
 
 
-def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
+def test_a_pair_cap_samples_seeded_pairs_in_corpus_order():
     """Above `max_pairs` the training set is a sample of that many pairs, the same for the same
-    seed, another for another seed, kept in corpus order; at or under the cap, every pair (the
-    tuned weights equal an uncapped run's)."""
+    seed, another for another seed, kept in corpus order; at or under the cap, every pair."""
     from ragserve.retrieval.finetune import pseudo_pairs, sample_pairs
 
     pairs = pseudo_pairs(docs())
@@ -93,6 +105,12 @@ def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
               for s in range(6)}  # fmt: skip
     assert len(others) > 1
     assert sample_pairs(pairs, FinetuneConfig(max_pairs=len(pairs))) == pairs
+    with pytest.raises(ValueError, match="max_pairs"):
+        FinetuneConfig(max_pairs=1)
+
+
+@pytest.mark.slow  # three training runs
+def test_a_capped_run_trains_on_the_sample_and_at_the_cap_equals_an_uncapped_one(base):
     capped, n = finetune_embedder(base, docs(), FinetuneConfig(1, 1e-4, 3, max_pairs=4))
     assert n == 4
     q = capped.encode(QUERIES, is_query=True)
@@ -102,26 +120,6 @@ def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
         same.encode(QUERIES, is_query=True),
         finetune_embedder(base, docs(), FAST)[0].encode(QUERIES, is_query=True),
     )
-    with pytest.raises(ValueError, match="max_pairs"):
-        FinetuneConfig(max_pairs=1)
-
-
-def test_progress_shows_the_estimate_before_the_first_step(base, capsys):
-    """With `progress`, the time estimate and how to skip come first, then a bar over the
-    training steps (2 batches of 3 pairs); the estimate is the measured rate per pair."""
-    from ragserve.retrieval.finetune import SECONDS_PER_PAIR, describe_estimate, estimate_seconds
-
-    capsys.readouterr()
-    finetune_embedder(base, docs(), FAST, progress=True)
-    err = capsys.readouterr().err
-    line = describe_estimate(len(TEXTS), FAST)
-    assert line == (
-        "fine-tuning the encoder on 6 pseudo-queries: about 1 s on a 2-core CPU "
-        "(--no-finetune / BuildConfig(finetune=False) skips it)"
-    )
-    assert err.index(line) < err.index("0/2") < err.index("2/2")
-    assert estimate_seconds(1000, FinetuneConfig(epochs=2)) == 2000 * SECONDS_PER_PAIR
-    assert "about 3 min" in describe_estimate(1000, FinetuneConfig())
 
 
 def test_bad_inputs_say_what_is_wrong(base):
@@ -190,6 +188,7 @@ def test_the_build_default_follows_the_measured_bounds_and_the_flags_override_it
     assert choice(500, flag=False) == (False, "--no-finetune")
 
 
+@pytest.mark.slow  # a CLI build with training (and e5 beside it when installed)
 def test_a_folder_build_fine_tunes_by_default_and_index_info_says_why(
     tmp_path, monkeypatch, capsys
 ):
@@ -238,6 +237,7 @@ def test_no_finetune_skips_it_from_the_cli_and_from_python(tmp_path, monkeypatch
     assert not (tmp_path / "cli" / "encoder").exists()
 
 
+@pytest.mark.slow  # a CLI build with training, then the worker's encoder loaded
 def test_a_fine_tuned_index_queries_with_its_own_encoder_everywhere_even_moved(tmp_path, capsys):
     """The saved encoder is found relative to the index folder (a moved index keeps working),
     and the retrieval worker's encoder (what the server, HTTP and Ray paths load: the index's
