@@ -264,7 +264,7 @@ def side_encoder(ensemble: str | None, embedder_name: str, tuned: bool, is_folde
     documents (where it was measured), when its package is installed and it is not the
     index's own encoder: all-mpnet-base-v2 beside a fine-tuned encoder (seventh run), else
     multilingual-e5-small-q4."""
-    from ragserve.retrieval import split_model
+    import ragserve.retrieval.split_model as split_model
     from ragserve.retrieval.finetune import TUNED_SIDE_ENCODER
 
     if ensemble != "auto":

@@ -43,14 +43,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ragserve.retrieval.profile import SearchProfile
-
-if TYPE_CHECKING:
-    from ragserve.retrieval.index import VectorIndex
+from ragserve.retrieval.types import ScanIndex
 
 # NOTE: past this many breakpoint combinations the candidates are thinned to quantiles of x.
 _MAX_COMBINATIONS = 20_000
@@ -476,7 +473,7 @@ def _envelope(f: PiecewiseLinear, batch_sizes: np.ndarray) -> np.ndarray:
 
 
 def measure_cpu_model(
-    index: VectorIndex,
+    index: ScanIndex,
     queries: np.ndarray,
     nprobe: int,
     *,

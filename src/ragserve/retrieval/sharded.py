@@ -33,7 +33,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from ragserve.retrieval import stepwise
+import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.cold_stream import StreamConfig
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.index_tier import TierSpec, check_tier_options
