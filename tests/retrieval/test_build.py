@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ragserve.cli.main import main
-from ragserve.retrieval import BuildConfig, BuildError, VectorIndex, build_index
+from ragserve.retrieval import BuildConfig, BuildError, VectorIndex, build_index, persist
 from ragserve.retrieval import finetune as finetune_module
 from ragserve.retrieval.passages import passage_text
 
@@ -119,12 +119,9 @@ def test_force_replaces_an_index_only_once_the_new_one_is_saved(tmp_path, monkey
     with pytest.raises(BuildError):
         build_index(corpus, out, BuildConfig(embedder="no-such-model"), force=True)
 
-    def disk_full(*args, **kwargs):  # the tuned encoder's write fails after the index's
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(finetune_module, "save_embedder", disk_full)
+    monkeypatch.setattr(persist, "write_manifest", _disk_full)  # after the new snapshot's write
     with pytest.raises(OSError, match="No space left"):
-        build_index(corpus, out, BuildConfig(ensemble=None, finetune=True), force=True)
+        build_index(corpus, out, DENSE, force=True)
     assert (out / "manifest.json").read_text() == manifest and _ids(out) == before
     assert _leftovers(tmp_path) == []
     monkeypatch.undo()
@@ -135,6 +132,23 @@ def test_force_replaces_an_index_only_once_the_new_one_is_saved(tmp_path, monkey
         for h in VectorIndex.load(out).search_text([QUESTION], report.num_passages)[0]
     }
     assert json.loads((out / "manifest.json").read_text()) != json.loads(manifest)
+    assert _leftovers(tmp_path) == []
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.slow  # a training run, to fail after it
+def test_a_failed_tuned_encoder_write_keeps_the_index_it_would_replace(tmp_path, monkeypatch):
+    corpus = _clean_docs(tmp_path)
+    out = tmp_path / "idx"
+    build_index(corpus, out, DENSE)
+    before, manifest = _ids(out), (out / "manifest.json").read_text()
+    monkeypatch.setattr(finetune_module, "save_embedder", _disk_full)  # after the index's write
+    with pytest.raises(OSError, match="No space left"):
+        build_index(corpus, out, BuildConfig(ensemble=None, finetune=True), force=True)
+    assert (out / "manifest.json").read_text() == manifest and _ids(out) == before
     assert _leftovers(tmp_path) == []
 
 

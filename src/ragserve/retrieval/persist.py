@@ -100,16 +100,14 @@ def _save(vi, directory: Path) -> Path:
     with vi._write_mutex:
         data = vi.serialize()
         seq = vi._store.last_seq()
-        vi._store.copy_to(tmp / DOCSTORE)
-        copy = DocStore(tmp / DOCSTORE)
-        copy.truncate_log(seq)
-        copy.close()
-        bm25.save_snapshot(vi, tmp, generation=1)
-        ensemble.save_snapshot(vi, tmp, generation=1)
-        _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
-        if directory.exists():
-            directory.rmdir()
-        os.rename(tmp, directory)
+        try:
+            _write_files(vi, tmp, data, seq)
+            if directory.exists():
+                directory.rmdir()
+            os.rename(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # NOTE: a failed save leaves no partial folder
+            raise
         fsync_dir(directory.parent)
         old, vi._store = vi._store, DocStore(directory / DOCSTORE)
         old.close()
@@ -193,6 +191,18 @@ def _load_side(directory: Path, metadata: dict[str, Any]):
         return ensemble.load_snapshot(directory, metadata)
     except ValueError as exc:
         raise IndexCorruptError(directory / metadata[ensemble.SNAPSHOT_KEY], str(exc)) from None
+
+
+def _write_files(vi, tmp: Path, data: np.ndarray, seq: int) -> None:
+    """Generation 1 of `vi` in the empty folder `tmp`: store (log past `seq` cut), side
+    snapshots, Faiss snapshot, manifest last."""
+    vi._store.copy_to(tmp / DOCSTORE)
+    copy = DocStore(tmp / DOCSTORE)
+    copy.truncate_log(seq)
+    copy.close()
+    bm25.save_snapshot(vi, tmp, generation=1)
+    ensemble.save_snapshot(vi, tmp, generation=1)
+    _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
 
 
 def _compact(vi) -> None:
