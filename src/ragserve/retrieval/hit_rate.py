@@ -1,5 +1,5 @@
 """Per-query GPU-tier hit rates as a Beta distribution (VectorLiteRAG §V-B) and the batch's
-tail hit rate in one of ``TAIL_MODES`` (``partition``'s module doc says which and why).
+tail hit rate in one of ``TAIL_MODES`` (docs/tier_policy.md says which and why).
 
 Pure NumPy (the regularised incomplete beta function is computed here); no torch, no faiss.
 """
