@@ -13,7 +13,7 @@ from ragserve.retrieval import Document, VectorIndex
 from ragserve.retrieval.staged import StagedSearch, StageParams
 from ragserve.retrieval.tier_placement import PlacementConfig
 
-DIM, NUM, NLIST, K, NPROBE = 16, 3000, 32, 10, 8
+DIM, NUM, NLIST, K, NPROBE = 16, 1500, 32, 10, 8
 BIG = 1 << 30
 
 
