@@ -135,7 +135,7 @@ def test_build_with_finetune_encoder_and_a_damaged_encoder(tmp_path, capsys):
         "\n".join(json.dumps({"id": f"d{i}", "text": t}) for i, t in enumerate(TEXTS))
     )
     out = tmp_path / "idx"
-    args = ["index", "build", "--corpus", str(corpus), "--out", str(out), "--finetune-encoder"]
+    args = ["index", "build", "--corpus", str(corpus), "--out", str(out), "--finetune"]
     assert main(args) == 0
     assert f"fine-tuned on {len(TEXTS)} pseudo-queries" in capsys.readouterr().out
     assert main(["index", "info", str(out)]) == 0
