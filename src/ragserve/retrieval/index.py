@@ -523,4 +523,3 @@ __all__ = [
     "check_header",
     "passage_text",
 ]
-_passage_text = passage_text  # the name older callers import
