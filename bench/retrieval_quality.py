@@ -168,7 +168,7 @@ def start_logging() -> None:
 
 
 def add_study_args(p: argparse.ArgumentParser, configs: str, out: str) -> None:
-    """The options the adapter and fine-tune studies share (``bench/retrieval_adapt.py``,
+    """The options the fine-tune studies share (``bench/retrieval_adapt.py`` at e82677a,
     ``bench/retrieval_finetune.py``)."""
     p.add_argument("--corpora", default="pydocs")
     p.add_argument("--configs", default=configs)
