@@ -48,6 +48,7 @@ def test_info_shows_nprobe_rule_mode_and_bm25(built, capsys):
 def test_a_default_folder_build_is_the_ensemble(tmp_path, capsys):
     out = tmp_path / "idx"
     assert main(["index", "build", "--corpus", str(DOCS), "--out", str(out)]) == 0
+    capsys.readouterr()
     assert main(["index", "info", str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
     live = info["live"]
