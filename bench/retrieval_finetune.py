@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 from ragserve.retrieval import load_embedder
-from ragserve.retrieval.adapter import pseudo_pairs
 from ragserve.retrieval.ensemble import EnsembleConfig
 from ragserve.retrieval.finetune import (
     FinetuneConfig,
     finetune_embedder,
+    pseudo_pairs,
     sample_pairs,
     save_embedder,
 )
@@ -64,8 +64,8 @@ def tuned_encoder(base, docs, config: str, keep: Path | None, name: str):
 
 
 def parse_config(config: str) -> FinetuneConfig:
-    """``epochs/lr/batch[/max_pairs[/group_by]]`` as a `FinetuneConfig` (an empty max_pairs:
-    every pair), e.g. ``1/2e-5/16/1000/source``."""
+    """``epochs/lr/batch[/max_pairs]`` as a `FinetuneConfig` (an empty max_pairs: every pair),
+    e.g. ``1/2e-5/16/1000`` (grouped batches, ``.../source``: reproduce at e82677a)."""
     epochs, lr, batch, *rest = config.split("/")
     cap = rest[0] if rest else ""
     return FinetuneConfig(
@@ -73,7 +73,6 @@ def parse_config(config: str) -> FinetuneConfig:
         float(lr),
         int(batch),
         max_pairs=int(cap) if cap else None,
-        group_by=rest[1] if len(rest) > 1 else None,
     )
 
 
@@ -111,7 +110,7 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
                side_name: str = SIDE) -> None:  # fmt: skip
     base = load_embedder("all-minilm-l6-v2")
     docs, questions = faq_corpus(name, base)
-    pairs = pseudo_pairs(docs, ("sentence",))
+    pairs = pseudo_pairs(docs)
     for config in configs:
         if config == "none":
             embedder, train_s, trained = base, 0.0, 0

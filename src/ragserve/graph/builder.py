@@ -126,9 +126,9 @@ class RAGraph:
             raise GraphError(f"node {node_id!r}: topk must be >= 1, got {topk}")
         if nprobe is not None and nprobe < 1:
             raise GraphError(f"node {node_id!r}: nprobe must be >= 1 or None, got {nprobe}")
-        if mode not in (None, "dense", "bm25", "hybrid", "ensemble", "prf"):
+        if mode not in (None, "dense", "bm25", "hybrid", "ensemble"):
             raise GraphError(
-                f"node {node_id!r}: mode must be dense, bm25, hybrid, ensemble, prf or None"
+                f"node {node_id!r}: mode must be dense, bm25, hybrid, ensemble or None"
             )
         if filter is not None and not isinstance(filter, dict):
             raise GraphError(f"node {node_id!r}: filter must be a dict of metadata conditions")

@@ -130,7 +130,7 @@ class RetrievalNode:
 
     ``nprobe=None`` uses the index's default. With ``append`` new passages are added to those
     already in ``output`` (duplicates by id dropped). ``mode`` ("dense", "bm25", "hybrid",
-    "ensemble", "prf"; None: the index's default), ``filter`` (metadata key -> value | list |
+    "ensemble"; None: the index's default), ``filter`` (metadata key -> value | list |
     range) and ``collapse_sections`` (at most one passage per section; None: the index's
     default) are those of ``VectorIndex.search_text``.
     """

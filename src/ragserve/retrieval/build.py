@@ -4,7 +4,7 @@ BENCHMARKS.md measured ("Retrieval quality (issue 14)").
 
 ```
 corpus -> ingest (folder: per-format parsers) -> chunk (embedder tokens) -> [fine-tune encoder]
-       -> embed + Faiss IVF -> BM25 -> [side encoder: ensemble] -> [query adapter]
+       -> embed + Faiss IVF -> BM25 -> [side encoder: ensemble]
        -> saved into a staging folder -> swapped into `out` (an index it replaces is kept
           until the new one is complete)
 ```
@@ -53,8 +53,9 @@ class BuildConfig:
 
     `chunk_tokens`: text tokens per passage (None: the embedder's measured size, else what its
     window leaves; 0: records are not cut, for .jsonl/.parquet corpora only). `ensemble`:
-    "auto", a side encoder's name, or None for none. `finetune_encoder`: None = the measured
-    default."""
+    "auto", a side encoder's name, or None for none. `finetune`: fine-tune the encoder on the
+    corpus (None: the measured default, on for a folder of >= 100 passages; False skips the
+    minutes it takes on a CPU)."""
 
     embedder: str = DEFAULT_EMBEDDER
     nlist: int | None = None
@@ -69,8 +70,7 @@ class BuildConfig:
     ensemble: str | None = "auto"
     passage_header: str = "path"
     collapse_sections: bool = True
-    finetune_encoder: bool | None = None
-    query_adapter: bool = False
+    finetune: bool | None = None
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -105,7 +105,6 @@ class BuildReport:
     finetune: dict[str, Any] = field(default_factory=dict)
     ensemble: str | None = None
     default_mode: str = "dense"
-    num_adapter_pairs: int | None = None
     nlist: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -138,7 +137,7 @@ def build_index(
     report = BuildReport(out=out, num_passages=0)
     docs = _passages(corpus, config, embedder, report)
     report.seconds["ingest"] = round(time.perf_counter() - start, 1)
-    tuned, embedder = _maybe_finetune(config, embedder, docs, is_folder, out, report)
+    tuned, embedder = _maybe_finetune(config, embedder, docs, is_folder, out, report, progress)
     report.ensemble = side_encoder(config.ensemble, embedder.name, tuned, is_folder)
     report.default_mode = config.default_mode or ("ensemble" if report.ensemble else "dense")
     if report.default_mode == "ensemble" and not report.ensemble:
@@ -219,7 +218,7 @@ def finetune_choice(
     from ragserve.retrieval.finetune import AUTO_MAX_PAIRS, AUTO_MIN_PASSAGES, can_finetune
 
     if flag is not None:
-        return flag, f"--{'' if flag else 'no-'}finetune-encoder"
+        return flag, f"--{'' if flag else 'no-'}finetune"
     if not is_folder:
         return False, "default: off for .jsonl/.parquet/factbook corpora (measured on folders)"
     if embedder.name != DEFAULT_EMBEDDER or not can_finetune(embedder):
@@ -232,19 +231,20 @@ def finetune_choice(
     )
 
 
-def _maybe_finetune(config, embedder, docs, is_folder: bool, out: Path, report: BuildReport):
+def _maybe_finetune(config, embedder, docs, is_folder: bool, out: Path, report, progress: bool):
     from ragserve.retrieval.finetune import AUTO_MAX_PAIRS, FinetuneConfig, finetune_embedder
 
-    tuned, reason = finetune_choice(config.finetune_encoder, is_folder, embedder, len(docs))
+    tuned, reason = finetune_choice(config.finetune, is_folder, embedder, len(docs))
     report.finetune = {"enabled": tuned, "reason": reason}
     logger.debug("encoder fine-tuning %s (%s)", "on" if tuned else "off", reason)
     if not tuned:
         return False, embedder
-    logger.info("fine-tuning %s on %d passages", embedder.name, len(docs))
     t0 = time.perf_counter()
     train = FinetuneConfig(max_pairs=AUTO_MAX_PAIRS)
     try:
-        embedder, num_pairs = finetune_embedder(embedder, docs, train, config.passage_header)
+        embedder, num_pairs = finetune_embedder(
+            embedder, docs, train, config.passage_header, progress=progress
+        )
     except ValueError as exc:
         raise BuildError(str(exc)) from None
     report.seconds["finetune"] = round(time.perf_counter() - t0, 1)
@@ -264,7 +264,7 @@ def side_encoder(ensemble: str | None, embedder_name: str, tuned: bool, is_folde
     documents (where it was measured), when its package is installed and it is not the
     index's own encoder: all-mpnet-base-v2 beside a fine-tuned encoder (seventh run), else
     multilingual-e5-small-q4."""
-    from ragserve.retrieval import split_model
+    import ragserve.retrieval.split_model as split_model
     from ragserve.retrieval.finetune import TUNED_SIDE_ENCODER
 
     if ensemble != "auto":
@@ -304,9 +304,6 @@ def _index(docs: list[Document], embedder, config: BuildConfig, report: BuildRep
             bm25_weight = 0.2 if config.enable_bm25 else 0.0
             index.enable_ensemble(EnsembleConfig(report.ensemble, weight, bm25_weight=bm25_weight))
             report.seconds["side_embed"] = round(time.perf_counter() - t0, 1)
-        if config.query_adapter:
-            logger.info("training the query adapter on %d passages", index.num_documents)
-            report.num_adapter_pairs = index.enable_query_adapter()
     except BaseException as exc:
         index.close()
         if isinstance(exc, ValueError | FileNotFoundError):

@@ -9,7 +9,7 @@ vectors [n, d] ─┬─ thread: DocStore.bulk_load ─────────�
                                                        both done ─> manifest.json ─> rename DIR
 ```
 
-The result is the same format `save_index` writes (generation 1, `applied_seq = n`, rows 1..n)
+The result is the same format `VectorIndex.save` writes (generation 1, `applied_seq = n`, rows 1..n)
 and loads with `VectorIndex.load`. With `backend="faiss"` (the default on CPU) the index equals
 `VectorIndex.from_vectors` on the same data bit for bit; with `backend="torch"` (the default on
 CUDA) k-means is ours and the assignment may differ from Faiss's only on float-rounding ties.
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import faiss
 import numpy as np
 
-from ragserve.retrieval import stepwise
+import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.calibrate import calibrate_nprobe
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.index import IndexSpec, auto_nlist
@@ -186,7 +186,7 @@ def _build_faiss(
     else:
         sample = _train_sample(x, max_train, seed)
         if centroids is None:
-            from ragserve.retrieval import gpu_kmeans
+            import ragserve.retrieval.gpu_kmeans as gpu_kmeans
 
             centroids = gpu_kmeans.kmeans(sample, spec.nlist, spec.metric, device=device, seed=seed)
         c = np.ascontiguousarray(centroids, dtype=np.float32)
@@ -219,7 +219,7 @@ def _train_sample(x: np.ndarray, max_train: int, seed: int) -> np.ndarray:
 
 def _assign(index: faiss.IndexIVF, x: np.ndarray, metric: str, device: str, backend: str):
     if backend == "torch":
-        from ragserve.retrieval import gpu_kmeans
+        import ragserve.retrieval.gpu_kmeans as gpu_kmeans
 
         centroids = index.quantizer.reconstruct_n(0, index.nlist)
         return gpu_kmeans.assign(x, centroids, metric, device=device)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ragserve.retrieval.tier_scan import Pool, canonical_topk, dense_scan, upload
+from ragserve.retrieval.tier_scan import PendingScan, Pool, canonical_topk, dense_scan, upload
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def plan_split(
 
 class ColdStreamer:
     """Streams and scans cold lists on ``device`` (module doc). ``scan`` returns a future whose
-    result is a pending ``TopK`` (``gpu_tier.PendingScan``); one producer thread runs the
+    result is a pending ``TopK`` (``tier_scan.PendingScan``); one producer thread runs the
     batches in order, so the staging buffers need no other lock. ``model`` is set by
     ``calibrate`` (the router's), ``list_rows`` by the router after writes."""
 
@@ -226,8 +226,6 @@ class ColdStreamer:
             return self._run_on_stream(q, lc, k, lists, list_data)
 
     def _run_on_stream(self, q, lc, k: int, lists: np.ndarray, list_data: ListData):
-        from ragserve.retrieval.gpu_tier import PendingScan
-
         torch = self._torch
         dev = self._vec[0].device
         qd, lcd = upload(torch, q, dev), upload(torch, lc, dev)

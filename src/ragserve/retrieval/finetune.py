@@ -1,5 +1,5 @@
 """Corpus adaptation of the encoder itself: a Hugging Face embedder fine-tuned on the corpus's
-own (first sentence -> rest of the passage) pairs (`adapter.pseudo_pairs`) with in-batch
+own (first sentence -> rest of the passage) pairs (`pseudo_pairs`) with in-batch
 negatives, then saved as a model folder that `load_embedder(path)` reads back.
 
 ```
@@ -15,16 +15,24 @@ generator and dropout from a forked, seeded global RNG (the caller's RNG state i
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import logging
+import re
 import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+from ragserve.retrieval.passages import passage_text
 
 if TYPE_CHECKING:
     from ragserve.retrieval.embedder import Embedder
     from ragserve.retrieval.types import Document
+
+logger = logging.getLogger(__name__)
 
 TEMPERATURE = 0.05
 METADATA_KEY = "finetune_encoder"  # index metadata: the build's choice, why, and the folder
@@ -44,6 +52,25 @@ TUNED_ENSEMBLE_WEIGHT = 0.5
 # "Retrieval quality (issue 14)", seventh run); e5 at TUNED_ENSEMBLE_WEIGHT otherwise.
 TUNED_SIDE_ENCODER = "all-mpnet-base-v2"
 TUNED_SIDE_WEIGHT = 1.0
+# Training seconds per pair per epoch on a 2-core CPU in fp32: 0.15-0.20 on the seven held-out
+# folders (BENCHMARKS.md, "Retrieval quality (issue 14)", fine-tuning's build time); the
+# estimate shown before training starts.
+SECONDS_PER_PAIR = 0.2
+
+
+def estimate_seconds(num_pairs: int, config: FinetuneConfig) -> float:
+    """The measured CPU estimate of training `num_pairs` pairs under `config`."""
+    return num_pairs * config.epochs * SECONDS_PER_PAIR
+
+
+def describe_estimate(num_pairs: int, config: FinetuneConfig) -> str:
+    """One line shown before fine-tuning starts: what, about how long, how to skip it."""
+    seconds = estimate_seconds(num_pairs, config)
+    about = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    return (
+        f"fine-tuning the encoder on {num_pairs} pseudo-queries: about {about} on a 2-core CPU "
+        "(--no-finetune / BuildConfig(finetune=False) skips it)"
+    )
 
 
 def side_weight(side: str, tuned: bool) -> float:
@@ -65,51 +92,53 @@ class FinetuneConfig:
     # Train on at most this many pairs, a seeded sample when the corpus has more (None: all):
     # bounds the training time of a large corpus; the passages are all embedded by the result.
     max_pairs: int | None = None
-    # None: batches of pairs drawn at random (in-batch negatives from anywhere in the corpus);
-    # "source": each batch drawn from as few files as possible (harder in-batch negatives: the
-    # same file's other sections), with every pair of the same section masked, not a negative.
-    group_by: str | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 2 or self.lr <= 0:
             raise ValueError("finetune epochs must be >= 1, batch_size >= 2 and lr > 0")
-        if self.group_by not in (None, "source"):
-            raise ValueError(f"finetune group_by must be None or 'source', got {self.group_by!r}")
         if self.max_pairs is not None and self.max_pairs < 2:
             raise ValueError("finetune max_pairs must be >= 2 (or None: every pair)")
 
 
 def finetune_embedder(
-    embedder: Embedder, docs: Sequence[Document], config: FinetuneConfig, header: str = "path"
+    embedder: Embedder,
+    docs: Sequence[Document],
+    config: FinetuneConfig,
+    header: str = "path",
+    *,
+    progress: bool = False,
 ) -> tuple[Embedder, int]:
     """A copy of `embedder` (a Hugging Face one) trained on `docs`' pseudo-pairs; `embedder`
-    itself is unchanged. Returns (the copy, the number of pairs)."""
+    itself is unchanged. Returns (the copy, the number of pairs). The estimate
+    (`describe_estimate`) is logged before training; `progress` also shows it as a progress
+    bar over the training steps (stderr)."""
     import torch
-
-    from ragserve.retrieval.adapter import in_batch_loss, pseudo_pairs
 
     if not can_finetune(embedder):
         raise ValueError("finetuning needs a Hugging Face embedder without query prefixes")
-    pairs = sample_pairs(pseudo_pairs(docs, ("sentence",), header), config)
+    pairs = sample_pairs(pseudo_pairs(docs, header), config)
     if not pairs:
         raise ValueError("no pseudo-queries in the corpus (no passage has a first sentence)")
     tuned = copy.copy(embedder)
     tuned.model = _full_precision_copy(embedder).train()
     opt = torch.optim.AdamW(tuned.model.parameters(), lr=config.lr)
     order_rng = torch.Generator().manual_seed(config.seed)
-    owners = _owners(pairs, docs, config.group_by)
-    with torch.random.fork_rng(devices=[]):
+    owners = torch.tensor([p.doc for p in pairs])  # pairs of one passage: masked, not negatives
+    steps = config.epochs * -(-len(pairs) // config.batch_size)
+    logger.info("%s", describe_estimate(len(pairs), config))
+    bar = _progress_bar(steps, describe_estimate(len(pairs), config), progress)
+    with torch.random.fork_rng(devices=[]), bar:
         torch.manual_seed(config.seed)
         for _ in range(config.epochs):
-            for idx in _batches(pairs, docs, config, order_rng):
-                if len(idx) < 2:
-                    continue
-                q = _embed(tuned, [pairs[i].query for i in idx])
-                p = _embed(tuned, [pairs[i].held_out_text for i in idx])
-                loss = in_batch_loss(q @ p.T / TEMPERATURE, owners[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+            for idx in _batches(len(pairs), config.batch_size, order_rng):
+                if len(idx) >= 2:
+                    q = _embed(tuned, [pairs[i].query for i in idx])
+                    p = _embed(tuned, [pairs[i].held_out_text for i in idx])
+                    loss = in_batch_loss(q @ p.T / TEMPERATURE, owners[idx])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                bar.update(1)
     # NOTE: back to the base's dtype (fp16 on CUDA, or what the caller asked for), which is what
     # `load_embedder` gives the saved copy: the passages embedded at build time and the queries
     # of a reloaded index then see the same weights.
@@ -117,44 +146,57 @@ def finetune_embedder(
     return tuned, len(pairs)
 
 
-def _owners(pairs: list, docs: Sequence[Document], group_by: str | None):
-    """What a pair's own column shares with columns that are masked, not negatives: its
-    passage, or with `group_by`, its section (`metadata` source + section)."""
+class PseudoPair(NamedTuple):
+    """A pseudo-query, the passage it comes from (index into the docs) and the text to embed as
+    its target, the passage with the query held out."""
+
+    query: str
+    doc: int
+    held_out_text: str
+
+
+_SENTENCE_END = re.compile(r"(?<=[.?!])\s+")
+
+
+def pseudo_pairs(docs: Sequence[Document], header: str = "path") -> list[PseudoPair]:
+    """Pairs drawn from the passages alone, deterministic, in `docs` order: a passage's first
+    sentence when it has 4-40 words and more follows, held out as the passage (with `header`)
+    without it."""
+    pairs: list[PseudoPair] = []
+    for i, doc in enumerate(docs):
+        parts = _SENTENCE_END.split(doc.text.strip(), maxsplit=1)
+        if len(parts) == 2 and 4 <= len(parts[0].split()) <= 40:
+            rest = dataclasses.replace(doc, text=parts[1])
+            pairs.append(PseudoPair(parts[0], i, passage_text(rest, header)))
+    return pairs
+
+
+def in_batch_loss(logits, owners):
+    """Cross-entropy of each row's own column (``logits[i, i]``) against the batch's others;
+    columns of the same owner as the row (another pair of its passage) are masked out, not
+    negatives. ``logits`` ``[b, b]``, ``owners`` ``[b]`` (torch tensors)."""
     import torch
 
-    if group_by is None:
-        return torch.tensor([p.doc for p in pairs])
-    keys: dict[tuple, int] = {}
-    sections = [_section_key(docs[p.doc], p.doc) for p in pairs]
-    return torch.tensor([keys.setdefault(key, len(keys)) for key in sections])
+    same = owners[:, None] == owners[None, :]
+    logits = logits.masked_fill(same & ~torch.eye(len(owners), dtype=torch.bool), -1e9)
+    return torch.nn.functional.cross_entropy(logits, torch.arange(len(owners)))
 
 
-def _section_key(doc: Document, index: int) -> tuple:
-    meta = doc.metadata or {}
-    if meta.get("source") is None or meta.get("section") is None:
-        return ("passage", index)
-    return (meta["source"], meta["section"])
+def _progress_bar(steps: int, description: str, enabled: bool):
+    """A tqdm bar over the training steps, drawn after `description` and before the first."""
+    from tqdm import tqdm
+
+    if enabled:
+        tqdm.write(description, file=sys.stderr)
+    return tqdm(total=steps, desc="fine-tuning", unit="step", disable=not enabled)
 
 
-def _batches(pairs: list, docs: Sequence[Document], config: FinetuneConfig, rng):
-    """One epoch's batches (index tensors): a seeded permutation cut into `batch_size` runs;
-    with `group_by="source"`, files in a seeded order, each file's pairs shuffled, so a batch
-    holds one file's pairs (or the tail of one and the head of the next)."""
+def _batches(num_pairs: int, batch_size: int, rng) -> list:
+    """One epoch's batches (index tensors): a seeded permutation cut into `batch_size` runs."""
     import torch
 
-    if config.group_by is None:
-        order = torch.randperm(len(pairs), generator=rng)
-    else:
-        groups: dict[str, list[int]] = {}
-        for i, p in enumerate(pairs):
-            groups.setdefault(str((docs[p.doc].metadata or {}).get("source", "")), []).append(i)
-        members = list(groups.values())
-        parts = []
-        for g in torch.randperm(len(members), generator=rng).tolist():
-            inner = torch.randperm(len(members[g]), generator=rng)
-            parts.append(torch.tensor(members[g])[inner])
-        order = torch.cat(parts)
-    return [order[s : s + config.batch_size] for s in range(0, len(pairs), config.batch_size)]
+    order = torch.randperm(num_pairs, generator=rng)
+    return [order[s : s + batch_size] for s in range(0, num_pairs, batch_size)]
 
 
 def _full_precision_copy(embedder: Embedder):

@@ -45,6 +45,7 @@ from ragserve.retrieval.tier_assign import AssignChooser, DeviceAssigner
 from ragserve.retrieval.tier_scan import (
     BUCKET_BOUNDS,
     GroupedPlan,
+    PendingScan,
     Pool,
     dense_scan,
     fused_available,
@@ -56,7 +57,6 @@ from ragserve.retrieval.tier_scan import (
     upload,
 )
 from ragserve.retrieval.tier_scan_model import STRATEGIES, ScanCostModel, ScanFeatures, ScanSample
-from ragserve.retrieval.types import TopK
 
 logger = logging.getLogger(__name__)
 
@@ -97,26 +97,6 @@ class _Load:
     chunks: np.ndarray
     event: Any  # torch.cuda.Event | None (CPU: done at once)
     staging: Any  # host tensors kept alive until the copy is done
-
-
-class PendingScan:
-    """A scan whose kernels are enqueued; ``result()`` waits for them and returns the TopK.
-    ``done``: an event recorded after them when they run on another stream than the reader's."""
-
-    def __init__(self, keys: Any, ids: Any, qnorm: np.ndarray | None, done: Any = None) -> None:
-        self._keys, self._ids, self._qnorm, self._done = keys, ids, qnorm, done
-
-    def result(self) -> TopK:
-        if self._done is not None:
-            self._done.synchronize()
-        keys = self._keys.float().cpu().numpy()
-        ids = self._ids.cpu().numpy()
-        missing = ~np.isfinite(keys)
-        ids[missing] = -1
-        if self._qnorm is None:
-            return TopK(ids, np.where(missing, -np.inf, keys).astype(np.float32))
-        dist = np.maximum(self._qnorm[:, None] - keys, 0.0)
-        return TopK(ids, np.where(missing, np.inf, dist).astype(np.float32))
 
 
 class GpuTier:

@@ -1,5 +1,5 @@
 """Per-query GPU-tier hit rates as a Beta distribution (VectorLiteRAG §V-B) and the batch's
-tail hit rate in one of ``TAIL_MODES`` (``partition``'s module doc says which and why).
+tail hit rate in one of ``TAIL_MODES`` (docs/tier_policy.md says which and why).
 
 Pure NumPy (the regularised incomplete beta function is computed here); no torch, no faiss.
 """
@@ -118,8 +118,7 @@ class BetaHitRate:
             raise ValueError(f"q must be in (0, 1), got {q}")
         if self.is_point_mass:
             return self.mean
-        cdf = np.maximum.accumulate(self.cdf(_GRID))
-        return float(np.interp(q, cdf, _GRID))
+        return float(_quantiles(np.array([self.alpha]), np.array([self.beta]), q)[0])
 
     def batch_mean(self, batch_size: int) -> BetaHitRate:
         """The pooled hit rate of ``batch_size`` independent queries (their mean), as a Beta
@@ -142,8 +141,13 @@ class BetaHitRate:
         b = np.asarray(batch_sizes, dtype=np.int64)
         if b.size and b.min() < 1:
             raise ValueError(f"batch sizes must be >= 1, got min {b.min()}")
+        if self.is_point_mass:
+            return np.full(b.shape, self.mean)
         uniq, inverse = np.unique(b, return_inverse=True)
-        vals = np.array([self.batch_mean(int(n)).quantile(quantile) for n in uniq])
+        pooled = [self.batch_mean(int(n)) for n in uniq]  # one Beta per batch size, solved at once
+        vals = _quantiles(
+            np.array([d.alpha for d in pooled]), np.array([d.beta for d in pooled]), quantile
+        )
         return vals[inverse].reshape(b.shape)
 
 
@@ -157,25 +161,43 @@ def check_tail_mode(mode: str, quantile: float) -> None:
         raise ValueError(f"tail quantile must be in (0, 1), got {quantile}")
 
 
-def _betainc(a: float, b: float, x: np.ndarray) -> np.ndarray:
-    """Regularised incomplete beta ``I_x(a, b)`` by its continued fraction (modified Lentz),
-    using ``I_x(a, b) = 1 - I_{1-x}(b, a)`` where the fraction converges slowly."""
+def _quantiles(a: np.ndarray, b: np.ndarray, q: float) -> np.ndarray:
+    """The ``q``-quantile of each Beta(``a[i]``, ``b[i]``): bracketed on three 64-step grids
+    (each inside the last's bracket), then linear inside the final one (width 64^-3)."""
+    lo, hi = np.zeros(len(a)), np.ones(len(a))
+    steps = np.linspace(0.0, 1.0, 65)
+    rows = np.arange(len(a))
+    for _ in range(3):
+        xs = lo[:, None] + (hi - lo)[:, None] * steps[None, :]
+        cdf = np.maximum.accumulate(_betainc(a[:, None], b[:, None], xs), axis=1)
+        i = np.clip((cdf < q).sum(axis=1), 1, 64)
+        lo, hi = xs[rows, i - 1], xs[rows, i]
+        c_lo, c_hi = cdf[rows, i - 1], cdf[rows, i]
+    width = np.where(c_hi > c_lo, c_hi - c_lo, 1.0)
+    return lo + (hi - lo) * np.clip((q - c_lo) / width, 0.0, 1.0) * (c_hi > c_lo)
+
+
+_LGAMMA = np.frompyfunc(math.lgamma, 1, 1)
+
+
+def _betainc(a, b, x: np.ndarray) -> np.ndarray:
+    """Regularised incomplete beta ``I_x(a, b)`` (``a``, ``b``, ``x`` broadcast together) by
+    its continued fraction (modified Lentz), using ``I_x(a, b) = 1 - I_{1-x}(b, a)`` where the
+    fraction converges slowly."""
+    a, b, x = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (a, b, x)))
     out = np.where(x >= 1.0, 1.0, 0.0)
     inner = (x > 0.0) & (x < 1.0)
-    xi = x[inner]
-    log_norm = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-    direct = xi < (a + 1.0) / (a + b + 2.0)
-    res = np.empty_like(xi)
-    xd, xf = xi[direct], 1.0 - xi[~direct]
-    front_d = np.exp(log_norm + a * np.log(xd) + b * np.log1p(-xd))
-    res[direct] = front_d * _beta_fraction(a, b, xd) / a
-    front_f = np.exp(log_norm + b * np.log(xf) + a * np.log1p(-xf))
-    res[~direct] = 1.0 - front_f * _beta_fraction(b, a, xf) / b
-    out[inner] = np.clip(res, 0.0, 1.0)
+    ai, bi, xi = a[inner], b[inner], x[inner]
+    log_norm = (_LGAMMA(ai + bi) - _LGAMMA(ai) - _LGAMMA(bi)).astype(np.float64)
+    flip = xi >= (ai + 1.0) / (ai + bi + 2.0)
+    a2, b2, x2 = np.where(flip, bi, ai), np.where(flip, ai, bi), np.where(flip, 1.0 - xi, xi)
+    front = np.exp(log_norm + a2 * np.log(x2) + b2 * np.log1p(-x2))
+    res = front * _beta_fraction(a2, b2, x2) / a2
+    out[inner] = np.clip(np.where(flip, 1.0 - res, res), 0.0, 1.0)
     return out
 
 
-def _beta_fraction(a: float, b: float, x: np.ndarray, max_iter: int = 10_000) -> np.ndarray:
+def _beta_fraction(a, b, x: np.ndarray, max_iter: int = 10_000) -> np.ndarray:
     tiny, eps = 1e-300, 1e-14
     qab, qap, qam = a + b, a + 1.0, a - 1.0
 

@@ -10,26 +10,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import faiss
 import numpy as np
 
-from ragserve.retrieval import stepwise
-from ragserve.retrieval.adapter import QueryAdapterMixin, adapt_queries
+import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
+from ragserve.retrieval.modes import SearchModesMixin
 from ragserve.retrieval.passages import PASSAGE_HEADERS, PassageMixin, check_header, passage_text
+from ragserve.retrieval.persist import PersistMixin
 from ragserve.retrieval.rwlock import RWLock
 from ragserve.retrieval.tier_placement import AccessCounts
-from ragserve.retrieval.types import Document, ProbePlan, ScoredDocument, TopK
+from ragserve.retrieval.types import (
+    Document,
+    IndexSpec,
+    ProbePlan,
+    ScoredDocument,
+    TopK,
+    auto_nlist,
+)
 
 if TYPE_CHECKING:
     from ragserve.retrieval.bm25 import BM25Index
@@ -40,28 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class IndexSpec:
-    """What an index is: fixed at build time, recorded in the manifest."""
-
-    dim: int
-    nlist: int
-    kind: str = "ivf_flat"
-    metric: str = "ip"
-    embedder: str = "all-minilm-l6-v2"
-    nprobe: int = 1  # default probe width when a search does not name one
-
-    @property
-    def is_l2(self) -> bool:
-        return self.metric == "l2"
-
-
-def auto_nlist(num_vectors: int) -> int:
-    """About 4·sqrt(n) clusters, but at least 39 training points per cluster."""
-    return max(1, min(int(4 * math.sqrt(num_vectors)), num_vectors // 39))
-
-
-class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
+class VectorIndex(GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, PersistMixin):
     """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2).
 
     Ids in `TopK` are Faiss row ids (int64, never reused); `get_documents` maps them back.
@@ -99,7 +84,6 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
         self._sectioned: bool | None = None  # `has_sections`, asked of the store on first use
         self._side = None  # the ensemble's second encoder (ensemble.py), built on first use
         self._side_synced = False
-        self._query_adapter = None  # corpus adaptation of the queries (adapter.py), if built
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -222,9 +206,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
         """One-shot search: `assign` then one `scan` of all probed clusters. With a metadata
         `filter` only matching documents are returned, `topk` of them when enough match."""
         if filter is not None:
-            from ragserve.retrieval.modes import filtered_search
-
-            return filtered_search(self, queries, topk, nprobe, self.allowed_row_ids(filter))
+            return self._filtered_search(queries, topk, nprobe, self.allowed_row_ids(filter))
         found = self._tier_search(queries, topk, nprobe)
         if found is not None:
             return found
@@ -242,7 +224,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
     ) -> list[list[ScoredDocument]]:
         """Search with query texts, best first: `mode` "dense" (Faiss), "bm25", "hybrid"
         (both fused by reciprocal rank fusion), "ensemble" (two encoders + BM25, z-scored;
-        `ensemble.py`) or "prf" (dense, Rocchio feedback); None: `default_mode`; optionally
+        `ensemble.py`); None: `default_mode`; optionally
         `filter`ed on metadata (`filters.py`), with at most one passage per section when
         `collapse_sections` (None: the index's `collapse_sections`; `collapse.py`). Dense,
         unfiltered and uncollapsed, this is exactly `search`. See `modes.py`."""
@@ -251,10 +233,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
         if mode == "dense" and filter is None and not collapse_sections:
             result = self.search(self.embedder.encode(list(texts), is_query=True), topk, nprobe)
             return self.documents_of(result)
-        from ragserve.retrieval.modes import search_text
-
-        return search_text(
-            self,
+        return self._search_text_modes(
             texts,
             topk,
             nprobe=nprobe,
@@ -381,11 +360,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
 
     @property
     def embedder(self) -> Embedder:
-        """The query/passage encoder, loaded on first use from `embedder_name`; its queries go
-        through the index's query adapter when it has one (`enable_query_adapter`)."""
-        return adapt_queries(self, self._base_embedder())
-
-    def _base_embedder(self) -> Embedder:
+        """The query/passage encoder, loaded on first use from `embedder_name`."""
         if self._embedder is None:
             from ragserve.retrieval.embedder import load_embedder
 
@@ -497,7 +472,6 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
             "has_bm25": self._bm25 is not None,
             "passage_header": self.passage_header,
             "ensemble": self.metadata.get("ensemble"),
-            "query_adapter": self.metadata.get("query_adapter"),
             "finetune_encoder": self.metadata.get("finetune_encoder"),
             "embedder": self.spec.embedder,
             "num_documents": self.num_documents,
@@ -509,29 +483,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, QueryAdapterMixin, PassageMixin):
             "pending_log_entries": self._store.last_seq() - self.applied_seq,
         }
 
-    # -- persistence (see persist.py) -----------------------------------------------------------
-
-    def save(self, directory: str | Path) -> Path:
-        """Write the index to `directory` (new or empty; or its own directory = compaction)."""
-        from ragserve.retrieval.persist import save_index
-
-        return save_index(self, Path(directory))
-
-    @classmethod
-    def load(cls, directory: str | Path, *, embedder: Embedder | None = None) -> VectorIndex:
-        """Open a saved index, replaying upserts logged after its snapshot.
-
-        Raises `IndexCorruptError` (a `ValueError`) naming the file that is truncated or corrupt.
-        """
-        from ragserve.retrieval.persist import load_index
-
-        return load_index(Path(directory), embedder=embedder)
-
-    def compact(self) -> None:
-        """Write a fresh snapshot covering the whole log, then drop the covered log entries."""
-        from ragserve.retrieval.persist import compact_index
-
-        compact_index(self)
+    # -- writes' bookkeeping (save / load / compact: persist.py) --------------------------------
 
     def _claim_writer(self) -> None:
         """Hold `DIR/writer.lock` (flock) from the first write on: one writing process per
@@ -571,4 +523,3 @@ __all__ = [
     "check_header",
     "passage_text",
 ]
-_passage_text = passage_text  # the name older callers import

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import faiss
 import numpy as np
 
-from ragserve.retrieval import stepwise
+import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.types import ProbePlan, TopK
 
 if TYPE_CHECKING:

@@ -1,37 +1,8 @@
-"""VectorLiteRAG §V-A: piecewise-linear latency models of IVF search and the hybrid Eq. 1.
-
-CPU search of a batch of ``b`` queries at a fixed ``nprobe`` has two stages, each modelled as
-a piecewise-linear function of ``b`` fitted to measurements (the paper's Fig. 8, left):
-
-- ``T_CQ(b)``: coarse quantization (``VectorIndex.assign``), seconds;
-- ``T_LUT(b)``: scanning the probed lists (``VectorIndex.scan``; the LUT stage for PQ, the
-  list scan for IVF-Flat), seconds.
-
-With the hot clusters on the GPU their scan overlaps the CPU work, so a batch whose slowest
-query has hit rate ``eta`` (fraction of its probed clusters on the GPU) takes (Eq. 1)::
-
-    tau_s(b) = T_CQ(b) + (1 - eta) * T_LUT(b)
-
-With cold lists streamed to the GPU as well (``cold_stream``), the router streams a share
-``y`` of the batch's probes (of the cold ``m = 1 - eta``) and the CPU scans the rest. The
-router picks ``y`` with its own pricing of the CPU (``SplitPricing``: the streamer's
-``StreamCostModel``, pace ``L_r``, fixed ``c0``) so that the two sides would finish together;
-each side then takes its real time, the CPU at ``T_LUT``'s pace, the stream at
-``StreamModel``'s (``s0`` fixed, ``g(b) = b * nprobe * bytes per probe * seconds per byte``
-for all of it), giving (``StreamedLatencyModel``)::
-
-    y = clip((c0 + L_r m - s0) / (g + L_r), 0, m)
-    tau_s(b) = T_CQ(b) + max(s0 + g y if y > 0 else 0, T_LUT (m - y))
-
-With no ``SplitPricing`` the router is taken to price the CPU at ``T_LUT`` (``L_r = T_LUT``,
-``c0 = 0``: the balanced split), where this is ``T_CQ + min(m T_LUT, T_LUT (s0 + m g) /
-(T_LUT + g))``. NOTE: on the H200 (2026-12-01) the router's pace was 2.1x ``T_LUT``'s (its
-``threads`` assumed Faiss's 14 OpenMP threads; the scan runs on one), so it gave the CPU about
-twice the share that finishes with the stream; the balanced form under-predicted by 34 %.
-
-Nothing here imports faiss or torch: measurements come in as arrays, or through
-``measure_cpu_model`` (any object with ``assign``/``scan``, e.g. ``VectorIndex``) and
-``measure_scan_grid`` (any scan callable, e.g. the GPU tier's, with its ``synchronize``).
+"""VectorLiteRAG §V-A: piecewise-linear latency models of IVF search and the hybrid Eq. 1,
+``tau_s(b) = T_CQ(b) + (1 - eta) * T_LUT(b)`` (``SearchLatencyModel``), and Eq. 1 with cold
+lists streamed to the GPU (``StreamedLatencyModel``). The formulas, the router's split and
+why it is priced as it is: docs/tier_policy.md. Immutable models; pure NumPy (measurements
+come in as arrays, through ``measure_cpu_model`` or ``measure_scan_grid``).
 """
 
 from __future__ import annotations
@@ -43,14 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ragserve.retrieval.profile import SearchProfile
-
-if TYPE_CHECKING:
-    from ragserve.retrieval.index import VectorIndex
+from ragserve.retrieval.types import ScanIndex
 
 # NOTE: past this many breakpoint combinations the candidates are thinned to quantiles of x.
 _MAX_COMBINATIONS = 20_000
@@ -476,7 +444,7 @@ def _envelope(f: PiecewiseLinear, batch_sizes: np.ndarray) -> np.ndarray:
 
 
 def measure_cpu_model(
-    index: VectorIndex,
+    index: ScanIndex,
     queries: np.ndarray,
     nprobe: int,
     *,

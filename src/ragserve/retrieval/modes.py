@@ -1,7 +1,7 @@
 """Search modes beyond one-shot dense search: metadata-filtered dense search, BM25, hybrid
 (dense + BM25 fused by reciprocal rank fusion), ensemble (two encoders + BM25 fused by z-scored
-similarities, `ensemble.py`) and prf (dense with Rocchio pseudo-relevance feedback); any of them
-optionally collapsed to one passage per section (`collapse.py`).
+similarities, `ensemble.py`); any of them optionally collapsed to one passage per section
+(`collapse.py`).
 
 Filtered dense search is exact over the matching subset when it is small (brute force over
 the stored vectors) and otherwise probes the IVF index with an id selector, doubling `nprobe`
@@ -21,15 +21,11 @@ from ragserve.retrieval.types import ScoredDocument, TopK
 
 if TYPE_CHECKING:
     from ragserve.retrieval.filters import Filter
-    from ragserve.retrieval.index import VectorIndex
 
-MODES = ("dense", "bm25", "hybrid", "ensemble", "prf")
+MODES = ("dense", "bm25", "hybrid", "ensemble")
 RRF_K = 60  # the constant of Cormack et al. (2009): fused score = sum 1 / (RRF_K + rank)
 HYBRID_DEPTH = 50  # hits taken from each ranking before fusion
 EXHAUSTIVE_FILTER_MAX = 65536  # matching passages scored by brute force up to this many
-# Rocchio feedback: query' = query + PRF_BETA * mean of its top PRF_DOCS passage vectors
-PRF_DOCS = 3
-PRF_BETA = 0.25
 
 
 def check_mode(mode: str) -> str:
@@ -49,170 +45,154 @@ def rrf_fuse(rankings: Sequence[np.ndarray], topk: int, k: int = RRF_K) -> list[
     return order[:topk]
 
 
-def filtered_search(
-    index: VectorIndex, queries: np.ndarray, topk: int, nprobe: int | None, allowed: np.ndarray
-) -> TopK:
-    """Dense top-`topk` among the row ids `allowed` (sorted int64)."""
-    q = np.ascontiguousarray(queries, dtype=np.float32)
-    if len(allowed) <= EXHAUSTIVE_FILTER_MAX:
-        return _brute_force(index, q, topk, allowed)
-    probe = nprobe or index.spec.nprobe
-    while True:
-        found = index.search_selected(q, topk, probe, allowed)
-        if probe >= index.nlist or (found.ids >= 0).all():
-            return found
-        probe = min(index.nlist, probe * 2)
+class SearchModesMixin:
+    """`VectorIndex.search_text`'s modes, filters and collapsing (module doc)."""
 
+    def _filtered_search(
+        self, queries: np.ndarray, topk: int, nprobe: int | None, allowed: np.ndarray
+    ) -> TopK:
+        """Dense top-`topk` among the row ids `allowed` (sorted int64)."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if len(allowed) <= EXHAUSTIVE_FILTER_MAX:
+            return self._brute_force(q, topk, allowed)
+        probe = nprobe or self.spec.nprobe
+        while True:
+            found = self.search_selected(q, topk, probe, allowed)
+            if probe >= self.nlist or (found.ids >= 0).all():
+                return found
+            probe = min(self.nlist, probe * 2)
 
-def _brute_force(index: VectorIndex, q: np.ndarray, topk: int, allowed: np.ndarray) -> TopK:
-    ids = np.full((len(q), topk), -1, dtype=np.int64)
-    scores = np.zeros((len(q), topk), dtype=np.float32)
-    row_ids, x = index.vectors_of(allowed)
-    if not len(row_ids):
-        return TopK(ids, scores)
-    if index.spec.is_l2:
-        s = (q * q).sum(1)[:, None] - 2 * q @ x.T + (x * x).sum(1)[None, :]
-        order = np.argsort(s, axis=1, kind="stable")[:, :topk]
-    else:
-        s = q @ x.T
-        order = np.argsort(-s, axis=1, kind="stable")[:, :topk]
-    n = order.shape[1]
-    ids[:, :n] = row_ids[order]
-    scores[:, :n] = np.take_along_axis(s, order, axis=1)
-    return TopK(ids, scores)
-
-
-def search_text(
-    index: VectorIndex,
-    texts: Sequence[str],
-    topk: int,
-    *,
-    nprobe: int | None,
-    mode: str,
-    flt: Filter | None,
-    collapse_sections: bool = False,
-) -> list[list[ScoredDocument]]:
-    """`VectorIndex.search_text` for every mode and filter (scores: dense → the Faiss score,
-    bm25 → the BM25 score, hybrid → the fused RRF score). With `collapse_sections`, at most one
-    passage per section (`collapse.py`): a query whose top `topk` hold a section twice is
-    searched again `FETCH_FACTOR` times deeper, until it has `topk` sections or its ranking
-    ran out; a query whose top `topk` are distinct sections gets exactly them."""
-    check_mode(mode)
-    allowed = index.allowed_row_ids(flt) if flt is not None else None
-    texts = list(texts)
-    vectors = None if mode == "bm25" else index.embedder.encode(texts, is_query=True)
-    # NOTE: the ensemble's queries are embedded once here, not again per deeper collapse pass
-    side = index.side_dense().encode(texts, is_query=True) if mode == "ensemble" else None
-    if not collapse_sections:
-        return _ranked(index, texts, vectors, topk, nprobe, mode, allowed, side)
-    out: list[list[ScoredDocument]] = [[] for _ in texts]
-    limit = max(topk, index.num_documents)
-    todo, depth = list(range(len(texts))), topk
-    while todo:
-        part = None if vectors is None else vectors[todo]
-        part_side = None if side is None else side[todo]
-        ranked = _ranked(
-            index, [texts[i] for i in todo], part, depth, nprobe, mode, allowed, part_side
-        )
-        deeper = []
-        for i, hits in zip(todo, ranked, strict=True):
-            out[i] = collapse_hits(hits, topk)
-            if len(out[i]) < topk and len(hits) == depth and depth < limit:
-                deeper.append(i)
-        todo, depth = deeper, min(limit, depth * FETCH_FACTOR)
-    return out
-
-
-def _ranked(
-    index: VectorIndex,
-    texts: list[str],
-    vectors: np.ndarray | None,
-    topk: int,
-    nprobe: int | None,
-    mode: str,
-    allowed: np.ndarray | None,
-    side_vectors: np.ndarray | None = None,
-) -> list[list[ScoredDocument]]:
-    """Uncollapsed top `topk` per query (`vectors`: the embedded `texts`, None for bm25;
-    `side_vectors`: the texts under the ensemble's side encoder, mode "ensemble")."""
-    if mode == "bm25":
-        return index.documents_of(index.bm25().search(texts, topk, allowed))
-    if mode == "ensemble":
-        found = _ensemble(index, texts, vectors, side_vectors, topk, nprobe, allowed)
-        return index.documents_of(found)
-    if mode == "prf":
-        first = _dense(index, vectors, PRF_DOCS, nprobe, allowed)
-        vectors = rocchio(index, vectors, first.ids, PRF_BETA)
-    depth = topk if mode in ("dense", "prf") else max(topk, HYBRID_DEPTH)
-    dense = _dense(index, vectors, depth, nprobe, allowed)
-    if mode in ("dense", "prf"):
-        return index.documents_of(dense)
-    lexical = index.bm25().search(texts, depth, allowed)
-    fused = [rrf_fuse([d, b], topk) for d, b in zip(dense.ids, lexical.ids, strict=True)]
-    ids = np.full((len(texts), topk), -1, dtype=np.int64)
-    scores = np.zeros((len(texts), topk), dtype=np.float32)
-    for q, hits in enumerate(fused):
-        ids[q, : len(hits)] = [i for i, _ in hits]
-        scores[q, : len(hits)] = [s for _, s in hits]
-    return index.documents_of(TopK(ids, scores))
-
-
-def _dense(index, vectors, topk: int, nprobe: int | None, allowed: np.ndarray | None) -> TopK:
-    if allowed is None:
-        return index.search(vectors, topk, nprobe)
-    return filtered_search(index, vectors, topk, nprobe, allowed)
-
-
-def rocchio(index: VectorIndex, queries: np.ndarray, top_ids: np.ndarray, beta: float):
-    """Each query moved toward the mean stored vector of its `top_ids` row (`-1` skipped):
-    `normalise(q + beta * mean)`; a query with no hits stays as it is."""
-    out = np.array(queries, dtype=np.float32)
-    for q, row in enumerate(top_ids):
-        _, x = index.vectors_of([int(i) for i in row if i >= 0])
-        if len(x):
-            moved = out[q] + beta * x.mean(axis=0)
-            out[q] = moved / max(float(np.linalg.norm(moved)), 1e-12)
-    return out
-
-
-def _ensemble(
-    index: VectorIndex,
-    texts: list[str],
-    vectors: np.ndarray,
-    side_queries: np.ndarray,
-    topk: int,
-    nprobe: int | None,
-    allowed: np.ndarray | None,
-) -> TopK:
-    """Mode "ensemble" (`ensemble.py`): the pool of each ranker's top `depth`, every member
-    scored exactly by each ranker, z-scored per ranker and summed with the configured weights."""
-    from ragserve.retrieval.ensemble import fuse
-
-    config = index.ensemble_config
-    side = index.side_dense()
-    depth = max(topk, config.depth)
-    rankings = [_dense(index, vectors, depth, nprobe, allowed).ids]
-    rankings.append(side.search(side_queries, depth, allowed).ids)
-    if config.bm25_weight:
-        rankings.append(index.bm25().search(texts, depth, allowed).ids)
-    ids = np.full((len(texts), topk), -1, dtype=np.int64)
-    scores = np.zeros((len(texts), topk), dtype=np.float32)
-    for q in range(len(texts)):
-        seen = np.concatenate([r[q] for r in rankings])
-        pool = seen[np.sort(np.unique(seen, return_index=True)[1])]  # first-seen order
-        pool = pool[pool >= 0]
-        if not len(pool):
-            continue
-        live, x = index.vectors_of(pool)
-        pool = pool[np.isin(pool, live)]  # a row deleted since its ranker saw it
-        x = x[np.searchsorted(live, pool)]
-        if index.spec.is_l2:
-            main = -((x - vectors[q]) ** 2).sum(axis=1)
+    def _brute_force(self, q: np.ndarray, topk: int, allowed: np.ndarray) -> TopK:
+        ids = np.full((len(q), topk), -1, dtype=np.int64)
+        scores = np.zeros((len(q), topk), dtype=np.float32)
+        row_ids, x = self.vectors_of(allowed)
+        if not len(row_ids):
+            return TopK(ids, scores)
+        if self.spec.is_l2:
+            s = (q * q).sum(1)[:, None] - 2 * q @ x.T + (x * x).sum(1)[None, :]
+            order = np.argsort(s, axis=1, kind="stable")[:, :topk]
         else:
-            main = x @ vectors[q]
-        parts = [(1.0, main), (config.weight, side.scores_of(side_queries[q], pool))]
+            s = q @ x.T
+            order = np.argsort(-s, axis=1, kind="stable")[:, :topk]
+        n = order.shape[1]
+        ids[:, :n] = row_ids[order]
+        scores[:, :n] = np.take_along_axis(s, order, axis=1)
+        return TopK(ids, scores)
+
+    def _search_text_modes(
+        self,
+        texts: Sequence[str],
+        topk: int,
+        *,
+        nprobe: int | None,
+        mode: str,
+        flt: Filter | None,
+        collapse_sections: bool = False,
+    ) -> list[list[ScoredDocument]]:
+        """`VectorIndex.search_text` for every mode and filter (scores: dense → the Faiss score,
+        bm25 → the BM25 score, hybrid → the fused RRF score). With `collapse_sections`, at most one
+        passage per section (`collapse.py`): a query whose top `topk` hold a section twice is
+        searched again `FETCH_FACTOR` times deeper, until it has `topk` sections or its ranking
+        ran out; a query whose top `topk` are distinct sections gets exactly them."""
+        check_mode(mode)
+        allowed = self.allowed_row_ids(flt) if flt is not None else None
+        texts = list(texts)
+        vectors = None if mode == "bm25" else self.embedder.encode(texts, is_query=True)
+        # NOTE: the ensemble's queries are embedded once here, not again per deeper collapse pass
+        side = self.side_dense().encode(texts, is_query=True) if mode == "ensemble" else None
+        if not collapse_sections:
+            return self._ranked(texts, vectors, topk, nprobe, mode, allowed, side)
+        out: list[list[ScoredDocument]] = [[] for _ in texts]
+        limit = max(topk, self.num_documents)
+        todo, depth = list(range(len(texts))), topk
+        while todo:
+            part = None if vectors is None else vectors[todo]
+            part_side = None if side is None else side[todo]
+            ranked = self._ranked(
+                [texts[i] for i in todo], part, depth, nprobe, mode, allowed, part_side
+            )
+            deeper = []
+            for i, hits in zip(todo, ranked, strict=True):
+                out[i] = collapse_hits(hits, topk)
+                if len(out[i]) < topk and len(hits) == depth and depth < limit:
+                    deeper.append(i)
+            todo, depth = deeper, min(limit, depth * FETCH_FACTOR)
+        return out
+
+    def _ranked(
+        self,
+        texts: list[str],
+        vectors: np.ndarray | None,
+        topk: int,
+        nprobe: int | None,
+        mode: str,
+        allowed: np.ndarray | None,
+        side_vectors: np.ndarray | None = None,
+    ) -> list[list[ScoredDocument]]:
+        """Uncollapsed top `topk` per query (`vectors`: the embedded `texts`, None for bm25;
+        `side_vectors`: the texts under the ensemble's side encoder, mode "ensemble")."""
+        if mode == "bm25":
+            return self.documents_of(self.bm25().search(texts, topk, allowed))
+        if mode == "ensemble":
+            found = self._ensemble(texts, vectors, side_vectors, topk, nprobe, allowed)
+            return self.documents_of(found)
+        depth = topk if mode == "dense" else max(topk, HYBRID_DEPTH)
+        dense = self._dense(vectors, depth, nprobe, allowed)
+        if mode == "dense":
+            return self.documents_of(dense)
+        lexical = self.bm25().search(texts, depth, allowed)
+        fused = [rrf_fuse([d, b], topk) for d, b in zip(dense.ids, lexical.ids, strict=True)]
+        ids = np.full((len(texts), topk), -1, dtype=np.int64)
+        scores = np.zeros((len(texts), topk), dtype=np.float32)
+        for q, hits in enumerate(fused):
+            ids[q, : len(hits)] = [i for i, _ in hits]
+            scores[q, : len(hits)] = [s for _, s in hits]
+        return self.documents_of(TopK(ids, scores))
+
+    def _dense(self, vectors, topk: int, nprobe: int | None, allowed: np.ndarray | None) -> TopK:
+        if allowed is None:
+            return self.search(vectors, topk, nprobe)
+        return self._filtered_search(vectors, topk, nprobe, allowed)
+
+    def _ensemble(
+        self,
+        texts: list[str],
+        vectors: np.ndarray,
+        side_queries: np.ndarray,
+        topk: int,
+        nprobe: int | None,
+        allowed: np.ndarray | None,
+    ) -> TopK:
+        """Mode "ensemble" (`ensemble.py`): the pool of each ranker's top `depth`, every
+        member scored exactly by each ranker, z-scored per ranker and summed with the
+        configured weights."""
+        from ragserve.retrieval.ensemble import fuse
+
+        config = self.ensemble_config
+        side = self.side_dense()
+        depth = max(topk, config.depth)
+        rankings = [self._dense(vectors, depth, nprobe, allowed).ids]
+        rankings.append(side.search(side_queries, depth, allowed).ids)
         if config.bm25_weight:
-            parts.append((config.bm25_weight, index.bm25().scores_of(texts[q], pool)))
-        top, fused = fuse(pool, parts, topk)
-        ids[q, : len(top)], scores[q, : len(top)] = top, fused
-    return TopK(ids, scores)
+            rankings.append(self.bm25().search(texts, depth, allowed).ids)
+        ids = np.full((len(texts), topk), -1, dtype=np.int64)
+        scores = np.zeros((len(texts), topk), dtype=np.float32)
+        for q in range(len(texts)):
+            seen = np.concatenate([r[q] for r in rankings])
+            pool = seen[np.sort(np.unique(seen, return_index=True)[1])]  # first-seen order
+            pool = pool[pool >= 0]
+            if not len(pool):
+                continue
+            live, x = self.vectors_of(pool)
+            pool = pool[np.isin(pool, live)]  # a row deleted since its ranker saw it
+            x = x[np.searchsorted(live, pool)]
+            if self.spec.is_l2:
+                main = -((x - vectors[q]) ** 2).sum(axis=1)
+            else:
+                main = x @ vectors[q]
+            parts = [(1.0, main), (config.weight, side.scores_of(side_queries[q], pool))]
+            if config.bm25_weight:
+                parts.append((config.bm25_weight, self.bm25().scores_of(texts[q], pool)))
+            top, fused = fuse(pool, parts, topk)
+            ids[q, : len(top)], scores[q, : len(top)] = top, fused
+        return TopK(ids, scores)

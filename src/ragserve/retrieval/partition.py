@@ -1,34 +1,9 @@
-"""GPU-tier placement policy: VectorLiteRAG §V-B/§V-C and online re-partitioning.
-
-- Hit rates. A query's hit rate ``eta`` is the fraction of its probed clusters that are on
-  the GPU. With the ``k`` hottest clusters cached the mean hit rate is their share of all
-  accesses; per-query rates follow a Beta distribution (method of moments) whose variance is
-  approximated from the mean, ``sigma^2 = 4 sigma_max^2 eta_bar (1 - eta_bar)``.
-- The batch's tail hit rate ``eta_tail(B)``, which Eq. 1 prices, in one of two modes
-  (``hit_rate.TAIL_MODES``):
-
-  - ``"min"`` (the paper's Eq. 2): the batch waits for its slowest query, so the tail is the
-    expected minimum of ``B`` draws::
-
-        eta_min(B) = int_0^1 B x f(x) (1 - F(x))^(B-1) dx = int_0^1 (1 - F(x))^B dx
-
-  - ``"batch_mean"`` (the default): the CPU scans the batch's missed lists as one pool of
-    work (``T_LUT(B)`` grows linearly in ``B``: a batch costs its total probes, not its
-    slowest query's), so what Eq. 1 needs is the batch's pooled hit rate, the mean of ``B``
-    draws. Its ``q``-quantile (``q = 0.1`` for a p90 latency) is taken from the Beta with the
-    same mean and ``sigma^2 / B`` variance. On the H200 (20M x 768, batch 48) the paper's
-    minimum predicted 0.06 where the measured batch minimum was 0.29, and the p90 latency
-    followed the pooled rate; see BENCHMARKS.md, issue 10, "over the budget".
-
-- Algorithm 1 (``partition``): the smallest coverage ``rho`` (hottest clusters first by decayed
-  access count, within a byte budget) whose predicted tail retrieval latency (Eq. 1 at
-  ``eta_tail``) stays within ``tau_s = SLO_search / (1 + epsilon)`` (Eq. 4) while the retriever
-  keeps up with ``mu_LLM(rho) = (MEM_KV - MEM_Index(rho)) / MEM_KV * mu_LLM0``.
-- Drift (``DriftDetector``): live access counts against a plan; re-partition when the plan's
-  live hit rate has dropped or a better placement of the same size exists, with hysteresis.
-
-Pure NumPy (the Beta distribution and its incomplete beta function: ``hit_rate``); no torch,
-no faiss.
+"""GPU-tier placement policy: VectorLiteRAG §V-B/§V-C (access counts, Algorithm 1:
+``partition``, ``fill_budget``) and online re-partitioning (``DriftDetector``, stateful). The
+batch's tail hit rate is ``hit_rate.BetaHitRate.tail`` in one of ``TAIL_MODES``:
+``"batch_mean"`` (the default: the CPU scans a batch's missed lists as one pool, so Eq. 1
+needs the pooled rate's 10th percentile) or ``"min"`` (the paper's Eq. 2); why the default,
+and every contract: docs/tier_policy.md. Pure NumPy.
 """
 
 from __future__ import annotations

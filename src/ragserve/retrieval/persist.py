@@ -1,4 +1,5 @@
-"""Saving, loading and compacting a `VectorIndex` directory (layout in `storage.py`).
+"""Saving, loading and compacting a `VectorIndex` directory (layout in `storage.py`):
+`PersistMixin`, `VectorIndex`'s `save` / `load` / `compact`.
 
 Recovery on load: snapshot (verified by checksum) + replay of the document store's op log past
 the snapshot's `applied_seq`. The replay is idempotent (remove, then re-add live rows), so a
@@ -14,15 +15,15 @@ import shutil
 import sqlite3
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import faiss
 import numpy as np
 
-from ragserve import __version__
-from ragserve.retrieval import adapter, bm25, ensemble, finetune
+import ragserve.retrieval.bm25 as bm25
+import ragserve.retrieval.ensemble as ensemble
+import ragserve.retrieval.finetune as finetune
 from ragserve.retrieval.docstore import DocStore
-from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.storage import (
     DOCSTORE,
     FORMAT,
@@ -37,6 +38,7 @@ from ragserve.retrieval.storage import (
     verify_snapshot,
     write_manifest,
 )
+from ragserve.retrieval.types import IndexSpec
 
 if TYPE_CHECKING:
     from ragserve.retrieval.embedder import Embedder
@@ -44,11 +46,50 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def save_index(vi: VectorIndex, directory: Path) -> Path:
-    """Write `vi` into a new (or empty) `directory` atomically, then attach `vi` to it."""
+_Index = TypeVar("_Index", bound="PersistMixin")
+
+
+class PersistMixin:
+    """`VectorIndex`'s side on disk; needs its `_store`, `_write_mutex`, `_writer_lock`,
+    `directory`, `generation`, `applied_seq`, `metadata`, `spec` and `serialize`."""
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the index to `directory` (new or empty; or its own directory = compaction),
+        atomically, then attach the index to it."""
+        return _save(self, Path(directory))
+
+    @classmethod
+    def load(
+        cls: type[_Index], directory: str | Path, *, embedder: Embedder | None = None
+    ) -> _Index:
+        """Open a saved index, replaying upserts logged after its snapshot.
+
+        Raises `IndexCorruptError` (a `ValueError`) naming the file that is truncated or
+        corrupt. A concurrent compaction by the writing process (new manifest, old snapshot and
+        log entries dropped) is detected by re-reading the manifest, and the load is retried.
+        """
+        directory = Path(directory).absolute()
+        for attempt in range(_LOAD_ATTEMPTS):
+            manifest = read_manifest(directory)
+            try:
+                with snapshot_lock(directory, exclusive=False):
+                    return _load_once(cls, directory, read_manifest(directory), embedder)
+            except IndexCorruptError:
+                if attempt + 1 == _LOAD_ATTEMPTS or read_manifest(directory) == manifest:
+                    raise
+                logger.info("index %s changed while loading; retrying", directory)
+                time.sleep(0.005 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def compact(self) -> None:
+        """Write a fresh snapshot covering the whole log, then drop the covered log entries."""
+        _compact(self)
+
+
+def _save(vi, directory: Path) -> Path:
     directory = directory.absolute()
     if vi.directory is not None and directory == vi.directory:
-        compact_index(vi)
+        _compact(vi)
         return directory
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise FileExistsError(f"{directory} exists and is not empty")
@@ -59,17 +100,14 @@ def save_index(vi: VectorIndex, directory: Path) -> Path:
     with vi._write_mutex:
         data = vi.serialize()
         seq = vi._store.last_seq()
-        vi._store.copy_to(tmp / DOCSTORE)
-        copy = DocStore(tmp / DOCSTORE)
-        copy.truncate_log(seq)
-        copy.close()
-        bm25.save_snapshot(vi, tmp, generation=1)
-        ensemble.save_snapshot(vi, tmp, generation=1)
-        adapter.save_file(vi, tmp)
-        _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
-        if directory.exists():
-            directory.rmdir()
-        os.rename(tmp, directory)
+        try:
+            _write_files(vi, tmp, data, seq)
+            if directory.exists():
+                directory.rmdir()
+            os.rename(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # NOTE: a failed save leaves no partial folder
+            raise
         fsync_dir(directory.parent)
         old, vi._store = vi._store, DocStore(directory / DOCSTORE)
         old.close()
@@ -81,30 +119,10 @@ def save_index(vi: VectorIndex, directory: Path) -> Path:
     return directory
 
 
-def load_index(directory: Path, *, embedder: Embedder | None = None) -> VectorIndex:
-    """Open a saved index; corrupt or truncated files raise `IndexCorruptError`.
-
-    A concurrent compaction by the writing process (new manifest, old snapshot and log entries
-    dropped) is detected by re-reading the manifest, and the load is retried.
-    """
-    directory = directory.absolute()
-    for attempt in range(_LOAD_ATTEMPTS):
-        manifest = read_manifest(directory)
-        try:
-            with snapshot_lock(directory, exclusive=False):
-                return _load_once(directory, read_manifest(directory), embedder)
-        except IndexCorruptError:
-            if attempt + 1 == _LOAD_ATTEMPTS or read_manifest(directory) == manifest:
-                raise
-            logger.info("index %s changed while loading; retrying", directory)
-            time.sleep(0.005 * (attempt + 1))
-    raise AssertionError("unreachable")
-
-
 _LOAD_ATTEMPTS = 20  # each retry needs a compaction to have finished since the last one
 
 
-def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | None):
+def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedder | None):
     snap = verify_snapshot(directory, manifest)
     try:
         index = faiss.read_index(str(snap))
@@ -144,14 +162,16 @@ def _load_once(directory: Path, manifest: dict[str, Any], embedder: Embedder | N
         finetune.saved_encoder(directory, metadata) or manifest["embedder"],
         manifest.get("nprobe", 1),
     )
-    vi = VectorIndex(index, store, spec, embedder=embedder, directory=directory)
+    vi = cls(index, store, spec, embedder=embedder, directory=directory)
     vi.generation = int(manifest.get("generation", 1))
     vi.applied_seq = int(manifest["applied_seq"])
     vi.metadata = metadata
     vi._bm25 = lexical
     try:
         vi._side = _load_side(directory, vi.metadata)  # synced with the store on first use
-        vi._query_adapter = _load_adapter(directory, vi.metadata)
+        if vi.metadata.get("query_adapter"):  # NOTE: a silently different ranking otherwise
+            reason = "the query adapter was removed after e82677a: rebuild the index without it"
+            raise IndexCorruptError(directory / "query_adapter.npy", reason)
     except IndexCorruptError:
         vi.close()
         raise
@@ -173,15 +193,19 @@ def _load_side(directory: Path, metadata: dict[str, Any]):
         raise IndexCorruptError(directory / metadata[ensemble.SNAPSHOT_KEY], str(exc)) from None
 
 
-def _load_adapter(directory: Path, metadata: dict[str, Any]):
-    try:
-        return adapter.load_file(directory, metadata)
-    except ValueError as exc:
-        raise IndexCorruptError(directory / adapter.FILE, str(exc)) from None
+def _write_files(vi, tmp: Path, data: np.ndarray, seq: int) -> None:
+    """Generation 1 of `vi` in the empty folder `tmp`: store (log past `seq` cut), side
+    snapshots, Faiss snapshot, manifest last."""
+    vi._store.copy_to(tmp / DOCSTORE)
+    copy = DocStore(tmp / DOCSTORE)
+    copy.truncate_log(seq)
+    copy.close()
+    bm25.save_snapshot(vi, tmp, generation=1)
+    ensemble.save_snapshot(vi, tmp, generation=1)
+    _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
 
 
-def compact_index(vi: VectorIndex) -> None:
-    """Snapshot the in-memory index under a new generation and drop the log it covers."""
+def _compact(vi) -> None:
     if vi.directory is None:
         raise ValueError("the index has no directory yet: call save(dir) first")
     with vi._write_mutex:  # NOTE: upserts wait during a compaction; searches do not.
@@ -191,7 +215,6 @@ def compact_index(vi: VectorIndex) -> None:
         generation = vi.generation + 1
         bm25.save_snapshot(vi, vi.directory, generation)
         ensemble.save_snapshot(vi, vi.directory, generation)
-        adapter.save_file(vi, vi.directory)
         with snapshot_lock(vi.directory, exclusive=True):  # loads see before or after, whole
             manifest = _write_snapshot(vi, vi.directory, data, generation, seq)
             remove_stale_files(vi.directory, manifest)
@@ -203,7 +226,7 @@ def compact_index(vi: VectorIndex) -> None:
 
 
 def _write_snapshot(
-    vi: VectorIndex, directory: Path, data: np.ndarray, generation: int, applied_seq: int
+    vi, directory: Path, data: np.ndarray, generation: int, applied_seq: int
 ) -> dict[str, Any]:
     name = snapshot_name(generation)
     atomic_write_bytes(directory / name, memoryview(data))
@@ -251,8 +274,17 @@ def build_manifest(
         "generation": generation,
         "written_at": time.time(),
         "metadata": metadata,
-        "versions": {"ragserve": __version__, "faiss": faiss.__version__, "numpy": np.__version__},
+        "versions": {"ragserve": _version(), "faiss": faiss.__version__, "numpy": np.__version__},
     }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ragserve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _replay(index: faiss.IndexIVF, store: DocStore, applied_seq: int) -> None:

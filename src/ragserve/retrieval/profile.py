@@ -17,12 +17,10 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from ragserve.retrieval.index import VectorIndex
+from ragserve.retrieval.types import ScanIndex
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ class SearchProfile:
 
 
 def measure_profile(
-    index: VectorIndex,
+    index: ScanIndex,
     queries: np.ndarray,
     *,
     batch_sizes: tuple[int, ...] = (1, 4, 16, 64),

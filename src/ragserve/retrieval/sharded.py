@@ -33,7 +33,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from ragserve.retrieval import stepwise
+import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.cold_stream import StreamConfig
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.index_tier import TierSpec, check_tier_options
@@ -274,9 +274,9 @@ class ShardedIndex:
         if len({d.id for d in docs}) != len(docs):
             raise ValueError("document ids in one add_documents call must be unique")
         if vectors is None:
-            from ragserve.retrieval.index import _passage_text
+            from ragserve.retrieval.passages import passage_text
 
-            vectors = self.embedder.encode([_passage_text(d) for d in docs], is_query=False)
+            vectors = self.embedder.encode([passage_text(d) for d in docs], is_query=False)
         x = np.ascontiguousarray(vectors, dtype=np.float32)
         if x.shape != (len(docs), self.spec.dim):
             raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")

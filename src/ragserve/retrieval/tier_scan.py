@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ragserve.retrieval.types import TopK
+
 MAX_GROUP_SCORES = 1 << 26  # (query, row) scores of one bmm group or dense slab
 MAX_GROUP_BYTES = 1 << 29  # vector bytes gathered for one bmm group
 MAX_FUSED_SCORES = 1 << 28  # keys the fused scan writes for one slice of the batch (1 GiB)
@@ -346,3 +348,23 @@ def canonical_topk(torch: Any, keys: Any, ids: Any, k: int, is_l2: bool) -> tupl
         top_keys = torch.nn.functional.pad(top_keys, (0, pad), value=-np.inf)
         top_ids = torch.nn.functional.pad(top_ids, (0, pad), value=-1)
     return top_keys, top_ids
+
+
+class PendingScan:
+    """A scan whose kernels are enqueued; ``result()`` waits for them and returns the TopK.
+    ``done``: an event recorded after them when they run on another stream than the reader's."""
+
+    def __init__(self, keys: Any, ids: Any, qnorm: np.ndarray | None, done: Any = None) -> None:
+        self._keys, self._ids, self._qnorm, self._done = keys, ids, qnorm, done
+
+    def result(self) -> TopK:
+        if self._done is not None:
+            self._done.synchronize()
+        keys = self._keys.float().cpu().numpy()
+        ids = self._ids.cpu().numpy()
+        missing = ~np.isfinite(keys)
+        ids[missing] = -1
+        if self._qnorm is None:
+            return TopK(ids, np.where(missing, -np.inf, keys).astype(np.float32))
+        dist = np.maximum(self._qnorm[:, None] - keys, 0.0)
+        return TopK(ids, np.where(missing, np.inf, dist).astype(np.float32))

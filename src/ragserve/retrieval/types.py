@@ -1,9 +1,11 @@
-"""Small value types that cross the retrieval boundary: documents, probe plans, top-k results."""
+"""Small value types that cross the retrieval boundary: documents, probe plans, top-k results,
+an index's spec."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -93,3 +95,38 @@ class TopK(NamedTuple):
 
     ids: np.ndarray
     scores: np.ndarray
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """What an index is: fixed at build time, recorded in the manifest."""
+
+    dim: int
+    nlist: int
+    kind: str = "ivf_flat"
+    metric: str = "ip"
+    embedder: str = "all-minilm-l6-v2"
+    nprobe: int = 1  # default probe width when a search does not name one
+
+    @property
+    def is_l2(self) -> bool:
+        return self.metric == "l2"
+
+
+def auto_nlist(num_vectors: int) -> int:
+    """About 4·sqrt(n) clusters, but at least 39 training points per cluster."""
+    return max(1, min(int(4 * math.sqrt(num_vectors)), num_vectors // 39))
+
+
+class ScanIndex(Protocol):
+    """What the timing code needs of an index (`VectorIndex` is one): its list count and the
+    two stages of a search."""
+
+    @property
+    def nlist(self) -> int: ...
+
+    def assign(self, queries: np.ndarray, nprobe: int | None = None) -> ProbePlan: ...
+
+    def scan(
+        self, queries: np.ndarray, cluster_ids_per_query: Any, topk: int, state: Any = None
+    ) -> TopK: ...

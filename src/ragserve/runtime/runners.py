@@ -290,11 +290,10 @@ class RetrievalRunner:
     ``document_limits``: what upsert nodes' documents are checked against."""
 
     def __init__(self, index: Any, embedder: Any, default_nprobe: int | None = None) -> None:
-        from ragserve.retrieval.adapter import adapt_queries
         from ragserve.retrieval.limits import DocumentLimits
 
         self.index = index
-        self.embedder = adapt_queries(index, embedder)  # the index's query adapter, if any
+        self.embedder = embedder
         self.default_nprobe = default_nprobe
         self.reranker: Any = None
         self.document_limits = DocumentLimits()

@@ -183,7 +183,7 @@ class ChatCompletionRequest(_Sampling):
     workflow: Annotated[StrictStr, Field(max_length=256)] | None = None
     topk: Annotated[StrictInt, Field(ge=1, le=1000)] | None = None
     nprobe: PositiveInt | None = None
-    mode: Literal["dense", "bm25", "hybrid", "ensemble", "prf"] | None = None
+    mode: Literal["dense", "bm25", "hybrid", "ensemble"] | None = None
     filter: dict[str, Any] | None = None
     inputs: dict[str, StrictStr | StrictBool | StrictInt | Float] | None = None
     tools: list | None = None
