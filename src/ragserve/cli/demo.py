@@ -29,8 +29,8 @@ QUESTIONS = (
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run factbook questions through all five workflows")
-    p.add_argument("--questions", type=int, default=3, help=f"how many (1-{len(QUESTIONS)})")
-    p.add_argument("--max-tokens", type=int, default=32, help="answer length bound")
+    p.add_argument("--questions", type=int, default=2, help=f"how many (1-{len(QUESTIONS)})")
+    p.add_argument("--max-tokens", type=int, default=24, help="answer length bound")
     p.add_argument("--topk", type=int, default=2, help="passages per retrieval")
     add_server_args(p)
     p.set_defaults(func=handler)
@@ -69,6 +69,10 @@ def handler(args: argparse.Namespace) -> int:
     from ragserve.cli.launch_config import from_args
 
     config = from_args(args, engine_defaults=demo_engine())
+    if not config.runtime.in_process and config.runtime.backend != "ray":
+        from ragserve.runtime.worker_start import start_fork_server
+
+        start_fork_server(config.runtime.worker_start_method)  # its imports overlap the rest
     _prepare(out, config.model, config.index)
     _step(out, "starting the LLM and index workers")
     with build_server(config) as server:
