@@ -10,6 +10,9 @@ ifneq ($(PIP_FIND_LINKS),)
 export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
 endif
 PYTEST := $(BIN)/python -m pytest -q --durations=10
+# The default tier runs on two pytest-xdist workers, a test file per worker at a time (its
+# module fixtures built once); `make test PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv install install-dev demo test test-all test-gpu lint format bench clean
 
@@ -44,7 +47,7 @@ demo: install
 
 # The contract tests (every public API, bad input, exactness) on small shapes: a few minutes.
 test: install-dev
-	$(PYTEST) -m "not slow and not gpu" tests
+	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not gpu" tests
 
 # Everything: the slow tier too (training runs, large corpora, Ray clusters, soak runs).
 test-all: $(VENV)/.installed-clients

