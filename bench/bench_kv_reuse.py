@@ -56,6 +56,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dummy_engine import LLAMA_31_8B, SMOKE, dummy_folder, free_device_memory  # noqa: E402
+from kv_cost_profile import profile_kv_costs  # noqa: E402
 from kv_reuse_passes import (  # noqa: E402
     PassTimeout,
     agreement,
@@ -71,7 +72,6 @@ from kv_reuse_workload import (  # noqa: E402
     make_workload,
     working_set_tokens,
 )
-from kv_cost_profile import profile_kv_costs  # noqa: E402
 from ragserve.generation import LLMEngine, SamplingParams  # noqa: E402
 from ragserve.generation.model_runner import kv_cache_bytes_per_block  # noqa: E402
 
