@@ -1,5 +1,5 @@
-"""The retrieval worker's operators: embed, rerank and upsert tasks (``scheduler.operator_
-messages``), run by ``RetrievalRunner.run`` beside the searches of the same batch.
+"""The retrieval worker's operators: embed, rerank and upsert tasks (``scheduler.messages``),
+run by ``RetrievalRunner.run`` beside the searches of the same batch.
 
 - embed: every ``EmbedTask`` of the batch is encoded in one embedder call (document side);
 - rerank: the runner's ``reranker`` (anything with ``score(query, texts)``; the workers build
@@ -24,7 +24,7 @@ import numpy as np
 
 from ragserve.graph import Passage
 from ragserve.runtime.errors import error_kind_of
-from ragserve.scheduler.operator_messages import (
+from ragserve.scheduler.messages import (
     EmbedTask,
     OperatorResult,
     RerankTask,

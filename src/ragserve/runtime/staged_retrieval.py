@@ -20,7 +20,7 @@ from ragserve.runtime.errors import error_kind_of
 from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.runtime.runners import RetrievalRunner
 from ragserve.scheduler import RetrievalResult, RetrievalTask
-from ragserve.scheduler.staged_messages import (
+from ragserve.scheduler.messages import (
     RetrievalPartial,
     StagedRetrievalResult,
     StagedRetrievalTask,

@@ -180,7 +180,7 @@ class Outbox:
         """``results`` as a ``RetrievalResultsMsg`` (operator results carry no passages and
         ride in the message as they are)."""
         from ragserve.scheduler import RetrievalResult
-        from ragserve.scheduler.operator_messages import OperatorResult
+        from ragserve.scheduler.messages import OperatorResult
 
         def error_of(r: Any, reason: str) -> Any:
             if hasattr(r, "passages"):

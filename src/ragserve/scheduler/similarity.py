@@ -19,8 +19,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ragserve.scheduler.executor import Update
-from ragserve.scheduler.messages import RetrievalResult, RetrievalTask, Wavefront
-from ragserve.scheduler.staged_messages import StagedRetrievalResult, StagedRetrievalTask
+from ragserve.scheduler.messages import (
+    RetrievalResult,
+    RetrievalTask,
+    StagedRetrievalResult,
+    StagedRetrievalTask,
+    Wavefront,
+)
 from ragserve.scheduler.transforms import BaseTransform
 from ragserve.scheduler.view import SchedulerView
 
