@@ -15,7 +15,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.errors import WorkerError
+from ragserve.runtime.errors import WorkerError, failed_update
 from ragserve.runtime.payloads import read_results
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmRing
@@ -500,10 +500,7 @@ class ProcessExecutor(BaseExecutor):
         self, worker: WorkerHandle, task_ids: Any, reason: str, kind: str = "worker_died"
     ) -> list[Update]:
         if worker is self.workers["gen"]:
-            return [
-                GenerationUpdate(t, "", (), True, "error", error=reason, error_kind=kind)
-                for t in task_ids
-            ]
+            return [failed_update(t, reason, kind) for t in task_ids]
         return [RetrievalResult(t, (), reason, error_kind=kind) for t in task_ids]
 
     def engine_stats(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ragserve.graph import Passage
-from ragserve.runtime.errors import error_kind_of
+from ragserve.runtime.errors import failure
 from ragserve.scheduler.messages import (
     EmbedTask,
     OperatorResult,
@@ -124,7 +124,6 @@ def _guarded(task: Any, fn: Any, *args: Any) -> OperatorResult:
 
 
 def _failed(task: Any, exc: BaseException) -> OperatorResult:
-    kind = error_kind_of(exc)
     logger.warning("operator task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-    message = str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"
+    message, kind = failure(exc)
     return OperatorResult(task.task_id, error=message, error_kind=kind)

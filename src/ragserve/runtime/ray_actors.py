@@ -101,9 +101,7 @@ class LLMReplica(_ActorLoop):
     """One full ``LLMEngine`` (one GPU, or CPU in tests) behind a ``GenerationRunner``."""
 
     def __init__(self, model: str, engine_kwargs: tuple[tuple[str, Any], ...] = ()) -> None:
-        from ragserve.generation import LLMEngine
-
-        self.runner = GenerationRunner(LLMEngine(model, **dict(engine_kwargs)))
+        self.runner = GenerationRunner.build(model, engine_kwargs)
         self._engine_stats: dict[str, Any] = self.runner.engine.stats()
         self.num_tasks = 0
         super().__init__()
@@ -158,15 +156,9 @@ class RetrievalCoordinator(_ActorLoop):
         tier: TierSpec | None = None,
         reranker: str = "embedding",
     ) -> None:
-        from ragserve.retrieval import VectorIndex, load_embedder
-        from ragserve.retrieval.rerank import load_reranker
-
-        if shard_root is None:
-            vindex: Any = VectorIndex.load(index)
-            if tier is not None:  # placed again on a restart
-                tier.place(vindex)
-            runner_cls: type = StagedRetrievalRunner
-        else:
+        vindex: Any = index  # a folder: ``build`` loads it and places its tier (on restarts too)
+        runner_cls: type = StagedRetrievalRunner
+        if shard_root is not None:
             import ray
 
             from ragserve.retrieval.shard_split import read_layout
@@ -176,11 +168,11 @@ class RetrievalCoordinator(_ActorLoop):
             shards = [RayShard(ray.get_actor(n)) for n in shard_names or []]
             vindex = ShardedIndex(shards, read_layout(shard_root), read_quantizer(shard_root))
             runner_cls = ShardedRetrievalRunner
-        emb = load_embedder(embedder or vindex.embedder_name)
+        self.runner = runner_cls.build(
+            vindex, embedder, default_nprobe, tier=tier, reranker=reranker
+        )
         if shard_root is not None:
-            vindex._embedder = emb
-        self.runner = runner_cls(vindex, emb, default_nprobe)
-        self.runner.reranker = load_reranker(reranker, emb)  # ``OperatorConfig.reranker``
+            vindex._embedder = self.runner.embedder
         self._own_index = shard_root is None  # its tier is reported here (shards: their own)
         self.num_tasks = 0
         self.num_batches = 0

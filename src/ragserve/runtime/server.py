@@ -508,32 +508,15 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         tier = config.gpu_tier.tier_spec(plan.tier_bytes)
     if config.in_process:
         from ragserve.runtime.runners import GenerationRunner
-        from ragserve.runtime.staged_retrieval import StagedRetrievalRunner as RetrievalRunner
+        from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 
-        engine = model
-        if isinstance(model, (str, Path)):
-            from ragserve.generation import LLMEngine
-
-            engine = LLMEngine(str(model), **dict(config.engine_kwargs))
-        vindex = index
-        if isinstance(index, (str, Path)):
-            from ragserve.retrieval import VectorIndex
-
-            vindex = VectorIndex.load(str(index))
-        emb = embedder
-        if emb is None or isinstance(emb, (str, Path)):
-            from ragserve.retrieval import load_embedder
-
-            emb = load_embedder(str(emb) if emb is not None else vindex.embedder_name)
-        if tier is not None:
-            tier.place(vindex)
-        from ragserve.retrieval.rerank import load_reranker
-
-        retrieval = RetrievalRunner(vindex, emb, config.default_nprobe)
-        retrieval.reranker = load_reranker(config.operators.reranker, emb)
-        return LocalExecutor(
-            GenerationRunner(engine, tokenizer_prefetch=config.tokenizer_prefetch), retrieval
+        generation = GenerationRunner.build(
+            model, config.engine_kwargs, tokenizer_prefetch=config.tokenizer_prefetch
         )
+        retrieval = StagedRetrievalRunner.build(
+            index, embedder, config.default_nprobe, tier=tier, reranker=config.operators.reranker
+        )
+        return LocalExecutor(generation, retrieval)
     log_level = logging.getLogger("ragserve").getEffectiveLevel()
     gen = WorkerSpec(
         "generation",
