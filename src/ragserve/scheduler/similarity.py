@@ -105,7 +105,9 @@ class SimilarityTransform(BaseTransform):
 
     def on_updates(self, updates: list[Update]) -> list[Update]:
         for u in updates:
-            rid = self._task_request.pop(u.task_id, None) if _is_final_retrieval(u) else None
+            rid = (
+                self._task_request.pop(u.task_id, None) if isinstance(u, RetrievalResult) else None
+            )
             if rid is not None and isinstance(u, StagedRetrievalResult) and u.error is None:
                 self.cache.put(rid, CacheEntry(u.hit_clusters, u.probed_clusters))
         return updates
@@ -128,7 +130,3 @@ def _request_id(view: SchedulerView | None, task: RetrievalTask) -> str | None:
         return task.request_id
     run = view.task(task.task_id) if view is not None else None
     return None if run is None else run.request_id
-
-
-def _is_final_retrieval(u: Update) -> bool:
-    return isinstance(u, RetrievalResult)
