@@ -24,7 +24,7 @@ import numpy as np
 from ragserve.runtime.ray_shards import ShardDiedError
 from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
-from ragserve.runtime.wire import check_call
+from ragserve.runtime.wire import check_call, drain
 from ragserve.scheduler import RetrievalResult
 
 if TYPE_CHECKING:
@@ -70,22 +70,10 @@ class _ActorLoop:
     def _run(self) -> None:
         while not self._closed.is_set():
             try:
-                self._work(self._drain())
+                # NOTE: waits up to ``IDLE_WAIT_S`` for a message while the runner is idle
+                self._work(drain(self._inbox, None if self._busy() else IDLE_WAIT_S))
             except Exception:
                 logger.exception("%s loop failed", type(self).__name__)
-
-    def _drain(self) -> list[Any]:
-        """Queued messages; waits up to ``IDLE_WAIT_S`` for one while the runner is idle."""
-        msgs: list[Any] = []
-        try:
-            msgs.append(
-                self._inbox.get_nowait() if self._busy() else self._inbox.get(timeout=IDLE_WAIT_S)
-            )
-            while True:
-                msgs.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        return msgs
 
     def _busy(self) -> bool:
         raise NotImplementedError

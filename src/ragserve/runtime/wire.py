@@ -4,6 +4,7 @@ methods a call message may name. Which message goes where: docs/architecture.md 
 from __future__ import annotations
 
 import pickle
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -156,3 +157,16 @@ def encode(msg: Any) -> bytes:
     """A message for a worker's inbox, pickled now (``pickle`` errors, a ``RecursionError``
     for data nested too deep, raise here, in the sender)."""
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def drain(inbox: Any, timeout: float | None) -> list[Any]:
+    """Every message queued in ``inbox`` (unpickled), waiting up to ``timeout`` seconds for the
+    first (``None``: not at all)."""
+    msgs = []
+    try:
+        msgs.append(inbox.get_nowait() if timeout is None else inbox.get(timeout=timeout))
+        while True:
+            msgs.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return [pickle.loads(m) if isinstance(m, bytes) else m for m in msgs]

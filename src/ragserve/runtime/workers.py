@@ -10,7 +10,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import queue
 import time
 import traceback
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from ragserve.runtime.wire import (
     SubmitRetrievalMsg,
     WireError,
     check_call,
+    drain,
 )
 
 if TYPE_CHECKING:
@@ -250,14 +250,7 @@ def _drain(inbox: Any, block: bool) -> list[Any]:
         return [ShutdownMsg()]
     if not block and inbox.empty():
         return []
-    msgs = []
-    try:
-        msgs.append(inbox.get(timeout=0.5) if block else inbox.get_nowait())
-        while True:
-            msgs.append(inbox.get_nowait())
-    except queue.Empty:
-        pass
-    return [pickle.loads(m) if isinstance(m, bytes) else m for m in msgs]
+    return drain(inbox, 0.5 if block else None)
 
 
 def _generation_loop(runner: GenerationRunner, inbox: Any, outbox: Outbox) -> None:
