@@ -21,8 +21,7 @@ from ragserve.scheduler.messages import (
 from ragserve.scheduler.operator_config import OperatorConfig
 from ragserve.scheduler.request import NodeRun, NodeTiming, RequestState, Response
 from ragserve.scheduler.scheduler import Scheduler
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import NextStep, SchedulerView, TaskView
+from ragserve.scheduler.transforms import BaseTransform, NextStep, SchedulerView, TaskView
 
 __all__ = [
     "BaseExecutor",

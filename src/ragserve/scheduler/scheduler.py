@@ -38,8 +38,7 @@ from ragserve.scheduler.messages import (
 )
 from ragserve.scheduler.operator_config import OperatorConfig
 from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import NextStep, TaskView, peek_next
+from ragserve.scheduler.transforms import BaseTransform, NextStep, TaskView, peek_next
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,7 @@ from ragserve.scheduler.messages import (
     StagedRetrievalTask,
     Wavefront,
 )
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import SchedulerView
+from ragserve.scheduler.transforms import BaseTransform, SchedulerView
 
 logger = logging.getLogger(__name__)
 

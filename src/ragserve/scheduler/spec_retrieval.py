@@ -26,8 +26,7 @@ from ragserve.scheduler.messages import (
     Wavefront,
 )
 from ragserve.scheduler.similarity import CacheEntry, SimilarityTransform
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import SchedulerView
+from ragserve.scheduler.transforms import BaseTransform, SchedulerView
 
 PREFIX = "specret/"
 

@@ -35,8 +35,7 @@ from ragserve.scheduler.messages import (
     Wavefront,
 )
 from ragserve.scheduler.similarity import as_staged
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import SchedulerView, TaskView
+from ragserve.scheduler.transforms import BaseTransform, SchedulerView, TaskView
 
 logger = logging.getLogger(__name__)
 
