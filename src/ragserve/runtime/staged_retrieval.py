@@ -68,7 +68,7 @@ class StagedRetrievalRunner(RetrievalRunner):
         if tier is not None:
             tier.place(index)
         if embedder is None or isinstance(embedder, (str, Path)):
-            embedder = load_embedder(str(embedder or index.embedder_name))
+            embedder = load_embedder(index.embedder_name if embedder is None else str(embedder))
         runner = cls(index, embedder, default_nprobe)
         runner.reranker = load_reranker(reranker, embedder)
         return runner
