@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from ragserve.retrieval import VectorIndex, load_embedder
     from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
     from ragserve.scheduler import RetrievalTask
-    from ragserve.scheduler.staged_messages import StagedRetrievalTask
+    from ragserve.scheduler.messages import StagedRetrievalTask
 
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--index", required=True)

@@ -21,8 +21,7 @@ from ragserve.runtime.shm import ShmRing, ShmWriter
 from ragserve.runtime.wire import GenerationResultsMsg, RetrievalResultsMsg, ShmRef
 from ragserve.runtime.workers import Outbox
 from ragserve.scheduler import GenerationUpdate, RetrievalResult
-from ragserve.scheduler.operator_messages import OperatorResult
-from ragserve.scheduler.staged_messages import RetrievalPartial, StagedRetrievalResult
+from ragserve.scheduler.messages import OperatorResult, RetrievalPartial, StagedRetrievalResult
 
 UPDATES = [
     GenerationUpdate("a", "héllo ✓", (5, 6), False, prompt_token_ids=(1, 2, 3)),

@@ -208,7 +208,7 @@ def test_killing_the_retrieval_coordinator_retries_its_searches_once(
 def test_a_shard_call_is_retried_once_after_its_actor_restarts(
     ray_server: Server, tmp_path
 ) -> None:
-    from ragserve.runtime.ray_shards import RayShard, ShardDiedError
+    from ragserve.runtime.ray_actors import RayShard, ShardDiedError
 
     @ray.remote(max_restarts=2)
     class Flaky:

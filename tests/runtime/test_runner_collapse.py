@@ -16,7 +16,7 @@ from ragserve.retrieval.collapse import FETCH_FACTOR, section_key
 from ragserve.runtime.runners import RetrievalRunner
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RetrievalTask
-from ragserve.scheduler.staged_messages import RetrievalPartial, StagedRetrievalTask
+from ragserve.scheduler.messages import RetrievalPartial, StagedRetrievalTask
 
 WORDS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "olive", "peach", "plum")
 QUERIES = ("apple", "apple plum", "lemon grape olive", "mango peach banana")

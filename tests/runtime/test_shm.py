@@ -40,7 +40,7 @@ from ragserve.scheduler import (
     RetrievalResult,
     RetrievalTask,
 )
-from ragserve.scheduler.staged_messages import RetrievalPartial, StagedRetrievalResult
+from ragserve.scheduler.messages import RetrievalPartial, StagedRetrievalResult
 
 UPDATES = [
     GenerationUpdate("a", "he", (5, 6), False, prompt_token_ids=(1, 2, 3)),
@@ -198,7 +198,7 @@ def test_corrupt_payloads_raise_and_free_their_slot() -> None:
 def test_operator_results_cross_beside_retrieval_results() -> None:
     # operator results (embed / rerank / upsert nodes) carry no passages; a batch mixing them
     # with retrieval results once killed the retrieval worker (TypeError in the outbox)
-    from ragserve.scheduler.operator_messages import OperatorResult
+    from ragserve.scheduler.messages import OperatorResult
 
     mixed = [OperatorResult("op-1", value=[0.5, 0.25]), *RESULTS, OperatorResult("op-2", error="x")]
     ring, writer = _ring(slot_bytes=1 << 16)

@@ -17,8 +17,8 @@ from ragserve.scheduler import (
     Wavefront,
 )
 from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
+from ragserve.scheduler.messages import RetrievalPartial, StagedRetrievalResult
 from ragserve.scheduler.split import SplitTransform
-from ragserve.scheduler.staged_messages import RetrievalPartial, StagedRetrievalResult
 from ragserve.workflows import get_workflow
 
 

@@ -15,7 +15,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.errors import WorkerError
+from ragserve.runtime.errors import WorkerError, failed_update
 from ragserve.runtime.payloads import read_results
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmRing
@@ -94,7 +94,7 @@ class LocalExecutor(BaseExecutor):
         return _call_now(self.retrieval, name, args, "retrieval")
 
     def call_generation(self, name: str, *args: Any) -> Future:
-        """Run ``GENERATION_CALLS[name](runner, *args)`` now (between engine steps)."""
+        """Run ``GenerationRunner.<name>(*args)`` now (between engine steps)."""
         return _call_now(self.generation, name, args, "generation")
 
     def close(self) -> None:
@@ -142,10 +142,8 @@ class WorkerHandle:
         child_conn.close()
         self.ready = False
 
-    def wait_ready(self, timeout: float) -> None:
-        """Block until the worker has built its engine/index; raise with its traceback if not."""
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"{self.spec.kind} worker did not start within {timeout:.0f} s")
+    def read_ready(self) -> None:
+        """Read the worker's first message (it has one): ready, or raise with its traceback."""
         try:
             msg = self.conn.recv()
         except EOFError:
@@ -153,9 +151,6 @@ class WorkerHandle:
             raise RuntimeError(
                 f"{self.spec.kind} worker exited while starting (exit code {self.proc.exitcode})"
             ) from None
-        self._on_message(msg)
-
-    def _on_message(self, msg: Any) -> None:
         if isinstance(msg, FatalMsg):
             detail = msg.traceback.strip()
             sep = "\n" if "\n" in detail else " "  # a one-line reason stays one line
@@ -220,7 +215,7 @@ def _wait_all_ready(workers: list[WorkerHandle], timeout: float) -> None:
             late = next(iter(waiting.values())).spec.kind
             raise RuntimeError(f"{late} worker did not start within {timeout:.0f} s")
         for conn in ready:
-            waiting.pop(conn).wait_ready(0.0)
+            waiting.pop(conn).read_ready()
 
 
 class Waker:
@@ -287,17 +282,22 @@ class ProcessExecutor(BaseExecutor):
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
         self._submit(self.workers["ret"], SubmitRetrievalMsg, tasks)
 
-    def _submit(self, worker: WorkerHandle, msg_type: type, tasks: list) -> None:
+    def _refusal(self, worker: WorkerHandle) -> tuple[str, str] | None:
+        """Why ``worker`` can take nothing now, ``(reason, WorkerError kind)``, or ``None``."""
         if worker.broken is not None:
-            self._errors.extend(self._failed(worker, [t.task_id for t in tasks], worker.broken))
-            return
+            return worker.broken, "worker_died"
         if not worker.has_room:
             reason = (
                 f"the {worker.spec.kind} worker's queue is full "
                 f"({self.config.max_pending_messages} messages waiting); retry later"
             )
-            ids = [t.task_id for t in tasks]
-            self._errors.extend(self._failed(worker, ids, reason, "overloaded"))
+            return reason, "overloaded"
+        return None
+
+    def _submit(self, worker: WorkerHandle, msg_type: type, tasks: list) -> None:
+        refusal = self._refusal(worker)
+        if refusal is not None:
+            self._errors.extend(self._failed(worker, [t.task_id for t in tasks], *refusal))
             return
         try:
             data = encode(msg_type(tuple(tasks)))
@@ -332,25 +332,22 @@ class ProcessExecutor(BaseExecutor):
     def call_retrieval(self, name: str, *args: Any) -> Future:
         """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
         blocks). The future fails with ``WorkerError``: ``bad_request`` when the arguments
-        cannot be pickled or ``name`` is no ``RETRIEVAL_CALLS`` entry, ``worker_died`` when
+        cannot be pickled or ``name`` is not in ``RETRIEVAL_CALLS``, ``worker_died`` when
         the worker dies first or is broken, ``overloaded`` when its queue is full."""
         return self._call_worker("ret", name, args)
 
     def call_generation(self, name: str, *args: Any) -> Future:
-        """Run ``GENERATION_CALLS[name]`` in the generation worker, between engine steps
-        (thread-safe, never blocks; errors as ``call_retrieval``'s)."""
+        """Run ``GenerationRunner.<name>(*args)`` in the generation worker, between engine
+        steps (``GENERATION_CALLS``; thread-safe, never blocks; errors as ``call_retrieval``'s)."""
         return self._call_worker("gen", name, args)
 
     def _call_worker(self, kind: str, name: str, args: tuple) -> Future:
         token = next(self._tokens)
         fut: Future = Future()
         worker = self.workers[kind]
-        if worker.broken is not None:
-            fut.set_exception(WorkerError(worker.broken, "worker_died"))
-            return fut
-        if not worker.has_room:
-            reason = f"the {kind} worker's queue is full ({len(worker.pending)} waiting)"
-            fut.set_exception(WorkerError(reason, "overloaded"))
+        refusal = self._refusal(worker)
+        if refusal is not None:
+            fut.set_exception(WorkerError(*refusal))
             return fut
         table, msg_type = (
             ("retrieval", CallRetrievalMsg) if kind == "ret" else ("generation", CallGenerationMsg)
@@ -363,7 +360,7 @@ class ProcessExecutor(BaseExecutor):
         try:
             data = encode(msg_type(token, name, args))
         except Exception as exc:
-            reason = f"the arguments cannot be sent to the {kind} worker: {type(exc).__name__}"
+            reason = f"the arguments cannot be sent to the {table} worker: {type(exc).__name__}"
             fut.set_exception(WorkerError(reason, "bad_request"))
             return fut
         with self._replies_lock:
@@ -500,10 +497,7 @@ class ProcessExecutor(BaseExecutor):
         self, worker: WorkerHandle, task_ids: Any, reason: str, kind: str = "worker_died"
     ) -> list[Update]:
         if worker is self.workers["gen"]:
-            return [
-                GenerationUpdate(t, "", (), True, "error", error=reason, error_kind=kind)
-                for t in task_ids
-            ]
+            return [failed_update(t, reason, kind) for t in task_ids]
         return [RetrievalResult(t, (), reason, error_kind=kind) for t in task_ids]
 
     def engine_stats(self) -> dict[str, Any]:

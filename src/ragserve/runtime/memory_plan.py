@@ -45,8 +45,8 @@ def plan_gpu_memory(config: ServerConfig, model: Any, index: Any) -> tuple[Serve
         return config, TierPlan(tier.budget_bytes, kv, "override")
     from ragserve.scheduler.memory_split import ThroughputProfile, solve_memory_split
 
-    block_bytes = _kv_block_bytes(model, engine)
-    total = tier.gpu_memory_bytes or free_gpu_bytes(tier.device) - _weight_bytes(model)
+    block_bytes = kv_block_bytes(model, engine)
+    total = tier.gpu_memory_bytes or free_gpu_bytes(tier.device) - _weight_bytes(model, engine)
     gen = _profile(tier.generation_profile, "generation_profile", ThroughputProfile)
     ret = _profile(tier.retrieval_profile, "retrieval_profile", ThroughputProfile)
     if tier.budget_bytes is None and kv is None and (gen is None or ret is None):
@@ -96,13 +96,17 @@ def _profile(points: Any, name: str, cls: Any) -> Any:
     return cls(tuple(float(s) for s in sizes), tuple(float(r) for r in rps))
 
 
-def _kv_block_bytes(model: Any, engine: dict) -> int:
+def kv_block_bytes(model: Any, engine_kwargs: dict[str, Any]) -> int:
+    """Bytes of one KV block of ``model`` (an engine, a folder or a built-in name) under
+    ``engine_kwargs`` (dtype, device, block_size)."""
     from ragserve.generation.config import ModelConfig
     from ragserve.generation.model_runner import kv_cache_bytes_per_block
 
-    cfg = getattr(model, "model_config", None) or ModelConfig.from_folder(_model_folder(model))
-    dtype = kv_dtype(engine.get("dtype", "auto"), engine.get("device", "auto"))
-    return int(kv_cache_bytes_per_block(cfg, int(engine.get("block_size", 16)), dtype))
+    cfg = getattr(model, "model_config", None)
+    cfg = cfg or ModelConfig.from_folder(model_folder(model, engine_kwargs))
+    block = int(engine_kwargs.get("block_size", 16))
+    dtype = kv_dtype(engine_kwargs.get("dtype", "auto"), engine_kwargs.get("device", "auto"))
+    return int(kv_cache_bytes_per_block(cfg, block, dtype))
 
 
 def free_gpu_bytes(device: str) -> int:
@@ -118,17 +122,22 @@ def free_gpu_bytes(device: str) -> int:
     return int(free * 0.92)  # NOTE: headroom for activations, CUDA graphs and the allocator
 
 
-def _weight_bytes(model: Any) -> int:
-    folder = Path(_model_folder(model))
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+def _weight_bytes(model: Any, engine: dict[str, Any]) -> int:
+    return sum(f.stat().st_size for f in model_folder(model, engine).glob("*.safetensors"))
 
 
-def _model_folder(model: Any) -> str:
-    if isinstance(model, (str, Path)):
-        from ragserve.generation.builtin import resolve_model
+def model_folder(model: Any, engine_kwargs: dict[str, Any]) -> Path:
+    """The model's folder: a random-weight (``load_format="dummy"``) folder as is, else
+    ``resolve_model``'s (built-in names converted on first use); ``ValueError`` for a live
+    model."""
+    if not isinstance(model, (str, Path)):
+        raise ValueError("gpu_tier: the model must be a folder or a built-in name to plan memory")
+    folder = Path(str(model))
+    if engine_kwargs.get("load_format") == "dummy" and (folder / "config.json").is_file():
+        return folder
+    from ragserve.generation.builtin import resolve_model
 
-        return str(resolve_model(model))
-    raise ValueError("gpu_tier: the model must be a folder or a built-in name to plan memory")
+    return resolve_model(model)
 
 
 def _index_bytes(index: Any) -> int | None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ragserve.runtime.memory_plan import kv_block_bytes
 from ragserve.scheduler.memory_split import ThroughputProfile
 
 logger = logging.getLogger(__name__)
@@ -47,18 +48,6 @@ class GenerationWorkload:
     @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
-
-
-def kv_block_bytes(model: str | Path, engine_kwargs: dict[str, Any]) -> int:
-    """Bytes of one KV block of ``model`` under ``engine_kwargs`` (dtype, block_size)."""
-    from ragserve.generation.config import ModelConfig
-    from ragserve.generation.model_runner import kv_cache_bytes_per_block
-    from ragserve.runtime.memory_plan import kv_dtype
-
-    cfg = ModelConfig.from_folder(model_folder(model, engine_kwargs))
-    block = int(engine_kwargs.get("block_size", 16))
-    dtype = kv_dtype(engine_kwargs.get("dtype", "auto"), engine_kwargs.get("device", "auto"))
-    return int(kv_cache_bytes_per_block(cfg, block, dtype))
 
 
 def measure_generation_profile(
@@ -211,14 +200,3 @@ def _ascending(name: str, values: Sequence[int], *, minimum: int = 1) -> list[in
     if not sizes or sizes[0] < minimum:
         raise ValueError(f"{name} must be non-empty and >= {minimum}, got {list(values)}")
     return sizes
-
-
-def model_folder(model: str | Path, engine_kwargs: dict[str, Any]) -> Path:
-    """The model's folder: a random-weight (``load_format="dummy"``) folder as is, else
-    ``resolve_model``'s (built-in names converted on first use)."""
-    folder = Path(str(model))
-    if engine_kwargs.get("load_format") == "dummy" and (folder / "config.json").is_file():
-        return folder
-    from ragserve.generation.builtin import resolve_model
-
-    return resolve_model(model)

@@ -1,5 +1,5 @@
-"""The retrieval worker's operators: embed, rerank and upsert tasks (``scheduler.operator_
-messages``), run by ``RetrievalRunner.run`` beside the searches of the same batch.
+"""The retrieval worker's operators: embed, rerank and upsert tasks (``scheduler.messages``),
+run by ``RetrievalRunner.run`` beside the searches of the same batch.
 
 - embed: every ``EmbedTask`` of the batch is encoded in one embedder call (document side);
 - rerank: the runner's ``reranker`` (anything with ``score(query, texts)``; the workers build
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from ragserve.graph import Passage
-from ragserve.runtime.errors import error_kind_of
-from ragserve.scheduler.operator_messages import (
+from ragserve.runtime.errors import failure
+from ragserve.scheduler.messages import (
     EmbedTask,
     OperatorResult,
     RerankTask,
@@ -124,7 +124,6 @@ def _guarded(task: Any, fn: Any, *args: Any) -> OperatorResult:
 
 
 def _failed(task: Any, exc: BaseException) -> OperatorResult:
-    kind = error_kind_of(exc)
     logger.warning("operator task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-    message = str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"
+    message, kind = failure(exc)
     return OperatorResult(task.task_id, error=message, error_kind=kind)

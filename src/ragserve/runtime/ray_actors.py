@@ -16,15 +16,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ragserve.runtime.ray_shards import ShardDiedError
+from ragserve.retrieval.sharded import BaseShard
 from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
-from ragserve.runtime.wire import check_call
+from ragserve.runtime.wire import check_call, drain
 from ragserve.scheduler import RetrievalResult
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # the loop's inbox wait while its runner has nothing to do
+RESTART_WAIT_S = 120.0  # how long a shard call's retry waits for the actor's restart
 
 
 class _ActorLoop:
@@ -70,22 +72,10 @@ class _ActorLoop:
     def _run(self) -> None:
         while not self._closed.is_set():
             try:
-                self._work(self._drain())
+                # NOTE: waits up to ``IDLE_WAIT_S`` for a message while the runner is idle
+                self._work(drain(self._inbox, None if self._busy() else IDLE_WAIT_S))
             except Exception:
                 logger.exception("%s loop failed", type(self).__name__)
-
-    def _drain(self) -> list[Any]:
-        """Queued messages; waits up to ``IDLE_WAIT_S`` for one while the runner is idle."""
-        msgs: list[Any] = []
-        try:
-            msgs.append(
-                self._inbox.get_nowait() if self._busy() else self._inbox.get(timeout=IDLE_WAIT_S)
-            )
-            while True:
-                msgs.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        return msgs
 
     def _busy(self) -> bool:
         raise NotImplementedError
@@ -101,9 +91,7 @@ class LLMReplica(_ActorLoop):
     """One full ``LLMEngine`` (one GPU, or CPU in tests) behind a ``GenerationRunner``."""
 
     def __init__(self, model: str, engine_kwargs: tuple[tuple[str, Any], ...] = ()) -> None:
-        from ragserve.generation import LLMEngine
-
-        self.runner = GenerationRunner(LLMEngine(model, **dict(engine_kwargs)))
+        self.runner = GenerationRunner.build(model, engine_kwargs)
         self._engine_stats: dict[str, Any] = self.runner.engine.stats()
         self.num_tasks = 0
         super().__init__()
@@ -158,29 +146,22 @@ class RetrievalCoordinator(_ActorLoop):
         tier: TierSpec | None = None,
         reranker: str = "embedding",
     ) -> None:
-        from ragserve.retrieval import VectorIndex, load_embedder
-        from ragserve.retrieval.rerank import load_reranker
-
-        if shard_root is None:
-            vindex: Any = VectorIndex.load(index)
-            if tier is not None:  # placed again on a restart
-                tier.place(vindex)
-            runner_cls: type = StagedRetrievalRunner
-        else:
+        vindex: Any = index  # a folder: ``build`` loads it and places its tier (on restarts too)
+        runner_cls: type = StagedRetrievalRunner
+        if shard_root is not None:
             import ray
 
             from ragserve.retrieval.shard_split import read_layout
             from ragserve.retrieval.sharded import ShardedIndex, read_quantizer
-            from ragserve.runtime.ray_shards import RayShard
 
             shards = [RayShard(ray.get_actor(n)) for n in shard_names or []]
             vindex = ShardedIndex(shards, read_layout(shard_root), read_quantizer(shard_root))
             runner_cls = ShardedRetrievalRunner
-        emb = load_embedder(embedder or vindex.embedder_name)
+        self.runner = runner_cls.build(
+            vindex, embedder, default_nprobe, tier=tier, reranker=reranker
+        )
         if shard_root is not None:
-            vindex._embedder = emb
-        self.runner = runner_cls(vindex, emb, default_nprobe)
-        self.runner.reranker = load_reranker(reranker, emb)  # ``OperatorConfig.reranker``
+            vindex._embedder = self.runner.embedder
         self._own_index = shard_root is None  # its tier is reported here (shards: their own)
         self.num_tasks = 0
         self.num_batches = 0
@@ -233,3 +214,54 @@ class RetrievalCoordinator(_ActorLoop):
             out["tier_clusters"] = len(tier.clusters)
             out["tier_bytes"] = int(tier.num_bytes)
         return out
+
+
+class ShardDiedError(RuntimeError):
+    """A shard actor died during a call (and, for idempotent calls, again on the retry)."""
+
+
+class RayShard(BaseShard):
+    """A ``BaseShard`` whose ``ShardServer`` is a Ray actor (one shard folder each). Large
+    arrays (queries, top-k ids and scores) travel through Ray's object store. A call that finds
+    its actor dead is retried once when it is idempotent (searches and reads): Ray restarts the
+    actor from its folder (``max_restarts``), and the retry waits until it answers. Writes are
+    not retried: their caller gets the error and the shard holds whatever it acknowledged."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.num_retries = 0
+
+    def submit(self, method: str, *args: Any, idempotent: bool = True) -> Any:
+        import ray
+        from ray.exceptions import RayActorError
+
+        ref = getattr(self.handle, method).remote(*args)
+
+        def wait() -> Any:
+            try:
+                return ray.get(ref)
+            except RayActorError as exc:
+                if not idempotent:
+                    raise ShardDiedError(f"index shard died during {method}: {exc}") from None
+                logger.warning("index shard died during %s; retrying once", method)
+            self.num_retries += 1
+            self._wait_restarted()
+            try:
+                return ray.get(getattr(self.handle, method).remote(*args))
+            except RayActorError as exc:
+                raise ShardDiedError(f"index shard died during {method} twice: {exc}") from None
+
+        return wait
+
+    def _wait_restarted(self) -> None:
+        """Block until the actor answers again (Ray restarts it), at most ``RESTART_WAIT_S``."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.handle.stats.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                return
+            except (RayActorError, GetTimeoutError):
+                time.sleep(0.1)

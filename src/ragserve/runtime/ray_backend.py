@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.errors import failed_update
 from ragserve.runtime.replica_router import ReplicaRouter
 from ragserve.scheduler import (
     BaseExecutor,
     GenerationTask,
-    GenerationUpdate,
     RetrievalResult,
     RetrievalTask,
     Update,
@@ -361,10 +361,7 @@ class RayExecutor(BaseExecutor):
             self.router.finish(tid)
         if lost:  # a submit that raced the death may have reached the restarted instance
             self.actors[name].abort.remote(lost)
-        return [
-            GenerationUpdate(t, "", (), True, "error", error=reason, error_kind="worker_died")
-            for t in lost
-        ]
+        return [failed_update(t, reason, "worker_died") for t in lost]
 
     # -- documents, stats, close ------------------------------------------------------------
     def call_retrieval(self, name: str, *args: Any) -> Future:

@@ -15,12 +15,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from ragserve.graph import Passage
-from ragserve.runtime.errors import error_kind_of
+from ragserve.runtime.errors import failed_update, failure
 from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.scheduler import GenerationTask, GenerationUpdate, RetrievalResult, RetrievalTask
 
@@ -86,6 +87,18 @@ class GenerationRunner:
         )
         self._tokenizing: dict[str, tuple[GenerationTask, Future]] = {}  # arrival order
         self.num_updates = 0  # updates returned by ``step`` so far
+
+    @classmethod
+    def build(
+        cls, model: Any, engine_kwargs: Any = (), tokenizer_prefetch: bool = False
+    ) -> GenerationRunner:
+        """A runner over ``model``: a live engine, or a folder or built-in name to build an
+        ``LLMEngine`` from with ``engine_kwargs``."""
+        if isinstance(model, (str, Path)):
+            from ragserve.generation import LLMEngine
+
+            model = LLMEngine(str(model), **dict(engine_kwargs))
+        return cls(model, tokenizer_prefetch=tokenizer_prefetch)
 
     def add(self, tasks: list[GenerationTask]) -> list[GenerationUpdate]:
         """Add tasks to the engine (or to the prefetch thread); returns error updates for
@@ -162,10 +175,7 @@ class GenerationRunner:
             # NOTE: tokenizers raise TypeError for text they cannot encode (a lone
             # surrogate); whatever this task's input does, it fails alone.
             logger.warning("generation task %s rejected: %s", t.task_id, exc)
-            kind = error_kind_of(exc)
-            return GenerationUpdate(
-                t.task_id, "", (), True, "error", error=_message(exc, kind), error_kind=kind
-            )
+            return failed_update(t.task_id, *failure(exc))
         holdback = max((len(s) for s in t.params.stop), default=1) - 1
         self._progress[t.task_id] = _Progress(holdback, t.chunk_s)
         return None
@@ -229,18 +239,13 @@ class GenerationRunner:
         logger.exception("engine step failed; failing the %d tasks it held", len(self._progress))
         failed = list(self._progress)
         self.abort(failed)
-        message = f"the engine step failed: {type(exc).__name__}"
-        return [
-            GenerationUpdate(t, "", (), True, "error", error=message, error_kind="internal")
-            for t in failed
-        ]
+        return [failed_update(t, f"the engine step failed: {type(exc).__name__}") for t in failed]
 
     def _failed(self, task_id: str) -> GenerationUpdate:
         """The engine failed this task alone in a step (its error is in the worker's log)."""
         del self._progress[task_id]
-        message = "the engine step failed for this request; details are in the worker log"
-        return GenerationUpdate(
-            task_id, "", (), True, "error", error=message, error_kind="internal"
+        return failed_update(
+            task_id, "the engine step failed for this request; details are in the worker log"
         )
 
     @staticmethod
@@ -327,17 +332,20 @@ class RetrievalRunner:
             found = self.index.search(vectors[rows], topk, **kwargs)
             ids[rows, :topk] = found.ids
             scores[rows, :topk] = found.scores
-        results = []
-        for i, t in enumerate(tasks):
-            row = [int(x) for x in ids[i, : t.topk] if x >= 0]
-            docs = self.index.get_documents(row) if row else []
-            passages = tuple(
-                Passage(d.id, d.text, d.title, float(scores[i, j]))
-                for j, d in enumerate(docs)
-                if d is not None
-            )
-            results.append(RetrievalResult(t.task_id, passages))
-        return results
+        return [
+            RetrievalResult(t.task_id, self._passages(ids[i, : t.topk], scores[i]))
+            for i, t in enumerate(tasks)
+        ]
+
+    def _passages(self, ids: np.ndarray, scores: np.ndarray) -> tuple[Passage, ...]:
+        """The live documents of ``ids`` (a ranking, ``-1`` padded) with their ``scores``."""
+        row = [int(x) for x in ids if x >= 0]
+        docs = self.index.get_documents(row) if row else []
+        return tuple(
+            Passage(d.id, d.text, d.title, float(scores[j]))
+            for j, d in enumerate(docs)
+            if d is not None
+        )
 
     def collapses(self, task: RetrievalTask) -> bool:
         """Whether ``task``'s passages are collapsed to one per section: asked (its
@@ -406,12 +414,6 @@ class RetrievalRunner:
         return self.index.delete_documents(doc_ids)
 
 
-def _message(exc: BaseException, kind: str) -> str:
-    """A bad request's own message; for anything else only the exception's type (the details
-    go to the worker's log, not to the client)."""
-    return str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"
-
-
 def run_isolated(runner: RetrievalRunner, tasks: list[RetrievalTask]) -> list[Any]:
     """``runner.run(tasks)``; if the batch raises, each task is run alone, so one task whose
     query cannot be embedded or searched fails alone (its ``RetrievalResult`` holds the error)
@@ -420,18 +422,19 @@ def run_isolated(runner: RetrievalRunner, tasks: list[RetrievalTask]) -> list[An
         return runner.run(tasks)
     except Exception as exc:
         if len(tasks) <= 1:
-            return [_failed_result(t, exc) for t in tasks]
+            return [failed_result(t, exc) for t in tasks]
         logger.warning("retrieval batch of %d failed (%s); retrying task by task", len(tasks), exc)
     results: list[Any] = []
     for t in tasks:
         try:
             results.extend(runner.run([t]))
         except Exception as exc:
-            results.append(_failed_result(t, exc))
+            results.append(failed_result(t, exc))
     return results
 
 
-def _failed_result(task: RetrievalTask, exc: BaseException) -> RetrievalResult:
+def failed_result(task: RetrievalTask, exc: BaseException) -> RetrievalResult:
+    """The ``RetrievalResult`` of ``task`` failed by ``exc`` (``errors.failure``)."""
     logger.warning("retrieval task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-    kind = error_kind_of(exc)
-    return RetrievalResult(task.task_id, (), _message(exc, kind), error_kind=kind)
+    message, kind = failure(exc)
+    return RetrievalResult(task.task_id, (), message, error_kind=kind)

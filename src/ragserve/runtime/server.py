@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -149,39 +150,17 @@ class Server:
         the iterator early aborts the request (``on_response`` is then not called).
         ``history`` and ``inputs`` as in ``run``.
         """
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        put = lambda item: _post(loop, events.put_nowait, item)
         rid = request_id or uuid.uuid4().hex
-        finished = False
-        try:
-            try:  # inside the ``finally``: a close while registering still aborts
-                await asyncio.to_thread(
-                    self._add,
-                    question,
-                    graph,
-                    rid,
-                    lambda r: put(r),
-                    on_delta=lambda d: put(d),
-                    history=history,
-                    inputs=inputs,
-                )
-            except Exception:
-                finished = True  # rejected (unknown workflow, closed): never added
-                raise
-            while True:
-                item = await events.get()
+        add = {"history": history, "inputs": inputs}
+        async with contextlib.aclosing(self._events(question, graph, rid, "on_delta", add)) as it:
+            async for item in it:
                 if isinstance(item, Response):
-                    finished = True
                     if on_response is not None:
                         on_response(item)
                     if item.error is not None:
                         raise RequestError(item)
                     return
                 yield item
-        finally:
-            if not finished:
-                self.abort(rid)
 
     async def complete(
         self, prompt: str | list[int], params: Any, *, request_id: str | None = None
@@ -192,28 +171,15 @@ class Server:
         from ragserve.generation import RequestMetrics
 
         metrics = RequestMetrics(arrival_time=time.monotonic())
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        put = lambda item: _post(loop, events.put_nowait, item)
         rid = request_id or uuid.uuid4().hex
         raw = tuple(prompt) if isinstance(prompt, list) else prompt
         graph = completion_graph(GenerationParams.from_any(params))
         prompt_ids: tuple[int, ...] = ()
         token_ids: list[int] = []
         text = ""
-        finished = False
-        try:
-            try:  # inside the ``finally``: a close while registering still aborts
-                await asyncio.to_thread(
-                    self._add, raw, graph, rid, lambda r: put(r), on_update=lambda u: put(u)
-                )
-            except Exception:
-                finished = True  # rejected: never added
-                raise
-            while True:
-                item = await events.get()
+        async with contextlib.aclosing(self._events(raw, graph, rid, "on_update", {})) as it:
+            async for item in it:
                 if isinstance(item, Response):
-                    finished = True
                     if item.error is not None:
                         raise RequestError(item)
                     return
@@ -221,6 +187,28 @@ class Server:
                 token_ids.extend(item.new_token_ids)
                 text = item.final_text if item.final_text is not None else text + item.text_delta
                 yield _request_output(rid, prompt_ids, token_ids, text, item, metrics)
+
+    async def _events(
+        self, question: Any, graph: Any, rid: str, listener: str, add: dict[str, Any]
+    ) -> AsyncIterator[Any]:
+        """The request's ``listener`` events (``on_delta`` deltas or ``on_update`` updates),
+        then its ``Response``; it is aborted if the iteration stops before the ``Response``."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        put = lambda item: _post(loop, events.put_nowait, item)
+        finished = False
+        try:
+            try:  # inside the ``finally``: a close while registering still aborts
+                await asyncio.to_thread(
+                    self._add, question, graph, rid, put, **{listener: put}, **add
+                )
+            except Exception:
+                finished = True  # rejected (unknown workflow, closed): never added
+                raise
+            while not finished:
+                item = await events.get()
+                finished = isinstance(item, Response)
+                yield item
         finally:
             if not finished:
                 self.abort(rid)
@@ -508,32 +496,15 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         tier = config.gpu_tier.tier_spec(plan.tier_bytes)
     if config.in_process:
         from ragserve.runtime.runners import GenerationRunner
-        from ragserve.runtime.staged_retrieval import StagedRetrievalRunner as RetrievalRunner
+        from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 
-        engine = model
-        if isinstance(model, (str, Path)):
-            from ragserve.generation import LLMEngine
-
-            engine = LLMEngine(str(model), **dict(config.engine_kwargs))
-        vindex = index
-        if isinstance(index, (str, Path)):
-            from ragserve.retrieval import VectorIndex
-
-            vindex = VectorIndex.load(str(index))
-        emb = embedder
-        if emb is None or isinstance(emb, (str, Path)):
-            from ragserve.retrieval import load_embedder
-
-            emb = load_embedder(str(emb) if emb is not None else vindex.embedder_name)
-        if tier is not None:
-            tier.place(vindex)
-        from ragserve.retrieval.rerank import load_reranker
-
-        retrieval = RetrievalRunner(vindex, emb, config.default_nprobe)
-        retrieval.reranker = load_reranker(config.operators.reranker, emb)
-        return LocalExecutor(
-            GenerationRunner(engine, tokenizer_prefetch=config.tokenizer_prefetch), retrieval
+        generation = GenerationRunner.build(
+            model, config.engine_kwargs, tokenizer_prefetch=config.tokenizer_prefetch
         )
+        retrieval = StagedRetrievalRunner.build(
+            index, embedder, config.default_nprobe, tier=tier, reranker=config.operators.reranker
+        )
+        return LocalExecutor(generation, retrieval)
     log_level = logging.getLogger("ragserve").getEffectiveLevel()
     gen = WorkerSpec(
         "generation",

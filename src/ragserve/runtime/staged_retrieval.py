@@ -7,7 +7,8 @@ collapse_sections=True)``; otherwise the results are Faiss's one-shot top-k."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,15 +17,17 @@ from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
 from ragserve.retrieval.cost_model import ScanCostModel
 from ragserve.retrieval.staged import StagedSearch, StageParams, StageProgress
 from ragserve.retrieval.types import ScoredDocument
-from ragserve.runtime.errors import error_kind_of
 from ragserve.runtime.operator_runner import run_operators, split_operators
-from ragserve.runtime.runners import RetrievalRunner
+from ragserve.runtime.runners import RetrievalRunner, failed_result
 from ragserve.scheduler import RetrievalResult, RetrievalTask
-from ragserve.scheduler.staged_messages import (
+from ragserve.scheduler.messages import (
     RetrievalPartial,
     StagedRetrievalResult,
     StagedRetrievalTask,
 )
+
+if TYPE_CHECKING:
+    from ragserve.retrieval.index_tier import TierSpec
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,32 @@ class StagedRetrievalRunner(RetrievalRunner):
         self.search = StagedSearch(index, cost)
         self._tasks: dict[str, StagedRetrievalTask] = {}
         self._collapsed: set[str] = set()  # active task ids whose passages are collapsed
+
+    @classmethod
+    def build(
+        cls,
+        index: Any,
+        embedder: Any = None,
+        default_nprobe: int | None = None,
+        *,
+        tier: TierSpec | None = None,
+        reranker: str = "embedding",
+    ) -> StagedRetrievalRunner:
+        """A runner over ``index`` (a folder, or a live index) with ``tier`` placed on it, and
+        ``embedder`` (a name or path, a live embedder, or ``None``: the index's own); the
+        rerank nodes' ``reranker`` is built from ``OperatorConfig.reranker``."""
+        from ragserve.retrieval import VectorIndex, load_embedder
+        from ragserve.retrieval.rerank import load_reranker
+
+        if isinstance(index, (str, Path)):
+            index = VectorIndex.load(str(index))
+        if tier is not None:
+            tier.place(index)
+        if embedder is None or isinstance(embedder, (str, Path)):
+            embedder = load_embedder(index.embedder_name if embedder is None else str(embedder))
+        runner = cls(index, embedder, default_nprobe)
+        runner.reranker = load_reranker(reranker, embedder)
+        return runner
 
     @property
     def cost(self) -> ScanCostModel:
@@ -104,7 +133,7 @@ class StagedRetrievalRunner(RetrievalRunner):
             vectors = self.embedder.encode([t.query for t in tasks], is_query=True)
         except Exception as exc:
             if len(tasks) == 1:
-                return [self._failed(tasks[0], exc)]
+                return [failed_result(tasks[0], exc)]
             logger.warning("staged embedding of %d failed (%s); one by one", len(tasks), exc)
             return [r for t in tasks for r in self._add([t])]
         failed = []
@@ -128,15 +157,8 @@ class StagedRetrievalRunner(RetrievalRunner):
                 self.search.discard([t.task_id])
                 self._tasks.pop(t.task_id, None)
                 self._collapsed.discard(t.task_id)
-                failed.append(self._failed(t, exc))
+                failed.append(failed_result(t, exc))
         return failed
-
-    @staticmethod
-    def _failed(t: StagedRetrievalTask, exc: BaseException) -> RetrievalResult:
-        logger.warning("staged retrieval %s failed: %s: %s", t.task_id, type(exc).__name__, exc)
-        kind = error_kind_of(exc)
-        message = str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"
-        return RetrievalResult(t.task_id, (), message, error_kind=kind)
 
     def _step(self) -> list:
         try:
@@ -175,7 +197,7 @@ class StagedRetrievalRunner(RetrievalRunner):
             try:
                 passages = self._searched_collapsed(task)
             except Exception as exc:
-                return self._failed(task, exc)
+                return failed_result(task, exc)
         return StagedRetrievalResult(
             task.task_id,
             passages,
@@ -211,12 +233,3 @@ class StagedRetrievalRunner(RetrievalRunner):
             collapse_sections=True,
         )
         return tuple(Passage(h.id, h.text, h.title, h.score) for h in hits)
-
-    def _passages(self, ids: np.ndarray, scores: np.ndarray) -> tuple[Passage, ...]:
-        row = [int(x) for x in ids if x >= 0]
-        docs = self.index.get_documents(row) if row else []
-        return tuple(
-            Passage(d.id, d.text, d.title, float(scores[j]))
-            for j, d in enumerate(docs)
-            if d is not None
-        )

@@ -4,6 +4,7 @@ methods a call message may name. Which message goes where: docs/architecture.md 
 from __future__ import annotations
 
 import pickle
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +34,8 @@ class SubmitRetrievalMsg:
 
 @dataclass(frozen=True)
 class CallRetrievalMsg:
-    """Run ``RETRIEVAL_CALLS[method](runner, *args)``; the answer is a ``CallReplyMsg`` with
-    the same ``token``."""
+    """Run ``runner.<method>(*args)`` (``RETRIEVAL_CALLS``); the answer is a ``CallReplyMsg``
+    with the same ``token``."""
 
     token: int
     method: str
@@ -43,8 +44,8 @@ class CallRetrievalMsg:
 
 @dataclass(frozen=True)
 class CallGenerationMsg:
-    """Run ``GENERATION_CALLS[method](runner, *args)`` in the generation worker between engine
-    steps; the answer is a ``CallReplyMsg`` with the same ``token``."""
+    """Run ``runner.<method>(*args)`` (``GENERATION_CALLS``) in the generation worker between
+    engine steps; the answer is a ``CallReplyMsg`` with the same ``token``."""
 
     token: int
     method: str
@@ -126,37 +127,46 @@ class CallReplyMsg:
     error: WireError | None = None
 
 
-RETRIEVAL_CALLS: dict[str, Callable[..., Any]] = {
-    "add_documents": lambda runner, docs: runner.add_documents(docs),
-    "delete_documents": lambda runner, doc_ids: runner.delete_documents(doc_ids),
-    "embed": lambda runner, texts: runner.embed(texts),
-    "set_gpu_tier": lambda runner, *args: runner.set_gpu_tier(*args),
-    "drop_gpu_tier": lambda runner: runner.drop_gpu_tier(),
-    "gpu_tier_stats": lambda runner: runner.gpu_tier_stats(),
-}
+RETRIEVAL_CALLS = (
+    "add_documents",
+    "delete_documents",
+    "embed",
+    "set_gpu_tier",
+    "drop_gpu_tier",
+    "gpu_tier_stats",
+)
 """The retrieval runner's methods a caller may run in the worker (``call_retrieval``)."""
 
-
-GENERATION_CALLS: dict[str, Callable[..., Any]] = {
-    "set_kv_reuse": lambda runner, enabled: runner.set_kv_reuse(enabled),
-}
+GENERATION_CALLS = ("set_kv_reuse",)
 """The generation runner's methods a caller may run in the worker (``call_generation``)."""
 
 CALLS = {"retrieval": RETRIEVAL_CALLS, "generation": GENERATION_CALLS}
 
 
 def check_call(method: str, kind: str = "retrieval") -> Callable[..., Any]:
-    """The ``CALLS[kind]`` entry for ``method``; ``ValueError`` naming it if none."""
-    table = CALLS[kind]
-    fn = table.get(method)
-    if fn is None:
+    """``fn(runner, *args)`` running ``runner.<method>(*args)`` for a ``method`` listed in
+    ``CALLS[kind]``; ``ValueError`` naming it if not."""
+    if method not in CALLS[kind]:
         raise ValueError(
-            f"method {method!r} is not a {kind} call; choose one of {', '.join(table)}"
+            f"method {method!r} is not a {kind} call; choose one of {', '.join(CALLS[kind])}"
         )
-    return fn
+    return lambda runner, *args: getattr(runner, method)(*args)
 
 
 def encode(msg: Any) -> bytes:
     """A message for a worker's inbox, pickled now (``pickle`` errors, a ``RecursionError``
     for data nested too deep, raise here, in the sender)."""
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def drain(inbox: Any, timeout: float | None) -> list[Any]:
+    """Every message queued in ``inbox`` (unpickled), waiting up to ``timeout`` seconds for the
+    first (``None``: not at all)."""
+    msgs = []
+    try:
+        msgs.append(inbox.get_nowait() if timeout is None else inbox.get(timeout=timeout))
+        while True:
+            msgs.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return [pickle.loads(m) if isinstance(m, bytes) else m for m in msgs]

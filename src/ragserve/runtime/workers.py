@@ -10,7 +10,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import queue
 import time
 import traceback
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from ragserve.runtime.arrow_batches import generation_batch, retrieval_batch, with_fields
-from ragserve.runtime.errors import error_kind_of
+from ragserve.runtime.errors import error_kind_of, failed_update
 from ragserve.runtime.payloads import generation_bytes, retrieval_bytes, uses_arrow
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmWriter, ipc_stream
@@ -40,6 +39,7 @@ from ragserve.runtime.wire import (
     SubmitRetrievalMsg,
     WireError,
     check_call,
+    drain,
 )
 
 if TYPE_CHECKING:
@@ -77,21 +77,12 @@ class WorkerSpec:
 
 def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
     if spec.kind == "generation":
-        from ragserve.generation import LLMEngine
-
-        engine = LLMEngine(spec.model, **dict(spec.engine_kwargs))
-        return GenerationRunner(engine, tokenizer_prefetch=spec.tokenizer_prefetch)
-    from ragserve.retrieval import VectorIndex, load_embedder
-    from ragserve.retrieval.rerank import load_reranker
+        return GenerationRunner.build(spec.model, spec.engine_kwargs, spec.tokenizer_prefetch)
     from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 
-    index = VectorIndex.load(spec.index)
-    if spec.tier is not None:
-        spec.tier.place(index)
-    embedder = load_embedder(spec.embedder or index.embedder_name)
-    runner = StagedRetrievalRunner(index, embedder, spec.default_nprobe)
-    runner.reranker = load_reranker(spec.reranker, embedder)
-    return runner
+    return StagedRetrievalRunner.build(
+        spec.index, spec.embedder, spec.default_nprobe, tier=spec.tier, reranker=spec.reranker
+    )
 
 
 def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> None:
@@ -163,7 +154,7 @@ class Outbox:
         task_ids = tuple(u.task_id for u in updates)
 
         def failed(reason: str) -> GenerationResultsMsg:
-            errors = tuple(_failed_update(t, reason) for t in task_ids)
+            errors = tuple(failed_update(t, reason) for t in task_ids)
             return GenerationResultsMsg(task_ids, None, None, errors)
 
         if not self._uses_arrow(generation_bytes(updates)):
@@ -180,7 +171,7 @@ class Outbox:
         """``results`` as a ``RetrievalResultsMsg`` (operator results carry no passages and
         ride in the message as they are)."""
         from ragserve.scheduler import RetrievalResult
-        from ragserve.scheduler.operator_messages import OperatorResult
+        from ragserve.scheduler.messages import OperatorResult
 
         def error_of(r: Any, reason: str) -> Any:
             if hasattr(r, "passages"):
@@ -214,12 +205,6 @@ class Outbox:
                 f"({self.max_message_bytes})"
             )
         return self.writer.write(stream, timeout=SLOT_WAIT_S)
-
-
-def _failed_update(task_id: str, reason: str) -> Any:
-    from ragserve.scheduler import GenerationUpdate
-
-    return GenerationUpdate(task_id, "", (), True, "error", error=reason, error_kind="internal")
 
 
 def _thread_local_progress_lock() -> None:
@@ -265,14 +250,7 @@ def _drain(inbox: Any, block: bool) -> list[Any]:
         return [ShutdownMsg()]
     if not block and inbox.empty():
         return []
-    msgs = []
-    try:
-        msgs.append(inbox.get(timeout=0.5) if block else inbox.get_nowait())
-        while True:
-            msgs.append(inbox.get_nowait())
-    except queue.Empty:
-        pass
-    return [pickle.loads(m) if isinstance(m, bytes) else m for m in msgs]
+    return drain(inbox, 0.5 if block else None)
 
 
 def _generation_loop(runner: GenerationRunner, inbox: Any, outbox: Outbox) -> None:

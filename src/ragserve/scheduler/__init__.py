@@ -7,24 +7,21 @@ for tests, worker processes in ``ragserve.runtime``).
 from ragserve.scheduler.executor import BaseExecutor, Update
 from ragserve.scheduler.memory_store import MemoryStore
 from ragserve.scheduler.messages import (
+    EmbedTask,
     GenerationParams,
     GenerationTask,
     GenerationUpdate,
+    OperatorResult,
+    RerankTask,
     RetrievalResult,
     RetrievalTask,
+    UpsertTask,
     Wavefront,
 )
 from ragserve.scheduler.operator_config import OperatorConfig
-from ragserve.scheduler.operator_messages import (
-    EmbedTask,
-    OperatorResult,
-    RerankTask,
-    UpsertTask,
-)
 from ragserve.scheduler.request import NodeRun, NodeTiming, RequestState, Response
 from ragserve.scheduler.scheduler import Scheduler
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import NextStep, SchedulerView, TaskView
+from ragserve.scheduler.transforms import BaseTransform, NextStep, SchedulerView, TaskView
 
 __all__ = [
     "BaseExecutor",

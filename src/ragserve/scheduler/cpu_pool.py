@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ragserve.scheduler.operator_messages import OperatorResult
+from ragserve.scheduler.messages import OperatorResult
 
 logger = logging.getLogger(__name__)
 

@@ -7,10 +7,11 @@ from abc import ABC, abstractmethod
 from ragserve.scheduler.messages import (
     GenerationTask,
     GenerationUpdate,
+    OperatorResult,
+    OperatorTask,
     RetrievalResult,
     RetrievalTask,
 )
-from ragserve.scheduler.operator_messages import OperatorResult, OperatorTask
 
 Update = GenerationUpdate | RetrievalResult | OperatorResult
 

@@ -24,11 +24,13 @@ from typing import Any, NamedTuple
 
 from ragserve.graph import Passage
 from ragserve.scheduler.memory_store import MemoryStore
-from ragserve.scheduler.messages import GenerationParams, GenerationTask, RetrievalTask
-from ragserve.scheduler.operator_messages import (
+from ragserve.scheduler.messages import (
     EmbedTask,
+    GenerationParams,
+    GenerationTask,
     OperatorResult,
     RerankTask,
+    RetrievalTask,
     UpsertTask,
 )
 from ragserve.scheduler.request import NodeRun

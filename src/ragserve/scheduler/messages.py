@@ -125,6 +125,105 @@ class RetrievalResult:
     error_kind: str | None = None  # an ``ErrorKind`` with ``error`` (None: "internal")
 
 
+# -- operators (embed, rerank, upsert) --------------------------------------------------------
+# They travel like ``RetrievalTask``s (``BaseExecutor.submit_operators``), and the retrieval
+# runner answers each with an ``OperatorResult`` whose ``value`` the node writes into the state;
+# function and memory nodes, run in the server process, answer with the same type.
+@dataclass(frozen=True)
+class EmbedTask:
+    """Embed ``texts`` (document side); ``single``: the node's input was one string, so the
+    value is ``[dim]`` rather than ``[n, dim]``."""
+
+    task_id: str
+    texts: tuple[str, ...]
+    single: bool = False
+
+
+@dataclass(frozen=True)
+class RerankTask:
+    """Re-score ``passages`` against ``query``; keep the best ``topk``, best first."""
+
+    task_id: str
+    query: str
+    passages: tuple[Passage, ...]
+    topk: int
+
+
+@dataclass(frozen=True)
+class UpsertTask:
+    """Upsert ``documents`` (``Document`` objects or strings, which get generated ids); the
+    value is the list of ids, in order, once the index has made them durable."""
+
+    task_id: str
+    documents: tuple[Any, ...]
+
+
+OperatorTask = EmbedTask | RerankTask | UpsertTask
+
+
+@dataclass(frozen=True)
+class OperatorResult:
+    """The outcome of an operator task: ``value`` for the node's output, or ``error``."""
+
+    task_id: str
+    value: Any = None
+    error: str | None = None
+    error_kind: str | None = None  # an ``ErrorKind`` with ``error`` (None: "internal")
+
+
+# -- staged retrieval (a retrieval node cut into cluster sub-stages) --------------------------
+# Back come ``RetrievalPartial``s (for the transforms only) and one ``StagedRetrievalResult``.
+@dataclass(frozen=True)
+class StagedRetrievalTask(RetrievalTask):
+    """A retrieval run in sub-stages of clusters.
+
+    - ``split``: pack each sub-stage under the time budget ``mb`` (``budget_s``, or Eq. 1's
+      optimum from the worker's measurements when ``None``); ``False``: one sub-stage.
+    - ``first_clusters``: when > 0, the first sub-stage scans exactly this many clusters
+      (an early partial result for speculation even without budget splitting).
+    - ``hit_clusters`` / ``previous_clusters``: the request's local cache (HedraRAG §4.3):
+      scan probed clusters in ``hit_clusters`` first, then those in ``previous_clusters``,
+      then the rest (each group in coarse order). Exact: every probed cluster is scanned.
+    - ``cache_topk``: also report the clusters of this many best results (the local cache).
+    - ``emit_partials``: send a ``RetrievalPartial`` after every non-final sub-stage.
+    """
+
+    request_id: str | None = None
+    split: bool = False
+    budget_s: float | None = None
+    first_clusters: int = 0
+    hit_clusters: tuple[int, ...] = ()
+    previous_clusters: tuple[int, ...] = ()
+    cache_topk: int = 0
+    emit_partials: bool = False
+
+
+@dataclass(frozen=True)
+class RetrievalPartial:
+    """The top-k after ``num_substages`` sub-stages of a staged retrieval (not final)."""
+
+    task_id: str
+    passages: tuple[Passage, ...]
+    num_substages: int
+    finished: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StagedRetrievalResult(RetrievalResult):
+    """The final result plus the local-cache data and how the stage was cut.
+
+    ``hit_clusters``: clusters holding the best ``cache_topk`` results; ``probed_clusters``:
+    every cluster this retrieval scanned (coarse order); ``num_substages``: how many
+    sub-stages it took; ``scan_seconds``: the scan time attributed to it.
+    """
+
+    hit_clusters: tuple[int, ...] = ()
+    probed_clusters: tuple[int, ...] = ()
+    num_substages: int = 1
+    scan_seconds: float = 0.0
+
+
 @dataclass
 class Wavefront:
     """The ready work of one scheduling cycle, across all active requests, by resource:
@@ -137,7 +236,7 @@ class Wavefront:
 
     generation: list[GenerationTask] = field(default_factory=list)
     retrieval: list[RetrievalTask] = field(default_factory=list)
-    operators: list[Any] = field(default_factory=list)  # ``operator_messages.OperatorTask``
+    operators: list[OperatorTask] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.generation or self.retrieval or self.operators)

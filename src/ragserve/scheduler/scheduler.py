@@ -38,8 +38,7 @@ from ragserve.scheduler.messages import (
 )
 from ragserve.scheduler.operator_config import OperatorConfig
 from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import NextStep, TaskView, peek_next
+from ragserve.scheduler.transforms import BaseTransform, NextStep, TaskView, peek_next
 
 logger = logging.getLogger(__name__)
 
@@ -195,12 +194,9 @@ class Scheduler:
 
     def _admit_one(self, kind: str, item) -> None:
         if kind == "add" and item.request_id in self._active:
-            item.error = f"duplicate request id {item.request_id!r}"
-            item.error_kind = "bad_request"
-            item.on_done(item.response())
+            _refuse(item, f"duplicate request id {item.request_id!r}", "bad_request")
         elif kind == "add" and self._take_early_abort(item.request_id):
-            item.error, item.error_kind = "aborted", "aborted"
-            item.on_done(item.response())
+            _refuse(item, "aborted", "aborted")
         elif kind == "add":
             self._active[item.request_id] = item
             self._advance(item, START, item.state, None)
@@ -209,8 +205,7 @@ class Scheduler:
         elif any(r.request_id == item for r in self._deferred):
             for req in [r for r in self._deferred if r.request_id == item]:
                 self._deferred.remove(req)
-                req.error, req.error_kind = "aborted", "aborted"
-                req.on_done(req.response())
+                _refuse(req, "aborted", "aborted")
         else:
             self._remember_abort(item)
 
@@ -239,9 +234,6 @@ class Scheduler:
     def _take_early_abort(self, request_id: str) -> bool:
         aborted_at = self._early_aborts.pop(request_id, None)
         return aborted_at is not None and time.monotonic() - aborted_at < self.abort_memory_s
-
-    def _has_ready(self) -> bool:
-        return self._has_new_runs
 
     def _collect_wavefront(self) -> Wavefront:
         wavefront = Wavefront()
@@ -306,7 +298,7 @@ class Scheduler:
 
     def _poll(self) -> list[Update]:
         updates, self._inline = self._inline, []
-        timeout = 0.0 if updates or self._has_ready() else self.busy_poll_timeout
+        timeout = 0.0 if updates or self._has_new_runs else self.busy_poll_timeout
         if self._pool is not None and self._pool.has_work():
             timeout = min(timeout, 0.005)  # NOTE: the pool's results are polled, not waited on
         polled = time.perf_counter()
@@ -430,6 +422,12 @@ class Scheduler:
             req.on_done(req.response())
         except Exception:
             logger.exception("on_done callback of request %s raised", req.request_id)
+
+
+def _refuse(req: RequestState, error: str, kind: str) -> None:
+    """End ``req``, never admitted, with ``error`` of ``kind``."""
+    req.error, req.error_kind = error, kind  # type: ignore[assignment]
+    req.on_done(req.response())
 
 
 def _merged(req: RequestState) -> State:

@@ -19,10 +19,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ragserve.scheduler.executor import Update
-from ragserve.scheduler.messages import RetrievalResult, RetrievalTask, Wavefront
-from ragserve.scheduler.staged_messages import StagedRetrievalResult, StagedRetrievalTask
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import SchedulerView
+from ragserve.scheduler.messages import (
+    RetrievalResult,
+    RetrievalTask,
+    StagedRetrievalResult,
+    StagedRetrievalTask,
+    Wavefront,
+)
+from ragserve.scheduler.transforms import BaseTransform, SchedulerView
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +104,9 @@ class SimilarityTransform(BaseTransform):
 
     def on_updates(self, updates: list[Update]) -> list[Update]:
         for u in updates:
-            rid = self._task_request.pop(u.task_id, None) if _is_final_retrieval(u) else None
+            rid = (
+                self._task_request.pop(u.task_id, None) if isinstance(u, RetrievalResult) else None
+            )
             if rid is not None and isinstance(u, StagedRetrievalResult) and u.error is None:
                 self.cache.put(rid, CacheEntry(u.hit_clusters, u.probed_clusters))
         return updates
@@ -123,7 +129,3 @@ def _request_id(view: SchedulerView | None, task: RetrievalTask) -> str | None:
         return task.request_id
     run = view.task(task.task_id) if view is not None else None
     return None if run is None else run.request_id
-
-
-def _is_final_retrieval(u: Update) -> bool:
-    return isinstance(u, RetrievalResult)

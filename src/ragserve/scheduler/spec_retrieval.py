@@ -19,11 +19,14 @@ import itertools
 
 from ragserve.graph import GenerationNode, RetrievalNode
 from ragserve.scheduler.executor import Update
-from ragserve.scheduler.messages import GenerationUpdate, Wavefront
+from ragserve.scheduler.messages import (
+    GenerationUpdate,
+    StagedRetrievalResult,
+    StagedRetrievalTask,
+    Wavefront,
+)
 from ragserve.scheduler.similarity import CacheEntry, SimilarityTransform
-from ragserve.scheduler.staged_messages import StagedRetrievalResult, StagedRetrievalTask
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import SchedulerView
+from ragserve.scheduler.transforms import BaseTransform, SchedulerView
 
 PREFIX = "specret/"
 

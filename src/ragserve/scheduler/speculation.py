@@ -30,13 +30,12 @@ from ragserve.scheduler.messages import (
     GenerationParams,
     GenerationTask,
     GenerationUpdate,
+    RetrievalPartial,
     RetrievalResult,
     Wavefront,
 )
 from ragserve.scheduler.similarity import as_staged
-from ragserve.scheduler.staged_messages import RetrievalPartial
-from ragserve.scheduler.transforms import BaseTransform
-from ragserve.scheduler.view import SchedulerView, TaskView
+from ragserve.scheduler.transforms import BaseTransform, SchedulerView, TaskView
 
 logger = logging.getLogger(__name__)
 

@@ -32,9 +32,8 @@ from __future__ import annotations
 import dataclasses
 
 from ragserve.scheduler.executor import Update
-from ragserve.scheduler.messages import RetrievalResult, Wavefront
+from ragserve.scheduler.messages import RetrievalResult, StagedRetrievalResult, Wavefront
 from ragserve.scheduler.similarity import as_staged
-from ragserve.scheduler.staged_messages import StagedRetrievalResult
 from ragserve.scheduler.transforms import BaseTransform
 
 
