@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -79,16 +80,53 @@ def measure_profile(
             sorted({c for c in (1, 4, 16, 64) if c <= index.nlist} | {index.nlist})
         )
     plan = index.assign(q[: max(batch_sizes)], max(cluster_counts))
+
+    def run(b: int, c: int) -> None:
+        index.scan(q[:b], plan.rows(0, b).columns(0, c), topk)
+
+    return measure_scan_grid(run, batch_sizes, cluster_counts, repeats=repeats, warmup=0, topk=topk)
+
+
+def measure_scan_grid(
+    run: Callable[[int, int], object],
+    batch_sizes: Sequence[int],
+    cluster_counts: Sequence[int],
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    synchronize: Callable[[], object] | None = None,
+    topk: int = 10,
+) -> SearchProfile:
+    """Time ``run(batch_size, clusters_per_query)`` over the grid into a ``SearchProfile``.
+
+    For a GPU (or CPU-tensor) tier pass a closure that scans ``batch_size`` queries over
+    ``clusters_per_query`` resident lists each, and ``synchronize`` (e.g.
+    ``torch.cuda.synchronize``) so that each timing covers the device work. Each point is the
+    median of ``repeats`` after ``warmup`` untimed calls.
+    """
+    if not batch_sizes or not cluster_counts:
+        raise ValueError("batch_sizes and cluster_counts must be non-empty")
+    if min(batch_sizes) < 1 or min(cluster_counts) < 1:
+        raise ValueError("batch_sizes and cluster_counts must be >= 1")
+    if list(batch_sizes) != sorted(set(batch_sizes)) or list(cluster_counts) != sorted(
+        set(cluster_counts)
+    ):
+        raise ValueError("batch_sizes and cluster_counts must be strictly ascending")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    sync = synchronize or (lambda: None)
     seconds = []
     for b in batch_sizes:
         row = []
-        sub = plan.rows(0, b)
         for c in cluster_counts:
-            step = sub.columns(0, c)
+            for _ in range(warmup):
+                run(b, c)
+            sync()
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                index.scan(q[:b], step, topk)
+                run(b, c)
+                sync()
                 times.append(time.perf_counter() - t0)
             row.append(float(np.median(times)))
         seconds.append(tuple(row))
