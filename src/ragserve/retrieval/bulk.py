@@ -36,7 +36,14 @@ from ragserve.retrieval.calibrate import calibrate_nprobe
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.index import IndexSpec, auto_nlist
 from ragserve.retrieval.persist import build_manifest
-from ragserve.retrieval.storage import DOCSTORE, fsync_dir, snapshot_name, write_manifest
+from ragserve.retrieval.storage import (
+    DOCSTORE,
+    fsync_dir,
+    publish_dir,
+    scratch_dir,
+    snapshot_name,
+    write_manifest,
+)
 from ragserve.retrieval.types import Document
 
 logger = logging.getLogger(__name__)
@@ -81,9 +88,7 @@ def build_index_directory(
     spec = IndexSpec(x.shape[1], nlist, kind, metric, embedder_name, nprobe or 1)
     metadata = dict(metadata or {})
     directory = Path(directory).absolute()
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise FileExistsError(f"{directory} exists and is not empty")
-    tmp = _scratch_dir(directory)
+    tmp = scratch_dir(directory)
     seconds: dict[str, float] = {}
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -109,10 +114,7 @@ def build_index_directory(
             metadata=metadata,
         )
         write_manifest(tmp, manifest)
-        if directory.exists():
-            directory.rmdir()
-        os.rename(tmp, directory)
-        fsync_dir(directory.parent)
+        publish_dir(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -132,29 +134,6 @@ def _as_matrix(vectors: np.ndarray, num_docs: int) -> np.ndarray:
     if x.ndim != 2 or len(x) != num_docs:
         raise ValueError(f"need one vector per document: {num_docs} docs, {x.shape} vectors")
     return x
-
-
-def _scratch_dir(directory: Path) -> Path:
-    """A fresh `.NAME.tmp-PID` next to `directory`; leftovers of dead builds are removed first
-    (a 5M x 768 build is ~32 GB of disk)."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    for old in directory.parent.glob(f".{directory.name}.tmp-*"):
-        pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _is_alive(int(pid))):
-            shutil.rmtree(old, ignore_errors=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    return tmp
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_store(path: Path, docs: Sequence[Document], x: np.ndarray, seconds: dict) -> int:

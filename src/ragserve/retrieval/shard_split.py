@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +32,8 @@ import faiss
 import numpy as np
 
 from ragserve.retrieval.index import VectorIndex
-from ragserve.retrieval.persist import build_manifest
-from ragserve.retrieval.storage import (
-    DOCSTORE,
-    atomic_write_bytes,
-    fsync_dir,
-    snapshot_name,
-    write_manifest,
-)
+from ragserve.retrieval.persist import write_snapshot
+from ragserve.retrieval.storage import DOCSTORE, atomic_write_bytes, publish_dir, scratch_dir
 
 PARTITIONS = ("list", "document")
 ROW_ID_SHIFT = 40
@@ -109,9 +101,7 @@ def split_index(source: Path, root: Path, num_shards: int, partition: str = "lis
             raise ValueError(f"{source} has row ids past 2**{ROW_ID_SHIFT}; cannot shard it")
         layout = _layout_for(vi, num_shards, partition)
         owner_of_row = _row_owners(vi, layout, row_ids)
-        tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = scratch_dir(root)
         for shard in range(num_shards):
             keep = row_ids[owner_of_row == shard]
             _write_shard(vi, layout.shard_dir(tmp, shard), shard, keep, row_ids)
@@ -119,8 +109,7 @@ def split_index(source: Path, root: Path, num_shards: int, partition: str = "lis
         meta = {"num_shards": num_shards, "partition": partition, "source": str(source)}
         meta["owners"] = list(layout.owners) if layout.owners is not None else None
         atomic_write_bytes(tmp / LAYOUT, json.dumps(meta).encode())
-        os.rename(tmp, root)
-        fsync_dir(root.parent)
+        publish_dir(tmp, root)
     finally:
         vi.close()
     return layout
@@ -165,16 +154,4 @@ def _write_shard(
     finally:
         conn.close()
     data = faiss.serialize_index(index)
-    name = snapshot_name(1)
-    atomic_write_bytes(directory / name, memoryview(data))
-    manifest = build_manifest(
-        vi.spec,
-        index,
-        snapshot=name,
-        sha256=hashlib.sha256(memoryview(data)).hexdigest(),
-        num_bytes=int(data.nbytes),
-        applied_seq=seq,
-        generation=1,
-        metadata={**vi.metadata, "shard": shard},
-    )
-    write_manifest(directory, manifest)
+    write_snapshot(directory, vi.spec, index, data, 1, seq, {**vi.metadata, "shard": shard})
