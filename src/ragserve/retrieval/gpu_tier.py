@@ -1,31 +1,19 @@
-"""GPU tier of an IVF-Flat index: hot inverted lists resident on a torch device (HedraRAG §4.4;
-VectorLiteRAG's splitter and router without separate shard indexes).
-
-Resident lists live in one pool of fixed-size chunks (``S = chunk_size`` rows)::
+"""GPU tier of an IVF-Flat index: hot inverted lists resident on a torch device (its scan
+strategies, placement and figures: docs/architecture.md, "GPU tier"). Resident lists live in
+one pool of fixed-size chunks (``S = chunk_size`` rows)::
 
     vectors [num_chunks, S, dim] (dtype)     list 17 (600 rows) -> chunks 4, 9, 2
     ids     [num_chunks, S] int64            chunk 2: rows 512..599, then 168 pads
     bias    [num_chunks, S] float32          pads: id -1, bias -inf (never ranked)
 
-The pool is one contiguous ``[num_chunks * S, dim]`` block of rows; ``chunk_list`` (on the
-device) maps each chunk to its resident list (or to none), so a scan may read it in place.
-``scan`` picks per batch between strategies (``tier_scan``): *grouped* gathers the probed
-chunks and scores each with the queries probing it in one ``bmm`` per group; *dense* scores
-every resident row with one matmul per slab and masks rows of unprobed lists to ``-inf``;
-*fused* (Triton, CUDA; ``tier_kernels``) reads each probed chunk once in place and scores it
-with all the queries probing it in one kernel launch per bucket. All
-use ``key = a * q.x + bias`` (IP: ``a = 1``, bias 0; L2: ``a = 2``, ``bias = -|x|^2``, and the
-distance is ``|q|^2 - key``) and return each query's canonical top-k of its candidates
-(better score first, equal scores by id as Faiss's heaps order them), which `stepwise.merge`
-combines with the CPU-scanned lists. ``scan="auto"`` chooses by a cost model calibrated on the
-tier itself (``tier_scan_model``), among grouped, dense and (CUDA with Triton) fused;
-``"grouped"``/``"dense"``/``"fused"`` force one.
+Every strategy scores ``key = a * q.x + bias`` (IP: ``a = 1``, bias 0; L2: ``a = 2``,
+``bias = -|x|^2``, distance ``|q|^2 - key``) and returns each query's canonical top-k (better
+score first, equal scores by id as Faiss's heaps order them) for ``stepwise.merge``.
 
-Swaps: ``begin_load`` copies a list into free chunks on a side CUDA stream; the list becomes
-resident (scanned here) only once that copy has completed (``poll``); until then, and after
-``evict``/``invalidate``, the CPU serves it. Freed chunks are reused only after the compute
-stream has passed every scan that could still read them. The tier's lock covers bookkeeping
-and the enqueueing of a scan's kernels, never a wait on the device.
+Mutates: ``begin_load`` copies a list on a side CUDA stream; it is resident (scanned here)
+once ``poll`` sees the copy done; until then, and after ``evict``/``invalidate``, the CPU
+serves it. Freed chunks are reused only after the compute stream has passed every scan that
+could still read them. The lock covers bookkeeping and enqueueing, never a wait on the device.
 """
 
 from __future__ import annotations

@@ -171,13 +171,10 @@ class GpuTierMixin:
         threads: int | None = None,
     ) -> StreamCostModel | None:
         """Fit the streamer's ``StreamCostModel`` from timed scans of random non-resident lists,
-        streamed and on the CPU at the same time (as they run when serving, sharing the host's
-        cores and memory bandwidth), at ``points`` (queries, lists per query); None (streams
-        nothing under the cost model) without a streamer or cold lists. Each point's median of
-        ``repeats`` after a warm-up. ``threads``: the CPU scan's parallelism the model assumes
-        (None: the real one, ``scan_threads``; the 2026-12-01 H200 runs, before the scan was
-        parallel, assumed Faiss's OpenMP threads while it ran on one). (A search calibrates on
-        first use when there is none.)"""
+        streamed and on the CPU at once (as when serving), at ``points`` (queries, lists per
+        query), each the median of ``repeats`` after a warm-up; None without a streamer or
+        cold lists. ``threads``: the CPU scan's parallelism the model assumes (None: the real
+        one, ``scan_threads``). A search calibrates on first use when there is none."""
         with self._rw.read():
             return self._calibrate_stream(
                 points=points, repeats=repeats, seed=seed, threads=threads
@@ -253,29 +250,15 @@ class GpuTierMixin:
         stream_cold: str | StreamConfig = "auto",
         assign: str = "faiss",
     ) -> GpuTier:
-        """Serve IVF lists from a torch ``device`` within ``budget_bytes`` (replaces any tier).
-
-        ``clusters`` places exactly those (a `ValueError` if they exceed the budget) and pins
-        them; ``None`` places the hottest lists by the live access counts (ties: lowest id
-        first) and keeps re-placing them on drift in the background (``placement``). Only
-        IVF-Flat lists can be placed (SQ8/PQ codes are not decoded: `ValueError`). ``float32``
-        returns Faiss's results; ``float16``/``bfloat16`` halve the bytes at some recall.
-        ``scan`` is the tier's scan strategy (``GpuTier.set_scan``); ``"auto"`` calibrates its
-        cost model here, once the lists are placed, unless the replaced tier's model fits.
-        ``stream_cold`` (a mode of ``StreamConfig``, or one): ``"auto"`` streams non-resident
-        lists from host memory to a CUDA tier and scans them there beside Faiss's CPU scan,
-        split per batch by a cost model calibrated on first use (``calibrate_stream``);
-        ``"on"`` also on a CPU tier (the twin), ``"off"`` never. ``"auto"`` is the default (the
-        2026-12-01 H200 run: 20M x 768 beside a 24 GB tier, >= 44 queries/s within the SLO
-        streamed vs 20 for the tier alone); a tier holding every list never allocates the
-        stream's buffers. Results are Faiss's either way. ``assign``: ``"tier"`` makes
-        ``search`` assign queries to clusters on the tier's device (``tier_assign``: the
-        clusters near the ``nprobe``-th score scanned apart, rows they could change searched
-        again with Faiss's assignment, so the ids are Faiss's; ``access_counts`` then also
-        count those near clusters), ``"faiss"`` (the default: on the 2026-12-01 H200 run the
-        tier's was 0.90x at batch 32 and 1.52x at 256) on the CPU quantizer, ``"auto"`` per
-        batch-size bucket whichever of the two measured faster on that bucket's first batches
-        (``tier_assign.AssignChooser``; flat quantizers; Faiss otherwise).
+        """Serve IVF-Flat lists from a torch ``device`` within ``budget_bytes`` (replaces any
+        tier; SQ8/PQ: `ValueError`). ``clusters`` places and pins exactly those (`ValueError`
+        past the budget); ``None`` places the hottest by the live access counts and re-places
+        them on drift (``placement``). ``float32`` returns Faiss's results; ``float16`` /
+        ``bfloat16`` halve the bytes at some recall. ``scan``: the strategy
+        (``GpuTier.set_scan``; ``"auto"`` calibrates here unless the replaced tier's model
+        fits); ``stream_cold``: a ``StreamConfig`` mode or one (``calibrate_stream``);
+        ``assign``: where ``search`` assigns queries (``ASSIGNS``, ``tier_assign``). What each
+        option does: docs/architecture.md, "GPU tier"; the defaults' figures: BENCHMARKS.md.
         """
         from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier

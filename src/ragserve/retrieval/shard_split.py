@@ -1,23 +1,12 @@
-"""Splitting one saved `VectorIndex` into shard folders that search exactly like it.
+"""Splitting one saved `VectorIndex` into shard folders that search exactly like it (the
+partitions and why: docs/scale_out.md)::
 
-```
-ROOT/layout.json        num_shards, partition, owners (cluster -> shard), source, row_id bases
-ROOT/quantizer.faiss    the coarse quantizer every shard shares (assignment happens once)
-ROOT/shard-<i>/         a complete `VectorIndex` folder (manifest, snapshot, docs.sqlite)
-```
+    ROOT/layout.json        num_shards, partition, owners (cluster -> shard), source
+    ROOT/quantizer.faiss    the coarse quantizer every shard shares (assignment happens once)
+    ROOT/shard-<i>/         a complete `VectorIndex` folder (manifest, snapshot, docs.sqlite)
 
-Every shard keeps the source's trained quantizer (and SQ/PQ codebooks) and the source's Faiss
-row ids, so the union of the shards' scans is the source's scan and the merged top-k carries
-the same ids. Two partitions:
-
-- ``"list"``: each inverted list lives on one shard; lists are packed onto shards by their scan
-  cost (list size x code size, largest first onto the least loaded shard). A query's probes
-  go only to the shards owning them; an upserted vector goes to the owner of its list.
-- ``"document"``: each document lives on the shard its id hashes to; every shard holds a
-  slice of every list, so every query goes to every shard.
-
-New rows of shard ``i`` get ids from ``(i + 1) << ROW_ID_SHIFT`` on: ids stay unique across
-shards without coordination (the source's ids are below ``1 << ROW_ID_SHIFT``).
+Shards keep the source's quantizer, codebooks and row ids; new rows of shard ``i`` get ids
+from ``(i + 1) << ROW_ID_SHIFT`` on (the source's are below ``1 << ROW_ID_SHIFT``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
-"""`ShardedIndex`: the `VectorIndex` search and upsert API over shard folders (`shard_split.py`).
-
-```
-              assign (shared quantizer, once)
-queries ──> ProbePlan [n, w] ──┬─ shard 0: its columns (list) / all (document) ─ scan ─┐
-                               └─ shard 1: ...                                  ─ scan ─┴─ merge
-```
-
-Assignment happens here once; each shard scans the plan's clusters it holds (pads `-1`) and
-the partial top-k are merged with `stepwise.merge`, so any step-wise slicing of the plan gives
-the source index's one-shot result (same ids, same scores). A shard is reached through a
-`BaseShard` (in process: `LocalShard`; across processes: the Ray backend's actor client), which
-runs a `ShardServer` over one shard folder.
-
-GPU tier: each `ShardServer` may hold its own lists' rows in a `GpuTier` (``VectorIndex``'s
-hybrid scan, exact); `ShardedIndex.set_gpu_tier` splits a budget evenly over the shards, and
-``gpu_tier`` / ``resident_mask`` summarise the shards' tiers (a list counts as resident when
-every shard holding part of it serves it from its tier), re-read at most every
-``TIER_REFRESH_S`` since unpinned tiers re-place lists in the background.
+"""`ShardedIndex`: the `VectorIndex` search and upsert API over shard folders
+(`shard_split.py`; design and figures: docs/scale_out.md). Queries are assigned here once;
+each shard (a `BaseShard` handle of a `ShardServer`) scans the plan's clusters it holds and
+the partial top-k are merged with `stepwise.merge`: the source index's result, exactly.
 """
 
 from __future__ import annotations
