@@ -176,13 +176,10 @@ class GpuTierMixin:
         cold lists. ``threads``: the CPU scan's parallelism the model assumes (None: the real
         one, ``scan_threads``). A search calibrates on first use when there is none."""
         with self._rw.read():
-            return self._calibrate_stream(
-                points=points, repeats=repeats, seed=seed, threads=threads
-            )
+            return self._calibrate_stream(points, repeats, seed, threads)
 
     def _calibrate_stream(
         self,
-        *,
         points: Sequence[tuple[int, int]] = STREAM_POINTS,
         repeats: int = 2,
         seed: int = 0,
@@ -264,18 +261,11 @@ class GpuTierMixin:
         from ragserve.retrieval.gpu_tier import GpuTier
         from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater, plan_placement
 
-        check_tier_options(scan, stream_cold)
+        check_tier_options(self.spec.kind, budget_bytes, scan, stream_cold)
         if assign not in ASSIGNS:
             raise ValueError(f"assign must be one of {ASSIGNS}, got {assign!r}")
         if isinstance(stream_cold, str):
             stream_cold = StreamConfig(mode=stream_cold)
-
-        if self.spec.kind != "ivf_flat":
-            raise ValueError(
-                f"kind: the GPU tier holds IVF-Flat lists only, this index is {self.spec.kind!r}"
-            )
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | np.integer):
-            raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
         pinned = None if clusters is None else _check_clusters(clusters, self.spec.nlist)
         previous = self._tier.cost_model if self._tier is not None else None
         self.drop_gpu_tier()
@@ -391,11 +381,18 @@ class GpuTierMixin:
                 self._tier.streamer.list_rows = rows
 
 
-def check_tier_options(scan: str, stream_cold: str | StreamConfig) -> None:
-    """A one-line `ValueError` for a bad ``scan`` or ``stream_cold`` (before anything moves)."""
+def check_tier_options(
+    kind: str, budget_bytes: int, scan: str, stream_cold: str | StreamConfig
+) -> None:
+    """A one-line `ValueError` for a tier that cannot be placed on an index of ``kind``: a bad
+    ``budget_bytes``, ``scan`` or ``stream_cold`` (before anything moves)."""
     from ragserve.retrieval.cold_stream import STREAM_MODES, StreamConfig
     from ragserve.retrieval.gpu_tier import SCANS
 
+    if kind != "ivf_flat":
+        raise ValueError(f"kind: the GPU tier holds IVF-Flat lists only, this index is {kind!r}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | np.integer):
+        raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
     if scan not in SCANS:
         raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     if isinstance(stream_cold, str):

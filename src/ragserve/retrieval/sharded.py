@@ -323,11 +323,7 @@ class ShardedIndex:
         (the shards place their own hottest lists; IVF-Flat only, as ``VectorIndex``), with
         ``scan`` and ``stream_cold`` as ``VectorIndex.set_gpu_tier`` (checked here first).
         Results stay exact: each shard merges its tier's and Faiss's parts."""
-        if self.spec.kind != "ivf_flat":
-            raise ValueError(
-                f"kind: the GPU tier holds IVF-Flat lists only, this index is {self.spec.kind!r}"
-            )
-        check_tier_options(scan, stream_cold)
+        check_tier_options(self.spec.kind, budget_bytes, scan, stream_cold)
         share = shard_tier_budget(budget_bytes, len(self.shards))
         args = (share, device, dtype, scan, stream_cold)
         for w in [s.submit("set_gpu_tier", *args) for s in self.shards]:
