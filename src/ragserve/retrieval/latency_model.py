@@ -17,56 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.profile import SearchProfile, measure_scan_grid  # noqa: F401
+from ragserve.retrieval.profile import (  # noqa: F401 - PiecewiseLinear, measure_scan_grid re-exported
+    PiecewiseLinear,
+    SearchProfile,
+    measure_scan_grid,
+)
 from ragserve.retrieval.types import ScanIndex
 
 # NOTE: past this many breakpoint combinations the candidates are thinned to quantiles of x.
 _MAX_COMBINATIONS = 20_000
-
-
-@dataclass(frozen=True)
-class PiecewiseLinear:
-    """A continuous piecewise-linear function through ``(knots[i], values[i])``.
-
-    ``knots`` strictly ascending; outside ``[knots[0], knots[-1]]`` the end segments extend
-    linearly (a single knot is a constant).
-    """
-
-    knots: tuple[float, ...]
-    values: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.knots) == 0 or len(self.knots) != len(self.values):
-            raise ValueError(
-                f"knots and values must be non-empty and of equal length, "
-                f"got {len(self.knots)} and {len(self.values)}"
-            )
-        k = np.asarray(self.knots, dtype=np.float64)
-        if not np.all(np.isfinite(k)) or not np.all(np.isfinite(self.values)):
-            raise ValueError("knots and values must be finite")
-        if np.any(np.diff(k) <= 0):
-            raise ValueError(f"knots must be strictly ascending, got {self.knots}")
-
-    @property
-    def slopes(self) -> tuple[float, ...]:
-        """Slope of each of the ``len(knots) - 1`` segments."""
-        k, v = np.asarray(self.knots), np.asarray(self.values)
-        return tuple(float(s) for s in np.diff(v) / np.diff(k))
-
-    def __call__(self, x: float) -> float:
-        return float(self.evaluate(np.asarray([x], dtype=np.float64))[0])
-
-    def evaluate(self, x: np.ndarray) -> np.ndarray:
-        """Values at every element of ``x`` (float64, same shape)."""
-        xs = np.asarray(x, dtype=np.float64)
-        k, v = np.asarray(self.knots), np.asarray(self.values)
-        if len(k) == 1:
-            return np.full(xs.shape, v[0])
-        out = np.interp(xs, k, v)
-        lo_slope = (v[1] - v[0]) / (k[1] - k[0])
-        hi_slope = (v[-1] - v[-2]) / (k[-1] - k[-2])
-        out = np.where(xs < k[0], v[0] + lo_slope * (xs - k[0]), out)
-        return np.where(xs > k[-1], v[-1] + hi_slope * (xs - k[-1]), out)
 
 
 def fit_piecewise_linear(
