@@ -20,6 +20,7 @@ import numpy as np
 
 import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.docstore import DocStore
+from ragserve.retrieval.embedder import Embedder, IndexEncoderMixin
 from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
@@ -39,14 +40,15 @@ from ragserve.retrieval.types import (
 
 if TYPE_CHECKING:
     from ragserve.retrieval.bm25 import BM25Index
-    from ragserve.retrieval.embedder import Embedder
     from ragserve.retrieval.gpu_tier import GpuTier
     from ragserve.retrieval.tier_placement import TierUpdater
 
 logger = logging.getLogger(__name__)
 
 
-class VectorIndex(GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, PersistMixin):
+class VectorIndex(
+    GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, PersistMixin, IndexEncoderMixin
+):
     """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2).
 
     Ids in `TopK` are Faiss row ids (int64, never reused); `get_documents` maps them back.
@@ -357,29 +359,6 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, P
         return len(removed)
 
     # -- properties -----------------------------------------------------------------------------
-
-    @property
-    def embedder(self) -> Embedder:
-        """The query/passage encoder, loaded on first use from `embedder_name`."""
-        if self._embedder is None:
-            from ragserve.retrieval.embedder import load_embedder
-
-            with self._embedder_lock:
-                if self._embedder is None:
-                    self._embedder = load_embedder(self.spec.embedder)
-        return self._embedder
-
-    @property
-    def embedder_name(self) -> str:
-        return self.spec.embedder
-
-    @property
-    def dim(self) -> int:
-        return self.spec.dim
-
-    @property
-    def nlist(self) -> int:
-        return self.spec.nlist
 
     @property
     def num_documents(self) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 
 import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.cold_stream import StreamConfig
+from ragserve.retrieval.embedder import IndexEncoderMixin
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.index_tier import TierSpec, check_tier_options
 from ragserve.retrieval.shard_split import QUANTIZER, ShardLayout, read_layout
@@ -169,7 +170,7 @@ class LocalShard(BaseShard):
         return lambda: value
 
 
-class ShardedIndex:
+class ShardedIndex(IndexEncoderMixin):
     """The `VectorIndex` API a retrieval runner uses, over ``shards`` laid out by ``layout``.
 
     Writes go to the owning shard (``"list"``: the owner of the vector's list, and the doc id
@@ -193,6 +194,7 @@ class ShardedIndex:
         self.quantizer = quantizer
         self.spec: IndexSpec = self.shards[0].call("spec")
         self._embedder = embedder
+        self._embedder_lock = threading.Lock()
         self._lock = threading.Lock()
         self._sizes: np.ndarray | None = None  # cached; reset by writes through this object
         self._tier: ShardedTier | None = None
@@ -396,26 +398,6 @@ class ShardedIndex:
 
     def shard_stats(self) -> list[dict[str, int]]:
         return [s.call("stats") for s in self.shards]
-
-    @property
-    def embedder(self) -> Any:
-        if self._embedder is None:
-            from ragserve.retrieval.embedder import load_embedder
-
-            self._embedder = load_embedder(self.spec.embedder)
-        return self._embedder
-
-    @property
-    def embedder_name(self) -> str:
-        return self.spec.embedder
-
-    @property
-    def dim(self) -> int:
-        return self.spec.dim
-
-    @property
-    def nlist(self) -> int:
-        return self.spec.nlist
 
 
 def shard_tier_budget(budget_bytes: int, num_shards: int) -> int:
