@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.profile import (  # noqa: F401 - PiecewiseLinear, measure_scan_grid re-exported
+from ragserve.retrieval.profile import (  # noqa: F401 - two of them re-exported
     PiecewiseLinear,
     SearchProfile,
     measure_scan_grid,
