@@ -37,6 +37,7 @@ from ragserve.retrieval.tier_scan import (
     Pool,
     dense_scan,
     fused_available,
+    fused_kernel,
     fused_scan,
     fused_slices,
     fused_warm_up,
@@ -120,14 +121,11 @@ class GpuTier:
 
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if metric not in ("ip", "l2"):
             raise ValueError(f"metric must be 'ip' or 'l2', got {metric!r}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        if scan not in SCANS:
-            raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
+        self.chunk_bytes = tier_chunk_bytes(dim, dtype, chunk_size)  # NOTE: checks dtype
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available (use device='cpu')")
@@ -137,15 +135,14 @@ class GpuTier:
             s for s in STRATEGIES if s != "fused" or (can_fuse and dev.type == "cuda")
         )
         self._can_fuse = can_fuse
-        _check_fused(scan, can_fuse)
         self._torch = torch
         self.device = str(dev)
+        self.set_scan(scan)
         self.dtype = dtype
         self.dim, self.nlist, self.is_l2 = dim, nlist, metric == "l2"
         self.chunk_size = chunk_size
         self.budget_bytes = int(budget_bytes)
         self._tdtype = getattr(torch, dtype)
-        self.chunk_bytes = tier_chunk_bytes(dim, dtype, chunk_size)
         capacity = min(self.budget_bytes // self.chunk_bytes, max(int(max_chunks), 0))
         self._vectors = torch.zeros((capacity, chunk_size, dim), dtype=self._tdtype, device=dev)
         self._ids = torch.full((capacity, chunk_size), -1, dtype=torch.int64, device=dev)
@@ -157,7 +154,6 @@ class GpuTier:
         self._fenced: list[tuple[Any, np.ndarray]] = []
         self._resident: dict[int, np.ndarray] = {}
         self._loading: dict[int, _Load] = {}
-        self._scan = scan
         self._model: ScanCostModel | None = None
         self._tried_calibration = False
         self._scan_counts = dict.fromkeys(STRATEGIES, 0)
@@ -405,7 +401,8 @@ class GpuTier:
         """Switch the scan strategy (any time; every strategy returns the same results)."""
         if strategy not in SCANS:
             raise ValueError(f"scan must be one of {SCANS}, got {strategy!r}")
-        _check_fused(strategy, self._can_fuse)
+        if strategy == "fused" and not self._can_fuse:
+            fused_kernel(self.device)  # raises: what the fused scan needs
         self._scan = strategy
 
     @property
@@ -554,10 +551,3 @@ class GpuTier:
         with self._lock:
             self._scan_counts[strategy] -= repeats + 1  # NOTE: calibration is not serving
         return float(np.median(times[1:])), features
-
-
-def _check_fused(scan: str, can_fuse: bool) -> None:
-    if scan == "fused" and not can_fuse:
-        raise ValueError(
-            "scan='fused' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)"
-        )
