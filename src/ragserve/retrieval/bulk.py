@@ -163,7 +163,7 @@ def _build_faiss(
     if centroids is None and backend == "faiss":
         stepwise.train(index, x, max_train=max_train, seed=seed)  # as `from_vectors` does
     else:
-        sample = _train_sample(x, max_train, seed)
+        sample = stepwise.train_sample(x, max_train, seed)
         if centroids is None:
             import ragserve.retrieval.gpu_kmeans as gpu_kmeans
 
@@ -186,14 +186,6 @@ def _build_faiss(
         )
     seconds["add"] = time.perf_counter() - t0
     return index
-
-
-def _train_sample(x: np.ndarray, max_train: int, seed: int) -> np.ndarray:
-    """The rows `stepwise.train` samples for the same `max_train` and `seed`."""
-    if len(x) <= max_train:
-        return x
-    pick = np.random.default_rng(seed).choice(len(x), size=max_train, replace=False)
-    return x[np.sort(pick)]
 
 
 def _assign(index: faiss.IndexIVF, x: np.ndarray, metric: str, device: str, backend: str):

@@ -92,10 +92,7 @@ def train(
     index: faiss.IndexIVF, vectors: np.ndarray, *, max_train: int | None = None, seed: int = 0
 ) -> None:
     """Train the coarse quantizer (and SQ/PQ codebooks) on a seeded sample of `vectors`."""
-    x = np.ascontiguousarray(vectors, dtype=np.float32)
-    if max_train is not None and len(x) > max_train:
-        pick = np.random.default_rng(seed).choice(len(x), size=max_train, replace=False)
-        x = x[np.sort(pick)]
+    x = train_sample(np.ascontiguousarray(vectors, dtype=np.float32), max_train, seed)
     if len(x) < index.nlist:
         raise ValueError(f"need at least nlist={index.nlist} training vectors, got {len(x)}")
     pq = getattr(index, "pq", None)
@@ -106,6 +103,14 @@ def train(
         )
     index.cp.seed = seed
     index.train(x)
+
+
+def train_sample(x: np.ndarray, max_train: int | None, seed: int) -> np.ndarray:
+    """The rows `train` trains on: all of `x`, or a seeded sample of `max_train` in row order."""
+    if max_train is None or len(x) <= max_train:
+        return x
+    pick = np.random.default_rng(seed).choice(len(x), size=max_train, replace=False)
+    return x[np.sort(pick)]
 
 
 def assign(index: faiss.IndexIVF, queries: np.ndarray, nprobe: int) -> ProbePlan:
