@@ -80,7 +80,7 @@ def build_index_directory(
     "cpu", torch otherwise. `centroids` (`[nlist, d]`) skip training. `nlist`, `nprobe` and
     `**index_kwargs` (pq_m, pq_nbits) mean what they mean in `VectorIndex.from_vectors`.
     """
-    x = _as_matrix(vectors, len(docs))
+    x = stepwise.check_vectors(vectors, len(docs))
     backend = backend or ("faiss" if device == "cpu" else "torch")
     if backend not in ("faiss", "torch") or (backend == "faiss" and device != "cpu"):
         raise ValueError(f"backend {backend!r} cannot run on device {device!r}")
@@ -125,15 +125,6 @@ def build_index_directory(
         ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()),
     )
     return BulkBuildResult(directory, seconds)
-
-
-def _as_matrix(vectors: np.ndarray, num_docs: int) -> np.ndarray:
-    x = vectors
-    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous):
-        x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or len(x) != num_docs:
-        raise ValueError(f"need one vector per document: {num_docs} docs, {x.shape} vectors")
-    return x
 
 
 def _write_store(path: Path, docs: Sequence[Document], x: np.ndarray, seconds: dict) -> int:

@@ -140,9 +140,7 @@ class VectorIndex(
         """Build from precomputed vectors (`[len(docs), dim]`, embedded from
         `passage_text(doc, passage_header)`); `embedder_name` and the header are recorded."""
         check_header(passage_header)
-        x = np.ascontiguousarray(vectors, dtype=np.float32)
-        if x.ndim != 2 or len(x) != len(docs):
-            raise ValueError(f"need one vector per document: {len(docs)} docs, {x.shape} vectors")
+        x = stepwise.check_vectors(vectors, len(docs))
         if len({d.id for d in docs}) != len(docs):
             raise ValueError("document ids must be unique")
         nlist = nlist or auto_nlist(len(docs))

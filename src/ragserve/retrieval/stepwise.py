@@ -304,3 +304,11 @@ def check_queries(index: faiss.Index, queries: np.ndarray) -> np.ndarray:
     if q.ndim != 2 or q.shape[1] != index.d:
         raise ValueError(f"queries must have shape [n, {index.d}], got {tuple(q.shape)}")
     return q
+
+
+def check_vectors(vectors: np.ndarray, num_docs: int) -> np.ndarray:
+    """One float32 row per document, C-contiguous (``vectors`` itself when it is already)."""
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    if x.ndim != 2 or len(x) != num_docs:
+        raise ValueError(f"need one vector per document: {num_docs} docs, {x.shape} vectors")
+    return x
