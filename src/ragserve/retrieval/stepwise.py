@@ -11,17 +11,11 @@ the shared index is never mutated and concurrent scans are safe. Partial results
 outside Faiss under a total order — score first, then id (ascending for L2, descending for IP) —
 which is the order Faiss's own heaps give equal scores inside one result list.
 
-CPU parallelism: Faiss's `search_preassigned` runs on the calling thread at its default
-`parallel_mode` 0 (only `index.search` slices a batch over Faiss's OpenMP threads), so `scan`
-slices the batch itself: contiguous row ranges, one `search_preassigned` call each, the first on
-the calling thread and the rest on a shared pool of `scan_threads() - 1` workers (a small scan,
-under `MIN_SCAN_ROWS_PER_THREAD` probed rows a thread, is cut into fewer ranges or none).
-Each query's scan is the same per-query loop either way, so the result is bit-identical to the
-one-thread scan; `set_scan_threads(1)` (or `RAGSERVE_CPU_SCAN_THREADS=1`) switches back to it.
-The pool is shared by every caller, so concurrent scans (shards, the tier beside its streamer)
-add at most `scan_threads() - 1` threads in all, and the calls open no OpenMP team of their
-own. An index whose `parallel_mode` is already non-zero is scanned in one call (Faiss
-parallelises it).
+CPU parallelism (docs/architecture.md, "Retrieval"): `search_preassigned` runs on the calling
+thread at `parallel_mode` 0, so `scan` cuts the batch into contiguous row ranges itself, the
+first on the calling thread, the rest on one process-wide pool of `scan_threads() - 1` workers
+(fewer ranges below `MIN_SCAN_ROWS_PER_THREAD` probed rows a thread); bit-identical to one
+thread. An index already in a non-zero `parallel_mode` is scanned in one call.
 
 NOTE: a tie *across* the k-th boundary (two different vectors with bit-identical scores, one
 kept and one dropped) is resolved by id here, while Faiss keeps whichever its heap reached first;
