@@ -178,6 +178,18 @@ class IndexEncoderMixin:
                     self._embedder = load_embedder(self.spec.embedder)
         return self._embedder
 
+    def _upsert_vectors(self, docs: list, vectors: np.ndarray | None, text) -> np.ndarray:
+        """An upsert's checked vectors (``[len(docs), dim]`` float32): ``vectors``, or ``docs``
+        embedded from ``text(doc)``; document ids must be unique."""
+        if len({d.id for d in docs}) != len(docs):
+            raise ValueError("document ids in one add_documents call must be unique")
+        if vectors is None:
+            vectors = self.embedder.encode([text(d) for d in docs], is_query=False)
+        x = np.ascontiguousarray(vectors, dtype=np.float32)
+        if x.shape != (len(docs), self.spec.dim):
+            raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")
+        return x
+
     @property
     def embedder_name(self) -> str:
         return self.spec.embedder

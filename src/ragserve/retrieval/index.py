@@ -300,13 +300,7 @@ class VectorIndex(
         docs = list(docs)
         if not docs:
             return
-        if len({d.id for d in docs}) != len(docs):
-            raise ValueError("document ids in one add_documents call must be unique")
-        if vectors is None:
-            vectors = self.embedder.encode([self.embed_text(d) for d in docs], is_query=False)
-        x = np.ascontiguousarray(vectors, dtype=np.float32)
-        if x.shape != (len(docs), self.spec.dim):
-            raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")
+        x = self._upsert_vectors(docs, vectors, self.embed_text)
         side = self._side_upsert_vectors(docs)
         with self._write_mutex:
             self._claim_writer()

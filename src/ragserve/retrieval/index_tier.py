@@ -155,7 +155,7 @@ class GpuTierMixin:
         """Start streaming the share of the cold probes ``cold`` (``-1``: none) the streamer's
         split picks; returns its future (None: nothing streamed) and the probes left."""
         if streamer.model is None and streamer.config.share is None:
-            self._calibrate_stream()
+            self._calibrate_stream(STREAM_POINTS, 2, 0, None)
         take = streamer.split(cold, len(q))
         if not take.any():
             return None, cold
@@ -178,13 +178,7 @@ class GpuTierMixin:
         with self._rw.read():
             return self._calibrate_stream(points, repeats, seed, threads)
 
-    def _calibrate_stream(
-        self,
-        points: Sequence[tuple[int, int]] = STREAM_POINTS,
-        repeats: int = 2,
-        seed: int = 0,
-        threads: int | None = None,
-    ) -> StreamCostModel | None:
+    def _calibrate_stream(self, points, repeats: int, seed: int, threads: int | None):
         from ragserve.retrieval.cold_stream import StreamCostModel
         from ragserve.retrieval.tier_scan_model import nnls_relative
 

@@ -23,6 +23,7 @@ from ragserve.retrieval.cold_stream import StreamConfig
 from ragserve.retrieval.embedder import IndexEncoderMixin
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.index_tier import TierSpec, check_tier_options
+from ragserve.retrieval.passages import passage_text
 from ragserve.retrieval.shard_split import QUANTIZER, ShardLayout, read_layout
 from ragserve.retrieval.types import Document, ProbePlan, TopK
 
@@ -258,15 +259,7 @@ class ShardedIndex(IndexEncoderMixin):
         docs = list(docs)
         if not docs:
             return
-        if len({d.id for d in docs}) != len(docs):
-            raise ValueError("document ids in one add_documents call must be unique")
-        if vectors is None:
-            from ragserve.retrieval.passages import passage_text
-
-            vectors = self.embedder.encode([passage_text(d) for d in docs], is_query=False)
-        x = np.ascontiguousarray(vectors, dtype=np.float32)
-        if x.shape != (len(docs), self.spec.dim):
-            raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")
+        x = self._upsert_vectors(docs, vectors, passage_text)
         owners = self._owners(docs, x)
         with self._lock:
             self._sizes = None
