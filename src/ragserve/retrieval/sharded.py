@@ -74,19 +74,10 @@ class ShardServer:
     def check_integrity(self) -> None:
         self.index.check_integrity()
 
-    def set_gpu_tier(
-        self,
-        budget_bytes: int,
-        device: str = "cuda",
-        dtype: str = "float32",
-        scan: str = "auto",
-        stream_cold: str | StreamConfig = "auto",
-    ) -> dict[str, Any]:
-        """This shard's lists on ``device`` within ``budget_bytes`` (hottest first, re-placed
-        on drift: ``VectorIndex.set_gpu_tier``); returns ``tier_state()``."""
-        self.index.set_gpu_tier(
-            int(budget_bytes), device=device, dtype=dtype, scan=scan, stream_cold=stream_cold
-        )
+    def set_gpu_tier(self, budget_bytes: int, options: dict[str, Any]) -> dict[str, Any]:
+        """This shard's lists within ``budget_bytes`` (hottest first, re-placed on drift):
+        ``VectorIndex.set_gpu_tier`` with ``options``; returns ``tier_state()``."""
+        self.index.set_gpu_tier(int(budget_bytes), **options)
         return self.tier_state()
 
     def drop_gpu_tier(self) -> None:
@@ -320,8 +311,8 @@ class ShardedIndex(IndexEncoderMixin):
         Results stay exact: each shard merges its tier's and Faiss's parts."""
         check_tier_options(self.spec.kind, budget_bytes, scan, stream_cold)
         share = shard_tier_budget(budget_bytes, len(self.shards))
-        args = (share, device, dtype, scan, stream_cold)
-        for w in [s.submit("set_gpu_tier", *args) for s in self.shards]:
+        options = {"device": device, "dtype": dtype, "scan": scan, "stream_cold": stream_cold}
+        for w in [s.submit("set_gpu_tier", share, options) for s in self.shards]:
             w()
         return self._refresh_tier()
 
