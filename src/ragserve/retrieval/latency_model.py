@@ -12,8 +12,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from ragserve.retrieval.profile import (  # noqa: F401 - two of them re-exported
     SearchProfile,
     measure_scan_grid,
 )
+from ragserve.retrieval.storage import JsonFile
 from ragserve.retrieval.types import ScanIndex
 
 # NOTE: past this many breakpoint combinations the candidates are thinned to quantiles of x.
@@ -158,7 +158,7 @@ class _Eq1:
 
 
 @dataclass(frozen=True)
-class SearchLatencyModel(_Eq1):
+class SearchLatencyModel(JsonFile, _Eq1):
     """VectorLiteRAG's CPU search model at one ``nprobe``: ``T_CQ(b)``, ``T_LUT(b)`` (seconds).
 
     Predictions are the non-decreasing envelope over batch sizes ``1..b`` of the fitted
@@ -238,9 +238,6 @@ class SearchLatencyModel(_Eq1):
         """``T_LUT`` at every batch size (seconds)."""
         return _envelope(self.lut, batch_sizes)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
     @classmethod
     def from_json(cls, text: str) -> SearchLatencyModel:
         raw = json.loads(text)
@@ -253,15 +250,6 @@ class SearchLatencyModel(_Eq1):
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a SearchLatencyModel: missing or bad field {e}") from e
-
-    def save(self, path: Path) -> None:
-        from ragserve.retrieval.storage import atomic_write_bytes
-
-        atomic_write_bytes(Path(path), self.to_json().encode())
-
-    @classmethod
-    def load(cls, path: Path) -> SearchLatencyModel:
-        return cls.from_json(Path(path).read_text())
 
 
 @dataclass(frozen=True)

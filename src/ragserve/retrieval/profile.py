@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
+from ragserve.retrieval.storage import JsonFile
 from ragserve.retrieval.types import ScanIndex
 
 
@@ -67,7 +67,7 @@ class PiecewiseLinear:
 
 
 @dataclass(frozen=True)
-class SearchProfile:
+class SearchProfile(JsonFile):
     """Measured CPU search time (seconds) of one scan step, by batch size and clusters/query."""
 
     batch_sizes: tuple[int, ...]
@@ -81,9 +81,6 @@ class SearchProfile:
         at = tuple(f(clusters_per_query) for f in per_batch)
         return max(0.0, PiecewiseLinear(self.batch_sizes, at)(batch_size))
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
     @classmethod
     def from_json(cls, text: str) -> SearchProfile:
         raw = json.loads(text)
@@ -93,15 +90,6 @@ class SearchProfile:
             tuple(tuple(r) for r in raw["seconds"]),
             raw.get("topk", 10),
         )
-
-    def save(self, path: Path) -> None:
-        from ragserve.retrieval.storage import atomic_write_bytes
-
-        atomic_write_bytes(Path(path), self.to_json().encode())
-
-    @classmethod
-    def load(cls, path: Path) -> SearchProfile:
-        return cls.from_json(Path(path).read_text())
 
 
 def measure_profile(

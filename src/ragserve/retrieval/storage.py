@@ -13,6 +13,7 @@ kill at any moment leaves a manifest whose snapshot exists and matches its check
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -172,6 +173,21 @@ def _is_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class JsonFile:
+    """A dataclass saved as JSON (``to_json``; ``save`` writes it atomically); the class
+    reads it back with its ``from_json`` (``load``)."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def save(self, path: Path) -> None:
+        atomic_write_bytes(Path(path), self.to_json().encode())
+
+    @classmethod
+    def load(cls, path: Path) -> Any:
+        return cls.from_json(Path(path).read_text())
 
 
 def write_dir_atomically(directory: Path, name: str, fill: Callable[[Path], None]) -> None:
