@@ -9,10 +9,9 @@ vectors [n, d] ─┬─ thread: DocStore.bulk_load ─────────�
                                                        both done ─> manifest.json ─> rename DIR
 ```
 
-The result is the same format `VectorIndex.save` writes (generation 1, `applied_seq = n`, rows 1..n)
-and loads with `VectorIndex.load`. With `backend="faiss"` (the default on CPU) the index equals
-`VectorIndex.from_vectors` on the same data bit for bit; with `backend="torch"` (the default on
-CUDA) k-means is ours and the assignment may differ from Faiss's only on float-rounding ties.
+The result is `VectorIndex.save`'s format (docs/architecture.md, "Large builds"); with
+`backend="faiss"` the index equals `VectorIndex.from_vectors` on the same data bit for bit, with
+`backend="torch"` the assignment may differ from Faiss's only on float-rounding ties.
 """
 
 from __future__ import annotations
