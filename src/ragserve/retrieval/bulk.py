@@ -9,10 +9,9 @@ vectors [n, d] ─┬─ thread: DocStore.bulk_load ─────────�
                                                        both done ─> manifest.json ─> rename DIR
 ```
 
-The result is the same format `VectorIndex.save` writes (generation 1, `applied_seq = n`, rows 1..n)
-and loads with `VectorIndex.load`. With `backend="faiss"` (the default on CPU) the index equals
-`VectorIndex.from_vectors` on the same data bit for bit; with `backend="torch"` (the default on
-CUDA) k-means is ours and the assignment may differ from Faiss's only on float-rounding ties.
+The result is `VectorIndex.save`'s format (docs/architecture.md, "Large builds"); with
+`backend="faiss"` the index equals `VectorIndex.from_vectors` on the same data bit for bit, with
+`backend="torch"` the assignment may differ from Faiss's only on float-rounding ties.
 """
 
 from __future__ import annotations
@@ -36,7 +35,14 @@ from ragserve.retrieval.calibrate import calibrate_nprobe
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.index import IndexSpec, auto_nlist
 from ragserve.retrieval.persist import build_manifest
-from ragserve.retrieval.storage import DOCSTORE, fsync_dir, snapshot_name, write_manifest
+from ragserve.retrieval.storage import (
+    DOCSTORE,
+    fsync_dir,
+    publish_dir,
+    scratch_dir,
+    snapshot_name,
+    write_manifest,
+)
 from ragserve.retrieval.types import Document
 
 logger = logging.getLogger(__name__)
@@ -73,7 +79,7 @@ def build_index_directory(
     "cpu", torch otherwise. `centroids` (`[nlist, d]`) skip training. `nlist`, `nprobe` and
     `**index_kwargs` (pq_m, pq_nbits) mean what they mean in `VectorIndex.from_vectors`.
     """
-    x = _as_matrix(vectors, len(docs))
+    x = stepwise.check_vectors(vectors, len(docs))
     backend = backend or ("faiss" if device == "cpu" else "torch")
     if backend not in ("faiss", "torch") or (backend == "faiss" and device != "cpu"):
         raise ValueError(f"backend {backend!r} cannot run on device {device!r}")
@@ -81,9 +87,7 @@ def build_index_directory(
     spec = IndexSpec(x.shape[1], nlist, kind, metric, embedder_name, nprobe or 1)
     metadata = dict(metadata or {})
     directory = Path(directory).absolute()
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise FileExistsError(f"{directory} exists and is not empty")
-    tmp = _scratch_dir(directory)
+    tmp = scratch_dir(directory)
     seconds: dict[str, float] = {}
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -109,10 +113,7 @@ def build_index_directory(
             metadata=metadata,
         )
         write_manifest(tmp, manifest)
-        if directory.exists():
-            directory.rmdir()
-        os.rename(tmp, directory)
-        fsync_dir(directory.parent)
+        publish_dir(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -123,38 +124,6 @@ def build_index_directory(
         ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()),
     )
     return BulkBuildResult(directory, seconds)
-
-
-def _as_matrix(vectors: np.ndarray, num_docs: int) -> np.ndarray:
-    x = vectors
-    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous):
-        x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or len(x) != num_docs:
-        raise ValueError(f"need one vector per document: {num_docs} docs, {x.shape} vectors")
-    return x
-
-
-def _scratch_dir(directory: Path) -> Path:
-    """A fresh `.NAME.tmp-PID` next to `directory`; leftovers of dead builds are removed first
-    (a 5M x 768 build is ~32 GB of disk)."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    for old in directory.parent.glob(f".{directory.name}.tmp-*"):
-        pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _is_alive(int(pid))):
-            shutil.rmtree(old, ignore_errors=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    return tmp
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_store(path: Path, docs: Sequence[Document], x: np.ndarray, seconds: dict) -> int:
@@ -184,7 +153,7 @@ def _build_faiss(
     if centroids is None and backend == "faiss":
         stepwise.train(index, x, max_train=max_train, seed=seed)  # as `from_vectors` does
     else:
-        sample = _train_sample(x, max_train, seed)
+        sample = stepwise.train_sample(x, max_train, seed)
         if centroids is None:
             import ragserve.retrieval.gpu_kmeans as gpu_kmeans
 
@@ -207,14 +176,6 @@ def _build_faiss(
         )
     seconds["add"] = time.perf_counter() - t0
     return index
-
-
-def _train_sample(x: np.ndarray, max_train: int, seed: int) -> np.ndarray:
-    """The rows `stepwise.train` samples for the same `max_train` and `seed`."""
-    if len(x) <= max_train:
-        return x
-    pick = np.random.default_rng(seed).choice(len(x), size=max_train, replace=False)
-    return x[np.sort(pick)]
 
 
 def _assign(index: faiss.IndexIVF, x: np.ndarray, metric: str, device: str, backend: str):

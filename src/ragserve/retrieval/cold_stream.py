@@ -1,24 +1,15 @@
-"""Cold lists streamed from host memory to the GPU tier's device, scanned there (issue 10).
-
-When the index does not fit the tier, the lists a batch probes that are not resident ("cold")
-would all be scanned by Faiss on the CPU, and that remainder bounds the speed-up (Amdahl).
-The streamer takes a share of them: per batch, ``plan_split`` orders the batch's cold lists by
-how many of its queries probe each (one copy serves them all) and streams the prefix that
-makes the device side and the CPU side finish together (``StreamCostModel``); the router
-(``index_tier``) gives the CPU the rest and merges the three partial top-k exactly.
-
-Pipeline of one batch (CUDA; on ``device="cpu"`` the same code runs without streams)::
+"""Cold (non-resident) lists streamed from host memory to the GPU tier's device and scanned
+there beside Faiss's CPU scan of the rest: ``plan_split`` picks the lists, the router is
+``index_tier`` (docs/architecture.md, "Cold lists streamed"). One batch (CUDA; on a CPU the
+same code runs without streams)::
 
     producer thread   host: Faiss list rows -> pinned bounce[b]   (b = chunk % 2)
     side stream       wait scan_done[b]; bounce[b] -> staging[b] (H2D); record copy_done[b]
     compute stream    wait copy_done[b]; dense scan of staging[b]; record scan_done[b]
 
-so the copy of chunk ``i + 1`` overlaps the scan of chunk ``i``, and the host fills one bounce
-buffer while the other is in flight. Pinned host memory is only the two bounce buffers
-(``StreamConfig.host_budget_bytes``), whatever the corpus: rows are read straight from the
-Faiss inverted lists (under the index's shared lock, held by the caller until ``result()``).
-A staged chunk is a ``Pool`` of one-row chunks (``tier_scan``), scanned by ``dense_scan``:
-each row knows its list, and rows of lists a query did not probe are masked.
+Pinned host memory is the two bounce buffers only; rows are read straight from Faiss's lists
+under the index's shared lock (held by the caller until ``result()``). A staged chunk is a
+``Pool`` of one-row chunks (``tier_scan``), so ``dense_scan`` masks rows of unprobed lists.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""Section collapsing: at most one passage per section in a ranked result (field collapsing, as
-in a search engine's "group by document").
+"""Section collapsing: at most one passage per section in a ranked result (the contract and
+the section key: docs/architecture.md, "Section collapsing")::
 
-A long section is cut into several passages that share its words, so they tend to rank next to
-each other and push other sections out of the top k. Collapsing keeps each section's best
-passage and lets the next sections move up:
+    ranked:    A#3  A#4  B#0  A#5  C#1  D#0  B#1  E#2 ...
+    collapsed: A#3  B#0  C#1  D#0  E#2                    (topk = 5)
 
-```
-ranked:    A#3  A#4  B#0  A#5  C#1  D#0  B#1  E#2 ...
-collapsed: A#3  B#0  C#1  D#0  E#2                    (topk = 5)
-```
-
-A passage's section is `(metadata["source"], metadata["section"])` for ingested files (both
-present), `metadata["source_id"]` for a chunked JSONL/Parquet record, and otherwise the passage
-itself (never collapsed: e.g. factbook passages, whose `section` is shared across countries).
-An index none of whose passages has a section (`VectorIndex.has_sections`, `SECTIONED_SQL`)
-collapses nothing, so its searches skip collapsing and stay plain Faiss.
+A passage without a section (its `section_key` is itself, e.g. factbook passages) is never
+grouped; an index none of whose passages has one (`VectorIndex.has_sections`,
+`SECTIONED_SQL`) skips collapsing and stays plain Faiss.
 """
 
 from __future__ import annotations
@@ -32,7 +24,8 @@ SECTIONED_SQL = (  # a stored passage (`docs.metadata`) that `section_key` group
 
 
 def section_key(doc: Document) -> Hashable:
-    """The group a passage collapses with (see the module docstring)."""
+    """The group a passage collapses with: `(metadata["source"], metadata["section"])` for an
+    ingested file, `metadata["source_id"]` for a chunked record, else the passage itself."""
     meta = doc.metadata
     if "source" in meta and "section" in meta:
         return ("section", str(meta["source"]), str(meta["section"]))

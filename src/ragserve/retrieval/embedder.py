@@ -164,6 +164,45 @@ def load_embedder(name_or_path: str = DEFAULT_EMBEDDER, **kwargs) -> Embedder:
     return Embedder(name, model_dir, **kwargs)
 
 
+class IndexEncoderMixin:
+    """An index's encoder, loaded on first use from its ``spec.embedder`` (thread-safe), and
+    the spec's ``embedder_name``, ``dim`` and ``nlist`` (``VectorIndex``, ``ShardedIndex``);
+    needs ``spec``, ``_embedder`` and ``_embedder_lock``."""
+
+    @property
+    def embedder(self) -> Embedder:
+        """The query/passage encoder, loaded on first use from `embedder_name`."""
+        if self._embedder is None:
+            with self._embedder_lock:
+                if self._embedder is None:
+                    self._embedder = load_embedder(self.spec.embedder)
+        return self._embedder
+
+    def _upsert_vectors(self, docs: list, vectors: np.ndarray | None, text) -> np.ndarray:
+        """An upsert's checked vectors (``[len(docs), dim]`` float32): ``vectors``, or ``docs``
+        embedded from ``text(doc)``; document ids must be unique."""
+        if len({d.id for d in docs}) != len(docs):
+            raise ValueError("document ids in one add_documents call must be unique")
+        if vectors is None:
+            vectors = self.embedder.encode([text(d) for d in docs], is_query=False)
+        x = np.ascontiguousarray(vectors, dtype=np.float32)
+        if x.shape != (len(docs), self.spec.dim):
+            raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")
+        return x
+
+    @property
+    def embedder_name(self) -> str:
+        return self.spec.embedder
+
+    @property
+    def dim(self) -> int:
+        return self.spec.dim
+
+    @property
+    def nlist(self) -> int:
+        return self.spec.nlist
+
+
 def _load_model(auto_model, model_dir: Path, dtype):
     """`auto_model.from_pretrained` with SDPA attention, or the model's own ("eager") where its
     architecture has no SDPA path (MPNet, for one)."""

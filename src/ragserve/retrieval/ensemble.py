@@ -1,19 +1,14 @@
-"""Embedder ensemble: a second dense encoder beside the index's own, fused with it (and BM25)
-by per-query z-scored similarities, as search mode "ensemble".
+"""Embedder ensemble, search mode "ensemble": a second dense encoder beside the index's own,
+fused with it (and BM25) by per-query z-scored exact similarities (docs/architecture.md,
+"Quality modes")::
 
-```
-pool     = top `depth` of the Faiss index  ∪  top `depth` of the side encoder
-           ∪  top `depth` of BM25 (when bm25_weight > 0)
-score(p) = z_main(p) + weight · z_side(p) + bm25_weight · z_bm25(p)
-           z: (s - mean) / std of that ranker's exact scores over the pool
-```
+    pool     = top `depth` of the Faiss index  ∪  top `depth` of the side encoder
+               ∪  top `depth` of BM25 (when bm25_weight > 0)
+    score(p) = z_main(p) + weight · z_side(p) + bm25_weight · z_bm25(p)
 
-Every pool member gets all three exact scores (stored vectors for the index's encoder, the side
-matrix, BM25's full score row), so a passage one ranker missed is not treated as a zero. The side
-vectors mirror the document store's live rows: the store is the truth, and `SideDense.sync`
-(run on first use, e.g. after a load) drops rows that are gone and embeds rows it lacks, so a
-crash between a store commit and a side snapshot loses nothing. A snapshot `ensemble-<gen>/`
-is written beside each Faiss snapshot (`persist.py`), so a load embeds only what changed since.
+The side vectors (`SideDense`) mirror the document store's live rows: the store is the truth,
+`SideDense.sync` (first use after a load) drops rows gone and embeds rows missing, and a
+snapshot `ensemble-<gen>/` is written beside each Faiss snapshot (`persist.py`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
-"""GPU tier of an IVF-Flat index: hot inverted lists resident on a torch device (HedraRAG §4.4;
-VectorLiteRAG's splitter and router without separate shard indexes).
-
-Resident lists live in one pool of fixed-size chunks (``S = chunk_size`` rows)::
+"""GPU tier of an IVF-Flat index: hot inverted lists resident on a torch device (its scan
+strategies, placement and figures: docs/architecture.md, "GPU tier"). Resident lists live in
+one pool of fixed-size chunks (``S = chunk_size`` rows)::
 
     vectors [num_chunks, S, dim] (dtype)     list 17 (600 rows) -> chunks 4, 9, 2
     ids     [num_chunks, S] int64            chunk 2: rows 512..599, then 168 pads
     bias    [num_chunks, S] float32          pads: id -1, bias -inf (never ranked)
 
-The pool is one contiguous ``[num_chunks * S, dim]`` block of rows; ``chunk_list`` (on the
-device) maps each chunk to its resident list (or to none), so a scan may read it in place.
-``scan`` picks per batch between strategies (``tier_scan``): *grouped* gathers the probed
-chunks and scores each with the queries probing it in one ``bmm`` per group; *dense* scores
-every resident row with one matmul per slab and masks rows of unprobed lists to ``-inf``;
-*fused* (Triton, CUDA; ``tier_kernels``) reads each probed chunk once in place and scores it
-with all the queries probing it in one kernel launch per bucket. All
-use ``key = a * q.x + bias`` (IP: ``a = 1``, bias 0; L2: ``a = 2``, ``bias = -|x|^2``, and the
-distance is ``|q|^2 - key``) and return each query's canonical top-k of its candidates
-(better score first, equal scores by id as Faiss's heaps order them), which `stepwise.merge`
-combines with the CPU-scanned lists. ``scan="auto"`` chooses by a cost model calibrated on the
-tier itself (``tier_scan_model``), among grouped, dense and (CUDA with Triton) fused;
-``"grouped"``/``"dense"``/``"fused"`` force one.
+Every strategy scores ``key = a * q.x + bias`` (IP: ``a = 1``, bias 0; L2: ``a = 2``,
+``bias = -|x|^2``, distance ``|q|^2 - key``) and returns each query's canonical top-k (better
+score first, equal scores by id as Faiss's heaps order them) for ``stepwise.merge``.
 
-Swaps: ``begin_load`` copies a list into free chunks on a side CUDA stream; the list becomes
-resident (scanned here) only once that copy has completed (``poll``); until then, and after
-``evict``/``invalidate``, the CPU serves it. Freed chunks are reused only after the compute
-stream has passed every scan that could still read them. The tier's lock covers bookkeeping
-and the enqueueing of a scan's kernels, never a wait on the device.
+Mutates: ``begin_load`` copies a list on a side CUDA stream; it is resident (scanned here)
+once ``poll`` sees the copy done; until then, and after ``evict``/``invalidate``, the CPU
+serves it. Freed chunks are reused only after the compute stream has passed every scan that
+could still read them. The lock covers bookkeeping and enqueueing, never a wait on the device.
 """
 
 from __future__ import annotations
@@ -49,6 +37,7 @@ from ragserve.retrieval.tier_scan import (
     Pool,
     dense_scan,
     fused_available,
+    fused_kernel,
     fused_scan,
     fused_slices,
     fused_warm_up,
@@ -132,14 +121,11 @@ class GpuTier:
 
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if metric not in ("ip", "l2"):
             raise ValueError(f"metric must be 'ip' or 'l2', got {metric!r}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        if scan not in SCANS:
-            raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
+        self.chunk_bytes = tier_chunk_bytes(dim, dtype, chunk_size)  # NOTE: checks dtype
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available (use device='cpu')")
@@ -149,15 +135,14 @@ class GpuTier:
             s for s in STRATEGIES if s != "fused" or (can_fuse and dev.type == "cuda")
         )
         self._can_fuse = can_fuse
-        _check_fused(scan, can_fuse)
         self._torch = torch
         self.device = str(dev)
+        self.set_scan(scan)
         self.dtype = dtype
         self.dim, self.nlist, self.is_l2 = dim, nlist, metric == "l2"
         self.chunk_size = chunk_size
         self.budget_bytes = int(budget_bytes)
         self._tdtype = getattr(torch, dtype)
-        self.chunk_bytes = tier_chunk_bytes(dim, dtype, chunk_size)
         capacity = min(self.budget_bytes // self.chunk_bytes, max(int(max_chunks), 0))
         self._vectors = torch.zeros((capacity, chunk_size, dim), dtype=self._tdtype, device=dev)
         self._ids = torch.full((capacity, chunk_size), -1, dtype=torch.int64, device=dev)
@@ -169,7 +154,6 @@ class GpuTier:
         self._fenced: list[tuple[Any, np.ndarray]] = []
         self._resident: dict[int, np.ndarray] = {}
         self._loading: dict[int, _Load] = {}
-        self._scan = scan
         self._model: ScanCostModel | None = None
         self._tried_calibration = False
         self._scan_counts = dict.fromkeys(STRATEGIES, 0)
@@ -417,7 +401,8 @@ class GpuTier:
         """Switch the scan strategy (any time; every strategy returns the same results)."""
         if strategy not in SCANS:
             raise ValueError(f"scan must be one of {SCANS}, got {strategy!r}")
-        _check_fused(strategy, self._can_fuse)
+        if strategy == "fused" and not self._can_fuse:
+            fused_kernel(self.device)  # raises: what the fused scan needs
         self._scan = strategy
 
     @property
@@ -566,10 +551,3 @@ class GpuTier:
         with self._lock:
             self._scan_counts[strategy] -= repeats + 1  # NOTE: calibration is not serving
         return float(np.median(times[1:])), features
-
-
-def _check_fused(scan: str, can_fuse: bool) -> None:
-    if scan == "fused" and not can_fuse:
-        raise ValueError(
-            "scan='fused' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)"
-        )

@@ -20,6 +20,7 @@ import numpy as np
 
 import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.docstore import DocStore
+from ragserve.retrieval.embedder import Embedder, IndexEncoderMixin
 from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
@@ -39,14 +40,15 @@ from ragserve.retrieval.types import (
 
 if TYPE_CHECKING:
     from ragserve.retrieval.bm25 import BM25Index
-    from ragserve.retrieval.embedder import Embedder
     from ragserve.retrieval.gpu_tier import GpuTier
     from ragserve.retrieval.tier_placement import TierUpdater
 
 logger = logging.getLogger(__name__)
 
 
-class VectorIndex(GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, PersistMixin):
+class VectorIndex(
+    GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, PersistMixin, IndexEncoderMixin
+):
     """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2).
 
     Ids in `TopK` are Faiss row ids (int64, never reused); `get_documents` maps them back.
@@ -138,9 +140,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, P
         """Build from precomputed vectors (`[len(docs), dim]`, embedded from
         `passage_text(doc, passage_header)`); `embedder_name` and the header are recorded."""
         check_header(passage_header)
-        x = np.ascontiguousarray(vectors, dtype=np.float32)
-        if x.ndim != 2 or len(x) != len(docs):
-            raise ValueError(f"need one vector per document: {len(docs)} docs, {x.shape} vectors")
+        x = stepwise.check_vectors(vectors, len(docs))
         if len({d.id for d in docs}) != len(docs):
             raise ValueError("document ids must be unique")
         nlist = nlist or auto_nlist(len(docs))
@@ -300,13 +300,7 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, P
         docs = list(docs)
         if not docs:
             return
-        if len({d.id for d in docs}) != len(docs):
-            raise ValueError("document ids in one add_documents call must be unique")
-        if vectors is None:
-            vectors = self.embedder.encode([self.embed_text(d) for d in docs], is_query=False)
-        x = np.ascontiguousarray(vectors, dtype=np.float32)
-        if x.shape != (len(docs), self.spec.dim):
-            raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")
+        x = self._upsert_vectors(docs, vectors, self.embed_text)
         side = self._side_upsert_vectors(docs)
         with self._write_mutex:
             self._claim_writer()
@@ -357,29 +351,6 @@ class VectorIndex(GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, P
         return len(removed)
 
     # -- properties -----------------------------------------------------------------------------
-
-    @property
-    def embedder(self) -> Embedder:
-        """The query/passage encoder, loaded on first use from `embedder_name`."""
-        if self._embedder is None:
-            from ragserve.retrieval.embedder import load_embedder
-
-            with self._embedder_lock:
-                if self._embedder is None:
-                    self._embedder = load_embedder(self.spec.embedder)
-        return self._embedder
-
-    @property
-    def embedder_name(self) -> str:
-        return self.spec.embedder
-
-    @property
-    def dim(self) -> int:
-        return self.spec.dim
-
-    @property
-    def nlist(self) -> int:
-        return self.spec.nlist
 
     @property
     def num_documents(self) -> int:

@@ -155,7 +155,7 @@ class GpuTierMixin:
         """Start streaming the share of the cold probes ``cold`` (``-1``: none) the streamer's
         split picks; returns its future (None: nothing streamed) and the probes left."""
         if streamer.model is None and streamer.config.share is None:
-            self._calibrate_stream()
+            self._calibrate_stream(STREAM_POINTS, 2, 0, None)
         take = streamer.split(cold, len(q))
         if not take.any():
             return None, cold
@@ -171,26 +171,14 @@ class GpuTierMixin:
         threads: int | None = None,
     ) -> StreamCostModel | None:
         """Fit the streamer's ``StreamCostModel`` from timed scans of random non-resident lists,
-        streamed and on the CPU at the same time (as they run when serving, sharing the host's
-        cores and memory bandwidth), at ``points`` (queries, lists per query); None (streams
-        nothing under the cost model) without a streamer or cold lists. Each point's median of
-        ``repeats`` after a warm-up. ``threads``: the CPU scan's parallelism the model assumes
-        (None: the real one, ``scan_threads``; the 2026-12-01 H200 runs, before the scan was
-        parallel, assumed Faiss's OpenMP threads while it ran on one). (A search calibrates on
-        first use when there is none.)"""
+        streamed and on the CPU at once (as when serving), at ``points`` (queries, lists per
+        query), each the median of ``repeats`` after a warm-up; None without a streamer or
+        cold lists. ``threads``: the CPU scan's parallelism the model assumes (None: the real
+        one, ``scan_threads``). A search calibrates on first use when there is none."""
         with self._rw.read():
-            return self._calibrate_stream(
-                points=points, repeats=repeats, seed=seed, threads=threads
-            )
+            return self._calibrate_stream(points, repeats, seed, threads)
 
-    def _calibrate_stream(
-        self,
-        *,
-        points: Sequence[tuple[int, int]] = STREAM_POINTS,
-        repeats: int = 2,
-        seed: int = 0,
-        threads: int | None = None,
-    ) -> StreamCostModel | None:
+    def _calibrate_stream(self, points, repeats: int, seed: int, threads: int | None):
         from ragserve.retrieval.cold_stream import StreamCostModel
         from ragserve.retrieval.tier_scan_model import nnls_relative
 
@@ -253,46 +241,25 @@ class GpuTierMixin:
         stream_cold: str | StreamConfig = "auto",
         assign: str = "faiss",
     ) -> GpuTier:
-        """Serve IVF lists from a torch ``device`` within ``budget_bytes`` (replaces any tier).
-
-        ``clusters`` places exactly those (a `ValueError` if they exceed the budget) and pins
-        them; ``None`` places the hottest lists by the live access counts (ties: lowest id
-        first) and keeps re-placing them on drift in the background (``placement``). Only
-        IVF-Flat lists can be placed (SQ8/PQ codes are not decoded: `ValueError`). ``float32``
-        returns Faiss's results; ``float16``/``bfloat16`` halve the bytes at some recall.
-        ``scan`` is the tier's scan strategy (``GpuTier.set_scan``); ``"auto"`` calibrates its
-        cost model here, once the lists are placed, unless the replaced tier's model fits.
-        ``stream_cold`` (a mode of ``StreamConfig``, or one): ``"auto"`` streams non-resident
-        lists from host memory to a CUDA tier and scans them there beside Faiss's CPU scan,
-        split per batch by a cost model calibrated on first use (``calibrate_stream``);
-        ``"on"`` also on a CPU tier (the twin), ``"off"`` never. ``"auto"`` is the default (the
-        2026-12-01 H200 run: 20M x 768 beside a 24 GB tier, >= 44 queries/s within the SLO
-        streamed vs 20 for the tier alone); a tier holding every list never allocates the
-        stream's buffers. Results are Faiss's either way. ``assign``: ``"tier"`` makes
-        ``search`` assign queries to clusters on the tier's device (``tier_assign``: the
-        clusters near the ``nprobe``-th score scanned apart, rows they could change searched
-        again with Faiss's assignment, so the ids are Faiss's; ``access_counts`` then also
-        count those near clusters), ``"faiss"`` (the default: on the 2026-12-01 H200 run the
-        tier's was 0.90x at batch 32 and 1.52x at 256) on the CPU quantizer, ``"auto"`` per
-        batch-size bucket whichever of the two measured faster on that bucket's first batches
-        (``tier_assign.AssignChooser``; flat quantizers; Faiss otherwise).
+        """Serve IVF-Flat lists from a torch ``device`` within ``budget_bytes`` (replaces any
+        tier; SQ8/PQ: `ValueError`). ``clusters`` places and pins exactly those (`ValueError`
+        past the budget); ``None`` places the hottest by the live access counts and re-places
+        them on drift (``placement``). ``float32`` returns Faiss's results; ``float16`` /
+        ``bfloat16`` halve the bytes at some recall. ``scan``: the strategy
+        (``GpuTier.set_scan``; ``"auto"`` calibrates here unless the replaced tier's model
+        fits); ``stream_cold``: a ``StreamConfig`` mode or one (``calibrate_stream``);
+        ``assign``: where ``search`` assigns queries (``ASSIGNS``, ``tier_assign``). What each
+        option does: docs/architecture.md, "GPU tier"; the defaults' figures: BENCHMARKS.md.
         """
         from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier
         from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater, plan_placement
 
-        check_tier_options(scan, stream_cold)
+        check_tier_options(self.spec.kind, budget_bytes, scan, stream_cold)
         if assign not in ASSIGNS:
             raise ValueError(f"assign must be one of {ASSIGNS}, got {assign!r}")
         if isinstance(stream_cold, str):
             stream_cold = StreamConfig(mode=stream_cold)
-
-        if self.spec.kind != "ivf_flat":
-            raise ValueError(
-                f"kind: the GPU tier holds IVF-Flat lists only, this index is {self.spec.kind!r}"
-            )
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | np.integer):
-            raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
         pinned = None if clusters is None else _check_clusters(clusters, self.spec.nlist)
         previous = self._tier.cost_model if self._tier is not None else None
         self.drop_gpu_tier()
@@ -408,11 +375,18 @@ class GpuTierMixin:
                 self._tier.streamer.list_rows = rows
 
 
-def check_tier_options(scan: str, stream_cold: str | StreamConfig) -> None:
-    """A one-line `ValueError` for a bad ``scan`` or ``stream_cold`` (before anything moves)."""
+def check_tier_options(
+    kind: str, budget_bytes: int, scan: str, stream_cold: str | StreamConfig
+) -> None:
+    """A one-line `ValueError` for a tier that cannot be placed on an index of ``kind``: a bad
+    ``budget_bytes``, ``scan`` or ``stream_cold`` (before anything moves)."""
     from ragserve.retrieval.cold_stream import STREAM_MODES, StreamConfig
     from ragserve.retrieval.gpu_tier import SCANS
 
+    if kind != "ivf_flat":
+        raise ValueError(f"kind: the GPU tier holds IVF-Flat lists only, this index is {kind!r}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | np.integer):
+        raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
     if scan not in SCANS:
         raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     if isinstance(stream_cold, str):

@@ -11,62 +11,21 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from ragserve.retrieval.profile import SearchProfile
+from ragserve.retrieval.profile import (  # noqa: F401 - two of them re-exported
+    PiecewiseLinear,
+    SearchProfile,
+    measure_scan_grid,
+)
+from ragserve.retrieval.storage import JsonFile
 from ragserve.retrieval.types import ScanIndex
 
 # NOTE: past this many breakpoint combinations the candidates are thinned to quantiles of x.
 _MAX_COMBINATIONS = 20_000
-
-
-@dataclass(frozen=True)
-class PiecewiseLinear:
-    """A continuous piecewise-linear function through ``(knots[i], values[i])``.
-
-    ``knots`` strictly ascending; outside ``[knots[0], knots[-1]]`` the end segments extend
-    linearly (a single knot is a constant).
-    """
-
-    knots: tuple[float, ...]
-    values: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.knots) == 0 or len(self.knots) != len(self.values):
-            raise ValueError(
-                f"knots and values must be non-empty and of equal length, "
-                f"got {len(self.knots)} and {len(self.values)}"
-            )
-        k = np.asarray(self.knots, dtype=np.float64)
-        if not np.all(np.isfinite(k)) or not np.all(np.isfinite(self.values)):
-            raise ValueError("knots and values must be finite")
-        if np.any(np.diff(k) <= 0):
-            raise ValueError(f"knots must be strictly ascending, got {self.knots}")
-
-    @property
-    def slopes(self) -> tuple[float, ...]:
-        """Slope of each of the ``len(knots) - 1`` segments."""
-        k, v = np.asarray(self.knots), np.asarray(self.values)
-        return tuple(float(s) for s in np.diff(v) / np.diff(k))
-
-    def __call__(self, x: float) -> float:
-        return float(self.evaluate(np.asarray([x], dtype=np.float64))[0])
-
-    def evaluate(self, x: np.ndarray) -> np.ndarray:
-        """Values at every element of ``x`` (float64, same shape)."""
-        xs = np.asarray(x, dtype=np.float64)
-        k, v = np.asarray(self.knots), np.asarray(self.values)
-        if len(k) == 1:
-            return np.full(xs.shape, v[0])
-        out = np.interp(xs, k, v)
-        lo_slope = (v[1] - v[0]) / (k[1] - k[0])
-        hi_slope = (v[-1] - v[-2]) / (k[-1] - k[-2])
-        out = np.where(xs < k[0], v[0] + lo_slope * (xs - k[0]), out)
-        return np.where(xs > k[-1], v[-1] + hi_slope * (xs - k[-1]), out)
 
 
 def fit_piecewise_linear(
@@ -165,8 +124,41 @@ def _best_breaks(
     return best
 
 
+class _Eq1:
+    """What both latency models derive from their ``cq_array``, ``lut_array``, ``cold_array``
+    (seconds of a batch's non-resident share ``m``) and ``required_hit_rates``: the scalar
+    forms and Eq. 1."""
+
+    def cq_seconds(self, batch_size: float) -> float:
+        """``T_CQ(b)``: coarse quantization of ``b`` queries, seconds."""
+        return float(self.cq_array(np.asarray([batch_size]))[0])
+
+    def lut_seconds(self, batch_size: float) -> float:
+        """``T_LUT(b)``: scan of all ``nprobe`` lists of ``b`` queries on the CPU, seconds."""
+        return float(self.lut_array(np.asarray([batch_size]))[0])
+
+    def cpu_seconds(self, batch_size: float) -> float:
+        """``T_search(b) = T_CQ(b) + T_LUT(b)``: the batch with nothing on the GPU."""
+        return self.cq_seconds(batch_size) + self.lut_seconds(batch_size)
+
+    def hybrid_seconds(self, batch_size: float, tail_hit_rate: float) -> float:
+        """Eq. 1 for the batch's tail hit rate ``eta``: ``T_CQ(b) + (1 - eta) T_LUT(b)``
+        (streamed: the later of the cold part's two sides, module doc)."""
+        if not 0.0 <= tail_hit_rate <= 1.0:
+            raise ValueError(f"tail_hit_rate must be in [0, 1], got {tail_hit_rate}")
+        b = np.asarray([batch_size], dtype=np.float64)
+        cold = float(self.cold_array(b, np.asarray([1.0 - tail_hit_rate]))[0])
+        return self.cq_seconds(batch_size) + cold
+
+    def required_hit_rate(self, batch_size: float, seconds: float) -> float | None:
+        """Eq. 1 inverted: the smallest tail hit rate in ``[0, 1]`` that keeps a batch of
+        ``batch_size`` within ``seconds``; ``None`` when even an all-GPU scan is too slow."""
+        eta = float(self.required_hit_rates(np.asarray([batch_size]), np.asarray([seconds]))[0])
+        return None if math.isinf(eta) else eta
+
+
 @dataclass(frozen=True)
-class SearchLatencyModel:
+class SearchLatencyModel(JsonFile, _Eq1):
     """VectorLiteRAG's CPU search model at one ``nprobe``: ``T_CQ(b)``, ``T_LUT(b)`` (seconds).
 
     Predictions are the non-decreasing envelope over batch sizes ``1..b`` of the fitted
@@ -224,29 +216,9 @@ class SearchLatencyModel:
             )
         return cls.fit(nprobe, profile.batch_sizes, cq_seconds, lut, max_segments=max_segments)
 
-    def cq_seconds(self, batch_size: float) -> float:
-        """``T_CQ(b)``: coarse quantization of ``b`` queries, seconds."""
-        return float(self.cq_array(np.asarray([batch_size]))[0])
-
-    def lut_seconds(self, batch_size: float) -> float:
-        """``T_LUT(b)``: scan of all ``nprobe`` lists of ``b`` queries on the CPU, seconds."""
-        return float(self.lut_array(np.asarray([batch_size]))[0])
-
-    def cpu_seconds(self, batch_size: float) -> float:
-        """``T_search(b) = T_CQ(b) + T_LUT(b)``: the batch with nothing on the GPU."""
-        return self.cq_seconds(batch_size) + self.lut_seconds(batch_size)
-
-    def hybrid_seconds(self, batch_size: float, tail_hit_rate: float) -> float:
-        """Eq. 1: ``T_CQ(b) + (1 - eta) T_LUT(b)`` for the batch's minimum hit rate ``eta``."""
-        if not 0.0 <= tail_hit_rate <= 1.0:
-            raise ValueError(f"tail_hit_rate must be in [0, 1], got {tail_hit_rate}")
-        return self.cq_seconds(batch_size) + (1.0 - tail_hit_rate) * self.lut_seconds(batch_size)
-
-    def required_hit_rate(self, batch_size: float, seconds: float) -> float | None:
-        """Eq. 1 inverted: the smallest tail hit rate in ``[0, 1]`` that keeps a batch of
-        ``batch_size`` within ``seconds``; ``None`` when even an all-GPU scan is too slow."""
-        eta = float(self.required_hit_rates(np.asarray([batch_size]), np.asarray([seconds]))[0])
-        return None if math.isinf(eta) else eta
+    def cold_array(self, batch_sizes: np.ndarray, cold: np.ndarray) -> np.ndarray:
+        """Seconds of the cold share ``cold`` of every probe, on the CPU: ``m T_LUT(b)``."""
+        return self.lut_array(batch_sizes) * cold
 
     def required_hit_rates(self, batch_sizes: np.ndarray, seconds: np.ndarray) -> np.ndarray:
         """Vectorised ``required_hit_rate``; ``inf`` marks the infeasible entries."""
@@ -266,9 +238,6 @@ class SearchLatencyModel:
         """``T_LUT`` at every batch size (seconds)."""
         return _envelope(self.lut, batch_sizes)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
     @classmethod
     def from_json(cls, text: str) -> SearchLatencyModel:
         raw = json.loads(text)
@@ -281,15 +250,6 @@ class SearchLatencyModel:
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a SearchLatencyModel: missing or bad field {e}") from e
-
-    def save(self, path: Path) -> None:
-        from ragserve.retrieval.storage import atomic_write_bytes
-
-        atomic_write_bytes(Path(path), self.to_json().encode())
-
-    @classmethod
-    def load(cls, path: Path) -> SearchLatencyModel:
-        return cls.from_json(Path(path).read_text())
 
 
 @dataclass(frozen=True)
@@ -329,7 +289,7 @@ class SplitPricing:
 
 
 @dataclass(frozen=True)
-class StreamedLatencyModel:
+class StreamedLatencyModel(_Eq1):
     """Eq. 1 with cold lists streamed (module doc): ``SearchLatencyModel``'s interface, so
     Algorithm 1 (``partition``) and Eq. 2 (``memory_split``) price the streamed path.
 
@@ -354,15 +314,6 @@ class StreamedLatencyModel:
     @property
     def nprobe(self) -> int:
         return self.base.nprobe
-
-    def cq_seconds(self, batch_size: float) -> float:
-        return self.base.cq_seconds(batch_size)
-
-    def lut_seconds(self, batch_size: float) -> float:
-        return self.base.lut_seconds(batch_size)
-
-    def cpu_seconds(self, batch_size: float) -> float:
-        return self.base.cpu_seconds(batch_size)
 
     def cq_array(self, batch_sizes: np.ndarray) -> np.ndarray:
         return self.base.cq_array(batch_sizes)
@@ -399,19 +350,6 @@ class StreamedLatencyModel:
         if self.split is None:
             return self.lut_array(b), 0.0
         return self.split.lut_array(b, self.base.nprobe), self.split.cpu_fixed_s
-
-    def hybrid_seconds(self, batch_size: float, tail_hit_rate: float) -> float:
-        """Eq. 1 with streaming at the batch's tail hit rate ``eta`` (module doc)."""
-        if not 0.0 <= tail_hit_rate <= 1.0:
-            raise ValueError(f"tail_hit_rate must be in [0, 1], got {tail_hit_rate}")
-        b = np.asarray([batch_size], dtype=np.float64)
-        cold = float(self.cold_array(b, np.asarray([1.0 - tail_hit_rate]))[0])
-        return self.cq_seconds(batch_size) + cold
-
-    def required_hit_rate(self, batch_size: float, seconds: float) -> float | None:
-        """The smallest tail hit rate meeting ``seconds`` with streaming; None if none does."""
-        eta = float(self.required_hit_rates(np.asarray([batch_size]), np.asarray([seconds]))[0])
-        return None if math.isinf(eta) else eta
 
     def required_hit_rates(self, batch_sizes: np.ndarray, seconds: np.ndarray) -> np.ndarray:
         """Vectorised; ``inf`` marks the infeasible entries. The cold time is non-decreasing
@@ -478,49 +416,3 @@ def measure_cpu_model(
         cq.append(float(np.median(cq_t)))
         lut.append(float(np.median(lut_t)))
     return SearchLatencyModel.fit(nprobe, batch_sizes, cq, lut, max_segments=max_segments)
-
-
-def measure_scan_grid(
-    run: Callable[[int, int], object],
-    batch_sizes: Sequence[int],
-    cluster_counts: Sequence[int],
-    *,
-    repeats: int = 3,
-    warmup: int = 1,
-    synchronize: Callable[[], object] | None = None,
-    topk: int = 10,
-) -> SearchProfile:
-    """Time ``run(batch_size, clusters_per_query)`` over the grid into a ``SearchProfile``.
-
-    For a GPU (or CPU-tensor) tier pass a closure that scans ``batch_size`` queries over
-    ``clusters_per_query`` resident lists each, and ``synchronize`` (e.g.
-    ``torch.cuda.synchronize``) so that each timing covers the device work. Each point is the
-    median of ``repeats`` after ``warmup`` untimed calls.
-    """
-    if not batch_sizes or not cluster_counts:
-        raise ValueError("batch_sizes and cluster_counts must be non-empty")
-    if min(batch_sizes) < 1 or min(cluster_counts) < 1:
-        raise ValueError("batch_sizes and cluster_counts must be >= 1")
-    if list(batch_sizes) != sorted(set(batch_sizes)) or list(cluster_counts) != sorted(
-        set(cluster_counts)
-    ):
-        raise ValueError("batch_sizes and cluster_counts must be strictly ascending")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    sync = synchronize or (lambda: None)
-    seconds = []
-    for b in batch_sizes:
-        row = []
-        for c in cluster_counts:
-            for _ in range(warmup):
-                run(b, c)
-            sync()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                run(b, c)
-                sync()
-                times.append(time.perf_counter() - t0)
-            row.append(float(np.median(times)))
-        seconds.append(tuple(row))
-    return SearchProfile(tuple(batch_sizes), tuple(cluster_counts), tuple(seconds), topk)

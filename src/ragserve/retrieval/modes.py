@@ -1,12 +1,7 @@
-"""Search modes beyond one-shot dense search: metadata-filtered dense search, BM25, hybrid
-(dense + BM25 fused by reciprocal rank fusion), ensemble (two encoders + BM25 fused by z-scored
-similarities, `ensemble.py`); any of them optionally collapsed to one passage per section
-(`collapse.py`).
-
-Filtered dense search is exact over the matching subset when it is small (brute force over
-the stored vectors) and otherwise probes the IVF index with an id selector, doubling `nprobe`
-until every query has `topk` hits or every cluster was probed, so a filtered search returns
-`topk` results whenever that many documents match.
+"""Search modes beyond one-shot dense search (docs/architecture.md, "Search modes"): filtered
+dense search (exact brute force over a small matching subset, else an IVF id selector with
+`nprobe` doubled until `topk` hits), BM25, hybrid (reciprocal rank fusion) and ensemble
+(`ensemble.py`), each optionally collapsed to one passage per section (`collapse.py`).
 """
 
 from __future__ import annotations

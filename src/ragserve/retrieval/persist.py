@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import sqlite3
 import time
@@ -30,9 +29,10 @@ from ragserve.retrieval.storage import (
     FORMAT_VERSION,
     IndexCorruptError,
     atomic_write_bytes,
-    fsync_dir,
+    publish_dir,
     read_manifest,
     remove_stale_files,
+    scratch_dir,
     snapshot_lock,
     snapshot_name,
     verify_snapshot,
@@ -91,24 +91,16 @@ def _save(vi, directory: Path) -> Path:
     if vi.directory is not None and directory == vi.directory:
         _compact(vi)
         return directory
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise FileExistsError(f"{directory} exists and is not empty")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = scratch_dir(directory)
     with vi._write_mutex:
         data = vi.serialize()
         seq = vi._store.last_seq()
         try:
             _write_files(vi, tmp, data, seq)
-            if directory.exists():
-                directory.rmdir()
-            os.rename(tmp, directory)
+            publish_dir(tmp, directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # NOTE: a failed save leaves no partial folder
             raise
-        fsync_dir(directory.parent)
         old, vi._store = vi._store, DocStore(directory / DOCSTORE)
         old.close()
         if vi._writer_lock is not None:  # the old folder is no longer written by this index
@@ -202,7 +194,7 @@ def _write_files(vi, tmp: Path, data: np.ndarray, seq: int) -> None:
     copy.close()
     bm25.save_snapshot(vi, tmp, generation=1)
     ensemble.save_snapshot(vi, tmp, generation=1)
-    _write_snapshot(vi, tmp, data, generation=1, applied_seq=seq)
+    write_snapshot(tmp, vi.spec, vi._index, data, 1, seq, vi.metadata)
 
 
 def _compact(vi) -> None:
@@ -216,7 +208,9 @@ def _compact(vi) -> None:
         bm25.save_snapshot(vi, vi.directory, generation)
         ensemble.save_snapshot(vi, vi.directory, generation)
         with snapshot_lock(vi.directory, exclusive=True):  # loads see before or after, whole
-            manifest = _write_snapshot(vi, vi.directory, data, generation, seq)
+            manifest = write_snapshot(
+                vi.directory, vi.spec, vi._index, data, generation, seq, vi.metadata
+            )
             remove_stale_files(vi.directory, manifest)
             bm25.remove_stale(vi.directory, manifest)
             ensemble.remove_stale(vi.directory, manifest)
@@ -225,20 +219,28 @@ def _compact(vi) -> None:
     logger.info("compacted %s to generation %d (log seq %d)", vi.directory, generation, seq)
 
 
-def _write_snapshot(
-    vi, directory: Path, data: np.ndarray, generation: int, applied_seq: int
+def write_snapshot(
+    directory: Path,
+    spec: IndexSpec,
+    index: faiss.IndexIVF,
+    data: np.ndarray,
+    generation: int,
+    applied_seq: int,
+    metadata: dict[str, Any],
 ) -> dict[str, Any]:
+    """Write ``data`` (``index`` serialised) as generation ``generation``'s snapshot, then the
+    manifest naming it; returns the manifest."""
     name = snapshot_name(generation)
     atomic_write_bytes(directory / name, memoryview(data))
     manifest = build_manifest(
-        vi.spec,
-        vi._index,
+        spec,
+        index,
         snapshot=name,
         sha256=hashlib.sha256(memoryview(data)).hexdigest(),
         num_bytes=int(data.nbytes),
         applied_seq=applied_seq,
         generation=generation,
-        metadata=vi.metadata,
+        metadata=metadata,
     )
     write_manifest(directory, manifest)
     return manifest

@@ -1,13 +1,10 @@
-"""Cost inputs for latency-aware scheduling (VectorLiteRAG's latency model, HedraRAG's `mb`).
-
-- `cluster_cost_bytes(index)`: bytes each cluster's scan reads (list size × code size).
-- `measure_profile(index, queries)`: CPU step latency on a grid of batch sizes × clusters
-  scanned per query; `SearchProfile.predict(b, c)` interpolates it piecewise-linearly and
-  extrapolates with the last segment's slope.
+"""The measured search profile: CPU (or tier) scan seconds on a grid of batch sizes x clusters
+scanned per query (`measure_profile`, `measure_scan_grid`), and `SearchProfile.predict(b, c)`,
+its bilinear interpolation, extended past the grid with the end segments' slopes
+(`PiecewiseLinear`, which `latency_model` fits).
 
 ```
 seconds[i][j] = median time of scan(queries[:batch_sizes[i]], plan.columns(0, clusters[j]))
-predict(b, c) = bilinear interpolation over the (batch, clusters) grid
 ```
 """
 
@@ -15,16 +12,62 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from ragserve.retrieval.storage import JsonFile
 from ragserve.retrieval.types import ScanIndex
 
 
 @dataclass(frozen=True)
-class SearchProfile:
+class PiecewiseLinear:
+    """A continuous piecewise-linear function through ``(knots[i], values[i])``.
+
+    ``knots`` strictly ascending; outside ``[knots[0], knots[-1]]`` the end segments extend
+    linearly (a single knot is a constant).
+    """
+
+    knots: tuple[float, ...]
+    values: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.knots) == 0 or len(self.knots) != len(self.values):
+            raise ValueError(
+                f"knots and values must be non-empty and of equal length, "
+                f"got {len(self.knots)} and {len(self.values)}"
+            )
+        k = np.asarray(self.knots, dtype=np.float64)
+        if not np.all(np.isfinite(k)) or not np.all(np.isfinite(self.values)):
+            raise ValueError("knots and values must be finite")
+        if np.any(np.diff(k) <= 0):
+            raise ValueError(f"knots must be strictly ascending, got {self.knots}")
+
+    @property
+    def slopes(self) -> tuple[float, ...]:
+        """Slope of each of the ``len(knots) - 1`` segments."""
+        k, v = np.asarray(self.knots), np.asarray(self.values)
+        return tuple(float(s) for s in np.diff(v) / np.diff(k))
+
+    def __call__(self, x: float) -> float:
+        return float(self.evaluate(np.asarray([x], dtype=np.float64))[0])
+
+    def evaluate(self, x: np.ndarray) -> np.ndarray:
+        """Values at every element of ``x`` (float64, same shape)."""
+        xs = np.asarray(x, dtype=np.float64)
+        k, v = np.asarray(self.knots), np.asarray(self.values)
+        if len(k) == 1:
+            return np.full(xs.shape, v[0])
+        out = np.interp(xs, k, v)
+        lo_slope = (v[1] - v[0]) / (k[1] - k[0])
+        hi_slope = (v[-1] - v[-2]) / (k[-1] - k[-2])
+        out = np.where(xs < k[0], v[0] + lo_slope * (xs - k[0]), out)
+        return np.where(xs > k[-1], v[-1] + hi_slope * (xs - k[-1]), out)
+
+
+@dataclass(frozen=True)
+class SearchProfile(JsonFile):
     """Measured CPU search time (seconds) of one scan step, by batch size and clusters/query."""
 
     batch_sizes: tuple[int, ...]
@@ -34,12 +77,9 @@ class SearchProfile:
 
     def predict(self, batch_size: float, clusters_per_query: float) -> float:
         """Estimated seconds for one scan of `batch_size` queries × `clusters_per_query`."""
-        grid = np.asarray(self.seconds, dtype=np.float64)
-        per_batch = [_interp(self.cluster_counts, row, clusters_per_query) for row in grid]
-        return max(0.0, _interp(self.batch_sizes, per_batch, batch_size))
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        per_batch = [PiecewiseLinear(self.cluster_counts, row) for row in self.seconds]
+        at = tuple(f(clusters_per_query) for f in per_batch)
+        return max(0.0, PiecewiseLinear(self.batch_sizes, at)(batch_size))
 
     @classmethod
     def from_json(cls, text: str) -> SearchProfile:
@@ -50,15 +90,6 @@ class SearchProfile:
             tuple(tuple(r) for r in raw["seconds"]),
             raw.get("topk", 10),
         )
-
-    def save(self, path: Path) -> None:
-        from ragserve.retrieval.storage import atomic_write_bytes
-
-        atomic_write_bytes(Path(path), self.to_json().encode())
-
-    @classmethod
-    def load(cls, path: Path) -> SearchProfile:
-        return cls.from_json(Path(path).read_text())
 
 
 def measure_profile(
@@ -79,29 +110,54 @@ def measure_profile(
             sorted({c for c in (1, 4, 16, 64) if c <= index.nlist} | {index.nlist})
         )
     plan = index.assign(q[: max(batch_sizes)], max(cluster_counts))
+
+    def run(b: int, c: int) -> None:
+        index.scan(q[:b], plan.rows(0, b).columns(0, c), topk)
+
+    return measure_scan_grid(run, batch_sizes, cluster_counts, repeats=repeats, warmup=0, topk=topk)
+
+
+def measure_scan_grid(
+    run: Callable[[int, int], object],
+    batch_sizes: Sequence[int],
+    cluster_counts: Sequence[int],
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    synchronize: Callable[[], object] | None = None,
+    topk: int = 10,
+) -> SearchProfile:
+    """Time ``run(batch_size, clusters_per_query)`` over the grid into a ``SearchProfile``.
+
+    For a GPU (or CPU-tensor) tier pass a closure that scans ``batch_size`` queries over
+    ``clusters_per_query`` resident lists each, and ``synchronize`` (e.g.
+    ``torch.cuda.synchronize``) so that each timing covers the device work. Each point is the
+    median of ``repeats`` after ``warmup`` untimed calls.
+    """
+    if not batch_sizes or not cluster_counts:
+        raise ValueError("batch_sizes and cluster_counts must be non-empty")
+    if min(batch_sizes) < 1 or min(cluster_counts) < 1:
+        raise ValueError("batch_sizes and cluster_counts must be >= 1")
+    if list(batch_sizes) != sorted(set(batch_sizes)) or list(cluster_counts) != sorted(
+        set(cluster_counts)
+    ):
+        raise ValueError("batch_sizes and cluster_counts must be strictly ascending")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    sync = synchronize or (lambda: None)
     seconds = []
     for b in batch_sizes:
         row = []
-        sub = plan.rows(0, b)
         for c in cluster_counts:
-            step = sub.columns(0, c)
+            for _ in range(warmup):
+                run(b, c)
+            sync()
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                index.scan(q[:b], step, topk)
+                run(b, c)
+                sync()
                 times.append(time.perf_counter() - t0)
             row.append(float(np.median(times)))
         seconds.append(tuple(row))
     return SearchProfile(tuple(batch_sizes), tuple(cluster_counts), tuple(seconds), topk)
-
-
-def _interp(xs: tuple[int, ...], ys, x: float) -> float:
-    """Piecewise-linear through (xs, ys), extended linearly past both ends."""
-    xs_a, ys_a = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
-    if len(xs_a) == 1:
-        return float(ys_a[0])
-    if x <= xs_a[0] or x >= xs_a[-1]:
-        i = 0 if x <= xs_a[0] else len(xs_a) - 2
-        slope = (ys_a[i + 1] - ys_a[i]) / (xs_a[i + 1] - xs_a[i])
-        return float(ys_a[i] + slope * (x - xs_a[i]))
-    return float(np.interp(x, xs_a, ys_a))

@@ -2,9 +2,7 @@
 
 `BaseReranker` is the plug point (a graph operator that calls it belongs to the graph layer);
 `CrossEncoderReranker` runs any Hugging Face sequence-classification cross-encoder from a
-local folder (e.g. an MS MARCO MiniLM cross-encoder). None ships: no cross-encoder with its
-weights inside a package is installable from the registries this project uses, and nothing is
-downloaded at run time.
+local folder (none ships: docs/architecture.md, "Reranking plug point").
 
 `load_reranker(name, embedder)` builds the reranker a configuration names
 (`OperatorConfig.reranker`): `"embedding"` is `EmbeddingReranker(embedder)`; `"module:factory"`

@@ -1,31 +1,18 @@
-"""Splitting one saved `VectorIndex` into shard folders that search exactly like it.
+"""Splitting one saved `VectorIndex` into shard folders that search exactly like it (the
+partitions and why: docs/scale_out.md)::
 
-```
-ROOT/layout.json        num_shards, partition, owners (cluster -> shard), source, row_id bases
-ROOT/quantizer.faiss    the coarse quantizer every shard shares (assignment happens once)
-ROOT/shard-<i>/         a complete `VectorIndex` folder (manifest, snapshot, docs.sqlite)
-```
+    ROOT/layout.json        num_shards, partition, owners (cluster -> shard), source
+    ROOT/quantizer.faiss    the coarse quantizer every shard shares (assignment happens once)
+    ROOT/shard-<i>/         a complete `VectorIndex` folder (manifest, snapshot, docs.sqlite)
 
-Every shard keeps the source's trained quantizer (and SQ/PQ codebooks) and the source's Faiss
-row ids, so the union of the shards' scans is the source's scan and the merged top-k carries
-the same ids. Two partitions:
-
-- ``"list"``: each inverted list lives on one shard; lists are packed onto shards by their scan
-  cost (list size x code size, largest first onto the least loaded shard). A query's probes
-  go only to the shards owning them; an upserted vector goes to the owner of its list.
-- ``"document"``: each document lives on the shard its id hashes to; every shard holds a
-  slice of every list, so every query goes to every shard.
-
-New rows of shard ``i`` get ids from ``(i + 1) << ROW_ID_SHIFT`` on: ids stay unique across
-shards without coordination (the source's ids are below ``1 << ROW_ID_SHIFT``).
+Shards keep the source's quantizer, codebooks and row ids; new rows of shard ``i`` get ids
+from ``(i + 1) << ROW_ID_SHIFT`` on (the source's are below ``1 << ROW_ID_SHIFT``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +21,8 @@ import faiss
 import numpy as np
 
 from ragserve.retrieval.index import VectorIndex
-from ragserve.retrieval.persist import build_manifest
-from ragserve.retrieval.storage import (
-    DOCSTORE,
-    atomic_write_bytes,
-    fsync_dir,
-    snapshot_name,
-    write_manifest,
-)
+from ragserve.retrieval.persist import write_snapshot
+from ragserve.retrieval.storage import DOCSTORE, atomic_write_bytes, publish_dir, scratch_dir
 
 PARTITIONS = ("list", "document")
 ROW_ID_SHIFT = 40
@@ -109,9 +90,7 @@ def split_index(source: Path, root: Path, num_shards: int, partition: str = "lis
             raise ValueError(f"{source} has row ids past 2**{ROW_ID_SHIFT}; cannot shard it")
         layout = _layout_for(vi, num_shards, partition)
         owner_of_row = _row_owners(vi, layout, row_ids)
-        tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = scratch_dir(root)
         for shard in range(num_shards):
             keep = row_ids[owner_of_row == shard]
             _write_shard(vi, layout.shard_dir(tmp, shard), shard, keep, row_ids)
@@ -119,8 +98,7 @@ def split_index(source: Path, root: Path, num_shards: int, partition: str = "lis
         meta = {"num_shards": num_shards, "partition": partition, "source": str(source)}
         meta["owners"] = list(layout.owners) if layout.owners is not None else None
         atomic_write_bytes(tmp / LAYOUT, json.dumps(meta).encode())
-        os.rename(tmp, root)
-        fsync_dir(root.parent)
+        publish_dir(tmp, root)
     finally:
         vi.close()
     return layout
@@ -165,16 +143,4 @@ def _write_shard(
     finally:
         conn.close()
     data = faiss.serialize_index(index)
-    name = snapshot_name(1)
-    atomic_write_bytes(directory / name, memoryview(data))
-    manifest = build_manifest(
-        vi.spec,
-        index,
-        snapshot=name,
-        sha256=hashlib.sha256(memoryview(data)).hexdigest(),
-        num_bytes=int(data.nbytes),
-        applied_seq=seq,
-        generation=1,
-        metadata={**vi.metadata, "shard": shard},
-    )
-    write_manifest(directory, manifest)
+    write_snapshot(directory, vi.spec, index, data, 1, seq, {**vi.metadata, "shard": shard})

@@ -1,22 +1,7 @@
-"""`ShardedIndex`: the `VectorIndex` search and upsert API over shard folders (`shard_split.py`).
-
-```
-              assign (shared quantizer, once)
-queries ──> ProbePlan [n, w] ──┬─ shard 0: its columns (list) / all (document) ─ scan ─┐
-                               └─ shard 1: ...                                  ─ scan ─┴─ merge
-```
-
-Assignment happens here once; each shard scans the plan's clusters it holds (pads `-1`) and
-the partial top-k are merged with `stepwise.merge`, so any step-wise slicing of the plan gives
-the source index's one-shot result (same ids, same scores). A shard is reached through a
-`BaseShard` (in process: `LocalShard`; across processes: the Ray backend's actor client), which
-runs a `ShardServer` over one shard folder.
-
-GPU tier: each `ShardServer` may hold its own lists' rows in a `GpuTier` (``VectorIndex``'s
-hybrid scan, exact); `ShardedIndex.set_gpu_tier` splits a budget evenly over the shards, and
-``gpu_tier`` / ``resident_mask`` summarise the shards' tiers (a list counts as resident when
-every shard holding part of it serves it from its tier), re-read at most every
-``TIER_REFRESH_S`` since unpinned tiers re-place lists in the background.
+"""`ShardedIndex`: the `VectorIndex` search and upsert API over shard folders
+(`shard_split.py`; design and figures: docs/scale_out.md). Queries are assigned here once;
+each shard (a `BaseShard` handle of a `ShardServer`) scans the plan's clusters it holds and
+the partial top-k are merged with `stepwise.merge`: the source index's result, exactly.
 """
 
 from __future__ import annotations
@@ -35,8 +20,10 @@ import numpy as np
 
 import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.cold_stream import StreamConfig
+from ragserve.retrieval.embedder import IndexEncoderMixin
 from ragserve.retrieval.index import IndexSpec, VectorIndex
 from ragserve.retrieval.index_tier import TierSpec, check_tier_options
+from ragserve.retrieval.passages import passage_text
 from ragserve.retrieval.shard_split import QUANTIZER, ShardLayout, read_layout
 from ragserve.retrieval.types import Document, ProbePlan, TopK
 
@@ -87,19 +74,10 @@ class ShardServer:
     def check_integrity(self) -> None:
         self.index.check_integrity()
 
-    def set_gpu_tier(
-        self,
-        budget_bytes: int,
-        device: str = "cuda",
-        dtype: str = "float32",
-        scan: str = "auto",
-        stream_cold: str | StreamConfig = "auto",
-    ) -> dict[str, Any]:
-        """This shard's lists on ``device`` within ``budget_bytes`` (hottest first, re-placed
-        on drift: ``VectorIndex.set_gpu_tier``); returns ``tier_state()``."""
-        self.index.set_gpu_tier(
-            int(budget_bytes), device=device, dtype=dtype, scan=scan, stream_cold=stream_cold
-        )
+    def set_gpu_tier(self, budget_bytes: int, options: dict[str, Any]) -> dict[str, Any]:
+        """This shard's lists within ``budget_bytes`` (hottest first, re-placed on drift):
+        ``VectorIndex.set_gpu_tier`` with ``options``; returns ``tier_state()``."""
+        self.index.set_gpu_tier(int(budget_bytes), **options)
         return self.tier_state()
 
     def drop_gpu_tier(self) -> None:
@@ -184,7 +162,7 @@ class LocalShard(BaseShard):
         return lambda: value
 
 
-class ShardedIndex:
+class ShardedIndex(IndexEncoderMixin):
     """The `VectorIndex` API a retrieval runner uses, over ``shards`` laid out by ``layout``.
 
     Writes go to the owning shard (``"list"``: the owner of the vector's list, and the doc id
@@ -208,6 +186,7 @@ class ShardedIndex:
         self.quantizer = quantizer
         self.spec: IndexSpec = self.shards[0].call("spec")
         self._embedder = embedder
+        self._embedder_lock = threading.Lock()
         self._lock = threading.Lock()
         self._sizes: np.ndarray | None = None  # cached; reset by writes through this object
         self._tier: ShardedTier | None = None
@@ -271,15 +250,7 @@ class ShardedIndex:
         docs = list(docs)
         if not docs:
             return
-        if len({d.id for d in docs}) != len(docs):
-            raise ValueError("document ids in one add_documents call must be unique")
-        if vectors is None:
-            from ragserve.retrieval.passages import passage_text
-
-            vectors = self.embedder.encode([passage_text(d) for d in docs], is_query=False)
-        x = np.ascontiguousarray(vectors, dtype=np.float32)
-        if x.shape != (len(docs), self.spec.dim):
-            raise ValueError(f"vectors must have shape ({len(docs)}, {self.spec.dim})")
+        x = self._upsert_vectors(docs, vectors, passage_text)
         owners = self._owners(docs, x)
         with self._lock:
             self._sizes = None
@@ -338,14 +309,10 @@ class ShardedIndex:
         (the shards place their own hottest lists; IVF-Flat only, as ``VectorIndex``), with
         ``scan`` and ``stream_cold`` as ``VectorIndex.set_gpu_tier`` (checked here first).
         Results stay exact: each shard merges its tier's and Faiss's parts."""
-        if self.spec.kind != "ivf_flat":
-            raise ValueError(
-                f"kind: the GPU tier holds IVF-Flat lists only, this index is {self.spec.kind!r}"
-            )
-        check_tier_options(scan, stream_cold)
+        check_tier_options(self.spec.kind, budget_bytes, scan, stream_cold)
         share = shard_tier_budget(budget_bytes, len(self.shards))
-        args = (share, device, dtype, scan, stream_cold)
-        for w in [s.submit("set_gpu_tier", *args) for s in self.shards]:
+        options = {"device": device, "dtype": dtype, "scan": scan, "stream_cold": stream_cold}
+        for w in [s.submit("set_gpu_tier", share, options) for s in self.shards]:
             w()
         return self._refresh_tier()
 
@@ -415,26 +382,6 @@ class ShardedIndex:
 
     def shard_stats(self) -> list[dict[str, int]]:
         return [s.call("stats") for s in self.shards]
-
-    @property
-    def embedder(self) -> Any:
-        if self._embedder is None:
-            from ragserve.retrieval.embedder import load_embedder
-
-            self._embedder = load_embedder(self.spec.embedder)
-        return self._embedder
-
-    @property
-    def embedder_name(self) -> str:
-        return self.spec.embedder
-
-    @property
-    def dim(self) -> int:
-        return self.spec.dim
-
-    @property
-    def nlist(self) -> int:
-        return self.spec.nlist
 
 
 def shard_tier_budget(budget_bytes: int, num_shards: int) -> int:

@@ -11,17 +11,11 @@ the shared index is never mutated and concurrent scans are safe. Partial results
 outside Faiss under a total order — score first, then id (ascending for L2, descending for IP) —
 which is the order Faiss's own heaps give equal scores inside one result list.
 
-CPU parallelism: Faiss's `search_preassigned` runs on the calling thread at its default
-`parallel_mode` 0 (only `index.search` slices a batch over Faiss's OpenMP threads), so `scan`
-slices the batch itself: contiguous row ranges, one `search_preassigned` call each, the first on
-the calling thread and the rest on a shared pool of `scan_threads() - 1` workers (a small scan,
-under `MIN_SCAN_ROWS_PER_THREAD` probed rows a thread, is cut into fewer ranges or none).
-Each query's scan is the same per-query loop either way, so the result is bit-identical to the
-one-thread scan; `set_scan_threads(1)` (or `RAGSERVE_CPU_SCAN_THREADS=1`) switches back to it.
-The pool is shared by every caller, so concurrent scans (shards, the tier beside its streamer)
-add at most `scan_threads() - 1` threads in all, and the calls open no OpenMP team of their
-own. An index whose `parallel_mode` is already non-zero is scanned in one call (Faiss
-parallelises it).
+CPU parallelism (docs/architecture.md, "Retrieval"): `search_preassigned` runs on the calling
+thread at `parallel_mode` 0, so `scan` cuts the batch into contiguous row ranges itself, the
+first on the calling thread, the rest on one process-wide pool of `scan_threads() - 1` workers
+(fewer ranges below `MIN_SCAN_ROWS_PER_THREAD` probed rows a thread); bit-identical to one
+thread. An index already in a non-zero `parallel_mode` is scanned in one call.
 
 NOTE: a tie *across* the k-th boundary (two different vectors with bit-identical scores, one
 kept and one dropped) is resolved by id here, while Faiss keeps whichever its heap reached first;
@@ -92,10 +86,7 @@ def train(
     index: faiss.IndexIVF, vectors: np.ndarray, *, max_train: int | None = None, seed: int = 0
 ) -> None:
     """Train the coarse quantizer (and SQ/PQ codebooks) on a seeded sample of `vectors`."""
-    x = np.ascontiguousarray(vectors, dtype=np.float32)
-    if max_train is not None and len(x) > max_train:
-        pick = np.random.default_rng(seed).choice(len(x), size=max_train, replace=False)
-        x = x[np.sort(pick)]
+    x = train_sample(np.ascontiguousarray(vectors, dtype=np.float32), max_train, seed)
     if len(x) < index.nlist:
         raise ValueError(f"need at least nlist={index.nlist} training vectors, got {len(x)}")
     pq = getattr(index, "pq", None)
@@ -106,6 +97,14 @@ def train(
         )
     index.cp.seed = seed
     index.train(x)
+
+
+def train_sample(x: np.ndarray, max_train: int | None, seed: int) -> np.ndarray:
+    """The rows `train` trains on: all of `x`, or a seeded sample of `max_train` in row order."""
+    if max_train is None or len(x) <= max_train:
+        return x
+    pick = np.random.default_rng(seed).choice(len(x), size=max_train, replace=False)
+    return x[np.sort(pick)]
 
 
 def assign(index: faiss.IndexIVF, queries: np.ndarray, nprobe: int) -> ProbePlan:
@@ -299,3 +298,11 @@ def check_queries(index: faiss.Index, queries: np.ndarray) -> np.ndarray:
     if q.ndim != 2 or q.shape[1] != index.d:
         raise ValueError(f"queries must have shape [n, {index.d}], got {tuple(q.shape)}")
     return q
+
+
+def check_vectors(vectors: np.ndarray, num_docs: int) -> np.ndarray:
+    """One float32 row per document, C-contiguous (``vectors`` itself when it is already)."""
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    if x.ndim != 2 or len(x) != num_docs:
+        raise ValueError(f"need one vector per document: {num_docs} docs, {x.shape} vectors")
+    return x

@@ -13,6 +13,7 @@ kill at any moment leaves a manifest whose snapshot exists and matches its check
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -138,6 +139,55 @@ def remove_stale_files(directory: Path, manifest: dict[str, Any]) -> None:
         stale_snapshot = path.name.startswith("index-") and path.name != manifest["snapshot"]
         if path.name.endswith(".tmp") or stale_snapshot:
             path.unlink(missing_ok=True)
+
+
+def scratch_dir(directory: Path) -> Path:
+    """A fresh ``.NAME.tmp-PID`` folder beside ``directory`` (absent or empty, else
+    ``FileExistsError``), to fill and then ``publish_dir``; leftovers of dead writers are
+    removed first (a 5M x 768 build is ~32 GB of disk)."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise FileExistsError(f"{directory} exists and is not empty")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    for old in directory.parent.glob(f".{directory.name}.tmp-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _is_alive(int(pid))):
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    return tmp
+
+
+def publish_dir(tmp: Path, directory: Path) -> None:
+    """Rename the filled ``tmp`` to ``directory`` (absent or empty), then fsync the parent."""
+    if directory.exists():
+        directory.rmdir()
+    os.rename(tmp, directory)
+    fsync_dir(directory.parent)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class JsonFile:
+    """A dataclass saved as JSON (``to_json``; ``save`` writes it atomically); the class
+    reads it back with its ``from_json`` (``load``)."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def save(self, path: Path) -> None:
+        atomic_write_bytes(Path(path), self.to_json().encode())
+
+    @classmethod
+    def load(cls, path: Path) -> Any:
+        return cls.from_json(Path(path).read_text())
 
 
 def write_dir_atomically(directory: Path, name: str, fill: Callable[[Path], None]) -> None:

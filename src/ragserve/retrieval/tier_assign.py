@@ -1,9 +1,6 @@
 """Coarse assignment on the GPU tier's device, with Faiss's results (issue 10).
 
-``index.search`` with the whole index resident spent about as long in Faiss's CPU quantizer
-(``[n, nlist]`` inner products, then an ``nprobe`` heap per query) as in the tier's scan. The
-tier keeps the centroids on its device and scores a batch with one matmul + ``topk``.
-
+The tier keeps the centroids on its device and scores a batch with one matmul + ``topk``.
 Faiss's float32 BLAS rounds its scores, so a score computed anywhere else can disagree with it
 on which cluster is ``nprobe``-th when coarse scores nearly tie. The device scores in float64
 (float32 inputs: every product is exact; TF32 settings do not apply), so each of its scores is

@@ -1,22 +1,11 @@
-"""The GPU tier's scan strategies over its chunk pool (layout in ``gpu_tier``'s module doc).
-
-Both return, per query, the canonical top-k candidate keys (``key = a * q.x + bias``, larger
-is better) and ids of the resident lists it probed, as tensors on the pool's device:
-
-- ``grouped``: (query, chunk) pairs grouped by chunk; the chunks of lists probed by a similar
-  number of queries (power-of-two buckets) are gathered and scored with one ``bmm`` per group.
-  Reads only the probed chunks, but copies them (the gather).
-- ``dense``: one matmul of the batch against every row of the pool's span (a view: no copy),
-  in slabs of chunks; rows of lists a query did not probe are masked to ``-inf`` before each
-  slab's top-k. Reads every resident row, probed or not.
-- ``fused``: grouped's layout, but a Triton kernel (``tier_kernels``; CUDA, or Triton's
-  interpreter on CPU) reads each probed chunk once, in place, and scores it against every
-  query probing it; each (query, chunk) slot's keys go to its candidate block, then a top-k
-  per block. No gather copy, no padding of small runs to 16 queries, one launch per bucket.
-
-The host computes only counts (the grouped scan's shapes: pairs, row width, chunks and query
-padding per bucket) from the probe ids it already holds; the pairs, their sort by chunk and the
-gather indices are built on the device, so nothing waits on the GPU or on NumPy sorts.
+"""The GPU tier's scan strategies over its chunk pool (layout: ``gpu_tier``'s module doc; what
+each strategy reads and when it wins: docs/architecture.md, "Scan strategies"): ``grouped``
+(probed chunks gathered, one ``bmm`` per group of similar query counts), ``dense`` (every
+resident row scored in place, unprobed lists masked) and ``fused`` (a Triton kernel,
+``tier_kernels``, reading each probed chunk once in place). Each returns, per query, the
+canonical top-k keys (``key = a * q.x + bias``, larger is better) and ids, on the device. The
+host computes only counts; pairs, their sort by chunk and gather indices are built on the
+device, so nothing waits on the GPU or on NumPy sorts.
 """
 
 from __future__ import annotations
