@@ -19,9 +19,15 @@ export PYTHONPATH=/tmp/site:$PWD/$G/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP
 RUN=${RUN:-/root/served}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$RUN" "$OUT"
+if [ "${SAMPLE:-0}" = 1 ]; then
+    export PYTHONPATH=$PWD/$G/bench/stack_sampler:$PYTHONPATH RAGSERVE_STACK_SAMPLE=$RUN/stacks
+fi
+PRESET=${PRESET:-h200}
+SMOKE_PRESET=${SMOKE_PRESET:-h200-smoke}
 BENCH="python3 $G/bench/served_capacity.py"
 RATES=${RATES:-"ragserve=4,12,20,28 llm-alone=20,28,36 baseline=8,14,20 ablations=auto"}
-SYSTEMS="ragserve llm-alone baseline no-tier no-cosched no-kv-reuse fusion-on"
+SYSTEMS=${SYSTEMS:-"ragserve llm-alone baseline no-tier no-cosched no-kv-reuse fusion-on"}
+SMOKE_SYSTEMS=${SMOKE_SYSTEMS:-$SYSTEMS}
 COMMIT=${COMMIT:-unknown}
 
 collect() {
@@ -29,13 +35,14 @@ collect() {
     [ -f "$RUN/full/served_capacity.png" ] && cp "$RUN/full/served_capacity.png" "$OUT/"
     [ -f "$RUN/full.log" ] && tail -c 3000000 "$RUN/full.log" > "$OUT/full.log"
     [ -f "$RUN/full/server.log" ] && tail -c 3000000 "$RUN/full/server.log" > "$OUT/server.log"
+    [ -d "$RUN/stacks" ] && mkdir -p "$OUT/stacks" && cp "$RUN"/stacks/*.json "$OUT/stacks/" 2>/dev/null
     return 0
 }
 
 start() {
     mkdir -p "$RUN/full/data" && cp -r "$G/data/model" "$RUN/full/data/"
     # shellcheck disable=SC2086
-    setsid nohup $BENCH --preset h200 --out "$RUN/full" --tier-gb 24 --seed 0 \
+    setsid nohup $BENCH --preset "$PRESET" --out "$RUN/full" --tier-gb 24 --seed 0 \
         --warmup ${WARMUP:-5} --window ${WINDOW:-60} --drain 20 --budget ${BUDGET:-1100} \
         --point-overhead 10 --systems $SYSTEMS --rates $RATES --commit "$COMMIT" \
         > "$RUN/full.log" 2>&1 < /dev/null &
@@ -44,12 +51,12 @@ start() {
 
 waitfor() {
     local end=$((SECONDS + $1))
-    while [ $SECONDS -lt $end ] && pgrep -f "served_capacity.py --preset h200 " >/dev/null; do
+    while [ $SECONDS -lt $end ] && pgrep -f "served_capacity.py --preset $PRESET " >/dev/null; do
         sleep 10
         collect
     done
     collect
-    pgrep -f "served_capacity.py --preset h200 " >/dev/null && echo "still running" || echo "finished"
+    pgrep -f "served_capacity.py --preset $PRESET " >/dev/null && echo "still running" || echo "finished"
     grep -E "served_capacity \{|server up|Error|error" "$RUN/full.log" | cut -c1-330 | tail -16
 }
 
@@ -58,8 +65,9 @@ smoke)
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     nproc; free -g | head -2; df -h /root | tail -1
     mkdir -p "$RUN/smoke/data" && cp -r "$G/data/model" "$RUN/smoke/data/"
-    timeout 400 $BENCH --preset h200-smoke --out "$RUN/smoke" --tier-gb 2 --warmup 2 \
-        --window 5 --drain 20 --systems $SYSTEMS \
+    # shellcheck disable=SC2086
+    timeout 400 $BENCH --preset "$SMOKE_PRESET" --out "$RUN/smoke" --tier-gb 2 --warmup 2 \
+        --window 5 --drain 20 --systems $SMOKE_SYSTEMS \
         --rates ragserve=4,8 llm-alone=8 baseline=8 ablations=auto > "$RUN/smoke.log" 2>&1
     rc=$?
     echo "smoke exit $rc"

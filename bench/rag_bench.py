@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rag_report import summarize, write_plots  # noqa: E402
-from rag_setup import PRESETS, Preset, prepare, write_model  # noqa: E402
+from rag_setup import PRESETS, Preset, passage_text, prepare, write_model  # noqa: E402
 from rag_systems import SYSTEMS, system_transforms  # noqa: E402
 from sustained import find_capacity, window_stats  # noqa: E402
 
@@ -92,7 +92,7 @@ def llm_alone(p: Preset):
 
 
 def _passages(p: Preset) -> str:
-    return "\n".join(f"Synthetic passage {i} about topic {i % 97}." for i in range(p.topk))
+    return "\n".join(passage_text(i, i % 97, p.passage_words) for i in range(p.topk))
 
 
 def llm_alone_irg(p: Preset):
