@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
+
+# NOTE: with PYTHONDONTWRITEBYTECODE set, every xdist worker rewrote the asserts of every test
+# module and compiled src/ afresh on each run (~7 s of CPU a worker, pytest's rewriting being
+# most of a collection); the suite keeps that bytecode in the (git-ignored) __pycache__ folders,
+# and the subprocesses it starts read it.
+sys.dont_write_bytecode = False
 
 
 def _has_cuda() -> bool:
