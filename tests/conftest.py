@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 
@@ -12,6 +13,10 @@ import pytest
 # most of a collection); the suite keeps that bytecode in the (git-ignored) __pycache__ folders,
 # and the subprocesses it starts read it.
 sys.dont_write_bytecode = False
+# NOTE: as the CLI does (cli/options.py): OpenMP (Faiss, torch) reads its wait policy when it
+# loads, which is after this; with two xdist workers sharing two cores, spin-waiting threads
+# made the retrieval tests several times slower (test_gpu_tier: 29 s of CPU, 7 s passive).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _has_cuda() -> bool:
@@ -35,7 +40,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _isolated_session_home(tmp_path_factory: pytest.TempPathFactory):
     """The same home for session/module fixtures (e.g. ``make_tiny_model``), which run before
     the function-scoped fixture below could set it."""
-    import os
     from pathlib import Path
 
     if "RAGSERVE_TEST_HOME" not in os.environ:
@@ -74,7 +78,6 @@ def _kept_tokenizer():
 
 
 def _keep(converted, kept) -> None:
-    import os
 
     tmp = kept.with_name(f"{kept.name}.tmp-{os.getpid()}")
     shutil.copytree(converted, tmp)
@@ -90,7 +93,6 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
 
     A session-wide home keeps expensive conversions (the built-in model) to one per run.
     """
-    import os
 
     if "RAGSERVE_TEST_HOME" not in os.environ:
         os.environ["RAGSERVE_TEST_HOME"] = str(tmp_path_factory.getbasetemp() / "ragserve-home")
