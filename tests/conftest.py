@@ -36,6 +36,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """An xdist worker whose tests start worker processes starts their fork server now, in the
+    background: its preload (torch, Faiss, transformers: ~5 s of CPU, ``worker_preload.py``)
+    overlaps the tests before the first one that starts a worker, which waited for it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and any(
+        item.get_closest_marker("integration") is not None for item in session.items
+    ):
+        from ragserve.runtime.worker_start import start_fork_server
+
+        start_fork_server("forkserver")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_session_home(tmp_path_factory: pytest.TempPathFactory):
     """The same home for session/module fixtures (e.g. ``make_tiny_model``), which run before
