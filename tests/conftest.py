@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 
 import pytest
+
+# NOTE: with PYTHONDONTWRITEBYTECODE set, every xdist worker rewrote the asserts of every test
+# module and compiled src/ afresh on each run (~7 s of CPU a worker, pytest's rewriting being
+# most of a collection); the suite keeps that bytecode in the (git-ignored) __pycache__ folders,
+# and the subprocesses it starts read it.
+sys.dont_write_bytecode = False
+# NOTE: as the CLI does (cli/options.py): OpenMP (Faiss, torch) reads its wait policy when it
+# loads, which is after this; with two xdist workers sharing two cores, spin-waiting threads
+# made the retrieval tests several times slower (test_gpu_tier: 29 s of CPU, 7 s passive).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _has_cuda() -> bool:
@@ -24,11 +36,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """An xdist worker whose tests start worker processes starts their fork server now, in the
+    background: its preload (torch, Faiss, transformers: ~5 s of CPU, ``worker_preload.py``)
+    overlaps the tests before the first one that starts a worker, which waited for it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and any(
+        item.get_closest_marker("integration") is not None for item in session.items
+    ):
+        from ragserve.runtime.worker_start import start_fork_server
+
+        start_fork_server("forkserver")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_session_home(tmp_path_factory: pytest.TempPathFactory):
     """The same home for session/module fixtures (e.g. ``make_tiny_model``), which run before
     the function-scoped fixture below could set it."""
-    import os
     from pathlib import Path
 
     if "RAGSERVE_TEST_HOME" not in os.environ:
@@ -67,7 +90,6 @@ def _kept_tokenizer():
 
 
 def _keep(converted, kept) -> None:
-    import os
 
     tmp = kept.with_name(f"{kept.name}.tmp-{os.getpid()}")
     shutil.copytree(converted, tmp)
@@ -83,7 +105,6 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
 
     A session-wide home keeps expensive conversions (the built-in model) to one per run.
     """
-    import os
 
     if "RAGSERVE_TEST_HOME" not in os.environ:
         os.environ["RAGSERVE_TEST_HOME"] = str(tmp_path_factory.getbasetemp() / "ragserve-home")

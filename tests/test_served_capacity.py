@@ -30,7 +30,7 @@ def test_served_capacity_cpu_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     out = tmp_path / "served"
     argv = ["--preset", "smoke", "--in-process", "--server-mode", "thread", "--out", str(out),
             "--tier-gb", "0.001", "--tier-device", "cpu", "--tier-scan", "dense", "--warmup",
-            "0.3", "--window", "1", "--drain", "30", "--sample-s", "0.2", "--rates",
+            "0.1", "--window", "0.5", "--drain", "30", "--sample-s", "0.2", "--rates",
             "ragserve=2,4", "llm-alone=4", "baseline=4", "ablations=auto"]  # fmt: skip
     assert bench.main(argv) == 0
     doc = json.loads((out / "results.json").read_text())
