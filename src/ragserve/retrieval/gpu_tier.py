@@ -32,9 +32,13 @@ from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig
 from ragserve.retrieval.tier_assign import AssignChooser, DeviceAssigner
 from ragserve.retrieval.tier_scan import (
     BUCKET_BOUNDS,
+    STRATEGIES,
     GroupedPlan,
     PendingScan,
     Pool,
+    ScanCostModel,
+    ScanFeatures,
+    ScanSample,
     dense_scan,
     fused_available,
     fused_kernel,
@@ -45,7 +49,6 @@ from ragserve.retrieval.tier_scan import (
     plan_grouped,
     upload,
 )
-from ragserve.retrieval.tier_scan_model import STRATEGIES, ScanCostModel, ScanFeatures, ScanSample
 
 logger = logging.getLogger(__name__)
 

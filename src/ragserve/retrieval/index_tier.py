@@ -180,7 +180,7 @@ class GpuTierMixin:
 
     def _calibrate_stream(self, points, repeats: int, seed: int, threads: int | None):
         from ragserve.retrieval.cold_stream import StreamCostModel
-        from ragserve.retrieval.tier_scan_model import nnls_relative
+        from ragserve.retrieval.tier_scan import nnls_relative
 
         tier = self._tier
         streamer = None if tier is None else tier.streamer
