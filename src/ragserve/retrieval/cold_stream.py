@@ -65,23 +65,25 @@ class StreamConfig:
 
 @dataclass(frozen=True)
 class StreamCostModel:
-    """Seconds of each side of a batch's cold part, fitted by ``ColdStreamer.calibrate``::
+    """Seconds of each side of a batch's cold part (fitted by ``VectorIndex.calibrate_stream``)::
 
         cpu    = cpu_fixed_s + cpu_s_per_row * probed_rows / min(queries, threads)
         stream = stream_fixed_s + stream_s_per_byte * streamed_bytes
 
-    ``probed_rows`` counts a list once per query probing it (Faiss scans it per query);
-    ``streamed_bytes`` once per batch (one copy serves every query). ``threads``: the CPU
-    scan's parallelism (``index_tier.scan_threads``: ``stepwise.scan_threads()``, Faiss's
-    OpenMP thread count unless ``stepwise.set_scan_threads`` says otherwise).
-    The split this model picks is what runs; ``latency_model.SplitPricing`` carries its CPU
-    side into the latency model."""
+    ``probed_rows`` counts a list once per query probing it, ``streamed_bytes`` once per batch;
+    ``threads``: the CPU scan's parallelism (``index_tier.scan_threads``). The split it picks
+    is what runs; ``latency_model.StreamedLatencyModel`` prices a batch with it."""
 
     cpu_fixed_s: float
     cpu_s_per_row: float
     stream_fixed_s: float
     stream_s_per_byte: float
     threads: int = 1
+
+    def __post_init__(self) -> None:
+        terms = (self.cpu_fixed_s, self.cpu_s_per_row, self.stream_fixed_s, self.stream_s_per_byte)
+        if min(terms) < 0 or self.threads < 1:
+            raise ValueError(f"StreamCostModel needs terms >= 0 and threads >= 1, got {self}")
 
     def cpu_seconds(self, probed_rows: np.ndarray | float, num_queries: int) -> np.ndarray:
         par = max(1, min(int(num_queries), self.threads))

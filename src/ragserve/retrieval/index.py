@@ -423,7 +423,7 @@ class VectorIndex(
 
     def search_profile(self):
         """The `SearchProfile` measured for this index (`DIR/profile.json`), or None."""
-        from ragserve.retrieval.profile import SearchProfile
+        from ragserve.retrieval.latency_model import SearchProfile
 
         path = self.directory / "profile.json" if self.directory else None
         return SearchProfile.load(path) if path is not None and path.is_file() else None
