@@ -29,7 +29,7 @@ from ragserve.retrieval.latency_model import (
     SearchLatencyModel,
     StreamedLatencyModel,
 )
-from ragserve.retrieval.tier_placement import PlacementConfig
+from ragserve.retrieval.partition import PlacementConfig
 
 
 @pytest.fixture(scope="module", params=["ip", "l2"])

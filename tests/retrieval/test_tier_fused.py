@@ -136,7 +136,7 @@ def check_swaps(metric: str, device: str, rounds: int) -> None:
     """Searches while lists are loaded, evicted and their chunks reused: never a stale row."""
     import test_gpu_tier as g
 
-    from ragserve.retrieval.tier_placement import PlacementConfig
+    from ragserve.retrieval.partition import PlacementConfig
 
     index, q = g.make_index(metric)
     config = PlacementConfig(update_every=1, max_swap_bytes=4096)

@@ -25,10 +25,10 @@ from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
 from ragserve.retrieval.modes import SearchModesMixin
+from ragserve.retrieval.partition import AccessCounts
 from ragserve.retrieval.passages import PASSAGE_HEADERS, PassageMixin, check_header, passage_text
 from ragserve.retrieval.persist import PersistMixin
 from ragserve.retrieval.rwlock import RWLock
-from ragserve.retrieval.tier_placement import AccessCounts
 from ragserve.retrieval.types import (
     Document,
     IndexSpec,
@@ -41,7 +41,7 @@ from ragserve.retrieval.types import (
 if TYPE_CHECKING:
     from ragserve.retrieval.bm25 import BM25Index
     from ragserve.retrieval.gpu_tier import GpuTier
-    from ragserve.retrieval.tier_placement import TierUpdater
+    from ragserve.retrieval.partition import TierUpdater
 
 logger = logging.getLogger(__name__)
 
