@@ -44,8 +44,10 @@ def built(request):
 def test_any_split_equals_faiss(built, share: float, stage_bytes: int) -> None:
     index, q = built
     stream = StreamConfig(mode="on", share=share, stage_bytes=stage_bytes)
-    for clusters in ([], list(range(0, NLIST, 3))):
-        tier = index.set_gpu_tier(BIG, device="cpu", clusters=clusters, stream_cold=stream)
+    for clusters in ([], list(range(0, NLIST, 3))):  # NOTE: grouped: no scan calibration
+        tier = index.set_gpu_tier(
+            BIG, device="cpu", clusters=clusters, stream_cold=stream, scan="grouped"
+        )
         for nprobe in (1, NPROBE, NLIST):
             assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
         streamer = tier.streamer

@@ -12,6 +12,7 @@ staged chunk is a ``Pool`` of one-row chunks, so ``dense_scan`` masks unprobed l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -199,9 +200,8 @@ class ColdStreamer:
     def _run(self, q: np.ndarray, lc: np.ndarray, k: int, lists: np.ndarray, list_data: ListData):
         if not self._allocated:
             self._allocate()
-        if not self._is_cuda:
-            return self._run_on_stream(q, lc, k, lists, list_data)
-        with self._torch.cuda.stream(self._compute):
+        torch = self._torch
+        with torch.cuda.stream(self._compute) if self._is_cuda else contextlib.nullcontext():
             return self._run_on_stream(q, lc, k, lists, list_data)
 
     def _run_on_stream(self, q, lc, k: int, lists: np.ndarray, list_data: ListData):

@@ -149,11 +149,10 @@ class GpuTier:
         self._rebuild_lookup()
         self._hits = 0.0
         self._probes = 0.0
-        stream = stream or StreamConfig(mode="off")
-        self.streamer: ColdStreamer | None = None
         self.assigner: DeviceAssigner | None = None
         self.assign_chooser: AssignChooser | None = None
-        if stream.enabled(self.device):
+        self.streamer: ColdStreamer | None = None
+        if stream is not None and stream.enabled(self.device):
             self.streamer = ColdStreamer(
                 dim=dim, nlist=nlist, is_l2=self.is_l2, device=self.device, config=stream
             )

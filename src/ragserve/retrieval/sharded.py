@@ -10,6 +10,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,16 +136,12 @@ class LocalShard(BaseShard):
         self.server = server
 
     def submit(self, method: str, *args: Any, idempotent: bool = True) -> Any:
+        done: Future = Future()
         try:
-            value = getattr(self.server, method)(*args)
-        except Exception as exc:
-            error = exc
-
-            def fail() -> Any:
-                raise error
-
-            return fail
-        return lambda: value
+            done.set_result(getattr(self.server, method)(*args))
+        except Exception as exc:  # noqa: BLE001 - raised by the waiter, as a remote shard's
+            done.set_exception(exc)
+        return done.result
 
 
 class ShardedIndex(IndexEncoderMixin):
