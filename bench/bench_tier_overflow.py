@@ -293,8 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         res.doc["budget"]["share_of_index"] = st["budget"] / max(1, int(st["cbytes"].sum()))
 
     def place() -> None:
-        from ragserve.retrieval.partition import PartitionConfig
-        from ragserve.retrieval.tier_placement import PlacementConfig
+        from ragserve.retrieval.partition import PartitionConfig, PlacementConfig
 
         config = PartitionConfig(
             slo_seconds=args.slo_search,

@@ -1,7 +1,7 @@
 """Re-predict a recorded streamed-tier latency point (``bench_tier_overflow.py``'s
 ``gpu_tier_stream*`` rows) with the current ``StreamedLatencyModel``, from the run's own
 recorded calibration only: the CPU model (``T_CQ``, ``T_LUT``), the stream's cost model (its
-stream side, and its CPU side as the router's ``SplitPricing``), bytes per cold probe, distinct
+stream side, and its CPU side as the router's pricing), bytes per cold probe, distinct
 share and the modelled tail hit rate. No measured latency enters the prediction.
 
     python bench/repredict_stream.py \
@@ -16,12 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.latency_model import (
-    SearchLatencyModel,
-    SplitPricing,
-    StreamedLatencyModel,
-    StreamModel,
-)
+from ragserve.retrieval.cold_stream import StreamCostModel
+from ragserve.retrieval.latency_model import SearchLatencyModel, StreamedLatencyModel
 
 
 def repredict(doc: dict, row: dict) -> dict:
@@ -30,22 +26,23 @@ def repredict(doc: dict, row: dict) -> dict:
     base = SearchLatencyModel.from_json(json.dumps(doc["model"]["latency_model"]))
     sm, cost = row["streamed_model"], row["stream_cost_model"]
     row_bytes = int(doc["meta"]["args"]["dim"]) * 4 + 8
-    split = SplitPricing(
+    both = StreamCostModel(
         cost["cpu_fixed_s"],
         cost["cpu_s_per_row"],
+        sm["fixed_s"],
+        sm["s_per_byte"],
         int(cost["threads"]),
-        sm["bytes_per_probe"] / row_bytes,
     )
-    stream = StreamModel(sm["fixed_s"], sm["s_per_byte"])
-    routed = StreamedLatencyModel(base, stream, sm["bytes_per_probe"], sm["distinct_share"], split)
-    balanced = StreamedLatencyModel(base, stream, sm["bytes_per_probe"], sm["distinct_share"])
+    bpp, ds = sm["bytes_per_probe"], sm["distinct_share"]
+    routed = StreamedLatencyModel(base, both, bpp, ds, rows_per_probe=bpp / row_bytes)
+    balanced = StreamedLatencyModel(base, both, bpp, ds)
     b, tail, mean = int(row["batch"]), row["tail_hit_rate_model"], row["hit_rate_model"]
     y = float(routed.streamed_shares(np.asarray([b]), np.asarray([1.0 - mean]))[0])
     batch_bytes = y * b * base.nprobe * sm["bytes_per_probe"] * sm["distinct_share"]
     out = {
         "system": row["system"],
         "batch": b,
-        "router_lut_s": float(split.lut_array(np.asarray([b]), base.nprobe)[0]),
+        "router_lut_s": float(routed.router_seconds(np.asarray([b]))[0][0]),
         "lut_s": base.lut_seconds(b),
         "streamed_probe_share_model": y / max(1.0 - mean, 1e-12),
         "streamed_gb_per_batch_model": batch_bytes / 1e9,

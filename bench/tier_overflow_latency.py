@@ -160,7 +160,7 @@ def stream_point(
 
     index, q, plan = st["index"], st["q"], st["plan"]
     streamed = streamed_model(st, plan, cost, batch, args.dim)
-    balanced = dataclasses.replace(streamed, split=None)
+    balanced = dataclasses.replace(streamed, rows_per_probe=None)
     mean = float(plan.hit_rate)
     tail = BetaHitRate.from_mean(mean, st["sigma2"]).tail(batch, "batch_mean", 0.1)
     eta = min(max(tail, 0.0), 1.0)
@@ -189,11 +189,11 @@ def stream_point(
         exact_ids=exact_share(found, ref),
         stream_cost_model=dataclasses.asdict(cost) if cost is not None else None,
         streamed_model={
-            "fixed_s": streamed.stream.fixed_s,
-            "s_per_byte": streamed.stream.s_per_byte,
+            "fixed_s": streamed.cost.stream_fixed_s,
+            "s_per_byte": streamed.cost.stream_s_per_byte,
             "bytes_per_probe": streamed.bytes_per_probe,
             "distinct_share": streamed.distinct_share,
-            "split": None if streamed.split is None else dataclasses.asdict(streamed.split),
+            "split": _split_of(streamed),
         },
         streamed_probe_share_model=share / max(1 - mean, 1e-12),
         streamed_probe_share_measured=streamer.num_streamed_probes
@@ -211,12 +211,26 @@ def faiss_threads() -> int:
     return int(faiss.omp_get_max_threads())
 
 
+def _split_of(streamed: Any) -> dict | None:
+    """The router's pricing as the JSON records it (its ``split``; None: balanced)."""
+    if streamed.rows_per_probe is None:
+        return None
+    c = streamed.cost
+    return {
+        "cpu_fixed_s": c.cpu_fixed_s,
+        "cpu_s_per_row": c.cpu_s_per_row,
+        "threads": c.threads,
+        "rows_per_probe": streamed.rows_per_probe,
+    }
+
+
 def streamed_model(st: dict, plan: Any, cost: Any, batch: int, dim: int) -> Any:
     """Eq. 1 with streaming for ``plan``: the stream side of the calibrated ``cost`` model and
     its CPU side as the router's split pricing, the access-weighted bytes of a cold probe, and
     the share of a batch's cold probes whose list is distinct (from the calibration probes, in
     batches of ``batch``)."""
-    from ragserve.retrieval.latency_model import SplitPricing, StreamedLatencyModel, StreamModel
+    from ragserve.retrieval.cold_stream import StreamCostModel
+    from ragserve.retrieval.latency_model import StreamedLatencyModel
 
     counts, sizes = st["counts"], st["index"].cluster_sizes()
     cold = np.ones(len(counts), dtype=bool)
@@ -233,16 +247,10 @@ def streamed_model(st: dict, plan: Any, cost: Any, batch: int, dim: int) -> Any:
             shares.append(len(np.unique(c)) / len(c))
     distinct = float(np.mean(shares)) if shares else 1.0
     if cost is None:  # nothing is streamed under no cost model
-        return StreamedLatencyModel(
-            st["model"], StreamModel(np.inf, 0.0), per_probe, max(distinct, 1e-6)
-        )
-    split = SplitPricing(cost.cpu_fixed_s, cost.cpu_s_per_row, cost.threads, per_probe / row_bytes)
+        never = StreamCostModel(0.0, 0.0, np.inf, 0.0)
+        return StreamedLatencyModel(st["model"], never, per_probe, max(distinct, 1e-6))
     return StreamedLatencyModel(
-        st["model"],
-        StreamModel(cost.stream_fixed_s, cost.stream_s_per_byte),
-        per_probe,
-        max(distinct, 1e-6),
-        split,
+        st["model"], cost, per_probe, max(distinct, 1e-6), rows_per_probe=per_probe / row_bytes
     )
 
 

@@ -27,11 +27,9 @@ from ragserve.retrieval.cold_stream import StreamConfig, StreamCostModel, plan_s
 from ragserve.retrieval.latency_model import (
     PiecewiseLinear,
     SearchLatencyModel,
-    SplitPricing,
     StreamedLatencyModel,
-    StreamModel,
 )
-from ragserve.retrieval.tier_placement import PlacementConfig
+from ragserve.retrieval.partition import PlacementConfig
 
 
 @pytest.fixture(scope="module", params=["ip", "l2"])
@@ -46,8 +44,10 @@ def built(request):
 def test_any_split_equals_faiss(built, share: float, stage_bytes: int) -> None:
     index, q = built
     stream = StreamConfig(mode="on", share=share, stage_bytes=stage_bytes)
-    for clusters in ([], list(range(0, NLIST, 3))):
-        tier = index.set_gpu_tier(BIG, device="cpu", clusters=clusters, stream_cold=stream)
+    for clusters in ([], list(range(0, NLIST, 3))):  # NOTE: grouped: no scan calibration
+        tier = index.set_gpu_tier(
+            BIG, device="cpu", clusters=clusters, stream_cold=stream, scan="grouped"
+        )
         for nprobe in (1, NPROBE, NLIST):
             assert_same(index.search(q, K, nprobe), oracle(index, q, K, nprobe))
         streamer = tier.streamer
@@ -157,19 +157,19 @@ def test_streamed_eq1_model() -> None:
     base = SearchLatencyModel(
         256, PiecewiseLinear((1.0, 64.0), (0.001, 0.01)), PiecewiseLinear((1.0, 64.0), (0.1, 2.0))
     )
-    none = StreamedLatencyModel(base, StreamModel(0.0, 1e-30), bytes_per_probe=1.0)
-    slow = StreamedLatencyModel(base, StreamModel(10.0, 1.0), bytes_per_probe=1e9)
+    none = StreamedLatencyModel(base, StreamCostModel(0.0, 0.0, 0.0, 1e-30), bytes_per_probe=1.0)
+    slow = StreamedLatencyModel(base, StreamCostModel(0.0, 0.0, 10.0, 1.0), bytes_per_probe=1e9)
     for b, eta in ((1, 0.0), (32, 0.5), (64, 0.9)):
         plain = base.hybrid_seconds(b, eta)
         assert slow.hybrid_seconds(b, eta) == pytest.approx(plain)  # streaming never helps
         assert none.hybrid_seconds(b, eta) == pytest.approx(base.cq_seconds(b), abs=1e-9)
-    even = StreamedLatencyModel(base, StreamModel(0.0, 1.0), bytes_per_probe=1.0)
+    even = StreamedLatencyModel(base, StreamCostModel(0.0, 0.0, 0.0, 1.0), bytes_per_probe=1.0)
     lut = base.lut_seconds(64)
     g = 64 * 256 * 1.0  # streaming all cold probes: equal to the CPU only if lut == g
     expect = base.cq_seconds(64) + 0.5 * lut * g / (lut + g)
     assert even.hybrid_seconds(64, 0.5) == pytest.approx(expect)
     # the inverse: the smallest eta meeting a budget gives that budget back
-    mid = StreamedLatencyModel(base, StreamModel(0.05, 1e-7), bytes_per_probe=1e5)
+    mid = StreamedLatencyModel(base, StreamCostModel(0.0, 0.0, 0.05, 1e-7), bytes_per_probe=1e5)
     for b, seconds in ((8, 0.2), (64, 0.8)):
         eta = mid.required_hit_rate(b, seconds)
         assert eta is not None and eta <= base.required_hit_rate(b, seconds)
@@ -209,8 +209,12 @@ def test_algorithm_1_and_eq2_price_the_streamed_path() -> None:
     base = SearchLatencyModel(
         64, PiecewiseLinear((1.0, 64.0), (0.001, 0.01)), PiecewiseLinear((1.0, 64.0), (0.02, 1.0))
     )
-    fast = StreamedLatencyModel(base, StreamModel(0.001, 1e-11), bytes_per_probe=1 << 20)
-    never = StreamedLatencyModel(base, StreamModel(100.0, 1e-11), bytes_per_probe=1 << 20)
+    fast = StreamedLatencyModel(
+        base, StreamCostModel(0.0, 0.0, 0.001, 1e-11), bytes_per_probe=1 << 20
+    )
+    never = StreamedLatencyModel(
+        base, StreamCostModel(0.0, 0.0, 100.0, 1e-11), bytes_per_probe=1 << 20
+    )
     config = PartitionConfig(slo_seconds=0.4, throughput=200.0, max_variance=0.05)
     plain = partition(base, counts, cbytes, config)
     assert len(partition(fast, counts, cbytes, config).cluster_ids) < len(plain.cluster_ids)
@@ -235,22 +239,23 @@ def _lut_model(lut_at_64: float = 2.0) -> SearchLatencyModel:
 
 
 def test_without_split_pricing_the_streamed_model_is_the_balanced_closed_form() -> None:
-    """No ``SplitPricing``: the router balances at ``T_LUT``'s pace, the closed form
-    ``T_CQ + min(m L, L (s0 + m g) / (L + g))``; a pricing at ``T_LUT``'s pace is the same."""
+    """No router pricing (``rows_per_probe``): the router balances at ``T_LUT``'s pace, the
+    closed form ``T_CQ + min(m L, L (s0 + m g) / (L + g))``; a pricing at ``T_LUT``'s pace is
+    the same."""
     rng = np.random.default_rng(3)
     base = _lut_model()
     for _ in range(50):
         b, eta = int(rng.integers(1, 65)), float(rng.uniform())
         s0, s1, bpp = rng.uniform(0, 0.3), 10 ** rng.uniform(-11, -9), 10 ** rng.uniform(5, 7)
         ds = float(rng.uniform(0.3, 1.0))
-        model = StreamedLatencyModel(base, StreamModel(s0, s1), bpp, ds)
+        model = StreamedLatencyModel(base, StreamCostModel(0.0, 0.0, s0, s1), bpp, ds)
         lut, g, m = base.lut_seconds(b), b * 256 * bpp * ds * s1, 1.0 - eta
         expect = base.cq_seconds(b) + min(m * lut, lut * (s0 + m * g) / (lut + g))
         assert model.hybrid_seconds(b, eta) == pytest.approx(expect, rel=1e-9, abs=1e-12)
         # the router priced at T_LUT's pace: L_r = c1 * b * 256 * rpp / min(b, threads)
         rpp = 100.0
-        same = SplitPricing(0.0, lut * min(b, 4) / (b * 256 * rpp), 4, rpp)
-        priced = StreamedLatencyModel(base, StreamModel(s0, s1), bpp, ds, split=same)
+        same = StreamCostModel(0.0, lut * min(b, 4) / (b * 256 * rpp), s0, s1, threads=4)
+        priced = StreamedLatencyModel(base, same, bpp, ds, rows_per_probe=rpp)
         assert priced.hybrid_seconds(b, eta) == pytest.approx(expect, rel=1e-9, abs=1e-12)
 
 
@@ -268,19 +273,17 @@ def test_split_pricing_predicts_the_split_plan_split_makes() -> None:
         PiecewiseLinear((1.0, 64.0), (0.0, 0.0)),
         PiecewiseLinear((1.0, 64.0), (real_s_per_row * w * rows, real_s_per_row * 64 * w * rows)),
     )
-    stream = StreamModel(0.002, 5e-11)
     for router_pace in (0.5, 1.0, 2.0):  # the router's CPU rate over the real one
         cost = StreamCostModel(0.0, real_s_per_row * router_pace, 0.002, 5e-11, threads=1)
         take = plan_split(cold, list_rows, row_bytes, n, cost)
         streamed = len(take) * rows * row_bytes
         real = max(cost.stream_seconds(streamed), real_s_per_row * (n * w - len(take)) * rows)
-        pricing = SplitPricing(0.0, cost.cpu_s_per_row, cost.threads, rows)
-        model = StreamedLatencyModel(base, stream, rows * row_bytes, 1.0, split=pricing)
+        model = StreamedLatencyModel(base, cost, rows * row_bytes, 1.0, rows_per_probe=rows)
         y = float(model.streamed_shares(np.asarray([n]), np.asarray([1.0]))[0])
         assert abs(y * n * w - len(take)) <= 1.0
-        one_list = max(stream.s_per_byte * rows * row_bytes, real_s_per_row * rows)
+        one_list = max(cost.stream_s_per_byte * rows * row_bytes, real_s_per_row * rows)
         assert model.hybrid_seconds(n, 0.0) == pytest.approx(real, abs=one_list)
-        balanced = StreamedLatencyModel(base, stream, rows * row_bytes, 1.0)
+        balanced = StreamedLatencyModel(base, cost, rows * row_bytes, 1.0)
         if router_pace == 1.0:
             assert model.hybrid_seconds(n, 0.0) == pytest.approx(balanced.hybrid_seconds(n, 0.0))
         else:  # a mispriced split finishes later than the balanced one
@@ -293,9 +296,9 @@ def test_split_pricing_inverse_and_algorithm_1() -> None:
     from ragserve.retrieval.partition import PartitionConfig, partition
 
     base = _lut_model(1.0)
-    fast_router = SplitPricing(0.0, 1e-8, 14, 500.0)  # prices the CPU well below T_LUT
-    skew = StreamedLatencyModel(base, StreamModel(0.001, 1e-10), 2e6, 0.8, split=fast_router)
-    even = StreamedLatencyModel(base, StreamModel(0.001, 1e-10), 2e6, 0.8)
+    fast_router = StreamCostModel(0.0, 1e-8, 0.001, 1e-10, threads=14)  # CPU well below T_LUT
+    skew = StreamedLatencyModel(base, fast_router, 2e6, 0.8, rows_per_probe=500.0)
+    even = StreamedLatencyModel(base, fast_router, 2e6, 0.8)
     for b, seconds in ((8, 0.05), (48, 0.4), (64, 0.3)):
         eta = skew.required_hit_rate(b, seconds)
         assert eta is not None and eta >= even.required_hit_rate(b, seconds) - 1e-9
@@ -308,8 +311,8 @@ def test_split_pricing_inverse_and_algorithm_1() -> None:
     config = PartitionConfig(slo_seconds=0.4, throughput=200.0, max_variance=0.05)
     got = len(partition(skew, counts, cbytes, config).cluster_ids)
     assert got >= len(partition(even, counts, cbytes, config).cluster_ids)
-    with pytest.raises(ValueError, match="SplitPricing"):
-        SplitPricing(0.0, 1e-8, 0, 500.0)
+    with pytest.raises(ValueError, match="StreamCostModel"):
+        StreamCostModel(0.0, 1e-8, 0.001, 1e-10, threads=0)
 
 
 def test_calibration_assumes_the_scans_real_parallelism(built) -> None:

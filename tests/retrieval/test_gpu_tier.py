@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from ragserve.retrieval import Document, VectorIndex
+from ragserve.retrieval.partition import PlacementConfig
 from ragserve.retrieval.staged import StagedSearch, StageParams
-from ragserve.retrieval.tier_placement import PlacementConfig
 
 DIM, NUM, NLIST, K, NPROBE = 16, 1500, 32, 10, 8
 BIG = 1 << 30

@@ -9,11 +9,11 @@ from ragserve.retrieval import VectorIndex
 from ragserve.retrieval.latency_model import (
     PiecewiseLinear,
     SearchLatencyModel,
+    SearchProfile,
     fit_piecewise_linear,
     measure_cpu_model,
     measure_scan_grid,
 )
-from ragserve.retrieval.profile import SearchProfile
 
 
 def test_piecewise_linear_interpolates_and_extends_end_segments():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ragserve.retrieval import VectorIndex
-from ragserve.retrieval.profile import SearchProfile, measure_profile
+from ragserve.retrieval.latency_model import SearchProfile, measure_profile
 
 
 def test_cluster_costs_are_list_size_times_code_size(small_corpus):

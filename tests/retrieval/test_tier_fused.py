@@ -136,7 +136,7 @@ def check_swaps(metric: str, device: str, rounds: int) -> None:
     """Searches while lists are loaded, evicted and their chunks reused: never a stale row."""
     import test_gpu_tier as g
 
-    from ragserve.retrieval.tier_placement import PlacementConfig
+    from ragserve.retrieval.partition import PlacementConfig
 
     index, q = g.make_index(metric)
     config = PlacementConfig(update_every=1, max_swap_bytes=4096)
@@ -211,7 +211,7 @@ def test_block_choice() -> None:
 def test_cost_model_fits_fused_where_timed() -> None:
     """With fused timings the model fits it and picks it where it is predicted fastest;
     fitted without them it never picks (or predicts) fused."""
-    from ragserve.retrieval.tier_scan_model import ScanCostModel, ScanFeatures, ScanSample
+    from ragserve.retrieval.tier_scan import ScanCostModel, ScanFeatures, ScanSample
 
     truth = {"dense": (2e-5, 3e-10, 1e-11), "grouped": (3e-4, 1e-9, 1e-10),
              "fused": (1e-4, 1e-10, 2e-11)}  # fmt: skip

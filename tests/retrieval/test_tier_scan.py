@@ -19,9 +19,8 @@ from test_gpu_tier import (
 )
 
 from ragserve.retrieval import Document
-from ragserve.retrieval.tier_placement import PlacementConfig
-from ragserve.retrieval.tier_scan import plan_grouped
-from ragserve.retrieval.tier_scan_model import ScanCostModel, ScanFeatures, ScanSample
+from ragserve.retrieval.partition import PlacementConfig
+from ragserve.retrieval.tier_scan import ScanCostModel, ScanFeatures, ScanSample, plan_grouped
 
 SCANS = ("grouped", "dense", "auto")
 

@@ -8,8 +8,8 @@ from sched_fakes import FakeExecutor
 
 from ragserve.graph import State
 from ragserve.retrieval import Document, VectorIndex
-from ragserve.retrieval.cost_model import (
-    ScanCostModel,
+from ragserve.retrieval.staged import (
+    StageCostModel,
     expected_gain,
     optimal_budget,
     pack_clusters,
@@ -77,9 +77,9 @@ def test_budget_survives_a_stage_mean_decayed_to_zero() -> None:
     # every probed list resident on the GPU tier: the CPU part of each stage scans 0 vectors,
     # the moving average decays until 2 t_R beta underflows (found on the H200: ValueError
     # "mb must be > 0" failed every request after ~3,000 stages)
-    from ragserve.retrieval.cost_model import ScanCostModel
+    from ragserve.retrieval.staged import StageCostModel
 
-    cost = ScanCostModel(beta=1e-5)
+    cost = StageCostModel(beta=1e-5)
     cost.observe_stage(10_000)
     assert cost.budget() is not None
     for _ in range(4000):
@@ -97,7 +97,7 @@ def test_pack_clusters_fills_the_budget_and_takes_at_least_one() -> None:
 
 
 def test_cost_model_budget_from_measurements() -> None:
-    cost = ScanCostModel()
+    cost = StageCostModel()
     assert cost.budget() is None  # nothing measured yet: no split
     cost.observe_scan(1_000_000, 0.1)
     cost.observe_stage(2_000_000)

@@ -270,7 +270,7 @@ def _profile(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ragserve.retrieval import VectorIndex
-    from ragserve.retrieval.profile import measure_profile
+    from ragserve.retrieval.latency_model import measure_profile
 
     directory = _resolve_dir(args.dir)
     index = VectorIndex.load(directory)

@@ -21,7 +21,7 @@ RECALL_AT = 10
 
 @dataclass(frozen=True)
 class NprobeCalibration:
-    """How the default nprobe was chosen (kept in the manifest metadata, shown by `info`)."""
+    """How the default nprobe was chosen (manifest metadata)."""
 
     nprobe: int
     rule: str  # "exhaustive" (small index) or "recall"
@@ -41,9 +41,8 @@ def calibrate_nprobe(
     target: float = RECALL_TARGET,
     seed: int = 0,
 ) -> NprobeCalibration:
-    """Pick the default nprobe for `index` holding the rows of `x` under Faiss ids `ids`
-    (default 1..n). Each query is a stored passage whose own id is removed from the results,
-    so it stands for a held-out passage near its neighbours."""
+    """The default nprobe of `index` holding `x` under `ids` (default 1..n); each query is a
+    stored passage without its own id in the results (a held-out passage)."""
     nlist, n = int(index.nlist), len(x)
     if n <= EXHAUSTIVE_MAX_VECTORS or nlist == 1:
         return NprobeCalibration(nlist, "exhaustive")
@@ -65,7 +64,6 @@ def calibrate_nprobe(
 
 
 def _neighbours(index: faiss.IndexIVF, q: np.ndarray, self_ids: np.ndarray, nprobe: int):
-    """Top-`RECALL_AT` ids per query without the query's own id (`-1` pads)."""
     params = faiss.SearchParametersIVF(nprobe=nprobe)
     _, found = index.search(q, RECALL_AT + 1, params=params)
     out = np.full((len(q), RECALL_AT), -1, dtype=np.int64)

@@ -1,19 +1,18 @@
 """Cold (non-resident) lists streamed from host memory to the GPU tier's device and scanned
-there beside Faiss's CPU scan of the rest: ``plan_split`` picks the lists, the router is
-``index_tier`` (docs/architecture.md, "Cold lists streamed"). One batch (CUDA; on a CPU the
-same code runs without streams)::
+there beside Faiss's CPU scan of the rest (router: ``index_tier``; docs/architecture.md). One
+batch (on a CPU the same code runs without streams)::
 
     producer thread   host: Faiss list rows -> pinned bounce[b]   (b = chunk % 2)
     side stream       wait scan_done[b]; bounce[b] -> staging[b] (H2D); record copy_done[b]
     compute stream    wait copy_done[b]; dense scan of staging[b]; record scan_done[b]
 
-Pinned host memory is the two bounce buffers only; rows are read straight from Faiss's lists
-under the index's shared lock (held by the caller until ``result()``). A staged chunk is a
-``Pool`` of one-row chunks (``tier_scan``), so ``dense_scan`` masks rows of unprobed lists.
+Rows are read from Faiss's lists under the index's shared lock (held until ``result()``); a
+staged chunk is a ``Pool`` of one-row chunks, so ``dense_scan`` masks unprobed lists' rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -33,14 +32,10 @@ Segment = tuple[int, int, int, np.ndarray, np.ndarray]  # list, first row, end r
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """How (and whether) cold lists are streamed.
-
-    ``mode``: ``"auto"`` streams on a CUDA tier and not on a CPU one, ``"on"`` streams on any
-    device (the CPU twin), ``"off"`` never. ``host_budget_bytes``: pinned host memory of the
-    two bounce buffers together; ``stage_bytes``: one device staging buffer (two are held, on
-    top of the tier's budget). ``share``: ``None`` lets the cost model split each batch; a
-    number in ``[0, 1]`` streams that share of the batch's cold lists (most-probed first),
-    for tests and benchmarks."""
+    """``mode``: ``"auto"`` (CUDA tiers), ``"on"`` (any device) or ``"off"``;
+    ``host_budget_bytes``: the two pinned bounce buffers; ``stage_bytes``: one of the two device
+    staging buffers; ``share``: None lets the cost model split, a number fixes the share of a
+    batch's cold lists streamed (most-probed first; tests, benchmarks)."""
 
     mode: str = "auto"
     host_budget_bytes: int = 1 << 30
@@ -59,29 +54,30 @@ class StreamConfig:
             raise ValueError(f"share must be in [0, 1] or None, got {self.share}")
 
     def enabled(self, device: str) -> bool:
-        """Whether a tier on ``device`` streams (``"auto"``: only CUDA)."""
         return self.mode == "on" or (self.mode == "auto" and device.startswith("cuda"))
 
 
 @dataclass(frozen=True)
 class StreamCostModel:
-    """Seconds of each side of a batch's cold part, fitted by ``ColdStreamer.calibrate``::
+    """Seconds of each side of a batch's cold part (fitted by ``VectorIndex.calibrate_stream``)::
 
         cpu    = cpu_fixed_s + cpu_s_per_row * probed_rows / min(queries, threads)
         stream = stream_fixed_s + stream_s_per_byte * streamed_bytes
 
-    ``probed_rows`` counts a list once per query probing it (Faiss scans it per query);
-    ``streamed_bytes`` once per batch (one copy serves every query). ``threads``: the CPU
-    scan's parallelism (``index_tier.scan_threads``: ``stepwise.scan_threads()``, Faiss's
-    OpenMP thread count unless ``stepwise.set_scan_threads`` says otherwise).
-    The split this model picks is what runs; ``latency_model.SplitPricing`` carries its CPU
-    side into the latency model."""
+    ``probed_rows`` counts a list once per query probing it, ``streamed_bytes`` once per batch;
+    ``threads``: the CPU scan's parallelism (``index_tier.scan_threads``). The split it picks
+    is what runs; ``latency_model.StreamedLatencyModel`` prices a batch with it."""
 
     cpu_fixed_s: float
     cpu_s_per_row: float
     stream_fixed_s: float
     stream_s_per_byte: float
     threads: int = 1
+
+    def __post_init__(self) -> None:
+        terms = (self.cpu_fixed_s, self.cpu_s_per_row, self.stream_fixed_s, self.stream_s_per_byte)
+        if min(terms) < 0 or self.threads < 1:
+            raise ValueError(f"StreamCostModel needs terms >= 0 and threads >= 1, got {self}")
 
     def cpu_seconds(self, probed_rows: np.ndarray | float, num_queries: int) -> np.ndarray:
         par = max(1, min(int(num_queries), self.threads))
@@ -101,10 +97,9 @@ def plan_split(
     model: StreamCostModel | None,
     share: float | None = None,
 ) -> np.ndarray:
-    """The cold lists to stream: ids, of the cold probes ``probes`` (``[n, w]``, ``-1`` = not
-    cold), ``list_rows`` rows per list. Lists are ordered by queries probing them (descending,
-    ties by id); ``share`` streams that share of them, else the prefix minimising the later
-    finish of the two sides under ``model`` (none without a model)."""
+    """The cold lists to stream, of ``probes`` (``[n, w]``, ``-1`` = not cold): by queries
+    probing them (descending, ties by id), the ``share`` or the prefix minimising the later
+    finish of the two sides under ``model`` (none without one)."""
     flat = probes[probes >= 0]
     lists, m = np.unique(flat, return_counts=True)
     if not len(lists) or (share is None and model is None):
@@ -123,10 +118,9 @@ def plan_split(
 
 
 class ColdStreamer:
-    """Streams and scans cold lists on ``device`` (module doc). ``scan`` returns a future whose
-    result is a pending ``TopK`` (``tier_scan.PendingScan``); one producer thread runs the
-    batches in order, so the staging buffers need no other lock. ``model`` is set by
-    ``calibrate`` (the router's), ``list_rows`` by the router after writes."""
+    """Streams and scans cold lists on ``device``: ``scan`` returns a future of a
+    ``PendingScan``; one producer thread runs the batches in order (the buffers need no lock).
+    ``model`` and ``list_rows`` are set by the router."""
 
     def __init__(
         self, *, dim: int, nlist: int, is_l2: bool, device: str, config: StreamConfig
@@ -155,14 +149,11 @@ class ColdStreamer:
 
     @property
     def pinned_bytes(self) -> int:
-        """Pinned host memory held (0 on CPU, and before the first streamed batch): the two
-        bounce buffers."""
+        """Pinned bytes held: the bounce buffers (none on CPU or before the first batch)."""
         return 2 * self.stage_rows * self.row_bytes if self._is_cuda and self._allocated else 0
 
     def _allocate(self) -> None:
-        """The staging buffers (device), the pinned bounce buffers and the side streams, made
-        on the producer thread's first batch: a tier whose lists are all resident never
-        streams, so it holds none of them (``stream_cold="auto"`` costs it nothing)."""
+        """Buffers and streams, on the first batch: a tier holding every list holds none."""
         torch, dev, dim = self._torch, self._dev, self.dim
         self._vec = [torch.empty((self.stage_rows, dim), device=dev) for _ in range(2)]
         self._ids = [torch.empty(self.stage_rows, dtype=torch.int64, device=dev) for _ in range(2)]
@@ -178,7 +169,7 @@ class ColdStreamer:
         self._allocated = True
 
     def split(self, cold: np.ndarray, num_queries: int) -> np.ndarray:
-        """bool like ``cold`` (``[n, w]``, ``-1`` = not cold): the probes to stream."""
+        """bool like ``cold``: the probes to stream."""
         lists = plan_split(
             cold, self.list_rows, self.row_bytes, num_queries, self.model, self.config.share
         )
@@ -191,16 +182,14 @@ class ColdStreamer:
     def scan(
         self, queries: np.ndarray, cluster_ids: np.ndarray, k: int, list_data: ListData
     ) -> Future:
-        """Stream and scan the lists of ``cluster_ids`` (``[n, w]``, ``-1`` = not here) for
-        ``queries``; ``list_data`` must stay valid until the future's pending scan is read."""
+        """Stream and scan the lists of ``cluster_ids`` (``-1``: not here); ``list_data`` must
+        stay valid until the pending scan is read."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         lc = np.where(cluster_ids >= 0, cluster_ids, self.nlist).astype(np.int64)
         lists = np.unique(lc[lc < self.nlist])
         return self._pool.submit(self._run, q, lc, int(k), lists, list_data)
 
     def reset_counts(self) -> None:
-        """Zero ``num_batches``/``num_lists``/``num_bytes`` and the probe counts (after
-        calibration)."""
         with self._lock:
             self.num_batches = self.num_lists = self.num_bytes = 0
             self.num_cold_probes = self.num_streamed_probes = 0
@@ -211,9 +200,8 @@ class ColdStreamer:
     def _run(self, q: np.ndarray, lc: np.ndarray, k: int, lists: np.ndarray, list_data: ListData):
         if not self._allocated:
             self._allocate()
-        if not self._is_cuda:
-            return self._run_on_stream(q, lc, k, lists, list_data)
-        with self._torch.cuda.stream(self._compute):
+        torch = self._torch
+        with torch.cuda.stream(self._compute) if self._is_cuda else contextlib.nullcontext():
             return self._run_on_stream(q, lc, k, lists, list_data)
 
     def _run_on_stream(self, q, lc, k: int, lists: np.ndarray, list_data: ListData):
@@ -248,8 +236,7 @@ class ColdStreamer:
         return PendingScan(keys, ids, qnorm, done)
 
     def _stage(self, b: int, segments: list[Segment]) -> tuple[int, np.ndarray]:
-        """Copy the rows of ``segments`` into staging buffer ``b``; returns the row count and
-        each row's list."""
+        """Rows of ``segments`` into staging buffer ``b``: their count and each one's list."""
         torch = self._torch
         if self._is_cuda:
             self._copy_done[b].synchronize()  # NOTE: bounce[b]'s previous copy has left it
@@ -279,19 +266,9 @@ class ColdStreamer:
         bias = self._bias[b][:rows]
         if self.is_l2:
             torch.sum(vec * vec, dim=1, out=bias).neg_()
-        pool = Pool(
-            vec.view(rows, 1, self.dim),
-            self._ids[b][:rows].view(rows, 1),
-            bias.view(rows, 1),
-            None,
-            None,
-            None,
-            upload(torch, row_list, vec.device),
-            None,
-            self.nlist,
-            rows,
-            self.is_l2,
-        )
+        ids, chunk_list = self._ids[b][:rows].view(rows, 1), upload(torch, row_list, vec.device)
+        views = (vec.view(rows, 1, self.dim), ids, bias.view(rows, 1))  # dense reads no table
+        pool = Pool(*views, None, None, None, chunk_list, None, self.nlist, rows, self.is_l2)
         keys, ids = dense_scan(torch, pool, qd, lcd, k)
         if self._is_cuda:
             self._scan_done[b].record(self._compute)
@@ -299,8 +276,7 @@ class ColdStreamer:
 
 
 def _chunks(lists: np.ndarray, list_data: ListData, stage_rows: int) -> Iterator[list[Segment]]:
-    """Segments packed into chunks of at most ``stage_rows`` rows; a list longer than the space
-    left is split across chunks."""
+    """Segments packed into chunks of ``stage_rows`` rows (a list may span chunks)."""
     chunk: list[Segment] = []
     free = stage_rows
     for c in lists.tolist():

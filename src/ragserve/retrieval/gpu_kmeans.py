@@ -1,14 +1,8 @@
-"""Coarse quantizer training (k-means) and assignment in torch, for the bulk build on a GPU.
-
-The same code runs on CPU tensors (tests). Everything is fp32 with TF32 off, so an assignment
-differs from Faiss's `IndexFlat` one only where two centroids are within float rounding of each
-other. IP assigns by the largest inner product, L2 by the smallest squared distance: what the
-`IndexFlatIP` / `IndexFlatL2` quantizer picks at add and search time.
-
-K-means follows Faiss's IVF training in spirit (not bit for bit): initial centroids are a seeded
-sample of the points, a fixed number of Lloyd iterations, spherical (unit-norm centroids) for
-IP, and an empty cluster takes a random point. Centroid sums are a one-hot matmul, so a run is
-deterministic on a given device (no float atomics).
+"""Coarse quantizer training (k-means) and assignment in torch for the bulk build on a GPU
+(CPU tensors in tests). fp32 with TF32 off, so an assignment differs from Faiss's `IndexFlat`
+one only where two centroids tie within rounding. K-means follows Faiss's IVF training in
+spirit: a seeded sample as initial centroids, fixed Lloyd iterations, spherical for IP, an
+empty cluster takes a random point; sums by one-hot matmul, so a run is deterministic.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ CHUNK_ROWS = 1 << 16
 
 @contextmanager
 def exact_fp32() -> Iterator[None]:
-    """fp32 matmuls without TF32 inside the block; the previous setting is restored after."""
+    """fp32 matmuls without TF32 inside the block."""
     matmul = torch.backends.cuda.matmul
     old = matmul.allow_tf32
     matmul.allow_tf32 = False
@@ -37,10 +31,7 @@ def exact_fp32() -> Iterator[None]:
 def assign(
     x: np.ndarray, centroids: np.ndarray, metric: str, *, device: str, chunk_rows: int = CHUNK_ROWS
 ) -> np.ndarray:
-    """int64 `[n]`: the nearest centroid (row of `centroids` `[nlist, d]`) of each row of `x`.
-
-    `x` is a host float32 array `[n, d]`, streamed to `device` in chunks of `chunk_rows`.
-    """
+    """int64 `[n]`: each host row's nearest centroid, streamed in chunks of `chunk_rows`."""
     _check_metric(metric)
     dev = torch.device(device)
     c = torch.as_tensor(np.ascontiguousarray(centroids, dtype=np.float32), device=dev)
@@ -56,8 +47,7 @@ def assign(
 def kmeans(
     x: np.ndarray, nlist: int, metric: str, *, device: str, niter: int = 10, seed: int = 0
 ) -> np.ndarray:
-    """float32 `[nlist, d]` centroids of the host array `x` `[n, d]` (all of it is used: pass
-    a sample); unit-norm for IP. Deterministic for a given `seed` and device."""
+    """float32 `[nlist, d]` centroids of all of `x` (pass a sample); unit-norm for IP."""
     _check_metric(metric)
     n = len(x)
     if n < nlist:

@@ -1,19 +1,14 @@
-"""GPU tier of an IVF-Flat index: hot inverted lists resident on a torch device (its scan
-strategies, placement and figures: docs/architecture.md, "GPU tier"). Resident lists live in
-one pool of fixed-size chunks (``S = chunk_size`` rows)::
+"""GPU tier of an IVF-Flat index: hot inverted lists resident on a torch device, in one pool of
+fixed-size chunks (``S = chunk_size`` rows; strategies and figures: docs/architecture.md)::
 
     vectors [num_chunks, S, dim] (dtype)     list 17 (600 rows) -> chunks 4, 9, 2
     ids     [num_chunks, S] int64            chunk 2: rows 512..599, then 168 pads
     bias    [num_chunks, S] float32          pads: id -1, bias -inf (never ranked)
 
-Every strategy scores ``key = a * q.x + bias`` (IP: ``a = 1``, bias 0; L2: ``a = 2``,
-``bias = -|x|^2``, distance ``|q|^2 - key``) and returns each query's canonical top-k (better
-score first, equal scores by id as Faiss's heaps order them) for ``stepwise.merge``.
-
-Mutates: ``begin_load`` copies a list on a side CUDA stream; it is resident (scanned here)
-once ``poll`` sees the copy done; until then, and after ``evict``/``invalidate``, the CPU
-serves it. Freed chunks are reused only after the compute stream has passed every scan that
-could still read them. The lock covers bookkeeping and enqueueing, never a wait on the device.
+A scan scores ``key = a * q.x + bias`` (IP: ``a = 1``, bias 0; L2: ``a = 2``, ``bias = -|x|^2``,
+distance ``|q|^2 - key``). A list being copied (side stream) is served by the CPU until ``poll``
+sees the copy done; freed chunks are reused only once no enqueued scan can read them. The
+lock covers bookkeeping and enqueueing, never a wait on the device.
 """
 
 from __future__ import annotations
@@ -32,9 +27,13 @@ from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig
 from ragserve.retrieval.tier_assign import AssignChooser, DeviceAssigner
 from ragserve.retrieval.tier_scan import (
     BUCKET_BOUNDS,
+    STRATEGIES,
     GroupedPlan,
     PendingScan,
     Pool,
+    ScanCostModel,
+    ScanFeatures,
+    ScanSample,
     dense_scan,
     fused_available,
     fused_kernel,
@@ -45,7 +44,6 @@ from ragserve.retrieval.tier_scan import (
     plan_grouped,
     upload,
 )
-from ragserve.retrieval.tier_scan_model import STRATEGIES, ScanCostModel, ScanFeatures, ScanSample
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +54,7 @@ CHUNK_SIZE = 256
 
 
 def tier_chunk_bytes(dim: int, dtype: str = "float32", chunk_size: int = CHUNK_SIZE) -> int:
-    """Bytes of one pool chunk: ``chunk_size`` rows of vector, id (int64) and bias (float32)."""
+    """Bytes of one pool chunk: ``chunk_size`` rows of vector, int64 id and float32 bias."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     return chunk_size * (dim * DTYPE_BYTES[dtype] + 8 + 4)
@@ -65,23 +63,20 @@ def tier_chunk_bytes(dim: int, dtype: str = "float32", chunk_size: int = CHUNK_S
 def tier_list_bytes(
     sizes: np.ndarray, dim: int, dtype: str = "float32", chunk_size: int = CHUNK_SIZE
 ) -> np.ndarray:
-    """Bytes each list of ``sizes`` rows takes in the pool: whole chunks (a non-empty list at
-    least one; an empty list none). NOTE: the one price of a list for every picker of clusters
-    within a byte budget (``plan_placement``, Algorithm 1, Eq. 2, the benches), so a chosen set
-    always loads: raw ``size * row_bytes`` undercounts each list by up to a chunk."""
+    """Pool bytes of lists of ``sizes`` rows (whole chunks). NOTE: the one price of a list for
+    every picker within a byte budget, so a chosen set always loads."""
     rows = np.asarray(sizes, dtype=np.int64)
     chunks = np.where(rows > 0, np.maximum(1, -(-rows // chunk_size)), 0)
     return chunks * tier_chunk_bytes(dim, dtype, chunk_size)
 
 
-# (batch size, share of the resident lists each query probes): small and large batches, narrow
-# and wide probes, so that both strategies' terms vary
+# (batch size, share of the resident lists each query probes): every strategy's terms vary
 CALIBRATION_POINTS = ((1, 0.0), (1, 0.25), (16, 0.0625), (64, 0.25), (256, 0.0625))
 
 
 @dataclass
 class _Load:
-    """A list in transit: its chunks are being written; ``event`` marks the copy's end."""
+    """A list in transit; ``event`` marks the copy's end."""
 
     chunks: np.ndarray
     event: Any  # torch.cuda.Event | None (CPU: done at once)
@@ -89,18 +84,11 @@ class _Load:
 
 
 class GpuTier:
-    """Resident IVF lists on ``device`` within ``budget_bytes`` (see module doc).
-
-    Public state: ``clusters`` (resident now, sorted), ``loading`` (in transit), ``num_bytes``
-    (device bytes allocated), ``budget_bytes``, ``device``, ``dtype``, ``strategies`` (the scans
-    ``auto`` chooses among: fused only on CUDA with Triton), ``hit_rate`` (decayed
-    share of probes served here), ``streamer`` (the ``cold_stream.ColdStreamer`` that scans
-    non-resident lists here too, or None; ``stream`` config), ``assigner`` (the
-    ``tier_assign.DeviceAssigner`` that ``index.search`` assigns with, or None: Faiss),
-    ``assign_chooser`` (``assign="auto"``: the ``tier_assign.AssignChooser`` that picks the
-    assigner or Faiss per batch size, or None: always the assigner).
-    Mutated by ``begin_load``/``evict``/``invalidate``/``poll``/``observe``; ``scan`` only
-    reads. Thread-safe.
+    """Resident IVF lists on ``device`` within ``budget_bytes`` (module doc): ``clusters``
+    (sorted), ``loading``, ``num_bytes``, ``strategies`` (what ``auto`` chooses among), decayed
+    ``hit_rate``, ``streamer`` (``ColdStreamer`` or None), ``assigner`` / ``assign_chooser``
+    (``tier_assign``, or None: Faiss assigns). Mutated by ``begin_load``/``evict``/``poll``/
+    ``observe``; ``scan`` only reads. Thread-safe.
     """
 
     def __init__(
@@ -161,18 +149,15 @@ class GpuTier:
         self._rebuild_lookup()
         self._hits = 0.0
         self._probes = 0.0
-        stream = stream or StreamConfig(mode="off")
-        self.streamer: ColdStreamer | None = None
         self.assigner: DeviceAssigner | None = None
         self.assign_chooser: AssignChooser | None = None
-        if stream.enabled(self.device):
+        self.streamer: ColdStreamer | None = None
+        if stream is not None and stream.enabled(self.device):
             self.streamer = ColdStreamer(
                 dim=dim, nlist=nlist, is_l2=self.is_l2, device=self.device, config=stream
             )
         if self._is_cuda:
             torch.cuda.synchronize(dev)  # NOTE: the pool's fill precedes side-stream writes
-
-    # -- state ----------------------------------------------------------------------------------
 
     @property
     def capacity_chunks(self) -> int:
@@ -180,7 +165,7 @@ class GpuTier:
 
     @property
     def num_bytes(self) -> int:
-        """Device bytes the tier's pool holds (resident, in transit and free chunks)."""
+        """Device bytes of the pool (resident, in transit and free chunks)."""
         return self.capacity_chunks * self.chunk_bytes
 
     @property
@@ -200,7 +185,6 @@ class GpuTier:
 
     @property
     def hit_rate(self) -> float:
-        """Decayed share of observed probes whose list was resident (0 before any scan)."""
         with self._lock:
             return self._hits / self._probes if self._probes > 0 else 0.0
 
@@ -208,33 +192,26 @@ class GpuTier:
         return max(1, -(-int(num_rows) // self.chunk_size))
 
     def list_bytes(self, sizes: np.ndarray) -> np.ndarray:
-        """Pool bytes of lists of ``sizes`` rows (``tier_list_bytes`` at this tier's shape)."""
         return tier_list_bytes(sizes, self.dim, self.dtype, self.chunk_size)
 
     def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
-        """bool, shaped like ``cluster_ids``: resident lists (``-1`` pads False)."""
         c = np.asarray(cluster_ids, dtype=np.int64)
         lookup = self._lookup
         return (c >= 0) & lookup[np.where(c >= 0, c, 0)]
 
     def observe(self, cluster_ids: np.ndarray, decay: float) -> None:
-        """Count a batch's probes: hits (resident) and all, both decayed by ``decay``."""
         c = np.asarray(cluster_ids)
         with self._lock:
             hits = float(self.resident_mask(c).sum())
             self._hits = self._hits * decay + hits
             self._probes = self._probes * decay + float((c >= 0).sum())
 
-    # -- placement ------------------------------------------------------------------------------
-
     def begin_load(
         self, cluster: int, vectors: np.ndarray, ids: np.ndarray, *, pin: bool = True
     ) -> bool:
-        """Start copying list ``cluster`` (``vectors [n, dim]`` float32, ``ids [n]``) into free
-        chunks on the side stream; False (nothing changes) when they do not suffice or the
-        list is already resident or in transit. The caller holds the index's lock, so the
-        list cannot change meanwhile (``invalidate`` cancels a load). ``pin`` stages the copy in
-        pinned host memory so that it runs asynchronously (CUDA)."""
+        """Start copying list ``cluster`` into free chunks on the side stream (``pin``: from
+        pinned memory, asynchronously); False (nothing changes) when they do not suffice or it
+        is resident or in transit. The caller holds the index's lock (writes ``invalidate``)."""
         torch = self._torch
         n = len(ids)
         if n == 0 or vectors.shape != (n, self.dim):
@@ -282,8 +259,7 @@ class GpuTier:
             return event
 
     def evict(self, clusters: Any) -> None:
-        """Stop serving lists (resident or in transit); their chunks are freed once no enqueued
-        scan can read them."""
+        """Stop serving lists; their chunks are freed once no enqueued scan can read them."""
         with self._lock:
             freed = []
             for c in clusters:
@@ -309,7 +285,6 @@ class GpuTier:
     invalidate = evict  # NOTE: same effect; named for upserts/deletes of the index
 
     def close(self) -> None:
-        """Stop the cold-list streamer's thread (the tier is being dropped)."""
         if self.streamer is not None:
             self.streamer.close()
 
@@ -330,15 +305,13 @@ class GpuTier:
                 self._rebuild_lookup()
 
     def wait_idle(self) -> None:
-        """Block until every load and fence has completed (tests, start-up)."""
         if self._is_cuda:
             self._side.synchronize()
             self._torch.cuda.current_stream(self._vectors.device).synchronize()
         self.poll()
 
     def _rebuild_lookup(self) -> None:
-        """Host and device tables of the resident lists (``Pool``'s doc), after any change."""
-        nlist, capacity = self.nlist, self.capacity_chunks
+        nlist, capacity, dev = self.nlist, self.capacity_chunks, self.device
         lookup = np.zeros(nlist, dtype=bool)
         counts = np.zeros(nlist + 1, dtype=np.int64)
         starts = np.zeros(nlist + 1, dtype=np.int64)
@@ -353,24 +326,11 @@ class GpuTier:
             pos += len(chunks)
         table = np.concatenate(table) if table else np.zeros(0, np.int64)
         span = int(np.flatnonzero(chunk_list < nlist).max()) + 1 if pos else 0
-        packed = upload(
-            self._torch, np.concatenate([counts, starts, chunk_list, table]), self.device
-        )
-        d_counts, d_starts, d_list, d_table = packed.split([nlist + 1, nlist + 1, capacity, pos])
+        packed = upload(self._torch, np.concatenate([counts, starts, table, chunk_list]), dev)
+        tables = packed.split([nlist + 1, nlist + 1, pos, capacity])
         # NOTE: every table is replaced, never mutated: scans already enqueued keep their own
-        self._pool = Pool(
-            self._vectors,
-            self._ids,
-            self._bias,
-            d_counts,
-            d_starts,
-            d_table,
-            d_list,
-            self._bounds,
-            nlist,
-            span,
-            self.is_l2,
-        )
+        pool = (self._vectors, self._ids, self._bias, *tables, self._bounds, nlist, span)
+        self._pool = Pool(*pool, self.is_l2)
         self._counts_ext, self._chunk_list, self._span = counts, chunk_list, span
         self._lookup = lookup
 
@@ -389,16 +349,12 @@ class GpuTier:
             assert len(served) == sum(len(ch) for ch in self._resident.values()), "stale map"
             assert not len(served) or served.max() < self._span, "span"
 
-    # -- scan -----------------------------------------------------------------------------------
-
     @property
     def scan_strategy(self) -> str:
-        """``"auto"`` (the cost model picks per batch), ``"grouped"``, ``"dense"`` or
-        ``"fused"``."""
         return self._scan
 
     def set_scan(self, strategy: str) -> None:
-        """Switch the scan strategy (any time; every strategy returns the same results)."""
+        """Any time: every strategy returns the same results."""
         if strategy not in SCANS:
             raise ValueError(f"scan must be one of {SCANS}, got {strategy!r}")
         if strategy == "fused" and not self._can_fuse:
@@ -407,17 +363,14 @@ class GpuTier:
 
     @property
     def cost_model(self) -> ScanCostModel | None:
-        """The calibrated model ``scan="auto"`` uses (None before the first calibration)."""
         return self._model
 
     @property
     def model_setting(self) -> tuple:
-        """What a cost model measured here transfers to: device, dtype, metric and shapes."""
         return (self.device, self.dtype, self.is_l2, self.dim, self.chunk_size)
 
     def adopt_model(self, model: ScanCostModel | None) -> bool:
-        """Use ``model`` (e.g. the replaced tier's) instead of calibrating, if it fits this
-        tier (``ScanCostModel.fits``); False (nothing changes) otherwise."""
+        """Use ``model`` (the replaced tier's) if it ``fits`` this tier; else False."""
         if model is None or not model.fits(self.model_setting, self._span * self.chunk_size):
             return False
         self._model = model
@@ -425,19 +378,16 @@ class GpuTier:
 
     @property
     def scan_counts(self) -> dict[str, int]:
-        """Scans run so far by each strategy."""
         with self._lock:
             return dict(self._scan_counts)
 
     def scan(
         self, queries: np.ndarray, cluster_ids: np.ndarray, k: int, strategy: str | None = None
     ) -> tuple[PendingScan | None, np.ndarray]:
-        """Enqueue the scan of every resident list in ``cluster_ids`` (``[n, w]``, ``-1`` pads)
-        for ``queries`` (``[n, dim]`` float32). Returns the pending result (``None`` when no
-        probe is resident) and the mask of the probes it covers: the caller scans the rest.
-        ``scan="auto"`` calibrates its cost model first (outside the lock) if it has none and
-        has not tried yet with lists resident; without a model it scans grouped. ``strategy``
-        overrides the tier's strategy for this call."""
+        """Enqueue the scan of the resident probes of ``cluster_ids`` (``[n, w]``, ``-1`` pads);
+        returns the pending result (None: no probe resident) and the mask of the probes it
+        covers. ``auto`` calibrates first (outside the lock) if it never tried; without a
+        model it scans grouped. ``strategy`` overrides the tier's for this call."""
         cids = np.asarray(cluster_ids, dtype=np.int64)
         untried = self._model is None and not self._tried_calibration
         if self._scan == "auto" and untried and self.resident_mask(cids).any():
@@ -451,7 +401,6 @@ class GpuTier:
             return self._enqueue(q, lc, int(k), strategy or self._scan), on
 
     def features(self, num_queries: int, plan: GroupedPlan) -> ScanFeatures:
-        """What each strategy would read for a batch whose grouped shapes are ``plan``."""
         size = self.chunk_size
         return ScanFeatures(
             num_queries, self._span * size, plan.num_runs * size, plan.num_slots * size
@@ -460,9 +409,8 @@ class GpuTier:
     def _enqueue(
         self, q: np.ndarray, lc: np.ndarray, k: int, strategy: str, span: int | None = None
     ) -> PendingScan:
-        """Under the lock: ``lc`` = probed list ids with ``nlist`` for every probe not served
-        here; ``strategy`` as ``set_scan`` (auto resolved here); ``span`` (calibration only)
-        cuts the dense scan's span to its first ``span`` chunks."""
+        """Under the lock: ``lc`` = probed lists, ``nlist`` where not served here; ``span``
+        (calibration) cuts the dense scan to its first ``span`` chunks."""
         torch = self._torch
         plan = None if strategy == "dense" else plan_grouped(lc, self._counts_ext)
         if strategy == "auto":
@@ -479,8 +427,7 @@ class GpuTier:
                 fused_scan(torch, pool, qd[a:b], lcd[a:b], part, k)
                 for a, b, part in fused_slices(lc, self._counts_ext, plan, self.chunk_size)
             ]
-            keys = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-            ids = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            keys, ids = (torch.cat(side) for side in zip(*parts, strict=True))
         else:
             keys, ids = grouped_scan(torch, pool, qd, lcd, plan, k)
         self._scan_counts[strategy] += 1
@@ -494,10 +441,9 @@ class GpuTier:
         repeats: int = 2,
         seed: int = 0,
     ) -> ScanCostModel | None:
-        """Fit the cost model of ``scan="auto"`` from timed scans of random resident probes:
-        per point ``(batch size, share of the resident lists each query probes)`` (at least one
-        list), each strategy's median of ``repeats`` after one warm-up. None (no model) when
-        nothing is resident. Waits for the device, never under the lock."""
+        """Fit ``auto``'s cost model from timed scans of random resident probes at ``points``
+        ``(batch size, share of the resident lists each query probes)``, medians of ``repeats``
+        after a warm-up; None when nothing is resident. Never waits under the lock."""
         if repeats < 1 or len(points) < 3 or min(n for n, _ in points) < 1:
             raise ValueError(f"points: >= 3 with batch >= 1 and repeats >= 1, got {points}")
         resident = np.asarray(self.clusters, dtype=np.int64)
@@ -532,8 +478,7 @@ class GpuTier:
     def _time(
         self, strategy: str, q: np.ndarray, lc: np.ndarray, repeats: int, span: int | None = None
     ) -> tuple[float, ScanFeatures | None]:
-        """Median seconds of a scan (enqueue to result) and its features; (inf, None) when its
-        lists left the tier meanwhile. ``span``: as ``_enqueue`` (its rows in the features)."""
+        """Median seconds (enqueue to result) and features; (inf, None) when the lists left."""
         times, features = [], None
         for _ in range(repeats + 1):
             t0 = time.perf_counter()

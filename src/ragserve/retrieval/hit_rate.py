@@ -1,7 +1,5 @@
-"""Per-query GPU-tier hit rates as a Beta distribution (VectorLiteRAG §V-B) and the batch's
-tail hit rate in one of ``TAIL_MODES`` (docs/tier_policy.md says which and why).
-
-Pure NumPy (the regularised incomplete beta function is computed here); no torch, no faiss.
+"""Per-query GPU-tier hit rates as a Beta distribution (VectorLiteRAG §V-B) and a batch's tail
+hit rate in one of ``TAIL_MODES`` (docs/tier_policy.md). Pure NumPy.
 """
 
 from __future__ import annotations
@@ -16,11 +14,7 @@ _GRID = 0.5 - 0.5 * np.cos(np.linspace(0.0, math.pi, 4097))  # NOTE: dense near 
 
 @dataclass(frozen=True)
 class BetaHitRate:
-    """Beta distribution of per-query hit rates with the given ``mean`` and ``variance``.
-
-    ``variance == 0`` is a point mass at ``mean``; otherwise ``0 < variance < mean (1 - mean)``
-    and ``alpha = mean c``, ``beta = (1 - mean) c`` with ``c = mean (1 - mean) / variance - 1``.
-    """
+    """Beta of per-query hit rates (``variance == 0``: a point mass at ``mean``)."""
 
     mean: float
     variance: float
@@ -36,11 +30,7 @@ class BetaHitRate:
 
     @classmethod
     def fit(cls, hit_rates: np.ndarray) -> BetaHitRate:
-        """Method of moments on observed per-query hit rates (values in ``[0, 1]``).
-
-        A sample variance at or past the Beta limit ``mean (1 - mean)`` (hit-or-miss queries)
-        is clamped just below it.
-        """
+        """Method of moments; a variance past the Beta limit is clamped just below it."""
         x = np.asarray(hit_rates, dtype=np.float64).ravel()
         if x.size == 0:
             raise ValueError("hit_rates must be non-empty")
@@ -55,8 +45,7 @@ class BetaHitRate:
 
     @classmethod
     def from_mean(cls, mean: float, max_variance: float) -> BetaHitRate:
-        """§V-B: ``sigma^2 = 4 sigma_max^2 mean (1 - mean)``; ``max_variance`` is
-        ``sigma_max^2``, the variance profiled at mean 0.5, in ``[0, 0.25)``."""
+        """§V-B: ``sigma^2 = 4 sigma_max^2 mean (1 - mean)``."""
         if not 0.0 <= max_variance < 0.25:
             raise ValueError(f"max_variance must be in [0, 0.25), got {max_variance}")
         return cls(mean, 4.0 * max_variance * mean * (1.0 - mean))
@@ -67,33 +56,27 @@ class BetaHitRate:
 
     @property
     def alpha(self) -> float | None:
-        """Beta's ``alpha``; ``None`` for a point mass."""
         return None if self.is_point_mass else self.mean * self._concentration()
 
     @property
     def beta(self) -> float | None:
-        """Beta's ``beta``; ``None`` for a point mass."""
         return None if self.is_point_mass else (1.0 - self.mean) * self._concentration()
 
     def _concentration(self) -> float:
         return self.mean * (1.0 - self.mean) / self.variance - 1.0
 
     def cdf(self, x: np.ndarray) -> np.ndarray:
-        """``F(x)``, elementwise (``x`` clipped to ``[0, 1]``)."""
         xs = np.clip(np.asarray(x, dtype=np.float64), 0.0, 1.0)
         if self.is_point_mass:
             return (xs >= self.mean).astype(np.float64)
         return _betainc(self.alpha, self.beta, xs)
 
     def expected_min(self, batch_size: int) -> float:
-        """Eq. 2: expected minimum hit rate of ``batch_size`` independent queries."""
+        """Eq. 2: the expected minimum hit rate of ``batch_size`` queries."""
         return float(self.expected_mins(np.asarray([batch_size]))[0])
 
     def expected_mins(self, batch_sizes: np.ndarray) -> np.ndarray:
-        """Eq. 2 for every batch size (integers >= 1), by quadrature of ``(1 - F)^B``.
-
-        Absolute error below 1e-4 (Chebyshev-spaced trapezoid on 4097 points).
-        """
+        """Eq. 2 by quadrature of ``(1 - F)^B`` (absolute error below 1e-4)."""
         b = np.asarray(batch_sizes, dtype=np.float64)
         if b.size and b.min() < 1:
             raise ValueError(f"batch sizes must be >= 1, got min {b.min()}")
@@ -112,8 +95,7 @@ class BetaHitRate:
         return np.clip(out.reshape(b.shape), 0.0, 1.0)
 
     def quantile(self, q: float) -> float:
-        """The ``q``-quantile (``0 < q < 1``): the rate a draw falls below with probability
-        ``q``. Interpolated on the CDF's grid (absolute error below 1e-3)."""
+        """The ``q``-quantile (absolute error below 1e-3)."""
         if not 0.0 < q < 1.0:
             raise ValueError(f"q must be in (0, 1), got {q}")
         if self.is_point_mass:
@@ -121,20 +103,17 @@ class BetaHitRate:
         return float(_quantiles(np.array([self.alpha]), np.array([self.beta]), q)[0])
 
     def batch_mean(self, batch_size: int) -> BetaHitRate:
-        """The pooled hit rate of ``batch_size`` independent queries (their mean), as a Beta
-        with this mean and ``variance / batch_size`` (moment matched)."""
+        """The mean of ``batch_size`` draws, moment matched: variance ``/ batch_size``."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         return BetaHitRate(self.mean, self.variance / batch_size)
 
     def tail(self, batch_size: int, mode: str = "batch_mean", quantile: float = 0.1) -> float:
-        """``eta_tail(B)`` in one of ``TAIL_MODES`` (module doc)."""
         return float(self.tails(np.asarray([batch_size]), mode, quantile)[0])
 
     def tails(
         self, batch_sizes: np.ndarray, mode: str = "batch_mean", quantile: float = 0.1
     ) -> np.ndarray:
-        """``tail`` for every batch size (integers >= 1)."""
         check_tail_mode(mode, quantile)
         if mode == "min":
             return self.expected_mins(batch_sizes)
@@ -162,8 +141,7 @@ def check_tail_mode(mode: str, quantile: float) -> None:
 
 
 def _quantiles(a: np.ndarray, b: np.ndarray, q: float) -> np.ndarray:
-    """The ``q``-quantile of each Beta(``a[i]``, ``b[i]``): bracketed on three 64-step grids
-    (each inside the last's bracket), then linear inside the final one (width 64^-3)."""
+    """``q``-quantiles of Beta(``a``, ``b``): three nested 64-step brackets, then linear."""
     lo, hi = np.zeros(len(a)), np.ones(len(a))
     steps = np.linspace(0.0, 1.0, 65)
     rows = np.arange(len(a))
@@ -181,9 +159,8 @@ _LGAMMA = np.frompyfunc(math.lgamma, 1, 1)
 
 
 def _betainc(a, b, x: np.ndarray) -> np.ndarray:
-    """Regularised incomplete beta ``I_x(a, b)`` (``a``, ``b``, ``x`` broadcast together) by
-    its continued fraction (modified Lentz), using ``I_x(a, b) = 1 - I_{1-x}(b, a)`` where the
-    fraction converges slowly."""
+    """``I_x(a, b)`` by its continued fraction (modified Lentz), flipped to
+    ``1 - I_{1-x}(b, a)`` where that converges faster."""
     a, b, x = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (a, b, x)))
     out = np.where(x >= 1.0, 1.0, 0.0)
     inner = (x > 0.0) & (x < 1.0)

@@ -25,10 +25,10 @@ from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
 from ragserve.retrieval.modes import SearchModesMixin
+from ragserve.retrieval.partition import AccessCounts
 from ragserve.retrieval.passages import PASSAGE_HEADERS, PassageMixin, check_header, passage_text
 from ragserve.retrieval.persist import PersistMixin
 from ragserve.retrieval.rwlock import RWLock
-from ragserve.retrieval.tier_placement import AccessCounts
 from ragserve.retrieval.types import (
     Document,
     IndexSpec,
@@ -41,7 +41,7 @@ from ragserve.retrieval.types import (
 if TYPE_CHECKING:
     from ragserve.retrieval.bm25 import BM25Index
     from ragserve.retrieval.gpu_tier import GpuTier
-    from ragserve.retrieval.tier_placement import TierUpdater
+    from ragserve.retrieval.partition import TierUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -423,7 +423,7 @@ class VectorIndex(
 
     def search_profile(self):
         """The `SearchProfile` measured for this index (`DIR/profile.json`), or None."""
-        from ragserve.retrieval.profile import SearchProfile
+        from ragserve.retrieval.latency_model import SearchProfile
 
         path = self.directory / "profile.json" if self.directory else None
         return SearchProfile.load(path) if path is not None and path.is_file() else None

@@ -1,16 +1,14 @@
-"""``VectorIndex``'s GPU tier (issue 10): the router between the tier and Faiss, placing and
-dropping the tier, and keeping it in step with writes. A mixin of ``VectorIndex`` (it uses the
-index's ``spec``, ``_index``, ``_rw`` lock, ``access_counts`` and ``cluster_sizes``), kept in its
-own file so ``index.py`` holds the index itself.
+"""``VectorIndex``'s GPU tier (a mixin of it, using its ``spec``, ``_index``, ``_rw`` lock,
+``access_counts`` and ``cluster_sizes``): the router between the tier and Faiss, placing and
+dropping the tier, and keeping it in step with writes.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import faiss
@@ -22,13 +20,12 @@ from ragserve.retrieval.types import ProbePlan, TopK
 if TYPE_CHECKING:
     from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig, StreamCostModel
     from ragserve.retrieval.gpu_tier import GpuTier
+    from ragserve.retrieval.partition import PlacementConfig, TierUpdater
     from ragserve.retrieval.tier_assign import DeviceAssigner
-    from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater
 
 
 class TierSpec(NamedTuple):
-    """One GPU tier's settings as data (what crosses to workers, actors and shards):
-    ``VectorIndex.set_gpu_tier``'s arguments, placed with ``place(index)``."""
+    """A tier's ``set_gpu_tier`` arguments as data (crosses to workers, actors and shards)."""
 
     budget_bytes: int
     device: str = "cuda"
@@ -38,7 +35,6 @@ class TierSpec(NamedTuple):
     stream_host_bytes: int = 1 << 30
 
     def place(self, index: Any) -> Any:
-        """``index.set_gpu_tier`` with these settings (a ``VectorIndex`` or ``ShardedIndex``)."""
         return index.set_gpu_tier(
             int(self.budget_bytes),
             device=self.device,
@@ -60,8 +56,6 @@ _NO_HEAP_INIT = 1024  # NOTE: Faiss's PARALLEL_MODE_NO_HEAP_INIT flag (IndexIVF.
 
 
 class GpuTierMixin:
-    """The GPU-tier half of ``VectorIndex`` (see the module doc)."""
-
     def _hybrid_scan(
         self,
         tier: GpuTier,
@@ -70,11 +64,8 @@ class GpuTierMixin:
         k: int,
         strategy: str | None = None,
     ) -> TopK:
-        """The router: resident probes go to the GPU tier (enqueued first, so all run at once);
-        of the rest, the lists the streamer takes are copied to the device and scanned there
-        (``cold_stream``), the others go to Faiss on the CPU (only rows that have any); the
-        partial results are merged exactly. Called under the index's shared lock. ``strategy``:
-        the tier's scan strategy for this call (None: the tier's own)."""
+        """Resident probes to the tier (enqueued first, so all run at once), the streamer's share
+        of the rest to it, the others to Faiss; merged exactly. Under the shared lock."""
         q = stepwise.check_queries(self._index, queries)
         if k < 1:
             raise ValueError(f"topk must be >= 1, got {k}")
@@ -104,9 +95,8 @@ class GpuTierMixin:
         return part
 
     def _tier_search(self, queries: np.ndarray, topk: int, nprobe: int | None) -> TopK | None:
-        """``search`` with the coarse assignment on the tier's device (``tier_assign``), or
-        None when the tier has no assigner. Rows the assigner cannot settle are searched again
-        with Faiss's assignment."""
+        """``search`` assigning on the tier's device (``tier_assign``); None without an
+        assigner."""
         tier = self._tier
         assigner = None if tier is None else tier.assigner
         if assigner is None:
@@ -128,7 +118,6 @@ class GpuTierMixin:
     def _search_assigned_on_tier(
         self, assigner: DeviceAssigner, q: np.ndarray, topk: int, nprobe: int
     ) -> TopK:
-        """``search`` of checked queries ``q`` with the tier's assignment (``tier_assign``)."""
         split = assigner.assign(q, nprobe)
         found = self.scan(q, split.sure, topk)
         band = (
@@ -141,8 +130,7 @@ class GpuTierMixin:
         return found
 
     def _band_scan(self, q: np.ndarray, band: ProbePlan, k: int) -> TopK:
-        """The band's few lists per row: grouped on the tier (``auto`` would price the batch,
-        and dense reads every resident row whatever the probes)."""
+        """The band's few lists per row, grouped on the tier (dense would read every row)."""
         with self._rw.read():
             tier = self._tier
             if tier is None:
@@ -152,8 +140,8 @@ class GpuTierMixin:
     def _stream_cold(
         self, streamer: ColdStreamer, q: np.ndarray, cold: np.ndarray, k: int
     ) -> tuple[Future | None, np.ndarray]:
-        """Start streaming the share of the cold probes ``cold`` (``-1``: none) the streamer's
-        split picks; returns its future (None: nothing streamed) and the probes left."""
+        """Start streaming the split's share of ``cold`` (``-1``: none); returns its future
+        (None: nothing streamed) and the probes left."""
         if streamer.model is None and streamer.config.share is None:
             self._calibrate_stream(STREAM_POINTS, 2, 0, None)
         take = streamer.split(cold, len(q))
@@ -170,17 +158,16 @@ class GpuTierMixin:
         seed: int = 0,
         threads: int | None = None,
     ) -> StreamCostModel | None:
-        """Fit the streamer's ``StreamCostModel`` from timed scans of random non-resident lists,
-        streamed and on the CPU at once (as when serving), at ``points`` (queries, lists per
-        query), each the median of ``repeats`` after a warm-up; None without a streamer or
-        cold lists. ``threads``: the CPU scan's parallelism the model assumes (None: the real
-        one, ``scan_threads``). A search calibrates on first use when there is none."""
+        """Fit the streamer's ``StreamCostModel`` from random cold lists scanned streamed and on
+        the CPU at once, at ``points`` (queries, lists per query), medians of ``repeats``; None
+        without a streamer or cold lists. ``threads``: the CPU parallelism assumed (None:
+        ``scan_threads``). A search calibrates on first use otherwise."""
         with self._rw.read():
             return self._calibrate_stream(points, repeats, seed, threads)
 
     def _calibrate_stream(self, points, repeats: int, seed: int, threads: int | None):
         from ragserve.retrieval.cold_stream import StreamCostModel
-        from ragserve.retrieval.tier_scan_model import nnls_relative
+        from ragserve.retrieval.tier_scan import nnls_relative
 
         tier = self._tier
         streamer = None if tier is None else tier.streamer
@@ -220,14 +207,11 @@ class GpuTierMixin:
         return streamer.model
 
     def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
-        """bool, shaped like ``cluster_ids``: which clusters the GPU tier serves right now
-        (all False without a tier; ``-1`` pads are False)."""
+        """bool like ``cluster_ids``: the lists the tier serves now."""
         tier = self._tier
         if tier is None:
             return np.zeros(np.shape(cluster_ids), dtype=bool)
         return tier.resident_mask(cluster_ids)
-
-    # -- GPU tier -------------------------------------------------------------------------------
 
     def set_gpu_tier(
         self,
@@ -241,19 +225,12 @@ class GpuTierMixin:
         stream_cold: str | StreamConfig = "auto",
         assign: str = "faiss",
     ) -> GpuTier:
-        """Serve IVF-Flat lists from a torch ``device`` within ``budget_bytes`` (replaces any
-        tier; SQ8/PQ: `ValueError`). ``clusters`` places and pins exactly those (`ValueError`
-        past the budget); ``None`` places the hottest by the live access counts and re-places
-        them on drift (``placement``). ``float32`` returns Faiss's results; ``float16`` /
-        ``bfloat16`` halve the bytes at some recall. ``scan``: the strategy
-        (``GpuTier.set_scan``; ``"auto"`` calibrates here unless the replaced tier's model
-        fits); ``stream_cold``: a ``StreamConfig`` mode or one (``calibrate_stream``);
-        ``assign``: where ``search`` assigns queries (``ASSIGNS``, ``tier_assign``). What each
-        option does: docs/architecture.md, "GPU tier"; the defaults' figures: BENCHMARKS.md.
-        """
+        """Serve IVF-Flat lists from ``device`` within ``budget_bytes`` (replaces any tier).
+        ``clusters`` pins exactly those; None places the hottest and re-places them on drift
+        (``placement``). Options: docs/architecture.md, "GPU tier"."""
         from ragserve.retrieval.cold_stream import StreamConfig
         from ragserve.retrieval.gpu_tier import GpuTier
-        from ragserve.retrieval.tier_placement import PlacementConfig, TierUpdater, plan_placement
+        from ragserve.retrieval.partition import PlacementConfig, TierUpdater, plan_placement
 
         check_tier_options(self.spec.kind, budget_bytes, scan, stream_cold)
         if assign not in ASSIGNS:
@@ -311,27 +288,19 @@ class GpuTierMixin:
             tier.calibrate()
         if pinned is None:
             self._tier_updater = TierUpdater(
-                tier,
-                self.access_counts,
-                plan,
-                self._load_lists,
-                self.cluster_sizes,
-                placement,
+                tier, self.access_counts, plan, self._load_lists, self.cluster_sizes, placement
             )
         return tier
 
     @property
     def gpu_tier(self) -> GpuTier | None:
-        """The GPU tier (``clusters``, ``num_bytes``, ``hit_rate``, ``device``) or None."""
         return self._tier
 
     @property
     def tier_updater(self) -> TierUpdater | None:
-        """The background re-placement of an unpinned tier, or None."""
         return self._tier_updater
 
     def drop_gpu_tier(self) -> None:
-        """Serve everything from the CPU again and free the tier's device memory."""
         updater, self._tier_updater = self._tier_updater, None
         if updater is not None:
             updater.close()
@@ -341,7 +310,6 @@ class GpuTierMixin:
             tier.close()
 
     def _load_lists(self, clusters: Sequence[int]) -> int:
-        """Start asynchronous loads of lists into the tier (the updater's callback)."""
         tier = self._tier
         if tier is None:
             return 0
@@ -353,8 +321,7 @@ class GpuTierMixin:
         return started
 
     def _list_data(self, c: int) -> tuple[np.ndarray, np.ndarray]:
-        """List ``c``'s vectors ``[n, dim]`` float32 and ids ``[n]``, as views of Faiss's
-        memory: valid while the caller holds the shared lock."""
+        """List ``c``'s vectors and ids: views of Faiss's memory, valid under the lock."""
         invlists = self._index.invlists
         n = invlists.list_size(c)
         if n == 0:
@@ -364,8 +331,7 @@ class GpuTierMixin:
         return codes.view(np.float32).reshape(n, self.spec.dim), ids
 
     def _invalidate_tier(self, lists: np.ndarray) -> None:
-        """Under the exclusive lock after a write: changed lists are served by the CPU until
-        the updater reloads them."""
+        """After a write (exclusive lock): the CPU serves changed lists until reloaded."""
         if self._tier is not None and len(lists):
             changed = np.unique(lists)
             self._tier.invalidate(changed.tolist())
@@ -378,8 +344,7 @@ class GpuTierMixin:
 def check_tier_options(
     kind: str, budget_bytes: int, scan: str, stream_cold: str | StreamConfig
 ) -> None:
-    """A one-line `ValueError` for a tier that cannot be placed on an index of ``kind``: a bad
-    ``budget_bytes``, ``scan`` or ``stream_cold`` (before anything moves)."""
+    """A one-line `ValueError` for bad tier options, before anything moves."""
     from ragserve.retrieval.cold_stream import STREAM_MODES, StreamConfig
     from ragserve.retrieval.gpu_tier import SCANS
 
@@ -397,10 +362,8 @@ def check_tier_options(
 
 
 def scan_threads(index: faiss.IndexIVF) -> int:
-    """The CPU scan's parallelism in ``StreamCostModel``: ``stepwise.scan`` slices a batch over
-    ``stepwise.scan_threads()`` threads (Faiss's OpenMP thread count by default; 1 after
-    ``stepwise.set_scan_threads(1)``); an index already in a Faiss ``parallel_mode`` other than
-    0 is scanned in one call that Faiss spreads over its OpenMP threads."""
+    """The CPU scan's parallelism: ``stepwise.scan_threads()``, or Faiss's OpenMP threads for
+    an index in a ``parallel_mode`` other than 0 (Faiss spreads that one call)."""
     if index.parallel_mode & ~_NO_HEAP_INIT == 0:
         return stepwise.scan_threads()
     return max(1, int(faiss.omp_get_max_threads()))
@@ -409,29 +372,22 @@ def scan_threads(index: faiss.IndexIVF) -> int:
 def _concurrent_seconds(
     on_cpu: Callable[[], object], on_stream: Callable[[], Future], repeats: int
 ) -> tuple[float, float]:
-    """Median seconds of each side when both start together (after one warm-up): the CPU
-    scan here, the stream's wait on a helper thread (its own finish, not the CPU's)."""
+    """Median seconds of each side started together (after a warm-up), each to its own end:
+    the CPU scan here, the stream's on a waiter thread."""
+
+    def finish(future: Future, t0: float) -> float:
+        future.result().result()
+        return time.perf_counter() - t0
+
     times = []
-    for _ in range(max(1, repeats) + 1):
-        t0 = time.perf_counter()
-        future = on_stream()
-        done: Future = Future()
-        waiter = threading.Thread(target=_finish_time, args=(future, t0, done))
-        waiter.start()
-        on_cpu()
-        cpu = time.perf_counter() - t0
-        waiter.join()
-        times.append((cpu, done.result()))  # NOTE: re-raises the stream's error
+    with ThreadPoolExecutor(1, thread_name_prefix="stream-calibration") as waiter:
+        for _ in range(max(1, repeats) + 1):
+            t0 = time.perf_counter()
+            stream = waiter.submit(finish, on_stream(), t0)
+            on_cpu()
+            times.append((time.perf_counter() - t0, stream.result()))  # re-raises its error
     cpu, stream = np.median(np.array(times[1:]), axis=0)
     return float(cpu), float(stream)
-
-
-def _finish_time(future: Future, t0: float, done: Future) -> None:
-    try:
-        future.result().result()
-        done.set_result(time.perf_counter() - t0)
-    except BaseException as exc:  # noqa: BLE001 - handed to the caller
-        done.set_exception(exc)
 
 
 def _check_clusters(clusters: Sequence[int], nlist: int) -> np.ndarray:
@@ -442,6 +398,6 @@ def _check_clusters(clusters: Sequence[int], nlist: int) -> np.ndarray:
 
 
 def _tier_chunks(sizes: np.ndarray, chunk_size: int) -> int:
-    """Chunks to hold these lists, with room for growth (upserts) of 1/8 plus one per list."""
+    """Chunks to hold these lists, with room for upserts: 1/8 plus one per list."""
     chunks = int(np.sum(-(-sizes // chunk_size)))
     return chunks + chunks // 8 + len(sizes)

@@ -1,18 +1,9 @@
-"""What a document may hold when it is upserted: ``DocumentLimits`` and ``check_document``.
-
-A document past a limit is rejected (``ValueError`` naming the field), never truncated:
-
-- ``id``: 1..``max_id_chars`` characters, no ``/``, no control or unpaired-surrogate
-  characters, not ``.`` or ``..``, so every id the API accepts is one its
-  ``DELETE /v1/documents/{id}`` can name;
-- ``text``: 1..``max_text_chars`` characters. A passage is pasted whole into prompts, so one
-  larger than a model's context would fail every query that retrieves it: split long texts
-  into passages before upserting;
-- ``title``: ``None`` or up to ``max_title_chars``;
-- ``metadata``: a JSON object (string keys; strings, numbers, booleans, null, lists, objects)
-  nested at most ``max_metadata_depth`` deep and at most ``max_metadata_bytes`` as JSON.
-
-Every string must be encodable as UTF-8 (no lone surrogates such as ``"\\ud800"``).
+"""What an upserted document may hold (``DocumentLimits``, ``check_document``); past a limit it
+is rejected (``ValueError`` naming the field), never truncated: an ``id`` of 1..max characters
+without ``/``, control characters or lone surrogates, not ``.``/``..`` (so
+``DELETE /v1/documents/{id}`` can name it); a non-empty ``text`` (split long texts into
+passages: one larger than a context fails every query retrieving it); an optional ``title``;
+``metadata`` a JSON object within a depth and a size. Every string must encode as UTF-8.
 """
 
 from __future__ import annotations
@@ -42,7 +33,6 @@ DEFAULT_LIMITS = DocumentLimits()
 
 
 def check_text(name: str, value: Any, max_chars: int) -> None:
-    """``value`` is a string of at most ``max_chars`` characters, encodable as UTF-8."""
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a string, got {type(value).__name__}")
     if len(value) > max_chars:
@@ -69,7 +59,7 @@ def check_doc_id(doc_id: Any, limits: DocumentLimits = DEFAULT_LIMITS, name: str
 def check_metadata(
     metadata: Any, limits: DocumentLimits = DEFAULT_LIMITS, name: str = "metadata"
 ) -> None:
-    """Iterative (no recursion, so any depth is rejected cleanly, never a RecursionError)."""
+    """Iterative: any depth is rejected cleanly, never a RecursionError."""
     if not isinstance(metadata, dict):
         raise ValueError(f"{name} must be an object, got {type(metadata).__name__}")
     stack: list[tuple[Any, str, int]] = [(metadata, name, 1)]
@@ -99,8 +89,7 @@ def check_metadata(
 
 
 def check_document(doc: Any, limits: DocumentLimits = DEFAULT_LIMITS, where: str = "") -> None:
-    """A ``Document`` (or anything with ``id``/``text``/``title``/``metadata``) within
-    ``limits``; ``where`` prefixes field names (``"documents[3]."``)."""
+    """A ``Document`` within ``limits``; ``where`` prefixes field names (``"documents[3]."``)."""
     check_doc_id(doc.id, limits, f"{where}id")
     check_text(f"{where}text", doc.text, limits.max_text_chars)
     if not doc.text.strip():

@@ -1,25 +1,34 @@
-"""GPU-tier placement policy: VectorLiteRAG §V-B/§V-C (access counts, Algorithm 1:
-``partition``, ``fill_budget``) and online re-partitioning (``DriftDetector``, stateful). The
-batch's tail hit rate is ``hit_rate.BetaHitRate.tail`` in one of ``TAIL_MODES``:
-``"batch_mean"`` (the default: the CPU scans a batch's missed lists as one pool, so Eq. 1
-needs the pooled rate's 10th percentile) or ``"min"`` (the paper's Eq. 2); why the default,
-and every contract: docs/tier_policy.md. Pure NumPy.
+"""GPU-tier placement policy (VectorLiteRAG §V-B/§V-C): access counts, Algorithm 1
+(``partition``), ``fill_budget``, re-partitioning on drift (``DriftDetector``) and the tier's
+``TierUpdater``, which re-places lists on its own thread (a search never waits for a swap;
+lists in transit are served by the CPU)::
+
+    scan ──observe──> decayed counts ──every `update_every` scans──> updater: drift?
+        evict cold lists <── new plan (fill_budget or Algorithm 1) ──┘
+        begin_load hot lists (side stream, at most max_swap_bytes a round)
+
+Contracts and where they depart from the paper: docs/tier_policy.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ragserve.retrieval.hit_rate import BetaHitRate, check_tail_mode
 from ragserve.retrieval.latency_model import LatencyModel
 
+if TYPE_CHECKING:
+    from ragserve.retrieval.gpu_tier import GpuTier
+
 _MAX_BATCH = 1 << 17
-
-
-# -- access counts ------------------------------------------------------------------------------
 
 
 def count_accesses(probe_ids: np.ndarray, nlist: int) -> np.ndarray:
@@ -36,10 +45,7 @@ def count_accesses(probe_ids: np.ndarray, nlist: int) -> np.ndarray:
 
 
 def decay_counts(counts: np.ndarray | None, new_counts: np.ndarray, decay: float) -> np.ndarray:
-    """Exponentially decayed access counts: ``counts * decay + new_counts``.
-
-    ``decay`` in ``(0, 1]`` per window (1 keeps everything); ``counts=None`` starts afresh.
-    """
+    """``counts * decay + new_counts`` (``decay`` in ``(0, 1]``; ``counts=None``: afresh)."""
     if not 0.0 < decay <= 1.0:
         raise ValueError(f"decay must be in (0, 1], got {decay}")
     new = np.asarray(new_counts, dtype=np.float64)
@@ -51,15 +57,12 @@ def decay_counts(counts: np.ndarray | None, new_counts: np.ndarray, decay: float
 
 
 def hottest_first(access_counts: np.ndarray) -> np.ndarray:
-    """Cluster ids by descending access count; ties by ascending id (a stable order)."""
+    """Cluster ids by descending access count; ties by ascending id."""
     return np.argsort(-_check_counts(access_counts), kind="stable")
 
 
 def per_query_hit_rates(probe_ids: np.ndarray, on_gpu: np.ndarray) -> np.ndarray:
-    """Each query's fraction of valid probes whose cluster is on the GPU (``on_gpu[c]``).
-
-    Queries without a valid probe are dropped.
-    """
+    """Each query's share of valid probes on the GPU (queries without one are dropped)."""
     ids = np.asarray(probe_ids)
     mask = np.asarray(on_gpu, dtype=bool)
     if ids.ndim != 2:
@@ -88,9 +91,8 @@ def _access_share(counts: np.ndarray, order: np.ndarray) -> np.ndarray:
 
 
 def profile_max_variance(probe_ids: np.ndarray, nlist: int) -> float:
-    """``sigma_max^2`` from calibration probes: per-query hit-rate variances at the hottest-
-    first coverages whose mean hit rate is near 0.1, 0.2, ..., 0.9, least-squares fitted to
-    ``var = 4 sigma_max^2 mean (1 - mean)``."""
+    """``sigma_max^2``: per-query hit-rate variances at hottest-first coverages of mean hit
+    rate near 0.1 .. 0.9, least-squares fitted to ``var = 4 sigma_max^2 mean (1 - mean)``."""
     counts = count_accesses(probe_ids, nlist)
     if counts.sum() == 0:
         raise ValueError("probe_ids has no valid probe")
@@ -119,9 +121,8 @@ def hit_rate_to_coverage(
     tail_mode: str = "batch_mean",
     tail_quantile: float = 0.1,
 ) -> int | None:
-    """``Hitrate2Coverage``: the fewest hottest clusters whose tail hit rate over
-    ``batch_size`` queries (``BetaHitRate.tail``) reaches ``tail_hit_rate``; ``None`` if not
-    even all clusters do."""
+    """``Hitrate2Coverage``: the fewest hottest clusters whose tail hit rate reaches
+    ``tail_hit_rate``; None if not even all do."""
     counts = _check_counts(access_counts)
     share = _access_share(counts, hottest_first(counts))
     check_tail_mode(tail_mode, tail_quantile)
@@ -130,34 +131,25 @@ def hit_rate_to_coverage(
         dist = BetaHitRate.from_mean(float(mean), max_variance)
         return dist.tail(batch_size, tail_mode, tail_quantile)
 
-    lo, hi = 0, len(counts)
-    if tail(share[hi]) < tail_hit_rate:
+    return _smallest(lambda k: tail(share[k]) >= tail_hit_rate, len(counts))
+
+
+def _smallest(ok: Callable[[int], bool], hi: int) -> int | None:
+    """The smallest ``k`` in ``[0, hi]`` with ``ok(k)`` (monotone in ``k``), or None."""
+    if not ok(hi):
         return None
+    lo = 0
     while lo < hi:
         mid = (lo + hi) // 2
-        if tail(share[mid]) >= tail_hit_rate:
-            hi = mid
-        else:
-            lo = mid + 1
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
     return lo
-
-
-# -- Algorithm 1 --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class PartitionConfig:
-    """Inputs of Algorithm 1 (seconds, bytes, queries/s).
-
-    - ``slo_seconds``: ``SLO_search``, the retrieval stage's share of the request SLO;
-    - ``throughput``: ``mu_LLM0``, queries/s the retriever must sustain with no index on the GPU;
-    - ``max_variance``: ``sigma_max^2`` (``profile_max_variance``);
-    - ``queuing_factor``: ``epsilon`` of Eq. 4 (1: one batch of queueing, the paper's choice);
-    - ``kv_cache_bytes``: ``MEM_KVcache``, KV bytes with no index; ``None`` keeps ``mu`` fixed;
-    - ``budget_bytes``: most bytes the tier may hold; ``None``: no limit;
-    - ``tail_mode`` / ``tail_quantile``: how a batch's tail hit rate is taken
-      (``BetaHitRate.tail``; ``"min"`` is the paper's Eq. 2).
-    """
+    """Algorithm 1's inputs: ``SLO_search``, ``mu_LLM0`` (queries/s with no index on the GPU),
+    ``sigma_max^2``, Eq. 4's ``epsilon``, ``MEM_KVcache`` (None: ``mu`` fixed), the tier's
+    budget (None: none) and the tail's mode (``BetaHitRate.tail``)."""
 
     slo_seconds: float
     throughput: float
@@ -191,15 +183,9 @@ class PartitionConfig:
 
 @dataclass(frozen=True)
 class PartitionPlan:
-    """Which clusters go to the GPU tier, and what the model predicts for them.
-
-    ``cluster_ids`` hottest first; ``num_bytes`` their total size; ``hit_rate`` the expected
-    mean per-query hit rate (their share of accesses). The latency fields are ``None`` for a
-    plan made without a latency model (``fill_budget``): ``batch_size`` ``B``,
-    ``tail_hit_rate`` ``eta_tail(B)``, ``predicted_seconds`` Eq. 1 at both,
-    ``target_seconds`` ``tau_s``; ``meets_slo`` is False when the budget (or the model) allows
-    no coverage that meets ``tau_s`` (then the plan is the largest coverage within budget).
-    """
+    """The tier's clusters (hottest first), their bytes and mean hit rate, and what the model
+    predicts (None without one, ``fill_budget``); ``meets_slo`` False: the largest coverage
+    within budget, which misses ``tau_s``."""
 
     cluster_ids: tuple[int, ...]
     nlist: int
@@ -213,16 +199,14 @@ class PartitionPlan:
 
     @property
     def coverage(self) -> float:
-        """``rho``: the fraction of clusters on the GPU."""
         return len(self.cluster_ids) / self.nlist
 
 
 def fill_budget(
     access_counts: np.ndarray, cluster_bytes: np.ndarray, budget_bytes: int
 ) -> PartitionPlan:
-    """The longest hottest-first prefix of clusters whose bytes fit ``budget_bytes``.
-    ``cluster_bytes`` for a GPU tier: its chunk prices (``gpu_tier.tier_list_bytes``), never
-    raw list bytes (a pick would not load)."""
+    """The longest hottest-first prefix whose ``cluster_bytes`` (the tier's chunk prices,
+    ``tier_list_bytes``) fit ``budget_bytes``."""
     counts, sizes = _check_counts(access_counts), _check_bytes(cluster_bytes, access_counts)
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
@@ -237,19 +221,10 @@ def partition(
     cluster_bytes: np.ndarray,
     config: PartitionConfig,
 ) -> PartitionPlan:
-    """Algorithm 1: the smallest hottest-first coverage meeting ``tau_s`` (see module doc).
-    ``cluster_bytes`` as for ``fill_budget``: the tier's chunk prices.
-
-    Coverage ``k`` is feasible when, at ``mu = mu_LLM(k)``, some batch size
-    ``1 <= B <= ceil(tau_s mu)`` has ``eta_tail(B) >= `` the hit rate Eq. 1 needs to finish
-    within ``min(tau_s, B / mu)``. NOTE: InferPartition in the paper tries only
-    ``B = ceil(tau_s mu)`` (bound ``tau_s``) and ``floor(tau_s mu)`` (bound ``B / mu``); every
-    smaller batch also keeps up, so trying them all contains both and makes the coverage
-    monotone in the SLO. Feasibility is monotone in ``k`` (more coverage raises ``eta_tail``;
-    a lower ``mu`` only shrinks batches) up to the budget and ``MEM_Index < MEM_KVcache``, so
-    bisection over ``k`` replaces the paper's bisection over ``rho`` (whose
-    ``rho_low <- rho`` step can overshoot the fixed point).
-    """
+    """Algorithm 1: the smallest hottest-first coverage ``k`` for which some batch
+    ``1 <= B <= ceil(tau_s mu_LLM(k))`` reaches the hit rate Eq. 1 needs within
+    ``min(tau_s, B / mu)``, bisected over ``k`` (NOTE: why every ``B``, and not the paper's
+    two: docs/tier_policy.md). ``cluster_bytes`` as for ``fill_budget``."""
     counts, sizes = _check_counts(access_counts), _check_bytes(cluster_bytes, access_counts)
     order = hottest_first(counts)
     share = _access_share(counts, order)
@@ -260,20 +235,12 @@ def partition(
         # NOTE: an index tier as large as MEM_KVcache leaves mu_LLM = 0: never a candidate.
         k_max = min(k_max, int(np.searchsorted(cum_bytes, config.kv_cache_bytes)) - 1)
 
-    def check(k: int) -> tuple[int, float] | None:
-        return _feasible(model, config, float(share[k]), int(cum_bytes[k]))
+    def feasible(k: int) -> bool:
+        return _feasible(model, config, float(share[k]), int(cum_bytes[k])) is not None
 
-    lo, hi = 0, k_max
-    if check(hi) is None:
-        plan = _plan(counts, sizes, order, k_max)
-        return _with_latency(plan, model, config, share[k_max], False)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if check(mid) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    return _with_latency(_plan(counts, sizes, order, lo), model, config, share[lo], True)
+    k = _smallest(feasible, k_max)
+    plan = _plan(counts, sizes, order, k_max if k is None else k)
+    return _with_latency(plan, model, config, share[len(plan.cluster_ids)], k is not None)
 
 
 def _feasible(
@@ -306,11 +273,7 @@ def _throughput(config: PartitionConfig, index_bytes: int) -> float:
 
 
 def _with_latency(
-    plan: PartitionPlan,
-    model: LatencyModel,
-    config: PartitionConfig,
-    mean: float,
-    meets_slo: bool,
+    plan: PartitionPlan, model: LatencyModel, config: PartitionConfig, mean: float, meets_slo: bool
 ) -> PartitionPlan:
     found = _feasible(model, config, float(mean), plan.num_bytes) if meets_slo else None
     if found is None:
@@ -320,11 +283,8 @@ def _with_latency(
         tail = dist.tail(batch, config.tail_mode, config.tail_quantile)
     else:
         batch, tail = found
-    return PartitionPlan(
-        plan.cluster_ids,
-        plan.nlist,
-        plan.num_bytes,
-        plan.hit_rate,
+    return dataclasses.replace(
+        plan,
         tail_hit_rate=tail,
         batch_size=batch,
         predicted_seconds=model.hybrid_seconds(batch, min(max(tail, 0.0), 1.0)),
@@ -356,21 +316,11 @@ def _plan(counts: np.ndarray, sizes: np.ndarray, order: np.ndarray, k: int) -> P
     )
 
 
-# -- drift ---------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class DriftConfig:
-    """When live access counts call for a new plan.
-
-    A check is *drifting* when the plan's live hit rate (its clusters' share of the live
-    counts) is below ``plan.hit_rate - drop`` (the model's premise broke: Algorithm 1 may now
-    want more coverage), or when the hottest ``len(plan.cluster_ids)`` clusters by live counts
-    beat it by ``min_gain`` (a better placement of the same size exists). ``patience``
-    consecutive drifting checks trigger; the streak clears only once both gaps are back under
-    half their thresholds (hysteresis). Checks over fewer than ``min_accesses`` decayed
-    (query, probe) accesses are ignored.
-    """
+    """When live counts call for a new plan (docs/tier_policy.md): the plan's live hit rate
+    fell ``drop`` below its own, or the same count of hottest clusters beats it by
+    ``min_gain``, in ``patience`` checks of at least ``min_accesses`` decayed probes."""
 
     drop: float = 0.1
     min_gain: float = 0.05
@@ -390,8 +340,7 @@ class DriftConfig:
 
 @dataclass(frozen=True)
 class DriftDecision:
-    """One check: the plan's live hit rate and the best at the same cluster count (both
-    ``None`` when too few accesses were seen), and whether to re-partition now."""
+    """The plan's live hit rate and the best of its size (None: too few accesses)."""
 
     live_hit_rate: float | None
     best_hit_rate: float | None
@@ -399,11 +348,7 @@ class DriftDecision:
 
 
 class DriftDetector:
-    """Compares live (decayed) access counts with the current plan; see ``DriftConfig``.
-
-    ``check`` mutates the streak; a plan with different clusters than the last one checked
-    starts a new streak, and a positive decision resets it.
-    """
+    """``check`` mutates the streak; another plan or a positive decision resets it."""
 
     def __init__(self, config: DriftConfig | None = None) -> None:
         self.config = config or DriftConfig()
@@ -431,3 +376,144 @@ class DriftDetector:
         if fire:
             self.streak = 0
         return DriftDecision(live, best, fire)
+
+
+logger = logging.getLogger(__name__)
+
+LoadLists = Callable[[Sequence[int]], int]  # begin_load each list under the index's lock
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Counts decay by ``decay`` a query; the updater checks every ``update_every`` scans and
+    moves at most ``max_swap_bytes`` a round. With ``latency_model`` and ``partition`` a plan
+    is Algorithm 1's, else the hottest lists that fill the tier (``fill_budget``)."""
+
+    decay: float = 0.999
+    update_every: int = 50
+    max_swap_bytes: int = 1 << 30
+    drift: DriftConfig = DriftConfig()
+    latency_model: LatencyModel | None = None
+    partition: PartitionConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if self.update_every < 1:
+            raise ValueError(f"update_every must be >= 1, got {self.update_every}")
+        if self.max_swap_bytes < 1:
+            raise ValueError(f"max_swap_bytes must be >= 1, got {self.max_swap_bytes}")
+
+
+class AccessCounts:
+    """Decayed per-cluster probe counts of the live query stream (thread-safe)."""
+
+    def __init__(self, nlist: int, decay: float = 0.999) -> None:
+        self.nlist, self.decay = nlist, decay
+        self._counts = np.zeros(nlist, np.float64)
+        self._lock = threading.Lock()
+        self.num_queries = 0
+
+    def observe(self, probe_ids: np.ndarray) -> None:
+        new = count_accesses(np.asarray(probe_ids), self.nlist)
+        with self._lock:
+            self._counts = decay_counts(self._counts, new, self.decay ** len(probe_ids))
+            self.num_queries += len(probe_ids)
+
+    def snapshot(self) -> np.ndarray:
+        with self._lock:
+            return self._counts.copy()
+
+
+def plan_placement(
+    counts: np.ndarray, tier: GpuTier, sizes: np.ndarray, config: PlacementConfig | None = None
+) -> PartitionPlan:
+    """The plan ``config`` asks for, within the tier's chunks."""
+    chunk_bytes = tier.list_bytes(sizes)
+    capacity = tier.capacity_chunks * tier.chunk_bytes
+    if config is None or config.latency_model is None or config.partition is None:
+        return fill_budget(counts, chunk_bytes, capacity)
+    budget = config.partition.budget_bytes
+    bounded = dataclasses.replace(
+        config.partition, budget_bytes=capacity if budget is None else min(budget, capacity)
+    )
+    return partition(config.latency_model, counts, chunk_bytes, bounded)
+
+
+class TierUpdater:
+    """Background re-placement of one tier; ``close()`` stops it."""
+
+    def __init__(
+        self,
+        tier: GpuTier,
+        counts: AccessCounts,
+        plan: PartitionPlan,
+        load_lists: LoadLists,
+        cluster_sizes: Callable[[], np.ndarray],
+        config: PlacementConfig,
+    ) -> None:
+        self.tier, self.counts, self.plan = tier, counts, plan
+        self.config = config
+        self._load_lists, self._sizes = load_lists, cluster_sizes
+        self._detector = DriftDetector(config.drift)
+        self._wake = threading.Event()
+        self._stop = False
+        self._scans = 0
+        self.num_replans = 0
+        self.num_rounds = 0
+        self._thread = threading.Thread(target=self._run, name="gpu-tier-updater", daemon=True)
+        self._thread.start()
+
+    def note_scan(self) -> None:
+        self._scans += 1
+        if self._scans % self.config.update_every == 0:
+            self._wake.set()
+
+    def update_now(self, *, force: bool = False) -> None:
+        self._round(force=force)
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                self._round(force=False)
+            except Exception:
+                logger.exception("GPU tier update failed; the CPU serves what is not resident")
+
+    def _round(self, *, force: bool) -> None:
+        self.tier.poll()
+        live = self.counts.snapshot()
+        decision = self._detector.check(self.plan, live)
+        if force or decision.should_repartition:
+            self.plan = plan_placement(live, self.tier, self._sizes(), self.config)
+            self._detector = DriftDetector(self.config.drift)
+            self.num_replans += 1
+        self._apply(self.plan)
+        self.num_rounds += 1
+
+    def _apply(self, plan: PartitionPlan) -> None:
+        want = list(plan.cluster_ids)
+        wanted = set(want)
+        self.tier.evict([c for c in self.tier.clusters + self.tier.loading if c not in wanted])
+        self.tier.poll()
+        have = set(self.tier.clusters) | set(self.tier.loading)
+        missing = [c for c in want if c not in have]
+        budget = self.config.max_swap_bytes
+        batch: list[int] = []
+        sizes = self._sizes()
+        for c in missing:
+            cost = self.tier.chunks_for(int(sizes[c])) * self.tier.chunk_bytes
+            if cost > budget:
+                break
+            budget -= cost
+            batch.append(c)
+        if batch:
+            self._load_lists(batch)

@@ -1,12 +1,12 @@
-"""Splitting one saved `VectorIndex` into shard folders that search exactly like it (the
-partitions and why: docs/scale_out.md)::
+"""Splitting a saved `VectorIndex` into shard folders that search exactly like it
+(docs/scale_out.md)::
 
     ROOT/layout.json        num_shards, partition, owners (cluster -> shard), source
     ROOT/quantizer.faiss    the coarse quantizer every shard shares (assignment happens once)
-    ROOT/shard-<i>/         a complete `VectorIndex` folder (manifest, snapshot, docs.sqlite)
+    ROOT/shard-<i>/         a complete `VectorIndex` folder
 
 Shards keep the source's quantizer, codebooks and row ids; new rows of shard ``i`` get ids
-from ``(i + 1) << ROW_ID_SHIFT`` on (the source's are below ``1 << ROW_ID_SHIFT``).
+from ``(i + 1) << ROW_ID_SHIFT`` on.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ QUANTIZER = "quantizer.faiss"
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where each cluster (``"list"``) or document (``"document"``) lives."""
+    """Where each cluster (``"list"``: ``owners``) or document (``"document"``) lives."""
 
     num_shards: int
     partition: str = "list"
@@ -47,12 +47,12 @@ class ShardLayout:
             raise ValueError("owners must be given for partition='list' and only for it")
 
     def owner_of_document(self, doc_id: str) -> int:
-        """The shard of a document id (``"document"`` partition): a stable hash."""
+        """A stable hash of the id."""
         digest = hashlib.blake2b(doc_id.encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") % self.num_shards
 
     def owners_of_clusters(self, cluster_ids: np.ndarray) -> np.ndarray:
-        """Shard of each cluster id (``-1`` pads stay ``-1``); ``"list"`` only."""
+        """Shard of each cluster id (``-1`` pads stay ``-1``)."""
         owners = np.asarray(self.owners, dtype=np.int64)
         return np.where(cluster_ids < 0, -1, owners[np.where(cluster_ids < 0, 0, cluster_ids)])
 
@@ -61,8 +61,7 @@ class ShardLayout:
 
 
 def balance_lists(costs: np.ndarray, num_shards: int) -> tuple[int, ...]:
-    """Owner of each list: largest cost first onto the currently cheapest shard (LPT);
-    ties go to the lower shard, so the result is deterministic."""
+    """Owner of each list: largest first onto the cheapest shard (LPT; ties: lower shard)."""
     load = np.zeros(num_shards, dtype=np.float64)
     owners = np.zeros(len(costs), dtype=np.int64)
     for c in np.argsort(-np.asarray(costs, dtype=np.float64), kind="stable"):

@@ -1,7 +1,6 @@
-"""`ShardedIndex`: the `VectorIndex` search and upsert API over shard folders
-(`shard_split.py`; design and figures: docs/scale_out.md). Queries are assigned here once;
-each shard (a `BaseShard` handle of a `ShardServer`) scans the plan's clusters it holds and
-the partial top-k are merged with `stepwise.merge`: the source index's result, exactly.
+"""`ShardedIndex`: the `VectorIndex` search and upsert API over shard folders (docs/scale_out.md).
+Queries are assigned once here; each shard scans its part of the plan and the partial top-k
+are merged (`stepwise.merge`): the source index's result, exactly.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,8 @@ TIER_REFRESH_S = 1.0  # how stale `ShardedIndex`'s view of the shards' tiers may
 
 
 class ShardServer:
-    """One shard folder opened as a `VectorIndex`; the methods a `ShardedIndex` calls.
-
-    ``tier`` places a GPU tier at start (so an actor restarted from its folder gets it back).
-    """
+    """One shard folder as a `VectorIndex`, with the methods a `ShardedIndex` calls; ``tier``
+    is placed at start (so an actor restarted from its folder gets it back)."""
 
     def __init__(self, directory: str | Path, tier: TierSpec | None = None) -> None:
         self.index = VectorIndex.load(directory)
@@ -68,15 +66,12 @@ class ShardServer:
         return self.index.cluster_sizes()
 
     def clusters_of(self, ids: np.ndarray) -> np.ndarray:
-        """The list of each row id held here, ``-1`` for the others."""
         return self.index.clusters_of(ids)
 
     def check_integrity(self) -> None:
         self.index.check_integrity()
 
     def set_gpu_tier(self, budget_bytes: int, options: dict[str, Any]) -> dict[str, Any]:
-        """This shard's lists within ``budget_bytes`` (hottest first, re-placed on drift):
-        ``VectorIndex.set_gpu_tier`` with ``options``; returns ``tier_state()``."""
         self.index.set_gpu_tier(int(budget_bytes), **options)
         return self.tier_state()
 
@@ -84,8 +79,6 @@ class ShardServer:
         self.index.drop_gpu_tier()
 
     def tier_state(self) -> dict[str, Any] | None:
-        """The tier's resident ``clusters`` (int64 array), ``num_bytes``, ``hit_rate``,
-        ``device``; None without a tier."""
         tier = self.index.gpu_tier
         if tier is None:
             return None
@@ -112,13 +105,9 @@ class ShardServer:
 
 @dataclass(frozen=True)
 class ShardedTier:
-    """The shards' GPU tiers seen as one (what ``VectorIndex.gpu_tier`` offers a runner).
-
-    ``clusters``: lists served from a tier on every shard holding part of them (sorted);
-    ``num_bytes``: device bytes over all shards; ``hit_rate``: the shards' mean; ``device``:
-    the first shard's (inside a Ray actor ``cuda`` is that actor's GPU); ``shards``: how many
-    shards hold a tier.
-    """
+    """The shards' tiers as one: ``clusters`` served from a tier on every shard holding part
+    of them, bytes summed, mean ``hit_rate``, the first shard's ``device``, ``shards`` holding
+    one."""
 
     clusters: tuple[int, ...]
     num_bytes: int
@@ -132,9 +121,8 @@ class ShardedTier:
 
 
 class BaseShard(ABC):
-    """Handle of one shard: ``submit(method, *args)`` starts a `ShardServer` call and returns
-    a zero-argument callable that waits for its result (raising its error). ``idempotent``
-    calls (searches, reads) may be retried once by a handle whose shard died and restarted."""
+    """``submit(method, *args)`` starts a `ShardServer` call and returns a callable waiting for
+    its result; ``idempotent`` calls may be retried once by a handle whose shard restarted."""
 
     @abstractmethod
     def submit(self, method: str, *args: Any, idempotent: bool = True) -> Any: ...
@@ -144,32 +132,22 @@ class BaseShard(ABC):
 
 
 class LocalShard(BaseShard):
-    """A `ShardServer` in this process (tests; single-process sharding)."""
-
     def __init__(self, server: ShardServer) -> None:
         self.server = server
 
     def submit(self, method: str, *args: Any, idempotent: bool = True) -> Any:
+        done: Future = Future()
         try:
-            value = getattr(self.server, method)(*args)
-        except Exception as exc:
-            error = exc
-
-            def fail() -> Any:
-                raise error
-
-            return fail
-        return lambda: value
+            done.set_result(getattr(self.server, method)(*args))
+        except Exception as exc:  # noqa: BLE001 - raised by the waiter, as a remote shard's
+            done.set_exception(exc)
+        return done.result
 
 
 class ShardedIndex(IndexEncoderMixin):
-    """The `VectorIndex` API a retrieval runner uses, over ``shards`` laid out by ``layout``.
-
-    Writes go to the owning shard (``"list"``: the owner of the vector's list, and the doc id
-    is deleted from the other shards in case an update moved it; ``"document"``: the shard its
-    id hashes to) and are durable there before they return; one `ShardedIndex` is the only
-    writer of its shards. Searches may run concurrently with writes from other threads.
-    """
+    """The `VectorIndex` API a runner uses, over ``shards``: writes go to the owning shard
+    (and are durable there on return; the only writer of its shards); searches may run
+    concurrently with writes."""
 
     def __init__(
         self,
@@ -194,7 +172,6 @@ class ShardedIndex(IndexEncoderMixin):
 
     @classmethod
     def open_local(cls, root: str | Path, *, embedder: Any = None) -> ShardedIndex:
-        """All shards of ``root`` in this process."""
         root = Path(root)
         layout = read_layout(root)
         shards = [
@@ -202,7 +179,6 @@ class ShardedIndex(IndexEncoderMixin):
         ]
         return cls(shards, layout, read_quantizer(root), embedder=embedder)
 
-    # -- search -----------------------------------------------------------------------------
     def assign(self, queries: np.ndarray, nprobe: int | None = None) -> ProbePlan:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if q.ndim != 2 or q.shape[1] != self.spec.dim:
@@ -214,7 +190,6 @@ class ShardedIndex(IndexEncoderMixin):
     def scan(
         self, queries: np.ndarray, plan: ProbePlan, topk: int, state: TopK | None = None
     ) -> TopK:
-        """Scan ``plan``'s clusters on the shards holding them; merged into ``state``."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         waits = [s.submit("scan", q, p, topk) for s, p in self.fan_out(plan)]
         parts = [w() for w in waits]
@@ -226,7 +201,7 @@ class ShardedIndex(IndexEncoderMixin):
         return self.scan(queries, self.assign(queries, nprobe), topk)
 
     def fan_out(self, plan: ProbePlan) -> list[tuple[BaseShard, ProbePlan]]:
-        """The shards ``plan`` touches, each with its part (other shards' clusters ``-1``)."""
+        """The shards ``plan`` touches, each with its part (others' clusters ``-1``)."""
         if self.layout.partition == "document":
             return [(s, plan) for s in self.shards]
         owners = self.layout.owners_of_clusters(plan.cluster_ids)
@@ -238,7 +213,6 @@ class ShardedIndex(IndexEncoderMixin):
                 out.append((shard, ProbePlan(cids, np.where(mine, plan.coarse_dists, 0))))
         return out
 
-    # -- documents --------------------------------------------------------------------------
     def get_documents(self, ids: Sequence[int | str]) -> list[Document | None]:
         keys = list(ids)
         found: list[Document | None] = [None] * len(keys)
@@ -283,7 +257,6 @@ class ShardedIndex(IndexEncoderMixin):
         _, lists = self.quantizer.search(x, 1)
         return self.layout.owners_of_clusters(lists[:, 0].astype(np.int64))
 
-    # -- metadata ---------------------------------------------------------------------------
     def cluster_sizes(self) -> np.ndarray:
         sizes = self._sizes
         if sizes is None:
@@ -295,7 +268,6 @@ class ShardedIndex(IndexEncoderMixin):
     def num_documents(self) -> int:
         return int(self.cluster_sizes().sum())
 
-    # -- GPU tier ---------------------------------------------------------------------------
     def set_gpu_tier(
         self,
         budget_bytes: int,
@@ -305,10 +277,8 @@ class ShardedIndex(IndexEncoderMixin):
         scan: str = "auto",
         stream_cold: str | StreamConfig = "auto",
     ) -> ShardedTier | None:
-        """A GPU tier on every shard, each within ``shard_tier_budget(budget_bytes, M)``
-        (the shards place their own hottest lists; IVF-Flat only, as ``VectorIndex``), with
-        ``scan`` and ``stream_cold`` as ``VectorIndex.set_gpu_tier`` (checked here first).
-        Results stay exact: each shard merges its tier's and Faiss's parts."""
+        """A tier on every shard within ``shard_tier_budget(budget_bytes, M)``, options as
+        ``VectorIndex.set_gpu_tier`` (checked here first); exact."""
         check_tier_options(self.spec.kind, budget_bytes, scan, stream_cold)
         share = shard_tier_budget(budget_bytes, len(self.shards))
         options = {"device": device, "dtype": dtype, "scan": scan, "stream_cold": stream_cold}
@@ -323,15 +293,13 @@ class ShardedIndex(IndexEncoderMixin):
 
     @property
     def gpu_tier(self) -> ShardedTier | None:
-        """The shards' tiers as one (``ShardedTier``), or None when no shard holds one."""
         read_at = self._tier_read_at
         if read_at is None or time.monotonic() - read_at > TIER_REFRESH_S:
             return self._refresh_tier()
         return self._tier
 
     def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
-        """bool like ``cluster_ids``: lists the shards serve from their GPU tiers (a cost
-        hint for sub-stage sizing; results do not depend on it)."""
+        """bool like ``cluster_ids``: lists served from tiers (a cost hint only)."""
         tier = self.gpu_tier
         if tier is None:
             return np.zeros(np.shape(cluster_ids), dtype=bool)
@@ -363,14 +331,12 @@ class ShardedIndex(IndexEncoderMixin):
         return self._tier
 
     def search_text(self, texts: Sequence[str], topk: int, **kwargs: Any) -> list:
-        """Text search with a ``mode`` or ``filter`` is not built for sharded indexes yet."""
         raise ValueError(
             "mode/filter: BM25, hybrid and filtered search are not built for a sharded index "
             "yet; use mode='dense' without a filter"
         )
 
     def clusters_of(self, ids: np.ndarray) -> np.ndarray:
-        """The inverted list of each row id (``-1`` where no shard holds it)."""
         out = np.full(len(ids), -1, np.int64)
         for part in [w() for w in [s.submit("clusters_of", ids) for s in self.shards]]:
             out = np.where(out < 0, part, out)
@@ -385,8 +351,7 @@ class ShardedIndex(IndexEncoderMixin):
 
 
 def shard_tier_budget(budget_bytes: int, num_shards: int) -> int:
-    """One shard's part of a tier budget: an even split (by-document shards hold an equal
-    share of every list; by-list shards are balanced by scan cost, which is size here)."""
+    """One shard's part of a tier budget: an even split (shards are balanced by size)."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | np.integer):
         raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
     if budget_bytes < 0:

@@ -1,34 +1,111 @@
-"""Staged search: many queries' IVF searches advanced one sub-stage at a time (HedraRAG §4.2).
+"""Staged search (HedraRAG §4.2): many queries' IVF searches advanced one sub-stage at a time,
+each sub-stage's clusters packed under Eq. 1's budget ``mb`` (``StageCostModel``).
 
 ```
 add(key, query, ...):  assign (nprobe), order the probe list (reorder_probes)  -> active
-step():                per active search, the next clusters under the budget mb (Eq. 1,
-                       `cost_model.ScanCostModel`); all of them scanned as ONE batch through
-                       `VectorIndex.scan` (GPU tier + CPU); partial top-k merged per search
-                       -> one `StageProgress` per search (done or not)
+step():                per active search, the next clusters under the budget mb; all of them
+                       scanned as ONE batch through `VectorIndex.scan` (GPU tier + CPU);
+                       partial top-k merged per search -> one `StageProgress` per search
 ```
 
-Every cluster of each probe list is scanned exactly once, so a finished search's top-k is the
-one-shot result whatever the cut and order. Clusters resident in the index's GPU tier cost no
-CPU time in the packing (`ScanCostModel.cluster_seconds(..., on_gpu=...)`): a search whose
-remaining clusters are all on the GPU finishes in its next sub-stage without waiting for the
-CPU part of anyone else's (VectorLiteRAG's early completion).
-
-Mutated only by its owner's thread; the index it searches may be shared.
+Eq. 1: a stage of mean duration ``t_R`` cut into sub-stages of budget ``mb`` gains
+``(t_R - mb) / 2 - (t_R / mb) * beta`` (``beta``: a sub-stage boundary's overhead; the paper
+prints ``+``, with which the argmax is ``mb -> 0``), maximal at ``mb* = sqrt(2 t_R beta)``.
+Every cluster is scanned exactly once, so a finished search's top-k is the one-shot result.
+Clusters resident in the GPU tier cost no CPU time in the packing (VectorLiteRAG's early
+completion). Mutated only by its owner's thread; the index it searches may be shared.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ragserve.retrieval.cost_model import ScanCostModel, pack_clusters
 from ragserve.retrieval.index import VectorIndex
 from ragserve.retrieval.stepwise import merge
 from ragserve.retrieval.types import ProbePlan, TopK
+
+
+def expected_gain(mb: float, t_retrieval: float, beta: float) -> float:
+    """Eq. 1: expected latency gain (s) of sub-stages of budget ``mb`` (s)."""
+    if mb <= 0:
+        raise ValueError(f"mb must be > 0, got {mb}")
+    return (t_retrieval - mb) / 2 - (t_retrieval / mb) * beta
+
+
+def optimal_budget(t_retrieval: float, beta: float) -> float | None:
+    """argmax of Eq. 1 over ``0 < mb <= t_retrieval``; ``None`` when splitting does not pay."""
+    if t_retrieval <= 0 or beta <= 0:  # NOTE: no measured overhead: never infinitely many pieces
+        return None
+    mb = math.sqrt(2.0 * t_retrieval * beta)
+    # NOTE: a stage mean decayed towards zero (every probed list on the GPU tier) underflows
+    # 2 t_R beta to 0.0: no budget then, not a ValueError per step
+    if not mb > 0 or mb >= t_retrieval or expected_gain(mb, t_retrieval, beta) <= 0:
+        return None
+    return mb
+
+
+def pack_clusters(costs: Sequence[float] | np.ndarray, budget: float) -> int:
+    """How many of the next clusters (seconds, in scan order) fit in ``budget``: added until
+    the budget is reached, at least one (the smallest schedulable unit)."""
+    c = np.asarray(costs, dtype=np.float64)
+    if c.size == 0:
+        return 0
+    reached = np.flatnonzero(np.cumsum(c) >= budget)
+    return int(reached[0]) + 1 if reached.size else int(c.size)
+
+
+class StageCostModel:
+    """Moving averages the staged search feeds: ``seconds_per_vector`` (scan time per
+    (query, vector) pair), ``beta`` (a sub-stage's time outside the scan) and
+    ``mean_stage_seconds`` (``t_R``). Mutated only by its owner's thread."""
+
+    def __init__(
+        self, seconds_per_vector: float = 2e-8, beta: float | None = None, alpha: float = 0.2
+    ) -> None:
+        self.seconds_per_vector = seconds_per_vector
+        self.beta = beta
+        self.mean_stage_seconds: float | None = None
+        self.alpha = alpha
+        self.num_scans = 0
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe_scan(self, num_vector_pairs: int, seconds: float) -> None:
+        if num_vector_pairs <= 0 or seconds <= 0:
+            return
+        rate = seconds / num_vector_pairs
+        self.seconds_per_vector = (
+            rate if self.num_scans == 0 else self._ema(self.seconds_per_vector, rate)
+        )
+        self.num_scans += 1
+
+    def observe_overhead(self, seconds: float) -> None:
+        self.beta = self._ema(self.beta, max(seconds, 0.0))
+
+    def observe_stage(self, num_vectors: int) -> None:
+        """A new stage that will scan ``num_vectors`` vectors in all."""
+        self.mean_stage_seconds = self._ema(
+            self.mean_stage_seconds, num_vectors * self.seconds_per_vector
+        )
+
+    def cluster_seconds(self, sizes: np.ndarray, on_gpu: np.ndarray | None = None) -> np.ndarray:
+        """CPU seconds of each cluster for one query; those ``on_gpu`` cost none."""
+        costs = np.asarray(sizes, dtype=np.float64) * self.seconds_per_vector
+        return costs if on_gpu is None else np.where(on_gpu, 0.0, costs)
+
+    def budget(self, override: float | None = None) -> float | None:
+        """``mb`` for the next sub-stage: ``override``, else Eq. 1's optimum."""
+        if override is not None:
+            return override
+        if self.mean_stage_seconds is None or self.beta is None:
+            return None
+        return optimal_budget(self.mean_stage_seconds, self.beta)
 
 
 def reorder_probes(
@@ -98,9 +175,9 @@ class _Stage:
 class StagedSearch:
     """Active staged searches over one `VectorIndex` (see module doc)."""
 
-    def __init__(self, index: VectorIndex, cost: ScanCostModel | None = None) -> None:
+    def __init__(self, index: VectorIndex, cost: StageCostModel | None = None) -> None:
         self.index = index
-        self.cost = cost or ScanCostModel()
+        self.cost = cost or StageCostModel()
         self._active: dict[str, _Stage] = {}
         self._sizes: np.ndarray | None = None
         self._num_docs: int | None = None

@@ -1,23 +1,18 @@
 """Coarse assignment on the GPU tier's device, with Faiss's results (issue 10).
 
-The tier keeps the centroids on its device and scores a batch with one matmul + ``topk``.
-Faiss's float32 BLAS rounds its scores, so a score computed anywhere else can disagree with it
-on which cluster is ``nprobe``-th when coarse scores nearly tie. The device scores in float64
-(float32 inputs: every product is exact; TF32 settings do not apply), so each of its scores is
-within ``bound = bound32 + bound64`` of Faiss's. That splits a query's clusters in three::
+The device scores queries against the centroids in float64 (one matmul + ``topk``), each
+score within ``bound = bound32 + bound64`` of Faiss's float32 one, which splits a query's
+clusters in three::
 
     device scores, best first:   s[0] ... s[nprobe-1] | s[nprobe] ...
     sure   (certainly probed by Faiss):   s_c - 2 bound >  s[nprobe]
     band   (may or may not be):           neither
     out    (certainly not):               s_c + 2 bound <  s[nprobe-1]
 
-Faiss probes ``sure`` plus some of ``band``. For IVF-Flat the result depends only on the probe
-set, so ``search`` scans ``sure`` and ``band`` apart: when no hit of ``band`` beats the k-th hit
-of ``sure`` (strictly), every set Faiss could have chosen gives ``sure``'s top-k, which is
-returned; otherwise (rare) the row is searched again with Faiss's own assignment. Most rows have
-an empty band. The bounds are the textbook dot-product bound ``gamma_d * |q| * max|c|``
-(``gamma_d = d u / (1 - d u)``, ``u = 2**-24`` or ``2**-53``); for L2 (norms, the cross term, two
-additions) ``gamma_(d+4) * (|q| + max|c|)**2``.
+``search`` scans ``sure`` and ``band`` apart: where no band hit beats ``sure``'s k-th
+(strictly), every probe set Faiss could choose gives ``sure``'s top-k; other rows (rare) are
+searched again with Faiss's assignment. Bounds: ``gamma_d * |q| * max|c|`` (IP),
+``gamma_(d+4) * (|q| + max|c|)**2`` (L2), ``gamma_d = d u / (1 - d u)``.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ MAX_BAND = 32  # clusters past the nprobe-th looked at for the band; a wider ban
 
 
 def gamma(num_terms: int, roundoff: float = FLOAT32_ROUNDOFF) -> float:
-    """Higham's ``gamma_n``: the relative error bound of an ``n``-term sum of products."""
+    """Higham's ``gamma_n``: the relative error bound of an ``n``-term dot product."""
     nu = num_terms * roundoff
     if nu >= 1.0:
         raise ValueError(f"no error bound for {num_terms} terms at roundoff {roundoff}")
@@ -43,9 +38,8 @@ def gamma(num_terms: int, roundoff: float = FLOAT32_ROUNDOFF) -> float:
 
 
 class TierAssignment(NamedTuple):
-    """A batch's clusters split as in the module doc. ``sure`` ``[n, nprobe]`` (``-1`` where
-    a rank is in the band); ``band`` the band of rows ``band_rows`` (``-1`` pads); ``redo``:
-    rows whose band ran past ``MAX_BAND`` (Faiss assigns them)."""
+    """``sure`` ``[n, nprobe]`` (``-1`` at band ranks), the ``band`` of rows ``band_rows``, and
+    ``redo``: rows whose band ran past ``MAX_BAND`` (Faiss assigns them)."""
 
     sure: ProbePlan
     band: ProbePlan
@@ -54,12 +48,9 @@ class TierAssignment(NamedTuple):
 
 
 class DeviceAssigner:
-    """The coarse quantizer's centroids ``[nlist, dim]`` on a torch ``device`` (float64).
-
-    ``assign`` splits a batch's clusters (``TierAssignment``); ``settle`` turns the scans of
-    ``sure`` and ``band`` into Faiss's result, or names the rows to search again. Counts
-    ``num_rows``, ``num_band_rows`` (rows with a band) and ``num_fallback_rows``. Thread-safe.
-    """
+    """The centroids on ``device`` in float64: ``assign`` splits a batch's clusters, ``settle``
+    names the rows whose scans may differ from Faiss's. Counts ``num_rows``, ``num_band_rows``,
+    ``num_fallback_rows``. Thread-safe."""
 
     def __init__(self, torch: Any, centroids: np.ndarray, is_l2: bool, device: Any) -> None:
         c = np.ascontiguousarray(centroids, dtype=np.float32)
@@ -76,7 +67,6 @@ class DeviceAssigner:
         self.num_rows = self.num_band_rows = self.num_fallback_rows = 0
 
     def assign(self, queries: np.ndarray, nprobe: int) -> TierAssignment:
-        """Split each query's clusters for ``nprobe`` (clamped to ``[1, nlist]``)."""
         torch = self._torch
         q = np.ascontiguousarray(queries, dtype=np.float32)
         nprobe = max(1, min(int(nprobe), self.nlist))
@@ -111,10 +101,8 @@ class DeviceAssigner:
         return TierAssignment(sure, band_plan, rows, redo)
 
     def settle(self, split: TierAssignment, sure: TopK, band: TopK | None) -> np.ndarray:
-        """Rows (of the batch) whose ``sure`` top-k may differ from Faiss's: those whose band
-        has a hit that ties or beats the k-th hit of ``sure`` (``band``: the scan of
-        ``split.band``, None when no row has a band), and ``split.redo``. The other rows of
-        ``sure`` are Faiss's."""
+        """Rows whose ``sure`` top-k may differ from Faiss's: a band hit ties or beats its k-th
+        (``band``: the scan of ``split.band``, or None), and ``split.redo``."""
         unsure = split.redo
         if band is not None:
             kth = sure.scores[split.band_rows, -1]
@@ -126,7 +114,6 @@ class DeviceAssigner:
         return unsure
 
     def _bounds(self, q: np.ndarray) -> np.ndarray:
-        """Per query: ``bound`` (module doc) of any one of its coarse scores."""
         q_norm = np.sqrt(np.einsum("nd,nd->n", q, q, dtype=np.float64))
         if self.is_l2:
             return self._gamma * (q_norm + self._c_norm_max) ** 2
@@ -137,12 +124,9 @@ ASSIGN_PATHS = ("tier", "faiss")
 
 
 class AssignChooser:
-    """``assign="auto"``: per batch-size bucket (``n`` rounded up to a power of two), which
-    assignment ``search`` uses, chosen by measurement. The first ``2 * trials`` batches of a
-    bucket alternate ``tier`` / ``faiss`` and are timed end to end (assignment, scans, band,
-    re-search); the first of each path is a warm-up and not counted; then the path with the
-    lower median keeps the bucket. Both paths return Faiss's results, so the choice moves only
-    time. Thread-safe; ``choices`` and ``seconds`` are read-only views for benches."""
+    """``assign="auto"``: per power-of-two batch-size bucket, the first ``2 * trials`` batches
+    alternate ``tier`` / ``faiss`` (timed end to end, the first of each a warm-up), then the
+    lower median keeps the bucket. Thread-safe."""
 
     def __init__(self, trials: int = 3) -> None:
         if trials < 2:
@@ -157,7 +141,6 @@ class AssignChooser:
         return 1 << max(0, int(num_queries) - 1).bit_length()
 
     def choose(self, num_queries: int) -> str:
-        """The path for a batch of ``num_queries`` (a trial's while the bucket is measured)."""
         b = self.bucket(num_queries)
         with self._lock:
             if b in self._chosen:
@@ -166,7 +149,6 @@ class AssignChooser:
             return min(ASSIGN_PATHS, key=lambda p: len(runs[p]))  # tier first, then alternate
 
     def record(self, num_queries: int, path: str, seconds: float) -> None:
-        """One timed batch of ``path``; the bucket is decided once both have ``trials``."""
         if path not in ASSIGN_PATHS:
             raise ValueError(f"path must be one of {ASSIGN_PATHS}, got {path!r}")
         b = self.bucket(num_queries)
@@ -181,12 +163,10 @@ class AssignChooser:
 
     @property
     def choices(self) -> dict[int, str]:
-        """Decided buckets: batch-size bucket -> path."""
         with self._lock:
             return dict(self._chosen)
 
     @property
     def seconds(self) -> dict[int, dict[str, list[float]]]:
-        """The timed trials per bucket and path (warm-ups included, first)."""
         with self._lock:
             return {b: {p: list(v) for p, v in runs.items()} for b, runs in self._seconds.items()}

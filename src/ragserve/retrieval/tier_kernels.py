@@ -1,18 +1,13 @@
-"""Triton kernel of the GPU tier's fused scan (``tier_scan.fused_scan``): each probed chunk of
-the pool is read once, in place, and scored against every query that probes it.
-
-One launch per bucket of the grouped layout (``tier_scan._slots``): run ``r`` of the bucket is
-one distinct chunk, followed by ``mpad`` query slots (padding slots have ``dslot == dump``).
-A program scores ``BLOCK_M`` query slots of one run against ``BLOCK_N`` rows of its chunk::
+"""Triton kernel of the GPU tier's fused scan (``tier_scan.fused_scan``): each probed chunk is
+read once, in place, and scored against every query slot of its run::
 
     grid (runs, cdiv(S, BLOCK_N), cdiv(mpad, BLOCK_M))
     program (r, nb, mb): slots  slot0 + r * mpad + [mb * BLOCK_M, (mb + 1) * BLOCK_M)
                          rows   nb * BLOCK_N + [0, BLOCK_N) of chunk run_chunk[run0 + r]
     keys[dslot, row] = scale * q[qslot] . x[chunk, row] + bias[chunk, row]
 
-``DIM`` is walked in ``BLOCK_D`` steps (masked past ``DIM``), products accumulated in float32:
-``tl.dot`` (``DOT_PRECISION="ieee"`` on float32 pools: never TF32) when ``USE_DOT``, else
-a broadcast multiply-and-sum (an FMA loop: runs of a few queries pay no padding to 16 rows).
+Padding slots have ``dslot == dump``. ``DIM`` is walked in ``BLOCK_D`` steps, accumulated in
+float32: ``tl.dot`` (IEEE on float32 pools) when ``USE_DOT``, else an FMA loop (no padding).
 """
 
 from __future__ import annotations

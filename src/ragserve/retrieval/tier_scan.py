@@ -1,15 +1,24 @@
-"""The GPU tier's scan strategies over its chunk pool (layout: ``gpu_tier``'s module doc; what
-each strategy reads and when it wins: docs/architecture.md, "Scan strategies"): ``grouped``
-(probed chunks gathered, one ``bmm`` per group of similar query counts), ``dense`` (every
-resident row scored in place, unprobed lists masked) and ``fused`` (a Triton kernel,
-``tier_kernels``, reading each probed chunk once in place). Each returns, per query, the
-canonical top-k keys (``key = a * q.x + bias``, larger is better) and ids, on the device. The
-host computes only counts; pairs, their sort by chunk and gather indices are built on the
-device, so nothing waits on the GPU or on NumPy sorts.
+"""The GPU tier's scan strategies over its chunk pool (layout: ``gpu_tier``'s module doc) and
+the cost model ``scan="auto"`` picks one with (docs/architecture.md, "Scan strategies"):
+``grouped`` (probed chunks gathered, one ``bmm`` per group of similar query counts), ``dense``
+(every resident row scored in place, unprobed lists masked), ``fused`` (a Triton kernel,
+``tier_kernels``, reading each probed chunk once in place). Each returns per query the
+canonical top-k keys (``key = a * q.x + bias``, larger is better) and ids, on the device; the
+host computes only counts.
+
+Each strategy's seconds are linear in what it reads, fitted on the tier (``GpuTier.calibrate``)
+by non-negative least squares on relative error::
+
+    dense   = d0 + d1 * span_rows + d2 * queries * span_rows
+    grouped = g0 + g1 * gathered_rows + g2 * scored_rows
+    fused   = f0 + f1 * gathered_rows + f2 * scored_rows      (read in place, no copy)
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,12 +37,10 @@ DOT_MAX_BLOCK_M = 64  # query slots per tl.dot block
 
 
 class Pool(NamedTuple):
-    """A consistent snapshot of the tier's device state for one scan.
-
-    ``counts``/``starts`` (``[nlist + 1]``, the last entry the "not resident" sentinel with
-    count 0) index ``table`` (resident lists' chunks, list by list); ``chunk_list`` (``[C]``)
-    is each chunk's resident list, or ``nlist`` (free, loading, fenced); ``span`` chunks from 0
-    hold every resident chunk."""
+    """One scan's snapshot of the tier's device state: ``counts``/``starts`` (``[nlist + 1]``,
+    the last a "not resident" sentinel of count 0) index ``table`` (the resident lists' chunks);
+    ``chunk_list`` (``[C]``) is each chunk's list, or ``nlist``; chunks ``[0, span)`` hold
+    every resident one."""
 
     vectors: Any  # [C, S, dim]
     ids: Any  # [C, S] int64
@@ -68,8 +75,8 @@ class GroupedPlan(NamedTuple):
 
 
 def plan_grouped(lc: np.ndarray, counts: np.ndarray) -> GroupedPlan:
-    """Shapes of the grouped scan of ``lc`` (``[n, w]`` list ids, ``nlist`` = not resident),
-    with ``counts`` (``[nlist + 1]``) chunks per resident list: counts only, no sort."""
+    """Shapes of the grouped scan of ``lc`` (``[n, w]``, ``nlist`` = not resident) from the
+    chunks per list ``counts`` (``[nlist + 1]``): counts only, no sort."""
     nlist = len(counts) - 1
     per_row = counts[lc].sum(1)
     m = np.bincount(lc.ravel(), minlength=nlist + 1)[:nlist]
@@ -91,8 +98,7 @@ def plan_grouped(lc: np.ndarray, counts: np.ndarray) -> GroupedPlan:
 
 
 def grouped_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k: int):
-    """Top-k keys and ids ``[n, k]`` of the resident probes ``lc`` (``[n, w]`` on the device)
-    for queries ``qd`` (``[n, dim]`` in the pool's dtype), by grouped gathers (module doc)."""
+    """Top-k keys and ids ``[n, k]`` of the probes ``lc`` (device ``[n, w]``) for ``qd``."""
     n = lc.shape[0]
     dev, size = qd.device, pool.vectors.shape[1]
     width, kk = plan.width, min(k, size)
@@ -174,50 +180,45 @@ def _pairs(torch: Any, pool: Pool, lc: Any, num_pairs: int, width: int) -> tuple
 
 
 def fused_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k: int):
-    """Top-k keys and ids ``[n, k]`` of the resident probes ``lc`` for ``qd``: the grouped
-    layout (``_slots``), each run's chunk read in place by ``tier_kernels.chunk_scan_kernel``
-    (one launch per bucket), every (query, chunk) slot's ``S`` keys written to its candidate
-    block, then a top-``kk`` per block and the canonical merge (module doc)."""
-    kernel = fused_kernel(qd.device)
+    """``grouped_scan``'s result: the grouped layout, each run's chunk read in place by
+    ``tier_kernels.chunk_scan_kernel`` (a launch per bucket), then top-k per slot and merge."""
     n = lc.shape[0]
-    dev, (_, size, dim) = qd.device, pool.vectors.shape
+    dev, (_, size, _) = qd.device, pool.vectors.shape
     width, kk = plan.width, min(k, size)
     dump = n * width
     qslot, dslot, run_chunk, dest_chunk = _slots(torch, pool, lc, plan, dump)
     out = torch.full((dump, size), -np.inf, device=dev)
-    precision = "ieee" if pool.vectors.dtype == torch.float32 else "tf32"  # NOTE: fp32 only
     for b in np.flatnonzero(plan.runs):
-        mp, runs = int(plan.mpad[b]), int(plan.runs[b])
-        block_m, use_dot, num_warps = fused_block_m(mp)
-        grid = (runs, -(-size // FUSED_BLOCK_N), -(-mp // block_m))
-        kernel[grid](
-            qd, pool.vectors, pool.bias, qslot, dslot, run_chunk, out,
-            int(plan.run_offsets[b]), int(plan.slot_offsets[b]), mp, dump,
-            2.0 if pool.is_l2 else 1.0,
-            DIM=dim, S=size, BLOCK_M=block_m, BLOCK_N=FUSED_BLOCK_N, BLOCK_D=FUSED_BLOCK_D,
-            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=num_warps,
-        )  # fmt: skip
+        mp, runs, offsets = int(plan.mpad[b]), int(plan.runs[b]), plan.run_offsets[b]
+        block = fused_block_m(mp)
+        grid = (runs, -(-size // FUSED_BLOCK_N), -(-mp // block[0]))
+        args = (qslot, dslot, run_chunk, out, int(offsets), int(plan.slot_offsets[b]), mp, dump)
+        _launch(torch, pool, grid, block, qd, *args, 2.0 if pool.is_l2 else 1.0)
     vals, at = out.topk(kk, dim=1)
     ids = pool.ids.view(-1)[dest_chunk[:, None] * size + at]
     return canonical_topk(torch, vals.view(n, width * kk), ids.view(n, width * kk), k, pool.is_l2)
 
 
 def fused_warm_up(torch: Any, pool: Pool) -> None:
-    """Compile every variant of the fused kernel for this pool (one per query block size of
-    ``fused_block_m``) with launches that store nothing, so that no scan waits for Triton."""
-    kernel = fused_kernel(pool.vectors.device)
+    """Compile every variant of the fused kernel for this pool (``fused_block_m``'s) with
+    launches that store nothing, so that no scan waits for Triton."""
     dev, (_, size, dim) = pool.vectors.device, pool.vectors.shape
     qd = torch.zeros((1, dim), dtype=pool.vectors.dtype, device=dev)
     zero = torch.zeros(1, dtype=torch.int64, device=dev)
     out = torch.empty((1, size), device=dev)
-    precision = "ieee" if pool.vectors.dtype == torch.float32 else "tf32"
-    sizes = {fused_block_m(m) for m in range(1, 2 * DOT_MAX_BLOCK_M + 1)}
-    for block_m, use_dot, num_warps in sorted(sizes):
-        kernel[(1, 1, 1)](
-            qd, pool.vectors, pool.bias, zero, zero, zero, out, 0, 0, 1, 0, 1.0,
-            DIM=dim, S=size, BLOCK_M=block_m, BLOCK_N=FUSED_BLOCK_N, BLOCK_D=FUSED_BLOCK_D,
-            USE_DOT=use_dot, DOT_PRECISION=precision, num_warps=num_warps,
-        )  # fmt: skip
+    for block in sorted({fused_block_m(m) for m in range(1, 2 * DOT_MAX_BLOCK_M + 1)}):
+        _launch(torch, pool, (1, 1, 1), block, qd, zero, zero, zero, out, 0, 0, 1, 0, 1.0)
+
+
+def _launch(torch: Any, pool: Pool, grid: tuple, block: tuple, qd: Any, *args: Any) -> None:
+    block_m, use_dot, num_warps = block
+    precision = "ieee" if pool.vectors.dtype == torch.float32 else "tf32"  # NOTE: fp32 only
+    fused_kernel(qd.device)[grid](
+        qd, pool.vectors, pool.bias, *args,
+        DIM=pool.vectors.shape[2], S=pool.vectors.shape[1], BLOCK_M=block_m,
+        BLOCK_N=FUSED_BLOCK_N, BLOCK_D=FUSED_BLOCK_D, USE_DOT=use_dot,
+        DOT_PRECISION=precision, num_warps=num_warps,
+    )  # fmt: skip
 
 
 def fused_block_m(num_queries: int) -> tuple[int, bool, int]:
@@ -233,9 +234,8 @@ def fused_block_m(num_queries: int) -> tuple[int, bool, int]:
 
 
 def fused_slices(lc: np.ndarray, counts: np.ndarray, plan: GroupedPlan, size: int):
-    """``(first row, end row, plan)`` of each slice of the batch ``lc`` that the fused scan
-    runs apart, so that none writes more than ``MAX_FUSED_SCORES`` keys (one slice: the whole
-    batch and ``plan``)."""
+    """``(first row, end row, plan)`` of the slices of ``lc`` the fused scan runs apart, so
+    that none writes more than ``MAX_FUSED_SCORES`` keys."""
     n = len(lc)
     rows = max(1, MAX_FUSED_SCORES // max(1, plan.width * size))
     if rows >= n:
@@ -245,8 +245,7 @@ def fused_slices(lc: np.ndarray, counts: np.ndarray, plan: GroupedPlan, size: in
 
 
 def fused_available(device: Any) -> bool:
-    """Whether the fused scan can run on ``device``: Triton installed and a CUDA device, or
-    Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported) on CPU."""
+    """Triton and a CUDA device, or Triton's interpreter (``TRITON_INTERPRET=1``) on CPU."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
@@ -271,8 +270,8 @@ def fused_kernel(device: Any) -> Any:
 
 
 def _groups(plan: GroupedPlan, pool: Pool, size: int):
-    """``(chunks, padded queries, first slot, first run)`` of each bmm group: the runs of one
-    bucket, cut so that a group gathers and scores within ``MAX_GROUP_*``."""
+    """``(chunks, padded queries, first slot, first run)`` of each bmm group: a bucket's runs,
+    cut to ``MAX_GROUP_*``."""
     per_chunk_bytes = size * pool.vectors.shape[2] * pool.vectors.element_size()
     max_g = max(1, MAX_GROUP_BYTES // per_chunk_bytes)
     for b in np.flatnonzero(plan.runs):
@@ -284,8 +283,7 @@ def _groups(plan: GroupedPlan, pool: Pool, size: int):
 
 
 def dense_scan(torch: Any, pool: Pool, qd: Any, lc: Any, k: int):
-    """Top-k keys and ids ``[n, k]`` of the resident probes ``lc`` for ``qd``: every row of the
-    pool's span scored in place, unprobed lists masked (module doc)."""
+    """``grouped_scan``'s result: every row of the span scored in place, unprobed masked."""
     n = qd.shape[0]
     dev, (_, size, dim) = qd.device, pool.vectors.shape
     probed = torch.zeros((n, pool.nlist + 1), dtype=torch.bool, device=dev)
@@ -314,8 +312,7 @@ def _score(torch: Any, pool: Pool, products: Any) -> Any:
 
 
 def upload(torch: Any, array: np.ndarray, device: Any) -> Any:
-    """``array`` on ``device`` without waiting for it: staged in pinned memory on CUDA (the
-    caching host allocator keeps it until the copy has run)."""
+    """``array`` on ``device`` without waiting (pinned staging on CUDA)."""
     host = torch.from_numpy(np.ascontiguousarray(array))
     if host.device.type == "cpu" and torch.device(device).type == "cuda":
         host = host.pin_memory()
@@ -340,8 +337,7 @@ def canonical_topk(torch: Any, keys: Any, ids: Any, k: int, is_l2: bool) -> tupl
 
 
 class PendingScan:
-    """A scan whose kernels are enqueued; ``result()`` waits for them and returns the TopK.
-    ``done``: an event recorded after them when they run on another stream than the reader's."""
+    """Enqueued kernels; ``result()`` waits (on ``done`` when on another stream) for the TopK."""
 
     def __init__(self, keys: Any, ids: Any, qnorm: np.ndarray | None, done: Any = None) -> None:
         self._keys, self._ids, self._qnorm, self._done = keys, ids, qnorm, done
@@ -357,3 +353,99 @@ class PendingScan:
             return TopK(ids, np.where(missing, -np.inf, keys).astype(np.float32))
         dist = np.maximum(self._qnorm[:, None] - keys, 0.0)
         return TopK(ids, np.where(missing, np.inf, dist).astype(np.float32))
+
+
+STRATEGIES = ("grouped", "dense", "fused")
+REQUIRED = ("grouped", "dense")  # every fitted model has these; fused where it was timed
+
+
+class ScanFeatures(NamedTuple):
+    """What one batch's scan would read (module doc)."""
+
+    num_queries: int
+    span_rows: int
+    gathered_rows: int
+    scored_rows: int
+
+    def terms(self, strategy: str) -> np.ndarray:
+        if strategy == "dense":
+            return np.array([1.0, self.span_rows, self.num_queries * self.span_rows])
+        if strategy in ("grouped", "fused"):
+            return np.array([1.0, self.gathered_rows, self.scored_rows])
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+class ScanSample(NamedTuple):
+    """A batch's features and the seconds of the strategies timed on it."""
+
+    features: ScanFeatures
+    seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ScanCostModel:
+    """Each strategy's seconds per term of ``ScanFeatures.terms`` (fused None: not timed)."""
+
+    dense: tuple[float, float, float]
+    grouped: tuple[float, float, float]
+    setting: tuple = ()  # what it was measured on (``GpuTier.model_setting``)
+    span_rows: int = 0  # the calibrated tier's span
+    fused: tuple[float, float, float] | None = None  # None: not timed (no Triton or no CUDA)
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        return tuple(s for s in STRATEGIES if getattr(self, s) is not None)
+
+    def fits(self, setting: tuple, span_rows: int) -> bool:
+        """Same device, dtype and shapes, and a span within 2x of the calibrated one."""
+        return setting == self.setting and self.span_rows <= 2 * span_rows <= 4 * self.span_rows
+
+    def predict(self, strategy: str, features: ScanFeatures) -> float:
+        if strategy not in self.strategies:
+            raise ValueError(f"strategy must be one of {self.strategies}, got {strategy!r}")
+        return float(np.dot(getattr(self, strategy), features.terms(strategy)))
+
+    def choose(self, features: ScanFeatures) -> str:
+        """The strategy predicted fastest (on a tie the first of grouped, dense, fused)."""
+        seconds = [self.predict(s, features) for s in self.strategies]
+        return self.strategies[int(np.argmin(seconds))]
+
+    @classmethod
+    def fit(
+        cls, samples: Sequence[ScanSample], setting: tuple = (), span_rows: int = 0
+    ) -> ScanCostModel:
+        """NNLS on relative error (3 samples each of grouped and dense; fused if timed 3 times)."""
+        coef = {}
+        for strategy in STRATEGIES:
+            timed = [s for s in samples if strategy in s.seconds]
+            if strategy not in REQUIRED and len(timed) < 3:
+                continue
+            if len(timed) < 3:
+                raise ValueError(f"samples: 3 of {strategy} are needed to fit, got {len(timed)}")
+            a = np.stack([s.features.terms(strategy) for s in timed])
+            t = np.array([s.seconds[strategy] for s in timed], dtype=np.float64)
+            if not np.all(np.isfinite(t)) or np.any(t <= 0):
+                raise ValueError(f"samples: {strategy} seconds must be positive, got {t}")
+            coef[strategy] = tuple(float(c) for c in nnls_relative(a, t))
+        return cls(coef["dense"], coef["grouped"], setting, span_rows, coef.get("fused"))
+
+
+def nnls_relative(a: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """``x >= 0`` minimising ``sum(((a @ x - t) / t) ** 2)``: the best non-negative fit over
+    every subset of the columns."""
+    w = a / t[:, None]
+    scale = np.maximum(np.abs(w).max(0), 1e-300)  # columns differ by orders of magnitude
+    w = w / scale
+    ones = np.ones(len(t))
+    best, best_err = np.zeros(a.shape[1]), float(len(t))  # x = 0: every relative error is 1
+    for r in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), r):
+            x, *_ = np.linalg.lstsq(w[:, cols], ones, rcond=None)
+            if np.any(x < 0):
+                continue
+            err = float(np.sum((w[:, cols] @ x - ones) ** 2))
+            if err < best_err:
+                best = np.zeros(a.shape[1])
+                best[list(cols)] = x
+                best_err = err
+    return best / scale

@@ -14,8 +14,7 @@ import numpy as np
 
 from ragserve.graph import Passage
 from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
-from ragserve.retrieval.cost_model import ScanCostModel
-from ragserve.retrieval.staged import StagedSearch, StageParams, StageProgress
+from ragserve.retrieval.staged import StageCostModel, StagedSearch, StageParams, StageProgress
 from ragserve.retrieval.types import ScoredDocument
 from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.runtime.runners import RetrievalRunner, failed_result
@@ -40,7 +39,7 @@ class StagedRetrievalRunner(RetrievalRunner):
         index: Any,
         embedder: Any,
         default_nprobe: int | None = None,
-        cost: ScanCostModel | None = None,
+        cost: StageCostModel | None = None,
     ) -> None:
         super().__init__(index, embedder, default_nprobe)
         self.search = StagedSearch(index, cost)
@@ -74,7 +73,7 @@ class StagedRetrievalRunner(RetrievalRunner):
         return runner
 
     @property
-    def cost(self) -> ScanCostModel:
+    def cost(self) -> StageCostModel:
         return self.search.cost
 
     @property

@@ -1,8 +1,8 @@
 """Node splitting (HedraRAG §4.2): a retrieval node becomes sequential sub-stages of clusters.
 
 The transform only marks retrieval tasks as staged; the cutting happens in the retrieval
-worker's staged search (``ragserve.retrieval.staged``), which owns the measurements Eq. 1 needs
-(``retrieval.cost_model``). Each sub-stage packs, for every active retrieval, clusters in scan
+worker's staged search (``ragserve.retrieval.staged``), which owns the measurements Eq. 1 needs.
+Each sub-stage packs, for every active retrieval, clusters in scan
 order until the time budget ``mb`` is reached, and all retrievals' sub-stages of one step go
 to Faiss as one batch. Between sub-stages the worker admits new retrievals, so a short
 retrieval no longer waits behind a long one, and reports partial top-k (for speculation).
