@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.storage import fsync_dir
 from ragserve.retrieval.types import Document
 
 SCHEMA = """
@@ -34,9 +33,6 @@ CREATE TABLE IF NOT EXISTS ops (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, op TEXT NOT NULL, row_id INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-# NOTE: a float32 row of dim 768 (~3.1 KB) fills one 4 KiB page with ~1 KB to spare; 16 KiB
-# pages hold five, so a bulk-built store is ~20% smaller (and faster to write and to check).
-BULK_PAGE_SIZE = 16384
 
 
 class DocStore:
@@ -104,52 +100,6 @@ class DocStore:
                     self._conn.execute("INSERT INTO ops (op, row_id) VALUES ('del', ?)", row)
                     removed.append(row[0])
         return removed
-
-    def bulk_load(self, docs: Sequence[Document], vectors: np.ndarray) -> int:
-        """Fill a fresh, empty store in one transaction; returns n = `len(docs)`.
-
-        Rows get ids 1..n in order and nothing is logged: the `ops` sequence is advanced to n,
-        the state `upsert` of the same rows followed by `truncate_log(n)` leaves, so a snapshot
-        with `applied_seq = n` covers them. A file store is written without a journal (a crash
-        leaves a broken file: build it in a scratch folder), fsync'd, then set back to WAL.
-        Duplicate `doc_id`s raise `ValueError`.
-        """
-        x = np.asarray(vectors, dtype=np.float32)
-        if x.ndim != 2 or len(x) != len(docs):
-            raise ValueError(f"need one vector per document: {len(docs)} docs, {x.shape} vectors")
-        with self._lock:
-            if self.count() or self.last_seq():
-                raise ValueError("bulk_load needs an empty store")
-            conn = self._conn
-            if self.path is not None:
-                conn.execute("PRAGMA journal_mode=DELETE")  # page_size cannot change under WAL
-                conn.execute(f"PRAGMA page_size={BULK_PAGE_SIZE}")
-                conn.execute("VACUUM")  # the file is empty: this only applies the page size
-                conn.execute("PRAGMA journal_mode=OFF")
-                conn.execute("PRAGMA synchronous=OFF")
-            conn.execute("PRAGMA cache_size=-1048576")  # 1 GiB for the doc_id index
-            try:
-                with self._txn():
-                    conn.execute(
-                        "INSERT OR REPLACE INTO meta VALUES ('dim', ?)", (str(x.shape[1]),)
-                    )
-                    conn.executemany(
-                        "INSERT INTO docs (row_id, doc_id, title, text, metadata, vector) "
-                        "VALUES (?,?,?,?,?,?)",
-                        _bulk_rows(docs, x),
-                    )
-                    conn.execute(
-                        "INSERT INTO sqlite_sequence (name, seq) VALUES ('ops', ?)", (len(x),)
-                    )
-            except sqlite3.IntegrityError as exc:
-                raise ValueError(f"document ids must be unique ({exc})") from None
-            finally:
-                conn.execute("PRAGMA cache_size=-2000")
-            if self.path is not None:
-                conn.execute("PRAGMA synchronous=FULL")
-                conn.execute("PRAGMA journal_mode=WAL")
-                fsync_dir(self.path)
-        return len(x)
 
     def truncate_log(self, upto_seq: int) -> None:
         """Drop log entries already covered by a durable index snapshot."""
@@ -284,12 +234,6 @@ class _Transaction:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
-
-
-def _bulk_rows(docs: Sequence[Document], x: np.ndarray) -> Iterator[tuple]:
-    for row_id, (doc, vec) in enumerate(zip(docs, x, strict=True), start=1):
-        meta = json.dumps(doc.metadata) if doc.metadata else "{}"
-        yield row_id, doc.id, doc.title, doc.text, meta, vec  # vec: buffer, stored as a BLOB
 
 
 def _chunks(items: list, size: int):
