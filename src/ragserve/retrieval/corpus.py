@@ -8,6 +8,7 @@ object) are optional, and any other field goes into `metadata`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,12 +41,9 @@ def chunk_documents(
     unit: str = "word",
     tokenizer: Any = None,
 ) -> Iterator[Document]:
-    """Split each document into windows of `size` words (or tokens) overlapping by `overlap`.
-
-    A document that fits one window keeps its id; otherwise chunk `i` gets id `<id>#<i>` and
-    metadata `source_id`/`chunk`. `unit="token"` needs a fast Hugging Face `tokenizer`; chunks
-    are cut from the original text at token offsets, so casing and spacing are preserved.
-    """
+    """Split each document into windows of `size` words (or `tokenizer` tokens) overlapping by
+    `overlap`, cut from the original text. A document that fits one window keeps its id; else
+    chunk `i` gets id `<id>#<i>` and metadata `source_id`/`chunk`."""
     if size < 1 or not 0 <= overlap < size:
         raise ValueError(f"need size >= 1 and 0 <= overlap < size, got {size}, {overlap}")
     if unit not in ("word", "token"):
@@ -75,17 +73,7 @@ def _windows(n: int, size: int, overlap: int) -> list[tuple[int, int]]:
 
 
 def _word_spans(text: str) -> list[tuple[int, int]]:
-    spans, start = [], None
-    for i, ch in enumerate(text):
-        if ch.isspace():
-            if start is not None:
-                spans.append((start, i))
-                start = None
-        elif start is None:
-            start = i
-    if start is not None:
-        spans.append((start, len(text)))
-    return spans
+    return [m.span() for m in re.finditer(r"\S+", text)]
 
 
 def _token_spans(text: str, tokenizer: Any) -> list[tuple[int, int]]:
@@ -98,14 +86,9 @@ def _record(rec: Any, default_id: str, where: str) -> Document:
         raise ValueError(f"{where}: a record needs a string field 'text'")
     meta = dict(rec.get("metadata") or {})
     meta.update({k: v for k, v in rec.items() if k not in ("id", "text", "title", "metadata")})
-    title = rec.get("title")
-    doc_id = rec.get("id")
-    return Document(
-        str(doc_id) if doc_id is not None else default_id,
-        rec["text"],
-        str(title) if title is not None else None,
-        meta,
-    )
+    doc_id, title = rec.get("id"), rec.get("title")
+    doc_id = str(doc_id) if doc_id is not None else default_id
+    return Document(doc_id, rec["text"], str(title) if title is not None else None, meta)
 
 
 def _jsonl(path: Path) -> Iterator[Document]:
