@@ -8,9 +8,11 @@ store (SQLite JSON functions); `matches` is the same predicate in Python (the te
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 RANGE_OPS = {"gte": ">=", "gt": ">", "lte": "<=", "lt": "<"}
+_OPS = {"gte": operator.ge, "gt": operator.gt, "lte": operator.le, "lt": operator.lt}
 Filter = dict[str, Any]
 _SCALARS = (str, int, float, bool)
 
@@ -72,23 +74,12 @@ def matches(metadata: dict[str, Any], flt: Filter | None) -> bool:
 
 
 def _passes(value: Any, cond: Any) -> bool:
+    """Text compares with text only, numbers with numbers."""
     if isinstance(cond, dict):
+        same_kind = all(isinstance(value, str) == isinstance(b, str) for b in cond.values())
         try:
-            return all(_compare(value, op, bound) for op, bound in cond.items())
+            return same_kind and all(_OPS[op](value, b) for op, b in cond.items())
         except TypeError:
             return False
-    if isinstance(cond, list):
-        return any(_equal(value, c) for c in cond)
-    return _equal(value, cond)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    return a == b and isinstance(a, str) == isinstance(b, str)
-
-
-def _compare(value: Any, op: str, bound: Any) -> bool:
-    if isinstance(value, str) != isinstance(bound, str):
-        return False
-    return {"gte": value >= bound, "gt": value > bound, "lte": value <= bound, "lt": value < bound}[
-        op
-    ]
+    options = cond if isinstance(cond, list) else [cond]
+    return any(value == c and isinstance(value, str) == isinstance(c, str) for c in options)

@@ -89,31 +89,22 @@ class VectorIndex(
         corpus: Iterable[Document],
         embedder: Embedder,
         *,
-        nlist: int | None = None,
-        kind: str = "ivf_flat",
-        metric: str = "ip",
-        nprobe: int | None = None,
         progress: bool = False,
         passage_header: str = "path",
-        **index_kwargs: Any,
+        **kwargs: Any,
     ) -> VectorIndex:
         """Embed `corpus` with `embedder` (passages read as `passage_text(doc,
-        passage_header)`), train the IVF index and add everything."""
+        passage_header)`), then `from_vectors(..., **kwargs)` (nlist, kind, metric, nprobe...)."""
         docs = list(corpus)
-        vectors = embedder.encode(
-            [passage_text(d, passage_header) for d in docs], is_query=False, progress=progress
-        )
+        texts = [passage_text(d, passage_header) for d in docs]
+        vectors = embedder.encode(texts, is_query=False, progress=progress)
         return cls.from_vectors(
             docs,
             vectors,
             embedder_name=embedder.name,
-            nlist=nlist,
-            kind=kind,
-            metric=metric,
-            nprobe=nprobe,
             embedder=embedder,
             passage_header=passage_header,
-            **index_kwargs,
+            **kwargs,
         )
 
     @classmethod
