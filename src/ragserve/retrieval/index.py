@@ -381,11 +381,7 @@ class VectorIndex(
         sizes = self.cluster_sizes()
         return {
             "directory": str(self.directory) if self.directory else None,
-            "kind": self.spec.kind,
-            "metric": self.spec.metric,
-            "dim": self.spec.dim,
-            "nlist": self.spec.nlist,
-            "nprobe": self.spec.nprobe,
+            **dataclasses.asdict(self.spec),  # dim, nlist, kind, metric, embedder, nprobe
             "nprobe_calibration": self.metadata.get("nprobe_calibration"),
             "default_mode": self.default_mode,
             "collapse_sections": self.collapse_sections,
@@ -393,7 +389,6 @@ class VectorIndex(
             "passage_header": self.passage_header,
             "ensemble": self.metadata.get("ensemble"),
             "finetune_encoder": self.metadata.get("finetune_encoder"),
-            "embedder": self.spec.embedder,
             "num_documents": self.num_documents,
             "code_size_bytes": int(self._index.code_size),
             "cluster_size_min": int(sizes.min()),

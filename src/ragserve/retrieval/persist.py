@@ -6,6 +6,7 @@ two steps of an upsert or a compaction recovers to the acknowledged state.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import shutil
@@ -239,12 +240,7 @@ def build_manifest(
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "dim": spec.dim,
-        "kind": spec.kind,
-        "metric": spec.metric,
-        "nlist": spec.nlist,
-        "nprobe": spec.nprobe,
-        "embedder": spec.embedder,
+        **dataclasses.asdict(spec),  # dim, nlist, kind, metric, embedder, nprobe
         "num_vectors": int(index.ntotal),
         "code_size_bytes": int(index.code_size),
         "snapshot": snapshot,

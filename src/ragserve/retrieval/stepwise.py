@@ -121,7 +121,7 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
     dq = np.ascontiguousarray(plan.coarse_dists, dtype=np.float32)
     dist = np.empty((n, k), dtype=np.float32)
     ids = np.empty((n, k), dtype=np.int64)
-    call = functools.partial(_scan_rows, index, q, k, iq, dq, dist, ids, _ivf_params(width))
+    call = functools.partial(_scan_rows, index, k, _ivf_params(width), (q, iq, dq, dist, ids))
     threads = 1 if index.parallel_mode & ~_NO_HEAP_INIT else split_threads(index, n, width)
     if threads <= 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
         call(0, n)
@@ -195,22 +195,10 @@ def split_threads(index: faiss.IndexIVF, n: int, width: int) -> int:
     return max(1, min(n, scan_threads(), int(rows // max(1, MIN_SCAN_ROWS_PER_THREAD))))
 
 
-def _scan_rows(
-    index: faiss.IndexIVF,
-    q: np.ndarray,
-    k: int,
-    iq: np.ndarray,
-    dq: np.ndarray,
-    dist: np.ndarray,
-    ids: np.ndarray,
-    params: faiss.SearchParametersIVF,
-    a: int,
-    b: int,
-) -> None:
-    sp = faiss.swig_ptr
-    index.search_preassigned_c(
-        b - a, sp(q[a:b]), k, sp(iq[a:b]), sp(dq[a:b]), sp(dist[a:b]), sp(ids[a:b]), False, params
-    )
+def _scan_rows(index: faiss.IndexIVF, k: int, params, arrays: tuple, a: int, b: int) -> None:
+    """Faiss's `search_preassigned` of rows `a:b` of `arrays` = (q, iq, dq, dist, ids)."""
+    q, iq, dq, dist, ids = (faiss.swig_ptr(x[a:b]) for x in arrays)
+    index.search_preassigned_c(b - a, q, k, iq, dq, dist, ids, False, params)
 
 
 def set_scan_threads(threads: int | None) -> int | None:
