@@ -253,7 +253,7 @@ class VectorIndex(
             dist = np.einsum("nd,nwd->nw", q, c)
         return ProbePlan(cluster_ids, np.where(cluster_ids < 0, 0, dist).astype(np.float32))
 
-    # -- documents ------------------------------------------------------------------------------
+    # -- documents (save / load / compact and the writer lock: persist.py) -----------------------
 
     def get_documents(self, ids: Iterable[int | str]) -> list[Document | None]:
         """Documents by Faiss row id (as in `TopK.ids`; `-1` → None) or by document id (str)."""
@@ -353,21 +353,16 @@ class VectorIndex(
     def check_integrity(self) -> None:
         """Assert the Faiss index holds exactly the document store's live rows."""
         with self._write_mutex:
-            in_index = IdLists.of(self._index).ids
             in_store, _ = self._store.vectors()
-        assert np.array_equal(in_index, in_store), (
-            f"index/store mismatch: {len(in_index)} indexed, {len(in_store)} stored, "
-            f"{len(np.setxor1d(in_index, in_store))} differ"
-        )
-        if self._bm25 is not None:
-            in_bm25 = self._bm25.row_ids()
-            assert np.array_equal(in_bm25, in_store), (
-                f"BM25/store mismatch: {len(in_bm25)} in BM25, {len(in_store)} stored"
-            )
-        if self._side is not None and self._side_synced:
-            in_side = self._side.row_ids()
-            assert np.array_equal(in_side, in_store), (
-                f"ensemble/store mismatch: {len(in_side)} in the side index, {len(in_store)} stored"
+            held = {"Faiss": IdLists.of(self._index).ids}
+            if self._bm25 is not None:
+                held["BM25"] = self._bm25.row_ids()
+            if self._side is not None and self._side_synced:
+                held["ensemble"] = self._side.row_ids()
+        for name, ids in held.items():
+            assert np.array_equal(ids, in_store), (
+                f"{name}/store mismatch: {len(ids)} in {name}, {len(in_store)} stored, "
+                f"{len(np.setxor1d(ids, in_store))} differ"
             )
 
     def search_profile(self):
@@ -398,35 +393,10 @@ class VectorIndex(
             "pending_log_entries": self._store.last_seq() - self.applied_seq,
         }
 
-    # -- writes' bookkeeping (save / load / compact: persist.py) --------------------------------
-
-    def _claim_writer(self) -> None:
-        """Hold `DIR/writer.lock` (flock) from the first write on: one writer per folder."""
-        if self.directory is None or self._writer_lock is not None:
-            return
-        import fcntl
-
-        f = open(self.directory / "writer.lock", "w")  # noqa: SIM115 - held for the lifetime
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise RuntimeError(
-                f"{self.directory} is being written by another process; one writer per index"
-            ) from None
-        self._writer_lock = f
-
-    def _maybe_compact(self) -> None:
-        pending = self._store.last_seq() - self.applied_seq
-        if self.directory is not None and pending >= self.compact_every:
-            self.compact()
-
     def close(self) -> None:
         self.drop_gpu_tier()
         self._store.close()
-        if self._writer_lock is not None:
-            self._writer_lock.close()
-            self._writer_lock = None
+        self._release_writer()
 
 
 __all__ = [

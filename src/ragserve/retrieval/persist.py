@@ -7,6 +7,7 @@ two steps of an upsert or a compaction recovers to the acknowledged state.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import shutil
@@ -51,7 +52,7 @@ _LOAD_ATTEMPTS = 20  # each retry needs a compaction to have finished since the 
 
 class PersistMixin:
     """`VectorIndex`'s side on disk; needs its `_store`, `_write_mutex`, `_writer_lock`,
-    `directory`, `generation`, `applied_seq`, `metadata`, `spec` and `serialize`."""
+    `directory`, `generation`, `applied_seq`, `compact_every`, `metadata`, `spec`, `serialize`."""
 
     def save(self, directory: str | Path) -> Path:
         """Write the index to `directory` (new or empty; or its own directory = compaction),
@@ -75,9 +76,7 @@ class PersistMixin:
                 raise
             old, self._store = self._store, DocStore(directory / DOCSTORE)
             old.close()
-            if self._writer_lock is not None:  # the old folder is no longer written by us
-                self._writer_lock.close()
-                self._writer_lock = None
+            self._release_writer()  # the old folder is no longer written by this index
             self.directory, self.generation, self.applied_seq = directory, 1, seq
         logger.info("saved index (%d vectors) to %s", self.num_documents, directory)
         return directory
@@ -120,6 +119,30 @@ class PersistMixin:
                 self._store.truncate_log(seq)
             self.generation, self.applied_seq = generation, seq
         logger.info("compacted %s to generation %d (log seq %d)", self.directory, generation, seq)
+
+    def _maybe_compact(self) -> None:
+        pending = self._store.last_seq() - self.applied_seq
+        if self.directory is not None and pending >= self.compact_every:
+            self.compact()
+
+    def _claim_writer(self) -> None:
+        """Hold `DIR/writer.lock` (flock) from the first write on: one writer per folder."""
+        if self.directory is None or self._writer_lock is not None:
+            return
+        f = open(self.directory / "writer.lock", "w")  # noqa: SIM115 - held for the lifetime
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise RuntimeError(
+                f"{self.directory} is being written by another process; one writer per index"
+            ) from None
+        self._writer_lock = f
+
+    def _release_writer(self) -> None:
+        if self._writer_lock is not None:
+            self._writer_lock.close()
+            self._writer_lock = None
 
 
 def _write_generation(vi, directory: Path, data: np.ndarray, generation: int, seq: int) -> dict:
