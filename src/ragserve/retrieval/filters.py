@@ -3,16 +3,14 @@
 matches when any of its elements does.
 
 `validate_filter` checks the shape once at the edge; `filter_sql` compiles it for the document
-store (SQLite JSON functions); `matches` is the same predicate in Python (the tests' oracle).
+store (SQLite JSON functions).
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 RANGE_OPS = {"gte": ">=", "gt": ">", "lte": "<=", "lt": "<"}
-_OPS = {"gte": operator.ge, "gt": operator.gt, "lte": operator.le, "lt": operator.lt}
 Filter = dict[str, Any]
 _SCALARS = (str, int, float, bool)
 
@@ -46,7 +44,7 @@ def filter_sql(flt: Filter) -> tuple[str, list[Any]]:
     clauses, args = [], []
     for key, cond in flt.items():
         each = f"SELECT 1 FROM json_each(docs.metadata, '$.\"{key}\"') WHERE "
-        if isinstance(cond, dict):  # like `matches`: text bounds compare text, numbers numbers
+        if isinstance(cond, dict):  # text bounds compare text, numbers numbers
             kinds = "'text'" if isinstance(next(iter(cond.values())), str) else "'integer','real'"
             each += f"type IN ({kinds}) AND "
             each += " AND ".join(f"value {RANGE_OPS[op]} ?" for op in cond)
@@ -59,27 +57,3 @@ def filter_sql(flt: Filter) -> tuple[str, list[Any]]:
             args.append(cond)
         clauses.append(f"EXISTS ({each})")
     return " AND ".join(clauses) or "1", args
-
-
-def matches(metadata: dict[str, Any], flt: Filter | None) -> bool:
-    """Whether a passage's metadata passes `flt` (same rules as `filter_sql`)."""
-    for key, cond in (flt or {}).items():
-        if key not in metadata or metadata[key] is None:
-            return False
-        value = metadata[key]
-        values = value if isinstance(value, list) else [value]
-        if not any(_passes(v, cond) for v in values):
-            return False
-    return True
-
-
-def _passes(value: Any, cond: Any) -> bool:
-    """Text compares with text only, numbers with numbers."""
-    if isinstance(cond, dict):
-        same_kind = all(isinstance(value, str) == isinstance(b, str) for b in cond.values())
-        try:
-            return same_kind and all(_OPS[op](value, b) for op, b in cond.items())
-        except TypeError:
-            return False
-    options = cond if isinstance(cond, list) else [cond]
-    return any(value == c and isinstance(value, str) == isinstance(c, str) for c in options)
