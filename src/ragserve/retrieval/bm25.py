@@ -12,11 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.storage import (
-    remove_stale_sidecars,
-    save_sidecar,
-    write_dir_atomically,
-)
+from ragserve.retrieval.storage import remove_stale_sidecars, save_sidecar, write_dir_atomically
 from ragserve.retrieval.types import TopK
 
 logger = logging.getLogger(__name__)

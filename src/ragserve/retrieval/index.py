@@ -6,7 +6,6 @@ only after the store committed; writers are serialised, so the log order is the 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from ragserve.retrieval.ensemble import EnsembleMixin
 from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
 from ragserve.retrieval.modes import SearchModesMixin
-from ragserve.retrieval.passages import PASSAGE_HEADERS, PassageMixin, check_header, passage_text
+from ragserve.retrieval.passages import PassageMixin, check_header, passage_text
 from ragserve.retrieval.persist import PersistMixin
 from ragserve.retrieval.rwlock import RWLock
 from ragserve.retrieval.tier_placement import AccessCounts
@@ -39,8 +38,6 @@ if TYPE_CHECKING:
     from ragserve.retrieval.bm25 import BM25Index
     from ragserve.retrieval.gpu_tier import GpuTier
     from ragserve.retrieval.tier_placement import TierUpdater
-
-logger = logging.getLogger(__name__)
 
 
 class VectorIndex(
@@ -213,12 +210,7 @@ class VectorIndex(
             result = self.search(self.embedder.encode(list(texts), is_query=True), topk, nprobe)
             return self.documents_of(result)
         return self._search_text_modes(
-            texts,
-            topk,
-            nprobe=nprobe,
-            mode=mode,
-            flt=filter,
-            collapse_sections=collapse_sections,
+            texts, topk, nprobe=nprobe, mode=mode, flt=filter, collapse_sections=collapse_sections
         )
 
     def allowed_row_ids(self, filter: dict[str, Any]) -> np.ndarray:  # noqa: A002
@@ -397,13 +389,3 @@ class VectorIndex(
         self.drop_gpu_tier()
         self._store.close()
         self._release_writer()
-
-
-__all__ = [
-    "PASSAGE_HEADERS",
-    "IndexSpec",
-    "VectorIndex",
-    "auto_nlist",
-    "check_header",
-    "passage_text",
-]
