@@ -5,7 +5,6 @@ writes, saved as `DIR/bm25-<gen>/` with each Faiss snapshot, and replays the log
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,8 +13,6 @@ import numpy as np
 
 from ragserve.retrieval.storage import remove_stale_sidecars, save_sidecar, write_dir_atomically
 from ragserve.retrieval.types import TopK
-
-logger = logging.getLogger(__name__)
 
 ROW_IDS = "row_ids.npy"
 
