@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 PREFIX = "synthetic:"
+_NAME_KEYS = {"dim": "dim", "topics": "num_topics", "zipf": "zipf_a", "dnoise": "doc_noise"}
+_NAME_KEYS |= {"qnoise": "query_noise", "seed": "seed"}  # the name's keys, in order
 
 
 @dataclass(frozen=True)
@@ -27,22 +29,12 @@ class SyntheticSpec:
 
     @property
     def name(self) -> str:
-        return (
-            f"{PREFIX}dim={self.dim},topics={self.num_topics},zipf={self.zipf_a},"
-            f"dnoise={self.doc_noise},qnoise={self.query_noise},seed={self.seed}"
-        )
+        return PREFIX + ",".join(f"{key}={getattr(self, f)}" for key, f in _NAME_KEYS.items())
 
     @classmethod
     def from_name(cls, name: str) -> SyntheticSpec:
-        fields = dict(kv.split("=") for kv in name.removeprefix(PREFIX).split(","))
-        return cls(
-            dim=int(fields["dim"]),
-            num_topics=int(fields["topics"]),
-            zipf_a=float(fields["zipf"]),
-            doc_noise=float(fields["dnoise"]),
-            query_noise=float(fields["qnoise"]),
-            seed=int(fields["seed"]),
-        )
+        given = dict(kv.split("=") for kv in name.removeprefix(PREFIX).split(","))
+        return cls(**{f: type(getattr(cls, f))(given[key]) for key, f in _NAME_KEYS.items()})
 
     def centers(self) -> np.ndarray:
         rng = np.random.default_rng(self.seed)
