@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from synthetic_corpus import synthetic_corpus
+
 logger = logging.getLogger("bench_gpu_tier")
 
 
@@ -42,7 +44,7 @@ def build_index(args: argparse.Namespace, device: str) -> tuple[Any, Any, dict]:
     from ragserve.retrieval import gpu_kmeans, stepwise
     from ragserve.retrieval.docstore import DocStore
     from ragserve.retrieval.index import IndexSpec, VectorIndex
-    from ragserve.retrieval.synthetic import SyntheticSpec, synthetic_corpus
+    from ragserve.retrieval.synthetic import SyntheticSpec
 
     seconds: dict[str, float] = {}
     spec = SyntheticSpec(dim=args.dim, num_topics=args.topics, zipf_a=args.zipf)

@@ -2,7 +2,8 @@
 
 Models are random-weight Llama-architecture folders (``config.json`` + SmolLM2's tokenizer,
 ``load_format="dummy"``): no weights are written or downloaded, output lengths are fixed by
-the harness. Synthetic indexes come from ``ragserve.retrieval.synthetic``; the factbook index
+the harness. Synthetic indexes come from ``synthetic_corpus.py``, bulk-built by
+``bulk_build.py``; the factbook index
 is the built-in one (all-MiniLM-L6-v2).
 """
 
@@ -15,6 +16,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bulk_build import build_index_directory
+from synthetic_corpus import synthetic_corpus
 
 logger = logging.getLogger("rag_bench")
 
@@ -241,8 +245,7 @@ def synthetic_index(p: Preset, out: Path) -> tuple[Path, Any]:
 
     import torch
 
-    from ragserve.retrieval.bulk import build_index_directory
-    from ragserve.retrieval.synthetic import SyntheticSpec, synthetic_corpus
+    from ragserve.retrieval.synthetic import SyntheticSpec
 
     spec = SyntheticSpec(dim=p.dim, num_topics=p.num_topics)
     tag = out / f"synthetic-{p.num_docs}-{p.dim}-{p.nlist}-{p.num_topics}"

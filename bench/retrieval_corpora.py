@@ -10,8 +10,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragserve.retrieval import chunk_documents, load_corpus
 from ragserve.retrieval.ingest import Chunker, ingest_folder
+from window_chunks import chunk_documents, raw_folder
 
 PYDOCS = Path("/usr/share/doc/python3.11/html/_sources")
 PYDOCS_PARTS = ("faq", "tutorial")  # --parts adds more (howto, reference, using, library)
@@ -199,7 +199,7 @@ def pydocs_new(work: Path, hidden: dict, chunker: Chunker):
 def pydocs_legacy(work: Path, hidden: dict):
     """The previous default: raw files in 200-word windows overlapping by 40; a window is
     relevant when it overlaps the answer's span of the raw file."""
-    docs = list(chunk_documents(load_corpus(work / "docs"), size=200, overlap=40))
+    docs = list(chunk_documents(raw_folder(work / "docs"), size=200, overlap=40))
     spans: dict[str, list[tuple[int, int, str]]] = {}
     texts = {}
     for rel in {f for f, _ in hidden.values()}:

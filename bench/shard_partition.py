@@ -24,14 +24,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bulk_build import build_index_directory  # noqa: E402
 from rag_setup import synthetic_questions  # noqa: E402
+from synthetic_corpus import synthetic_corpus  # noqa: E402
 
 logger = logging.getLogger("shard_partition")
 
 
 def build(root: Path, args) -> Path:
-    from ragserve.retrieval.bulk import build_index_directory
-    from ragserve.retrieval.synthetic import SyntheticSpec, synthetic_corpus
+    from ragserve.retrieval.synthetic import SyntheticSpec
 
     spec = SyntheticSpec(dim=args.dim, num_topics=args.num_topics)
     docs, x = synthetic_corpus(spec, args.num_docs, device="cpu")

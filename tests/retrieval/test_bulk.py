@@ -1,6 +1,6 @@
-"""Bulk build of a persisted index: same format and same search results as
-`VectorIndex.from_vectors(...).save(dir)`, torch k-means/assignment checked against Faiss, and a
-fast synthetic corpus. Tiny sizes; the 200k x 768 CUDA build is `gpu`-marked."""
+"""``bench/bulk_build.py``'s bulk build of a persisted index: same format and same search
+results as `VectorIndex.from_vectors(...).save(dir)`, torch k-means/assignment checked against
+Faiss, and ``bench/synthetic_corpus.py``. Tiny sizes; the 200k x 768 CUDA build is `gpu`-marked."""
 
 from __future__ import annotations
 
@@ -14,9 +14,18 @@ import numpy as np
 import pytest
 
 from ragserve.retrieval import Document, IndexCorruptError, VectorIndex, gpu_kmeans, stepwise
-from ragserve.retrieval.bulk import build_index_directory
 from ragserve.retrieval.docstore import DocStore
-from ragserve.retrieval.synthetic import SyntheticEmbedder, SyntheticSpec, synthetic_corpus
+from ragserve.retrieval.synthetic import SyntheticEmbedder, SyntheticSpec
+
+
+@pytest.fixture(scope="module")
+def bulk(bench_module):
+    return bench_module("bulk_build")
+
+
+@pytest.fixture(scope="module")
+def synthetic_corpus(bench_module):
+    return bench_module("synthetic_corpus").synthetic_corpus
 
 
 def _manifest(directory: Path) -> dict:
@@ -30,12 +39,12 @@ def _same_search(a: VectorIndex, b: VectorIndex, q: np.ndarray, nprobe: int) -> 
 
 
 @pytest.mark.parametrize("metric", ["ip", "l2"])
-def test_faiss_backend_equals_from_vectors_then_save(tmp_path, make_corpus, metric):
+def test_faiss_backend_equals_from_vectors_then_save(tmp_path, make_corpus, metric, bulk):
     docs, x = make_corpus(1500)
     ref = VectorIndex.from_vectors(docs, x, embedder_name="e", nlist=12, metric=metric)
     ref.save(tmp_path / "ref")
-    result = build_index_directory(tmp_path / "bulk", docs, x, embedder_name="e", nlist=12,
-                                   metric=metric)  # fmt: skip
+    result = bulk.build_index_directory(tmp_path / "bulk", docs, x, embedder_name="e", nlist=12,
+                                        metric=metric)  # fmt: skip
     assert result.directory == tmp_path / "bulk"
     assert {"docstore", "train", "assign", "add", "write_index"} <= set(result.seconds)
     vi = VectorIndex.load(tmp_path / "bulk")
@@ -53,7 +62,7 @@ def test_faiss_backend_equals_from_vectors_then_save(tmp_path, make_corpus, metr
 
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 @pytest.mark.parametrize("backend", ["faiss", "torch"])
-def test_given_centroids_equal_faiss_index_add(tmp_path, make_corpus, metric, backend):
+def test_given_centroids_equal_faiss_index_add(tmp_path, make_corpus, metric, backend, bulk):
     """Same centroids + data: the bulk index answers exactly like one filled by `index.add`."""
     docs, x = make_corpus(2000, dim=24, seed=3)
     nlist = 16
@@ -62,8 +71,8 @@ def test_given_centroids_equal_faiss_index_add(tmp_path, make_corpus, metric, ba
     ref.quantizer.add(c)
     ref.is_trained = True
     ref.add_with_ids(x, np.arange(1, len(x) + 1, dtype=np.int64))
-    build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=nlist,
-                          metric=metric, centroids=c, backend=backend)  # fmt: skip
+    bulk.build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=nlist,
+                               metric=metric, centroids=c, backend=backend)  # fmt: skip
     vi = VectorIndex.load(tmp_path / "b")
     vi.check_integrity()
     bulk = vi.faiss_index
@@ -79,20 +88,20 @@ def test_given_centroids_equal_faiss_index_add(tmp_path, make_corpus, metric, ba
 
 
 @pytest.mark.parametrize("kind", ["ivf_sq8", "ivf_pq"])
-def test_other_kinds_match_from_vectors(tmp_path, make_corpus, kind):
+def test_other_kinds_match_from_vectors(tmp_path, make_corpus, kind, bulk):
     docs, x = make_corpus(1200, dim=16)
     kw = {"pq_nbits": 4} if kind == "ivf_pq" else {}
     ref = VectorIndex.from_vectors(docs, x, embedder_name="e", nlist=8, kind=kind, **kw)
-    build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=8, kind=kind, **kw)
+    bulk.build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=8, kind=kind, **kw)
     vi = VectorIndex.load(tmp_path / "b")
     vi.check_integrity()
     _same_search(vi, ref, x[:30], nprobe=3)
     vi.close()
 
 
-def test_documents_upserts_and_reload(tmp_path, make_corpus):
+def test_documents_upserts_and_reload(tmp_path, make_corpus, bulk):
     docs, x = make_corpus(900)
-    build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=8, backend="torch")
+    bulk.build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=8, backend="torch")
     vi = VectorIndex.load(tmp_path / "b")
     assert vi.get_documents([1, 900, 901, -1]) == [docs[0], docs[899], None, None]
     assert vi.get_documents(["d5"]) == [docs[5]]
@@ -110,9 +119,9 @@ def test_documents_upserts_and_reload(tmp_path, make_corpus):
     again.close()
 
 
-def test_corrupt_files_still_rejected(tmp_path, make_corpus):
+def test_corrupt_files_still_rejected(tmp_path, make_corpus, bulk):
     docs, x = make_corpus(600)
-    build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=8)
+    bulk.build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=8)
     snap = tmp_path / "b" / _manifest(tmp_path / "b")["snapshot"]
     data = bytearray(snap.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -120,7 +129,7 @@ def test_corrupt_files_still_rejected(tmp_path, make_corpus):
     with pytest.raises(IndexCorruptError) as err:
         VectorIndex.load(tmp_path / "b")
     assert err.value.path.name == snap.name
-    build_index_directory(tmp_path / "c", docs, x, embedder_name="e", nlist=8)
+    bulk.build_index_directory(tmp_path / "c", docs, x, embedder_name="e", nlist=8)
     store = tmp_path / "c" / "docs.sqlite"
     store.write_bytes(store.read_bytes()[: store.stat().st_size // 3])
     with pytest.raises(IndexCorruptError) as err:
@@ -128,31 +137,31 @@ def test_corrupt_files_still_rejected(tmp_path, make_corpus):
     assert err.value.path.name == "docs.sqlite"
 
 
-def test_bad_input_leaves_nothing(tmp_path, make_corpus):
+def test_bad_input_leaves_nothing(tmp_path, make_corpus, bulk):
     docs, x = make_corpus(300)
     dup = [*docs[:-1], Document("d0", "again")]
     with pytest.raises(ValueError, match="unique"):
-        build_index_directory(tmp_path / "b", dup, x, embedder_name="e", nlist=4)
+        bulk.build_index_directory(tmp_path / "b", dup, x, embedder_name="e", nlist=4)
     with pytest.raises(ValueError, match="one vector per document"):
-        build_index_directory(tmp_path / "b", docs, x[:10], embedder_name="e", nlist=4)
+        bulk.build_index_directory(tmp_path / "b", docs, x[:10], embedder_name="e", nlist=4)
     assert os.listdir(tmp_path) == []
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(FileExistsError):
-        build_index_directory(tmp_path / "full", docs, x, embedder_name="e", nlist=4)
+        bulk.build_index_directory(tmp_path / "full", docs, x, embedder_name="e", nlist=4)
     stale = tmp_path / ".b.tmp-999999999"  # a dead build's scratch folder is cleaned up
     stale.mkdir()
-    build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=4)
+    bulk.build_index_directory(tmp_path / "b", docs, x, embedder_name="e", nlist=4)
     assert sorted(os.listdir(tmp_path)) == ["b", "full"]
 
 
-def test_bulk_load_needs_a_fresh_store(tmp_path, make_corpus):
+def test_write_store_needs_a_fresh_store(tmp_path, make_corpus, bulk):
     docs, x = make_corpus(50)
-    store = DocStore(tmp_path / "s.sqlite")
-    assert store.bulk_load(docs, x) == 50
-    assert store.last_seq() == 50 and store.ops_after(0) == []
+    assert bulk.write_store(tmp_path / "s.sqlite", docs, x) == 50
     with pytest.raises(ValueError, match="empty store"):
-        store.bulk_load(docs, x)
+        bulk.write_store(tmp_path / "s.sqlite", docs, x)
+    store = DocStore(tmp_path / "s.sqlite")
+    assert store.last_seq() == 50 and store.ops_after(0) == []
     ids, vecs = store.vectors([2, 50])
     np.testing.assert_array_equal(ids, [2, 50])
     np.testing.assert_array_equal(vecs, x[[1, 49]])
@@ -206,7 +215,7 @@ def test_kmeans_refills_empty_clusters():
     assert {tuple(r) for r in c.tolist()} <= {tuple(r) for r in np.eye(4).tolist()}
 
 
-def test_synthetic_corpus():
+def test_synthetic_corpus(synthetic_corpus):
     spec = SyntheticSpec(dim=32, num_topics=16, seed=4)
     docs, x = synthetic_corpus(spec, 5000, device="cpu")
     docs2, x2 = synthetic_corpus(spec, 5000, device="cpu")
@@ -226,13 +235,13 @@ def test_synthetic_corpus():
 
 
 @pytest.mark.gpu
-def test_cuda_build_200k_x_768(tmp_path):
+def test_cuda_build_200k_x_768(tmp_path, bulk, synthetic_corpus):
     """The H200 path end to end: CUDA corpus + torch k-means/assignment, then load and check
     against Faiss: assignments differ only on float ties, searches equal a Faiss-filled index."""
     spec = SyntheticSpec(dim=768, num_topics=2048)
     docs, x = synthetic_corpus(spec, 200_000, device="cuda")
     np.testing.assert_allclose(np.linalg.norm(x[::997], axis=1), 1.0, rtol=1e-5)
-    result = build_index_directory(
+    result = bulk.build_index_directory(
         tmp_path / "b", docs, x, embedder_name=spec.name, nlist=512, device="cuda"
     )
     assert set(result.seconds) >= {"train", "assign", "add", "write_index", "docstore"}

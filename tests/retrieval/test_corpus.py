@@ -1,4 +1,5 @@
-"""Corpus ingest (JSONL, folder, Parquet), chunking, and the factbook passages."""
+"""Corpus records (JSONL, Parquet), the factbook passages, and ``bench/window_chunks.py``'s
+raw folder and word/token windows (the previous default passages)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ragserve.retrieval import Document, chunk_documents, load_corpus
+from ragserve.retrieval import Document, load_corpus
 from ragserve.retrieval.factbook import factbook_documents
+
+
+@pytest.fixture(scope="module")
+def windows(bench_module):
+    return bench_module("window_chunks")
 
 
 def test_jsonl_records(tmp_path):
@@ -35,12 +41,12 @@ def test_jsonl_errors_name_the_line(tmp_path):
         list(load_corpus(path))
 
 
-def test_folder_and_parquet(tmp_path):
+def test_folder_and_parquet(tmp_path, windows):
     (tmp_path / "docs" / "sub").mkdir(parents=True)
     (tmp_path / "docs" / "a.md").write_text("# Heading A\nbody a\n")
     (tmp_path / "docs" / "sub" / "b.txt").write_text("plain b\n")
     (tmp_path / "docs" / "skip.bin").write_text("ignored")
-    got = list(load_corpus(tmp_path / "docs"))
+    got = list(windows.raw_folder(tmp_path / "docs"))
     assert [(d.id, d.title) for d in got] == [("a.md", "Heading A"), ("sub/b.txt", "b")]
     table = pa.table({"id": ["x", "y"], "text": ["tx", "ty"], "year": [2020, 2021]})
     pq.write_table(table, tmp_path / "c.parquet")
@@ -53,7 +59,8 @@ def test_folder_and_parquet(tmp_path):
         list(load_corpus(tmp_path / "docs" / "skip.bin"))
 
 
-def test_word_chunks_overlap_and_cover_everything():
+def test_word_chunks_overlap_and_cover_everything(windows):
+    chunk_documents = windows.chunk_documents
     text = " ".join(f"w{i}" for i in range(25))
     chunks = list(chunk_documents([Document("d", text, "T", {"m": 1})], size=10, overlap=3))
     words = [c.text.split() for c in chunks]
@@ -68,7 +75,7 @@ def test_word_chunks_overlap_and_cover_everything():
         list(chunk_documents([short], size=5, overlap=5))
 
 
-def test_token_chunks_keep_original_text():
+def test_token_chunks_keep_original_text(windows):
     from transformers import AutoTokenizer
 
     from ragserve.retrieval.embedder import resolve_model_dir
@@ -76,7 +83,9 @@ def test_token_chunks_keep_original_text():
     tok = AutoTokenizer.from_pretrained(resolve_model_dir("all-minilm-l6-v2"))
     text = "Paris is the Capital of FRANCE. " * 20
     chunks = list(
-        chunk_documents([Document("d", text)], size=16, overlap=4, unit="token", tokenizer=tok)
+        windows.chunk_documents(
+            [Document("d", text)], size=16, overlap=4, unit="token", tokenizer=tok
+        )
     )
     assert len(chunks) > 1
     assert all(

@@ -3,6 +3,7 @@ match), BM25 kept in sync with the dense index, reciprocal rank fusion, nprobe d
 
 from __future__ import annotations
 
+import operator
 import zlib
 
 import numpy as np
@@ -11,10 +12,37 @@ import pytest
 from ragserve.retrieval import Document, VectorIndex, modes
 from ragserve.retrieval.bm25 import BM25Index, passage_text
 from ragserve.retrieval.calibrate import calibrate_nprobe
-from ragserve.retrieval.filters import matches, validate_filter
+from ragserve.retrieval.filters import validate_filter
 
 WORDS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "olive", "peach", "plum",
          "quince", "raisin", "sugar", "tomato", "vanilla", "walnut", "yam", "zucchini")  # fmt: skip
+
+
+OPS = {"gte": operator.ge, "gt": operator.gt, "lte": operator.le, "lt": operator.lt}
+
+
+def matches(metadata: dict, flt: dict | None) -> bool:
+    """The oracle of `filters.filter_sql`: whether a passage's metadata passes `flt`."""
+    for key, cond in (flt or {}).items():
+        if key not in metadata or metadata[key] is None:
+            return False
+        value = metadata[key]
+        values = value if isinstance(value, list) else [value]
+        if not any(_passes(v, cond) for v in values):
+            return False
+    return True
+
+
+def _passes(value, cond) -> bool:
+    """Text compares with text only, numbers with numbers."""
+    if isinstance(cond, dict):
+        same_kind = all(isinstance(value, str) == isinstance(b, str) for b in cond.values())
+        try:
+            return same_kind and all(OPS[op](value, b) for op, b in cond.items())
+        except TypeError:
+            return False
+    options = cond if isinstance(cond, list) else [cond]
+    return any(value == c and isinstance(value, str) == isinstance(c, str) for c in options)
 
 
 class BagOfWordsEmbedder:

@@ -20,7 +20,6 @@ _LAZY = {
     "DEFAULT_EMBEDDER": "ragserve.retrieval.embedder",
     "builtin_index": "ragserve.retrieval.builtin",
     "load_corpus": "ragserve.retrieval.corpus",
-    "chunk_documents": "ragserve.retrieval.corpus",
     "factbook_documents": "ragserve.retrieval.factbook",
     "BuildConfig": "ragserve.retrieval.build",
     "BuildError": "ragserve.retrieval.build",

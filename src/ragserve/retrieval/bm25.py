@@ -1,29 +1,18 @@
-"""BM25 over the live passages (bm25s, English Snowball stemming), kept beside the Faiss index.
-
-The document store is the truth: the BM25 index mirrors its live rows (`apply` runs inside the
-index's write path, after the store committed), is rebuilt lazily after writes, and is saved
-as `DIR/bm25-<gen>/` next to each Faiss snapshot. A load replays the store's log past the
-snapshot, exactly as the Faiss side does, so both recover to the same acknowledged state.
-"""
+"""BM25 over the live passages (bm25s, English Snowball stemming), kept beside the Faiss index:
+it mirrors the store's live rows (`apply`, after the store committed), is rebuilt lazily after
+writes, saved as `DIR/bm25-<gen>/` with each Faiss snapshot, and replays the log on load."""
 
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.storage import (
-    remove_stale_sidecars,
-    save_sidecar,
-    write_dir_atomically,
-)
+from ragserve.retrieval.storage import remove_stale_sidecars, save_sidecar, write_dir_atomically
 from ragserve.retrieval.types import TopK
-
-logger = logging.getLogger(__name__)
 
 ROW_IDS = "row_ids.npy"
 
@@ -43,12 +32,9 @@ def tokenize(texts: Sequence[str]) -> list[list[str]]:
 
 
 class BM25Index:
-    """Lexical scores of queries against the live passages, by Faiss row id.
-
-    Thread-safe: `apply` (writes) and `search` (reads) may run concurrently; a search after a
-    write sees it. `_tokens` (row id → tokens) is filled from the store on the first write
-    after a load, so a read-only index never re-tokenizes its corpus.
-    """
+    """Lexical scores of queries against the live passages, by Faiss row id; thread-safe, a
+    search sees every earlier `apply`. `_tokens` (row id → tokens) is filled from the store on
+    the first write after a load, so a read-only index never re-tokenizes its corpus."""
 
     def __init__(self, row_ids: np.ndarray, retriever, tokens: dict[int, list[str]] | None):
         self._row_ids = np.asarray(row_ids, dtype=np.int64)
@@ -63,11 +49,6 @@ class BM25Index:
         index = cls(np.zeros(0, np.int64), None, tokens)
         index._dirty = True
         return index
-
-    @property
-    def num_documents(self) -> int:
-        with self._lock:
-            return len(self._tokens) if self._tokens is not None else len(self._row_ids)
 
     def row_ids(self) -> np.ndarray:
         """Sorted int64 row ids of the passages this index scores."""
@@ -94,10 +75,8 @@ class BM25Index:
         queries = tokenize(texts)
         ids = np.full((len(queries), topk), -1, dtype=np.int64)
         scores = np.zeros((len(queries), topk), dtype=np.float32)
-        with self._lock:
-            self._refresh()
-            row_ids, retriever = self._row_ids, self._retriever
-        if retriever is None or not len(row_ids):
+        row_ids, retriever = self._current()
+        if retriever is None:
             return TopK(ids, scores)
         mask = None if allowed is None else np.isin(row_ids, allowed)
         for q, terms in enumerate(queries):
@@ -116,10 +95,8 @@ class BM25Index:
         """BM25 scores of one query for the passages `row_ids` (0 for a row not indexed)."""
         out = np.zeros(len(row_ids), dtype=np.float32)
         terms = tokenize([text])[0]
-        with self._lock:
-            self._refresh()
-            rows, retriever = self._row_ids, self._retriever
-        if retriever is None or not terms or not len(rows):
+        rows, retriever = self._current()
+        if retriever is None or not terms:
             return out
         s = np.asarray(retriever.get_scores(terms), dtype=np.float32)
         order = np.argsort(rows)
@@ -127,6 +104,12 @@ class BM25Index:
         found = rows[order[pos]] == row_ids
         out[found] = s[order[pos[found]]]
         return out
+
+    def _current(self):
+        """(row ids, retriever), the retriever rebuilt after writes (None: no passages)."""
+        with self._lock:
+            self._refresh()
+            return self._row_ids, self._retriever
 
     def _refresh(self) -> None:
         if not self._dirty:
@@ -144,7 +127,6 @@ class BM25Index:
     # -- files ----------------------------------------------------------------------------------
 
     def save(self, directory: Path, name: str) -> None:
-        """Write `directory/name/` atomically (tmp folder, fsync'd files, rename, fsync)."""
         with self._lock:
             self._refresh()
             write_dir_atomically(directory, name, self._write)
@@ -189,14 +171,9 @@ def passage_text(doc) -> str:
 SNAPSHOT_KEY = "bm25_snapshot"  # manifest metadata: the folder of the BM25 snapshot
 
 
-def snapshot_name(generation: int) -> str:
-    return f"bm25-{generation:06d}"
-
-
 def save_snapshot(vi, directory: Path, generation: int) -> None:
-    """Before a Faiss snapshot of `generation` is written: save the BM25 index (if the index
-    has one) and name it in `vi.metadata`, which goes into the same manifest."""
-    save_sidecar(vi._bm25, directory, snapshot_name(generation), vi.metadata, SNAPSHOT_KEY)
+    """Before a Faiss snapshot of `generation`: save `vi`'s BM25 index, if any (`save_sidecar`)."""
+    save_sidecar(vi._bm25, directory, f"bm25-{generation:06d}", vi.metadata, SNAPSHOT_KEY)
 
 
 def remove_stale(directory: Path, manifest: dict) -> None:
@@ -205,9 +182,8 @@ def remove_stale(directory: Path, manifest: dict) -> None:
 
 
 def load_snapshot(store, directory: Path, metadata: dict, applied_seq: int) -> BM25Index | None:
-    """The manifest's BM25 snapshot with the store's log past `applied_seq` replayed into it
-    (as `persist._replay` does for Faiss; call inside the same store read snapshot), or None
-    when the index has none. Raises `ValueError` for an unreadable snapshot."""
+    """The manifest's BM25 snapshot (None: none) with the store's log past `applied_seq`
+    replayed into it, inside the Faiss replay's store read snapshot; `ValueError` if unreadable."""
     name = metadata.get(SNAPSHOT_KEY)
     if not name:
         return None

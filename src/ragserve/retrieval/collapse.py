@@ -1,12 +1,8 @@
-"""Section collapsing: at most one passage per section in a ranked result (the contract and
-the section key: docs/architecture.md, "Section collapsing")::
+"""Section collapsing: at most one passage per section in a ranked result
+(docs/architecture.md, "Section collapsing")::
 
     ranked:    A#3  A#4  B#0  A#5  C#1  D#0  B#1  E#2 ...
     collapsed: A#3  B#0  C#1  D#0  E#2                    (topk = 5)
-
-A passage without a section (its `section_key` is itself, e.g. factbook passages) is never
-grouped; an index none of whose passages has one (`VectorIndex.has_sections`,
-`SECTIONED_SQL`) skips collapsing and stays plain Faiss.
 """
 
 from __future__ import annotations

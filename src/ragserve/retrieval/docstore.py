@@ -7,9 +7,8 @@ ops(seq PK AUTOINCREMENT, op 'add'|'del', row_id)                               
 meta(key PK, value)                                                                    dim, ...
 ```
 
-`row_id` is the Faiss id of a passage; it is never reused (AUTOINCREMENT), so an id seen in a
-partial search result can never come to mean another passage. A committed transaction is on disk
-(fsync'd WAL) when `upsert`/`delete` return.
+`row_id` is a passage's Faiss id, never reused (AUTOINCREMENT). A write is on disk (fsync'd
+WAL) when `upsert`/`delete` return.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.storage import fsync_dir
 from ragserve.retrieval.types import Document
 
 SCHEMA = """
@@ -34,34 +32,20 @@ CREATE TABLE IF NOT EXISTS ops (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, op TEXT NOT NULL, row_id INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-# NOTE: a float32 row of dim 768 (~3.1 KB) fills one 4 KiB page with ~1 KB to spare; 16 KiB
-# pages hold five, so a bulk-built store is ~20% smaller (and faster to write and to check).
-BULK_PAGE_SIZE = 16384
 
 
 class DocStore:
-    """Documents by Faiss row id and by string doc id; all methods are thread-safe.
-
-    `path=None` keeps everything in memory until `save_as(path)`.
-    """
+    """Documents by Faiss row id and by string doc id; thread-safe. `path=None`: in memory."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self._lock = threading.RLock()
-        self._conn = self._connect(path)
-
-    @staticmethod
-    def _connect(path: Path | None) -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            ":memory:" if path is None else str(path),
-            check_same_thread=False,
-            isolation_level=None,
-        )
+        name = ":memory:" if path is None else str(path)
+        self._conn = sqlite3.connect(name, check_same_thread=False, isolation_level=None)
         if path is not None:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-        conn.executescript(SCHEMA)
-        return conn
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(SCHEMA)
 
     def close(self) -> None:
         with self._lock:
@@ -74,13 +58,7 @@ class DocStore:
         added, removed = [], []
         with self._lock, self._txn():
             for doc, vec in zip(docs, np.asarray(vectors, dtype=np.float32), strict=False):
-                old = self._conn.execute(
-                    "SELECT row_id FROM docs WHERE doc_id = ?", (doc.id,)
-                ).fetchone()
-                if old is not None:
-                    self._conn.execute("DELETE FROM docs WHERE row_id = ?", old)
-                    self._conn.execute("INSERT INTO ops (op, row_id) VALUES ('del', ?)", old)
-                    removed.append(old[0])
+                removed += self._delete_row(doc.id)
                 cur = self._conn.execute(
                     "INSERT INTO docs (doc_id, title, text, metadata, vector) VALUES (?,?,?,?,?)",
                     (doc.id, doc.title, doc.text, json.dumps(doc.metadata), vec.tobytes()),
@@ -96,60 +74,17 @@ class DocStore:
         removed = []
         with self._lock, self._txn():
             for doc_id in doc_ids:
-                row = self._conn.execute(
-                    "SELECT row_id FROM docs WHERE doc_id = ?", (doc_id,)
-                ).fetchone()
-                if row is not None:
-                    self._conn.execute("DELETE FROM docs WHERE row_id = ?", row)
-                    self._conn.execute("INSERT INTO ops (op, row_id) VALUES ('del', ?)", row)
-                    removed.append(row[0])
+                removed += self._delete_row(doc_id)
         return removed
 
-    def bulk_load(self, docs: Sequence[Document], vectors: np.ndarray) -> int:
-        """Fill a fresh, empty store in one transaction; returns n = `len(docs)`.
-
-        Rows get ids 1..n in order and nothing is logged: the `ops` sequence is advanced to n,
-        the state `upsert` of the same rows followed by `truncate_log(n)` leaves, so a snapshot
-        with `applied_seq = n` covers them. A file store is written without a journal (a crash
-        leaves a broken file: build it in a scratch folder), fsync'd, then set back to WAL.
-        Duplicate `doc_id`s raise `ValueError`.
-        """
-        x = np.asarray(vectors, dtype=np.float32)
-        if x.ndim != 2 or len(x) != len(docs):
-            raise ValueError(f"need one vector per document: {len(docs)} docs, {x.shape} vectors")
-        with self._lock:
-            if self.count() or self.last_seq():
-                raise ValueError("bulk_load needs an empty store")
-            conn = self._conn
-            if self.path is not None:
-                conn.execute("PRAGMA journal_mode=DELETE")  # page_size cannot change under WAL
-                conn.execute(f"PRAGMA page_size={BULK_PAGE_SIZE}")
-                conn.execute("VACUUM")  # the file is empty: this only applies the page size
-                conn.execute("PRAGMA journal_mode=OFF")
-                conn.execute("PRAGMA synchronous=OFF")
-            conn.execute("PRAGMA cache_size=-1048576")  # 1 GiB for the doc_id index
-            try:
-                with self._txn():
-                    conn.execute(
-                        "INSERT OR REPLACE INTO meta VALUES ('dim', ?)", (str(x.shape[1]),)
-                    )
-                    conn.executemany(
-                        "INSERT INTO docs (row_id, doc_id, title, text, metadata, vector) "
-                        "VALUES (?,?,?,?,?,?)",
-                        _bulk_rows(docs, x),
-                    )
-                    conn.execute(
-                        "INSERT INTO sqlite_sequence (name, seq) VALUES ('ops', ?)", (len(x),)
-                    )
-            except sqlite3.IntegrityError as exc:
-                raise ValueError(f"document ids must be unique ({exc})") from None
-            finally:
-                conn.execute("PRAGMA cache_size=-2000")
-            if self.path is not None:
-                conn.execute("PRAGMA synchronous=FULL")
-                conn.execute("PRAGMA journal_mode=WAL")
-                fsync_dir(self.path)
-        return len(x)
+    def _delete_row(self, doc_id: str) -> list[int]:
+        """Inside a transaction: delete (and log) `doc_id`'s row; its row id, if any."""
+        row = self._conn.execute("SELECT row_id FROM docs WHERE doc_id = ?", (doc_id,)).fetchone()
+        if row is None:
+            return []
+        self._conn.execute("DELETE FROM docs WHERE row_id = ?", row)
+        self._conn.execute("INSERT INTO ops (op, row_id) VALUES ('del', ?)", row)
+        return [row[0]]
 
     def truncate_log(self, upto_seq: int) -> None:
         """Drop log entries already covered by a durable index snapshot."""
@@ -203,8 +138,7 @@ class DocStore:
         return ids, np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows])
 
     def get(self, keys: Sequence[int | str]) -> list[Document | None]:
-        """Documents by Faiss row id (int; negative → None) or by doc id (str); one query per
-        500 keys of each kind, results in the order of `keys`."""
+        """Documents by Faiss row id (int; negative → None) or by doc id (str), in order."""
         by_row = self._fetch(
             "row_id", sorted({int(k) for k in keys if not isinstance(k, str) and int(k) >= 0})
         )
@@ -223,13 +157,6 @@ class DocStore:
             for key, doc_id, title, text, meta in rows:
                 found[key] = Document(doc_id, text, title, json.loads(meta))
         return found
-
-    def row_ids_of(self, doc_ids: Sequence[str]) -> list[int | None]:
-        out = []
-        for doc_id in doc_ids:
-            rows = self._query("SELECT row_id FROM docs WHERE doc_id = ?", (doc_id,))
-            out.append(int(rows[0][0]) if rows else None)
-        return out
 
     def row_ids_where(self, where: str, args: Sequence = ()) -> np.ndarray:
         """Sorted int64 row ids of live documents matching an SQL `where` over `docs`
@@ -271,25 +198,15 @@ class DocStore:
         with self._lock:
             return self._conn.execute(sql, tuple(args)).fetchall()
 
-    def _txn(self):
-        return _Transaction(self._conn)
-
-
-class _Transaction:
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def __enter__(self) -> None:
-        self.conn.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
-
-
-def _bulk_rows(docs: Sequence[Document], x: np.ndarray) -> Iterator[tuple]:
-    for row_id, (doc, vec) in enumerate(zip(docs, x, strict=True), start=1):
-        meta = json.dumps(doc.metadata) if doc.metadata else "{}"
-        yield row_id, doc.id, doc.title, doc.text, meta, vec  # vec: buffer, stored as a BLOB
+    @contextmanager
+    def _txn(self) -> Iterator[None]:
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
 
 
 def _chunks(items: list, size: int):

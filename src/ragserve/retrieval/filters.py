@@ -3,7 +3,7 @@
 matches when any of its elements does.
 
 `validate_filter` checks the shape once at the edge; `filter_sql` compiles it for the document
-store (SQLite JSON functions); `matches` is the same predicate in Python (the tests' oracle).
+store (SQLite JSON functions).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def filter_sql(flt: Filter) -> tuple[str, list[Any]]:
     clauses, args = [], []
     for key, cond in flt.items():
         each = f"SELECT 1 FROM json_each(docs.metadata, '$.\"{key}\"') WHERE "
-        if isinstance(cond, dict):  # like `matches`: text bounds compare text, numbers numbers
+        if isinstance(cond, dict):  # text bounds compare text, numbers numbers
             kinds = "'text'" if isinstance(next(iter(cond.values())), str) else "'integer','real'"
             each += f"type IN ({kinds}) AND "
             each += " AND ".join(f"value {RANGE_OPS[op]} ?" for op in cond)
@@ -57,38 +57,3 @@ def filter_sql(flt: Filter) -> tuple[str, list[Any]]:
             args.append(cond)
         clauses.append(f"EXISTS ({each})")
     return " AND ".join(clauses) or "1", args
-
-
-def matches(metadata: dict[str, Any], flt: Filter | None) -> bool:
-    """Whether a passage's metadata passes `flt` (same rules as `filter_sql`)."""
-    for key, cond in (flt or {}).items():
-        if key not in metadata or metadata[key] is None:
-            return False
-        value = metadata[key]
-        values = value if isinstance(value, list) else [value]
-        if not any(_passes(v, cond) for v in values):
-            return False
-    return True
-
-
-def _passes(value: Any, cond: Any) -> bool:
-    if isinstance(cond, dict):
-        try:
-            return all(_compare(value, op, bound) for op, bound in cond.items())
-        except TypeError:
-            return False
-    if isinstance(cond, list):
-        return any(_equal(value, c) for c in cond)
-    return _equal(value, cond)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    return a == b and isinstance(a, str) == isinstance(b, str)
-
-
-def _compare(value: Any, op: str, bound: Any) -> bool:
-    if isinstance(value, str) != isinstance(bound, str):
-        return False
-    return {"gte": value >= bound, "gt": value > bound, "lte": value <= bound, "lt": value < bound}[
-        op
-    ]

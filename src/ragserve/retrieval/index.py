@@ -1,15 +1,11 @@
 """`VectorIndex`: a Faiss IVF index over a document store, with step-wise search and durable
-online upserts.
-
-Concurrency: searches take a shared lock; the in-memory index changes under an exclusive lock
-only after the change is durable in the document store (see `docstore.py`). Writers are
-serialised by a mutex so that the log order equals the order applied in memory.
+online upserts. Searches take a shared lock; the Faiss index changes under an exclusive lock,
+only after the store committed; writers are serialised, so the log order is the applied order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -26,7 +22,7 @@ from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
 from ragserve.retrieval.modes import SearchModesMixin
 from ragserve.retrieval.partition import AccessCounts
-from ragserve.retrieval.passages import PASSAGE_HEADERS, PassageMixin, check_header, passage_text
+from ragserve.retrieval.passages import PassageMixin, check_header, passage_text
 from ragserve.retrieval.persist import PersistMixin
 from ragserve.retrieval.rwlock import RWLock
 from ragserve.retrieval.types import (
@@ -43,18 +39,13 @@ if TYPE_CHECKING:
     from ragserve.retrieval.gpu_tier import GpuTier
     from ragserve.retrieval.partition import TierUpdater
 
-logger = logging.getLogger(__name__)
-
 
 class VectorIndex(
     GpuTierMixin, EnsembleMixin, PassageMixin, SearchModesMixin, PersistMixin, IndexEncoderMixin
 ):
-    """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2).
-
-    Ids in `TopK` are Faiss row ids (int64, never reused); `get_documents` maps them back.
-    An index built in memory becomes persistent with `save(dir)`; from then on every
-    `add_documents` / `delete_documents` is durable in `dir` before it returns.
-    """
+    """Documents embedded into a Faiss IVF index (IVF-Flat, SQ8 or PQ; IP or L2). `TopK` ids
+    are Faiss row ids (never reused). After `save(dir)` every write is durable in `dir` before
+    it returns."""
 
     def __init__(
         self,
@@ -95,31 +86,22 @@ class VectorIndex(
         corpus: Iterable[Document],
         embedder: Embedder,
         *,
-        nlist: int | None = None,
-        kind: str = "ivf_flat",
-        metric: str = "ip",
-        nprobe: int | None = None,
         progress: bool = False,
         passage_header: str = "path",
-        **index_kwargs: Any,
+        **kwargs: Any,
     ) -> VectorIndex:
-        """Embed `corpus` (passages) with `embedder`, train the IVF index and add everything.
-        `passage_header`: what an embedded passage starts with (`passage_text`), recorded."""
+        """Embed `corpus` with `embedder` (passages read as `passage_text(doc,
+        passage_header)`), then `from_vectors(..., **kwargs)` (nlist, kind, metric, nprobe...)."""
         docs = list(corpus)
-        vectors = embedder.encode(
-            [passage_text(d, passage_header) for d in docs], is_query=False, progress=progress
-        )
+        texts = [passage_text(d, passage_header) for d in docs]
+        vectors = embedder.encode(texts, is_query=False, progress=progress)
         return cls.from_vectors(
             docs,
             vectors,
             embedder_name=embedder.name,
-            nlist=nlist,
-            kind=kind,
-            metric=metric,
-            nprobe=nprobe,
             embedder=embedder,
             passage_header=passage_header,
-            **index_kwargs,
+            **kwargs,
         )
 
     @classmethod
@@ -175,11 +157,8 @@ class VectorIndex(
         state: TopK | None = None,
     ) -> TopK:
         """Scan the given clusters of each query and merge into `state` (a previous `TopK`).
-
-        Pass a `ProbePlan` slice (`plan.columns(a, b)`, `plan.take(ranks)`) to be bit-exact for
-        every kind; a bare int array `[n, w]` (`-1` pads) has its coarse distances recomputed,
-        which is exact for IVF-Flat and L2 SQ8, and within float rounding otherwise.
-        """
+        A `ProbePlan` slice is bit-exact for every kind; a bare int array `[n, w]` (`-1` pads)
+        has its coarse distances recomputed (exact for IVF-Flat and L2 SQ8)."""
         plan = cluster_ids_per_query
         if not isinstance(plan, ProbePlan):
             plan = self._plan_for(queries, np.asarray(plan, dtype=np.int64))
@@ -222,37 +201,17 @@ class VectorIndex(
         filter: dict[str, Any] | None = None,  # noqa: A002 - the API's name (see filters.py)
         collapse_sections: bool | None = None,
     ) -> list[list[ScoredDocument]]:
-        """Search with query texts, best first: `mode` "dense" (Faiss), "bm25", "hybrid"
-        (both fused by reciprocal rank fusion), "ensemble" (two encoders + BM25, z-scored;
-        `ensemble.py`); None: `default_mode`; optionally
-        `filter`ed on metadata (`filters.py`), with at most one passage per section when
-        `collapse_sections` (None: the index's `collapse_sections`; `collapse.py`). Dense,
-        unfiltered and uncollapsed, this is exactly `search`. See `modes.py`."""
+        """Search with query texts, best first, in `mode` (`modes.MODES`; None: `default_mode`),
+        optionally `filter`ed on metadata and collapsed to one passage per section (None: the
+        index's `collapse_sections`). Dense, unfiltered and uncollapsed, this is `search`."""
         mode = mode or self.default_mode
         collapse_sections = self.collapses(collapse_sections)
         if mode == "dense" and filter is None and not collapse_sections:
             result = self.search(self.embedder.encode(list(texts), is_query=True), topk, nprobe)
             return self.documents_of(result)
         return self._search_text_modes(
-            texts,
-            topk,
-            nprobe=nprobe,
-            mode=mode,
-            flt=filter,
-            collapse_sections=collapse_sections,
+            texts, topk, nprobe=nprobe, mode=mode, flt=filter, collapse_sections=collapse_sections
         )
-
-    def search_selected(
-        self, queries: np.ndarray, topk: int, nprobe: int, row_ids: np.ndarray
-    ) -> TopK:
-        """IVF search restricted to `row_ids` (Faiss id selector), `nprobe` clusters."""
-        selector = faiss.IDSelectorBatch(np.ascontiguousarray(row_ids, dtype=np.int64))
-        params = faiss.SearchParametersIVF(sel=selector, nprobe=nprobe)  # keeps no reference
-        with self._rw.read():
-            scores, ids = self._index.search(
-                np.ascontiguousarray(queries, dtype=np.float32), topk, params=params
-            )
-        return TopK(ids, scores)
 
     def allowed_row_ids(self, filter: dict[str, Any]) -> np.ndarray:  # noqa: A002
         """Sorted row ids of the live documents whose metadata passes `filter`."""
@@ -286,7 +245,7 @@ class VectorIndex(
             dist = np.einsum("nd,nwd->nw", q, c)
         return ProbePlan(cluster_ids, np.where(cluster_ids < 0, 0, dist).astype(np.float32))
 
-    # -- documents ------------------------------------------------------------------------------
+    # -- documents (save / load / compact and the writer lock: persist.py) -----------------------
 
     def get_documents(self, ids: Iterable[int | str]) -> list[Document | None]:
         """Documents by Faiss row id (as in `TopK.ids`; `-1` → None) or by document id (str)."""
@@ -294,9 +253,7 @@ class VectorIndex(
 
     def add_documents(self, docs: Sequence[Document], vectors: np.ndarray | None = None) -> None:
         """Insert or replace (by `id`) documents; durable on disk before this returns.
-
-        `vectors` (`[len(docs), dim]`) skips embedding, for callers that embedded already.
-        """
+        `vectors` (`[len(docs), dim]`) skips embedding, for callers that embedded already."""
         docs = list(docs)
         if not docs:
             return
@@ -309,11 +266,28 @@ class VectorIndex(
                 from ragserve.retrieval.collapse import has_section
 
                 self._sectioned = any(has_section(d) for d in docs)
+            self._apply(docs, x, side, added, removed)
+
+    def delete_documents(self, doc_ids: Iterable[str]) -> int:
+        """Delete documents by id (unknown ids are ignored); durable before this returns.
+        Returns how many were deleted."""
+        with self._write_mutex:
+            self._claim_writer()
+            removed = self._store.delete(list(doc_ids))
+            self._apply([], np.zeros((0, self.spec.dim), np.float32), None, [], removed)
+        return len(removed)
+
+    def _apply(self, docs: list[Document], x: np.ndarray, side, added: list, removed: list):
+        """Mirror a committed store change (rows `added` = `docs` with vectors `x`, rows
+        `removed`) into Faiss, the GPU tier, BM25 and the ensemble's side index; compact when
+        due."""
+        if added or removed:
             with self._rw.write():
                 before = self._list_sizes() if self._tier is not None else None
                 if removed:
                     self._index.remove_ids(np.asarray(removed, dtype=np.int64))
-                self._index.add_with_ids(x, np.asarray(added, dtype=np.int64))
+                if added:
+                    self._index.add_with_ids(x, np.asarray(added, dtype=np.int64))
                 self._cluster_map = None
                 if before is not None:
                     _, dest = self._index.quantizer.search(x, 1)
@@ -324,31 +298,11 @@ class VectorIndex(
 
                 texts = [passage_text(d) for d in docs]
                 self._bm25.apply(list(zip(added, texts, strict=True)), removed, self._store)
-            if self._side is not None:
+            if self._side is not None and added:
                 self._apply_side(docs, side, added, removed)
-            self._maybe_compact()
-
-    def delete_documents(self, doc_ids: Iterable[str]) -> int:
-        """Delete documents by id (unknown ids are ignored); durable before this returns.
-
-        Returns how many were deleted.
-        """
-        with self._write_mutex:
-            self._claim_writer()
-            removed = self._store.delete(list(doc_ids))
-            if removed:
-                with self._rw.write():
-                    before = self._list_sizes() if self._tier is not None else None
-                    self._index.remove_ids(np.asarray(removed, dtype=np.int64))
-                    self._cluster_map = None
-                    if before is not None:
-                        self._invalidate_tier(np.flatnonzero(self._list_sizes() != before))
-                if self._bm25 is not None:
-                    self._bm25.apply([], removed, self._store)
-                if self._side is not None:
-                    self._side.apply(np.zeros(0, np.int64), None, removed)
-            self._maybe_compact()
-        return len(removed)
+            elif self._side is not None:
+                self._side.apply(np.zeros(0, np.int64), None, removed)
+        self._maybe_compact()
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -374,22 +328,9 @@ class VectorIndex(
         """int64 `[nlist]`: bytes a scan reads per cluster (list size × code size)."""
         return self.cluster_sizes() * int(self._index.code_size)
 
-    def indexed_ids(self) -> np.ndarray:
-        """Sorted int64 ids of every vector in the inverted lists."""
-        invlists = self._index.invlists
-        parts = []
-        with self._rw.read():
-            for c in range(self.spec.nlist):
-                n = invlists.list_size(c)
-                if n:
-                    parts.append(faiss.rev_swig_ptr(invlists.get_ids(c), n).copy())
-        return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
-
     def clusters_of(self, ids: np.ndarray) -> np.ndarray:
-        """int64: the inverted list holding each Faiss row id (``-1`` for unknown ids).
-
-        The id -> list map is built on first use and rebuilt after any upsert or delete.
-        """
+        """int64: the inverted list holding each Faiss row id (``-1`` for unknown ids); the map
+        is built on first use after any write."""
         with self._rw.read():
             cmap = self._cluster_map
             if cmap is None:
@@ -404,21 +345,16 @@ class VectorIndex(
     def check_integrity(self) -> None:
         """Assert the Faiss index holds exactly the document store's live rows."""
         with self._write_mutex:
-            in_index = self.indexed_ids()
             in_store, _ = self._store.vectors()
-        assert np.array_equal(in_index, in_store), (
-            f"index/store mismatch: {len(in_index)} indexed, {len(in_store)} stored, "
-            f"{len(np.setxor1d(in_index, in_store))} differ"
-        )
-        if self._bm25 is not None:
-            in_bm25 = self._bm25.row_ids()
-            assert np.array_equal(in_bm25, in_store), (
-                f"BM25/store mismatch: {len(in_bm25)} in BM25, {len(in_store)} stored"
-            )
-        if self._side is not None and self._side_synced:
-            in_side = self._side.row_ids()
-            assert np.array_equal(in_side, in_store), (
-                f"ensemble/store mismatch: {len(in_side)} in the side index, {len(in_store)} stored"
+            held = {"Faiss": IdLists.of(self._index).ids}
+            if self._bm25 is not None:
+                held["BM25"] = self._bm25.row_ids()
+            if self._side is not None and self._side_synced:
+                held["ensemble"] = self._side.row_ids()
+        for name, ids in held.items():
+            assert np.array_equal(ids, in_store), (
+                f"{name}/store mismatch: {len(ids)} in {name}, {len(in_store)} stored, "
+                f"{len(np.setxor1d(ids, in_store))} differ"
             )
 
     def search_profile(self):
@@ -432,11 +368,7 @@ class VectorIndex(
         sizes = self.cluster_sizes()
         return {
             "directory": str(self.directory) if self.directory else None,
-            "kind": self.spec.kind,
-            "metric": self.spec.metric,
-            "dim": self.spec.dim,
-            "nlist": self.spec.nlist,
-            "nprobe": self.spec.nprobe,
+            **dataclasses.asdict(self.spec),  # dim, nlist, kind, metric, embedder, nprobe
             "nprobe_calibration": self.metadata.get("nprobe_calibration"),
             "default_mode": self.default_mode,
             "collapse_sections": self.collapse_sections,
@@ -444,7 +376,6 @@ class VectorIndex(
             "passage_header": self.passage_header,
             "ensemble": self.metadata.get("ensemble"),
             "finetune_encoder": self.metadata.get("finetune_encoder"),
-            "embedder": self.spec.embedder,
             "num_documents": self.num_documents,
             "code_size_bytes": int(self._index.code_size),
             "cluster_size_min": int(sizes.min()),
@@ -454,43 +385,7 @@ class VectorIndex(
             "pending_log_entries": self._store.last_seq() - self.applied_seq,
         }
 
-    # -- writes' bookkeeping (save / load / compact: persist.py) --------------------------------
-
-    def _claim_writer(self) -> None:
-        """Hold `DIR/writer.lock` (flock) from the first write on: one writing process per
-        index folder; the OS releases it if the process dies."""
-        if self.directory is None or self._writer_lock is not None:
-            return
-        import fcntl
-
-        f = open(self.directory / "writer.lock", "w")  # noqa: SIM115 - held for the lifetime
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise RuntimeError(
-                f"{self.directory} is being written by another process; one writer per index"
-            ) from None
-        self._writer_lock = f
-
-    def _maybe_compact(self) -> None:
-        pending = self._store.last_seq() - self.applied_seq
-        if self.directory is not None and pending >= self.compact_every:
-            self.compact()
-
     def close(self) -> None:
         self.drop_gpu_tier()
         self._store.close()
-        if self._writer_lock is not None:
-            self._writer_lock.close()
-            self._writer_lock = None
-
-
-__all__ = [
-    "PASSAGE_HEADERS",
-    "IndexSpec",
-    "VectorIndex",
-    "auto_nlist",
-    "check_header",
-    "passage_text",
-]
+        self._release_writer()

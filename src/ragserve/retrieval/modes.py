@@ -1,14 +1,13 @@
-"""Search modes beyond one-shot dense search (docs/architecture.md, "Search modes"): filtered
-dense search (exact brute force over a small matching subset, else an IVF id selector with
-`nprobe` doubled until `topk` hits), BM25, hybrid (reciprocal rank fusion) and ensemble
-(`ensemble.py`), each optionally collapsed to one passage per section (`collapse.py`).
-"""
+"""`VectorIndex.search_text`'s modes (docs/architecture.md, "Search modes"): dense, BM25,
+hybrid (reciprocal rank fusion) and ensemble (`ensemble.py`), each optionally filtered on
+metadata (`filters.py`) and collapsed to one passage per section (`collapse.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import faiss
 import numpy as np
 
 from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
@@ -40,29 +39,36 @@ def rrf_fuse(rankings: Sequence[np.ndarray], topk: int, k: int = RRF_K) -> list[
     return order[:topk]
 
 
+def _no_hits(n: int, topk: int) -> TopK:
+    return TopK(np.full((n, topk), -1, dtype=np.int64), np.zeros((n, topk), dtype=np.float32))
+
+
 class SearchModesMixin:
     """`VectorIndex.search_text`'s modes, filters and collapsing (module doc)."""
 
     def _filtered_search(
         self, queries: np.ndarray, topk: int, nprobe: int | None, allowed: np.ndarray
     ) -> TopK:
-        """Dense top-`topk` among the row ids `allowed` (sorted int64)."""
+        """Dense top-`topk` among the row ids `allowed` (sorted int64): brute force over a
+        small set, else a Faiss id selector with `nprobe` doubled until `topk` hits."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if len(allowed) <= EXHAUSTIVE_FILTER_MAX:
             return self._brute_force(q, topk, allowed)
+        selector = faiss.IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
         probe = nprobe or self.spec.nprobe
         while True:
-            found = self.search_selected(q, topk, probe, allowed)
-            if probe >= self.nlist or (found.ids >= 0).all():
-                return found
+            params = faiss.SearchParametersIVF(sel=selector, nprobe=probe)  # keeps no reference
+            with self._rw.read():
+                scores, ids = self._index.search(q, topk, params=params)
+            if probe >= self.nlist or (ids >= 0).all():
+                return TopK(ids, scores)
             probe = min(self.nlist, probe * 2)
 
     def _brute_force(self, q: np.ndarray, topk: int, allowed: np.ndarray) -> TopK:
-        ids = np.full((len(q), topk), -1, dtype=np.int64)
-        scores = np.zeros((len(q), topk), dtype=np.float32)
+        out = _no_hits(len(q), topk)
         row_ids, x = self.vectors_of(allowed)
         if not len(row_ids):
-            return TopK(ids, scores)
+            return out
         if self.spec.is_l2:
             s = (q * q).sum(1)[:, None] - 2 * q @ x.T + (x * x).sum(1)[None, :]
             order = np.argsort(s, axis=1, kind="stable")[:, :topk]
@@ -70,9 +76,9 @@ class SearchModesMixin:
             s = q @ x.T
             order = np.argsort(-s, axis=1, kind="stable")[:, :topk]
         n = order.shape[1]
-        ids[:, :n] = row_ids[order]
-        scores[:, :n] = np.take_along_axis(s, order, axis=1)
-        return TopK(ids, scores)
+        out.ids[:, :n] = row_ids[order]
+        out.scores[:, :n] = np.take_along_axis(s, order, axis=1)
+        return out
 
     def _search_text_modes(
         self,
@@ -84,11 +90,10 @@ class SearchModesMixin:
         flt: Filter | None,
         collapse_sections: bool = False,
     ) -> list[list[ScoredDocument]]:
-        """`VectorIndex.search_text` for every mode and filter (scores: dense → the Faiss score,
-        bm25 → the BM25 score, hybrid → the fused RRF score). With `collapse_sections`, at most one
-        passage per section (`collapse.py`): a query whose top `topk` hold a section twice is
-        searched again `FETCH_FACTOR` times deeper, until it has `topk` sections or its ranking
-        ran out; a query whose top `topk` are distinct sections gets exactly them."""
+        """`search_text` for every mode and filter (scores: dense → Faiss's, bm25 → BM25's,
+        hybrid → the fused RRF score). Collapsing searches a query whose top `topk` hold a
+        section twice again `FETCH_FACTOR` times deeper, until it has `topk` sections or its
+        ranking ran out."""
         check_mode(mode)
         allowed = self.allowed_row_ids(flt) if flt is not None else None
         texts = list(texts)
@@ -124,8 +129,8 @@ class SearchModesMixin:
         allowed: np.ndarray | None,
         side_vectors: np.ndarray | None = None,
     ) -> list[list[ScoredDocument]]:
-        """Uncollapsed top `topk` per query (`vectors`: the embedded `texts`, None for bm25;
-        `side_vectors`: the texts under the ensemble's side encoder, mode "ensemble")."""
+        """Uncollapsed top `topk` per query (`vectors`: `texts` embedded, None for bm25;
+        `side_vectors`: under the ensemble's side encoder)."""
         if mode == "bm25":
             return self.documents_of(self.bm25().search(texts, topk, allowed))
         if mode == "ensemble":
@@ -136,13 +141,12 @@ class SearchModesMixin:
         if mode == "dense":
             return self.documents_of(dense)
         lexical = self.bm25().search(texts, depth, allowed)
-        fused = [rrf_fuse([d, b], topk) for d, b in zip(dense.ids, lexical.ids, strict=True)]
-        ids = np.full((len(texts), topk), -1, dtype=np.int64)
-        scores = np.zeros((len(texts), topk), dtype=np.float32)
-        for q, hits in enumerate(fused):
-            ids[q, : len(hits)] = [i for i, _ in hits]
-            scores[q, : len(hits)] = [s for _, s in hits]
-        return self.documents_of(TopK(ids, scores))
+        out = _no_hits(len(texts), topk)
+        for q, (d, b) in enumerate(zip(dense.ids, lexical.ids, strict=True)):
+            hits = rrf_fuse([d, b], topk)
+            out.ids[q, : len(hits)] = [i for i, _ in hits]
+            out.scores[q, : len(hits)] = [s for _, s in hits]
+        return self.documents_of(out)
 
     def _dense(self, vectors, topk: int, nprobe: int | None, allowed: np.ndarray | None) -> TopK:
         if allowed is None:
@@ -158,9 +162,8 @@ class SearchModesMixin:
         nprobe: int | None,
         allowed: np.ndarray | None,
     ) -> TopK:
-        """Mode "ensemble" (`ensemble.py`): the pool of each ranker's top `depth`, every
-        member scored exactly by each ranker, z-scored per ranker and summed with the
-        configured weights."""
+        """The pool of each ranker's top `depth`, every member scored exactly by each ranker,
+        z-scored per ranker and summed with the configured weights (`ensemble.py`)."""
         from ragserve.retrieval.ensemble import fuse
 
         config = self.ensemble_config
@@ -170,8 +173,7 @@ class SearchModesMixin:
         rankings.append(side.search(side_queries, depth, allowed).ids)
         if config.bm25_weight:
             rankings.append(self.bm25().search(texts, depth, allowed).ids)
-        ids = np.full((len(texts), topk), -1, dtype=np.int64)
-        scores = np.zeros((len(texts), topk), dtype=np.float32)
+        out = _no_hits(len(texts), topk)
         for q in range(len(texts)):
             seen = np.concatenate([r[q] for r in rankings])
             pool = seen[np.sort(np.unique(seen, return_index=True)[1])]  # first-seen order
@@ -189,5 +191,5 @@ class SearchModesMixin:
             if config.bm25_weight:
                 parts.append((config.bm25_weight, self.bm25().scores_of(texts[q], pool)))
             top, fused = fuse(pool, parts, topk)
-            ids[q, : len(top)], scores[q, : len(top)] = top, fused
-        return TopK(ids, scores)
+            out.ids[q, : len(top)], out.scores[q, : len(top)] = top, fused
+        return out

@@ -1,6 +1,5 @@
-"""`VectorIndex`'s text side: what an embedded passage reads (`passage_text`, the recorded
-`passage_header`), the search modes recorded at build (`default_mode`, `collapse_sections`),
-section collapsing's check (`has_sections`) and the BM25 side index built on first use."""
+"""`VectorIndex`'s text side: what an embedded passage reads (`passage_text`), the search
+defaults recorded at build, section collapsing's check and the BM25 side index."""
 
 from __future__ import annotations
 
@@ -13,19 +12,16 @@ if TYPE_CHECKING:
 
 
 class PassageMixin:
-    """The text side of `VectorIndex` (module doc); needs its `metadata`, `_store`,
-    `_write_mutex`, `_bm25` and `_sectioned`."""
+    """Needs `VectorIndex`'s `metadata`, `_store`, `_write_mutex`, `_bm25` and `_sectioned`."""
 
     @property
     def default_mode(self) -> str:
-        """The search mode of `search_text(mode=None)`: recorded at build (`metadata`), else
-        "dense"."""
+        """`search_text(mode=None)`'s mode: recorded at build, else "dense"."""
         return str(self.metadata.get("default_mode", "dense"))
 
     @property
     def passage_header(self) -> str:
-        """What embedded passages start with (`passage_text`): recorded at build, else "path"
-        (indexes built before the option embedded the heading path)."""
+        """What embedded passages start with (`passage_text`): recorded at build, else "path"."""
         return str(self.metadata.get("passage_header", "path"))
 
     def embed_text(self, doc: Document) -> str:
@@ -34,15 +30,13 @@ class PassageMixin:
 
     @property
     def collapse_sections(self) -> bool:
-        """Whether `search_text(collapse_sections=None)` keeps one passage per section:
-        recorded at build (`metadata`), else True (also for indexes built before the switch)."""
+        """Whether `search_text(collapse_sections=None)` collapses: recorded at build, else True."""
         return bool(self.metadata.get("collapse_sections", True))
 
     @property
     def has_sections(self) -> bool:
-        """Whether some passage shares a section with others (`collapse.section_key`); an
-        index without one (factbook, synthetic corpora) collapses nothing. Stays True after
-        the sectioned passages are deleted (collapsing them away is then a no-op)."""
+        """Whether some passage may share a section (`collapse.has_section`); an index without
+        one collapses nothing. Stays True after such passages are deleted (a no-op then)."""
         if self._sectioned is None:
             from ragserve.retrieval.collapse import SECTIONED_SQL
 
@@ -50,8 +44,8 @@ class PassageMixin:
         return self._sectioned
 
     def collapses(self, collapse_sections: bool | None) -> bool:
-        """Whether a search asking `collapse_sections` (None: the index's `collapse_sections`)
-        collapses: asked and `has_sections`. False means its results are the plain ranking."""
+        """Whether a search asking `collapse_sections` (None: the index's) collapses: asked and
+        `has_sections`."""
         if collapse_sections is None:
             collapse_sections = self.collapse_sections
         elif not isinstance(collapse_sections, bool):
@@ -82,9 +76,8 @@ def check_header(header: str) -> str:
 
 
 def passage_text(doc: Document, header: str = "path") -> str:
-    """What the embedder sees of a passage: with header "path", its title (the heading path,
-    `"Tutorial > Data Structures > Sets"`) in front, `"<title>: <text>"`; with "none", the
-    text alone. The text shown to the LLM is always `doc.text`."""
+    """What the embedder sees of a passage: header "path": `"<title>: <text>"` (the title is
+    the heading path), "none": the text alone. The LLM always sees `doc.text`."""
     if header == "path" and doc.title and not doc.text.startswith(doc.title):
         return f"{doc.title}: {doc.text}"
     return doc.text

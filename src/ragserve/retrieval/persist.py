@@ -1,18 +1,19 @@
-"""Saving, loading and compacting a `VectorIndex` directory (layout in `storage.py`):
-`PersistMixin`, `VectorIndex`'s `save` / `load` / `compact`.
-
-Recovery on load: snapshot (verified by checksum) + replay of the document store's op log past
-the snapshot's `applied_seq`. The replay is idempotent (remove, then re-add live rows), so a
-crash between any two steps of an upsert or a compaction recovers to the acknowledged state.
+"""`PersistMixin`: `VectorIndex`'s `save` / `load` / `compact` of an index folder (layout in
+`storage.py`). A load verifies the snapshot's checksum and replays the store's op log past its
+`applied_seq`; the replay is idempotent (remove, then re-add live rows), so a crash between any
+two steps of an upsert or a compaction recovers to the acknowledged state.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import hashlib
 import logging
 import shutil
 import sqlite3
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,18 +46,40 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-
 _Index = TypeVar("_Index", bound="PersistMixin")
+_LOAD_ATTEMPTS = 20  # each retry needs a compaction to have finished since the last one
 
 
 class PersistMixin:
     """`VectorIndex`'s side on disk; needs its `_store`, `_write_mutex`, `_writer_lock`,
-    `directory`, `generation`, `applied_seq`, `metadata`, `spec` and `serialize`."""
+    `directory`, `generation`, `applied_seq`, `compact_every`, `metadata`, `spec`, `serialize`."""
 
     def save(self, directory: str | Path) -> Path:
         """Write the index to `directory` (new or empty; or its own directory = compaction),
         atomically, then attach the index to it."""
-        return _save(self, Path(directory))
+        directory = Path(directory).absolute()
+        if self.directory is not None and directory == self.directory:
+            self.compact()
+            return directory
+        tmp = scratch_dir(directory)
+        with self._write_mutex:
+            data, seq = self.serialize(), self._store.last_seq()
+            try:
+                self._store.copy_to(tmp / DOCSTORE)
+                copy = DocStore(tmp / DOCSTORE)
+                copy.truncate_log(seq)
+                copy.close()
+                _write_generation(self, tmp, data, 1, seq)
+                publish_dir(tmp, directory)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # NOTE: a failed save leaves no folder
+                raise
+            old, self._store = self._store, DocStore(directory / DOCSTORE)
+            old.close()
+            self._release_writer()  # the old folder is no longer written by this index
+            self.directory, self.generation, self.applied_seq = directory, 1, seq
+        logger.info("saved index (%d vectors) to %s", self.num_documents, directory)
+        return directory
 
     @classmethod
     def load(
@@ -83,35 +106,50 @@ class PersistMixin:
 
     def compact(self) -> None:
         """Write a fresh snapshot covering the whole log, then drop the covered log entries."""
-        _compact(self)
+        if self.directory is None:
+            raise ValueError("the index has no directory yet: call save(dir) first")
+        with self._write_mutex:  # NOTE: upserts wait during a compaction; searches do not.
+            self._claim_writer()
+            data, seq, generation = self.serialize(), self._store.last_seq(), self.generation + 1
+            with snapshot_lock(self.directory, exclusive=True):  # loads see before or after
+                manifest = _write_generation(self, self.directory, data, generation, seq)
+                remove_stale_files(self.directory, manifest)
+                bm25.remove_stale(self.directory, manifest)
+                ensemble.remove_stale(self.directory, manifest)
+                self._store.truncate_log(seq)
+            self.generation, self.applied_seq = generation, seq
+        logger.info("compacted %s to generation %d (log seq %d)", self.directory, generation, seq)
 
+    def _maybe_compact(self) -> None:
+        pending = self._store.last_seq() - self.applied_seq
+        if self.directory is not None and pending >= self.compact_every:
+            self.compact()
 
-def _save(vi, directory: Path) -> Path:
-    directory = directory.absolute()
-    if vi.directory is not None and directory == vi.directory:
-        _compact(vi)
-        return directory
-    tmp = scratch_dir(directory)
-    with vi._write_mutex:
-        data = vi.serialize()
-        seq = vi._store.last_seq()
+    def _claim_writer(self) -> None:
+        """Hold `DIR/writer.lock` (flock) from the first write on: one writer per folder."""
+        if self.directory is None or self._writer_lock is not None:
+            return
+        f = open(self.directory / "writer.lock", "w")  # noqa: SIM115 - held for the lifetime
         try:
-            _write_files(vi, tmp, data, seq)
-            publish_dir(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # NOTE: a failed save leaves no partial folder
-            raise
-        old, vi._store = vi._store, DocStore(directory / DOCSTORE)
-        old.close()
-        if vi._writer_lock is not None:  # the old folder is no longer written by this index
-            vi._writer_lock.close()
-            vi._writer_lock = None
-        vi.directory, vi.generation, vi.applied_seq = directory, 1, seq
-    logger.info("saved index (%d vectors) to %s", vi.num_documents, directory)
-    return directory
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise RuntimeError(
+                f"{self.directory} is being written by another process; one writer per index"
+            ) from None
+        self._writer_lock = f
+
+    def _release_writer(self) -> None:
+        if self._writer_lock is not None:
+            self._writer_lock.close()
+            self._writer_lock = None
 
 
-_LOAD_ATTEMPTS = 20  # each retry needs a compaction to have finished since the last one
+def _write_generation(vi, directory: Path, data: np.ndarray, generation: int, seq: int) -> dict:
+    """The side snapshots, then the Faiss snapshot `data` and the manifest naming them all."""
+    bm25.save_snapshot(vi, directory, generation)
+    ensemble.save_snapshot(vi, directory, generation)
+    return write_snapshot(directory, vi.spec, vi._index, data, generation, seq, vi.metadata)
 
 
 def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedder | None):
@@ -125,6 +163,7 @@ def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedde
     store_path = directory / DOCSTORE
     if not store_path.is_file():
         raise IndexCorruptError(store_path, "file missing")
+    metadata = dict(manifest.get("metadata") or {})
     store = None
     try:
         store = DocStore(store_path)
@@ -132,20 +171,17 @@ def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedde
         with store.read_snapshot():
             _replay(index, store, manifest["applied_seq"])
             count = store.count()
-            lexical = _load_bm25(store, directory, manifest)
-    except sqlite3.DatabaseError as exc:
+            load = partial(bm25.load_snapshot, store, directory, metadata, manifest["applied_seq"])
+            lexical = _sidecar(load, directory, metadata, bm25.SNAPSHOT_KEY)
+        if count != index.ntotal:
+            reason = f"holds {count} documents but the index has {index.ntotal} vectors"
+            raise IndexCorruptError(store_path, reason)
+    except BaseException as exc:
         if store is not None:
             store.close()
-        raise IndexCorruptError(store_path, f"SQLite error: {exc}") from None
-    except IndexCorruptError:
-        store.close()
+        if isinstance(exc, sqlite3.DatabaseError):
+            raise IndexCorruptError(store_path, f"SQLite error: {exc}") from None
         raise
-    if count != index.ntotal:
-        store.close()
-        raise IndexCorruptError(
-            store_path, f"holds {count} documents but the index has {index.ntotal} vectors"
-        )
-    metadata = dict(manifest.get("metadata") or {})
     spec = IndexSpec(
         manifest["dim"],
         manifest["nlist"],
@@ -159,9 +195,10 @@ def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedde
     vi.applied_seq = int(manifest["applied_seq"])
     vi.metadata = metadata
     vi._bm25 = lexical
-    try:
-        vi._side = _load_side(directory, vi.metadata)  # synced with the store on first use
-        if vi.metadata.get("query_adapter"):  # NOTE: a silently different ranking otherwise
+    try:  # the side index is synced with the store on first use
+        load = partial(ensemble.load_snapshot, directory, metadata)
+        vi._side = _sidecar(load, directory, metadata, ensemble.SNAPSHOT_KEY)
+        if metadata.get("query_adapter"):  # NOTE: a silently different ranking otherwise
             reason = "the query adapter was removed after e82677a: rebuild the index without it"
             raise IndexCorruptError(directory / "query_adapter.npy", reason)
     except IndexCorruptError:
@@ -170,53 +207,12 @@ def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedde
     return vi
 
 
-def _load_bm25(store: DocStore, directory: Path, manifest: dict[str, Any]):
-    metadata = manifest.get("metadata") or {}
+def _sidecar(load, directory: Path, metadata: dict[str, Any], key: str) -> Any:
+    """`load()`, a side snapshot; its `ValueError` becomes one naming the folder."""
     try:
-        return bm25.load_snapshot(store, directory, metadata, manifest["applied_seq"])
+        return load()
     except ValueError as exc:
-        raise IndexCorruptError(directory / metadata[bm25.SNAPSHOT_KEY], str(exc)) from None
-
-
-def _load_side(directory: Path, metadata: dict[str, Any]):
-    try:
-        return ensemble.load_snapshot(directory, metadata)
-    except ValueError as exc:
-        raise IndexCorruptError(directory / metadata[ensemble.SNAPSHOT_KEY], str(exc)) from None
-
-
-def _write_files(vi, tmp: Path, data: np.ndarray, seq: int) -> None:
-    """Generation 1 of `vi` in the empty folder `tmp`: store (log past `seq` cut), side
-    snapshots, Faiss snapshot, manifest last."""
-    vi._store.copy_to(tmp / DOCSTORE)
-    copy = DocStore(tmp / DOCSTORE)
-    copy.truncate_log(seq)
-    copy.close()
-    bm25.save_snapshot(vi, tmp, generation=1)
-    ensemble.save_snapshot(vi, tmp, generation=1)
-    write_snapshot(tmp, vi.spec, vi._index, data, 1, seq, vi.metadata)
-
-
-def _compact(vi) -> None:
-    if vi.directory is None:
-        raise ValueError("the index has no directory yet: call save(dir) first")
-    with vi._write_mutex:  # NOTE: upserts wait during a compaction; searches do not.
-        vi._claim_writer()
-        data = vi.serialize()
-        seq = vi._store.last_seq()
-        generation = vi.generation + 1
-        bm25.save_snapshot(vi, vi.directory, generation)
-        ensemble.save_snapshot(vi, vi.directory, generation)
-        with snapshot_lock(vi.directory, exclusive=True):  # loads see before or after, whole
-            manifest = write_snapshot(
-                vi.directory, vi.spec, vi._index, data, generation, seq, vi.metadata
-            )
-            remove_stale_files(vi.directory, manifest)
-            bm25.remove_stale(vi.directory, manifest)
-            ensemble.remove_stale(vi.directory, manifest)
-            vi._store.truncate_log(seq)
-        vi.generation, vi.applied_seq = generation, seq
-    logger.info("compacted %s to generation %d (log seq %d)", vi.directory, generation, seq)
+        raise IndexCorruptError(directory / metadata[key], str(exc)) from None
 
 
 def write_snapshot(
@@ -228,7 +224,7 @@ def write_snapshot(
     applied_seq: int,
     metadata: dict[str, Any],
 ) -> dict[str, Any]:
-    """Write ``data`` (``index`` serialised) as generation ``generation``'s snapshot, then the
+    """Write `data` (`index` serialised) as generation `generation`'s snapshot, then the
     manifest naming it; returns the manifest."""
     name = snapshot_name(generation)
     atomic_write_bytes(directory / name, memoryview(data))
@@ -258,15 +254,16 @@ def build_manifest(
     metadata: dict[str, Any],
 ) -> dict[str, Any]:
     """The manifest of a snapshot file `snapshot` of `index` (written by the caller)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ragserve_version = version("ragserve")
+    except PackageNotFoundError:
+        ragserve_version = "unknown"
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "dim": spec.dim,
-        "kind": spec.kind,
-        "metric": spec.metric,
-        "nlist": spec.nlist,
-        "nprobe": spec.nprobe,
-        "embedder": spec.embedder,
+        **dataclasses.asdict(spec),  # dim, nlist, kind, metric, embedder, nprobe
         "num_vectors": int(index.ntotal),
         "code_size_bytes": int(index.code_size),
         "snapshot": snapshot,
@@ -276,17 +273,12 @@ def build_manifest(
         "generation": generation,
         "written_at": time.time(),
         "metadata": metadata,
-        "versions": {"ragserve": _version(), "faiss": faiss.__version__, "numpy": np.__version__},
+        "versions": {
+            "ragserve": ragserve_version,
+            "faiss": faiss.__version__,
+            "numpy": np.__version__,
+        },
     }
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("ragserve")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _replay(index: faiss.IndexIVF, store: DocStore, applied_seq: int) -> None:

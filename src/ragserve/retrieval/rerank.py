@@ -1,15 +1,6 @@
-"""Reranking: re-score a query's hits with a model that reads query and passage together.
-
-`BaseReranker` is the plug point (a graph operator that calls it belongs to the graph layer);
-`CrossEncoderReranker` runs any Hugging Face sequence-classification cross-encoder from a
-local folder (none ships: docs/architecture.md, "Reranking plug point").
-
-`load_reranker(name, embedder)` builds the reranker a configuration names
-(`OperatorConfig.reranker`): `"embedding"` is `EmbeddingReranker(embedder)`; `"module:factory"`
-imports `module`, and calls `factory(embedder)` (a `BaseReranker` subclass is a factory too),
-which must return an object with a callable `score(query, texts)`. Whatever fails is a
-`RerankerLoadError` (a `ValueError`) with a one-line message naming the spec.
-"""
+"""Reranking: re-score a query's hits with a model that reads query and passage together
+(docs/architecture.md, "Reranking plug point"). `BaseReranker` is the plug point;
+`load_reranker` builds the one a configuration names (`OperatorConfig.reranker`)."""
 
 from __future__ import annotations
 
@@ -85,11 +76,8 @@ class CrossEncoderReranker(BaseReranker):
 
 
 class EmbeddingReranker(BaseReranker):
-    """The default scorer when no cross-encoder is configured: the cosine similarity of the
-    query (embedded query side) and each passage (document side) under the index's own
-    embedder, whose vectors are unit-norm, so the score is their dot product. It sees the same
-    evidence as dense retrieval, so it mostly re-orders hits from other sources (BM25, a
-    second index, a function node)."""
+    """The default scorer: the cosine similarity of query and passage under the index's own
+    (unit-norm) embedder; it mostly re-orders hits from other sources (BM25, a function node)."""
 
     def __init__(self, embedder: Any) -> None:
         self.embedder = embedder
@@ -132,7 +120,8 @@ def reranker_factory(name: str) -> Any:
 
 
 def load_reranker(name: str, embedder: Any) -> Any:
-    """The reranker ``name`` configures (module doc), built over ``embedder``."""
+    """``"embedding"``: `EmbeddingReranker(embedder)`; ``"module:factory"``: ``factory(embedder)``,
+    which must have a callable ``score(query, texts)``. Failures: one-line `RerankerLoadError`."""
     if name == EMBEDDING_RERANKER:
         return EmbeddingReranker(embedder)
     factory = reranker_factory(name)

@@ -6,20 +6,11 @@ assign(q, nprobe) ──> ProbePlan [n, nprobe] ──columns(0,4)──> scan �
                                             ──   ...      ──> scan ─┘   (any order)
 ```
 
-Each step calls `search_preassigned` on its slice with `SearchParametersIVF(nprobe=width)`, so
-the shared index is never mutated and concurrent scans are safe. Partial results are merged
-outside Faiss under a total order — score first, then id (ascending for L2, descending for IP) —
-which is the order Faiss's own heaps give equal scores inside one result list.
-
-CPU parallelism (docs/architecture.md, "Retrieval"): `search_preassigned` runs on the calling
-thread at `parallel_mode` 0, so `scan` cuts the batch into contiguous row ranges itself, the
-first on the calling thread, the rest on one process-wide pool of `scan_threads() - 1` workers
-(fewer ranges below `MIN_SCAN_ROWS_PER_THREAD` probed rows a thread); bit-identical to one
-thread. An index already in a non-zero `parallel_mode` is scanned in one call.
-
-NOTE: a tie *across* the k-th boundary (two different vectors with bit-identical scores, one
-kept and one dropped) is resolved by id here, while Faiss keeps whichever its heap reached first;
-that only happens with duplicate vectors or duplicate PQ codes in one list.
+A scan is `search_preassigned` with per-call parameters (the shared index is never mutated),
+its batch cut into row ranges over one process-wide pool (bit-identical to one thread). Partial
+results merge under Faiss's heap order: score, then id (ascending for L2, descending for IP).
+NOTE: a tie across the k-th boundary is resolved by id here, while Faiss keeps whichever its
+heap reached first (only with duplicate vectors or PQ codes in one list).
 """
 
 from __future__ import annotations
@@ -130,7 +121,7 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
     dq = np.ascontiguousarray(plan.coarse_dists, dtype=np.float32)
     dist = np.empty((n, k), dtype=np.float32)
     ids = np.empty((n, k), dtype=np.int64)
-    call = functools.partial(_scan_rows, index, q, k, iq, dq, dist, ids, _ivf_params(width))
+    call = functools.partial(_scan_rows, index, k, _ivf_params(width), (q, iq, dq, dist, ids))
     threads = 1 if index.parallel_mode & ~_NO_HEAP_INIT else split_threads(index, n, width)
     if threads <= 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
         call(0, n)
@@ -144,20 +135,15 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
             wait(rest)
         for future in rest:
             future.result()
-    # NOTE: Faiss's heap already returns rows in the canonical order (see `merge`); only
-    # the fill value of missing slots is normalised, so a one-step search costs no sort.
+    # NOTE: Faiss's heap already gives the canonical order; only missing slots' fill changes.
     dist[ids < 0] = np.inf if index.metric_type == faiss.METRIC_L2 else -np.inf
     return TopK(ids, dist)
 
 
 def merge(a: TopK | None, b: TopK, is_l2: bool) -> TopK:
-    """Merge two partial results of the same queries and k (scores of disjoint clusters).
-
-    Both inputs are in canonical order (as `scan` and `merge` return them): better score
-    first, equal scores in Faiss's own id order (ascending for L2, descending for IP: the order
-    its max-/min-heaps give). The merge keeps that order, so any split, in any order, equals
-    `index.search`.
-    """
+    """Merge two partial results of the same queries and k (scores of disjoint clusters),
+    both in the canonical order `scan` gives, keeping it: any split, in any order, equals
+    `index.search`."""
     if a is None:
         return b
     k = a.ids.shape[1]
@@ -203,54 +189,33 @@ def _ivf_params(width: int) -> faiss.SearchParametersIVF:
 
 
 def split_threads(index: faiss.IndexIVF, n: int, width: int) -> int:
-    """Threads `scan` gives `n` queries x `width` lists (at `parallel_mode` 0): `scan_threads()`,
-    at most one a query and one per `MIN_SCAN_ROWS_PER_THREAD` probed rows (at the mean list
-    size)."""
+    """Threads `scan` gives `n` queries x `width` lists: `scan_threads()`, at most one a query
+    and one per `MIN_SCAN_ROWS_PER_THREAD` probed rows (at the mean list size)."""
     rows = n * width * index.ntotal / max(1, index.nlist)
     return max(1, min(n, scan_threads(), int(rows // max(1, MIN_SCAN_ROWS_PER_THREAD))))
 
 
-def _scan_rows(
-    index: faiss.IndexIVF,
-    q: np.ndarray,
-    k: int,
-    iq: np.ndarray,
-    dq: np.ndarray,
-    dist: np.ndarray,
-    ids: np.ndarray,
-    params: faiss.SearchParametersIVF,
-    a: int,
-    b: int,
-) -> None:
-    """Faiss's `search_preassigned` of rows `a:b` into the same rows of `dist` / `ids`."""
-    sp = faiss.swig_ptr
-    index.search_preassigned_c(
-        b - a, sp(q[a:b]), k, sp(iq[a:b]), sp(dq[a:b]), sp(dist[a:b]), sp(ids[a:b]), False, params
-    )
+def _scan_rows(index: faiss.IndexIVF, k: int, params, arrays: tuple, a: int, b: int) -> None:
+    """Faiss's `search_preassigned` of rows `a:b` of `arrays` = (q, iq, dq, dist, ids)."""
+    q, iq, dq, dist, ids = (faiss.swig_ptr(x[a:b]) for x in arrays)
+    index.search_preassigned_c(b - a, q, k, iq, dq, dist, ids, False, params)
 
 
 def set_scan_threads(threads: int | None) -> int | None:
-    """Set the CPU scan's parallelism over a batch's queries, for this process; returns the
-    previous setting. None (the default) follows Faiss's OpenMP thread count
-    (`faiss.omp_get_max_threads()`, read at each scan); 1 is the one-thread scan (ragserve's CPU
-    path before 2026-12-01); n > 1 uses n threads. The initial setting is
-    `RAGSERVE_CPU_SCAN_THREADS` when set (so shard and worker processes inherit it)."""
+    """Set this process's CPU scan threads (None: Faiss's OpenMP thread count, read at each
+    scan; initially `RAGSERVE_CPU_SCAN_THREADS` when set); returns the previous setting."""
     global _scan_threads
-    previous, _scan_threads = _scan_threads, _check_threads(threads, "scan threads")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(f"scan threads must be a positive integer or None, got {threads!r}")
+    previous, _scan_threads = _scan_threads, threads
     return previous
 
 
 def scan_threads() -> int:
     """How many threads a `scan` of a large enough batch uses now (see `set_scan_threads`)."""
     return _scan_threads or max(1, int(faiss.omp_get_max_threads()))
-
-
-def _check_threads(threads: object, what: str) -> int | None:
-    if threads is None:
-        return None
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"{what} must be a positive integer or None, got {threads!r}")
-    return threads
 
 
 def _threads_from_env() -> int | None:
@@ -283,8 +248,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 def _forget_pool() -> None:
-    """In a forked child: none of the parent's pool threads exist there, and its lock may have
-    been held at the fork."""
+    """In a forked child the parent's pool threads are gone and its lock may be held."""
     global _pool_lock, _pool_executor, _pool_workers
     _pool_lock, _pool_executor, _pool_workers = threading.Lock(), None, 0
 

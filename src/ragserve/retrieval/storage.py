@@ -7,8 +7,8 @@ DIR/index-<gen>.faiss    Faiss snapshot (write tmp → fsync → rename → fsyn
 DIR/docs.sqlite[-wal]    DocStore: passages, vectors, op log (SQLite WAL, synchronous=FULL)
 ```
 
-A snapshot file is only deleted after a newer manifest naming its successor is durable, so a
-kill at any moment leaves a manifest whose snapshot exists and matches its checksum.
+A snapshot is deleted only once a newer manifest is durable: a kill at any moment leaves a
+manifest whose snapshot exists and matches its checksum.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DOCSTORE = "docs.sqlite"
 SNAPSHOT_LOCK = "snapshot.lock"
+_REQUIRED = ("format", "format_version", "dim", "kind", "metric", "nlist", "embedder", "snapshot")
+_REQUIRED += ("snapshot_sha256", "applied_seq")  # manifest fields a load needs
 
 
 class IndexCorruptError(ValueError):
@@ -41,14 +43,6 @@ class IndexCorruptError(ValueError):
 
 def snapshot_name(generation: int) -> str:
     return f"index-{generation:06d}.faiss"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
@@ -86,20 +80,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise IndexCorruptError(path, f"not valid JSON ({exc})") from None
-    required = (
-        "format",
-        "format_version",
-        "dim",
-        "kind",
-        "metric",
-        "nlist",
-        "embedder",
-        "snapshot",
-        "snapshot_sha256",
-        "applied_seq",
-    )
-    if not isinstance(manifest, dict) or any(key not in manifest for key in required):
-        raise IndexCorruptError(path, f"missing fields (need {', '.join(required)})")
+    if not isinstance(manifest, dict) or any(key not in manifest for key in _REQUIRED):
+        raise IndexCorruptError(path, f"missing fields (need {', '.join(_REQUIRED)})")
     if manifest["format"] != FORMAT or manifest["format_version"] > FORMAT_VERSION:
         raise IndexCorruptError(
             path, f"unsupported format {manifest['format']!r} v{manifest['format_version']}"
@@ -112,7 +94,11 @@ def verify_snapshot(directory: Path, manifest: dict[str, Any]) -> Path:
     path = directory / manifest["snapshot"]
     if not path.is_file():
         raise IndexCorruptError(path, "file missing")
-    if sha256_file(path) != manifest["snapshot_sha256"]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != manifest["snapshot_sha256"]:
         raise IndexCorruptError(path, "checksum mismatch (truncated or modified)")
     return path
 
@@ -143,8 +129,7 @@ def remove_stale_files(directory: Path, manifest: dict[str, Any]) -> None:
 
 def scratch_dir(directory: Path) -> Path:
     """A fresh ``.NAME.tmp-PID`` folder beside ``directory`` (absent or empty, else
-    ``FileExistsError``), to fill and then ``publish_dir``; leftovers of dead writers are
-    removed first (a 5M x 768 build is ~32 GB of disk)."""
+    ``FileExistsError``) to fill, then ``publish_dir``; dead writers' leftovers are removed."""
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise FileExistsError(f"{directory} exists and is not empty")
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -176,8 +161,7 @@ def _is_alive(pid: int) -> bool:
 
 
 class JsonFile:
-    """A dataclass saved as JSON (``to_json``; ``save`` writes it atomically); the class
-    reads it back with its ``from_json`` (``load``)."""
+    """A dataclass saved as JSON atomically (``save``), read back by its ``from_json``."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -191,8 +175,8 @@ class JsonFile:
 
 
 def write_dir_atomically(directory: Path, name: str, fill: Callable[[Path], None]) -> None:
-    """Write ``directory/name/`` atomically: ``fill(tmp)`` writes the files into a fresh tmp
-    folder, each is fsync'd, the folder replaces any old one by rename, the parent is fsync'd."""
+    """Write ``directory/name/`` atomically: ``fill(tmp)`` fills a fresh folder, whose files are
+    fsync'd before it replaces any old one by rename."""
     tmp = directory / f"{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -207,9 +191,8 @@ def write_dir_atomically(directory: Path, name: str, fill: Callable[[Path], None
 
 
 def save_sidecar(part: Any, directory: Path, name: str, metadata: dict, key: str) -> None:
-    """Before a Faiss snapshot is written: save ``part`` (a sidecar index such as BM25 or the
-    ensemble's side vectors; ``None``: the index has none) as ``directory/name`` and record
-    the folder under ``metadata[key]``, which goes into the same manifest."""
+    """Before a Faiss snapshot: save ``part`` (a side index; ``None``: none) as
+    ``directory/name``, named by ``metadata[key]`` in the same manifest."""
     if part is None:
         metadata.pop(key, None)
         return

@@ -1,5 +1,4 @@
-"""Small value types that cross the retrieval boundary: documents, probe plans, top-k results,
-an index's spec."""
+"""Value types that cross the retrieval boundary: documents, probe plans, top-k, index spec."""
 
 from __future__ import annotations
 
@@ -12,10 +11,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Document:
-    """One passage: the unit that is embedded, indexed and returned by a search.
-
-    `id` is the caller's stable string id (upserting the same id replaces the passage).
-    """
+    """One passage, the unit embedded, indexed and returned; upserting its `id` replaces it."""
 
     id: str
     text: str
@@ -44,10 +40,8 @@ class ScoredDocument:
 
 
 class ProbePlan(NamedTuple):
-    """Coarse assignment of a query batch: which clusters each query probes, best first.
-
-    `cluster_ids` int64 `[n, w]` (`-1` pads a short row), `coarse_dists` float32 `[n, w]`
-    (the quantizer's distances, which residual PQ/SQ scanners need to be exact).
+    """Each query's probed clusters, best first: `cluster_ids` int64 `[n, w]` (`-1` pads),
+    `coarse_dists` float32 `[n, w]` (the quantizer's, which residual PQ/SQ scans need).
 
     ```
     plan (w = 8):  q0: c3 c9 c1 c7 | c2 c0 c5 c4     plan.columns(0, 4) -> first step
@@ -119,8 +113,7 @@ def auto_nlist(num_vectors: int) -> int:
 
 
 class ScanIndex(Protocol):
-    """What the timing code needs of an index (`VectorIndex` is one): its list count and the
-    two stages of a search."""
+    """What the timing code needs of an index (`VectorIndex` is one)."""
 
     @property
     def nlist(self) -> int: ...
