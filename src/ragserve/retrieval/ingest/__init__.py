@@ -1,5 +1,4 @@
-"""Ingest of real documents: format parsers (reStructuredText, Markdown, HTML, PDF, text) into
-heading-path sections, and chunking into passages sized in the embedder's tokens."""
+"""Format parsers into heading-path sections, and chunking into passages in embedder tokens."""
 
 from ragserve.retrieval.ingest.chunk import ChunkConfig, Chunker, ChunkStats
 from ragserve.retrieval.ingest.folder import (

@@ -1,5 +1,4 @@
-"""A folder of documents → `ParsedDocument`s by file type; files that cannot be used are listed
-(`IngestReport.skipped`), or an error with `strict`."""
+"""A folder of documents → `ParsedDocument`s by file type; unusable files are listed."""
 
 from __future__ import annotations
 
@@ -36,9 +35,7 @@ class IngestError(ValueError):
 
 @dataclass
 class IngestReport:
-    """What a folder ingest read, what it could not use (`skipped`: unsupported or unreadable,
-    `(relative path, reason)`) and which readable files hold no text (`empty`, e.g. a page of
-    only a table of contents)."""
+    """Files read, `skipped` ones `(relative path, reason)` and readable ones without text."""
 
     num_files: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -69,12 +66,8 @@ def parse_file(path: Path, doc_title: str | None = None) -> ParsedDocument:
 def ingest_folder(
     root: str | Path, *, strict: bool = False, report: IngestReport | None = None
 ) -> list[tuple[str, ParsedDocument]]:
-    """`(path relative to root, parsed document)` for every usable file under `root`, sorted.
-
-    Hidden files and folders are ignored. Unsupported or unreadable files go into
-    `report.skipped` (and are logged); with `strict` they raise `IngestError` instead, after the
-    whole folder was checked. Files without text go into `report.empty`.
-    """
+    """Sorted `(relative path, parsed document)` of the usable files under `root`, hidden ones
+    ignored; the others go into `report` (with `strict`: `IngestError` once all are checked)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"no corpus folder at {root}")

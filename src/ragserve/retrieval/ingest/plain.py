@@ -19,10 +19,8 @@ def parse_text(text: str, doc_title: str | None = None) -> ParsedDocument:
 
 
 def parse_pdf(path: Path, doc_title: str | None = None) -> ParsedDocument:
-    """Text of every page (pypdf), paragraphs at blank lines; the PDF's own title if it has one.
-
-    Raises `ValueError` for an encrypted or text-less PDF (nothing to index).
-    """
+    """Every page's paragraphs (pypdf) under the PDF's own title if any; `ValueError` for an
+    encrypted or text-less PDF."""
     from pypdf import PdfReader
 
     reader = PdfReader(str(path))
