@@ -94,10 +94,6 @@ class SideDense:
         with self._lock:
             self._embedder = embedder
 
-    @property
-    def num_documents(self) -> int:
-        return len(self._row_ids)
-
     def row_ids(self) -> np.ndarray:
         with self._lock:
             return np.sort(self._row_ids)

@@ -1,19 +1,50 @@
-"""A folder of documents → `ParsedDocument`s by file type; unusable files are listed."""
+"""A folder of documents → `ParsedDocument`s by file type (plain text and PDF parsed here: one
+section under the document's title, blocks at blank lines); unusable files are listed."""
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragserve.retrieval.ingest.html import parse_html
 from ragserve.retrieval.ingest.markdown import parse_markdown
-from ragserve.retrieval.ingest.plain import parse_pdf, parse_text
 from ragserve.retrieval.ingest.rst import parse_rst
-from ragserve.retrieval.ingest.sections import ParsedDocument
+from ragserve.retrieval.ingest.sections import ParsedDocument, SectionBuilder
 
 logger = logging.getLogger(__name__)
+_BLANK = re.compile(r"\n\s*\n")
+
+
+def parse_text(text: str, doc_title: str | None = None) -> ParsedDocument:
+    return ParsedDocument(_paragraphs([text], doc_title))
+
+
+def parse_pdf(path: Path, doc_title: str | None = None) -> ParsedDocument:
+    """Every page's paragraphs (pypdf) under the PDF's own title if any; `ValueError` for an
+    encrypted or text-less PDF."""
+    from pypdf import PdfReader
+
+    reader = PdfReader(str(path))
+    if reader.is_encrypted:
+        raise ValueError("encrypted PDF")
+    title = (reader.metadata.title if reader.metadata else None) or doc_title
+    pages = [page.extract_text() or "" for page in reader.pages]
+    sections = _paragraphs(pages, str(title) if title else None)
+    if not sections:
+        raise ValueError("no extractable text (a scanned PDF?)")
+    return ParsedDocument(sections, {"num_pages": len(reader.pages)})
+
+
+def _paragraphs(texts: list[str], title: str | None):
+    builder = SectionBuilder(title)
+    for text in texts:
+        for para in _BLANK.split(text):
+            builder.add(para)
+    return builder.build()
+
 
 _TEXT_PARSERS: dict[str, Callable[[str, str | None], ParsedDocument]] = {
     ".rst": parse_rst,
@@ -93,17 +124,13 @@ def ingest_folder(
 
 
 def _try_parse(path: Path) -> tuple[ParsedDocument | None, str]:
-    if suffix_of(path) not in SUPPORTED_SUFFIXES:
+    suffix = suffix_of(path)
+    if suffix not in SUPPORTED_SUFFIXES:
         return None, "unsupported type"
     try:
-        doc = parse_file(path, _stem(path))
+        doc = parse_file(path, path.name[: -len(suffix)])
     except UnicodeDecodeError:
         return None, "not UTF-8 text"
     except Exception as exc:  # noqa: BLE001 - any parser failure makes the file unusable
         return None, f"unreadable: {type(exc).__name__}: {exc}"[:200]
     return doc, ""
-
-
-def _stem(path: Path) -> str:
-    name = path.name
-    return name[: -len(suffix_of(path))] if suffix_of(path) else name

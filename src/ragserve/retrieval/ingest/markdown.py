@@ -47,8 +47,7 @@ _FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 
 def parse_markdown(text: str, doc_title: str | None = None) -> ParsedDocument:
     """Parse Markdown; inline markup is dropped (link text, code spans kept)."""
-    md = _parser()
-    tokens = md.parse(_mkdocs_to_myst(text))
+    tokens = _parser().parse(_mkdocs_to_myst(text))
     metadata = _front_matter(tokens)
     title = metadata.get("title")
     builder = SectionBuilder(str(title) if title else doc_title)
@@ -219,24 +218,20 @@ def _inline(token) -> str:
             parts.append(" ")
         elif child.type == "image":
             parts.append(child.content)  # alt text
-        elif child.type == "html_inline":
-            continue
     return "".join(parts)
 
 
 def _front_matter(tokens) -> dict[str, Any]:
-    for tok in tokens:
-        if tok.type == "front_matter":
-            import yaml
+    tok = next((t for t in tokens if t.type == "front_matter"), None)
+    if tok is None:
+        return {}
+    import yaml
 
-            try:
-                data = yaml.safe_load(tok.content)
-            except yaml.YAMLError:
-                return {}
-            if not isinstance(data, dict):
-                return {}
-            return {str(k): _jsonable(v) for k, v in data.items()}
-    return {}
+    try:
+        data = yaml.safe_load(tok.content)
+    except yaml.YAMLError:
+        return {}
+    return {str(k): _jsonable(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
 def _html_text(html: str) -> str:
