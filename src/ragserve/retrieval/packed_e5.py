@@ -158,21 +158,12 @@ def build_model(image: PackedImage, dtype=None):
     import torch
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(
-        **image.config,
-        hidden_act="gelu",
-        pad_token_id=image.vocab.pad_id,
-        attn_implementation="sdpa",
-    )
-    model = BertModel(config, add_pooling_layer=False)
-    state = {k: torch.from_numpy(v) for k, v in _state_dict(image).items()}
-    model.load_state_dict(state, strict=True)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval()
-
-
-def _state_dict(image: PackedImage) -> dict[str, np.ndarray]:
+    extra = {
+        "hidden_act": "gelu",
+        "pad_token_id": image.vocab.pad_id,
+        "attn_implementation": "sdpa",
+    }
+    model = BertModel(BertConfig(**image.config, **extra), add_pooling_layer=False)
     t, h = image.tensors, image.config["hidden_size"]
     state = {
         "embeddings.word_embeddings.weight": t["emb.word"].reshape(-1, h),
@@ -186,7 +177,8 @@ def _state_dict(image: PackedImage) -> dict[str, np.ndarray]:
             prefix = f"encoder.layer.{layer}.{module}"
             state[f"{prefix}.weight"] = t[f"l{layer}.{short}.w"]
             state[f"{prefix}.bias"] = t[f"l{layer}.{short}.b"]
-    return state
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
+    return (model if dtype is None else model.to(dtype)).eval()
 
 
 def build_tokenizer(vocab: PackedVocab, max_length: int):

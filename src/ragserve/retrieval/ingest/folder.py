@@ -47,16 +47,10 @@ def _paragraphs(texts: list[str], title: str | None):
 
 
 _TEXT_PARSERS: dict[str, Callable[[str, str | None], ParsedDocument]] = {
-    ".rst": parse_rst,
-    ".rest": parse_rst,
-    ".rst.txt": parse_rst,  # Sphinx's copies of the sources (_sources/*.rst.txt)
-    ".md": parse_markdown,
-    ".markdown": parse_markdown,
-    ".html": parse_html,
-    ".htm": parse_html,
-    ".txt": parse_text,
-    ".text": parse_text,
-}
+    ".rst": parse_rst, ".rest": parse_rst, ".rst.txt": parse_rst,  # .rst.txt: Sphinx _sources/
+    ".md": parse_markdown, ".markdown": parse_markdown, ".html": parse_html, ".htm": parse_html,
+    ".txt": parse_text, ".text": parse_text,
+}  # fmt: skip
 SUPPORTED_SUFFIXES = (*_TEXT_PARSERS, ".pdf")
 
 

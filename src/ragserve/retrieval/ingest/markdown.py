@@ -1,8 +1,6 @@
 """Markdown → sections, with markdown-it-py (CommonMark + tables); YAML front matter becomes
-metadata (its `title` heads the heading path). MyST and mkdocs-material / pymdown markup is
-read as those sites render it: directives keep their prose (admonitions labelled as in rST,
-`{eval-rst}` through the rST parser, `{toctree}` dropped), `!!! note` / `=== "Tab"` blocks are
-directives, roles become their display text, targets and attribute lists are dropped."""
+metadata. MyST and mkdocs-material / pymdown markup is read as those sites render it
+(docs/architecture.md, "Ingest")."""
 
 from __future__ import annotations
 
