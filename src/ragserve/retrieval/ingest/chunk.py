@@ -1,9 +1,6 @@
-"""Sections → passages that fit the embedder's window, counted in its own tokens.
-
-A section's blocks are packed whole while they fit; a block too long for one passage is cut into
-sentences (code: lines), and a sentence too long into token windows. Each passage of a section
-after the first starts with the last sentences of the one before (`overlap_tokens`). The window
-covers what is embedded: `"<heading path>: <text>"` plus the model's special tokens.
+"""Sections → passages that fit the embedder's window in its own tokens: blocks packed whole,
+a long block cut into sentences (code: lines), a long sentence into token windows; a passage
+starts with the last sentences of the one before (`overlap_tokens`).
 
 ```
 window 256 = [CLS] + "Tutorial > Sets:" (6) + text budget (248) + [SEP]
@@ -32,8 +29,8 @@ MIN_TEXT_TOKENS = 32  # a heading path longer than window - this is shortened to
 
 @dataclass(frozen=True)
 class ChunkConfig:
-    """`max_tokens`: text tokens per passage (None: as many as the window leaves after the
-    heading path); `overlap_tokens`: tokens repeated from the previous passage of a section."""
+    """`max_tokens`: text tokens per passage (None: what the window leaves after the heading
+    path); `overlap_tokens`: tokens repeated from the previous passage of a section."""
 
     max_tokens: int | None = None
     overlap_tokens: int = 32
@@ -107,8 +104,8 @@ class Chunker:
                 n += 1
 
     def chunk_document(self, doc: Document) -> Iterator[Document]:
-        """Passages of a plain record (JSONL/Parquet): paragraphs at blank lines under its
-        title; one passage keeps `doc.id`, several get `<id>#<n>` and `source_id`/`chunk`."""
+        """A record's passages (paragraphs under its title): one keeps `doc.id`, several get
+        `<id>#<n>` and `source_id`/`chunk` metadata."""
         paragraphs = tuple(Block(p) for p in _PARAGRAPH.split(doc.text) if p.strip())
         title = doc.title or ""
         budget, title = self._budget(title, (title,) if title else ())
@@ -121,8 +118,6 @@ class Chunker:
         for i, text in enumerate(texts):
             meta = {**doc.metadata, "source_id": doc.id, "chunk": i}
             yield Document(f"{doc.id}#{i}", text, doc.title, meta)
-
-    # -- sizes ----------------------------------------------------------------------------------
 
     def count(self, texts: list[str]) -> list[int]:
         if not texts:
@@ -148,8 +143,6 @@ class Chunker:
         if self.config.max_tokens is not None:
             budget = min(budget, self.config.max_tokens)
         return budget, title
-
-    # -- packing --------------------------------------------------------------------------------
 
     def _pack(self, blocks: tuple[Block, ...], budget: int) -> Iterator[str]:
         units: list[_Unit] = []
@@ -217,8 +210,7 @@ class Chunker:
         return seed
 
     def _fit(self, title: str, text: str) -> str:
-        """Check the passage against the window (token counts are additive for WordPiece; for
-        other tokenizers a join can add a token): cut and count it if over."""
+        """The passage cut to the window if over (a join may add a token to the counts)."""
         num = self.passage_tokens(title, text)
         self.stats.max_passage_tokens = max(self.stats.max_passage_tokens, min(num, self.window))
         while num > self.window:

@@ -1,32 +1,56 @@
-"""A folder of documents → `ParsedDocument`s by file type; files that cannot be used are listed
-(`IngestReport.skipped`), or an error with `strict`."""
+"""A folder of documents → `ParsedDocument`s by file type (plain text and PDF parsed here: one
+section under the document's title, blocks at blank lines); unusable files are listed."""
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragserve.retrieval.ingest.html import parse_html
 from ragserve.retrieval.ingest.markdown import parse_markdown
-from ragserve.retrieval.ingest.plain import parse_pdf, parse_text
 from ragserve.retrieval.ingest.rst import parse_rst
-from ragserve.retrieval.ingest.sections import ParsedDocument
+from ragserve.retrieval.ingest.sections import ParsedDocument, SectionBuilder
 
 logger = logging.getLogger(__name__)
+_BLANK = re.compile(r"\n\s*\n")
+
+
+def parse_text(text: str, doc_title: str | None = None) -> ParsedDocument:
+    return ParsedDocument(_paragraphs([text], doc_title))
+
+
+def parse_pdf(path: Path, doc_title: str | None = None) -> ParsedDocument:
+    """Every page's paragraphs (pypdf) under the PDF's own title if any; `ValueError` for an
+    encrypted or text-less PDF."""
+    from pypdf import PdfReader
+
+    reader = PdfReader(str(path))
+    if reader.is_encrypted:
+        raise ValueError("encrypted PDF")
+    title = (reader.metadata.title if reader.metadata else None) or doc_title
+    pages = [page.extract_text() or "" for page in reader.pages]
+    sections = _paragraphs(pages, str(title) if title else None)
+    if not sections:
+        raise ValueError("no extractable text (a scanned PDF?)")
+    return ParsedDocument(sections, {"num_pages": len(reader.pages)})
+
+
+def _paragraphs(texts: list[str], title: str | None):
+    builder = SectionBuilder(title)
+    for text in texts:
+        for para in _BLANK.split(text):
+            builder.add(para)
+    return builder.build()
+
 
 _TEXT_PARSERS: dict[str, Callable[[str, str | None], ParsedDocument]] = {
-    ".rst": parse_rst,
-    ".rest": parse_rst,
-    ".rst.txt": parse_rst,  # Sphinx's copies of the sources (_sources/*.rst.txt)
-    ".md": parse_markdown,
-    ".markdown": parse_markdown,
-    ".html": parse_html,
-    ".htm": parse_html,
-    ".txt": parse_text,
-    ".text": parse_text,
-}
+    ".rst": parse_rst, ".rest": parse_rst, ".rst.txt": parse_rst,  # .rst.txt: Sphinx _sources/
+    ".md": parse_markdown, ".markdown": parse_markdown, ".html": parse_html, ".htm": parse_html,
+    ".txt": parse_text, ".text": parse_text,
+}  # fmt: skip
 SUPPORTED_SUFFIXES = (*_TEXT_PARSERS, ".pdf")
 
 
@@ -36,9 +60,7 @@ class IngestError(ValueError):
 
 @dataclass
 class IngestReport:
-    """What a folder ingest read, what it could not use (`skipped`: unsupported or unreadable,
-    `(relative path, reason)`) and which readable files hold no text (`empty`, e.g. a page of
-    only a table of contents)."""
+    """Files read, `skipped` ones `(relative path, reason)` and readable ones without text."""
 
     num_files: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -69,12 +91,8 @@ def parse_file(path: Path, doc_title: str | None = None) -> ParsedDocument:
 def ingest_folder(
     root: str | Path, *, strict: bool = False, report: IngestReport | None = None
 ) -> list[tuple[str, ParsedDocument]]:
-    """`(path relative to root, parsed document)` for every usable file under `root`, sorted.
-
-    Hidden files and folders are ignored. Unsupported or unreadable files go into
-    `report.skipped` (and are logged); with `strict` they raise `IngestError` instead, after the
-    whole folder was checked. Files without text go into `report.empty`.
-    """
+    """Sorted `(relative path, parsed document)` of the usable files under `root`, hidden ones
+    ignored; the others go into `report` (with `strict`: `IngestError` once all are checked)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"no corpus folder at {root}")
@@ -100,17 +118,13 @@ def ingest_folder(
 
 
 def _try_parse(path: Path) -> tuple[ParsedDocument | None, str]:
-    if suffix_of(path) not in SUPPORTED_SUFFIXES:
+    suffix = suffix_of(path)
+    if suffix not in SUPPORTED_SUFFIXES:
         return None, "unsupported type"
     try:
-        doc = parse_file(path, _stem(path))
+        doc = parse_file(path, path.name[: -len(suffix)])
     except UnicodeDecodeError:
         return None, "not UTF-8 text"
     except Exception as exc:  # noqa: BLE001 - any parser failure makes the file unusable
         return None, f"unreadable: {type(exc).__name__}: {exc}"[:200]
     return doc, ""
-
-
-def _stem(path: Path) -> str:
-    name = path.name
-    return name[: -len(suffix_of(path))] if suffix_of(path) else name

@@ -1,6 +1,4 @@
-"""HTML → sections: the main content (navigation, scripts and page chrome dropped) converted to
-Markdown by markdownify (headings, lists, tables and `<pre>` code kept), then parsed as
-Markdown."""
+"""HTML → sections: the main content, page chrome dropped, as Markdown (markdownify)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """Markdown → sections, with markdown-it-py (CommonMark + tables); YAML front matter becomes
-document metadata (its `title`, if any, heads the heading path).
-
-The two Markdown dialects documentation sites are written in are read as their sites render
-them, not as CommonMark alone would: MyST (Sphinx) directives in backtick or colon fences
-(```` ```{note} ````, ``:::{warning}``) keep their prose (admonitions labelled like the rST
-parser's, ``{code-block}`` as code, ``{eval-rst}`` through the rST parser, ``{toctree}`` and
-other non-prose directives dropped; option lines dropped), MyST roles become their display text
-(``{doc}`title <target>``` → "title"), ``(label)=`` targets are dropped; mkdocs-material /
-pymdown blocks (``!!! note "Title"``, ``??? tip``, ``=== "Tab"`` with an indented body, which
-CommonMark would keep as a code block) are read as directives, mkdocstrings' ``::: module``
-inserts and ``--8<--`` snippet lines are dropped, and attribute lists (``{#id}``, ``{ .class }``)
-and unresolved reference links (``[text][ref]`` → "text") lose their markup.
-"""
+metadata. MyST and mkdocs-material / pymdown markup is read as those sites render it
+(docs/architecture.md, "Ingest")."""
 
 from __future__ import annotations
 
@@ -55,9 +44,8 @@ _FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 
 
 def parse_markdown(text: str, doc_title: str | None = None) -> ParsedDocument:
-    """Parse Markdown; inline markup is dropped (link text, code spans kept), fences are code."""
-    md = _parser()
-    tokens = md.parse(_mkdocs_to_myst(text))
+    """Parse Markdown; inline markup is dropped (link text, code spans kept)."""
+    tokens = _parser().parse(_mkdocs_to_myst(text))
     metadata = _front_matter(tokens)
     title = metadata.get("title")
     builder = SectionBuilder(str(title) if title else doc_title)
@@ -74,8 +62,7 @@ def _parser():
 
 
 def _emit(tokens, builder: SectionBuilder, *, nested: bool) -> None:
-    """Add `tokens`' text to `builder`; `nested` (a directive's body): headings are plain
-    blocks (MyST renders them as rubrics, not sections)."""
+    """Add `tokens`' text to `builder`; `nested` (a directive's body): headings are blocks."""
     i, list_depth, row = 0, 0, []
     while i < len(tokens):
         tok = tokens[i]
@@ -134,8 +121,7 @@ def _directive(info: str, content: str) -> list[Block]:
 
 
 def _strip_options(content: str) -> str:
-    """A directive body without its leading options (``:key: value`` lines or a ``---`` YAML
-    block)."""
+    """A directive body without its leading ``:key: value`` lines or ``---`` YAML block."""
     lines = content.split("\n")
     if lines and lines[0].strip() == "---" and "---" in (x.strip() for x in lines[1:]):
         end = next(j for j in range(1, len(lines)) if lines[j].strip() == "---")
@@ -147,9 +133,8 @@ def _strip_options(content: str) -> str:
 
 
 def _mkdocs_to_myst(text: str) -> str:
-    """mkdocs-material / pymdown blocks as MyST colon fences (their indented bodies dedented,
-    nested blocks converted too); mkdocstrings inserts and snippet lines dropped. Fenced code
-    is left as it is."""
+    """mkdocs-material / pymdown blocks as MyST colon fences (nested ones too); mkdocstrings
+    inserts and snippet lines dropped; fenced code left as it is."""
     if not ("!!!" in text or "???" in text or "===" in text or ":::" in text or "8<" in text):
         return text
     lines = text.split("\n")
@@ -198,8 +183,7 @@ def _mkdocs_to_myst(text: str) -> str:
 
 
 def _indented_body(lines: list[str], start: int, indent: int) -> tuple[list[str], int]:
-    """The lines from `start` indented deeper than `indent` (blank lines inside kept), dedented
-    to the first one's depth, and the index after them."""
+    """The lines from `start` indented deeper than `indent`, dedented, and the index after."""
     end = start
     while end < len(lines):
         line = lines[end]
@@ -232,24 +216,20 @@ def _inline(token) -> str:
             parts.append(" ")
         elif child.type == "image":
             parts.append(child.content)  # alt text
-        elif child.type == "html_inline":
-            continue
     return "".join(parts)
 
 
 def _front_matter(tokens) -> dict[str, Any]:
-    for tok in tokens:
-        if tok.type == "front_matter":
-            import yaml
+    tok = next((t for t in tokens if t.type == "front_matter"), None)
+    if tok is None:
+        return {}
+    import yaml
 
-            try:
-                data = yaml.safe_load(tok.content)
-            except yaml.YAMLError:
-                return {}
-            if not isinstance(data, dict):
-                return {}
-            return {str(k): _jsonable(v) for k, v in data.items()}
-    return {}
+    try:
+        data = yaml.safe_load(tok.content)
+    except yaml.YAMLError:
+        return {}
+    return {str(k): _jsonable(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
 def _html_text(html: str) -> str:

@@ -1,12 +1,9 @@
-"""reStructuredText → sections, with docutils.
-
-Sphinx-only roles (`:func:`, `:ref:`, ...) become their display text before parsing, and the
-common Sphinx directives are registered so that their content is kept (`code-block` as code,
-`function::` signatures as a line, `toctree`/`index` dropped) instead of becoming error text.
-"""
+"""reStructuredText → sections, with docutils; Sphinx roles become their display text and the
+common Sphinx directives are registered (code as code, prose kept, `toctree` etc. dropped)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 from ragserve.retrieval.ingest.sections import ParsedDocument, SectionBuilder, role_display_text
@@ -39,7 +36,6 @@ _CONTAINER_DIRECTIVES = ("only", "versionadded", "versionchanged", "deprecated",
 _SKIP_NODES = ("comment", "system_message", "substitution_definition", "target", "raw",
                "pending", "meta", "image", "figure", "footnote_reference",
                "citation_reference", "problematic", "title_reference_skip")  # fmt: skip
-_registered = False
 
 
 def parse_rst(text: str, doc_title: str | None = None) -> ParsedDocument:
@@ -66,8 +62,7 @@ def parse_rst(text: str, doc_title: str | None = None) -> ParsedDocument:
 
 
 def _drop_file_metadata(tree) -> None:
-    """A field list before anything else in the file is Sphinx's file-wide metadata
-    (``:tocdepth: 2``, ``:orphan:``), not text: removed."""
+    """Remove a leading field list: Sphinx's file-wide metadata (``:orphan:``), not text."""
     from docutils import nodes
 
     for child in tree.children:
@@ -127,21 +122,10 @@ def _plain(node) -> str:
     return " ".join(sep.join(_plain(c) for c in node.children).split())
 
 
+@functools.cache
 def _register_directives() -> None:
-    global _registered
-    if _registered:
-        return
     from docutils import nodes
     from docutils.parsers.rst import Directive, directives
-
-    class Code(Directive):
-        has_content = True
-        optional_arguments = 1
-        final_argument_whitespace = True
-        option_spec = _AnyOptions()
-
-        def run(self):
-            return [nodes.literal_block(text="\n".join(self.content))]
 
     class Skip(Directive):
         has_content = True
@@ -152,12 +136,13 @@ def _register_directives() -> None:
         def run(self):
             return []
 
-    class Container(Directive):
-        has_content = True
-        optional_arguments = 10
-        final_argument_whitespace = True
-        option_spec = _AnyOptions()
+    class Code(Skip):
+        optional_arguments = 1
 
+        def run(self):
+            return [nodes.literal_block(text="\n".join(self.content))]
+
+    class Container(Skip):
         def run(self):
             out = []
             if self.arguments and self.name not in ("only", "tab", "tabs"):
@@ -178,7 +163,6 @@ def _register_directives() -> None:
         directives.register_directive(name, Skip)
     for name in _CONTAINER_DIRECTIVES:
         directives.register_directive(name, Container)
-    _registered = True
 
 
 class _AnyOptions(dict):

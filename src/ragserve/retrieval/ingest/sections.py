@@ -1,5 +1,4 @@
-"""What every format parser returns: a document cut into sections, each a heading path and the
-blocks (paragraphs, list items, code) under it, in reading order."""
+"""What every format parser returns: sections (heading path, blocks) in reading order."""
 
 from __future__ import annotations
 
@@ -48,9 +47,8 @@ class ParsedDocument:
 
 
 class SectionBuilder:
-    """Collects blocks under a heading stack: `heading(level, text)` opens a section at `level`
-    (1 = document title), closing deeper ones; `add(text)` appends to the current section.
-    Blocks under no heading get the path `(fallback_title,)` (e.g. the file name)."""
+    """Blocks under a heading stack: `heading(level, text)` opens a section (1 = the title),
+    `add(text)` appends to it; blocks under no heading get the path `(fallback_title,)`."""
 
     def __init__(self, fallback_title: str | None = None) -> None:
         self._fallback = fallback_title
