@@ -112,6 +112,6 @@ def test_profile_prefill_cost_warms_up_and_falls_back_when_rejected(kv, caplog):
 
 def engine_config_of_tiny():
     from ragserve.generation import ModelConfig
-    from ragserve.generation.testing import _ARCHS, _BASE
+    from testing import _ARCHS, _BASE
 
     return ModelConfig.from_dict({**_BASE, **_ARCHS["llama"]})

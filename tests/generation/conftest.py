@@ -16,7 +16,7 @@ def session_home() -> str:
 @pytest.fixture(scope="session")
 def tiny_models(session_home, tmp_path_factory: pytest.TempPathFactory):
     """arch -> folder of a seeded tiny model (llama, qwen2, qwen3)."""
-    from ragserve.generation.testing import make_tiny_model
+    from testing import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
