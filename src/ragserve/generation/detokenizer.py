@@ -11,13 +11,16 @@ from ragserve.generation.sequence import Sequence
 _CONTEXT_TOKENS = 5
 
 
-def make_decoder(tokenizer: Any, fast: bool = True) -> Callable[[list[int]], str]:
-    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it.
+def make_decoder(tokenizer: Any, fast: bool = True) -> Callable[[list[int]], str] | None:
+    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it
+    (``None`` without a tokenizer).
 
     ``fast``: call the Rust backend of a fast tokenizer directly (``backend_tokenizer``),
     skipping the Python wrapper's argument conversion (about half of a short decode's cost).
     Only where the wrapper adds nothing (``_plain_wrapper``); any other tokenizer (or
     ``fast=False``) goes through ``tokenizer.decode``."""
+    if tokenizer is None:
+        return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if fast and backend is not None and _plain_wrapper(tokenizer):
         decode = backend.decode
@@ -58,7 +61,7 @@ class IncrementalDetokenizer:
         decode: Callable[[list[int]], str] | None = None,
     ):
         self.tokenizer = tokenizer
-        self.decode = decode or (None if tokenizer is None else make_decoder(tokenizer, False))
+        self.decode = decode or make_decoder(tokenizer, False)
         self.read_offset = seq.num_prompt_tokens
         self.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT_TOKENS, 0)
         self._prefix_text: str | None = None  # decode of ids[prefix_offset:read_offset]
