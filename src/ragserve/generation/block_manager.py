@@ -21,12 +21,12 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Seq[int], extra_keys: 
 
 
 def extend_block_hashes(
-    hashes: list[int], token_ids: Seq[int], num_full_blocks: int, block_size: int
+    hashes: list[int], token_ids: Seq[int], num_blocks: int, block_size: int, seed=None
 ) -> list[int]:
-    """Extend ``hashes`` (a sequence's chained hashes so far, mutated) to its first
-    ``num_full_blocks`` full blocks; returns it."""
-    for i in range(len(hashes), num_full_blocks):
-        parent = hashes[i - 1] if i else None
+    """Extend ``hashes`` (chained hashes so far, mutated) to the first ``num_blocks`` blocks,
+    the first chained to ``seed``; returns it."""
+    for i in range(len(hashes), num_blocks):
+        parent = hashes[i - 1] if i else seed
         block = token_ids[i * block_size : (i + 1) * block_size]
         hashes.append(hash_block_tokens(parent, block))
     return hashes

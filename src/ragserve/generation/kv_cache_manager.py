@@ -1,11 +1,11 @@
-"""The GPU and host KV tiers under the knowledge tree (RAGCache), with the ``BlockManager``
-interface (``docs/architecture.md``, "Document-KV reuse")::
+"""The GPU and host KV tiers under the knowledge tree (RAGCache), behind the ``BlockManager``
+interface::
 
     GPU  [ in use (ref > 0) | cached, ref 0 (evictable, by node priority) | free ]
     host [ copies of evicted cached blocks (evictable leaves first)       | free ]
 
-Copies are not done here: each mutation appends ``SwapOp``s, in the order they must run, and
-the engine runs them (``take_swap_ops``) before the step's forward pass writes any block.
+Copies are not done here: mutations append ``SwapOp``s in order, and the engine runs them
+(``take_swap_ops``) before the step's forward pass.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import takewhile
 
 from ragserve.generation.block_manager import check_ref_counts, extend_block_hashes
 from ragserve.generation.kv_passages import PassageTierMixin
@@ -38,13 +39,9 @@ def _flop_cost(num_tokens: int, num_context_tokens: int) -> float:
 
 
 class TieredBlockManager(PassageTierMixin):
-    """Owns the GPU block pool and the host pool, with cached blocks in the knowledge tree.
-
-    Same contract as ``BlockManager`` (``get_computed_blocks`` returns opaque cached blocks;
-    ``allocate_slots`` returns ``False`` and changes nothing when a request does not fit);
-    mutates ``seq.block_table`` only. Cache fusion's passage KV lives in the same pools
-    (``acquire_passages`` / ``release_passages``, ``kv_passages.py``).
-    """
+    """Owns the GPU and host block pools, with cached blocks in the knowledge tree. The
+    ``BlockManager`` contract (opaque cached blocks; ``allocate_slots`` is ``False`` and
+    changes nothing when a request does not fit); mutates ``seq.block_table`` only."""
 
     def __init__(
         self,
@@ -132,26 +129,20 @@ class TieredBlockManager(PassageTierMixin):
         return extend_block_hashes(hashes, seq.token_ids, num_full_blocks, self.block_size)
 
     def get_computed_blocks(self, seq: Sequence) -> list[CachedBlock]:
-        """The longest cached prefix (GPU or host) of a sequence that holds no blocks yet.
-
-        At most ``num_tokens - 1`` tokens: the last token's logits are needed. Changes nothing.
-        """
+        """The longest cached prefix (GPU or host, at most ``num_tokens - 1`` tokens) of a
+        sequence that holds no blocks yet. Changes nothing."""
         if seq.block_table or not self.enable_prefix_caching:
             return []
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
-        hit = []
-        for h in hashes:
-            entry = self.entries.get(h)
-            if entry is None:
-                break
-            hit.append(entry)
-        return self._cheaper_to_swap(seq, hit)
+        return self._cheaper_to_swap(seq, self._cached_prefix(hashes))
+
+    def _cached_prefix(self, hashes: list[int]) -> list[CachedBlock]:
+        return list(takewhile(lambda e: e is not None, map(self.entries.get, hashes)))
 
     def _cheaper_to_swap(self, seq: Sequence, hit: list[CachedBlock]) -> list[CachedBlock]:
-        """``hit`` cut where swapping its host part in stops paying off against recomputing
-        it. GPU blocks come first (each tier is closed under prefixes); keeping the first k
-        host blocks costs k swaps plus recomputing the rest after them: the cheapest k wins
-        (ties: more swapped)."""
+        """``hit`` cut where swapping its host part in stops paying off: keeping the first k
+        host blocks costs k swaps plus recomputing the rest; the cheapest k wins (ties: more
+        swapped)."""
         num_gpu = next((i for i, e in enumerate(hit) if e.gpu_block is None), len(hit))
         if self.swap_cost_fn is None or num_gpu == len(hit):
             return hit
@@ -351,12 +342,7 @@ class TieredBlockManager(PassageTierMixin):
             entry = self.entries.get(hashes[i])
             if entry is None:
                 node = self._node_for(seq, i)
-                entry = CachedBlock(hashes[i], parent, node, depth=i)
-                self.entries[hashes[i]] = entry
-                node.num_blocks += 1
-                if parent is not None:
-                    parent.children.add(entry)
-                self._attach_gpu(entry, table[i])
+                self._new_entry(hashes[i], parent, node, i, table[i])
                 self._access(seq, (node,))
             elif entry.gpu_block is None:
                 self._attach_gpu(entry, table[i])  # recomputed a host-only block: adopt it
@@ -364,6 +350,17 @@ class TieredBlockManager(PassageTierMixin):
                 self._stopped.add(rid)  # computed twice at once: keep the first copy
                 return
             self._num_hashed[rid] = i + 1
+
+    def _new_entry(
+        self, h: int, parent: CachedBlock | None, node: KVNode, depth: int, block: int
+    ) -> CachedBlock:
+        """A new cached block in the tree, its KV in GPU ``block``."""
+        entry = self.entries[h] = CachedBlock(h, parent, node, depth)
+        node.num_blocks += 1
+        if parent is not None:
+            parent.children.add(entry)
+        self._attach_gpu(entry, block)
+        return entry
 
     def _access(self, seq: Sequence, nodes) -> None:
         counted = self._counted.setdefault(seq.request_id, set())
@@ -419,30 +416,28 @@ class TieredBlockManager(PassageTierMixin):
             node = node.parent
 
     # ------------------------------------------------------------------ release
-    def _drop_ref(
-        self, block: int, entry: CachedBlock | None, released: KVNode | None
-    ) -> KVNode | None:
-        """Drop one reference to ``block``; at zero an uncached block is freed and a cached one
-        becomes evictable (its node told once per run of blocks: ``released``, returned)."""
-        self.ref_cnt[block] -= 1
-        if self.ref_cnt[block]:
-            return released
-        if entry is None:
-            self.free_blocks.appendleft(block)
-            return released
-        self._num_evictable += 1
-        if entry.node is not released:
-            released = entry.node
-            self.policy.on_release(released)
-        if entry.num_gpu_children == 0:
-            self._gpu_heap.push(entry)
-        return released
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block, tail first: at zero an uncached block is freed
+        and a cached one becomes evictable (its node told once per run of its blocks)."""
+        released: KVNode | None = None
+        for block in reversed(blocks):
+            self.ref_cnt[block] -= 1
+            entry = self.gpu_entry[block]
+            if self.ref_cnt[block]:
+                continue
+            if entry is None:
+                self.free_blocks.appendleft(block)
+                continue
+            self._num_evictable += 1
+            if entry.node is not released:
+                released = entry.node
+                self.policy.on_release(released)
+            if entry.num_gpu_children == 0:
+                self._gpu_heap.push(entry)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its cached blocks become evictable, tail first."""
-        released: KVNode | None = None
-        for block in reversed(seq.block_table):
-            released = self._drop_ref(block, self.gpu_entry[block], released)
+        self._release(seq.block_table)
         seq.block_table.clear()
         stores = (self._tables, self._hashes, self._num_hashed, self._node_keys, self._counted)
         for store in (*stores, self._skipped):
