@@ -1,6 +1,6 @@
 """Paged KV blocks with automatic prefix caching (the plain, GPU-only cache): chained block
-hashes ``hash((parent_hash, tokens, extra_keys))`` so equal hashes mean equal prefixes; free
-blocks keep their hashes until reallocated, least recently freed first::
+hashes, so equal hashes mean equal prefixes; free blocks keep their hashes until reallocated,
+least recently freed first::
 
     free queue   front [ unhashed blocks | hashed blocks, least recently freed first ] back
 
@@ -33,8 +33,8 @@ def extend_block_hashes(
 
 
 def check_ref_counts(ref_cnt: list[int], tables: dict[str, list[int]], held: Seq[int] = ()) -> None:
-    """Raise ``AssertionError`` unless ``ref_cnt`` counts each block's holders: the requests'
-    block ``tables`` (no block twice in one) and the extra ``held`` references."""
+    """Raise ``AssertionError`` unless ``ref_cnt`` counts the block ``tables`` (no block twice
+    in one) and the ``held`` references."""
     refs = [0] * len(ref_cnt)
     for rid, table in tables.items():
         if len(set(table)) != len(table):
@@ -79,11 +79,8 @@ class BlockManager:
         return extend_block_hashes(hashes, seq.token_ids, num_full_blocks, self.block_size)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """The longest cached prefix of a sequence that holds no blocks yet, as block ids.
-
-        At most ``num_tokens - 1`` tokens are reused: the last token is always recomputed, its
-        logits are needed. Changes nothing.
-        """
+        """The longest cached prefix (at most ``num_tokens - 1`` tokens) of a sequence that
+        holds no blocks yet, as block ids. Changes nothing."""
         if not self.enable_prefix_caching or seq.block_table:
             return []
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
@@ -96,17 +93,13 @@ class BlockManager:
         return blocks
 
     def num_swap_in_blocks(self, computed_blocks: Seq[int]) -> int:
-        """Blocks an allocation of ``computed_blocks`` would copy in: none (GPU only)."""
-        return 0
+        return 0  # GPU only: nothing is swapped in
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()
     ) -> bool:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
-
-        ``computed_blocks`` (from ``get_computed_blocks``, for a sequence with no blocks yet)
-        are shared first and count as computed tokens.
-        """
+        """Make room for ``num_new_tokens`` after the computed ones; ``computed_blocks`` (from
+        ``get_computed_blocks``) are shared first and count as computed."""
         table = seq.block_table
         if not computed_blocks and seq.num_computed_tokens + num_new_tokens <= len(table) * (
             self.block_size
@@ -176,7 +169,6 @@ class BlockManager:
         self._num_hashed = {rid: 0 for rid in self._num_hashed}
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if ref counts, the free queue or the hash map disagree."""
         check_ref_counts(self.ref_cnt, self._tables)
         free = {b for b in range(self.num_blocks) if self.ref_cnt[b] == 0}
         if free != set(self.free_queue):
