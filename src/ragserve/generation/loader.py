@@ -29,12 +29,8 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
 ) -> nn.Module:
-    """The model, in eval mode, on ``device`` in ``dtype``.
-
-    Parameters are created on the meta device and materialised directly on ``device`` (no
-    host copy of the whole model); ``load_format="dummy"`` fills them with seeded random
-    values on the device itself.
-    """
+    """The model in eval mode, materialised from the meta device directly on ``device``;
+    ``load_format="dummy"``: seeded random weights."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)  # every SUPPORTED_ARCHITECTURES entry
     model = model.to(dtype).to_empty(device=device)

@@ -1,26 +1,15 @@
 """Triton kernels for paged attention: one "unified" kernel for decode and prefill chunks.
 
-One program handles one *query block* of one sequence for one kv head, and all ``GROUP`` query
-heads that share that kv head (GQA): its rows are ``(token, head)`` pairs, so every key/value
-tile read from the cache is used by ``GROUP`` heads at once::
+One program handles one query block of one sequence for one kv head and all ``GROUP`` query
+heads sharing it (GQA), so every key/value tile is used by ``GROUP`` heads at once::
 
     row r  ->  token  local_block * BLOCK_Q + r // GROUP,   q head  kv_head * GROUP + r % GROUP
 
-Query blocks of all sequences are numbered consecutively; sequence ``i``'s first block is
-``query_start_loc[i] // BLOCK_Q + i`` (an upper bound on the blocks before it, so the grid is
-``num_tokens // BLOCK_Q + num_seqs`` and spare programs return at once). A program finds its
-sequence by binary search over ``query_start_loc`` -- no per-step host work, so the launch is
-the same for every step of a given shape (CUDA-graph friendly). Decode-only batches
-(``IS_DECODE``) skip the search: program ``i`` is sequence ``i``.
-
-Split-KV ("flash decoding"): with ``NUM_SPLITS > 1`` the context tiles of each query block are
-divided between ``NUM_SPLITS`` programs that write normalised partial outputs and their
-log-sum-exp; ``_combine_kernel`` merges them. The split range is derived from ``seq_len`` in
-the kernel, so one launch shape serves every context length.
-
-Per-query positions (``HAS_Q_POS``, cache fusion's recomputed rows; prefill launches only):
-query token ``t`` sits at ``q_pos[t]`` rather than ``seq_len - q_len + local index``; the
-causal mask compares key positions with it, and a block reads keys up to its largest one.
+Sequence ``i``'s first query block is ``query_start_loc[i] // BLOCK_Q + i`` (grid: ``num_tokens
+// BLOCK_Q + num_seqs``, spare programs return); a program finds its sequence by binary search,
+so the launch is the same for every step of a shape (decode: program ``i`` is sequence ``i``).
+Split-KV: ``NUM_SPLITS`` programs per query block write partial outputs and log-sum-exps that
+``combine_splits_kernel`` merges. ``HAS_Q_POS``: query token ``t`` sits at ``q_pos[t]``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
-
-Tokens of all sequences in a step are packed flat (``[num_tokens, hidden]``); the attention
-backend maps them to sequences through ``AttentionMetadata``. q/k/v and gate/up projections
-are fused into one matmul each; ``load_weights`` maps Hugging Face names onto them.
-"""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm)
+over a step's tokens packed flat; q/k/v and gate/up are fused, ``load_weight`` maps HF names."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -184,11 +178,3 @@ class LlamaForCausalLM(nn.Module):
         kv = cfg.num_key_value_heads * cfg.head_dim
         start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
         return param.narrow(0, start, size)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the names that were used."""
-        used = set()
-        for name, tensor in weights:
-            if self.load_weight(name, tensor):
-                used.add(name)
-        return used
