@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import takewhile
 
-from ragserve.generation.block_manager import check_ref_counts, extend_block_hashes
+from ragserve.generation.block_manager import BaseBlockManager, check_ref_counts
 from ragserve.generation.kv_passages import PassageTierMixin
 from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, KVNode, make_policy
 from ragserve.generation.segments import find_segment_ends
@@ -38,10 +38,9 @@ def _flop_cost(num_tokens: int, num_context_tokens: int) -> float:
     return num_tokens * (1.0 + (num_context_tokens + num_tokens / 2) / 4096)
 
 
-class TieredBlockManager(PassageTierMixin):
-    """Owns the GPU and host block pools, with cached blocks in the knowledge tree. The
-    ``BlockManager`` contract (opaque cached blocks; ``allocate_slots`` is ``False`` and
-    changes nothing when a request does not fit); mutates ``seq.block_table`` only."""
+class TieredBlockManager(BaseBlockManager, PassageTierMixin):
+    """Owns the GPU and host block pools, with cached blocks in the knowledge tree
+    (``BaseBlockManager``'s contract); mutates ``seq.block_table`` only."""
 
     def __init__(
         self,
@@ -55,20 +54,15 @@ class TieredBlockManager(PassageTierMixin):
         swap_cost_fn: Callable[[int], float] | None = None,
         swap_out_filter: bool = True,
     ):
-        if num_blocks < 1:
-            raise ValueError("the KV pool needs at least one block")
+        super().__init__(num_blocks, block_size)
         if num_host_blocks < 0:
             raise ValueError("num_host_blocks must be >= 0")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
         self.num_host_blocks = num_host_blocks
-        self.enable_prefix_caching = True  # False: no hits, nothing cached (set_kv_reuse)
         self.policy = make_policy(policy)
         self.cost_fn = cost_fn or _flop_cost
         self.swap_cost_fn = swap_cost_fn
         self.swap_out_filter = swap_out_filter
         self.newline_counts = newline_counts or {}
-        self.ref_cnt = [0] * num_blocks
         self.gpu_entry: list[CachedBlock | None] = [None] * num_blocks
         self.host_entry: list[CachedBlock | None] = [None] * num_host_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -80,9 +74,6 @@ class TieredBlockManager(PassageTierMixin):
         self._num_evictable = 0
         self._node_ids = 0
         self._ops: list[SwapOp] = []
-        self._tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[int]] = {}
-        self._num_hashed: dict[str, int] = {}
         self._stopped: set[str] = set()  # requests whose blocks no longer chain to the cache
         self._node_keys: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (ends, keys)
         self._counted: dict[str, set[int]] = {}  # rid -> ids of nodes it has accessed
@@ -107,10 +98,6 @@ class TieredBlockManager(PassageTierMixin):
         return len(self.free_blocks) + self._num_evictable
 
     @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
     def num_cached_blocks(self) -> int:
         return sum(1 for e in self.entries.values() if e.gpu_block is not None)
 
@@ -119,22 +106,13 @@ class TieredBlockManager(PassageTierMixin):
         return self.num_host_blocks - len(self.free_host_blocks)
 
     def take_swap_ops(self) -> list[SwapOp]:
-        """The copies planned since the last call, in execution order (clears them)."""
         ops, self._ops = self._ops, []
         return ops
 
     # ------------------------------------------------------------------ lookups
-    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        hashes = self._hashes.setdefault(seq.request_id, [])
-        return extend_block_hashes(hashes, seq.token_ids, num_full_blocks, self.block_size)
-
     def get_computed_blocks(self, seq: Sequence) -> list[CachedBlock]:
-        """The longest cached prefix (GPU or host, at most ``num_tokens - 1`` tokens) of a
-        sequence that holds no blocks yet. Changes nothing."""
-        if seq.block_table or not self.enable_prefix_caching:
-            return []
-        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
-        return self._cheaper_to_swap(seq, self._cached_prefix(hashes))
+        """The longest cached prefix (GPU or host) of a sequence. Changes nothing."""
+        return self._cheaper_to_swap(seq, self._cached_prefix(self._prefix_hashes(seq)))
 
     def _cached_prefix(self, hashes: list[int]) -> list[CachedBlock]:
         return list(takewhile(lambda e: e is not None, map(self.entries.get, hashes)))
@@ -170,7 +148,6 @@ class TieredBlockManager(PassageTierMixin):
         return best_k
 
     def num_swap_in_blocks(self, computed_blocks: Seq[CachedBlock]) -> int:
-        """How many of ``computed_blocks`` an allocation would swap in (host-only ones)."""
         return sum(1 for e in computed_blocks if e.gpu_block is None)
 
     # ------------------------------------------------------------------ allocation
@@ -179,17 +156,15 @@ class TieredBlockManager(PassageTierMixin):
     ) -> bool:
         """Make room for ``num_new_tokens`` after the computed ones; ``computed_blocks`` (from
         ``get_computed_blocks``) are shared (GPU) or swapped in (host) first."""
-        table = seq.block_table
-        bs = self.block_size
-        if not computed_blocks and seq.num_computed_tokens + num_new_tokens <= len(table) * bs:
+        table, bs = seq.block_table, self.block_size
+        num_new = self._num_new_blocks(seq, num_new_tokens, len(computed_blocks))
+        if num_new is None:
             return True
         admitted = not table
-        num_computed = max(seq.num_computed_tokens, len(computed_blocks) * bs)
-        num_new = -(-(num_computed + num_new_tokens) // bs) - len(table) - len(computed_blocks)
         on_gpu = [e for e in computed_blocks if e.gpu_block is not None]
         on_host = [e for e in computed_blocks if e.gpu_block is None]
         reclaimed = sum(1 for e in on_gpu if self.ref_cnt[e.gpu_block] == 0)
-        if max(num_new, 0) + len(on_host) > self.num_free_blocks - reclaimed:
+        if num_new + len(on_host) > self.num_free_blocks - reclaimed:
             return False
         for entry in on_host:
             entry.locked = True
@@ -206,7 +181,7 @@ class TieredBlockManager(PassageTierMixin):
             self.num_gpu_hit_tokens += len(on_gpu) * bs
             self.num_host_hit_tokens += len(on_host) * bs
             self._access(seq, {e.node.node_id: e.node for e in computed_blocks}.values())
-        for _ in range(max(num_new, 0)):
+        for _ in range(num_new):
             block = self._pop_block()
             self.ref_cnt[block] = 1
             table.append(block)
@@ -438,10 +413,7 @@ class TieredBlockManager(PassageTierMixin):
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its cached blocks become evictable, tail first."""
         self._release(seq.block_table)
-        seq.block_table.clear()
-        stores = (self._tables, self._hashes, self._num_hashed, self._node_keys, self._counted)
-        for store in (*stores, self._skipped):
-            store.pop(seq.request_id, None)
+        self._forget(seq, self._node_keys, self._counted, self._skipped)
         self._stopped.discard(seq.request_id)
 
     def reset_prefix_cache(self) -> None:

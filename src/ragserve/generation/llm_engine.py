@@ -211,7 +211,9 @@ class LLMEngine:
         carried, self._carried = self._carried, []
         self.run_deferred_checks()
         out = self.scheduler.schedule()
-        self._run_swaps()
+        ops = self.block_manager.take_swap_ops()
+        if ops:
+            self.host_kv_cache.run(ops)
         if self.config.enable_async_scheduling:
             return carried + self._step_overlapped(out)
         return carried + self._run_step(out)
@@ -316,12 +318,6 @@ class LLMEngine:
         if seq.request_id in self._seqs:
             self._finish(seq, "error")
         return seq.to_output()
-
-    def _run_swaps(self) -> None:
-        if isinstance(self.block_manager, TieredBlockManager):
-            ops = self.block_manager.take_swap_ops()
-            if ops:
-                self.host_kv_cache.run(ops)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         check_fault("append", [seq])

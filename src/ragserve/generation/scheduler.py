@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ragserve.generation.block_manager import BlockManager
+from ragserve.generation.block_manager import BaseBlockManager
 from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.sequence import Sequence, SequenceStatus
 
@@ -41,12 +41,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the queues and the ``BlockManager``; ``schedule`` mutates queues, block tables and
+    """Owns the queues and the block manager; ``schedule`` mutates queues, block tables and
     (prefix hits) ``num_computed_tokens``, which ``update_after_step`` advances."""
 
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_manager: BaseBlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         *,
