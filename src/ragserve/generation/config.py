@@ -1,9 +1,6 @@
-"""Engine and model configuration: frozen dataclasses, resolved once at construction.
-
-``EngineConfig`` holds what the user asked for (``"auto"`` allowed); ``LLMEngine`` resolves it
-once with ``dataclasses.replace`` (device, dtype, KV pool size) and never mutates it after.
-``ModelConfig`` is the architecture read from a Hugging Face ``config.json``.
-"""
+"""Engine and model configuration: frozen dataclasses. ``EngineConfig`` is what the user asked
+for (``"auto"`` allowed; the engine resolves it once with ``replace``); ``ModelConfig`` is the
+architecture read from a Hugging Face ``config.json``."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import torch
 
 from ragserve.generation.block_manager import BlockManager
 from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.kv_swap import HostKVCache
 from ragserve.generation.model_runner import kv_cache_bytes_per_block
@@ -182,9 +183,13 @@ def make_kv_tiers(
 
 
 def kv_tier_stats(
-    bm: BlockManager | TieredBlockManager, host: HostKVCache | None, hit_tokens: int
+    bm: BlockManager | TieredBlockManager,
+    host: HostKVCache | None,
+    hit_tokens: int,
+    store: PassageKVStore,
 ) -> dict[str, int]:
-    """The tier counters of ``LLMEngine.stats()`` (zeros where a tier does not exist)."""
+    """The KV-tier and passage-store counters of ``LLMEngine.stats()`` (zeros where a tier
+    does not exist; passages live in the tiers, else in ``store``)."""
     per_block = host.bytes_per_block if host is not None else 0
     tiered = isinstance(bm, TieredBlockManager)
     names = (
@@ -200,4 +205,6 @@ def kv_tier_stats(
         "num_swap_copies": host.num_copies if host is not None else 0,
         "num_kv_tree_nodes": len(bm.nodes) if tiered else 0,
         "num_host_blocks_used": bm.num_host_used_blocks if tiered else 0,
+        "num_fusion_store_hits": bm.num_passage_hits if tiered else store.num_hits,
+        "num_fusion_store_misses": bm.num_passage_misses if tiered else store.num_misses,
     }

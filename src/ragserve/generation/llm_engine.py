@@ -37,7 +37,6 @@ from ragserve.generation.engine_setup import (
 from ragserve.generation.errors import PromptTooLongError
 from ragserve.generation.faults import check_fault
 from ragserve.generation.fusion import FusionRunner, PassageKVStore
-from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import ModelRunner, SampledTokens
 from ragserve.generation.sampling_params import SamplingParams
@@ -399,7 +398,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Queue, KV-tier and cache-fusion counters (ints; ``docs/architecture.md``)."""
-        bm, sched = self.block_manager, self.scheduler
+        bm, sched, fusion = self.block_manager, self.scheduler, self.model_runner.fusion
         stats = {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
@@ -409,19 +408,12 @@ class LLMEngine:
             "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
             "prefix_cache_query_tokens": sched.prefix_cache_query_tokens,
             "num_prefill_tokens_saved": sched.prefix_cache_hit_tokens,
-        }
-        fusion = self.model_runner.fusion
-        tiered = isinstance(bm, TieredBlockManager)
-        stats |= {
             "num_fused_tokens": fusion.num_fused_tokens,
             "num_recomputed_tokens": fusion.num_recomputed_tokens,
-            "num_fusion_store_hits": bm.num_passage_hits if tiered else fusion.store.num_hits,
-            "num_fusion_store_misses": (
-                bm.num_passage_misses if tiered else fusion.store.num_misses
-            ),
+            "num_deferred_swap_ins": sched.num_deferred_swap_ins,
         }
-        stats["num_deferred_swap_ins"] = sched.num_deferred_swap_ins
-        return stats | kv_tier_stats(bm, self.host_kv_cache, sched.prefix_cache_hit_tokens)
+        hits = sched.prefix_cache_hit_tokens
+        return stats | kv_tier_stats(bm, self.host_kv_cache, hits, fusion.store)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
