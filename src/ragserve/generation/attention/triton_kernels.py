@@ -19,40 +19,15 @@ import triton.language as tl
 
 
 @triton.jit
-def unified_attention_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    query_start_loc_ptr,
-    q_pos_ptr,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    scale,
-    num_seqs,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_c_blk,
-    stride_c_tok,
-    stride_c_head,
-    stride_bt,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    IS_DECODE: tl.constexpr,
-    HAS_Q_POS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+def unified_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                             query_start_loc_ptr, q_pos_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                             scale, num_seqs, stride_q_tok, stride_q_head, stride_o_tok,
+                             stride_o_head, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
+                             NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             HEAD_DIM_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_Q: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             IS_DECODE: tl.constexpr, HAS_Q_POS: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr):  # fmt: skip
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,17 +129,9 @@ def unified_attention_kernel(
 
 
 @triton.jit
-def combine_splits_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_o_tok,
-    stride_o_head,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
+def combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr):  # fmt: skip
     """One program per (token, head): weight each split's output by exp2(lse - max lse)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -187,17 +154,8 @@ def combine_splits_kernel(
 
 
 @triton.jit
-def store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    stride_k_tok,
-    stride_v_tok,
-    ROW: tl.constexpr,
-    ROW_P: tl.constexpr,
-):
+def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_tok,
+                    stride_v_tok, ROW: tl.constexpr, ROW_P: tl.constexpr):  # fmt: skip
     """One program per new token: copy its ``[num_kv_heads * head_dim]`` key and value rows to
     its flat cache slot; a negative slot (a padding row of a CUDA graph batch) is skipped."""
     tok = tl.program_id(0).to(tl.int64)
