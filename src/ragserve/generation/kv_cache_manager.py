@@ -19,7 +19,7 @@ from itertools import takewhile
 
 from ragserve.generation.block_manager import BaseBlockManager, check_ref_counts
 from ragserve.generation.kv_passages import PassageTierMixin
-from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, KVNode, make_policy
+from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, EvictionPolicy, KVNode
 from ragserve.generation.segments import find_segment_ends
 from ragserve.generation.sequence import Sequence
 
@@ -58,7 +58,7 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         if num_host_blocks < 0:
             raise ValueError("num_host_blocks must be >= 0")
         self.num_host_blocks = num_host_blocks
-        self.policy = make_policy(policy)
+        self.policy = EvictionPolicy(policy)
         self.cost_fn = cost_fn or _flop_cost
         self.swap_cost_fn = swap_cost_fn
         self.swap_out_filter = swap_out_filter

@@ -74,60 +74,36 @@ class PassageBlocks:
 
 
 class EvictionPolicy:
-    """Priority of a node at its latest access; the lowest priority is evicted first."""
+    """Sets a node's priority at each access; the lowest priority is evicted first. ``"lru"``:
+    least recently used (acquired or released); ``"pgdsf"``: RAGCache's prefix-aware
+    greedy-dual-size-frequency, ``clock + freq * cost / size``, where ``clock`` rises to each
+    evicted node's priority, so once-hot nodes age out."""
 
-    name = "base"
-
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        if name not in KV_EVICTION_POLICIES:
+            raise ValueError(
+                f"unknown kv_eviction_policy {name!r}; use one of {KV_EVICTION_POLICIES}"
+            )
+        self.name = name
         self.clock = 0.0
-
-    def on_access(self, node: KVNode) -> None:
-        raise NotImplementedError
-
-    def on_release(self, node: KVNode) -> None:  # noqa: B027 - a request stopped using it
-        pass
-
-    def on_evict(self, node: KVNode) -> None:  # noqa: B027 - a block of it was evicted
-        pass
-
-
-class LRUPolicy(EvictionPolicy):
-    """Least recently used (acquired or released) first."""
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        super().__init__()
         self._ticks = itertools.count(1)
 
     def on_access(self, node: KVNode) -> None:
         node.freq += 1
-        node.priority = float(next(self._ticks))
+        if self.name == "lru":
+            node.priority = float(next(self._ticks))
+        else:
+            node.priority = self.clock + node.freq * node.cost / max(node.num_tokens, 1)
 
     def on_release(self, node: KVNode) -> None:
-        node.priority = float(next(self._ticks))
-
-
-class PGDSFPolicy(EvictionPolicy):
-    """RAGCache's prefix-aware greedy-dual-size-frequency, ``clock + freq * cost / size``;
-    ``clock`` rises to each evicted node's priority, so once-hot nodes age out."""
-
-    name = "pgdsf"
-
-    def on_access(self, node: KVNode) -> None:
-        node.freq += 1
-        node.priority = self.clock + node.freq * node.cost / max(node.num_tokens, 1)
+        """A request stopped using the node."""
+        if self.name == "lru":
+            node.priority = float(next(self._ticks))
 
     def on_evict(self, node: KVNode) -> None:
-        self.clock = max(self.clock, node.priority)
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    if name == "pgdsf":
-        return PGDSFPolicy()
-    if name == "lru":
-        return LRUPolicy()
-    raise ValueError(f"unknown kv_eviction_policy {name!r}; use one of {KV_EVICTION_POLICIES}")
+        """A block of the node was evicted."""
+        if self.name == "pgdsf":
+            self.clock = max(self.clock, node.priority)
 
 
 class EvictionHeap:
