@@ -57,18 +57,14 @@ class PrefillCostModel:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
-    return DTYPES[dtype]
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if config.device == "auto" else config.device)
+    if config.dtype == "auto":
+        return device, torch.float32 if device.type == "cpu" else torch.bfloat16
+    if config.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
+    return device, DTYPES[config.dtype]
 
 
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:

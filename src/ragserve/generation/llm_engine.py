@@ -29,8 +29,7 @@ from ragserve.generation.engine_setup import (
     kv_tier_stats,
     load_tokenizer,
     make_kv_tiers,
-    resolve_device,
-    resolve_dtype,
+    resolve_device_dtype,
     resolve_kv_pool,
     resolve_max_model_len,
 )
@@ -64,10 +63,9 @@ class LLMEngine:
         self.model_dir = None if is_dummy else resolve_model(config.model)
         folder = self.model_dir or Path(config.model)
         self.model_config = ModelConfig.from_folder(folder)
-        device = resolve_device(config.device)
+        device, dtype = resolve_device_dtype(config)
         if device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
-        dtype = resolve_dtype(config.dtype, device)
         self.tokenizer = load_tokenizer(folder)
         self._decode = make_decoder(self.tokenizer, config.enable_fast_detokenize)
         eos = getattr(self.tokenizer, "eos_token_id", None)
