@@ -82,8 +82,6 @@ def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f.get_tensor(name)
-    except ModelLoadError:
-        raise
     except Exception as e:  # safetensors raises its own and OS errors for bad files
         raise ModelLoadError(f"corrupt or unreadable weight file {path}: {e}") from e
 
