@@ -42,7 +42,7 @@ from ragserve.generation.sampling_params import SamplingParams
 from ragserve.generation.scheduler import Scheduler, SchedulerOutput
 from ragserve.generation.segments import FusionPlan, Segment, tokenize_segments
 from ragserve.generation.sequence import RequestOutput, Sequence
-from ragserve.generation.step_isolation import execute_isolated
+from ragserve.generation.step_isolation import execute_isolated, random_state
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,8 @@ class LLMEngine:
         if out.is_empty:
             return self._land(prev)
         self._wait_for_swaps(out)
-        state = self._sampler_state(out)
+        isolated = self.config.enable_step_isolation
+        state = random_state(out, self.model_runner.sampler) if isolated else None
         try:
             tokens = self.model_runner.launch_model(out, None if prev is None else prev.tokens)
         except Exception:
@@ -263,15 +264,6 @@ class LLMEngine:
             return []
         tokens = [] if step.tokens is None else step.tokens.tolist()
         return self._postprocess(step.out, tokens, landed=True)
-
-    def _sampler_state(self, out: SchedulerOutput) -> Any:
-        """The sampler's state where a failed launch must rewind it, else ``None``."""
-        if not self.config.enable_step_isolation:
-            return None
-        rows = zip(out.seqs, out.sample, strict=True)
-        if all(s.params.is_greedy for s, flag in rows if flag):
-            return None
-        return self.model_runner.sampler.get_state()
 
     def _is_live(self, seq: Sequence) -> bool:
         """Still this engine's request (not finished or aborted since it was scheduled)."""

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ragserve.generation.sampler import Sampler
+from ragserve.generation.sampler import Sampler, SamplerState
 from ragserve.generation.scheduler import SchedulerOutput
 from ragserve.generation.sequence import Sequence
 
@@ -33,8 +33,7 @@ class IsolatedStep(NamedTuple):
 
 def execute_isolated(execute: Execute, out: SchedulerOutput, sampler: Sampler) -> IsolatedStep:
     """``execute(out)``; if it raises, the bisected culprits fail and the rest runs again."""
-    samples = any(not s.params.is_greedy for s, f in zip(out.seqs, out.sample, strict=True) if f)
-    state = sampler.get_state() if samples else None
+    state = random_state(out, sampler)
 
     def attempt(part: SchedulerOutput) -> list[int]:
         if state is not None:
@@ -53,6 +52,12 @@ def execute_isolated(execute: Execute, out: SchedulerOutput, sampler: Sampler) -
     rest = _without(out, [seq for seq, _ in failed])
     tokens = attempt(rest) if not rest.is_empty else []
     return IsolatedStep(rest, tokens, failed)
+
+
+def random_state(out: SchedulerOutput, sampler: Sampler) -> SamplerState | None:
+    """The sampler's state a rerun of ``out`` must start from (``None``: all greedy)."""
+    samples = any(not s.params.is_greedy for s, f in zip(out.seqs, out.sample, strict=True) if f)
+    return sampler.get_state() if samples else None
 
 
 def _bisect(attempt: Execute, part: SchedulerOutput, failed: list) -> None:
