@@ -91,7 +91,6 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         self.num_swap_out_skipped_blocks = 0
         self._init_passages()
 
-    # ------------------------------------------------------------------ sizes
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can get: free plus cached-and-unused (evictable)."""
@@ -109,7 +108,6 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         ops, self._ops = self._ops, []
         return ops
 
-    # ------------------------------------------------------------------ lookups
     def get_computed_blocks(self, seq: Sequence) -> list[CachedBlock]:
         """The longest cached prefix (GPU or host) of a sequence. Changes nothing."""
         return self._cheaper_to_swap(seq, self._cached_prefix(self._prefix_hashes(seq)))
@@ -150,7 +148,6 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
     def num_swap_in_blocks(self, computed_blocks: Seq[CachedBlock]) -> int:
         return sum(1 for e in computed_blocks if e.gpu_block is None)
 
-    # ------------------------------------------------------------------ allocation
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[CachedBlock] = ()
     ) -> bool:
@@ -299,7 +296,6 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
             and not entry.locked
         )
 
-    # ------------------------------------------------------------------ registration
     def cache_blocks(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the tree (after a step)."""
         rid = seq.request_id
@@ -390,7 +386,6 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
                 del node.parent.children[node.key]
             node = node.parent
 
-    # ------------------------------------------------------------------ release
     def _release(self, blocks: list[int]) -> None:
         """Drop one reference to each block, tail first: at zero an uncached block is freed
         and a cached one becomes evictable (its node told once per run of its blocks)."""
@@ -433,7 +428,6 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
             self._evict_gpu(victim, swap=False)
             self.free_blocks.append(block)
 
-    # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` naming the first invariant of the ref counts, pools, tree
         or nodes that does not hold (tests call it after every step, the engine when idle)."""

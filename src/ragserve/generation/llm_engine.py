@@ -139,7 +139,6 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
-    # ------------------------------------------------------------------ requests
     def add_request(
         self,
         request_id: str,
@@ -200,7 +199,6 @@ class LLMEngine:
         step whose requests all ended since does not count."""
         return self.scheduler.has_unfinished() or bool(self._carried)
 
-    # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One iteration: the requests that got a token or finished (overlapped: those of the
         step launched by the previous call). With ``enable_step_isolation`` a request that
@@ -358,7 +356,6 @@ class LLMEngine:
         self.run_deferred_checks()
         return [final[rid] for rid in ids]
 
-    # ------------------------------------------------------------------ helpers
     def tokenize(self, prompt: str) -> list[int]:
         """The token ids ``add_request`` makes of ``prompt``; thread-safe next to ``step``."""
         if self.tokenizer is None:
