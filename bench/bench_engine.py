@@ -184,9 +184,9 @@ def build_hf(engine: LLMEngine, folder: Path):
         torch.set_default_dtype(default)
     ours = engine.model_runner.model
     state = hf.state_dict()
-    # NOTE: the engine's ``load_weights`` takes HF-named tensors, so HF's own random init is
+    # NOTE: the engine's ``load_weight`` takes HF-named tensors, so HF's own random init is
     # copied into the engine: from here on both models hold the same weights.
-    used = ours.load_weights(state.items())
+    used = {name for name, tensor in state.items() if ours.load_weight(name, tensor)}
     missing = ours.expected_weight_names() - used
     assert not missing, f"weights not shared: {sorted(missing)[:5]}"
     return hf.eval()

@@ -35,7 +35,8 @@ from urllib.parse import quote
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "server")]  # hostile_cases; testing (tiny models)
 from hostile_cases import CHAT, CMPL, DOCS, POISON, chat, cmpl  # noqa: E402
 
 CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Kenya", "Nairobi"), ("Peru", "Lima")]
@@ -209,10 +210,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from ragserve.generation.testing import make_tiny_model
     from ragserve.retrieval import Document, VectorIndex, load_embedder
     from ragserve.runtime import Server, ServerConfig
     from ragserve.server import BackgroundServer, ServeConfig, create_app
+    from testing import make_tiny_model
 
     os.environ["RAGSERVE_FAULT_INJECT"] = f"forward:{STEP_POISON}"
     root = Path(tempfile.mkdtemp(prefix="hostile-"))

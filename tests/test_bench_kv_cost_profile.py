@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragserve.generation.kv_setup import PrefillCostModel
+from ragserve.generation.engine_setup import PrefillCostModel
 from ragserve.generation.kv_swap import HostKVCache
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -112,6 +112,6 @@ def test_profile_prefill_cost_warms_up_and_falls_back_when_rejected(kv, caplog):
 
 def engine_config_of_tiny():
     from ragserve.generation import ModelConfig
-    from ragserve.generation.testing import _ARCHS, _BASE
+    from testing import _ARCHS, _BASE
 
     return ModelConfig.from_dict({**_BASE, **_ARCHS["llama"]})

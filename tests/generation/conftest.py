@@ -13,13 +13,28 @@ def session_home() -> str:
     return os.environ["RAGSERVE_HOME"]
 
 
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+class _TinyModels(dict):
+    """arch -> folder of a seeded tiny model, written on first use (a worker whose tests use
+    only llama writes only llama)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch: str):
+        from testing import make_tiny_model
+
+        self[arch] = make_tiny_model(self.root / arch, arch)
+        return self[arch]
+
+
 @pytest.fixture(scope="session")
 def tiny_models(session_home, tmp_path_factory: pytest.TempPathFactory):
     """arch -> folder of a seeded tiny model (llama, qwen2, qwen3)."""
-    from ragserve.generation.testing import make_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny-models")
-    return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
+    return _TinyModels(tmp_path_factory.mktemp("tiny-models"))
 
 
 @pytest.fixture(scope="session")
@@ -28,8 +43,8 @@ def hf_oracles(tiny_models):
     from transformers import AutoModelForCausalLM
 
     models = {}
-    for arch, path in tiny_models.items():
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    for arch in ARCHS:
+        model = AutoModelForCausalLM.from_pretrained(tiny_models[arch]).eval()
         model.generation_config.eos_token_id = None  # compare fixed-length greedy runs
         models[arch] = model
     return models

@@ -120,7 +120,7 @@ def test_interpreter_matches_reference(full: bool) -> None:
     sweep (``slow``) adds decode and chunked batches, split-KV, MHA, odd head sizes and
     padding rows."""
     pytest.importorskip("triton")
-    from ragserve.generation.testing import run_in_triton_interpreter
+    from testing import run_in_triton_interpreter
 
     code = f"import test_attention_triton as t; t.interpreter_checks({full})"
     if not full:

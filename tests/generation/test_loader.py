@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ragserve.generation import LLMEngine, ModelLoadError, SamplingParams
-from ragserve.generation.testing import make_tiny_model
+from testing import make_tiny_model
 
 PROMPT = list(range(500, 520))
 KV = 8 * 1024**2

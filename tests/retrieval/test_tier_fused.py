@@ -184,7 +184,7 @@ def test_interpreter_matches_faiss_in_slices() -> None:
     """The small exactness case: the kernel under the interpreter equals Faiss at partial
     coverage, one query per launch, with and without resident probes."""
     pytest.importorskip("triton")
-    from ragserve.generation.testing import run_in_triton_interpreter
+    from testing import run_in_triton_interpreter
 
     code = "import test_tier_fused as t; t._position_independent_dot(); t.check_slices('cpu')"
     run_in_triton_interpreter(HERE, code)
@@ -193,7 +193,7 @@ def test_interpreter_matches_faiss_in_slices() -> None:
 @pytest.mark.slow  # the interpreter runs each program in Python: ~13 s for the sweep
 def test_interpreter_matches_faiss() -> None:
     pytest.importorskip("triton")
-    from ragserve.generation.testing import run_in_triton_interpreter
+    from testing import run_in_triton_interpreter
 
     run_in_triton_interpreter(HERE, "import test_tier_fused as t; t.interpreter_checks()")
 

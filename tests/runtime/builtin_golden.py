@@ -58,8 +58,8 @@ def _plain(value):
 
 def build(root: Path) -> tuple[str, str]:
     from conftest import small_corpus
-    from ragserve.generation.testing import make_tiny_model
     from ragserve.retrieval import VectorIndex, load_embedder
+    from testing import make_tiny_model
 
     model = make_tiny_model(root / "tiny-llama", "llama", seed=0)
     index = VectorIndex.build(small_corpus(), load_embedder("all-minilm-l6-v2"), nlist=4)
@@ -69,7 +69,7 @@ def build(root: Path) -> tuple[str, str]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
     with tempfile.TemporaryDirectory() as tmp:
         model, index = build(Path(tmp))
         with serve(model, index) as server:

@@ -32,7 +32,7 @@ def small_corpus() -> list:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from ragserve.generation.testing import make_tiny_model
+    from testing import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", seed=0))
 

@@ -25,8 +25,8 @@ FACTS = ["The capital of {c} is {k}.", "{c} has a long history.", "People in {c}
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
-    from ragserve.generation.testing import make_tiny_model
     from ragserve.retrieval import Document, VectorIndex, load_embedder
+    from testing import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", "llama", seed=0)
     docs = [

@@ -18,8 +18,8 @@ import httpx
 
 def make_assets(root: Path) -> tuple[str, str]:
     """``(model folder, index folder)``: a tiny random llama and 8 facts about the river Ix."""
-    from ragserve.generation.testing import make_tiny_model
     from ragserve.retrieval import Document, VectorIndex, load_embedder
+    from testing import make_tiny_model
 
     model = make_tiny_model(root / "tiny", "llama", seed=0)
     docs = [
@@ -44,9 +44,9 @@ FACTS = [
 @contextlib.contextmanager
 def tiny_server(root: Path):
     """A ``Server`` (in process, CPU) over a tiny seeded llama and a 12-document index."""
-    from ragserve.generation.testing import make_tiny_model
     from ragserve.retrieval import Document, VectorIndex, load_embedder
     from ragserve.runtime import Server, ServerConfig
+    from testing import make_tiny_model
 
     model = make_tiny_model(root / "tiny-llama", "llama", seed=0)
     docs = [Document(f"{c}-cap", f"The capital of {c} is {cap}.", c) for c, cap in FACTS]

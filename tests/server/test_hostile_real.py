@@ -26,9 +26,9 @@ STEP_POISON = "<step-poison>"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    from ragserve.generation.testing import make_tiny_model
     from ragserve.retrieval import Document, VectorIndex, load_embedder
     from ragserve.runtime import Server, ServerConfig
+    from testing import make_tiny_model
 
     root = tmp_path_factory.mktemp("hostile")
     model = make_tiny_model(root / "tiny-llama", "llama", seed=0)

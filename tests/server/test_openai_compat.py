@@ -27,9 +27,9 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
-    from ragserve.generation.testing import make_tiny_model
     from ragserve.retrieval import Document, VectorIndex, load_embedder
     from ragserve.runtime import Server, ServerConfig
+    from testing import make_tiny_model
 
     root = tmp_path_factory.mktemp("openai")
     model = str(make_tiny_model(root / "tiny-llama", "llama", seed=0))

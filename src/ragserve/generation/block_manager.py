@@ -1,6 +1,6 @@
 """Paged KV blocks with automatic prefix caching (the plain, GPU-only cache): chained block
-hashes ``hash((parent_hash, tokens, extra_keys))`` so equal hashes mean equal prefixes; free
-blocks keep their hashes until reallocated, least recently freed first::
+hashes, so equal hashes mean equal prefixes; free blocks keep their hashes until reallocated,
+least recently freed first::
 
     free queue   front [ unhashed blocks | hashed blocks, least recently freed first ] back
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
+from itertools import takewhile
 
 from ragserve.generation.sequence import Sequence
 
@@ -21,20 +22,20 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Seq[int], extra_keys: 
 
 
 def extend_block_hashes(
-    hashes: list[int], token_ids: Seq[int], num_full_blocks: int, block_size: int
+    hashes: list[int], token_ids: Seq[int], num_blocks: int, block_size: int, seed=None
 ) -> list[int]:
-    """Extend ``hashes`` (a sequence's chained hashes so far, mutated) to its first
-    ``num_full_blocks`` full blocks; returns it."""
-    for i in range(len(hashes), num_full_blocks):
-        parent = hashes[i - 1] if i else None
+    """Extend ``hashes`` (chained hashes so far, mutated) to the first ``num_blocks`` blocks,
+    the first chained to ``seed``; returns it."""
+    for i in range(len(hashes), num_blocks):
+        parent = hashes[i - 1] if i else seed
         block = token_ids[i * block_size : (i + 1) * block_size]
         hashes.append(hash_block_tokens(parent, block))
     return hashes
 
 
 def check_ref_counts(ref_cnt: list[int], tables: dict[str, list[int]], held: Seq[int] = ()) -> None:
-    """Raise ``AssertionError`` unless ``ref_cnt`` counts each block's holders: the requests'
-    block ``tables`` (no block twice in one) and the extra ``held`` references."""
+    """Raise ``AssertionError`` unless ``ref_cnt`` counts the block ``tables`` (no block twice
+    in one) and the ``held`` references."""
     refs = [0] * len(ref_cnt)
     for rid, table in tables.items():
         if len(set(table)) != len(table):
@@ -48,9 +49,10 @@ def check_ref_counts(ref_cnt: list[int], tables: dict[str, list[int]], held: Seq
         raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")
 
 
-class BlockManager:
-    """Owns the KV block pool; ``allocate_slots`` returns ``False`` when a request does not fit
-    (the scheduler then preempts), and has changed nothing in that case."""
+class BaseBlockManager:
+    """The KV block pool's ref counts and each request's block table and chained hashes.
+    ``get_computed_blocks`` returns opaque cached blocks; ``allocate_slots`` returns ``False``
+    (the scheduler then preempts) and changes nothing when a request does not fit."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
@@ -59,62 +61,77 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}  # request id -> its (shared) block table
         self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of full blocks
         self._num_hashed: dict[str, int] = {}  # request id -> blocks already registered
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+    num_free_blocks: int
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free_blocks
+
+    def num_swap_in_blocks(self, computed_blocks: Seq) -> int:
+        """How many of ``computed_blocks`` an allocation would swap in."""
+        return 0
+
+    def take_swap_ops(self) -> list:
+        """The host-tier copies planned since the last call, in order (clears them)."""
+        return []
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         hashes = self._hashes.setdefault(seq.request_id, [])
         return extend_block_hashes(hashes, seq.token_ids, num_full_blocks, self.block_size)
 
-    def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """The longest cached prefix of a sequence that holds no blocks yet, as block ids.
-
-        At most ``num_tokens - 1`` tokens are reused: the last token is always recomputed, its
-        logits are needed. Changes nothing.
-        """
-        if not self.enable_prefix_caching or seq.block_table:
+    def _prefix_hashes(self, seq: Sequence) -> list[int]:
+        """Hashes of the blocks a cache hit may cover: at most ``num_tokens - 1`` tokens (the
+        last token's logits are needed) of a sequence with no blocks yet."""
+        if seq.block_table or not self.enable_prefix_caching:
             return []
-        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
-        blocks = []
-        for h in hashes:
-            block = self.cached.get(h)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
 
-    def num_swap_in_blocks(self, computed_blocks: Seq[int]) -> int:
-        """Blocks an allocation of ``computed_blocks`` would copy in: none (GPU only)."""
-        return 0
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, num_computed: int) -> int | None:
+        """Blocks to add for ``num_new_tokens`` after the computed tokens and ``num_computed``
+        shared blocks (``None``: the table holds them already, as in a decode step)."""
+        table, bs = seq.block_table, self.block_size
+        if not num_computed and seq.num_computed_tokens + num_new_tokens <= len(table) * bs:
+            return None
+        total = max(seq.num_computed_tokens, num_computed * bs) + num_new_tokens
+        return max(-(-total // bs) - len(table) - num_computed, 0)
+
+    def _forget(self, seq: Sequence, *stores: dict) -> None:
+        seq.block_table.clear()
+        for store in (self._tables, self._hashes, self._num_hashed, *stores):
+            store.pop(seq.request_id, None)
+
+
+class BlockManager(BaseBlockManager):
+    """The plain GPU-only prefix cache (``BaseBlockManager``'s contract; block ids)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """The longest cached prefix of a sequence, as block ids. Changes nothing."""
+        cached = map(self.cached.get, self._prefix_hashes(seq))
+        return list(takewhile(lambda b: b is not None, cached))
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()
     ) -> bool:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
-
-        ``computed_blocks`` (from ``get_computed_blocks``, for a sequence with no blocks yet)
-        are shared first and count as computed tokens.
-        """
+        """Make room for ``num_new_tokens`` after the computed ones; ``computed_blocks`` (from
+        ``get_computed_blocks``) are shared first and count as computed."""
         table = seq.block_table
-        if not computed_blocks and seq.num_computed_tokens + num_new_tokens <= len(table) * (
-            self.block_size
-        ):
-            return True  # decode within the last block: the common case, nothing to do
-        num_computed = max(seq.num_computed_tokens, len(computed_blocks) * self.block_size)
-        total = num_computed + num_new_tokens
-        num_new_blocks = -(-total // self.block_size) - len(table) - len(computed_blocks)
+        num_new_blocks = self._num_new_blocks(seq, num_new_tokens, len(computed_blocks))
+        if num_new_blocks is None:
+            return True
         num_reclaimed = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
         if num_new_blocks > self.num_free_blocks - num_reclaimed:
             return False
@@ -125,7 +142,7 @@ class BlockManager:
             table.append(block)
         if computed_blocks:
             self._num_hashed[seq.request_id] = len(computed_blocks)
-        for _ in range(max(num_new_blocks, 0)):
+        for _ in range(num_new_blocks):
             table.append(self._pop_free_block())
         self._tables[seq.request_id] = table
         return True
@@ -164,10 +181,7 @@ class BlockManager:
                 self.free_queue[block] = None
                 if self.block_hash[block] is None:
                     self.free_queue.move_to_end(block, last=False)
-        seq.block_table.clear()
-        self._tables.pop(seq.request_id, None)
-        self._hashes.pop(seq.request_id, None)
-        self._num_hashed.pop(seq.request_id, None)
+        self._forget(seq)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their data)."""
@@ -176,7 +190,6 @@ class BlockManager:
         self._num_hashed = {rid: 0 for rid in self._num_hashed}
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if ref counts, the free queue or the hash map disagree."""
         check_ref_counts(self.ref_cnt, self._tables)
         free = {b for b in range(self.num_blocks) if self.ref_cnt[b] == 0}
         if free != set(self.free_queue):

@@ -1,9 +1,6 @@
-"""Built-in model names, converted once from packaged GGUF files into ``$RAGSERVE_HOME``.
-
-``resolve_model`` maps a name or a folder to a Hugging Face model folder. The conversion runs
-in a temporary folder renamed into place (atomic), under a file lock, so a crash leaves no
-half-written model and concurrent processes convert once.
-"""
+"""Built-in model names, converted once from packaged GGUF files into ``$RAGSERVE_HOME`` (in
+a temporary folder renamed into place, under a file lock); ``resolve_model`` maps a name or a
+folder to a Hugging Face model folder."""
 
 from __future__ import annotations
 
@@ -129,13 +126,9 @@ def _convert_model(name: str, out: Path) -> None:
 
 @contextlib.contextmanager
 def _gguf_parsed_once():
-    """Memoize gguf's file reader and tensor-name map while transformers converts.
-
-    NOTE: transformers (5.17) parses the GGUF file anew for the config, the weights and the
-    tokenizer (four parses, each walking the 49k-entry vocabulary field by field) and rebuilds
-    gguf's tensor-name map once per tensor (397 times): most of the conversion's time. Both
-    are read-only, so one parse and one map serve every call; the output is unchanged.
-    """
+    """Memoize gguf's file reader and tensor-name map while transformers converts. NOTE:
+    transformers parses the GGUF four times and rebuilds the map per tensor (most of the
+    conversion's time); both are read-only, so the output is unchanged."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map

@@ -1,13 +1,11 @@
-"""Engine and model configuration: frozen dataclasses, resolved once at construction.
-
-``EngineConfig`` holds what the user asked for (``"auto"`` allowed); ``LLMEngine`` resolves it
-once with ``dataclasses.replace`` (device, dtype, KV pool size) and never mutates it after.
-``ModelConfig`` is the architecture read from a Hugging Face ``config.json``.
-"""
+"""Engine and model configuration: frozen dataclasses. ``EngineConfig`` is what the user asked
+for (``"auto"`` allowed; the engine resolves it once with ``replace``); ``ModelConfig`` is the
+architecture read from a Hugging Face ``config.json``."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -130,23 +128,14 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
-        path = Path(folder) / "config.json"
+        path, gen_path = Path(folder) / "config.json", Path(folder) / "generation_config.json"
         if not path.is_file():
             raise ModelLoadError(f"no config.json in model folder {folder}")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot read {path}: {e}") from e
-        config = cls.from_dict(raw, source=str(path))
-        gen_path = Path(folder) / "generation_config.json"
-        if gen_path.is_file():
-            try:
-                gen_eos = _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
-            except (OSError, ValueError) as e:
-                raise ModelLoadError(f"cannot read {gen_path}: {e}") from e
-            if gen_eos:
-                config = replace(config, eos_token_ids=gen_eos)
-        return config
+        config = cls.from_dict(_read_json(path), source=str(path))
+        if not gen_path.is_file():
+            return config
+        gen_eos = _read_json(gen_path, lambda raw: _as_ids(raw.get("eos_token_id")))
+        return replace(config, eos_token_ids=gen_eos) if gen_eos else config
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -190,6 +179,13 @@ class ModelConfig:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{source}: malformed model config ({e!r})") from e
+
+
+def _read_json(path: Path, parse: Callable[[Any], Any] = lambda raw: raw) -> Any:
+    try:
+        return parse(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -5,8 +5,6 @@ fits::
     static rows   0 ......... n-1 | n ........ bs-1
                   real sequences  | padding: slot -1 (nothing stored), seq_len 0, token 0
 
-Needs a backend with ``supports_cuda_graphs``; the returned hidden states live in the graph's
-memory until the next replay.
 """
 
 from __future__ import annotations
@@ -32,11 +30,8 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    """Captured decode forwards keyed by padded batch size; ``run`` replays one.
-
-    ``forward(input_ids, positions, metadata) -> hidden [num_tokens, hidden]`` is the eager
-    model call; it must mutate nothing but the KV caches.
-    """
+    """Captured decode forwards keyed by padded batch size; ``forward`` (the eager model call)
+    must mutate nothing but the KV caches."""
 
     def __init__(
         self,
@@ -75,7 +70,7 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Record one graph per batch size, largest first, all sharing one memory pool."""
+        """One graph per batch size, largest first, sharing one memory pool."""
         start = time.perf_counter()
         pool = None
         for bs in reversed(self.sizes):
@@ -105,7 +100,7 @@ class CUDAGraphRunner:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """Hidden states ``[num_seqs, hidden]`` of a decode step (valid until the next run)."""
+        """Hidden states of a decode step (valid until the next run)."""
         n = metadata.num_seqs
         bs = next(b for b in self.sizes if b >= n)
         width = metadata.block_tables.shape[1]

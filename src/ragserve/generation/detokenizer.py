@@ -11,13 +11,11 @@ from ragserve.generation.sequence import Sequence
 _CONTEXT_TOKENS = 5
 
 
-def make_decoder(tokenizer: Any, fast: bool = True) -> Callable[[list[int]], str]:
-    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)`` gives it.
-
-    ``fast``: call the Rust backend of a fast tokenizer directly (``backend_tokenizer``),
-    skipping the Python wrapper's argument conversion (about half of a short decode's cost).
-    Only where the wrapper adds nothing (``_plain_wrapper``); any other tokenizer (or
-    ``fast=False``) goes through ``tokenizer.decode``."""
+def make_decoder(tokenizer: Any, fast: bool = True) -> Callable[[list[int]], str] | None:
+    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)`` (``None``: no
+    tokenizer); ``fast``: a plain fast tokenizer's Rust backend directly (half the cost)."""
+    if tokenizer is None:
+        return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if fast and backend is not None and _plain_wrapper(tokenizer):
         decode = backend.decode
@@ -43,13 +41,8 @@ def _plain_wrapper(tokenizer: Any) -> bool:
 
 
 class IncrementalDetokenizer:
-    """Appends the text of newly generated tokens to ``seq.text``.
-
-    Text is released only when it no longer ends in an incomplete UTF-8 sequence, so
-    multi-token characters appear once they are whole. ``decode``: ``make_decoder``'s
-    function (default: ``tokenizer.decode``). The prefix window's text is decoded once per
-    window, not once per token while the window waits for a character to complete.
-    """
+    """Appends the text of newly generated tokens to ``seq.text``, once it no longer ends in
+    an incomplete UTF-8 sequence (``decode``: ``make_decoder``'s function)."""
 
     def __init__(
         self,
@@ -58,7 +51,7 @@ class IncrementalDetokenizer:
         decode: Callable[[list[int]], str] | None = None,
     ):
         self.tokenizer = tokenizer
-        self.decode = decode or (None if tokenizer is None else make_decoder(tokenizer, False))
+        self.decode = decode or make_decoder(tokenizer, False)
         self.read_offset = seq.num_prompt_tokens
         self.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT_TOKENS, 0)
         self._prefix_text: str | None = None  # decode of ids[prefix_offset:read_offset]

@@ -1,41 +1,70 @@
-"""The engine's set-up decisions, before any model is loaded: the device and dtype an
-``EngineConfig`` names, the longest sequence the model allows, the KV pool's size, and the
-tokenizer (with its end-of-sequence id) from a model folder."""
+"""The engine's set-up decisions: the device and dtype an ``EngineConfig`` names, the longest
+sequence, the KV pool's size, the tokenizer of a model folder, and the KV tiers (with their
+counters for ``LLMEngine.stats``)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ragserve.generation.block_manager import BlockManager
 from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from ragserve.generation.fusion.store import PassageKVStore
+from ragserve.generation.kv_cache_manager import TieredBlockManager
+from ragserve.generation.kv_swap import HostKVCache
 from ragserve.generation.model_runner import kv_cache_bytes_per_block
+from ragserve.generation.segments import whitespace_newline_counts
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillCostModel:
+    """A ``CostFn``: ``fixed_s + n * (per_token_s + per_token_context_s * (c + n / 2))`` for
+    ``n`` new tokens after ``c`` cached ones. Measured: ``bench/kv_cost_profile.py``."""
+
+    per_token_s: float
+    per_token_context_s: float
+    fixed_s: float = 0.0
+
+    def __call__(self, num_tokens: int, num_context_tokens: int) -> float:
+        attended = num_context_tokens + num_tokens / 2
+        return self.fixed_s + num_tokens * (self.per_token_s + self.per_token_context_s * attended)
+
+    @classmethod
+    def from_flops(cls, cfg: ModelConfig, seconds_per_flop: float = 1e-12) -> PrefillCostModel:
+        """Costs from the model's shape (2 FLOPs per weight, 4 per attended key) at
+        ``seconds_per_flop`` (the default, 1 TFLOP/s, gives relative costs only)."""
+        weights = cfg.num_hidden_layers * (
+            cfg.hidden_size
+            * cfg.head_dim
+            * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+            + 3 * cfg.hidden_size * cfg.intermediate_size
+        )
+        attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+        return cls(
+            per_token_s=2.0 * weights * seconds_per_flop,
+            per_token_context_s=attention * seconds_per_flop,
+        )
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def is_dummy_dir(config: EngineConfig) -> bool:
-    return config.load_format == "dummy" and (Path(config.model) / "config.json").is_file()
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
-    return DTYPES[dtype]
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if config.device == "auto" else config.device)
+    if config.dtype == "auto":
+        return device, torch.float32 if device.type == "cpu" else torch.bfloat16
+    if config.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
+    return device, DTYPES[config.dtype]
 
 
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
@@ -50,16 +79,13 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
-def size_kv_pool(
-    config: EngineConfig,
-    cfg: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_model_len: int,
-) -> tuple[int, int]:
-    """``(num_blocks, max_model_len)``: the pool from ``kv_cache_bytes``, else on CUDA a share
+def resolve_kv_pool(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[EngineConfig, int]:
+    """``(config resolved, num_blocks)``: the pool from ``kv_cache_bytes``, else on CUDA a share
     of the memory left after the weights, else (CPU) up to 32 full contexts within a modest
     default. An implicit ``max_model_len`` shrinks to the pool; an explicit one must fit."""
+    max_model_len = resolve_max_model_len(config, cfg)
     per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype)
     if config.kv_cache_bytes is not None:
         pool_bytes = config.kv_cache_bytes
@@ -79,7 +105,14 @@ def size_kv_pool(
             )
         logger.warning("the KV pool holds %d tokens: max_model_len lowered", pool_tokens)
         max_model_len = pool_tokens
-    return num_blocks, max_model_len
+    resolved = replace(
+        config,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_bytes=num_blocks * per_block,
+        max_model_len=max_model_len,
+    )
+    return resolved, num_blocks
 
 
 _TOKENIZER_FILES = (
@@ -112,6 +145,62 @@ def load_tokenizer(folder: Path) -> Any:
     return _TOKENIZERS[key]
 
 
-def tokenizer_eos(tokenizer: Any) -> tuple[int, ...]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return () if eos is None else (int(eos),)
+def make_kv_tiers(
+    config: EngineConfig, model_config: ModelConfig, kv_cache: torch.Tensor, tokenizer: Any
+) -> tuple[BlockManager | TieredBlockManager, HostKVCache | None]:
+    """The block manager for ``config`` over ``kv_cache`` and the host tier (or ``None``)."""
+    num_blocks = kv_cache.shape[2]
+    if not (config.enable_prefix_caching and config.enable_knowledge_tree):
+        return BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), None
+    per_block = kv_cache[:, :, 0].numel() * kv_cache.element_size()
+    num_host_blocks = config.host_kv_cache_bytes // per_block
+    if config.host_kv_cache_bytes and num_host_blocks == 0:
+        raise ValueError(
+            f"host_kv_cache_bytes={config.host_kv_cache_bytes} holds no block of {per_block} bytes"
+        )
+    host = None
+    if num_host_blocks:
+        host = HostKVCache(
+            kv_cache,
+            num_host_blocks,
+            overlap=config.overlap_swap_in,
+            async_swap_out=config.async_swap_out,
+        )
+    manager = TieredBlockManager(
+        num_blocks,
+        config.block_size,
+        num_host_blocks=num_host_blocks,
+        policy=config.kv_eviction_policy,
+        cost_fn=PrefillCostModel.from_flops(model_config),
+        newline_counts=whitespace_newline_counts(tokenizer),
+        swap_out_filter=config.swap_out_filter,
+    )
+    return manager, host
+
+
+def kv_tier_stats(
+    bm: BlockManager | TieredBlockManager,
+    host: HostKVCache | None,
+    hit_tokens: int,
+    store: PassageKVStore,
+) -> dict[str, int]:
+    """The KV-tier and passage-store counters of ``LLMEngine.stats()`` (zeros where a tier
+    does not exist; passages live in the tiers, else in ``store``)."""
+    per_block = host.bytes_per_block if host is not None else 0
+    tiered = isinstance(bm, TieredBlockManager)
+    names = (
+        "num_host_hit_tokens", "num_swapped_out_blocks", "num_swapped_in_blocks",
+        "num_evicted_gpu_blocks", "num_evicted_host_blocks", "num_swap_skipped_blocks",
+        "num_swap_out_skipped_blocks", "num_host_blocks_total",
+    )  # fmt: skip
+    stats = {name: getattr(bm, name.replace("_total", "")) if tiered else 0 for name in names}
+    return stats | {
+        "num_gpu_hit_tokens": bm.num_gpu_hit_tokens if tiered else hit_tokens,
+        "num_swap_out_bytes": stats["num_swapped_out_blocks"] * per_block,
+        "num_swap_in_bytes": stats["num_swapped_in_blocks"] * per_block,
+        "num_swap_copies": host.num_copies if host is not None else 0,
+        "num_kv_tree_nodes": len(bm.nodes) if tiered else 0,
+        "num_host_blocks_used": bm.num_host_used_blocks if tiered else 0,
+        "num_fusion_store_hits": bm.num_passage_hits if tiered else store.num_hits,
+        "num_fusion_store_misses": bm.num_passage_misses if tiered else store.num_misses,
+    }

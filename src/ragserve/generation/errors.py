@@ -4,12 +4,8 @@ from __future__ import annotations
 
 
 class ModelLoadError(ValueError):
-    """A model folder cannot be loaded: unknown architecture, missing or corrupt files.
-
-    The message names the offending file.
-    """
+    """A model folder cannot be loaded (the message names the offending file)."""
 
 
 class PromptTooLongError(ValueError):
-    """A prompt does not fit the model's context (``max_model_len``); raised by ``add_request``
-    for that request only, the engine's other requests are untouched."""
+    """A prompt does not fit the model's context (``max_model_len``)."""

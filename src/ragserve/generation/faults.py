@@ -1,15 +1,7 @@
-"""Test-only fault injection: the one documented place where an engine step can be made to
-raise for chosen requests, in process or inside a worker process.
-
-``$RAGSERVE_FAULT_INJECT`` holds ``stage:marker`` items separated by commas, e.g.
-``"forward:<poison>,append:<bad>"``. ``check_fault(stage, seqs)`` raises ``InjectedFault`` when a
-sequence in ``seqs`` has ``marker`` among its stop strings (a field every API passes through
-unchanged). Unset (production), ``check_fault`` is one dictionary lookup. Stages, in step order:
-
-- ``forward``: ``ModelRunner.launch_model`` (``execute_model``) before its batch's forward;
-- ``sample``: ``ModelRunner.launch_model`` between the logits and the sampler;
-- ``append``: ``LLMEngine`` appending a sampled token (detokenizer, stop strings).
-"""
+"""Test-only fault injection: ``$RAGSERVE_FAULT_INJECT`` holds comma-separated ``stage:marker``
+items; ``check_fault(stage, seqs)`` raises ``InjectedFault`` for a sequence with ``marker`` among
+its stop strings. Stages: ``forward`` and ``sample`` (``ModelRunner.launch_model``), ``append``
+(``LLMEngine`` appending a token). Unset, it is one dictionary lookup."""
 
 from __future__ import annotations
 
@@ -26,8 +18,6 @@ class InjectedFault(RuntimeError):
 
 
 def check_fault(stage: str, seqs: Iterable[Any]) -> None:
-    """Raise ``InjectedFault`` if ``$RAGSERVE_FAULT_INJECT`` names ``stage`` with a marker
-    among the stop strings of one of ``seqs``; otherwise do nothing."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return

@@ -1,11 +1,11 @@
-"""The GPU and host KV tiers under the knowledge tree (RAGCache), with the ``BlockManager``
-interface (``docs/architecture.md``, "Document-KV reuse")::
+"""The GPU and host KV tiers under the knowledge tree (RAGCache), behind the ``BlockManager``
+interface::
 
     GPU  [ in use (ref > 0) | cached, ref 0 (evictable, by node priority) | free ]
     host [ copies of evicted cached blocks (evictable leaves first)       | free ]
 
-Copies are not done here: each mutation appends ``SwapOp``s, in the order they must run, and
-the engine runs them (``take_swap_ops``) before the step's forward pass writes any block.
+Copies are not done here: mutations append ``SwapOp``s in order, and the engine runs them
+(``take_swap_ops``) before the step's forward pass.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import takewhile
 
-from ragserve.generation.block_manager import check_ref_counts, extend_block_hashes
+from ragserve.generation.block_manager import BaseBlockManager, check_ref_counts
 from ragserve.generation.kv_passages import PassageTierMixin
-from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, KVNode, make_policy
+from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, EvictionPolicy, KVNode
 from ragserve.generation.segments import find_segment_ends
 from ragserve.generation.sequence import Sequence
 
@@ -37,14 +38,9 @@ def _flop_cost(num_tokens: int, num_context_tokens: int) -> float:
     return num_tokens * (1.0 + (num_context_tokens + num_tokens / 2) / 4096)
 
 
-class TieredBlockManager(PassageTierMixin):
-    """Owns the GPU block pool and the host pool, with cached blocks in the knowledge tree.
-
-    Same contract as ``BlockManager`` (``get_computed_blocks`` returns opaque cached blocks;
-    ``allocate_slots`` returns ``False`` and changes nothing when a request does not fit);
-    mutates ``seq.block_table`` only. Cache fusion's passage KV lives in the same pools
-    (``acquire_passages`` / ``release_passages``, ``kv_passages.py``).
-    """
+class TieredBlockManager(BaseBlockManager, PassageTierMixin):
+    """Owns the GPU and host block pools, with cached blocks in the knowledge tree
+    (``BaseBlockManager``'s contract); mutates ``seq.block_table`` only."""
 
     def __init__(
         self,
@@ -58,20 +54,15 @@ class TieredBlockManager(PassageTierMixin):
         swap_cost_fn: Callable[[int], float] | None = None,
         swap_out_filter: bool = True,
     ):
-        if num_blocks < 1:
-            raise ValueError("the KV pool needs at least one block")
+        super().__init__(num_blocks, block_size)
         if num_host_blocks < 0:
             raise ValueError("num_host_blocks must be >= 0")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
         self.num_host_blocks = num_host_blocks
-        self.enable_prefix_caching = True  # False: no hits, nothing cached (set_kv_reuse)
-        self.policy = make_policy(policy)
+        self.policy = EvictionPolicy(policy)
         self.cost_fn = cost_fn or _flop_cost
         self.swap_cost_fn = swap_cost_fn
         self.swap_out_filter = swap_out_filter
         self.newline_counts = newline_counts or {}
-        self.ref_cnt = [0] * num_blocks
         self.gpu_entry: list[CachedBlock | None] = [None] * num_blocks
         self.host_entry: list[CachedBlock | None] = [None] * num_host_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -83,9 +74,6 @@ class TieredBlockManager(PassageTierMixin):
         self._num_evictable = 0
         self._node_ids = 0
         self._ops: list[SwapOp] = []
-        self._tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[int]] = {}
-        self._num_hashed: dict[str, int] = {}
         self._stopped: set[str] = set()  # requests whose blocks no longer chain to the cache
         self._node_keys: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (ends, keys)
         self._counted: dict[str, set[int]] = {}  # rid -> ids of nodes it has accessed
@@ -103,15 +91,10 @@ class TieredBlockManager(PassageTierMixin):
         self.num_swap_out_skipped_blocks = 0
         self._init_passages()
 
-    # ------------------------------------------------------------------ sizes
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can get: free plus cached-and-unused (evictable)."""
         return len(self.free_blocks) + self._num_evictable
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -122,36 +105,20 @@ class TieredBlockManager(PassageTierMixin):
         return self.num_host_blocks - len(self.free_host_blocks)
 
     def take_swap_ops(self) -> list[SwapOp]:
-        """The copies planned since the last call, in execution order (clears them)."""
         ops, self._ops = self._ops, []
         return ops
 
-    # ------------------------------------------------------------------ lookups
-    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        hashes = self._hashes.setdefault(seq.request_id, [])
-        return extend_block_hashes(hashes, seq.token_ids, num_full_blocks, self.block_size)
-
     def get_computed_blocks(self, seq: Sequence) -> list[CachedBlock]:
-        """The longest cached prefix (GPU or host) of a sequence that holds no blocks yet.
+        """The longest cached prefix (GPU or host) of a sequence. Changes nothing."""
+        return self._cheaper_to_swap(seq, self._cached_prefix(self._prefix_hashes(seq)))
 
-        At most ``num_tokens - 1`` tokens: the last token's logits are needed. Changes nothing.
-        """
-        if seq.block_table or not self.enable_prefix_caching:
-            return []
-        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
-        hit = []
-        for h in hashes:
-            entry = self.entries.get(h)
-            if entry is None:
-                break
-            hit.append(entry)
-        return self._cheaper_to_swap(seq, hit)
+    def _cached_prefix(self, hashes: list[int]) -> list[CachedBlock]:
+        return list(takewhile(lambda e: e is not None, map(self.entries.get, hashes)))
 
     def _cheaper_to_swap(self, seq: Sequence, hit: list[CachedBlock]) -> list[CachedBlock]:
-        """``hit`` cut where swapping its host part in stops paying off against recomputing
-        it. GPU blocks come first (each tier is closed under prefixes); keeping the first k
-        host blocks costs k swaps plus recomputing the rest after them: the cheapest k wins
-        (ties: more swapped)."""
+        """``hit`` cut where swapping its host part in stops paying off: keeping the first k
+        host blocks costs k swaps plus recomputing the rest; the cheapest k wins (ties: more
+        swapped)."""
         num_gpu = next((i for i, e in enumerate(hit) if e.gpu_block is None), len(hit))
         if self.swap_cost_fn is None or num_gpu == len(hit):
             return hit
@@ -179,26 +146,22 @@ class TieredBlockManager(PassageTierMixin):
         return best_k
 
     def num_swap_in_blocks(self, computed_blocks: Seq[CachedBlock]) -> int:
-        """How many of ``computed_blocks`` an allocation would swap in (host-only ones)."""
         return sum(1 for e in computed_blocks if e.gpu_block is None)
 
-    # ------------------------------------------------------------------ allocation
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[CachedBlock] = ()
     ) -> bool:
         """Make room for ``num_new_tokens`` after the computed ones; ``computed_blocks`` (from
         ``get_computed_blocks``) are shared (GPU) or swapped in (host) first."""
-        table = seq.block_table
-        bs = self.block_size
-        if not computed_blocks and seq.num_computed_tokens + num_new_tokens <= len(table) * bs:
+        table, bs = seq.block_table, self.block_size
+        num_new = self._num_new_blocks(seq, num_new_tokens, len(computed_blocks))
+        if num_new is None:
             return True
         admitted = not table
-        num_computed = max(seq.num_computed_tokens, len(computed_blocks) * bs)
-        num_new = -(-(num_computed + num_new_tokens) // bs) - len(table) - len(computed_blocks)
         on_gpu = [e for e in computed_blocks if e.gpu_block is not None]
         on_host = [e for e in computed_blocks if e.gpu_block is None]
         reclaimed = sum(1 for e in on_gpu if self.ref_cnt[e.gpu_block] == 0)
-        if max(num_new, 0) + len(on_host) > self.num_free_blocks - reclaimed:
+        if num_new + len(on_host) > self.num_free_blocks - reclaimed:
             return False
         for entry in on_host:
             entry.locked = True
@@ -215,7 +178,7 @@ class TieredBlockManager(PassageTierMixin):
             self.num_gpu_hit_tokens += len(on_gpu) * bs
             self.num_host_hit_tokens += len(on_host) * bs
             self._access(seq, {e.node.node_id: e.node for e in computed_blocks}.values())
-        for _ in range(max(num_new, 0)):
+        for _ in range(num_new):
             block = self._pop_block()
             self.ref_cnt[block] = 1
             table.append(block)
@@ -333,7 +296,6 @@ class TieredBlockManager(PassageTierMixin):
             and not entry.locked
         )
 
-    # ------------------------------------------------------------------ registration
     def cache_blocks(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the tree (after a step)."""
         rid = seq.request_id
@@ -351,12 +313,7 @@ class TieredBlockManager(PassageTierMixin):
             entry = self.entries.get(hashes[i])
             if entry is None:
                 node = self._node_for(seq, i)
-                entry = CachedBlock(hashes[i], parent, node, depth=i)
-                self.entries[hashes[i]] = entry
-                node.num_blocks += 1
-                if parent is not None:
-                    parent.children.add(entry)
-                self._attach_gpu(entry, table[i])
+                self._new_entry(hashes[i], parent, node, i, table[i])
                 self._access(seq, (node,))
             elif entry.gpu_block is None:
                 self._attach_gpu(entry, table[i])  # recomputed a host-only block: adopt it
@@ -364,6 +321,17 @@ class TieredBlockManager(PassageTierMixin):
                 self._stopped.add(rid)  # computed twice at once: keep the first copy
                 return
             self._num_hashed[rid] = i + 1
+
+    def _new_entry(
+        self, h: int, parent: CachedBlock | None, node: KVNode, depth: int, block: int
+    ) -> CachedBlock:
+        """A new cached block in the tree, its KV in GPU ``block``."""
+        entry = self.entries[h] = CachedBlock(h, parent, node, depth)
+        node.num_blocks += 1
+        if parent is not None:
+            parent.children.add(entry)
+        self._attach_gpu(entry, block)
+        return entry
 
     def _access(self, seq: Sequence, nodes) -> None:
         counted = self._counted.setdefault(seq.request_id, set())
@@ -418,35 +386,29 @@ class TieredBlockManager(PassageTierMixin):
                 del node.parent.children[node.key]
             node = node.parent
 
-    # ------------------------------------------------------------------ release
-    def _drop_ref(
-        self, block: int, entry: CachedBlock | None, released: KVNode | None
-    ) -> KVNode | None:
-        """Drop one reference to ``block``; at zero an uncached block is freed and a cached one
-        becomes evictable (its node told once per run of blocks: ``released``, returned)."""
-        self.ref_cnt[block] -= 1
-        if self.ref_cnt[block]:
-            return released
-        if entry is None:
-            self.free_blocks.appendleft(block)
-            return released
-        self._num_evictable += 1
-        if entry.node is not released:
-            released = entry.node
-            self.policy.on_release(released)
-        if entry.num_gpu_children == 0:
-            self._gpu_heap.push(entry)
-        return released
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block, tail first: at zero an uncached block is freed
+        and a cached one becomes evictable (its node told once per run of its blocks)."""
+        released: KVNode | None = None
+        for block in reversed(blocks):
+            self.ref_cnt[block] -= 1
+            entry = self.gpu_entry[block]
+            if self.ref_cnt[block]:
+                continue
+            if entry is None:
+                self.free_blocks.appendleft(block)
+                continue
+            self._num_evictable += 1
+            if entry.node is not released:
+                released = entry.node
+                self.policy.on_release(released)
+            if entry.num_gpu_children == 0:
+                self._gpu_heap.push(entry)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its cached blocks become evictable, tail first."""
-        released: KVNode | None = None
-        for block in reversed(seq.block_table):
-            released = self._drop_ref(block, self.gpu_entry[block], released)
-        seq.block_table.clear()
-        stores = (self._tables, self._hashes, self._num_hashed, self._node_keys, self._counted)
-        for store in (*stores, self._skipped):
-            store.pop(seq.request_id, None)
+        self._release(seq.block_table)
+        self._forget(seq, self._node_keys, self._counted, self._skipped)
         self._stopped.discard(seq.request_id)
 
     def reset_prefix_cache(self) -> None:
@@ -466,7 +428,6 @@ class TieredBlockManager(PassageTierMixin):
             self._evict_gpu(victim, swap=False)
             self.free_blocks.append(block)
 
-    # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` naming the first invariant of the ref counts, pools, tree
         or nodes that does not hold (tests call it after every step, the engine when idle)."""

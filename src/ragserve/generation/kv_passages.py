@@ -1,7 +1,6 @@
-"""Cache fusion's passage KV inside the knowledge tree's GPU + host tiers: a passage is a
-chain of cached blocks seeded by ``hash(("passage", key, token ids))`` (never a prompt
-prefix), owned by one ``KVNode``, ref counted while a fused prefill reads it, then evicted,
-swapped and checked like any tree block (``docs/architecture.md``, "Cache fusion")::
+"""Cache fusion's passage KV inside the knowledge tree's tiers: a passage is a chain of cached
+blocks seeded by ``hash(("passage", key, token ids))``, owned by one ``KVNode``, ref counted
+while a fused prefill reads it, otherwise evicted and swapped like any tree block::
 
     passage "p" (n = 2.5 blocks)   seed = hash(("passage", "p", tokens))
     blocks  [ b0: tokens 0..bs-1 ] -> [ b1: bs..2bs-1 ] -> [ b2: 2bs..n-1 | unused ]
@@ -12,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from ragserve.generation.block_manager import hash_block_tokens
+from ragserve.generation.block_manager import extend_block_hashes
 from ragserve.generation.kv_tree import CachedBlock, KVNode, PassageBlocks
 
 
 class PassageTierMixin:
-    """``acquire_passages`` / ``release_passages`` for ``TieredBlockManager`` (which owns the
-    pools, the tree and the policy; see ``kv_cache_manager.py``)."""
+    """``acquire_passages`` / ``release_passages`` for ``TieredBlockManager``."""
 
     def _init_passages(self) -> None:
         self._passage_holds: dict[str, list[PassageBlocks]] = {}  # rid -> held passages
@@ -35,10 +33,8 @@ class PassageTierMixin:
         self, request_id: str, passages: Seq[tuple[str, Seq[int]]], num_extra_blocks: int
     ) -> list[PassageBlocks] | None:
         """Hold the stored KV of each ``(key, token ids)`` for one fused prefill, keeping
-        ``num_extra_blocks`` (the request's own blocks) allocatable; ``None`` (nothing
-        changed) when those alone do not fit. Returns one handle per passage, in order (a
-        repeated passage gets the same handle). Passages already on the GPU are held first,
-        so storing another one never evicts them; a passage whose host swap-in or new blocks
+        ``num_extra_blocks`` allocatable (else ``None``, nothing changed): one handle per
+        passage, in order. Passages on the GPU are held first; one whose swap-in or new blocks
         do not fit is returned unstored (``blocks == ()``). May evict and plan swaps."""
         if num_extra_blocks > self.num_free_blocks:
             return None
@@ -77,26 +73,18 @@ class PassageTierMixin:
         self, seed: int, token_ids: tuple[int, ...]
     ) -> tuple[list[CachedBlock], list[int]]:
         """(cached leading blocks of the passage, chained hashes of all its blocks)."""
-        bs, hashes, parent = self.block_size, [], seed
-        for i in range(0, len(token_ids), bs):
-            parent = hash_block_tokens(parent, token_ids[i : i + bs])
-            hashes.append(parent)
-        cached = []
-        for h in hashes:
-            entry = self.entries.get(h)
-            if entry is None:
-                break
-            cached.append(entry)
-        return cached, hashes
+        num_blocks = -(-len(token_ids) // self.block_size)
+        hashes = extend_block_hashes([], token_ids, num_blocks, self.block_size, seed)
+        return self._cached_prefix(hashes), hashes
 
     def _complete_passage(self, seed: int, handle: PassageBlocks, budget: int) -> int:
         """Swap in the held passage's host blocks and store its missing ones within
-        ``budget`` (else release it: unstored); returns the budget left."""
+        ``budget`` (else release it); returns the budget left."""
         cached, hashes = self._passage_chain(seed, handle.token_ids)
         on_host = cached[len(handle.entries) :]
         num_new = len(hashes) - len(cached)
         if len(on_host) + num_new > budget:
-            self._release_entries(handle.entries)
+            self._release([e.gpu_block for e in handle.entries])
             handle.entries = []
             self.num_passage_misses += 1
             return budget
@@ -109,14 +97,8 @@ class PassageTierMixin:
         for i in range(len(cached), len(hashes)):
             block = self._pop_block()
             parent = handle.entries[-1] if handle.entries else None
-            entry = CachedBlock(hashes[i], parent, node, depth=i)
-            self.entries[hashes[i]] = entry
-            node.num_blocks += 1
-            if parent is not None:
-                parent.children.add(entry)
-            self._attach_gpu(entry, block)
+            handle.entries.append(self._new_entry(hashes[i], parent, node, i, block))
             self.ref_cnt[block] = 1
-            handle.entries.append(entry)
         self.policy.on_access(node)
         handle.blocks = tuple(e.gpu_block for e in handle.entries)
         handle.num_ready_blocks = len(cached)
@@ -135,19 +117,13 @@ class PassageTierMixin:
             self.nodes[seed] = node
         return node
 
-    def _release_entries(self, entries: list[CachedBlock]) -> None:
-        released: KVNode | None = None
-        for entry in reversed(entries):
-            released = self._drop_ref(entry.gpu_block, entry, released)
-
     def release_passages(self, request_id: str) -> None:
-        """Drop the request's holds (after its fused prefill wrote them); unknown: no-op.
-        A passage still unwritten then (its prefill never ran) is forgotten."""
+        """Drop the request's holds (unknown: no-op); a passage still unwritten is forgotten."""
         for handle in self._passage_holds.pop(request_id, []):
             seed = self.passage_seed(handle.key, handle.token_ids)
             if self._pending_passages.get(seed) is handle:
                 del self._pending_passages[seed]
-            self._release_entries(handle.entries)
+            self._release([e.gpu_block for e in handle.entries])
             if not handle.is_ready:
                 self._forget_unwritten(handle)
 

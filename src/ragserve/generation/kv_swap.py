@@ -1,10 +1,7 @@
 """The host KV tier's memory (block-major, pinned on CUDA) and its copies with the GPU pool:
-``run`` executes a step's ``SwapOp``s in order, one copy per contiguous run of host slots,
-swap-outs first where that changes no data. Asynchronous copies (``async_swap_out``,
-``overlap``) go on a side CUDA stream (CPU: one thread) and mark their GPU blocks; no step
-may use a block before its marker: ``wait_for(blocks)`` makes the step wait for exactly its
-own blocks (``docs/architecture.md``, "Document-KV reuse").
-"""
+``run`` executes a step's ``SwapOp``s, one copy per contiguous run of host slots. Asynchronous
+copies go on a side CUDA stream (CPU: one thread) and mark their GPU blocks, which
+``wait_for(blocks)`` makes a step wait for."""
 
 from __future__ import annotations
 
@@ -50,9 +47,8 @@ class HostKVCache:
         return self.host_cache[0].numel() * self.host_cache.element_size()
 
     def run(self, ops: list[SwapOp]) -> None:
-        """Copy the blocks of ``ops`` in order. Swap-outs with ``async_swap_out`` and swap-ins
-        with ``overlap`` are pending until ``wait_for`` / ``synchronize``; the others are done
-        when this returns."""
+        """Copy the blocks of ``ops`` in order; asynchronous ones (``async_swap_out`` outs,
+        ``overlap`` ins) stay pending until ``wait_for`` / ``synchronize``."""
         if not ops:
             return
         has_in = any(op.kind == "in" for op in ops)
@@ -84,8 +80,7 @@ class HostKVCache:
             self._stream.synchronize()  # the host copies exist when this returns
 
     def wait_for(self, blocks: Iterable[int]) -> None:
-        """Make the step that uses ``blocks`` (GPU block ids) wait for their pending copies:
-        on CUDA the current stream waits (the host does not), on CPU the host waits."""
+        """The step using ``blocks`` waits for their pending copies (CUDA: the stream)."""
         if not self._pending:
             return
         markers: list[torch.cuda.Event | Future] = []
@@ -102,7 +97,7 @@ class HostKVCache:
             self._pending = {b: m for b, m in self._pending.items() if not _done(m)}
 
     def synchronize(self) -> None:
-        """Wait for every pending copy (host-side): for readers outside the step loop."""
+        """Wait (host-side) for every pending copy."""
         for marker in {id(m): m for m in self._pending.values()}.values():
             if isinstance(marker, Future):
                 marker.result()
@@ -112,12 +107,9 @@ class HostKVCache:
 
     @property
     def num_pending_blocks(self) -> int:
-        """GPU blocks whose copies may still be in flight."""
         return sum(1 for m in self._pending.values() if not _done(m))
 
     def _run_groups(self, runs: list[list[SwapOp]], markers: dict | None) -> None:
-        """Copy ``runs`` in order; on CUDA (``markers`` given) mark each run's GPU blocks with
-        an event recorded once the side stream has read (out) or written (in) them."""
         for run in runs:
             if run[0].kind == "out":
                 self._copy_out(run, markers)
@@ -158,12 +150,8 @@ class HostKVCache:
 
 def _outs_first(ops: list[SwapOp]) -> list[SwapOp]:
     """``ops`` with every swap-out moved before every swap-in (each kind's order kept) where
-    that changes no copy's data, else ``ops`` unchanged.
-
-    With a full GPU pool each swap-in evicts a victim first, so a step's ops alternate out,
-    in, out, in, ... and no two of a kind are adjacent: one copy per block. Moving an out
-    before the ins ahead of it is safe unless it writes a host slot one of them reads or reads
-    a GPU block one of them writes (neither happens while a swapped-in block is held)."""
+    that changes no copy's data, else ``ops`` unchanged. NOTE: with a full GPU pool a step's
+    ops alternate out, in, out, ...: grouped, they copy in runs."""
     read_slots: set[int] = set()
     written_blocks: set[int] = set()
     for op in ops:
@@ -176,13 +164,9 @@ def _outs_first(ops: list[SwapOp]) -> list[SwapOp]:
 
 
 def _contiguous_runs(ops: list[SwapOp]) -> list[list[SwapOp]]:
-    """``ops`` cut into maximal runs of one kind over consecutive host slots, ascending or
-    descending, each returned in ascending host order (order of the runs kept).
-
-    Descending runs matter: a chain of blocks is evicted tail first, so its host slots fall
-    as its prefix order rises, and a later hit swaps it in, prefix first, slot by falling
-    slot. The ops of one run touch distinct host slots and (checked) distinct GPU blocks, so
-    their order within the run is free."""
+    """``ops`` cut into maximal runs of one kind over consecutive host slots (ascending or
+    descending: a chain evicted tail first swaps back in falling slots), each in ascending
+    host order; a run's ops touch distinct GPU blocks, so their order is free."""
     runs: list[list[SwapOp]] = []
     blocks: set[int] = set()  # the current run's GPU blocks
     step = 0  # +1 / -1: the current run's direction; 0: not set (one op)
@@ -209,10 +193,8 @@ def _done(marker: torch.cuda.Event | Future) -> bool:
 
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    """``ids`` as an index tensor on ``device``. On CUDA it is copied from pinned memory
-    without blocking: ``torch.tensor(..., device=cuda)`` copies from pageable memory and waits
-    for the current (side) stream, i.e. for every copy queued on it before, which would make
-    the host wait for a step's asynchronous swap-outs whenever swap-ins follow them."""
+    """``ids`` as an index tensor on ``device``. NOTE: on CUDA copied from pinned memory
+    without blocking; a pageable copy would wait for the side stream's earlier swap-outs."""
     index = torch.tensor(ids, dtype=torch.long)
     if device.type != "cuda":
         return index

@@ -1,7 +1,6 @@
 """The knowledge tree's data (RAGCache over chained block hashes): document nodes, cached
-blocks, passage holds, and the eviction policies (``docs/architecture.md``, "Document-KV
-reuse"). A node is one segment given every segment before it; a block belongs to the node of
-its last token::
+blocks, passage holds, eviction policies. A node is one segment given every segment before
+it; a block belongs to the node of its last token::
 
     tokens   [ instructions ....... | passage A ............. | passage B ..... | question ]
     blocks   [ b0      ][ b1      ][ b2      ][ b3      ][ b4      ][ b5      ][ b6 ...
@@ -26,11 +25,8 @@ KV_EVICTION_POLICIES = ("pgdsf", "lru")
 
 @dataclass(eq=False)
 class KVNode:
-    """One document edge of the tree: a segment of ``num_tokens`` tokens at ``start``.
-
-    ``priority`` is recomputed by the policy on every access (hit or insert) and never
-    decreases; ``freq`` counts the requests that used the node.
-    """
+    """One document edge of the tree: ``num_tokens`` tokens at ``start``; ``priority`` (set by
+    the policy on every access) never decreases; ``freq`` counts the requests that used it."""
 
     node_id: int
     key: int
@@ -46,12 +42,8 @@ class KVNode:
 
 @dataclass(eq=False)
 class CachedBlock:
-    """One full block's KV, identified by its chained hash, in one or both tiers.
-
-    ``gpu_block`` / ``host_block`` are slot ids in the GPU pool / host pool (``None``: not in
-    that tier); ``num_gpu_children`` counts children with a GPU copy; ``locked`` pins a
-    host-only block while a swap-in of its path is being planned.
-    """
+    """One full block's KV by chained hash, in one or both tiers (``gpu_block`` /
+    ``host_block``: ``None`` if not there); ``locked`` pins it while a swap-in is planned."""
 
     block_hash: int
     parent: CachedBlock | None
@@ -67,13 +59,8 @@ class CachedBlock:
 
 @dataclass(eq=False)
 class PassageBlocks:
-    """One request's hold on a stored passage: ``blocks`` (GPU block ids, token ``j`` at
-    ``blocks[j // block_size]``, slot ``j % block_size``) of which the first
-    ``num_ready_blocks`` hold its KV; ``()``: not stored, compute it without storing.
-
-    Shared by every request that acquires the same passage in one step; the fused prefill
-    that computes it sets ``num_ready_blocks = len(blocks)``.
-    """
+    """A hold on a stored passage (shared by a step's requests): GPU ``blocks`` (token ``j`` in
+    ``blocks[j // block_size]``), the first ``num_ready_blocks`` written; ``()``: unstored."""
 
     key: str
     token_ids: tuple[int, ...]
@@ -87,72 +74,41 @@ class PassageBlocks:
 
 
 class EvictionPolicy:
-    """Priority of a node at its latest access; the lowest priority is evicted first."""
+    """Sets a node's priority at each access; the lowest priority is evicted first. ``"lru"``:
+    least recently used (acquired or released); ``"pgdsf"``: RAGCache's prefix-aware
+    greedy-dual-size-frequency, ``clock + freq * cost / size``, where ``clock`` rises to each
+    evicted node's priority, so once-hot nodes age out."""
 
-    name = "base"
-
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        if name not in KV_EVICTION_POLICIES:
+            raise ValueError(
+                f"unknown kv_eviction_policy {name!r}; use one of {KV_EVICTION_POLICIES}"
+            )
+        self.name = name
         self.clock = 0.0
-
-    def on_access(self, node: KVNode) -> None:
-        raise NotImplementedError
-
-    def on_release(self, node: KVNode) -> None:
-        """A request stopped using the node (LRU counts it as a use)."""
-
-    def on_evict(self, node: KVNode) -> None:
-        """A block of ``node`` was evicted (PGDSF advances its clock)."""
-
-
-class LRUPolicy(EvictionPolicy):
-    """Least recently used (acquired or released) first."""
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        super().__init__()
         self._ticks = itertools.count(1)
 
     def on_access(self, node: KVNode) -> None:
         node.freq += 1
-        node.priority = float(next(self._ticks))
+        if self.name == "lru":
+            node.priority = float(next(self._ticks))
+        else:
+            node.priority = self.clock + node.freq * node.cost / max(node.num_tokens, 1)
 
     def on_release(self, node: KVNode) -> None:
-        node.priority = float(next(self._ticks))
-
-
-class PGDSFPolicy(EvictionPolicy):
-    """RAGCache's prefix-aware greedy-dual-size-frequency: ``clock + freq * cost / size``.
-
-    ``cost`` is the node's prefill time given its cached prefix (a profiled model), ``size``
-    its tokens; ``clock`` rises to the priority of each evicted node, so old, once-hot nodes
-    age out.
-    """
-
-    name = "pgdsf"
-
-    def on_access(self, node: KVNode) -> None:
-        node.freq += 1
-        node.priority = self.clock + node.freq * node.cost / max(node.num_tokens, 1)
+        """A request stopped using the node."""
+        if self.name == "lru":
+            node.priority = float(next(self._ticks))
 
     def on_evict(self, node: KVNode) -> None:
-        self.clock = max(self.clock, node.priority)
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    if name == "pgdsf":
-        return PGDSFPolicy()
-    if name == "lru":
-        return LRUPolicy()
-    raise ValueError(f"unknown kv_eviction_policy {name!r}; use one of {KV_EVICTION_POLICIES}")
+        """A block of the node was evicted."""
+        if self.name == "pgdsf":
+            self.clock = max(self.clock, node.priority)
 
 
 class EvictionHeap:
-    """Lazy min-heap of eviction candidates keyed by ``(node priority, -depth)``.
-
-    Priorities only grow, so a stale entry is re-pushed with its current key when popped;
-    ``is_candidate`` decides at pop time whether a block may still leave this tier.
-    """
+    """Lazy min-heap of eviction candidates by ``(node priority, -depth)``: a stale entry is
+    re-pushed when popped; ``is_candidate`` decides at pop time."""
 
     def __init__(self, is_candidate: Callable[[CachedBlock], bool]):
         self._heap: list[tuple[float, int, int, CachedBlock]] = []

@@ -1,10 +1,8 @@
-"""The LLM engine: ``add_request`` / ``step`` / ``abort`` over a paged KV cache; an external
-scheduler drives ``step()`` (``docs/architecture.md``, "LLM engine", "Overlapped steps").
+"""The LLM engine: ``add_request`` / ``step`` / ``abort`` over a paged KV cache.
 
 NOTE (overlapped steps): a request that step n ends was already launched in step n+1; its
 blocks are freed at once while step n+1 may still write its row's KV into them. Every later
-user of a block (a later forward, a side-stream swap that waits for the compute stream)
-runs after step n+1 in stream order, and on CPU a step has run when it returns.
+user of a block runs after step n+1 in stream order, and on CPU a step has run when it returns.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as Sequence_
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,30 +26,23 @@ from ragserve.generation.detokenizer import (
     make_decoder,
 )
 from ragserve.generation.engine_setup import (
-    is_dummy_dir,
+    kv_tier_stats,
     load_tokenizer,
-    resolve_device,
-    resolve_dtype,
+    make_kv_tiers,
+    resolve_device_dtype,
+    resolve_kv_pool,
     resolve_max_model_len,
-    size_kv_pool,
-    tokenizer_eos,
 )
 from ragserve.generation.errors import PromptTooLongError
 from ragserve.generation.faults import check_fault
 from ragserve.generation.fusion import FusionRunner, PassageKVStore
-from ragserve.generation.kv_cache_manager import TieredBlockManager
-from ragserve.generation.kv_setup import kv_tier_stats, make_kv_tiers
 from ragserve.generation.loader import load_model
-from ragserve.generation.model_runner import (
-    ModelRunner,
-    SampledTokens,
-    kv_cache_bytes_per_block,
-)
+from ragserve.generation.model_runner import ModelRunner, SampledTokens
 from ragserve.generation.sampling_params import SamplingParams
 from ragserve.generation.scheduler import Scheduler, SchedulerOutput
 from ragserve.generation.segments import FusionPlan, Segment, tokenize_segments
 from ragserve.generation.sequence import RequestOutput, Sequence
-from ragserve.generation.step_isolation import execute_isolated
+from ragserve.generation.step_isolation import execute_isolated, random_state
 
 logger = logging.getLogger(__name__)
 
@@ -65,48 +55,32 @@ class _Inflight(NamedTuple):
 
 
 class LLMEngine:
-    """A continuous-batching engine for one model on one device.
-
-    Not thread-safe: one caller drives ``add_request``/``step``/``abort``.
-    """
+    """A continuous-batching engine for one model on one device; not thread-safe."""
 
     def __init__(self, model: str | Path, **kwargs: Any):
         config = EngineConfig(model=str(model), **kwargs)
-        self.model_dir = None if is_dummy_dir(config) else resolve_model(config.model)
+        is_dummy = config.load_format == "dummy" and (Path(config.model) / "config.json").is_file()
+        self.model_dir = None if is_dummy else resolve_model(config.model)
         folder = self.model_dir or Path(config.model)
         self.model_config = ModelConfig.from_folder(folder)
-        device = resolve_device(config.device)
+        device, dtype = resolve_device_dtype(config)
         if device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
-        dtype = resolve_dtype(config.dtype, device)
-        max_model_len = resolve_max_model_len(config, self.model_config)
         self.tokenizer = load_tokenizer(folder)
-        self._decode = (
-            None
-            if self.tokenizer is None
-            else make_decoder(self.tokenizer, config.enable_fast_detokenize)
-        )
-        self.eos_token_ids = self.model_config.eos_token_ids or tokenizer_eos(self.tokenizer)
+        self._decode = make_decoder(self.tokenizer, config.enable_fast_detokenize)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_ids = self.model_config.eos_token_ids or (() if eos is None else (int(eos),))
         model = load_model(
             self.model_config,
             folder,
             device=device,
             dtype=dtype,
-            max_positions=max_model_len,
+            max_positions=resolve_max_model_len(config, self.model_config),
             load_format=config.load_format,
             seed=config.seed,
         )
-        num_blocks, max_model_len = size_kv_pool(
-            config, self.model_config, device, dtype, max_model_len
-        )
-        self.config = replace(
-            config,
-            device=str(device),
-            dtype=str(dtype).removeprefix("torch."),
-            kv_cache_bytes=num_blocks
-            * kv_cache_bytes_per_block(self.model_config, config.block_size, dtype),
-            max_model_len=max_model_len,
-        )
+        self.config, num_blocks = resolve_kv_pool(config, self.model_config, device, dtype)
+        max_model_len = self.config.max_model_len
         backend = get_backend(config.attention_backend, device)
         self.model_runner = ModelRunner(
             model,
@@ -131,7 +105,7 @@ class LLMEngine:
         if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
             self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
         self.block_manager, self.host_kv_cache = make_kv_tiers(
-            config, self.model_config, self.model_runner, self.tokenizer, num_blocks
+            config, self.model_config, self.model_runner.kv_cache, self.tokenizer
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -165,7 +139,6 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
-    # ------------------------------------------------------------------ requests
     def add_request(
         self,
         request_id: str,
@@ -175,17 +148,10 @@ class LLMEngine:
         segment_ends: Sequence_[int] | None = None,
         fusion_ratio: float | None = None,
     ) -> None:
-        """Queue a request. Raises ``ValueError`` (``PromptTooLongError`` for a prompt that
-        leaves no room to generate) and then changes nothing.
-
-        ``prompt`` may be a list of ``Segment``s (their concatenation; their bounds are the
-        default ``segment_ends``). ``fusion_ratio`` (default: the engine's ``fusion_ratio``;
-        ``None`` there too: off) turns on cache fusion for the keyed segments: their stored KV
-        is reused and that share of their tokens recomputed (1.0: all, a full prefill).
-
-        ``segment_ends``: the prompt's documents for the knowledge tree, as increasing
-        exclusive token ends, the last one the prompt length (default: found from blank lines,
-        ``segments.py``); it groups cached blocks and never changes an output."""
+        """Queue a request; on ``ValueError`` (``PromptTooLongError``: no room to generate)
+        nothing changed. ``prompt`` may be ``Segment``s; ``fusion_ratio`` (default: the
+        engine's) turns on cache fusion for keyed segments. ``segment_ends``: the documents'
+        exclusive token ends for the knowledge tree (groups cached blocks, never outputs)."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if (params.stop or isinstance(prompt, str)) and self.tokenizer is None:
@@ -229,35 +195,28 @@ class LLMEngine:
             self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        """Requests queued or running (or outputs held back by a raising step).
-
-        NOTE: a launched step whose requests all ended since (overlapped scheduling) does not
-        count: nothing of it reaches an output; the next ``step`` waits for it."""
+        """Requests queued or running (or outputs held back by a raising step); a launched
+        step whose requests all ended since does not count."""
         return self.scheduler.has_unfinished() or bool(self._carried)
 
-    # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that got a token (or finished) this step.
-
-        With ``enable_step_isolation`` a request whose forward pass, sampling or token
-        handling raises finishes alone with ``finish_reason == "error"`` (its blocks freed)
-        and the others' tokens are those of the step without it (``step_isolation.py``).
-        Overlapped (``enable_async_scheduling``): the outputs are those of the step launched
-        by the previous call (see the module docstring)."""
+        """One iteration: the requests that got a token or finished (overlapped: those of the
+        step launched by the previous call). With ``enable_step_isolation`` a request that
+        raises finishes alone with ``finish_reason == "error"``."""
         carried, self._carried = self._carried, []
         self.run_deferred_checks()
         out = self.scheduler.schedule()
-        self._run_swaps()
+        ops = self.block_manager.take_swap_ops()
+        if ops:
+            self.host_kv_cache.run(ops)
         if self.config.enable_async_scheduling:
             return carried + self._step_overlapped(out)
         return carried + self._run_step(out)
 
     def _run_step(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """Run ``out`` and read its tokens (the synchronous step)."""
         if out.is_empty:
             return []
-        if self.host_kv_cache is not None:  # only the blocks this step uses
-            self.host_kv_cache.wait_for(_step_blocks(out.seqs))
+        self._wait_for_swaps(out)
         if not self.config.enable_step_isolation:
             return self._postprocess(out, self.model_runner.execute_model(out))
         ran = execute_isolated(self.model_runner.execute_model, out, self.model_runner.sampler)
@@ -269,9 +228,9 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         if out.is_empty:
             return self._land(prev)
-        if self.host_kv_cache is not None:
-            self.host_kv_cache.wait_for(_step_blocks(out.seqs))
-        state = self._sampler_state(out)
+        self._wait_for_swaps(out)
+        isolated = self.config.enable_step_isolation
+        state = random_state(out, self.model_runner.sampler) if isolated else None
         try:
             tokens = self.model_runner.launch_model(out, None if prev is None else prev.tokens)
         except Exception:
@@ -293,22 +252,16 @@ class LLMEngine:
         finally:  # NOTE: also when landing raises (isolation off): the next step needs it
             self.scheduler.update_after_step(out.keep(self._is_live))
 
+    def _wait_for_swaps(self, out: SchedulerOutput) -> None:
+        """The step waits for the pending host-tier copies of the GPU blocks it uses."""
+        if self.host_kv_cache is not None:
+            self.host_kv_cache.wait_for(_step_blocks(out.seqs))
+
     def _land(self, step: _Inflight | None) -> list[RequestOutput]:
-        """Wait for a launched step's tokens and postprocess them."""
         if step is None:
             return []
         tokens = [] if step.tokens is None else step.tokens.tolist()
         return self._postprocess(step.out, tokens, landed=True)
-
-    def _sampler_state(self, out: SchedulerOutput) -> Any:
-        """The sampler's random state where a failed launch must rewind it (isolation on and
-        a random sample in the step), else ``None``."""
-        if not self.config.enable_step_isolation:
-            return None
-        rows = zip(out.seqs, out.sample, strict=True)
-        if all(s.params.is_greedy for s, flag in rows if flag):
-            return None
-        return self.model_runner.sampler.get_state()
 
     def _is_live(self, seq: Sequence) -> bool:
         """Still this engine's request (not finished or aborted since it was scheduled)."""
@@ -317,8 +270,8 @@ class LLMEngine:
     def _postprocess(
         self, out: SchedulerOutput, tokens: list[int], *, landed: bool = False
     ) -> list[RequestOutput]:
-        """Append ``out``'s sampled tokens. ``landed``: an overlapped step, whose computed
-        tokens were advanced at launch; its tokens for requests ended since are dropped."""
+        """Append ``out``'s sampled tokens. ``landed``: an overlapped step (computed tokens
+        advanced at launch; tokens of requests ended since are dropped)."""
         if not landed:
             self.scheduler.update_after_step(out)
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
@@ -347,18 +300,11 @@ class LLMEngine:
             self.block_manager.check_integrity()
 
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
-        """End ``seq`` alone with ``finish_reason == "error"`` (its blocks are freed)."""
         logger.error("request %s failed in an engine step", seq.request_id, exc_info=exc)
         seq.error = f"{type(exc).__name__}: {exc}"
         if seq.request_id in self._seqs:
             self._finish(seq, "error")
         return seq.to_output()
-
-    def _run_swaps(self) -> None:
-        if isinstance(self.block_manager, TieredBlockManager):
-            ops = self.block_manager.take_swap_ops()
-            if ops:
-                self.host_kv_cache.run(ops)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         check_fault("append", [seq])
@@ -410,11 +356,8 @@ class LLMEngine:
         self.run_deferred_checks()
         return [final[rid] for rid in ids]
 
-    # ------------------------------------------------------------------ helpers
     def tokenize(self, prompt: str) -> list[int]:
-        """The token ids ``add_request`` makes of the text ``prompt`` (a BOS unless the text
-        starts with one); thread-safe next to ``step`` (the tokenizer is only read).
-        ``ValueError`` for a model without a tokenizer."""
+        """The token ids ``add_request`` makes of ``prompt``; thread-safe next to ``step``."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
         return self._tokenize(prompt)
@@ -441,12 +384,8 @@ class LLMEngine:
         return text + ("assistant:" if add_generation_prompt else "")
 
     def stats(self) -> dict[str, int]:
-        """Queue and KV counters (ints). Hit tokens count reused KV per tier; swap counts are
-        blocks (bytes in ``*_bytes``); evictions count blocks leaving a tier. Cache fusion:
-        ``num_fused_tokens`` keyed-segment tokens prefilled from stored passage KV, of which
-        ``num_recomputed_tokens`` were recomputed; store hits/misses count passages (held in the
-        KV tiers with the knowledge tree, else in the fusion store)."""
-        bm, sched = self.block_manager, self.scheduler
+        """Queue, KV-tier and cache-fusion counters (ints; ``docs/architecture.md``)."""
+        bm, sched, fusion = self.block_manager, self.scheduler, self.model_runner.fusion
         stats = {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
@@ -456,29 +395,19 @@ class LLMEngine:
             "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
             "prefix_cache_query_tokens": sched.prefix_cache_query_tokens,
             "num_prefill_tokens_saved": sched.prefix_cache_hit_tokens,
-        }
-        fusion = self.model_runner.fusion
-        tiered = isinstance(bm, TieredBlockManager)
-        stats |= {
             "num_fused_tokens": fusion.num_fused_tokens,
             "num_recomputed_tokens": fusion.num_recomputed_tokens,
-            "num_fusion_store_hits": bm.num_passage_hits if tiered else fusion.store.num_hits,
-            "num_fusion_store_misses": (
-                bm.num_passage_misses if tiered else fusion.store.num_misses
-            ),
+            "num_deferred_swap_ins": sched.num_deferred_swap_ins,
         }
-        stats["num_deferred_swap_ins"] = sched.num_deferred_swap_ins
-        return stats | kv_tier_stats(bm, self.host_kv_cache, sched.prefix_cache_hit_tokens)
+        hits = sched.prefix_cache_hit_tokens
+        return stats | kv_tier_stats(bm, self.host_kv_cache, hits, fusion.store)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
 
     def set_kv_reuse(self, enabled: bool) -> None:
-        """Turn KV reuse across requests (prefix hits, caching new blocks and, where the
-        config asks for it, cache-aware admission) on or off, on an idle engine; either way
-        the cache is emptied, so what ran before cannot speed up what runs next. Benchmarks
-        use it to run systems with and without reuse on one engine. Raises ``RuntimeError``
-        while requests are unfinished."""
+        """Turn KV reuse across requests (and cache-aware admission) on or off on an idle
+        engine (else ``RuntimeError``); either way the cache is emptied."""
         if not isinstance(enabled, bool):
             raise ValueError(f"set_kv_reuse: enabled must be a bool, got {enabled!r}")
         if self.has_unfinished():
@@ -490,8 +419,7 @@ class LLMEngine:
         self.scheduler.fairness_window = cfg.cache_aware_fairness_window if aware else None
 
     def synchronize_kv(self) -> None:
-        """Wait for every pending host-tier copy: call it before reading KV blocks outside
-        ``step`` (the step itself waits for the blocks it uses)."""
+        """Wait for every pending host-tier copy (before reading KV blocks outside ``step``)."""
         if self.host_kv_cache is not None:
             self.host_kv_cache.synchronize()
 

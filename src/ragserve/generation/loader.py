@@ -29,12 +29,8 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
 ) -> nn.Module:
-    """The model, in eval mode, on ``device`` in ``dtype``.
-
-    Parameters are created on the meta device and materialised directly on ``device`` (no
-    host copy of the whole model); ``load_format="dummy"`` fills them with seeded random
-    values on the device itself.
-    """
+    """The model in eval mode, materialised from the meta device directly on ``device``;
+    ``load_format="dummy"``: seeded random weights."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)  # every SUPPORTED_ARCHITECTURES entry
     model = model.to(dtype).to_empty(device=device)
@@ -86,8 +82,6 @@ def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f.get_tensor(name)
-    except ModelLoadError:
-        raise
     except Exception as e:  # safetensors raises its own and OS errors for bad files
         raise ModelLoadError(f"corrupt or unreadable weight file {path}: {e}") from e
 

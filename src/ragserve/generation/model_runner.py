@@ -1,9 +1,6 @@
-"""Runs one scheduled step on the device: packs inputs (built on the host, copied once),
-runs the model (``run_model``: the CUDA-graph hook), samples (one host sync). ``launch_model``
-is the overlapped form: tokens stay on the device (``SampledTokens``) and a decode row whose
-input the previous launched step sampled reads it from there (``docs/architecture.md``,
-"Overlapped steps").
-"""
+"""Runs one scheduled step on the device: packs inputs on the host (copied once), runs the
+model (``run_model``: the CUDA-graph hook) and samples; ``launch_model`` leaves the tokens on
+the device (``SampledTokens``) for the next launched step."""
 
 from __future__ import annotations
 
@@ -35,11 +32,8 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dty
 
 
 class SampledTokens:
-    """The tokens a launched step sampled, one per sampled sequence in step order: on the
-    device (``device``, int64) until ``tolist`` copies them to the host.
-
-    ``row_of[seq]``: the row of ``seq``'s token; ``launched_at``: ``time.monotonic()`` when
-    the step was queued (the overhead bench's mark for host work hidden under it)."""
+    """A launched step's sampled tokens (``device``, int64; ``row_of[seq]``: its row) until
+    ``tolist`` copies them to the host; ``launched_at``: when the step was queued."""
 
     def __init__(self, device_tokens: torch.Tensor, seqs: list[Sequence]):
         self.device = device_tokens
@@ -55,22 +49,17 @@ class SampledTokens:
         self.launched_at = time.monotonic()
 
     def is_ready(self) -> bool:
-        """Whether the tokens are on the host (``tolist`` will not wait)."""
         return self._event is None or self._event.query()
 
     def tolist(self) -> list[int]:
-        """The token ids; waits for the step (the host sync)."""
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
 
 
 class ModelRunner:
-    """Owns the model, its paged KV cache and the attention backend.
-
-    ``execute_model`` writes the scheduled tokens' keys/values into the cache and returns one
-    sampled token per sequence with ``sample[i]`` set; it does not touch the sequences.
-    """
+    """Owns the model, its paged KV cache and the attention backend; ``execute_model`` writes
+    the step's KV and samples, never touching the sequences."""
 
     def __init__(
         self,
@@ -100,7 +89,6 @@ class ModelRunner:
         self.fusion: FusionRunner | None = None  # cache fusion, set by the engine
 
     def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> None:
-        """Record decode forwards for batch sizes up to ``max_batch`` (``cuda_graph.py``)."""
         self.graph_runner = CUDAGraphRunner(
             lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md, self.backend),
             max_batch=max_batch,
@@ -116,10 +104,9 @@ class ModelRunner:
         fused_rows: dict[int, list[int]] | None = None,
         prev: SampledTokens | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat ``input_ids``, ``positions``, the step's metadata and the rows to sample.
-        ``fused_rows``: sequence index -> the positions a fused prefill computes (its whole
-        prompt is scheduled; only those rows run, with per-query positions). ``prev``: the
-        previous launched step's tokens, the input of decode rows whose token is pending."""
+        """Flat ``input_ids``, ``positions``, the metadata and the rows to sample.
+        ``fused_rows``: sequence index -> the positions its fused prefill computes. ``prev``:
+        the previous launched step's tokens (inputs of rows whose token is pending)."""
         fused_rows = fused_rows or {}
         pending_rows: list[int] = []  # flat rows whose input is in ``prev.device``
         pending_src: list[int] = []
@@ -135,29 +122,21 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
             tables[i, : len(table)] = table
-            if i in fused_rows:
-                pos = np.asarray(fused_rows[i], dtype=np.int64)
-                ids.extend(np.asarray(seq.token_ids)[pos].tolist())
-                positions.extend(fused_rows[i])
-                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
-                n = len(pos)
-            elif n == 1 and start == len(seq.token_ids):  # its input is still on the device
-                if prev is None or seq not in prev.row_of:
-                    raise RuntimeError(f"{seq.request_id}: pending token of no launched step")
-                pending_rows.append(len(ids))
-                pending_src.append(prev.row_of[seq])
-                ids.append(0)
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            elif n == 1:  # decode: plain ints are far cheaper than numpy per sequence
-                ids.append(seq.token_ids[start])
+            if n == 1 and i not in fused_rows:  # decode: plain ints, far cheaper than numpy
+                if start == len(seq.token_ids):  # its input is still on the device
+                    if prev is None or seq not in prev.row_of:
+                        raise RuntimeError(f"{seq.request_id}: pending token of no launched step")
+                    pending_rows.append(len(ids))
+                    pending_src.append(prev.row_of[seq])
+                ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                pos = np.arange(start, end)
+                pos = np.asarray(fused_rows[i]) if i in fused_rows else np.arange(start, end)
+                ids.extend(np.asarray(seq.token_ids)[pos].tolist())
+                positions.extend(pos.tolist())
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+                n = len(pos)
             query_lens.append(n)
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
@@ -183,16 +162,13 @@ class ModelRunner:
     def run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """Hidden states of every scheduled token (the CUDA-graph replay point)."""
         if self.graph_runner is not None and self.graph_runner.can_run(metadata):
             return self.graph_runner.run(input_ids, positions, metadata)
         return self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
 
     def execute_model(self, out: SchedulerOutput) -> list[int]:
-        """Sampled tokens of the sequences with ``out.sample`` set, in order. A sequence with a
-        fusion plan and nothing computed yet is a fused prefill: its stored passage KV is
-        written and its rows chosen first (``fusion/``), then those rows run in the step's
-        batched forward beside the other sequences."""
+        """Sampled tokens of the sequences with ``out.sample`` set, in order; a fused prefill's
+        stored passage KV is written and its rows chosen first (``fusion/``)."""
         sampled = self.launch_model(out)
         return [] if sampled is None else sampled.tolist()
 
@@ -200,9 +176,8 @@ class ModelRunner:
     def launch_model(
         self, out: SchedulerOutput, prev: SampledTokens | None = None
     ) -> SampledTokens | None:
-        """``execute_model`` without its host sync: the step's forward and sampling are queued
-        (on CPU: run) and their tokens returned on the device (``None``: nothing samples).
-        ``prev``: the tokens of the step launched before, for inputs still pending."""
+        """``execute_model`` without its host sync: the tokens stay on the device (``None``:
+        nothing samples); ``prev``: the step launched before, for pending inputs."""
         check_fault("forward", out.seqs)
         fused_rows: dict[int, list[int]] = {}
         if self.fusion is not None:

@@ -1,8 +1,5 @@
-"""Turn last-position logits into next tokens: greedy, or temperature/top-k/top-p sampling.
-
-Seeded requests draw from their own ``torch.Generator`` (created on first use and kept for
-the request's life), so their tokens are reproducible whatever else is batched with them.
-"""
+"""Turn last-position logits into next tokens: greedy, or temperature/top-k/top-p sampling;
+a seeded request draws from its own ``torch.Generator``."""
 
 from __future__ import annotations
 
@@ -98,8 +95,7 @@ class Sampler:
 
 
 def _on(values: list, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values)`` on ``device``; on CUDA through pinned memory without a host
-    sync, so a launched step's sampling does not wait for the step before it."""
+    """``torch.tensor(values)`` on ``device`` (CUDA: from pinned memory, without a sync)."""
     tensor = torch.tensor(values)
     if device.type == "cpu":
         return tensor

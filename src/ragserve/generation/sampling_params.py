@@ -15,14 +15,8 @@ MAX_SEED = 1 << 64  # torch.Generator.manual_seed takes [0, 2**64) without wrapp
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request decodes.
-
-    ``temperature == 0`` is greedy (``top_p``/``top_k``/``seed`` are then ignored). With a
-    ``seed`` the request samples from its own ``torch.Generator``, so its tokens do not depend
-    on what else is in the batch. ``stop`` strings end generation and are cut from ``text``
-    (the token ids keep the token that completed them); ``stop_token_ids`` and the model's EOS
-    end it too (EOS is ignored with ``ignore_eos``).
-    """
+    """How one request decodes: ``temperature == 0`` is greedy; a ``seed`` gives the request
+    its own generator; ``stop`` strings end it and are cut from ``text`` (not the token ids)."""
 
     max_tokens: int = 16
     temperature: float = 0.0

@@ -1,10 +1,6 @@
-"""Continuous batching: chunked prefill, prefix reuse, preemption, cache-aware admission,
-swap-in overlap and fused prefills under one rule (vLLM v1): each step every scheduled
-request's computed tokens catch up with its total tokens within the token budget. Running
-requests go first; when the pool is full the newest is preempted (blocks freed into the
-cache, back to the front of the waiting queue); waiting requests are admitted only when
-nobody was preempted (``docs/architecture.md``, "LLM engine").
-"""
+"""Continuous batching under one rule (vLLM v1): each step every scheduled request's computed
+tokens catch up with its total tokens within the token budget. Running requests go first; when
+the pool is full the newest is preempted; waiting ones are admitted only if nobody was."""
 
 from __future__ import annotations
 
@@ -13,16 +9,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ragserve.generation.block_manager import BlockManager
+from ragserve.generation.block_manager import BaseBlockManager
 from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What the model runner computes this step: ``num_scheduled_tokens[i]`` new tokens of
-    ``seqs[i]``, starting at its ``num_computed_tokens``; sequences whose chunk reaches
-    their last token (``sample[i]``) get a sampled token."""
+    """``num_scheduled_tokens[i]`` new tokens of ``seqs[i]`` from its ``num_computed_tokens``;
+    ``sample[i]``: the chunk reaches its last token (it gets a sampled token)."""
 
     seqs: list[Sequence]
     num_scheduled_tokens: list[int]
@@ -37,7 +32,6 @@ class SchedulerOutput:
         return not self.seqs
 
     def keep(self, predicate: Callable[[Sequence], bool]) -> SchedulerOutput:
-        """The same step with only the sequences ``predicate`` keeps."""
         rows = [i for i, s in enumerate(self.seqs) if predicate(s)]
         return SchedulerOutput(
             [self.seqs[i] for i in rows],
@@ -47,15 +41,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the ``BlockManager``.
-
-    ``schedule`` mutates queue membership, block tables and (for prefix hits)
-    ``num_computed_tokens``; ``update_after_step`` advances ``num_computed_tokens``.
-    """
+    """Owns the queues and the block manager; ``schedule`` mutates queues, block tables and
+    (prefix hits) ``num_computed_tokens``, which ``update_after_step`` advances."""
 
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_manager: BaseBlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         *,
@@ -153,19 +144,15 @@ class Scheduler:
         return SchedulerOutput(seqs, counts, sample)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s pending tokens reach ``max_tokens`` or the context end (the finish
-        check that needs no token value)."""
+        """Whether ``seq``'s pending tokens reach ``max_tokens`` or the context end."""
         if seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens:
             return True
         limit = self.max_model_len
         return limit is not None and _total_tokens(seq) >= limit
 
     def _pick_waiting(self) -> tuple[int, list]:
-        """Index in ``waiting`` of the request to admit next, and its cached blocks.
-
-        The shares that rank the lookahead are measured once per step (``_shares``; an
-        admission earlier in the step may have evicted some of them since: a ranking
-        approximation only); the chosen request's cached blocks are looked up afresh."""
+        """Index in ``waiting`` of the request to admit next (the largest cached share within
+        the lookahead, measured once per step) and its cached blocks (looked up afresh)."""
         if self.fairness_window is None or len(self.waiting) == 1:
             return 0, self._computed_blocks(self.waiting[0])
         best, best_share = 0, -1.0
@@ -188,8 +175,7 @@ class Scheduler:
         return [] if seq.fusion is not None else self.block_manager.get_computed_blocks(seq)
 
     def _hold_passages(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Hold a fused request's stored passages in the tiers; ``False``: its own blocks
-        would not fit then."""
+        """Hold a fused request's passages in the tiers; ``False``: its blocks do not fit."""
         bm = self.block_manager
         if seq.fusion is None or not isinstance(bm, TieredBlockManager):
             return True
@@ -205,7 +191,6 @@ class Scheduler:
             seq.passage_blocks = None
 
     def _pass_over(self, index: int) -> None:
-        """The requests ahead of the admitted one were passed over once more."""
         if self.fairness_window is None:
             return
         for i in range(index):
@@ -221,7 +206,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """The scheduled tokens now have KV in the cache; register full blocks for reuse."""
+        """The scheduled tokens have KV now; register full blocks for reuse."""
         for seq, n in zip(output.seqs, output.num_scheduled_tokens, strict=True):
             seq.num_computed_tokens += n
             self._release_passages(seq)
@@ -229,7 +214,7 @@ class Scheduler:
                 self.block_manager.cache_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a request (running or waiting): free its blocks and drop it from the queues."""
+        """End a request: free its blocks and drop it from the queues."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

@@ -1,6 +1,5 @@
-"""A prompt's segments: the ``Segment``s a caller gives (cache fusion keys its passages), the
-token spans they become with their ``FusionPlan``, and the document ends the knowledge tree
-finds in plain token ids (``docs/architecture.md``, "Generation")."""
+"""A prompt's segments: caller ``Segment``s (keyed passages for cache fusion), their token
+spans and ``FusionPlan``, and the document ends the knowledge tree finds in plain token ids."""
 
 from __future__ import annotations
 
@@ -15,12 +14,8 @@ Span = tuple[int, int, str | None]  # (start, end, key) of one segment's tokens
 
 @dataclass(frozen=True)
 class Segment:
-    """One piece of a prompt; a prompt given as segments is their concatenation.
-
-    ``content`` is text (tokenized on its own: only the first segment gets the tokenizer's
-    special prefix, e.g. BOS) or token ids. A ``key`` names the passage: its KV may be stored
-    once and reused wherever the segment lands (cache fusion); ``None`` is always computed.
-    """
+    """One piece of a prompt (text, tokenized alone, or token ids); a ``key`` names a passage
+    whose KV cache fusion may store once and reuse anywhere (``None``: always computed)."""
 
     content: str | list[int]
     key: str | None = None
@@ -55,16 +50,14 @@ class FusionPlan:
         return sum(e - s for s, e, key in self.spans if key is not None)
 
     def max_rows(self, num_tokens: int) -> int:
-        """Most rows a fused prefill of ``num_tokens`` computes (its token-budget cost): every
-        token outside the keyed spans, the last token, ``ceil(ratio * n)`` of each span."""
+        """Most rows a fused prefill of ``num_tokens`` computes (its token-budget cost)."""
         picked = sum(num_picked(e - s, self.ratio) for s, e, key in self.spans if key is not None)
         return min(num_tokens, num_tokens - self.num_keyed_tokens + picked + 1)
 
 
 def paragraph_segments(text: str) -> list[Segment]:
     """``text`` as segments split after blank lines (``"\\n\\n"``): the paragraphs between
-    the first and the last (a rendered answer template's passages) keyed by a digest of their
-    text, so the same passage anywhere in any prompt reuses its stored KV."""
+    the first and the last keyed by a digest of their text."""
     parts = [p + "\n\n" for p in text.split("\n\n")]
     parts[-1] = parts[-1][:-2]
     parts = [p for p in parts if p]
@@ -77,11 +70,8 @@ def paragraph_segments(text: str) -> list[Segment]:
 def tokenize_segments(
     segments: Sequence[Segment], tokenize: Callable[[str, bool], list[int]] | None
 ) -> tuple[list[int], list[Span]]:
-    """``(token ids, [(start, end, key) per segment])``; ``tokenize(text, is_first)``.
-
-    Raises ``ValueError`` for no segments, a text segment without a tokenizer, or a segment
-    that tokenizes to nothing.
-    """
+    """``(token ids, [(start, end, key) per segment])``; ``tokenize(text, is_first)``;
+    ``ValueError`` for no segments or an empty one, or text without a tokenizer."""
     if not segments:
         raise ValueError("prompt: no segments")
     ids: list[int] = []
@@ -103,12 +93,8 @@ def tokenize_segments(
 
 
 def find_segment_ends(token_ids: Sequence[int], newline_counts: dict[int, int]) -> list[int]:
-    """Exclusive end positions of the documents of plain ``token_ids``; the last is ``len``.
-
-    A document ends after a run of whitespace-only tokens holding at least two newlines (a
-    blank line); ``newline_counts`` maps each whitespace-only token id to its newlines. The
-    ends only group cached blocks into tree nodes: a missed or extra one changes no output.
-    """
+    """Exclusive ends of the documents of ``token_ids`` (the last is ``len``): a document ends
+    after whitespace-only tokens (``newline_counts``: id -> newlines) with a blank line."""
     ends: list[int] = []
     run = 0
     for i, tok in enumerate(token_ids):
@@ -125,11 +111,8 @@ def find_segment_ends(token_ids: Sequence[int], newline_counts: dict[int, int]) 
 
 
 def whitespace_newline_counts(tokenizer: Any) -> dict[int, int]:
-    """``{token id: newlines}`` for the tokenizer's whitespace-only tokens (``{}`` for none).
-
-    Decoding the vocabulary takes about a second: one result per tokenizer object and
-    process (``engine_setup.load_tokenizer`` shares the object between engines).
-    """
+    """``{token id: newlines}`` for the tokenizer's whitespace-only tokens (``{}`` for none);
+    NOTE: decoding the vocabulary takes ~1 s: one result per tokenizer object."""
     if tokenizer is None:
         return {}
     hit = _CACHE.get(id(tokenizer))

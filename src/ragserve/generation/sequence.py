@@ -38,14 +38,9 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A snapshot of one request after a step; ``token_ids`` and ``text`` are cumulative.
-
-    ``prompt_token_ids`` is shared between a request's outputs: treat it as read-only.
-
-    ``finish_reason`` is ``None`` while running, else ``"stop"`` (EOS, stop token or stop
-    string), ``"length"`` (``max_tokens`` or the context end), ``"abort"`` or ``"error"``
-    (a step failed for this request alone: ``error`` holds the exception's type and message).
-    """
+    """A snapshot of one request after a step (``token_ids``, ``text`` cumulative;
+    ``prompt_token_ids`` shared, read-only). ``finish_reason``: ``None`` while running, else
+    ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (``error``: the exception)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -58,14 +53,11 @@ class RequestOutput:
 
 
 class Sequence:
-    """Token ids of one request (prompt + generated) and how many of them have KV cached.
+    """Token ids of one request (prompt + generated) and how many of them have KV cached::
 
-    The scheduler's single rule: each step, ``num_computed_tokens`` catches up with
-    ``num_tokens`` (a whole prompt, a prefill chunk, or the one token sampled last step)::
-
-        tokens     [ prompt ......................... | output ...... ]
-        computed   [ KV in cache ........ )[ scheduled this step )
-                   0              num_computed_tokens       num_tokens
+    tokens     [ prompt ......................... | output ...... ]
+    computed   [ KV in cache ........ )[ scheduled this step )
+               0              num_computed_tokens       num_tokens
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -75,23 +67,16 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        # tokens sampled by launched steps but not yet on the host (overlapped scheduling:
-        # ``LLMEngine.enable_async_scheduling``); the scheduler counts them as known
-        self.num_pending_tokens = 0
+        self.num_pending_tokens = 0  # sampled by launched steps, not yet on the host
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"
         self.text = ""
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.num_preemptions = 0
-        # exclusive ends of the prompt's segments (documents) for the knowledge tree; None:
-        # detected from the tokens (``segments.py``)
-        self.segment_ends: tuple[int, ...] | None = None
-        # cache fusion: its prefill reuses stored passage KV (``fusion/``); None: plain
-        self.fusion: FusionPlan | None = None
-        # its keyed segments' KV held in the KV tiers for this step's fused prefill (span
-        # order); None: not held (no tiers: the fusion store is used)
-        self.passage_blocks: list[PassageBlocks] | None = None
+        self.segment_ends: tuple[int, ...] | None = None  # documents (None: detected)
+        self.fusion: FusionPlan | None = None  # cache fusion's plan (None: plain prefill)
+        self.passage_blocks: list[PassageBlocks] | None = None  # held passages, span order
 
     @property
     def num_tokens(self) -> int:

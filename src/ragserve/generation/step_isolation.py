@@ -1,8 +1,5 @@
-"""Step isolation: a step that raises is bisected down to the requests that raise alone (the
-culprits), which fail; the step runs again without them. Rerunning part of a step is safe:
-``execute`` writes KV only into the slots the scheduler allocated and changes no sequence;
-the sampler's random state is restored before every attempt (``docs/architecture.md``,
-"LLM engine")::
+"""Step isolation: a step that raises is bisected down to the requests that raise alone, which
+fail; the rest runs again (``execute`` changes no sequence; the sampler state is restored)::
 
     step [a b c d e f g h] raises          culprit: f
       [a b c d] ok     [e f g h] raises
@@ -17,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ragserve.generation.sampler import Sampler
+from ragserve.generation.sampler import Sampler, SamplerState
 from ragserve.generation.scheduler import SchedulerOutput
 from ragserve.generation.sequence import Sequence
 
@@ -27,8 +24,7 @@ Execute = Callable[[SchedulerOutput], list[int]]
 
 
 class IsolatedStep(NamedTuple):
-    """``out``: the step that ran (without the culprits); ``tokens``: its sampled tokens;
-    ``failed``: each culprit with the exception it raised alone."""
+    """The step that ran (without the culprits), its tokens, and each culprit's exception."""
 
     out: SchedulerOutput
     tokens: list[int]
@@ -36,10 +32,8 @@ class IsolatedStep(NamedTuple):
 
 
 def execute_isolated(execute: Execute, out: SchedulerOutput, sampler: Sampler) -> IsolatedStep:
-    """``execute(out)``; if it raises, the culprits found by bisection fail alone and the rest
-    of the step is run again without them (see the module docstring)."""
-    samples = any(not s.params.is_greedy for s, f in zip(out.seqs, out.sample, strict=True) if f)
-    state = sampler.get_state() if samples else None
+    """``execute(out)``; if it raises, the bisected culprits fail and the rest runs again."""
+    state = random_state(out, sampler)
 
     def attempt(part: SchedulerOutput) -> list[int]:
         if state is not None:
@@ -60,8 +54,13 @@ def execute_isolated(execute: Execute, out: SchedulerOutput, sampler: Sampler) -
     return IsolatedStep(rest, tokens, failed)
 
 
+def random_state(out: SchedulerOutput, sampler: Sampler) -> SamplerState | None:
+    """The sampler's state a rerun of ``out`` must start from (``None``: all greedy)."""
+    samples = any(not s.params.is_greedy for s, f in zip(out.seqs, out.sample, strict=True) if f)
+    return sampler.get_state() if samples else None
+
+
 def _bisect(attempt: Execute, part: SchedulerOutput, failed: list) -> None:
-    """Append to ``failed`` the sequences of ``part`` that raise when run alone."""
     try:
         attempt(part)
         return

@@ -1,8 +1,7 @@
-"""The contract between the model and an attention backend (``docs/architecture.md``,
-"Attention backends"). Per layer, ``k_cache``/``v_cache`` are ``[num_blocks, block_size,
-num_kv_heads, head_dim]``; token ``t`` of a sequence is at slot ``block_table[t // block_size]
-* block_size + t % block_size``. Sequence ``i`` brings ``query_lens[i]`` new tokens and attends
-to ``seq_lens[i]`` keys, causally::
+"""The contract between the model and an attention backend. Per layer, ``k_cache``/``v_cache``
+are ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``t`` of a sequence is at slot
+``block_table[t // block_size] * block_size + t % block_size``. Sequence ``i`` brings
+``query_lens[i]`` new tokens and attends to ``seq_lens[i]`` keys, causally::
 
     kv positions   0 .............. seq_len - query_len ........ seq_len - 1
                    [ already cached: prefix hit / earlier chunks ][ new tokens ]
@@ -58,17 +57,11 @@ class AttentionMetadata:
 
 
 class BaseAttentionBackend(ABC):
-    """Paged attention for one model; stateless across steps except for ``prepare`` caches.
-
-    ``forward`` mutates ``k_cache``/``v_cache`` (writes the new tokens' keys and values at
-    ``metadata.slot_mapping``) and returns the attention output; it never mutates its inputs
-    otherwise.
-    """
+    """Paged attention for one model; ``forward`` writes the new tokens' keys and values at
+    ``metadata.slot_mapping`` (its only mutation) and returns the attention output."""
 
     name: str = "base"
-    # True when ``forward`` may be captured in a CUDA graph and replayed for other steps of the
-    # same batch shape: no host reads of per-step lengths, negative slots skipped (padding).
-    supports_cuda_graphs: bool = False
+    supports_cuda_graphs: bool = False  # replayable: no host lengths read, slot -1 skipped
 
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Called once per step before the first layer (e.g. to build masks once)."""
@@ -132,9 +125,8 @@ def has_triton() -> bool:
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:
-    """``name`` itself unless it is ``"auto"``: then the fastest backend that runs on ``device``.
-    NOTE: the CUDA choice is measured (``bench/bench_attention.py`` on an H200, BENCHMARKS.md
-    "LLM engine"): the Triton kernel beat FlexAttention and the SDPA reference at every batch."""
+    """``name``, or for ``"auto"`` the fastest backend on ``device``. NOTE: measured on an
+    H200 (BENCHMARKS.md "LLM engine"): Triton beat FlexAttention and SDPA at every batch."""
     if name != "auto":
         return name
     device = torch.device(device)

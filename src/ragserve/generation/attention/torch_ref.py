@@ -1,8 +1,5 @@
-"""Reference paged attention: gather each sequence's blocks, then SDPA with a causal offset
-(or the per-query positions of ``AttentionMetadata.query_positions``).
-
-Runs anywhere (CPU tests, and the oracle for faster backends); one SDPA call per sequence.
-"""
+"""Reference paged attention (CPU, and the oracle for faster backends): gather each sequence's
+blocks, then one SDPA per sequence with a causal offset or per-query positions."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Paged attention through the Triton unified kernel (``triton_kernels``), registered "triton".
-
-Decode-only steps launch one program per (sequence, kv head, split); other steps (prefill
-chunks, mixed batches, cache fusion's scattered rows with ``query_positions``) launch one per
-(query block, kv head). On CPU tensors the same kernels
-run under Triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is imported
-(slow; for tests only).
-"""
+"""Paged attention through the Triton unified kernel (``triton_kernels``), registered "triton":
+decode steps launch one program per (sequence, kv head, split), others one per (query block,
+kv head). On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``; tests)."""
 
 from __future__ import annotations
 
@@ -47,11 +42,8 @@ def _next_pow2(n: int) -> int:
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int | None, block_n: int
 ) -> int:
-    """Split-KV factor for a decode launch: enough programs to fill the GPU, a power of 2.
-
-    Depends only on the batch shape when ``max_seq_len`` is ``None`` (CUDA graphs capture one
-    launch per batch size); splits past a sequence's tile count just do no work.
-    """
+    """Split-KV factor for a decode launch: enough programs to fill the GPU, a power of 2
+    (from the batch shape alone when ``max_seq_len`` is ``None``: CUDA graphs)."""
     want = -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
     if max_seq_len is not None:
         want = min(want, -(-max_seq_len // block_n))
@@ -156,13 +148,8 @@ def unified_attention(
 
 @register_backend("triton")
 class TritonBackend(BaseAttentionBackend):
-    """Stores the new keys/values, then runs the unified kernel (decode or prefill config).
-
-    Beyond the base contract: a negative ``slot_mapping`` entry marks a padding row (CUDA graph
-    batches padded to a captured size) whose key/value is not stored; give such a row
-    ``seq_len`` 0 and its output is 0. Nothing here reads host-side lengths on the decode path
-    except to pick the split count, so one capture serves every context length.
-    """
+    """Stores the new keys/values, then runs the unified kernel; a negative slot (CUDA-graph
+    padding) stores nothing, and with ``seq_len`` 0 its output is 0."""
 
     supports_cuda_graphs = True
 

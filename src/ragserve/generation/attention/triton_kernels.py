@@ -1,26 +1,15 @@
 """Triton kernels for paged attention: one "unified" kernel for decode and prefill chunks.
 
-One program handles one *query block* of one sequence for one kv head, and all ``GROUP`` query
-heads that share that kv head (GQA): its rows are ``(token, head)`` pairs, so every key/value
-tile read from the cache is used by ``GROUP`` heads at once::
+One program handles one query block of one sequence for one kv head and all ``GROUP`` query
+heads sharing it (GQA), so every key/value tile is used by ``GROUP`` heads at once::
 
     row r  ->  token  local_block * BLOCK_Q + r // GROUP,   q head  kv_head * GROUP + r % GROUP
 
-Query blocks of all sequences are numbered consecutively; sequence ``i``'s first block is
-``query_start_loc[i] // BLOCK_Q + i`` (an upper bound on the blocks before it, so the grid is
-``num_tokens // BLOCK_Q + num_seqs`` and spare programs return at once). A program finds its
-sequence by binary search over ``query_start_loc`` -- no per-step host work, so the launch is
-the same for every step of a given shape (CUDA-graph friendly). Decode-only batches
-(``IS_DECODE``) skip the search: program ``i`` is sequence ``i``.
-
-Split-KV ("flash decoding"): with ``NUM_SPLITS > 1`` the context tiles of each query block are
-divided between ``NUM_SPLITS`` programs that write normalised partial outputs and their
-log-sum-exp; ``_combine_kernel`` merges them. The split range is derived from ``seq_len`` in
-the kernel, so one launch shape serves every context length.
-
-Per-query positions (``HAS_Q_POS``, cache fusion's recomputed rows; prefill launches only):
-query token ``t`` sits at ``q_pos[t]`` rather than ``seq_len - q_len + local index``; the
-causal mask compares key positions with it, and a block reads keys up to its largest one.
+Sequence ``i``'s first query block is ``query_start_loc[i] // BLOCK_Q + i`` (grid: ``num_tokens
+// BLOCK_Q + num_seqs``, spare programs return); a program finds its sequence by binary search,
+so the launch is the same for every step of a shape (decode: program ``i`` is sequence ``i``).
+Split-KV: ``NUM_SPLITS`` programs per query block write partial outputs and log-sum-exps that
+``combine_splits_kernel`` merges. ``HAS_Q_POS``: query token ``t`` sits at ``q_pos[t]``.
 """
 
 from __future__ import annotations
@@ -30,40 +19,15 @@ import triton.language as tl
 
 
 @triton.jit
-def unified_attention_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    query_start_loc_ptr,
-    q_pos_ptr,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    scale,
-    num_seqs,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_c_blk,
-    stride_c_tok,
-    stride_c_head,
-    stride_bt,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    IS_DECODE: tl.constexpr,
-    HAS_Q_POS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+def unified_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                             query_start_loc_ptr, q_pos_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                             scale, num_seqs, stride_q_tok, stride_q_head, stride_o_tok,
+                             stride_o_head, stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
+                             NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             HEAD_DIM_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_Q: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             IS_DECODE: tl.constexpr, HAS_Q_POS: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr):  # fmt: skip
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -165,17 +129,9 @@ def unified_attention_kernel(
 
 
 @triton.jit
-def combine_splits_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_o_tok,
-    stride_o_head,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
+def combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr):  # fmt: skip
     """One program per (token, head): weight each split's output by exp2(lse - max lse)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -198,17 +154,8 @@ def combine_splits_kernel(
 
 
 @triton.jit
-def store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    stride_k_tok,
-    stride_v_tok,
-    ROW: tl.constexpr,
-    ROW_P: tl.constexpr,
-):
+def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_tok,
+                    stride_v_tok, ROW: tl.constexpr, ROW_P: tl.constexpr):  # fmt: skip
     """One program per new token: copy its ``[num_kv_heads * head_dim]`` key and value rows to
     its flat cache slot; a negative slot (a padding row of a CUDA graph batch) is skipped."""
     tok = tl.program_id(0).to(tl.int64)

@@ -1,7 +1,7 @@
 """Partial forwards of one sequence for cache fusion: the QCFuse probe over the paged cache
-(``probe_attention``), CacheBlend's dense first layer, and ``forward_rows``: ``rows`` through
-the layers over a dense ``kv`` ``[2, num_layers, num_tokens, kv_heads, head_dim]`` (keys after
-RoPE), each row writing its own KV and attending causally to every entry::
+(``probe_attention``) and ``forward_rows``: ``rows`` through the layers over a dense ``kv``
+``[2, num_layers, num_tokens, kv_heads, head_dim]`` (keys after RoPE), each row writing its
+own KV and attending causally to every entry::
 
     positions  0 ........................................... num_tokens - 1
     kv         [ fresh | stored (re-rotated) | fresh | stored | fresh .... ]
@@ -25,11 +25,8 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def rotate_keys(keys: torch.Tensor, rotary: RotaryEmbedding, delta: int) -> torch.Tensor:
-    """Keys rotated for positions ``p`` -> the same keys at ``p + delta`` (``delta >= 0``).
-
-    RoPE rotates each frequency pair by ``theta * p``; rotations compose, so one extra
-    rotation by ``theta * delta`` moves every key at once. ``keys``: ``[..., head_dim]``.
-    """
+    """Keys rotated for positions ``p`` -> the same keys at ``p + delta`` (``delta >= 0``):
+    RoPE rotations compose, so one extra rotation by ``theta * delta`` moves every key."""
     if delta == 0:
         return keys
     cos, sin = rotary.cos[delta], rotary.sin[delta]
@@ -40,14 +37,6 @@ def rotate_keys(keys: torch.Tensor, rotary: RotaryEmbedding, delta: int) -> torc
 
 def _qkv(layer: nn.Module, x: torch.Tensor, positions: torch.Tensor):
     return layer.self_attn.qkv(positions, layer.input_layernorm(x))
-
-
-def project_kv(
-    layer: nn.Module, x: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys/values a layer would write for hidden states ``x`` at ``positions``."""
-    _, k, v = _qkv(layer, x, positions)
-    return k, v
 
 
 def _context(cache: torch.Tensor, group: int) -> torch.Tensor:
@@ -63,11 +52,10 @@ def forward_rows(
     num_layers: int | None = None,
     probe_layer: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Compute ``rows`` through the first ``num_layers`` layers (all by default), writing their
-    keys/values into ``kv``; returns their hidden states after the last layer run (before the
-    final norm) and, with ``probe_layer``, that layer's attention probabilities
-    ``[heads, len(rows), num_tokens]`` (the run then stops after it). Mutates ``kv`` only.
-    """
+    """Run ``rows`` through the first ``num_layers`` layers (all by default; with
+    ``probe_layer``, up to it), writing their KV into ``kv`` (mutated); returns their hidden
+    states (before the final norm) and the probe layer's attention probabilities
+    ``[heads, len(rows), num_tokens]`` (else ``None``)."""
     layers = model.model.layers
     stop = len(layers) if num_layers is None else num_layers
     if probe_layer is not None:
@@ -127,13 +115,8 @@ def probe_attention(
     probe_layer: int,
 ) -> torch.Tensor:
     """Attention probabilities ``[heads, len(query), num_tokens]`` of the ``query`` positions
-    (a subset of ``rows``) at ``probe_layer`` over the whole sequence.
-
-    ``rows`` (``metadata``: ``rows_metadata``) run through layers ``0..probe_layer - 1`` over
-    the paged cache, attending to every other position's cached KV; their keys/values are
-    written at those layers and at ``probe_layer`` (the cache at ``rows``' slots is mutated,
-    nothing else). Only the probe layer's scores of the query rows are dense.
-    """
+    (a subset of ``rows``) at ``probe_layer``: ``rows`` (``metadata``: ``rows_metadata``) run
+    over the paged cache up to it, writing their KV at ``rows``' slots (mutated)."""
     layers = model.model.layers
     backend.prepare(metadata)
     x = model.model.embed_tokens(token_ids[rows])
@@ -154,23 +137,3 @@ def probe_attention(
     scores = torch.einsum("qkgd,nkd->kgqn", qq, keys).flatten(0, 1) * attn.scale
     mask = pos[None, :] <= query[:, None]
     return scores.masked_fill(~mask, float("-inf")).softmax(-1)
-
-
-def dense_first_layer(model: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-    """Hidden states ``[num_tokens, hidden]`` of every token after layer 0 of a full causal
-    prefill (one attention over the fresh keys, no cache)."""
-    layer = model.model.layers[0]
-    attn = layer.self_attn
-    positions = torch.arange(token_ids.shape[0], device=token_ids.device)
-    x = model.model.embed_tokens(token_ids)
-    q, k, v = _qkv(layer, x, positions)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        is_causal=True,
-        scale=attn.scale,
-        enable_gqa=attn.num_heads != attn.num_kv_heads,
-    ).transpose(0, 1)
-    x = x + attn.o_proj(out.reshape(len(positions), attn.q_size))
-    return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -1,9 +1,6 @@
-"""The fused prefill of one request (``docs/architecture.md``, "Cache fusion"): each keyed
-segment's stored KV (knowledge-tree blocks or the ``PassageKVStore``), keys re-rotated to its
-start, is written into the request's blocks; the selector picks the rows to recompute; the
-model runner runs exactly those rows in the step's batched forward with per-query positions
-(``paged=False``: a dense per-request forward instead).
-"""
+"""The fused prefill of one request: each keyed segment's stored KV (tree blocks or the
+``PassageKVStore``), re-rotated to its start, is written into the request's blocks; the
+selector picks the rows to recompute, which the model runner runs in the step's batch."""
 
 from __future__ import annotations
 
@@ -15,10 +12,8 @@ from torch import nn
 from ragserve.generation.attention.base import BaseAttentionBackend
 from ragserve.generation.fusion.forward import (
     KVCaches,
-    dense_first_layer,
     forward_rows,
     probe_attention,
-    project_kv,
     rotate_keys,
     rows_metadata,
 )
@@ -38,10 +33,7 @@ SIFT_INDEX_ENTRIES = 4096  # passages whose SIFT-style scores are kept (n floats
 
 
 class FusionRunner:
-    """Runs fused prefills on a model's paged KV cache; owns the passage store and counters.
-
-    ``prefill`` mutates the cache blocks named by the request's block table and the store.
-    """
+    """Runs fused prefills on a model's paged KV cache; owns the passage store and counters."""
 
     def __init__(
         self,
@@ -76,9 +68,8 @@ class FusionRunner:
         return kv
 
     def paged_passage_kv(self, handle: PassageBlocks, kv_cache: torch.Tensor) -> torch.Tensor:
-        """A passage's KV at positions ``0..n-1`` read from its blocks in the paged cache
-        ``kv_cache`` (``[2, num_layers, num_blocks, block_size, kv_heads, head_dim]``);
-        computed alone first (and written to its unwritten blocks, if any) unless ready."""
+        """A passage's KV at positions ``0..n-1`` from its blocks in ``kv_cache``; computed
+        alone (and written to its unwritten blocks) unless ready."""
         flat = _flat(kv_cache)
         if handle.is_ready:
             return flat[:, :, self._passage_slots(handle, kv_cache, 0)]
@@ -103,10 +94,11 @@ class FusionRunner:
         forward_rows(self.model, ids, kv, torch.arange(len(token_ids), device=kv.device))
         return kv
 
-    def _empty_kv(self, num_tokens: int) -> torch.Tensor:
+    def _empty_kv(self, num_tokens: int, num_layers: int | None = None) -> torch.Tensor:
         attn = self.model.model.layers[0].self_attn
         param = next(self.model.parameters())
-        shape = (2, len(self.model.model.layers), num_tokens, attn.num_kv_heads, attn.head_dim)
+        num_layers = num_layers or len(self.model.model.layers)
+        shape = (2, num_layers, num_tokens, attn.num_kv_heads, attn.head_dim)
         return torch.zeros(shape, dtype=param.dtype, device=param.device)
 
     @torch.inference_mode()
@@ -119,17 +111,10 @@ class FusionRunner:
         backend: BaseAttentionBackend,
         passages: list[PassageBlocks] | None = None,
     ) -> list[int]:
-        """Write each keyed segment's stored KV (keys re-rotated to its start) into the
-        sequence's blocks at every layer and return the rows to compute: sorted positions,
-        every unkeyed token, the last token and the selected ``plan.ratio`` of each keyed
-        segment. The caller runs exactly those rows through the model with per-query
-        positions (``AttentionMetadata.query_positions``), which overwrites their KV at every
-        layer; the other positions keep the stored KV.
-
-        ``passages``: the keyed segments' held blocks, in span order (``None``: use the
-        store). Tokens past the planned spans (generated before a preemption) are computed
-        like unkeyed ones. Mutates the cache at this sequence's slots and the counters.
-        """
+        """Write each keyed segment's stored KV (re-rotated) into the sequence's blocks and
+        return the sorted rows to compute (unkeyed tokens, the last token, the selected share
+        of each keyed segment), which the caller runs with per-query positions.
+        ``passages``: the keyed segments' held blocks in span order (``None``: the store)."""
         num_tokens = len(token_ids)
         dev = kv_cache.device
         page = kv_cache.shape[3]
@@ -168,10 +153,8 @@ class FusionRunner:
     def _dense_forward(
         self, ids: torch.Tensor, rows: list[int], flat: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        """The switched-off path (session 1's): ``rows`` through every layer densely over the
-        sequence's whole KV gathered from the cache (``flat``: ``_flat``), every token's KV
-        written back. The last row then runs once more in the batched forward, over the same
-        keys: the same result."""
+        """``paged=False``: ``rows`` through every layer densely over the sequence's gathered
+        KV, written back; the last row then runs again in the batched forward (same result)."""
         kv = flat[:, :, slots]
         forward_rows(self.model, ids, kv, torch.tensor(rows, dtype=torch.long, device=ids.device))
         flat[:, :, slots] = kv
@@ -212,8 +195,7 @@ class FusionRunner:
     @torch.inference_mode()
     def passage_scores(self, key: str, token_ids: list[int]) -> torch.Tensor:
         """The SIFT-style index of a passage: ``[n]`` attention each token receives from the
-        passage alone at the probe layer (computed on first use, kept for the last
-        ``SIFT_INDEX_ENTRIES`` passages)."""
+        passage alone at the probe layer (kept for the last ``SIFT_INDEX_ENTRIES``)."""
         full_key = (key, tuple(token_ids))
         scores = self._sift_index.get(full_key)
         if scores is not None:
@@ -230,13 +212,14 @@ class FusionRunner:
         return scores
 
     def _kv_deviation(self, ids: torch.Tensor, kv_caches: KVCaches, slots: torch.Tensor):
-        """``[num_tokens]`` distance of every token's fresh layer-1 KV (after a full layer 0)
-        from the stored KV now in the cache (meaningful at keyed positions only)."""
+        """``[num_tokens]`` distance of each token's fresh layer-1 KV from the cached one."""
         if len(self.model.model.layers) == 1:  # one layer: nothing deviates but RoPE, exact
             return torch.zeros(ids.shape[0], device=ids.device)
         everything = torch.arange(ids.shape[0], device=ids.device)
-        hidden = dense_first_layer(self.model, ids)
-        fresh_k, fresh_v = project_kv(self.model.model.layers[1], hidden, everything)
+        work = self._empty_kv(ids.shape[0], num_layers=1)
+        hidden, _ = forward_rows(self.model, ids, work, everything, num_layers=1)
+        layer = self.model.model.layers[1]
+        _, fresh_k, fresh_v = layer.self_attn.qkv(everything, layer.input_layernorm(hidden))
         k_cache, v_cache = kv_caches[1]
         flat = (-1, *k_cache.shape[2:])
         stored = torch.stack([k_cache.view(flat)[slots], v_cache.view(flat)[slots]])

@@ -1,9 +1,7 @@
-"""Which tokens of each reused passage to recompute: a selector scores every token (higher:
-recompute first) and ``pick_rows`` takes ``ceil(ratio * n)`` top-scored tokens of each keyed
-segment (ties: the earlier token). ``"qcfuse"``: attention the query tokens pay at a probe
-layer; ``"cacheblend"``: layer-1 KV deviation from the stored KV; ``"sift"``: attention each
-token receives inside its passage alone (``docs/architecture.md``, "Cache fusion").
-"""
+"""Which tokens of each reused passage to recompute: a selector scores every token and
+``pick_rows`` takes the ``ceil(ratio * n)`` top-scored of each keyed segment. ``"qcfuse"``:
+attention the query pays at a probe layer; ``"cacheblend"``: layer-1 KV deviation; ``"sift"``:
+attention each token receives inside its passage alone."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The passage KV store used without the knowledge tree: each keyed passage's KV computed
-alone, ``[2, num_layers, n, kv_heads, head_dim]``, keyed by (model tag, key) and checked
-against its token ids; LRU within a device budget, pushed out to a host tier (pinned on CUDA)
-within a host budget, a host hit moved back.
-"""
+"""The passage KV store used without the knowledge tree: each passage's KV computed alone,
+keyed by (model tag, key), checked against its token ids; LRU within a device budget, then a
+host tier within a host budget."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
-
-Tokens of all sequences in a step are packed flat (``[num_tokens, hidden]``); the attention
-backend maps them to sequences through ``AttentionMetadata``. q/k/v and gate/up projections
-are fused into one matmul each; ``load_weights`` maps Hugging Face names onto them.
-"""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm)
+over a step's tokens packed flat; q/k/v and gate/up are fused, ``load_weight`` maps HF names."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -102,15 +96,6 @@ class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states ``[num_tokens, hidden]``; ``compute_logits``
     turns selected rows into float32 logits. Mutates only the KV caches it is given."""
 
-    # HF parameter name fragment -> (our fused parameter, shard name)
-    stacked_params = {
-        ".q_proj.": (".qkv_proj.", "q"),
-        ".k_proj.": (".qkv_proj.", "k"),
-        ".v_proj.": (".qkv_proj.", "v"),
-        ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
-
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
@@ -138,31 +123,14 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weight_names(self) -> set[str]:
         """HF checkpoint names this model needs (``lm_head`` omitted when tied)."""
-        names = set()
-        for name in self.state_dict():
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            fused = [hf for hf, (ours, _) in self.stacked_params.items() if ours in name]
-            for hf in fused:
-                names.add(name.replace(self.stacked_params[hf][0], hf))
-            if not fused:
-                names.add(name)
-        return names
+        return set(self._weight_targets())
 
     @torch.no_grad()
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy one HF-named tensor into place; ``False`` if the model has no such weight."""
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return True
-        params = self._params()
-        target = None
-        for hf, (ours, shard) in self.stacked_params.items():
-            if hf in name:
-                param = params.get(name.replace(hf, ours))
-                target = None if param is None else self._slice(param, shard)
-                break
-        else:
-            target = params.get(name)
+        target = self._weight_targets().get(name)
         if target is None:
             return False
         if target.shape != tensor.shape:
@@ -170,25 +138,22 @@ class LlamaForCausalLM(nn.Module):
         target.copy_(tensor)
         return True
 
-    def _params(self) -> dict[str, nn.Parameter]:
-        if getattr(self, "_param_map", None) is None:
-            self._param_map = dict(self.named_parameters())
-        return self._param_map
-
-    def _slice(self, param: torch.Tensor, shard: str | int) -> torch.Tensor:
-        cfg = self.config
-        if isinstance(shard, int):
-            size = cfg.intermediate_size
-            return param.narrow(0, shard * size, size)
-        q = cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-        return param.narrow(0, start, size)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the names that were used."""
-        used = set()
-        for name, tensor in weights:
-            if self.load_weight(name, tensor):
-                used.add(name)
-        return used
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF name -> the parameter (or the slice of a fused one) it fills; built on first use,
+        once the parameters are materialised (a tied ``lm_head`` is not listed)."""
+        if getattr(self, "_targets", None) is None:
+            cfg = self.config
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            ff = cfg.intermediate_size
+            shards = {
+                ".qkv_proj.": {".q_proj.": (0, q), ".k_proj.": (q, kv), ".v_proj.": (q + kv, kv)},
+                ".gate_up_proj.": {".gate_proj.": (0, ff), ".up_proj.": (ff, ff)},
+            }
+            self._targets = {}
+            for name, param in self.named_parameters():
+                fused = next((f for f in shards if f in name), None)
+                if fused is None:
+                    self._targets[name] = param
+                for hf, (start, size) in shards.get(fused, {}).items():
+                    self._targets[name.replace(fused, hf)] = param.narrow(0, start, size)
+        return self._targets

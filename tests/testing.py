@@ -1,4 +1,6 @@
-"""Helpers for tests across ragserve: seeded tiny random models with a real tokenizer."""
+"""Test support shared by tests/ and bench/ (``from testing import ...``: pytest puts tests/ on
+the path; bench scripts insert it): seeded tiny random models with a real tokenizer, and the
+Triton interpreter runner."""
 
 from __future__ import annotations
 
