@@ -21,17 +21,15 @@ from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isol
 from ragserve.runtime.shm import ShmRing
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
-    CallGenerationMsg,
+    CallMsg,
     CallReplyMsg,
-    CallRetrievalMsg,
     EngineStatsMsg,
     FatalMsg,
     GenerationResultsMsg,
     ReadyMsg,
     RetrievalResultsMsg,
     ShutdownMsg,
-    SubmitGenerationMsg,
-    SubmitRetrievalMsg,
+    SubmitMsg,
     check_call,
     encode,
 )
@@ -91,23 +89,22 @@ class LocalExecutor(BaseExecutor):
         return self.generation.engine.stats()
 
     def call_retrieval(self, name: str, *args: Any) -> Future:
-        return _call_now(self.retrieval, name, args, "retrieval")
+        return self._call_now(self.retrieval, name, args, "retrieval")
 
     def call_generation(self, name: str, *args: Any) -> Future:
-        """Run ``GenerationRunner.<name>(*args)`` now (between engine steps)."""
-        return _call_now(self.generation, name, args, "generation")
+        return self._call_now(self.generation, name, args, "generation")
+
+    @staticmethod
+    def _call_now(runner: Any, name: str, args: tuple, kind: str) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(check_call(name, kind)(runner, *args))
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
 
     def close(self) -> None:
         self.generation.close()
-
-
-def _call_now(runner: Any, name: str, args: tuple, kind: str) -> Future:
-    fut: Future = Future()
-    try:
-        fut.set_result(check_call(name, kind)(runner, *args))
-    except Exception as exc:
-        fut.set_exception(exc)
-    return fut
 
 
 class WorkerHandle:
@@ -277,10 +274,10 @@ class ProcessExecutor(BaseExecutor):
             raise
 
     def submit_generation(self, tasks: list[GenerationTask]) -> None:
-        self._submit(self.workers["gen"], SubmitGenerationMsg, tasks)
+        self._submit(self.workers["gen"], tasks)
 
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
-        self._submit(self.workers["ret"], SubmitRetrievalMsg, tasks)
+        self._submit(self.workers["ret"], tasks)
 
     def _refusal(self, worker: WorkerHandle) -> tuple[str, str] | None:
         """Why ``worker`` can take nothing now, ``(reason, WorkerError kind)``, or ``None``."""
@@ -294,35 +291,30 @@ class ProcessExecutor(BaseExecutor):
             return reason, "overloaded"
         return None
 
-    def _submit(self, worker: WorkerHandle, msg_type: type, tasks: list) -> None:
+    def _submit(self, worker: WorkerHandle, tasks: list) -> None:
         refusal = self._refusal(worker)
         if refusal is not None:
             self._errors.extend(self._failed(worker, [t.task_id for t in tasks], *refusal))
             return
         try:
-            data = encode(msg_type(tuple(tasks)))
-        except Exception:
-            data, tasks = self._encode_each(worker, msg_type, tasks)
-            if not tasks:
+            data = encode(SubmitMsg(tuple(tasks)))
+        except Exception:  # NOTE: each task that cannot be pickled fails alone
+            good = []
+            for t in tasks:
+                try:
+                    encode(t)
+                except Exception as exc:
+                    reason = f"the task cannot be sent to the worker: {type(exc).__name__}"
+                    logger.warning("task %s: %s (%s)", t.task_id, reason, exc)
+                    self._errors.extend(self._failed(worker, [t.task_id], reason, "bad_request"))
+                else:
+                    good.append(t)
+            if not good:
                 return
+            data, tasks = encode(SubmitMsg(tuple(good))), good
         worker.in_flight.update(t.task_id for t in tasks)
         worker.pending.append(data)
         worker.flush()
-
-    def _encode_each(self, worker: WorkerHandle, msg_type: type, tasks: list) -> tuple[bytes, list]:
-        """The batch could not be pickled: the tasks that can go in one message; each that
-        cannot fails alone (``bad_request``)."""
-        good = []
-        for t in tasks:
-            try:
-                encode(t)
-            except Exception as exc:
-                reason = f"the task cannot be sent to the worker: {type(exc).__name__}"
-                logger.warning("task %s: %s (%s)", t.task_id, reason, exc)
-                self._errors.extend(self._failed(worker, [t.task_id], reason, "bad_request"))
-            else:
-                good.append(t)
-        return (encode(msg_type(tuple(good))) if good else b""), good
 
     def abort(self, task_ids: list[str]) -> None:
         gen = self.workers["gen"]
@@ -332,36 +324,33 @@ class ProcessExecutor(BaseExecutor):
     def call_retrieval(self, name: str, *args: Any) -> Future:
         """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
         blocks). The future fails with ``WorkerError``: ``bad_request`` when the arguments
-        cannot be pickled or ``name`` is not in ``RETRIEVAL_CALLS``, ``worker_died`` when
-        the worker dies first or is broken, ``overloaded`` when its queue is full."""
-        return self._call_worker("ret", name, args)
+        cannot be pickled or ``name`` is not in ``CALLS``, ``worker_died`` when the worker
+        dies first or is broken, ``overloaded`` when its queue is full."""
+        return self._call_worker(self.workers["ret"], name, args)
 
     def call_generation(self, name: str, *args: Any) -> Future:
-        """Run ``GenerationRunner.<name>(*args)`` in the generation worker, between engine
-        steps (``GENERATION_CALLS``; thread-safe, never blocks; errors as ``call_retrieval``'s)."""
-        return self._call_worker("gen", name, args)
+        """``call_retrieval`` for the generation worker (run between engine steps)."""
+        return self._call_worker(self.workers["gen"], name, args)
 
-    def _call_worker(self, kind: str, name: str, args: tuple) -> Future:
+    def _call_worker(self, worker: WorkerHandle, name: str, args: tuple) -> Future:
         token = next(self._tokens)
         fut: Future = Future()
-        worker = self.workers[kind]
-        refusal = self._refusal(worker)
-        if refusal is not None:
-            fut.set_exception(WorkerError(*refusal))
-            return fut
-        table, msg_type = (
-            ("retrieval", CallRetrievalMsg) if kind == "ret" else ("generation", CallGenerationMsg)
-        )
+        kind = worker.spec.kind
         try:
-            check_call(name, table)
-        except ValueError as exc:
-            fut.set_exception(WorkerError(str(exc), "bad_request"))
-            return fut
-        try:
-            data = encode(msg_type(token, name, args))
-        except Exception as exc:
-            reason = f"the arguments cannot be sent to the {table} worker: {type(exc).__name__}"
-            fut.set_exception(WorkerError(reason, "bad_request"))
+            refusal = self._refusal(worker)
+            if refusal is not None:
+                raise WorkerError(*refusal)
+            try:
+                check_call(name, kind)
+            except ValueError as exc:
+                raise WorkerError(str(exc), "bad_request") from None
+            try:
+                data = encode(CallMsg(token, name, args))
+            except Exception as exc:
+                reason = f"the arguments cannot be sent to the {kind} worker: {type(exc).__name__}"
+                raise WorkerError(reason, "bad_request") from None
+        except WorkerError as exc:
+            fut.set_exception(exc)
             return fut
         with self._replies_lock:
             self._replies[token] = fut
@@ -414,47 +403,26 @@ class ProcessExecutor(BaseExecutor):
         return updates
 
     def _unpack(self, worker: WorkerHandle, msg: Any) -> list[Update]:
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            logger.error("%s worker sent a %s; ignored", worker.spec.kind, type(msg).__name__)
-            return []
-        return handler(worker, msg)
-
-    @property
-    def _handlers(self) -> dict[type, Any]:
-        return {
-            ReadyMsg: self._on_ready,
-            EngineStatsMsg: self._on_stats,
-            FatalMsg: self._on_fatal,
-            CallReplyMsg: self._on_reply,
-            GenerationResultsMsg: self._on_results,
-            RetrievalResultsMsg: self._on_results,
-        }
-
-    def _on_ready(self, worker: WorkerHandle, msg: ReadyMsg) -> list[Update]:
-        worker.ready = True
-        worker.num_failed_starts = 0
-        worker.flush()
-        return []
-
-    def _on_stats(self, worker: WorkerHandle, msg: EngineStatsMsg) -> list[Update]:
-        worker.engine_stats = msg.stats
-        return []
-
-    def _on_fatal(self, worker: WorkerHandle, msg: FatalMsg) -> list[Update]:
-        logger.error("%s worker failed to restart:\n%s", worker.spec.kind, msg.traceback)
-        worker.last_error = msg.traceback.strip().splitlines()[-1]
-        return []
-
-    def _on_reply(self, worker: WorkerHandle, msg: CallReplyMsg) -> list[Update]:
-        with self._replies_lock:
-            fut = self._replies.pop(msg.token, None)
-        if fut is None or fut.done():
-            return []
-        if msg.error is None:
-            fut.set_result(msg.value)
+        if isinstance(msg, (GenerationResultsMsg, RetrievalResultsMsg)):
+            return self._on_results(worker, msg)
+        if isinstance(msg, CallReplyMsg):
+            with self._replies_lock:
+                fut = self._replies.pop(msg.token, None)
+            if fut is not None and not fut.done():
+                if msg.error is None:
+                    fut.set_result(msg.value)
+                else:
+                    fut.set_exception(WorkerError(msg.error.message, msg.error.kind))
+        elif isinstance(msg, EngineStatsMsg):
+            worker.engine_stats = msg.stats
+        elif isinstance(msg, ReadyMsg):
+            worker.ready, worker.num_failed_starts = True, 0
+            worker.flush()
+        elif isinstance(msg, FatalMsg):
+            logger.error("%s worker failed to restart:\n%s", worker.spec.kind, msg.traceback)
+            worker.last_error = msg.traceback.strip().splitlines()[-1]
         else:
-            fut.set_exception(WorkerError(msg.error.message, msg.error.kind))
+            logger.error("%s worker sent a %s; ignored", worker.spec.kind, type(msg).__name__)
         return []
 
     def _on_results(self, worker: WorkerHandle, msg: Any) -> list[Update]:
