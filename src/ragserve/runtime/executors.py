@@ -1,4 +1,4 @@
-"""Executors: run the scheduler's tasks in process (tests) or in persistent worker processes."""
+"""Executors: the scheduler's tasks in process (tests) or in persistent worker processes."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ MAX_FAILED_STARTS = 3  # a worker that dies this many times before 'ready' is gi
 
 
 class LocalExecutor(BaseExecutor):
-    """Engine and index in this process: ``poll`` runs one engine step and the pending search."""
+    """Engine and index in this process."""
 
     def __init__(self, generation: GenerationRunner, retrieval: RetrievalRunner) -> None:
         self.generation = generation
@@ -68,9 +68,8 @@ class LocalExecutor(BaseExecutor):
         self.generation.abort(task_ids)
 
     def poll(self, timeout: float) -> list[Update]:
-        """The pending search (or next retrieval sub-stage) and one engine step; while that
-        yields no update (chunked generation tasks hold theirs), more of both until one comes
-        or ``timeout`` has passed, as the worker processes would keep running meanwhile."""
+        """The pending search (or sub-stage) and an engine step, repeated until one yields an
+        update or ``timeout`` passes (as the worker processes would keep running)."""
         updates: list[Update] = list(self._errors)
         self._errors.clear()
         deadline = time.monotonic() + timeout
@@ -108,11 +107,9 @@ class LocalExecutor(BaseExecutor):
 
 
 class WorkerHandle:
-    """One worker process, its bounded inbox, result pipe and shared-memory ring.
-
-    ``pending`` holds encoded messages waiting for room in the inbox; it is bounded too:
-    ``has_room`` is false at ``config.max_pending_messages`` and submitters then fail their
-    tasks as ``overloaded`` (an abort or shutdown always queues: aborts free work)."""
+    """One worker process, its bounded inbox, result pipe and shared-memory ring. ``pending``:
+    encoded messages waiting for room in the inbox, up to ``config.max_pending_messages``
+    (``has_room``; then tasks fail as ``overloaded``; an abort or shutdown always queues)."""
 
     def __init__(self, spec: WorkerSpec, config: ServerConfig, ctx: Any) -> None:
         self.spec, self.config, self.ctx = spec, config, ctx
@@ -140,7 +137,6 @@ class WorkerHandle:
         self.ready = False
 
     def read_ready(self) -> None:
-        """Read the worker's first message (it has one): ready, or raise with its traceback."""
         try:
             msg = self.conn.recv()
         except EOFError:
@@ -157,7 +153,6 @@ class WorkerHandle:
         self.ready = True
 
     def send(self, msg: Any) -> None:
-        """Queue ``msg`` (pickled now: ``encode`` raises here if it cannot be) and flush."""
         self.pending.append(encode(msg))
         self.flush()
 
@@ -165,13 +160,8 @@ class WorkerHandle:
     def has_room(self) -> bool:
         return len(self.pending) < self.config.max_pending_messages
 
-    @property
-    def is_up(self) -> bool:
-        return self.broken is None and self.ready and self.proc.is_alive()
-
     def flush(self) -> None:
-        """Move pending messages into the bounded inbox while it has room (never blocks).
-        Called from the scheduler thread only."""
+        """Move pending messages into the inbox while it has room (never blocks)."""
         while self.pending and self.ready:
             try:
                 self.inbox.put_nowait(self.pending[0])
@@ -202,8 +192,7 @@ class WorkerHandle:
 
 
 def _wait_all_ready(workers: list[WorkerHandle], timeout: float) -> None:
-    """Block until every worker is ready (they build at the same time); raise as soon as one
-    fails, or when ``timeout`` has passed."""
+    """Block until every worker is ready; raise as soon as one fails or at ``timeout``."""
     deadline = time.monotonic() + timeout
     waiting = {w.conn: w for w in workers}
     while waiting:
@@ -216,9 +205,8 @@ def _wait_all_ready(workers: list[WorkerHandle], timeout: float) -> None:
 
 
 class Waker:
-    """A self-pipe (a socket pair) to wait on beside the workers' pipes: ``wake`` (any
-    thread) makes it readable until ``drain``. Once closed, ``wake`` does nothing (a socket
-    object, so a late call never touches a reused file descriptor)."""
+    """A socket pair to wait on beside the workers' pipes: ``wake`` (any thread) makes it
+    readable until ``drain``; once closed, ``wake`` does nothing."""
 
     def __init__(self) -> None:
         self._r, self._w = socket.socketpair()
@@ -243,14 +231,9 @@ class Waker:
 
 
 class ProcessExecutor(BaseExecutor):
-    """The generation and retrieval workers as persistent processes (forked from a preloaded
-    fork server, or spawned: ``config.worker_start_method``, ``worker_start.py``).
-
-    A worker that dies is restarted; the tasks it held end with an error update, requests on
-    the other worker continue. Messages wait in a bounded local queue while a worker's inbox
-    is full (back-pressure without blocking the scheduler); past that bound tasks fail as
-    ``overloaded`` (HTTP 429) and calls raise ``WorkerError("overloaded")``.
-    """
+    """The generation and retrieval workers as persistent processes (``worker_start.py``). A
+    worker that dies is restarted and the tasks it held fail; past a worker's bounded queues
+    tasks fail as ``overloaded`` and calls raise ``WorkerError("overloaded")``."""
 
     can_wake = True
 
@@ -280,7 +263,6 @@ class ProcessExecutor(BaseExecutor):
         self._submit(self.workers["ret"], tasks)
 
     def _refusal(self, worker: WorkerHandle) -> tuple[str, str] | None:
-        """Why ``worker`` can take nothing now, ``(reason, WorkerError kind)``, or ``None``."""
         if worker.broken is not None:
             return worker.broken, "worker_died"
         if not worker.has_room:
@@ -366,7 +348,6 @@ class ProcessExecutor(BaseExecutor):
                 fut.set_exception(WorkerError(reason, kind))
 
     def wake(self) -> None:
-        """Make the scheduler thread's waiting ``poll`` return (any thread)."""
         self._waker.wake()
 
     def poll(self, timeout: float) -> list[Update]:
@@ -426,9 +407,7 @@ class ProcessExecutor(BaseExecutor):
         return []
 
     def _on_results(self, worker: WorkerHandle, msg: Any) -> list[Update]:
-        """The updates / results of ``msg`` (its own rows, or its Arrow payload read in place
-        from the ring: ``payloads.read_results``); one that cannot be read fails the tasks
-        it carried."""
+        """The rows of ``msg``; one that cannot be read fails the tasks it carried."""
         is_gen = isinstance(msg, GenerationResultsMsg)
         try:
             updates = read_results(msg, worker.ring)
@@ -485,7 +464,6 @@ class ProcessExecutor(BaseExecutor):
         }
 
     def health(self) -> list[str]:
-        """What keeps the workers from serving now (empty: both are up)."""
         problems = []
         for w in self.workers.values():
             if w.broken is not None:
