@@ -328,20 +328,20 @@ class RayExecutor(BaseExecutor):
             reason = (
                 f"{name} actor did not come back within {self.config.worker_start_timeout:.0f} s"
             )
-            kind = "worker_died"
-            return [RetrievalResult(t.task_id, (), reason, error_kind=kind) for t in failed]
-        if name == RETRIEVAL:
+        elif name == RETRIEVAL:
             held = {t.task_id for t in self._held}
-            lost = [(t, n) for t, n in self._retrievals.values() if t.task_id not in held]
-            again = [t for t, n in lost if n < 2]  # idempotent: one retry each
-            failed = [t for t, n in lost if n >= 2]
-            for t in again:
-                self._retrievals[t.task_id] = (t, 2)
-            for t in failed:
-                del self._retrievals[t.task_id]
-            self._held.extend(again)
-            kind = "worker_died"
-            return [RetrievalResult(t.task_id, (), reason, error_kind=kind) for t in failed]
+            failed = []
+            for t, n in [(t, n) for t, n in self._retrievals.values() if t.task_id not in held]:
+                if n < 2:  # idempotent: one retry each
+                    self._retrievals[t.task_id] = (t, 2)
+                    self._held.append(t)
+                else:
+                    del self._retrievals[t.task_id]
+                    failed.append(t)
+        if name == RETRIEVAL:
+            return [
+                RetrievalResult(t.task_id, (), reason, error_kind="worker_died") for t in failed
+            ]
         replica = int(name.rsplit("_", 1)[1])
         self.router.set_available(replica, False)
         lost = self.router.tasks_on(replica)

@@ -369,7 +369,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 def chat_history(turns: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-
     out = []
     for i, turn in enumerate(turns):
         if not (isinstance(turn, (tuple, list)) and len(turn) == 2):
@@ -398,7 +397,6 @@ def _set(fut: asyncio.Future, value: Any) -> None:
 
 
 def request_inputs(graph: CompiledGraph, inputs: Mapping[str, Any] | None) -> dict[str, Any]:
-
     given = dict(inputs or {})
     for key in given:
         if not isinstance(key, str) or not NAME.match(key) or key in ("input", "history"):
@@ -410,7 +408,6 @@ def request_inputs(graph: CompiledGraph, inputs: Mapping[str, Any] | None) -> di
 
 
 def completion_graph(params: GenerationParams) -> CompiledGraph:
-
     from ragserve.graph import END, START
 
     g = RAGraph("completion").add_completion(0, params=params)
@@ -439,7 +436,7 @@ def _request_output(rid: str, prompt_ids, token_ids, text, update, metrics) -> A
 def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) -> Any:
     from ragserve.runtime.executors import LocalExecutor, ProcessExecutor
     from ragserve.runtime.memory_plan import plan_gpu_memory
-    from ragserve.runtime.workers import WorkerSpec
+    from ragserve.runtime.workers import WorkerSpec, build_runner
 
     if not config.in_process and config.backend != "ray":
         _check_paths(model, index, embedder, "worker processes")
@@ -456,26 +453,14 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
             str(model), str(index), None if embedder is None else str(embedder), config
         )
     config, plan = plan_gpu_memory(config, model, index)
-    tier = None
-    if plan.tier_bytes is not None:
-        tier = config.gpu_tier.tier_spec(plan.tier_bytes)
-    if config.in_process:
-        from ragserve.runtime.runners import GenerationRunner
-        from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
-
-        generation = GenerationRunner.build(
-            model, config.engine_kwargs, tokenizer_prefetch=config.tokenizer_prefetch
-        )
-        retrieval = StagedRetrievalRunner.build(
-            index, embedder, config.default_nprobe, tier=tier, reranker=config.operators.reranker
-        )
-        return LocalExecutor(generation, retrieval)
-    spec = WorkerSpec(
+    tier = None if plan.tier_bytes is None else config.gpu_tier.tier_spec(plan.tier_bytes)
+    # NOTE: in process, the model and the index may be live objects; the builders take both
+    gen = WorkerSpec(
         "generation",
-        str(model),
+        model,
         config.engine_kwargs,
-        str(index),
-        None if embedder is None else str(embedder),
+        index,
+        embedder,
         config.default_nprobe,
         tier,
         logging.getLogger("ragserve").getEffectiveLevel(),
@@ -484,7 +469,10 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
         config.tokenizer_prefetch,
         config.operators.reranker,
     )
-    return ProcessExecutor(spec, dataclasses.replace(spec, kind="retrieval"), config)
+    ret = dataclasses.replace(gen, kind="retrieval")
+    if config.in_process:
+        return LocalExecutor(build_runner(gen), build_runner(ret))
+    return ProcessExecutor(gen, ret, config)
 
 
 def _check_paths(model: Any, index: Any, embedder: Any, where: str) -> None:
