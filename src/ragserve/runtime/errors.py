@@ -4,7 +4,13 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 from ragserve.scheduler import GenerationUpdate
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
@@ -30,6 +36,20 @@ def failure(exc: BaseException) -> tuple[str, str]:
     else only the exception's type (the details go to the worker's log, not to the client)."""
     kind = error_kind_of(exc)
     return (str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"), kind
+
+
+def isolated(
+    run: Callable[[list], list], tasks: list, fail: Callable[[Any, Exception], Any]
+) -> list:
+    """``run(tasks)``; if the batch raises, each task alone, so a bad one fails alone
+    (``fail(task, exc)``) and the others get their results."""
+    try:
+        return run(tasks)
+    except Exception as exc:
+        if len(tasks) <= 1:
+            return [fail(t, exc) for t in tasks]
+        logger.warning("a batch of %d tasks failed (%s); one by one", len(tasks), exc)
+    return [r for t in tasks for r in isolated(run, [t], fail)]
 
 
 def failed_update(task_id: str, reason: str, kind: str = "internal") -> GenerationUpdate:

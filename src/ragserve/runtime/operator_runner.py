@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ragserve.graph import Passage
-from ragserve.runtime.errors import failure
+from ragserve.runtime.errors import failure, isolated
 from ragserve.scheduler.messages import (
     EmbedTask,
     OperatorResult,
@@ -38,7 +38,8 @@ def run_operators(runner: Any, tasks: list) -> list[OperatorResult]:
     results: dict[str, OperatorResult] = {}
     embeds = [t for t in tasks if isinstance(t, EmbedTask)]
     if embeds:
-        results.update((r.task_id, r) for r in _embed(runner.embedder, embeds))
+        embedded = isolated(lambda ts: _embed(runner.embedder, ts), embeds, _failed)
+        results.update((r.task_id, r) for r in embedded)
     for t in tasks:
         if isinstance(t, RerankTask):
             results[t.task_id] = _guarded(t, _rerank, runner, t)
@@ -49,13 +50,7 @@ def run_operators(runner: Any, tasks: list) -> list[OperatorResult]:
 
 def _embed(embedder: Any, tasks: list[EmbedTask]) -> list[OperatorResult]:
     texts = [text for t in tasks for text in t.texts]
-    try:
-        vectors = np.asarray(embedder.encode(texts, is_query=False), dtype=np.float32)
-    except Exception as exc:
-        if len(tasks) == 1:
-            return [_failed(tasks[0], exc)]
-        logger.warning("embedding a batch of %d tasks failed (%s); one by one", len(tasks), exc)
-        return [r for t in tasks for r in _embed(embedder, [t])]
+    vectors = np.asarray(embedder.encode(texts, is_query=False), dtype=np.float32)
     out, pos = [], 0
     for t in tasks:
         rows = vectors[pos : pos + len(t.texts)]

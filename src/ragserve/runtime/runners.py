@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ragserve.graph import Passage
-from ragserve.runtime.errors import failed_update, failure
+from ragserve.runtime.errors import failed_update, failure, isolated
 from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.scheduler import GenerationTask, GenerationUpdate, RetrievalResult, RetrievalTask
 
@@ -376,20 +376,7 @@ class RetrievalRunner:
 
 
 def run_isolated(runner: RetrievalRunner, tasks: list[RetrievalTask]) -> list[Any]:
-    """``runner.run(tasks)``; if the batch raises, each task alone (a bad one fails alone)."""
-    try:
-        return runner.run(tasks)
-    except Exception as exc:
-        if len(tasks) <= 1:
-            return [failed_result(t, exc) for t in tasks]
-        logger.warning("retrieval batch of %d failed (%s); retrying task by task", len(tasks), exc)
-    results: list[Any] = []
-    for t in tasks:
-        try:
-            results.extend(runner.run([t]))
-        except Exception as exc:
-            results.append(failed_result(t, exc))
-    return results
+    return isolated(runner.run, tasks, failed_result)
 
 
 def failed_result(task: RetrievalTask, exc: BaseException) -> RetrievalResult:

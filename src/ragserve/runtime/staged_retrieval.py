@@ -16,6 +16,7 @@ from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
 from ragserve.retrieval.cost_model import ScanCostModel
 from ragserve.retrieval.staged import StagedSearch, StageParams, StageProgress
 from ragserve.retrieval.types import ScoredDocument
+from ragserve.runtime.errors import isolated
 from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.runtime.runners import RetrievalRunner, failed_result
 from ragserve.scheduler import RetrievalResult, RetrievalTask
@@ -116,20 +117,14 @@ class StagedRetrievalRunner(RetrievalRunner):
         if plain:
             updates.extend(super().run(plain))
         if staged:
-            updates.extend(self._add(staged))
+            updates.extend(isolated(self._add, staged, failed_result))
         if self.search.has_pending():
             updates.extend(self._step())
         return updates
 
     def _add(self, tasks: list[StagedRetrievalTask]) -> list[RetrievalResult]:
-        """Embed and plan ``tasks``; one that cannot be embedded or planned fails alone."""
-        try:
-            vectors = self.embedder.encode([t.query for t in tasks], is_query=True)
-        except Exception as exc:
-            if len(tasks) == 1:
-                return [failed_result(tasks[0], exc)]
-            logger.warning("staged embedding of %d failed (%s); one by one", len(tasks), exc)
-            return [r for t in tasks for r in self._add([t])]
+        """Embed and plan ``tasks``; one that cannot be planned fails alone."""
+        vectors = self.embedder.encode([t.query for t in tasks], is_query=True)
         failed = []
         for i, t in enumerate(tasks):
             try:
