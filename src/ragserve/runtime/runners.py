@@ -278,16 +278,17 @@ class RetrievalRunner:
         """One result per task, in order: ``search_text`` for a filter, a non-dense mode or
         collapsing (``_by_text``), else one Faiss search per ``nprobe``."""
         ops, tasks = split_operators(tasks)
-        if ops:
-            done = {r.task_id: r for r in run_operators(self, ops)}
-            done.update((r.task_id, r) for r in (RetrievalRunner.run(self, tasks) if tasks else []))
-            return [done[t.task_id] for t in (*ops, *tasks)]
         by_text = [t for t in tasks if self.needs_text_search(t) or self.collapses(t)]
-        if by_text:
-            vector = [t for t in tasks if t not in by_text]
-            results = RetrievalRunner.run(self, vector) if vector else []
-            done = {r.task_id: r for r in (*results, *self._by_text(by_text))}
-            return [done[t.task_id] for t in tasks]
+        vector = [t for t in tasks if t not in by_text]
+        done = {
+            r.task_id: r
+            for r in (*run_operators(self, ops), *self._by_text(by_text), *self._search(vector))
+        }
+        return [done[t.task_id] for t in (*ops, *tasks)]
+
+    def _search(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
+        if not tasks:
+            return []
         kmax = max(t.topk for t in tasks)
         ids = np.full((len(tasks), kmax), -1, dtype=np.int64)
         scores = np.zeros((len(tasks), kmax), dtype=np.float32)

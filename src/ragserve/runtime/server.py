@@ -108,18 +108,10 @@ class Server:
         inputs: Mapping[str, Any] | None = None,
     ) -> Response:
         """``run`` awaitable; cancelling the awaiting task aborts the request."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        on_done = lambda r: _post(loop, _set, fut, r)
         rid = request_id or uuid.uuid4().hex
-        try:
-            await asyncio.to_thread(
-                self._add, question, graph, rid, on_done, history=history, inputs=inputs
-            )
-            return await fut
-        except asyncio.CancelledError:
-            self.abort(rid)
-            raise
+        add = {"history": history, "inputs": inputs}
+        async with contextlib.aclosing(self._events(question, graph, rid, None, add)) as it:
+            return [response async for response in it][-1]  # no listener: only the Response
 
     async def stream(
         self,
@@ -172,19 +164,18 @@ class Server:
                 yield _request_output(rid, prompt_ids, token_ids, text, item, metrics)
 
     async def _events(
-        self, question: Any, graph: Any, rid: str, listener: str, add: dict[str, Any]
+        self, question: Any, graph: Any, rid: str, listener: str | None, add: dict[str, Any]
     ) -> AsyncIterator[Any]:
         """The request's ``listener`` events, then its ``Response``; aborted if the iteration
         stops before."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         put = lambda item: _post(loop, events.put_nowait, item)
+        listeners = {} if listener is None else {listener: put}
         finished = False
         try:
             try:  # inside the ``finally``: a close while registering still aborts
-                await asyncio.to_thread(
-                    self._add, question, graph, rid, put, **{listener: put}, **add
-                )
+                await asyncio.to_thread(self._add, question, graph, rid, put, **listeners, **add)
             except Exception:
                 finished = True  # rejected (unknown workflow, closed): never added
                 raise
@@ -389,11 +380,6 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
     except RuntimeError:
         if not loop.is_closed():
             raise
-
-
-def _set(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
 
 
 def request_inputs(graph: CompiledGraph, inputs: Mapping[str, Any] | None) -> dict[str, Any]:

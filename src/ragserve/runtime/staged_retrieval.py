@@ -17,7 +17,6 @@ from ragserve.retrieval.cost_model import ScanCostModel
 from ragserve.retrieval.staged import StagedSearch, StageParams, StageProgress
 from ragserve.retrieval.types import ScoredDocument
 from ragserve.runtime.errors import isolated
-from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.runtime.runners import RetrievalRunner, failed_result
 from ragserve.scheduler import RetrievalResult, RetrievalTask
 from ragserve.scheduler.messages import (
@@ -108,14 +107,11 @@ class StagedRetrievalRunner(RetrievalRunner):
         }
 
     def run(self, tasks: list[RetrievalTask]) -> list:
-        ops, tasks = split_operators(tasks)
         plain = [
             t for t in tasks if not isinstance(t, StagedRetrievalTask) or self.needs_text_search(t)
         ]
         staged = [t for t in tasks if t not in plain]
-        updates: list = run_operators(self, ops) if ops else []
-        if plain:
-            updates.extend(super().run(plain))
+        updates: list = super().run(plain)
         if staged:
             updates.extend(isolated(self._add, staged, failed_result))
         if self.search.has_pending():
