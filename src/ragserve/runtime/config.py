@@ -41,14 +41,11 @@ class GpuTierConfig:
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and self.budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
             raise ValueError(f"gpu_memory_bytes must be > 0, got {self.gpu_memory_bytes}")
-        if self.scan not in TIER_SCANS:
-            raise ValueError(f"scan must be one of {TIER_SCANS}, got {self.scan!r}")
-        if self.stream_cold not in STREAM_MODES:
-            raise ValueError(f"stream_cold must be one of {STREAM_MODES}, got {self.stream_cold!r}")
+        _one_of(self, "dtype", ("float32", "float16", "bfloat16"))
+        _one_of(self, "scan", TIER_SCANS)
+        _one_of(self, "stream_cold", STREAM_MODES)
         if self.stream_host_bytes < 1:
             raise ValueError(f"stream_host_bytes must be >= 1, got {self.stream_host_bytes}")
 
@@ -140,8 +137,9 @@ class ServerConfig:
         self._check_backend()
 
     def _check_backend(self) -> None:
-        if self.backend not in ("process", "ray"):
-            raise ValueError(f"backend must be 'process' or 'ray', got {self.backend!r}")
+        _one_of(self, "backend", ("process", "ray"))
+        _one_of(self, "worker_start_method", START_METHODS)
+        _one_of(self, "shard_partition", ("list", "document"))
         for name in ("num_llm_replicas", "num_index_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -157,12 +155,8 @@ class ServerConfig:
             )
         if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
             raise ValueError(f"ray_num_cpus must be >= 1 or None, got {self.ray_num_cpus}")
-        if self.worker_start_method not in START_METHODS:
-            raise ValueError(
-                f"worker_start_method must be one of {START_METHODS}, "
-                f"got {self.worker_start_method!r}"
-            )
-        if self.shard_partition not in ("list", "document"):
-            raise ValueError(
-                f"shard_partition must be 'list' or 'document', got {self.shard_partition!r}"
-            )
+
+
+def _one_of(config: Any, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(config, name) not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {getattr(config, name)!r}")
