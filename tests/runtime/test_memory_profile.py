@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ragserve.cli.main import main
-from ragserve.runtime.memory_profile import (
+from ragserve.runtime.memory_plan import (
     GenerationWorkload,
     kv_block_bytes,
     measure_generation_profile,

@@ -12,6 +12,7 @@ import pytest
 from ragserve.graph import Passage
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.payloads import (
+    Outbox,
     generation_bytes,
     read_results,
     retrieval_bytes,
@@ -19,7 +20,6 @@ from ragserve.runtime.payloads import (
 )
 from ragserve.runtime.shm import ShmRing, ShmWriter
 from ragserve.runtime.wire import GenerationResultsMsg, RetrievalResultsMsg, ShmRef
-from ragserve.runtime.workers import Outbox
 from ragserve.scheduler import GenerationUpdate, RetrievalResult
 from ragserve.scheduler.messages import OperatorResult, RetrievalPartial, StagedRetrievalResult
 

@@ -10,29 +10,28 @@ import pyarrow as pa
 import pytest
 
 from ragserve.graph import Passage
-from ragserve.runtime.arrow_batches import (
+from ragserve.runtime.payloads import (
+    Outbox,
     attach_retrieval,
     generation_batch,
     read_generation,
+    read_results,
     retrieval_batch,
 )
-from ragserve.runtime.payloads import read_results
 from ragserve.runtime.shm import ShmRing, ShmWriter, ipc_stream
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
+    CallMsg,
     CallReplyMsg,
-    CallRetrievalMsg,
     GenerationResultsMsg,
     InlineArrow,
     RetrievalResultsMsg,
     ShmRef,
-    SubmitGenerationMsg,
-    SubmitRetrievalMsg,
+    SubmitMsg,
     WireError,
     check_call,
     encode,
 )
-from ragserve.runtime.workers import Outbox
 from ragserve.scheduler import (
     GenerationParams,
     GenerationTask,
@@ -73,10 +72,10 @@ class _Conn:
 def test_messages_round_trip_through_pickle() -> None:
     task = GenerationTask("g", "hi", GenerationParams(max_tokens=3), history=(("system", "s"),))
     msgs = [
-        SubmitGenerationMsg((task,)),
+        SubmitMsg((task,)),
         AbortGenerationMsg(("g",)),
-        SubmitRetrievalMsg((RetrievalTask("r", "q", 2, filter={"a": 1}),)),
-        CallRetrievalMsg(7, "embed", (["x"],)),
+        SubmitMsg((RetrievalTask("r", "q", 2, filter={"a": 1}),)),
+        CallMsg(7, "embed", (["x"],)),
         CallReplyMsg(7, error=WireError("timeout", "slow")),
         GenerationResultsMsg(("a", "b"), ShmRef(1, 64), {"running": 1}),
         RetrievalResultsMsg(tuple(RESULTS), InlineArrow(b"x")),

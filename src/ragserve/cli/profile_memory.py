@@ -57,7 +57,7 @@ def handler(args: argparse.Namespace) -> int:
     from ragserve.cli.launch_config import from_args
     from ragserve.cli.options import resolve_index
     from ragserve.retrieval import VectorIndex
-    from ragserve.runtime.memory_profile import (
+    from ragserve.runtime.memory_plan import (
         GenerationWorkload,
         kv_block_bytes,
         measure_generation_profile,

@@ -21,21 +21,12 @@ STREAM_MODES = ("auto", "on", "off")  # ``retrieval.cold_stream.STREAM_MODES``
 
 @dataclass(frozen=True)
 class GpuTierConfig:
-    """The retrieval worker's GPU index tier (``VectorIndex.set_gpu_tier``).
-
-    ``budget_bytes`` fixes the tier's size. ``None`` lets HedraRAG's Eq. 2
-    (``scheduler.memory_split``) split ``gpu_memory_bytes`` (the memory left for the KV cache
-    and the tier together; measured on ``device`` minus the model's weights when ``None``)
-    from measured profiles: ``generation_profile`` ``((kv_blocks, requests/s), ...)`` and
-    ``retrieval_profile`` ``((tier_bytes, requests/s), ...)``. The engine's ``kv_cache_bytes``
-    then comes from the same split (an explicit one in ``engine_kwargs`` wins).
-
-    ``scan``: the tier's scan strategy (``"auto"``, ``"grouped"``, ``"dense"``, ``"fused"``);
-    ``stream_cold``: stream non-resident lists from host memory to the tier's device and scan
-    them there beside Faiss (``"auto"``: on a CUDA tier only, ``"on"``, ``"off"``: the default
-    until the prepared H200 run measures it), through
-    pinned bounce buffers of ``stream_host_bytes`` in all (``retrieval.cold_stream``).
-    """
+    """The retrieval worker's GPU index tier (``VectorIndex.set_gpu_tier``). ``budget_bytes``
+    fixes its size; ``None`` lets HedraRAG's Eq. 2 split ``gpu_memory_bytes`` (``None``:
+    measured on ``device`` minus the weights) between it and the KV cache from the measured
+    ``generation_profile`` ``((kv_blocks, rps), ...)`` and ``retrieval_profile`` ``((bytes,
+    rps), ...)`` (``memory_plan``). ``scan``, ``stream_cold`` and ``stream_host_bytes``:
+    ``retrieval.gpu_tier`` / ``retrieval.cold_stream``."""
 
     budget_bytes: int | None = None
     device: str = "cuda"
@@ -50,20 +41,15 @@ class GpuTierConfig:
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and self.budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
             raise ValueError(f"gpu_memory_bytes must be > 0, got {self.gpu_memory_bytes}")
-        if self.scan not in TIER_SCANS:
-            raise ValueError(f"scan must be one of {TIER_SCANS}, got {self.scan!r}")
-        if self.stream_cold not in STREAM_MODES:
-            raise ValueError(f"stream_cold must be one of {STREAM_MODES}, got {self.stream_cold!r}")
+        _one_of(self, "dtype", ("float32", "float16", "bfloat16"))
+        _one_of(self, "scan", TIER_SCANS)
+        _one_of(self, "stream_cold", STREAM_MODES)
         if self.stream_host_bytes < 1:
             raise ValueError(f"stream_host_bytes must be >= 1, got {self.stream_host_bytes}")
 
     def tier_spec(self, budget_bytes: int) -> TierSpec:
-        """The ``TierSpec`` a tier holder places, at ``budget_bytes`` (resolved by Eq. 2 or
-        split over shards)."""
         from ragserve.retrieval.index_tier import TierSpec
 
         return TierSpec(
@@ -78,56 +64,13 @@ class GpuTierConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Runtime knobs. ``in_process`` runs the engine and the index in the server's own process
-    (tests, debugging); the default runs each in a persistent worker process.
-
-    ``engine_kwargs`` go to ``LLMEngine`` as keyword arguments (``device``, ``max_num_seqs``,
-    ``kv_cache_bytes``, ...). ``default_nprobe`` applies to retrieval nodes with
-    ``nprobe=None`` (``None``: the index's own default). ``gpu_tier`` puts hot IVF lists on
-    the GPU (``GpuTierConfig``; ``None``: CPU only).
-
-    Every wait on a worker is bounded: a document call (upsert, delete) fails with a
-    ``WorkerError`` (``timeout``) after ``call_timeout_s``; at most ``max_num_calls`` run at
-    once (past it: ``overloaded``); a request waits at most ``call_timeout_s`` for one of the
-    ``max_active_requests`` slots. Upserted documents are checked against
-    ``document_limits`` first (``ValueError`` naming the field). ``health_stall_s``: a
-    scheduler loop silent for longer makes ``Server.health()`` unhealthy.
-
-    Data plane (``docs/architecture.md``): each worker's inbox holds ``queue_size``
-    messages and the server keeps at most ``max_pending_messages`` more waiting for room;
-    past that, tasks fail as ``overloaded`` (HTTP 429). Results' token ids and passages
-    cross as Arrow batches in ``shm_slots`` shared-memory slots of ``shm_slot_bytes`` (larger
-    ones inline through the pipe, up to ``max_message_bytes``; past it the tasks fail).
-    Results whose rows are estimated below ``small_message_bytes`` (or above a slot) skip
-    Arrow and ride pickled in the message (faster there: ``runtime/payloads.py``); 0 sends
-    every result that fits a slot as Arrow.
-    ``tokenizer_prefetch``: prompts are tokenized on a CPU thread ahead of the engine step.
-    ``busy_poll_timeout``: with tasks in flight, the scheduler waits up to this long for
-    worker messages, woken at once by new requests, aborts and calls (the process backend;
-    ``Scheduler``); ``None``: a cycle every ``poll_timeout`` while busy, as before.
-    ``enable_update_coalescing``: a generation node whose text nobody watches mid-way (no
-    stream listener, no transform with ``needs_partial_updates``) reports its first token and
-    its end only, not every engine step (``Scheduler``); same text, fewer messages and cycles.
-
-    ``cosched`` is data (which co-scheduling optimizations run, and their knobs); the
-    ``Server`` builds the transforms from it (``make_transforms``). The default runs them all;
-    ``CoScheduleConfig.none()`` is the plain wavefront scheduler.
-
-    ``operators`` bounds the operators that run in the server process: function nodes'
-    thread pool and timeout, memory nodes' per-session store (``OperatorConfig``).
-
-    ``backend="ray"`` runs ``num_llm_replicas`` engines and ``num_index_shards`` index shards
-    as Ray actors (``runtime/ray_backend.py``), joining the cluster at ``ray_address`` or
-    starting a local one (``ray_num_cpus`` CPUs; ``None``: all of them). ``shard_partition``
-    is ``"document"`` (doc-id hash; the default, chosen by measurement: docs/scale_out.md) or
-    ``"list"`` (inverted lists balanced by scan cost). With ``gpu_tier`` the Ray backend gives
-    every index shard (or the retrieval coordinator, for one shard) a tier of
-    ``budget_bytes / num_index_shards``, on a share of an LLM replica's GPU.
-
-    ``worker_start_method``: ``"forkserver"`` (workers fork from a server process that has
-    imported torch, Faiss and transformers once, so a restarted worker is back in seconds) or
-    ``"spawn"`` (each worker imports them itself); ``worker_start.py``.
-    """
+    """Runtime knobs, each described in docs/architecture.md ("Server", "Data plane",
+    "Scale-out on Ray"). ``in_process`` runs the engine and the index in the server's process
+    (tests, debugging), the default in persistent worker processes (``worker_start_method``);
+    ``backend="ray"`` runs them as Ray actors. Every wait on a worker is bounded
+    (``call_timeout_s``, ``max_num_calls``, ``max_active_requests``, ``queue_size``,
+    ``max_pending_messages``; past them: ``WorkerError`` or tasks failed as ``overloaded``).
+    ``cosched`` is data: the ``Server`` builds the transforms from it."""
 
     in_process: bool = False
     engine_kwargs: tuple[tuple[str, Any], ...] = ()
@@ -194,8 +137,9 @@ class ServerConfig:
         self._check_backend()
 
     def _check_backend(self) -> None:
-        if self.backend not in ("process", "ray"):
-            raise ValueError(f"backend must be 'process' or 'ray', got {self.backend!r}")
+        _one_of(self, "backend", ("process", "ray"))
+        _one_of(self, "worker_start_method", START_METHODS)
+        _one_of(self, "shard_partition", ("list", "document"))
         for name in ("num_llm_replicas", "num_index_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -211,12 +155,8 @@ class ServerConfig:
             )
         if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
             raise ValueError(f"ray_num_cpus must be >= 1 or None, got {self.ray_num_cpus}")
-        if self.worker_start_method not in START_METHODS:
-            raise ValueError(
-                f"worker_start_method must be one of {START_METHODS}, "
-                f"got {self.worker_start_method!r}"
-            )
-        if self.shard_partition not in ("list", "document"):
-            raise ValueError(
-                f"shard_partition must be 'list' or 'document', got {self.shard_partition!r}"
-            )
+
+
+def _one_of(config: Any, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(config, name) not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {getattr(config, name)!r}")

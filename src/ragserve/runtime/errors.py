@@ -1,15 +1,16 @@
-"""``WorkerError``: a call into a worker that failed for a reason the caller can act on.
-
-``kind`` follows the scheduler's ``ErrorKind`` vocabulary where it overlaps, so the HTTP
-front maps it to a status without knowing the runtime: ``"worker_died"`` (503, retry),
-``"timeout"`` (503: no answer within ``ServerConfig.call_timeout_s``), ``"overloaded"``
-(429: too many calls in flight), ``"bad_request"`` (400: e.g. arguments that cannot be sent
-to a worker), ``"internal"`` (500).
-"""
+"""``WorkerError`` and how a failed task's error is reported. ``kind`` is the scheduler's
+``ErrorKind`` the HTTP front maps to a status: ``"worker_died"`` (503), ``"timeout"`` (503),
+``"overloaded"`` (429), ``"bad_request"`` (400), ``"internal"`` (500)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 from ragserve.scheduler import GenerationUpdate
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
@@ -18,9 +19,15 @@ class WorkerError(RuntimeError):
         self.kind = kind
 
 
+class ShardDiedError(RuntimeError):
+    """A shard actor died during a call (and, for idempotent calls, again on the retry)."""
+
+
 def error_kind_of(exc: BaseException) -> str:
     """``"bad_request"`` for failures a request's own input causes (bad values, text a
-    tokenizer cannot encode), else ``"internal"``."""
+    tokenizer cannot encode), ``"worker_died"`` for a dead shard, else ``"internal"``."""
+    if isinstance(exc, ShardDiedError):
+        return "worker_died"
     return "bad_request" if isinstance(exc, (ValueError, TypeError)) else "internal"
 
 
@@ -31,6 +38,19 @@ def failure(exc: BaseException) -> tuple[str, str]:
     return (str(exc) if kind == "bad_request" else f"{type(exc).__name__} in the worker"), kind
 
 
+def isolated(
+    run: Callable[[list], list], tasks: list, fail: Callable[[Any, Exception], Any]
+) -> list:
+    """``run(tasks)``; if the batch raises, each task alone, so a bad one fails alone
+    (``fail(task, exc)``) and the others get their results."""
+    try:
+        return run(tasks)
+    except Exception as exc:
+        if len(tasks) <= 1:
+            return [fail(t, exc) for t in tasks]
+        logger.warning("a batch of %d tasks failed (%s); one by one", len(tasks), exc)
+    return [r for t in tasks for r in isolated(run, [t], fail)]
+
+
 def failed_update(task_id: str, reason: str, kind: str = "internal") -> GenerationUpdate:
-    """The final ``GenerationUpdate`` of a generation task that failed."""
     return GenerationUpdate(task_id, "", (), True, "error", error=reason, error_kind=kind)

@@ -1,4 +1,4 @@
-"""Executors: run the scheduler's tasks in process (tests) or in persistent worker processes."""
+"""Executors: the scheduler's tasks in process (tests) or in persistent worker processes."""
 
 from __future__ import annotations
 
@@ -21,17 +21,15 @@ from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isol
 from ragserve.runtime.shm import ShmRing
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
-    CallGenerationMsg,
+    CallMsg,
     CallReplyMsg,
-    CallRetrievalMsg,
     EngineStatsMsg,
     FatalMsg,
     GenerationResultsMsg,
     ReadyMsg,
     RetrievalResultsMsg,
     ShutdownMsg,
-    SubmitGenerationMsg,
-    SubmitRetrievalMsg,
+    SubmitMsg,
     check_call,
     encode,
 )
@@ -52,7 +50,7 @@ MAX_FAILED_STARTS = 3  # a worker that dies this many times before 'ready' is gi
 
 
 class LocalExecutor(BaseExecutor):
-    """Engine and index in this process: ``poll`` runs one engine step and the pending search."""
+    """Engine and index in this process."""
 
     def __init__(self, generation: GenerationRunner, retrieval: RetrievalRunner) -> None:
         self.generation = generation
@@ -70,9 +68,8 @@ class LocalExecutor(BaseExecutor):
         self.generation.abort(task_ids)
 
     def poll(self, timeout: float) -> list[Update]:
-        """The pending search (or next retrieval sub-stage) and one engine step; while that
-        yields no update (chunked generation tasks hold theirs), more of both until one comes
-        or ``timeout`` has passed, as the worker processes would keep running meanwhile."""
+        """The pending search (or sub-stage) and an engine step, repeated until one yields an
+        update or ``timeout`` passes (as the worker processes would keep running)."""
         updates: list[Update] = list(self._errors)
         self._errors.clear()
         deadline = time.monotonic() + timeout
@@ -91,31 +88,28 @@ class LocalExecutor(BaseExecutor):
         return self.generation.engine.stats()
 
     def call_retrieval(self, name: str, *args: Any) -> Future:
-        return _call_now(self.retrieval, name, args, "retrieval")
+        return self._call_now(self.retrieval, name, args, "retrieval")
 
     def call_generation(self, name: str, *args: Any) -> Future:
-        """Run ``GenerationRunner.<name>(*args)`` now (between engine steps)."""
-        return _call_now(self.generation, name, args, "generation")
+        return self._call_now(self.generation, name, args, "generation")
+
+    @staticmethod
+    def _call_now(runner: Any, name: str, args: tuple, kind: str) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(check_call(name, kind)(runner, *args))
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
 
     def close(self) -> None:
         self.generation.close()
 
 
-def _call_now(runner: Any, name: str, args: tuple, kind: str) -> Future:
-    fut: Future = Future()
-    try:
-        fut.set_result(check_call(name, kind)(runner, *args))
-    except Exception as exc:
-        fut.set_exception(exc)
-    return fut
-
-
 class WorkerHandle:
-    """One worker process, its bounded inbox, result pipe and shared-memory ring.
-
-    ``pending`` holds encoded messages waiting for room in the inbox; it is bounded too:
-    ``has_room`` is false at ``config.max_pending_messages`` and submitters then fail their
-    tasks as ``overloaded`` (an abort or shutdown always queues: aborts free work)."""
+    """One worker process, its bounded inbox, result pipe and shared-memory ring. ``pending``:
+    encoded messages waiting for room in the inbox, up to ``config.max_pending_messages``
+    (``has_room``; then tasks fail as ``overloaded``; an abort or shutdown always queues)."""
 
     def __init__(self, spec: WorkerSpec, config: ServerConfig, ctx: Any) -> None:
         self.spec, self.config, self.ctx = spec, config, ctx
@@ -143,7 +137,6 @@ class WorkerHandle:
         self.ready = False
 
     def read_ready(self) -> None:
-        """Read the worker's first message (it has one): ready, or raise with its traceback."""
         try:
             msg = self.conn.recv()
         except EOFError:
@@ -160,7 +153,6 @@ class WorkerHandle:
         self.ready = True
 
     def send(self, msg: Any) -> None:
-        """Queue ``msg`` (pickled now: ``encode`` raises here if it cannot be) and flush."""
         self.pending.append(encode(msg))
         self.flush()
 
@@ -168,13 +160,8 @@ class WorkerHandle:
     def has_room(self) -> bool:
         return len(self.pending) < self.config.max_pending_messages
 
-    @property
-    def is_up(self) -> bool:
-        return self.broken is None and self.ready and self.proc.is_alive()
-
     def flush(self) -> None:
-        """Move pending messages into the bounded inbox while it has room (never blocks).
-        Called from the scheduler thread only."""
+        """Move pending messages into the inbox while it has room (never blocks)."""
         while self.pending and self.ready:
             try:
                 self.inbox.put_nowait(self.pending[0])
@@ -205,8 +192,7 @@ class WorkerHandle:
 
 
 def _wait_all_ready(workers: list[WorkerHandle], timeout: float) -> None:
-    """Block until every worker is ready (they build at the same time); raise as soon as one
-    fails, or when ``timeout`` has passed."""
+    """Block until every worker is ready; raise as soon as one fails or at ``timeout``."""
     deadline = time.monotonic() + timeout
     waiting = {w.conn: w for w in workers}
     while waiting:
@@ -219,9 +205,8 @@ def _wait_all_ready(workers: list[WorkerHandle], timeout: float) -> None:
 
 
 class Waker:
-    """A self-pipe (a socket pair) to wait on beside the workers' pipes: ``wake`` (any
-    thread) makes it readable until ``drain``. Once closed, ``wake`` does nothing (a socket
-    object, so a late call never touches a reused file descriptor)."""
+    """A socket pair to wait on beside the workers' pipes: ``wake`` (any thread) makes it
+    readable until ``drain``; once closed, ``wake`` does nothing."""
 
     def __init__(self) -> None:
         self._r, self._w = socket.socketpair()
@@ -246,14 +231,9 @@ class Waker:
 
 
 class ProcessExecutor(BaseExecutor):
-    """The generation and retrieval workers as persistent processes (forked from a preloaded
-    fork server, or spawned: ``config.worker_start_method``, ``worker_start.py``).
-
-    A worker that dies is restarted; the tasks it held end with an error update, requests on
-    the other worker continue. Messages wait in a bounded local queue while a worker's inbox
-    is full (back-pressure without blocking the scheduler); past that bound tasks fail as
-    ``overloaded`` (HTTP 429) and calls raise ``WorkerError("overloaded")``.
-    """
+    """The generation and retrieval workers as persistent processes (``worker_start.py``). A
+    worker that dies is restarted and the tasks it held fail; past a worker's bounded queues
+    tasks fail as ``overloaded`` and calls raise ``WorkerError("overloaded")``."""
 
     can_wake = True
 
@@ -277,13 +257,12 @@ class ProcessExecutor(BaseExecutor):
             raise
 
     def submit_generation(self, tasks: list[GenerationTask]) -> None:
-        self._submit(self.workers["gen"], SubmitGenerationMsg, tasks)
+        self._submit(self.workers["gen"], tasks)
 
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
-        self._submit(self.workers["ret"], SubmitRetrievalMsg, tasks)
+        self._submit(self.workers["ret"], tasks)
 
     def _refusal(self, worker: WorkerHandle) -> tuple[str, str] | None:
-        """Why ``worker`` can take nothing now, ``(reason, WorkerError kind)``, or ``None``."""
         if worker.broken is not None:
             return worker.broken, "worker_died"
         if not worker.has_room:
@@ -294,35 +273,30 @@ class ProcessExecutor(BaseExecutor):
             return reason, "overloaded"
         return None
 
-    def _submit(self, worker: WorkerHandle, msg_type: type, tasks: list) -> None:
+    def _submit(self, worker: WorkerHandle, tasks: list) -> None:
         refusal = self._refusal(worker)
         if refusal is not None:
             self._errors.extend(self._failed(worker, [t.task_id for t in tasks], *refusal))
             return
         try:
-            data = encode(msg_type(tuple(tasks)))
-        except Exception:
-            data, tasks = self._encode_each(worker, msg_type, tasks)
-            if not tasks:
+            data = encode(SubmitMsg(tuple(tasks)))
+        except Exception:  # NOTE: each task that cannot be pickled fails alone
+            good = []
+            for t in tasks:
+                try:
+                    encode(t)
+                except Exception as exc:
+                    reason = f"the task cannot be sent to the worker: {type(exc).__name__}"
+                    logger.warning("task %s: %s (%s)", t.task_id, reason, exc)
+                    self._errors.extend(self._failed(worker, [t.task_id], reason, "bad_request"))
+                else:
+                    good.append(t)
+            if not good:
                 return
+            data, tasks = encode(SubmitMsg(tuple(good))), good
         worker.in_flight.update(t.task_id for t in tasks)
         worker.pending.append(data)
         worker.flush()
-
-    def _encode_each(self, worker: WorkerHandle, msg_type: type, tasks: list) -> tuple[bytes, list]:
-        """The batch could not be pickled: the tasks that can go in one message; each that
-        cannot fails alone (``bad_request``)."""
-        good = []
-        for t in tasks:
-            try:
-                encode(t)
-            except Exception as exc:
-                reason = f"the task cannot be sent to the worker: {type(exc).__name__}"
-                logger.warning("task %s: %s (%s)", t.task_id, reason, exc)
-                self._errors.extend(self._failed(worker, [t.task_id], reason, "bad_request"))
-            else:
-                good.append(t)
-        return (encode(msg_type(tuple(good))) if good else b""), good
 
     def abort(self, task_ids: list[str]) -> None:
         gen = self.workers["gen"]
@@ -332,36 +306,33 @@ class ProcessExecutor(BaseExecutor):
     def call_retrieval(self, name: str, *args: Any) -> Future:
         """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
         blocks). The future fails with ``WorkerError``: ``bad_request`` when the arguments
-        cannot be pickled or ``name`` is not in ``RETRIEVAL_CALLS``, ``worker_died`` when
-        the worker dies first or is broken, ``overloaded`` when its queue is full."""
-        return self._call_worker("ret", name, args)
+        cannot be pickled or ``name`` is not in ``CALLS``, ``worker_died`` when the worker
+        dies first or is broken, ``overloaded`` when its queue is full."""
+        return self._call_worker(self.workers["ret"], name, args)
 
     def call_generation(self, name: str, *args: Any) -> Future:
-        """Run ``GenerationRunner.<name>(*args)`` in the generation worker, between engine
-        steps (``GENERATION_CALLS``; thread-safe, never blocks; errors as ``call_retrieval``'s)."""
-        return self._call_worker("gen", name, args)
+        """``call_retrieval`` for the generation worker (run between engine steps)."""
+        return self._call_worker(self.workers["gen"], name, args)
 
-    def _call_worker(self, kind: str, name: str, args: tuple) -> Future:
+    def _call_worker(self, worker: WorkerHandle, name: str, args: tuple) -> Future:
         token = next(self._tokens)
         fut: Future = Future()
-        worker = self.workers[kind]
-        refusal = self._refusal(worker)
-        if refusal is not None:
-            fut.set_exception(WorkerError(*refusal))
-            return fut
-        table, msg_type = (
-            ("retrieval", CallRetrievalMsg) if kind == "ret" else ("generation", CallGenerationMsg)
-        )
+        kind = worker.spec.kind
         try:
-            check_call(name, table)
-        except ValueError as exc:
-            fut.set_exception(WorkerError(str(exc), "bad_request"))
-            return fut
-        try:
-            data = encode(msg_type(token, name, args))
-        except Exception as exc:
-            reason = f"the arguments cannot be sent to the {table} worker: {type(exc).__name__}"
-            fut.set_exception(WorkerError(reason, "bad_request"))
+            refusal = self._refusal(worker)
+            if refusal is not None:
+                raise WorkerError(*refusal)
+            try:
+                check_call(name, kind)
+            except ValueError as exc:
+                raise WorkerError(str(exc), "bad_request") from None
+            try:
+                data = encode(CallMsg(token, name, args))
+            except Exception as exc:
+                reason = f"the arguments cannot be sent to the {kind} worker: {type(exc).__name__}"
+                raise WorkerError(reason, "bad_request") from None
+        except WorkerError as exc:
+            fut.set_exception(exc)
             return fut
         with self._replies_lock:
             self._replies[token] = fut
@@ -377,7 +348,6 @@ class ProcessExecutor(BaseExecutor):
                 fut.set_exception(WorkerError(reason, kind))
 
     def wake(self) -> None:
-        """Make the scheduler thread's waiting ``poll`` return (any thread)."""
         self._waker.wake()
 
     def poll(self, timeout: float) -> list[Update]:
@@ -414,53 +384,30 @@ class ProcessExecutor(BaseExecutor):
         return updates
 
     def _unpack(self, worker: WorkerHandle, msg: Any) -> list[Update]:
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            logger.error("%s worker sent a %s; ignored", worker.spec.kind, type(msg).__name__)
-            return []
-        return handler(worker, msg)
-
-    @property
-    def _handlers(self) -> dict[type, Any]:
-        return {
-            ReadyMsg: self._on_ready,
-            EngineStatsMsg: self._on_stats,
-            FatalMsg: self._on_fatal,
-            CallReplyMsg: self._on_reply,
-            GenerationResultsMsg: self._on_results,
-            RetrievalResultsMsg: self._on_results,
-        }
-
-    def _on_ready(self, worker: WorkerHandle, msg: ReadyMsg) -> list[Update]:
-        worker.ready = True
-        worker.num_failed_starts = 0
-        worker.flush()
-        return []
-
-    def _on_stats(self, worker: WorkerHandle, msg: EngineStatsMsg) -> list[Update]:
-        worker.engine_stats = msg.stats
-        return []
-
-    def _on_fatal(self, worker: WorkerHandle, msg: FatalMsg) -> list[Update]:
-        logger.error("%s worker failed to restart:\n%s", worker.spec.kind, msg.traceback)
-        worker.last_error = msg.traceback.strip().splitlines()[-1]
-        return []
-
-    def _on_reply(self, worker: WorkerHandle, msg: CallReplyMsg) -> list[Update]:
-        with self._replies_lock:
-            fut = self._replies.pop(msg.token, None)
-        if fut is None or fut.done():
-            return []
-        if msg.error is None:
-            fut.set_result(msg.value)
+        if isinstance(msg, (GenerationResultsMsg, RetrievalResultsMsg)):
+            return self._on_results(worker, msg)
+        if isinstance(msg, CallReplyMsg):
+            with self._replies_lock:
+                fut = self._replies.pop(msg.token, None)
+            if fut is not None and not fut.done():
+                if msg.error is None:
+                    fut.set_result(msg.value)
+                else:
+                    fut.set_exception(WorkerError(msg.error.message, msg.error.kind))
+        elif isinstance(msg, EngineStatsMsg):
+            worker.engine_stats = msg.stats
+        elif isinstance(msg, ReadyMsg):
+            worker.ready, worker.num_failed_starts = True, 0
+            worker.flush()
+        elif isinstance(msg, FatalMsg):
+            logger.error("%s worker failed to restart:\n%s", worker.spec.kind, msg.traceback)
+            worker.last_error = msg.traceback.strip().splitlines()[-1]
         else:
-            fut.set_exception(WorkerError(msg.error.message, msg.error.kind))
+            logger.error("%s worker sent a %s; ignored", worker.spec.kind, type(msg).__name__)
         return []
 
     def _on_results(self, worker: WorkerHandle, msg: Any) -> list[Update]:
-        """The updates / results of ``msg`` (its own rows, or its Arrow payload read in place
-        from the ring: ``payloads.read_results``); one that cannot be read fails the tasks
-        it carried."""
+        """The rows of ``msg``; one that cannot be read fails the tasks it carried."""
         is_gen = isinstance(msg, GenerationResultsMsg)
         try:
             updates = read_results(msg, worker.ring)
@@ -517,7 +464,6 @@ class ProcessExecutor(BaseExecutor):
         }
 
     def health(self) -> list[str]:
-        """What keeps the workers from serving now (empty: both are up)."""
         problems = []
         for w in self.workers.values():
             if w.broken is not None:

@@ -1,13 +1,6 @@
-"""Catch the missing ``if __name__ == "__main__":`` guard before worker processes spawn.
-
-Workers are started with ``multiprocessing``'s *forkserver* (or *spawn*) method, which
-re-imports the parent's ``__main__`` module in every child. A script that creates a
-``Server`` at module level then creates another one in each child while it is still
-bootstrapping, and the worker dies with nothing but an exit code. ``check_main_guard()``
-raises ``MainGuardError`` instead, in the parent (the creating line of ``__main__`` is
-outside an ``if __name__ == "__main__":`` block) and, as a backstop, in a child that is still
-importing the parent's script.
-"""
+"""Catch the missing ``if __name__ == "__main__":`` guard before worker processes start: the
+forkserver and spawn methods re-import ``__main__`` in every child, so a ``Server`` created
+at module level would start again in each one, which dies with only an exit code."""
 
 from __future__ import annotations
 
@@ -46,7 +39,6 @@ def check_main_guard() -> None:
 
 
 def _main_module_frame(names: tuple[str, ...]) -> FrameType | None:
-    """The frame running the top level of the main script, if it is on the stack."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") in names:
@@ -61,8 +53,7 @@ def _is_guarded(filename: str, lineno: int) -> bool:
 
 @lru_cache(maxsize=8)
 def _guard_ranges(filename: str) -> tuple[tuple[int, int], ...]:
-    """Line ranges of the top-level ``if __name__ == "__main__":`` blocks of ``filename``;
-    a file that cannot be read or parsed counts as guarded (nothing to tell the user)."""
+    """The top-level ``__main__`` blocks of ``filename`` (an unreadable file: all guarded)."""
     try:
         with open(filename, encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename)

@@ -1,26 +1,33 @@
-"""Start-up plumbing of the GPU index tier: resolve ``ServerConfig.gpu_tier`` into the engine's
-``kv_cache_bytes`` and the tier's ``budget_bytes`` (HedraRAG Eq. 2, ``scheduler.memory_split``).
+"""The GPU memory split between the KV cache and the index tier (HedraRAG Eq. 2,
+``scheduler.memory_split``): its start-up profiles, measured on this machine (``ragserve
+profile-memory``: ``T_G`` requests/s by KV blocks, ``T_R`` by tier bytes, written by
+``write_profile``, read by ``load_profiles``), and ``plan_gpu_memory``, which resolves
+``ServerConfig.gpu_tier`` into the engine's ``kv_cache_bytes`` and the tier's bytes::
 
-```
-gpu_memory_bytes (free on the device - model weights, or given)
-  ├── KV cache: num_kv_blocks * block_bytes  -> engine_kwargs["kv_cache_bytes"]
-  └── index tier                             -> WorkerSpec.tier_bytes / set_gpu_tier(...)
-```
+    gpu_memory_bytes (free on the device - model weights, or given)
+      ├── KV cache: num_kv_blocks * block_bytes  -> engine_kwargs["kv_cache_bytes"]
+      └── index tier                             -> the tier's budget_bytes
 
-An explicit ``GpuTierConfig.budget_bytes`` or ``engine_kwargs["kv_cache_bytes"]`` overrides its
-side; otherwise the split needs both measured profiles (``ValueError`` naming the field).
+An explicit ``budget_bytes`` or ``kv_cache_bytes`` overrides its side; otherwise the split
+needs both profiles (``ValueError`` naming the field).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ragserve.runtime.config import ServerConfig
+from ragserve.scheduler.memory_split import ThroughputProfile
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +50,12 @@ def plan_gpu_memory(config: ServerConfig, model: Any, index: Any) -> tuple[Serve
     kv = engine.get("kv_cache_bytes")
     if tier.budget_bytes is not None and (kv is not None or tier.device == "cpu"):
         return config, TierPlan(tier.budget_bytes, kv, "override")
-    from ragserve.scheduler.memory_split import ThroughputProfile, solve_memory_split
+    from ragserve.scheduler.memory_split import solve_memory_split
 
     block_bytes = kv_block_bytes(model, engine)
     total = tier.gpu_memory_bytes or free_gpu_bytes(tier.device) - _weight_bytes(model, engine)
-    gen = _profile(tier.generation_profile, "generation_profile", ThroughputProfile)
-    ret = _profile(tier.retrieval_profile, "retrieval_profile", ThroughputProfile)
+    gen = _profile(tier.generation_profile, "generation_profile")
+    ret = _profile(tier.retrieval_profile, "retrieval_profile")
     if tier.budget_bytes is None and kv is None and (gen is None or ret is None):
         raise ValueError(
             "gpu_tier.budget_bytes: give a tier size, or generation_profile and "
@@ -76,8 +83,7 @@ def plan_gpu_memory(config: ServerConfig, model: Any, index: Any) -> tuple[Serve
 
 
 def load_profiles(path: str | Path) -> dict[str, tuple[tuple[float, float], ...]]:
-    """``{"generation_profile": [[kv_blocks, rps], ...], "retrieval_profile": [[bytes, rps],
-    ...]}`` from a JSON file, as ``GpuTierConfig`` fields."""
+    """The two profiles of a ``write_profile`` file, as ``GpuTierConfig`` fields."""
     data = json.loads(Path(path).read_text())
     out = {}
     for key in ("generation_profile", "retrieval_profile"):
@@ -87,18 +93,17 @@ def load_profiles(path: str | Path) -> dict[str, tuple[tuple[float, float], ...]
     return out
 
 
-def _profile(points: Any, name: str, cls: Any) -> Any:
+def _profile(points: Any, name: str) -> ThroughputProfile | None:
     if points is None:
         return None
     if not points:
         raise ValueError(f"gpu_tier.{name} must have at least one (size, rps) point")
     sizes, rps = zip(*points, strict=True)
-    return cls(tuple(float(s) for s in sizes), tuple(float(r) for r in rps))
+    return ThroughputProfile(tuple(float(s) for s in sizes), tuple(float(r) for r in rps))
 
 
 def kv_block_bytes(model: Any, engine_kwargs: dict[str, Any]) -> int:
-    """Bytes of one KV block of ``model`` (an engine, a folder or a built-in name) under
-    ``engine_kwargs`` (dtype, device, block_size)."""
+    """Bytes of one KV block of ``model`` (an engine, a folder or a built-in name)."""
     from ragserve.generation.config import ModelConfig
     from ragserve.generation.model_runner import kv_cache_bytes_per_block
 
@@ -127,9 +132,7 @@ def _weight_bytes(model: Any, engine: dict[str, Any]) -> int:
 
 
 def model_folder(model: Any, engine_kwargs: dict[str, Any]) -> Path:
-    """The model's folder: a random-weight (``load_format="dummy"``) folder as is, else
-    ``resolve_model``'s (built-in names converted on first use); ``ValueError`` for a live
-    model."""
+    """A random-weight (``load_format="dummy"``) folder as is, else ``resolve_model``'s."""
     if not isinstance(model, (str, Path)):
         raise ValueError("gpu_tier: the model must be a folder or a built-in name to plan memory")
     folder = Path(str(model))
@@ -157,11 +160,178 @@ def _index_bytes(index: Any) -> int | None:
 
 
 def kv_dtype(name: str, device: str = "auto") -> Any:
-    """The torch dtype of the KV cache for the engine's ``dtype`` and ``device`` settings
-    (``auto``: bfloat16 on CUDA, float32 on CPU, as ``LLMEngine`` resolves them)."""
+    """The KV cache's torch dtype (``auto``: bfloat16 on CUDA, float32 on CPU)."""
     import torch
 
     if name == "auto":
         on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         return torch.bfloat16 if on_cuda else torch.float32
     return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class GenerationWorkload:
+    prompt_tokens: int = 64
+    output_tokens: int = 128
+    num_requests: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "output_tokens", "num_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+def measure_generation_profile(
+    model: str | Path,
+    engine_kwargs: dict[str, Any],
+    kv_blocks: Sequence[int],
+    workload: GenerationWorkload | None = None,
+) -> tuple[ThroughputProfile, list[dict]]:
+    """``T_G``: completed requests/s at each KV size (one engine each, ``num_requests`` of
+    ``prompt_tokens`` in and ``output_tokens`` out, queued at once), and a row of details per
+    size. ``ValueError`` naming ``kv_blocks`` when a size cannot hold one request."""
+    import torch
+
+    from ragserve.generation.llm_engine import LLMEngine
+    from ragserve.generation.sampling_params import SamplingParams
+
+    work = workload or GenerationWorkload()
+    block_bytes = kv_block_bytes(model, engine_kwargs)
+    block_size = int(engine_kwargs.get("block_size", 16))
+    sizes = _ascending("kv_blocks", kv_blocks)
+    per_request = -(-work.tokens // block_size)
+    if sizes[0] < per_request:
+        raise ValueError(
+            f"kv_blocks: {sizes[0]} blocks of {block_size} tokens cannot hold one request of "
+            f"{work.tokens} tokens (needs {per_request})"
+        )
+    rows, rps = [], []
+    for n in sizes:
+        engine = LLMEngine(model, **{**engine_kwargs, "kv_cache_bytes": n * block_bytes})
+        try:
+            vocab = engine.model_config.vocab_size
+            rng = np.random.default_rng(work.seed)
+            # NOTE: enough requests to fill the KV size (x4), at most num_requests
+            count = min(work.num_requests, max(4, 4 * (n // per_request)))
+            prompts = rng.integers(3, vocab, (count, work.prompt_tokens)).tolist()
+            params = SamplingParams(max_tokens=work.output_tokens, ignore_eos=True)
+            engine.generate(prompts[:2], params)  # warm-up: allocator, kernels
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            seconds = time.perf_counter() - t0
+            weights = sum(
+                t.numel() * t.element_size() for t in engine.model_runner.model.parameters()
+            )
+        finally:
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        produced = sum(len(o.token_ids) for o in outs)
+        rps.append(count / seconds)
+        rows.append(
+            {
+                "kv_blocks": n,
+                "requests": count,
+                "seconds": seconds,
+                "rps": count / seconds,
+                "tokens_per_s": produced / seconds,
+                "weight_bytes": int(weights),
+            }  # fmt: skip
+        )
+        logger.info("T_G: %d KV blocks -> %.2f requests/s", n, count / seconds)
+    return ThroughputProfile(tuple(float(s) for s in sizes), tuple(rps)), rows
+
+
+def measure_retrieval_profile(
+    index: Any,
+    queries: np.ndarray,
+    tier_bytes: Sequence[int],
+    *,
+    device: str = "cuda",
+    batch_size: int = 32,
+    nprobe: int | None = None,
+    topk: int = 10,
+    retrievals_per_request: float = 1.0,
+    min_batches: int = 5,
+) -> tuple[ThroughputProfile, list[dict]]:
+    """``T_R``: requests/s at each tier size (hottest lists by ``queries``' probes) serving
+    back-to-back batches, and a row of details per size. The tier is dropped at the end."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if batch_size < 1 or len(q) < batch_size:
+        raise ValueError(f"batch_size must be in [1, {len(q)}] (the queries), got {batch_size}")
+    if min_batches < 1:
+        raise ValueError(f"min_batches must be >= 1, got {min_batches}")
+    sizes = _ascending("tier_bytes", tier_bytes, minimum=0)
+    index.access_counts.observe(index.assign(q, nprobe).cluster_ids)
+    rows, seconds = [], []
+    try:
+        for size in sizes:
+            index.drop_gpu_tier()
+            tier = index.set_gpu_tier(int(size), device=device) if size > 0 else None
+            if tier is not None and index.tier_updater is not None:
+                index.tier_updater.close()  # NOTE: a fixed placement while timing
+            times = []
+            for i in range(min_batches + 1):
+                a = (i * batch_size) % (len(q) - batch_size + 1)
+                t0 = time.perf_counter()
+                index.search(q[a : a + batch_size], topk, nprobe)
+                if i:  # the first batch is a warm-up
+                    times.append(time.perf_counter() - t0)
+            sec = float(np.median(times))
+            seconds.append(sec)
+            rows.append(
+                {
+                    "tier_bytes": int(size),
+                    "resident_bytes": 0 if tier is None else tier.num_bytes,
+                    "num_clusters": 0 if tier is None else len(tier.clusters),
+                    "batch_seconds": sec,
+                }  # fmt: skip
+            )
+            logger.info("T_R: tier %.3f GB -> batch of %d in %.4f s", size / 1e9, batch_size, sec)
+    finally:
+        index.drop_gpu_tier()
+    profile = ThroughputProfile.from_batch_latency(
+        sizes, seconds, batch_size, retrievals_per_request
+    )
+    return profile, rows
+
+
+def write_profile(
+    path: str | Path,
+    generation: ThroughputProfile,
+    retrieval: ThroughputProfile,
+    *,
+    gpu_memory_bytes: int | None,
+    kv_block_bytes: int,
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    from ragserve.retrieval.storage import atomic_write_bytes
+
+    doc = {
+        "generation_profile": [list(p) for p in _points(generation)],
+        "retrieval_profile": [list(p) for p in _points(retrieval)],
+        "gpu_memory_bytes": gpu_memory_bytes,
+        "kv_block_bytes": int(kv_block_bytes),
+        "meta": meta or {},
+    }
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, json.dumps(doc, indent=1).encode())
+    return out
+
+
+def _points(profile: ThroughputProfile) -> Any:
+    return zip(profile.sizes, profile.requests_per_second, strict=True)
+
+
+def _ascending(name: str, values: Sequence[int], *, minimum: int = 1) -> list[int]:
+    sizes = sorted({int(v) for v in values})
+    if not sizes or sizes[0] < minimum:
+        raise ValueError(f"{name} must be non-empty and >= {minimum}, got {list(values)}")
+    return sizes

@@ -1,18 +1,8 @@
-"""The retrieval worker's operators: embed, rerank and upsert tasks (``scheduler.messages``),
-run by ``RetrievalRunner.run`` beside the searches of the same batch.
-
-- embed: every ``EmbedTask`` of the batch is encoded in one embedder call (document side);
-- rerank: the runner's ``reranker`` (anything with ``score(query, texts)``; the workers build
-  it from ``OperatorConfig.reranker`` with ``retrieval.rerank.load_reranker``), or, on a
-  runner built without one, an ``EmbeddingReranker`` over the index's embedder (cosine); ties
-  keep the input order;
-- upsert: strings become ``Document``s with ids derived from the task id (``uuid5``), so a
-  retried task writes the same ids; every document is checked against the runner's
-  ``document_limits``; ``VectorIndex.add_documents`` returns once the write is durable.
-
-Each task gets its own ``OperatorResult``: one whose input is bad (``ValueError``) fails
-alone as ``bad_request``; nothing here raises out of ``run_operators``.
-"""
+"""The retrieval worker's operator tasks, run by ``RetrievalRunner.run`` beside its searches:
+embed (one embedder call per batch), rerank (the runner's ``reranker``, else the embedder's
+cosine; ties keep the input order), upsert (strings get ``uuid5`` ids from the task id, so a
+retry writes the same ids; checked against ``document_limits``). Each task gets its own
+``OperatorResult``; a bad one fails alone and nothing raises out of ``run_operators``."""
 
 from __future__ import annotations
 
@@ -23,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ragserve.graph import Passage
-from ragserve.runtime.errors import failure
+from ragserve.runtime.errors import failure, isolated
 from ragserve.scheduler.messages import (
     EmbedTask,
     OperatorResult,
@@ -37,7 +27,6 @@ OPERATOR_TASKS = (EmbedTask, RerankTask, UpsertTask)
 
 
 def split_operators(tasks: list) -> tuple[list, list]:
-    """``(operator tasks, the other tasks)``, each in order."""
     ops = [t for t in tasks if isinstance(t, OPERATOR_TASKS)]
     if not ops:
         return [], tasks
@@ -45,12 +34,12 @@ def split_operators(tasks: list) -> tuple[list, list]:
 
 
 def run_operators(runner: Any, tasks: list) -> list[OperatorResult]:
-    """One ``OperatorResult`` per task, in order. ``runner`` has ``index``, ``embedder``,
-    ``reranker`` (or ``None``) and ``document_limits``."""
+    """One ``OperatorResult`` per task, in order."""
     results: dict[str, OperatorResult] = {}
     embeds = [t for t in tasks if isinstance(t, EmbedTask)]
     if embeds:
-        results.update((r.task_id, r) for r in _embed(runner.embedder, embeds))
+        embedded = isolated(lambda ts: _embed(runner.embedder, ts), embeds, _failed)
+        results.update((r.task_id, r) for r in embedded)
     for t in tasks:
         if isinstance(t, RerankTask):
             results[t.task_id] = _guarded(t, _rerank, runner, t)
@@ -61,13 +50,7 @@ def run_operators(runner: Any, tasks: list) -> list[OperatorResult]:
 
 def _embed(embedder: Any, tasks: list[EmbedTask]) -> list[OperatorResult]:
     texts = [text for t in tasks for text in t.texts]
-    try:
-        vectors = np.asarray(embedder.encode(texts, is_query=False), dtype=np.float32)
-    except Exception as exc:
-        if len(tasks) == 1:
-            return [_failed(tasks[0], exc)]
-        logger.warning("embedding a batch of %d tasks failed (%s); one by one", len(tasks), exc)
-        return [r for t in tasks for r in _embed(embedder, [t])]
+    vectors = np.asarray(embedder.encode(texts, is_query=False), dtype=np.float32)
     out, pos = [], 0
     for t in tasks:
         rows = vectors[pos : pos + len(t.texts)]

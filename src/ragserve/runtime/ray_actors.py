@@ -1,18 +1,15 @@
 """The Ray backend's actors: LLM replicas, the retrieval coordinator, and the shard client.
 
-Each actor owns one runner and drives it from its own thread, as a worker process does
-(``workers.py``); Ray method calls only enqueue work or wait for results::
-
-    driver ── submit(tasks) / abort(ids) ──> inbox ──> loop thread: runner.add / step / run
-    driver <── poll(timeout): (updates, stats) ── outbox <──┘
-
-Actors are created with ``max_concurrency > 1`` so a waiting ``poll`` never blocks
-``submit``. The classes are plain Python: the backend wraps them with ``ray.remote`` (so this
-module imports Ray lazily and the classes can be tested in process).
+Each actor runs a worker loop (``workers.serve_generation`` / ``serve_retrieval``, as a worker
+process does) on its own thread over an in-memory inbox; Ray method calls only enqueue
+messages (``submit``, ``abort``, ``call``) or take what the loop produced (``poll``), so the
+actors are created with ``max_concurrency > 1``. The classes are plain Python: the backend
+wraps them with ``ray.remote``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -23,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ragserve.retrieval.sharded import BaseShard
+from ragserve.runtime.errors import ShardDiedError
 from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
-from ragserve.runtime.wire import check_call, drain
-from ragserve.scheduler import RetrievalResult
+from ragserve.runtime.wire import AbortGenerationMsg, CallMsg, SubmitMsg, drain
+from ragserve.runtime.workers import serve_generation, serve_retrieval
 
 if TYPE_CHECKING:
     from ragserve.retrieval.index_tier import TierSpec
@@ -37,20 +35,29 @@ IDLE_WAIT_S = 0.05  # the loop's inbox wait while its runner has nothing to do
 RESTART_WAIT_S = 120.0  # how long a shard call's retry waits for the actor's restart
 
 
-class _ActorLoop:
-    """Inbox, outbox and the thread that serves them; subclasses define ``_handle`` and
-    ``_work``. ``poll`` returns everything produced since the last ``poll``."""
+class _Actor:
+    """A runner, its loop's thread, and the loop's outbox: ``poll`` returns everything
+    produced since the last ``poll``, with the actor's ``stats()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, runner: Any, loop: Any) -> None:
+        self.runner = runner
+        self.num_tasks = 0
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: list[Any] = []
         self._ready = threading.Condition()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+        self._replies: dict[int, Future] = {}
+        self._tokens = itertools.count()
+        self._thread = threading.Thread(
+            target=self._run, args=(loop,), name=type(self).__name__, daemon=True
+        )
         self._thread.start()
 
     def ping(self) -> bool:
         return True
+
+    def submit(self, tasks: list) -> None:
+        self.num_tasks += len(tasks)
+        self._inbox.put(SubmitMsg(tuple(tasks)))
 
     def poll(self, timeout: float) -> tuple[list[Any], dict[str, Any]]:
         with self._ready:
@@ -59,9 +66,15 @@ class _ActorLoop:
             out, self._outbox = self._outbox, []
         return out, self.stats()
 
-    def close(self) -> None:
-        self._closed.set()
-        self._thread.join(timeout=5.0)
+    def _run(self, loop: Any) -> None:
+        while True:  # NOTE: a loop that raised is entered again: the actor keeps serving
+            try:
+                return loop(self.runner, self._drain, self)
+            except Exception:
+                logger.exception("%s loop failed", type(self).__name__)
+
+    def _drain(self, block: bool) -> list[Any]:
+        return drain(self._inbox, IDLE_WAIT_S if block else None)
 
     def _emit(self, items: list[Any]) -> None:
         if items:
@@ -69,54 +82,31 @@ class _ActorLoop:
                 self._outbox.extend(items)
                 self._ready.notify_all()
 
-    def _run(self) -> None:
-        while not self._closed.is_set():
-            try:
-                # NOTE: waits up to ``IDLE_WAIT_S`` for a message while the runner is idle
-                self._work(drain(self._inbox, None if self._busy() else IDLE_WAIT_S))
-            except Exception:
-                logger.exception("%s loop failed", type(self).__name__)
-
-    def _busy(self) -> bool:
-        raise NotImplementedError
-
-    def _work(self, msgs: list[Any]) -> None:
-        raise NotImplementedError
+    def reply(self, msg: CallMsg, value: Any, exc: Exception | None) -> None:
+        fut = self._replies.pop(msg.token)
+        fut.set_result(value) if exc is None else fut.set_exception(exc)
 
     def stats(self) -> dict[str, Any]:
         raise NotImplementedError
 
 
-class LLMReplica(_ActorLoop):
+class LLMReplica(_Actor):
     """One full ``LLMEngine`` (one GPU, or CPU in tests) behind a ``GenerationRunner``."""
 
     def __init__(self, model: str, engine_kwargs: tuple[tuple[str, Any], ...] = ()) -> None:
-        self.runner = GenerationRunner.build(model, engine_kwargs)
-        self._engine_stats: dict[str, Any] = self.runner.engine.stats()
-        self.num_tasks = 0
-        super().__init__()
-
-    def submit(self, tasks: list) -> None:
-        self._inbox.put(("gen", tasks))
+        runner = GenerationRunner.build(model, engine_kwargs)
+        self._engine_stats: dict[str, Any] = runner.engine.stats()
+        super().__init__(runner, serve_generation)
 
     def abort(self, task_ids: list[str]) -> None:
-        self._inbox.put(("abort", task_ids))
+        self._inbox.put(AbortGenerationMsg(tuple(task_ids)))
 
-    def _busy(self) -> bool:
-        return self.runner.has_work()
+    def send_generation(self, updates: list, stats: dict[str, Any] | None) -> None:
+        self._engine_stats = stats or self._engine_stats
+        self._emit(updates)
 
-    def _work(self, msgs: list[Any]) -> None:
-        out: list[Any] = []
-        for kind, payload in msgs:
-            if kind == "gen":
-                self.num_tasks += len(payload)
-                out.extend(self.runner.add(payload))
-            else:
-                self.runner.abort(payload)
-        if self.runner.has_work():
-            out.extend(self.runner.step())
-        self._engine_stats = self.runner.engine.stats()
-        self._emit(out)
+    def send_stats(self, stats: dict[str, Any]) -> None:
+        self._engine_stats = stats
 
     def stats(self) -> dict[str, Any]:
         return {**self._engine_stats, "tasks": self.num_tasks}
@@ -130,7 +120,7 @@ class ShardedRetrievalRunner(StagedRetrievalRunner):
         return self.index.clusters_of(ids)
 
 
-class RetrievalCoordinator(_ActorLoop):
+class RetrievalCoordinator(_Actor):
     """The embedder and the retrieval runner: one index folder, or a ``ShardedIndex`` whose
     shards are Ray actors (named ``shard_names``) laid out under ``shard_root``. ``tier``
     places the GPU tier of the one index folder (the shards hold their own); ``reranker``: the
@@ -157,50 +147,23 @@ class RetrievalCoordinator(_ActorLoop):
             shards = [RayShard(ray.get_actor(n)) for n in shard_names or []]
             vindex = ShardedIndex(shards, read_layout(shard_root), read_quantizer(shard_root))
             runner_cls = ShardedRetrievalRunner
-        self.runner = runner_cls.build(
-            vindex, embedder, default_nprobe, tier=tier, reranker=reranker
-        )
+        runner = runner_cls.build(vindex, embedder, default_nprobe, tier=tier, reranker=reranker)
         if shard_root is not None:
-            vindex._embedder = self.runner.embedder
+            vindex._embedder = runner.embedder
         self._own_index = shard_root is None  # its tier is reported here (shards: their own)
-        self.num_tasks = 0
         self.num_batches = 0
-        super().__init__()
-
-    def submit(self, tasks: list) -> None:
-        self._inbox.put(("ret", tasks))
+        super().__init__(runner, serve_retrieval)
 
     def call(self, name: str, args: tuple) -> Any:
         """``RetrievalRunner.<name>(*args)`` (upserts), run between two searches."""
         fut: Future = Future()
-        self._inbox.put(("call", (fut, name, args)))
+        token = next(self._tokens)
+        self._replies[token] = fut
+        self._inbox.put(CallMsg(token, name, args))
         return fut.result()
 
-    def _busy(self) -> bool:
-        return self.runner.has_pending()
-
-    def _work(self, msgs: list[Any]) -> None:
-        tasks = []
-        for kind, payload in msgs:
-            if kind == "ret":
-                tasks.extend(payload)
-                continue
-            fut, name, args = payload
-            try:
-                fut.set_result(check_call(name)(self.runner, *args))
-            except Exception as exc:
-                fut.set_exception(exc)
-        if not tasks and not self.runner.has_pending():
-            return
-        self.num_tasks += len(tasks)
+    def send_retrieval(self, results: list) -> None:
         self.num_batches += 1
-        try:
-            results = self.runner.run(tasks)
-        except Exception as exc:
-            logger.exception("retrieval batch failed")
-            err = f"{type(exc).__name__}: {exc}"
-            kind = "worker_died" if isinstance(exc, ShardDiedError) else None
-            results = [RetrievalResult(t.task_id, (), err, error_kind=kind) for t in tasks]
         self._emit(results)
 
     def stats(self) -> dict[str, Any]:
@@ -214,10 +177,6 @@ class RetrievalCoordinator(_ActorLoop):
             out["tier_clusters"] = len(tier.clusters)
             out["tier_bytes"] = int(tier.num_bytes)
         return out
-
-
-class ShardDiedError(RuntimeError):
-    """A shard actor died during a call (and, for idempotent calls, again on the retry)."""
 
 
 class RayShard(BaseShard):

@@ -40,10 +40,8 @@ TIER_GPU_SHARE = 0.25  # Ray's GPU accounting for a tier holder beside an LLM re
 
 @dataclass(frozen=True)
 class GpuPlan:
-    """How the actors share GPUs: ``num_bundles`` one-GPU bundles (0: no placement group);
-    ``replica_gpus``: each replica's GPU share (0: on CPU); ``tier_gpus``: each tier holder's
-    (0: no tier, or a tier on the CPU). Holder ``j`` (shard ``j``, or the coordinator) sits in
-    bundle ``j``, replica ``i`` in bundle ``i``."""
+    """``num_bundles`` one-GPU bundles (0: no placement group); each replica's and each tier
+    holder's GPU share (0: on CPU). Replica ``i`` and holder ``j`` sit in bundles ``i``, ``j``."""
 
     num_bundles: int
     replica_gpus: float
@@ -53,8 +51,7 @@ class GpuPlan:
 def plan_gpus(
     num_replicas: int, num_holders: int, replicas_on_gpu: bool, tier_on_gpu: bool, gpus: float
 ) -> GpuPlan:
-    """The ``GpuPlan`` for ``num_replicas`` replicas and ``num_holders`` tier holders on a
-    cluster with ``gpus`` GPUs (``ValueError`` naming the field when they do not fit)."""
+    """``ValueError`` naming the field when they do not fit in ``gpus``."""
     need = max(num_replicas if replicas_on_gpu else 0, num_holders if tier_on_gpu else 0)
     if need > gpus:
         what = f"{num_holders} GPU index tier holders" if tier_on_gpu else "LLM replicas"
@@ -88,8 +85,7 @@ def start_ray(config: ServerConfig) -> bool:
 
 
 def shard_root(index: str | Path, num_shards: int, partition: str) -> Path:
-    """Where the shards of ``index`` live (split on first use, reused afterwards): a sibling
-    folder, so a cluster that sees the index on shared storage sees its shards too."""
+    """A sibling folder of ``index`` holding its shards (split on first use)."""
     index = Path(index).absolute()
     root = index.parent / f"{index.name}.shards-{num_shards}-{partition}"
     if not root.exists():
@@ -124,14 +120,12 @@ class RayExecutor(BaseExecutor):
         self._polls.update({self._poll(name): name for name in self.actors})
 
     def _init_state(self, config: ServerConfig) -> None:
-        """The executor's bookkeeping (no Ray: tests drive it with fake actors)."""
         self.config = config
         self.router = ReplicaRouter(config.num_llm_replicas)
         self._retrievals: dict[str, tuple[RetrievalTask, int]] = {}  # task -> (task, attempts)
         self._errors: list[Update] = []
         self._restarts: dict[str, int] = {}
-        self._down: set[str] = set()  # actors whose last poll failed (restarting)
-        self._down_since: dict[str, float] = {}
+        self._down: dict[str, float] = {}  # actors whose last poll failed -> since when
         self._repoll_at: dict[str, float] = {}  # down actors: when to poll them again
         self._held: list[RetrievalTask] = []  # retrievals waiting for the coordinator
         self._actor_stats: dict[str, dict[str, Any]] = {}
@@ -147,7 +141,6 @@ class RayExecutor(BaseExecutor):
 
     # -- start ------------------------------------------------------------------------------
     def _tier_spec(self, num_holders: int) -> TierSpec | None:
-        """The settings of one tier holder's tier, or None."""
         from ragserve.retrieval.sharded import shard_tier_budget
 
         tier = self.config.gpu_tier
@@ -156,7 +149,6 @@ class RayExecutor(BaseExecutor):
         return tier.tier_spec(shard_tier_budget(tier.budget_bytes, num_holders))
 
     def _plan_placement(self) -> None:
-        """Decide who gets a GPU (``plan_gpus``) and reserve the bundles in one group."""
         from ray.util.placement_group import placement_group
 
         n = self.config.num_llm_replicas
@@ -175,7 +167,6 @@ class RayExecutor(BaseExecutor):
             self._ray.get(self._pg.ready(), timeout=self.config.worker_start_timeout)
 
     def _bundle(self, index: int, gpus: float) -> dict[str, Any]:
-        """Actor options for ``gpus`` of bundle ``index``'s GPU (none when ``gpus`` is 0)."""
         if not gpus:
             return {}
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -226,12 +217,11 @@ class RayExecutor(BaseExecutor):
         cls = self._ray.remote(LLMReplica)
         opts: dict[str, Any] = {"max_restarts": MAX_RESTARTS, "max_concurrency": 4}
         kwargs = self.config.engine_kwargs
-        share = self._gpu_plan.replica_gpus
-        if not share:  # on CPU: no Ray CPU reservation (tests share few cores)
-            n = self.config.num_llm_replicas
-            return [cls.options(num_cpus=0, **opts).remote(model, kwargs) for _ in range(n)]
+        share = self._gpu_plan.replica_gpus  # NOTE: on CPU no Ray CPU reservation either
         return [
-            cls.options(num_cpus=1, **self._bundle(i, share), **opts).remote(model, kwargs)
+            cls.options(num_cpus=int(share > 0), **self._bundle(i, share), **opts).remote(
+                model, kwargs
+            )
             for i in range(self.config.num_llm_replicas)
         ]
 
@@ -311,13 +301,12 @@ class RayExecutor(BaseExecutor):
 
     def _is_given_up(self, name: str) -> bool:
         """Down for longer than a start may take: its restarts are exhausted or failing."""
-        since = self._down_since.get(name)
-        down_s = time.monotonic() - since if since is not None else 0.0
-        return name in self._down and down_s > self.config.worker_start_timeout
+        since = self._down.get(name)
+        return since is not None and time.monotonic() - since > self.config.worker_start_timeout
 
     def _on_back(self, name: str) -> None:
         """A restarted actor answered: route to it again, send the retrievals held for it."""
-        self._down.discard(name)
+        self._down.pop(name, None)
         logger.info("%s actor is back", name)
         if name != RETRIEVAL:
             self.router.set_available(int(name.rsplit("_", 1)[1]), True)
@@ -328,8 +317,7 @@ class RayExecutor(BaseExecutor):
     def _on_death(self, name: str, exc: Exception) -> list[Update]:
         """A poll failed: the actor died (or is still restarting: then nothing is lost)."""
         if name not in self._down:
-            self._down.add(name)
-            self._down_since[name] = time.monotonic()
+            self._down[name] = time.monotonic()
             self._restarts[name] = self._restarts.get(name, 0) + 1
             logger.warning("%s actor died (%s); Ray restarts it", name, type(exc).__name__)
         reason = f"{name} actor died ({type(exc).__name__}); Ray restarts it"
@@ -340,20 +328,20 @@ class RayExecutor(BaseExecutor):
             reason = (
                 f"{name} actor did not come back within {self.config.worker_start_timeout:.0f} s"
             )
-            kind = "worker_died"
-            return [RetrievalResult(t.task_id, (), reason, error_kind=kind) for t in failed]
-        if name == RETRIEVAL:
+        elif name == RETRIEVAL:
             held = {t.task_id for t in self._held}
-            lost = [(t, n) for t, n in self._retrievals.values() if t.task_id not in held]
-            again = [t for t, n in lost if n < 2]  # idempotent: one retry each
-            failed = [t for t, n in lost if n >= 2]
-            for t in again:
-                self._retrievals[t.task_id] = (t, 2)
-            for t in failed:
-                del self._retrievals[t.task_id]
-            self._held.extend(again)
-            kind = "worker_died"
-            return [RetrievalResult(t.task_id, (), reason, error_kind=kind) for t in failed]
+            failed = []
+            for t, n in [(t, n) for t, n in self._retrievals.values() if t.task_id not in held]:
+                if n < 2:  # idempotent: one retry each
+                    self._retrievals[t.task_id] = (t, 2)
+                    self._held.append(t)
+                else:
+                    del self._retrievals[t.task_id]
+                    failed.append(t)
+        if name == RETRIEVAL:
+            return [
+                RetrievalResult(t.task_id, (), reason, error_kind="worker_died") for t in failed
+            ]
         replica = int(name.rsplit("_", 1)[1])
         self.router.set_available(replica, False)
         lost = self.router.tasks_on(replica)
@@ -365,8 +353,6 @@ class RayExecutor(BaseExecutor):
 
     # -- documents, stats, close ------------------------------------------------------------
     def call_retrieval(self, name: str, *args: Any) -> Future:
-        """``RetrievalRunner.<name>(*args)`` on the coordinator (upserts go to the owning
-        shards, durable there when the future resolves)."""
         return self.actors[RETRIEVAL].call.remote(name, args).future()
 
     def engine_stats(self) -> dict[str, Any]:
@@ -380,8 +366,6 @@ class RayExecutor(BaseExecutor):
         return total
 
     def stats(self) -> dict[str, Any]:
-        """Per actor: ``llm_<i>`` (engine counters, routed/in-flight tasks), ``retrieval``,
-        ``shard_<j>`` (documents, scans); ``restarts`` seen by this executor, ``alive``."""
         out: dict[str, Any] = {}
         for name in self.actors:
             entry = dict(self._actor_stats.get(name, {}))

@@ -1,16 +1,8 @@
-"""``ReplicaRouter``: which LLM replica runs a generation task (load and KV affinity).
-
-A task goes to the replica its *affinity key* hashes to (rendezvous hashing: adding a replica
-moves only the keys it wins), unless that replica holds ``overload_slack`` more tasks than
-the least loaded one, or is down (restarting); then it goes to the least loaded replica that
-is up (lowest index on ties).
-
-The key approximates "the replica whose KV cache holds this prompt's documents": the first
-``affinity_chars`` characters of the prompt (token ids: the first ``affinity_chars // 4``).
-RAG prompts start with their passages (``{docs}``), so requests retrieving the same passages,
-and a request's successive rounds, meet the same prefix cache. A knowledge tree that knows
-which replica holds which documents can replace the key without changing the rule.
-"""
+"""``ReplicaRouter``: which LLM replica runs a generation task. A task goes to the replica its
+affinity key (the prompt's first ``affinity_chars`` characters, or ``// 4`` token ids: RAG
+prompts start with their passages, so they meet the same prefix cache) wins by rendezvous
+hashing, unless that one is down or holds ``overload_slack`` more tasks than the least loaded
+replica that is up (lowest index on ties), which then gets it."""
 
 from __future__ import annotations
 

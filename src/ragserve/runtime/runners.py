@@ -1,9 +1,6 @@
-"""The work itself, shared by the in-process executor and the worker processes:
-``GenerationRunner`` (tasks -> ``LLMEngine`` requests -> ``GenerationUpdate`` deltas, per step
-or per chunk of decode steps) and ``RetrievalRunner`` (one embedded batch, one search per
-distinct ``nprobe``). One request never fails another: a task rejected on ``add``, a retrieval
-that still fails alone (``run_isolated``) or a task the engine fails in a step gets an error;
-the engine and the worker survive."""
+"""The work itself, shared by every executor: ``GenerationRunner`` and ``RetrievalRunner``.
+One request never fails another: a task rejected on ``add``, a retrieval that fails alone
+(``run_isolated``) or a task the engine fails in a step gets an error; the engine survives."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ragserve.graph import Passage
-from ragserve.runtime.errors import failed_update, failure
+from ragserve.runtime.errors import failed_update, failure, isolated
 from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.scheduler import GenerationTask, GenerationUpdate, RetrievalResult, RetrievalTask
 
@@ -43,12 +40,9 @@ class GenerationRunner:
     """Owns one ``LLMEngine``; mutates it through ``add``/``abort``/``step``.
 
     ``step()`` runs one engine step and returns the tasks' ``GenerationUpdate`` deltas. A task
-    with ``chunk_s`` is a sequence of decode-step sub-stages (HedraRAG §4.2): each engine step
-    that gives it a token adds that step's duration (``clock`` before and after the step) to
-    its wait, and a non-final update is sent only when the wait reaches ``chunk_s`` (then it
-    restarts from 0). The first update (the first token: TTFT is not delayed), the final one
-    and errors are sent at once. Deltas are always taken from the engine's cumulative text and
-    token ids, so skipping steps changes the grouping, never the concatenation.
+    with ``chunk_s`` (HedraRAG §4.2) gets a non-final update only once the engine steps that
+    gave it tokens add up to ``chunk_s``; its first, final and error updates go at once.
+    Deltas come from the engine's cumulative text, so chunking changes only the grouping.
 
     ```
     engine steps:   1   2   3   4   5   6   7   8(final)     chunk_s = 3 step times
@@ -56,13 +50,8 @@ class GenerationRunner:
     chunked:        u           u           u   u            (first, 4, 7, final)
     ```
 
-    ``tokenizer_prefetch``: ``add`` hands each task's prompt to a CPU thread (chat template,
-    tokenization: ``LLMEngine.tokenize``) and returns at once; ``step`` adds the tasks whose
-    token ids are ready to the engine, in arrival order, before its engine step (waiting for
-    the first one only when the engine has nothing else to do). The engine gets the same
-    token ids it would have made from the text, so outputs are identical; a task whose
-    tokenization fails is added with its text and fails in ``add_request`` as without
-    prefetch (its error update then comes from ``step``).
+    ``tokenizer_prefetch``: ``add`` hands prompts to a CPU thread (chat template, tokenize);
+    ``step`` admits the ready ones in arrival order (the same token ids: identical outputs).
     """
 
     def __init__(
@@ -92,8 +81,6 @@ class GenerationRunner:
     def build(
         cls, model: Any, engine_kwargs: Any = (), tokenizer_prefetch: bool = False
     ) -> GenerationRunner:
-        """A runner over ``model``: a live engine, or a folder or built-in name to build an
-        ``LLMEngine`` from with ``engine_kwargs``."""
         if isinstance(model, (str, Path)):
             from ragserve.generation import LLMEngine
 
@@ -101,8 +88,7 @@ class GenerationRunner:
         return cls(model, tokenizer_prefetch=tokenizer_prefetch)
 
     def add(self, tasks: list[GenerationTask]) -> list[GenerationUpdate]:
-        """Add tasks to the engine (or to the prefetch thread); returns error updates for
-        those it rejected."""
+        """The error updates of the tasks rejected."""
         if self._prefetch is not None:
             for t in tasks:
                 self._tokenizing[t.task_id] = (t, self._prefetch.submit(self._tokenized, t))
@@ -115,8 +101,7 @@ class GenerationRunner:
         return errors
 
     def _prompt(self, t: GenerationTask) -> Any:
-        """What the engine gets for ``t``: the chat-templated text, its paragraph segments
-        (cache fusion), or the token ids."""
+        """The chat-templated text, its paragraph segments (cache fusion), or the token ids."""
         prompt = t.prompt
         if t.chat:
             turns = [*t.history, ("user", prompt)]
@@ -130,8 +115,7 @@ class GenerationRunner:
         return prompt
 
     def _tokenized(self, t: GenerationTask) -> Any:
-        """``_prompt(t)`` with text made token ids (the prefetch thread's work); an exception
-        is returned, to be raised where ``add`` would have raised it."""
+        """``_prompt(t)`` tokenized (the prefetch thread); an exception is returned."""
         try:
             prompt = self._prompt(t)
         except Exception as exc:
@@ -144,8 +128,7 @@ class GenerationRunner:
         return prompt
 
     def _admit_tokenized(self) -> list[GenerationUpdate]:
-        """Add the prefetched tasks that are ready, oldest first, up to the first that is
-        not (waiting for it when the engine is idle)."""
+        """Admit the ready prefetched tasks, oldest first (waiting when the engine is idle)."""
         errors = []
         while self._tokenizing:
             task_id = next(iter(self._tokenizing))
@@ -159,8 +142,7 @@ class GenerationRunner:
         return errors
 
     def _admit(self, t: GenerationTask, prompt: Any) -> GenerationUpdate | None:
-        """``t`` into the engine with ``prompt`` (``None``: made here; an exception: raised
-        here); the error update if it is rejected."""
+        """``t`` into the engine; the error update if it is rejected."""
         try:
             if isinstance(prompt, Exception):
                 raise prompt
@@ -192,26 +174,21 @@ class GenerationRunner:
         return self.engine.has_unfinished() or bool(self._tokenizing)
 
     def run_deferred_checks(self) -> None:
-        """The engine's checks deferred off its last step (``LLMEngine.run_deferred_checks``;
-        an engine without them has none): the worker calls this once the step's updates are
-        sent."""
+        """``LLMEngine.run_deferred_checks``, once a step's updates are sent."""
         run = getattr(self.engine, "run_deferred_checks", None)
         if run is not None:
             run()
 
     def close(self) -> None:
-        """Stop the prefetch thread (tasks still waiting for it are dropped)."""
         if self._prefetch is not None:
             self._prefetch.shutdown(wait=False, cancel_futures=True)
 
     def set_kv_reuse(self, enabled: bool) -> dict[str, Any]:
-        """``LLMEngine.set_kv_reuse`` (an idle engine; it empties the KV cache). In process,
-        call it only while the server is idle (the scheduler thread drives the engine)."""
+        """``LLMEngine.set_kv_reuse`` (an idle engine; it empties the KV cache)."""
         self.engine.set_kv_reuse(enabled)
         return {"kv_reuse": enabled}
 
     def step(self) -> list[GenerationUpdate]:
-        """Admit the prefetched tasks that are ready, then one engine step."""
         errors = self._admit_tokenized()
         if not self.engine.has_unfinished():
             return errors
@@ -234,15 +211,13 @@ class GenerationRunner:
         return errors + updates
 
     def _fail_all(self, exc: Exception) -> list[GenerationUpdate]:
-        """An engine step raised: every task in the engine ends with an error (and is aborted,
-        freeing its blocks); the engine stays usable for the tasks that come next."""
+        """An engine step raised: every task in it fails (and is aborted, freeing blocks)."""
         logger.exception("engine step failed; failing the %d tasks it held", len(self._progress))
         failed = list(self._progress)
         self.abort(failed)
         return [failed_update(t, f"the engine step failed: {type(exc).__name__}") for t in failed]
 
     def _failed(self, task_id: str) -> GenerationUpdate:
-        """The engine failed this task alone in a step (its error is in the worker's log)."""
         del self._progress[task_id]
         return failed_update(
             task_id, "the engine step failed for this request; details are in the worker log"
@@ -250,7 +225,6 @@ class GenerationRunner:
 
     @staticmethod
     def _holds(progress: _Progress, out: Any, seconds: float) -> bool:
-        """Whether this output's tokens wait for a later update (chunked tasks only)."""
         if progress.chunk_s is None or out.finished or progress.tokens == 0:
             return False
         progress.waited_s += seconds
@@ -288,11 +262,8 @@ class Embeddings(NamedTuple):
 
 
 class RetrievalRunner:
-    """Owns the embedder and the ``VectorIndex``; searches a batch of tasks at once, and runs
-    the batch's operator tasks (embed, rerank, upsert: ``operator_runner``) first.
-
-    ``reranker``: the rerank nodes' ``BaseReranker`` (``None``: the embedder's cosine);
-    ``document_limits``: what upsert nodes' documents are checked against."""
+    """Owns the embedder and the ``VectorIndex``; searches a batch of tasks at once and runs
+    its operator tasks (``operator_runner``: ``reranker``, ``document_limits``)."""
 
     def __init__(self, index: Any, embedder: Any, default_nprobe: int | None = None) -> None:
         from ragserve.retrieval.limits import DocumentLimits
@@ -304,21 +275,20 @@ class RetrievalRunner:
         self.document_limits = DocumentLimits()
 
     def run(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
-        """One result (passages with their scores) per task, in order. Tasks with a filter, a
-        non-dense mode or section collapsing (``collapses``) go through ``search_text``
-        (``_by_text``); the others are one Faiss search per ``nprobe``; operator tasks get an
-        ``OperatorResult``."""
+        """One result per task, in order: ``search_text`` for a filter, a non-dense mode or
+        collapsing (``_by_text``), else one Faiss search per ``nprobe``."""
         ops, tasks = split_operators(tasks)
-        if ops:
-            done = {r.task_id: r for r in run_operators(self, ops)}
-            done.update((r.task_id, r) for r in (RetrievalRunner.run(self, tasks) if tasks else []))
-            return [done[t.task_id] for t in (*ops, *tasks)]
         by_text = [t for t in tasks if self.needs_text_search(t) or self.collapses(t)]
-        if by_text:
-            vector = [t for t in tasks if t not in by_text]
-            results = RetrievalRunner.run(self, vector) if vector else []
-            done = {r.task_id: r for r in (*results, *self._by_text(by_text))}
-            return [done[t.task_id] for t in tasks]
+        vector = [t for t in tasks if t not in by_text]
+        done = {
+            r.task_id: r
+            for r in (*run_operators(self, ops), *self._by_text(by_text), *self._search(vector))
+        }
+        return [done[t.task_id] for t in (*ops, *tasks)]
+
+    def _search(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
+        if not tasks:
+            return []
         kmax = max(t.topk for t in tasks)
         ids = np.full((len(tasks), kmax), -1, dtype=np.int64)
         scores = np.zeros((len(tasks), kmax), dtype=np.float32)
@@ -338,7 +308,6 @@ class RetrievalRunner:
         ]
 
     def _passages(self, ids: np.ndarray, scores: np.ndarray) -> tuple[Passage, ...]:
-        """The live documents of ``ids`` (a ranking, ``-1`` padded) with their ``scores``."""
         row = [int(x) for x in ids if x >= 0]
         docs = self.index.get_documents(row) if row else []
         return tuple(
@@ -348,22 +317,17 @@ class RetrievalRunner:
         )
 
     def collapses(self, task: RetrievalTask) -> bool:
-        """Whether ``task``'s passages are collapsed to one per section: asked (its
-        ``collapse_sections``, None: the index's default) and the index has sections
-        (``VectorIndex.collapses``; an index without that API, e.g. sharded, never does)."""
+        """``VectorIndex.collapses`` (an index without it, e.g. sharded, never collapses)."""
         collapses = getattr(self.index, "collapses", None)
         return collapses is not None and collapses(task.collapse_sections)
 
     def needs_text_search(self, task: RetrievalTask) -> bool:
-        """Whether ``task`` needs ``search_text`` whatever the runner: a non-dense mode or a
-        filter (a collapsed dense, unfiltered task goes there too in ``run``; the staged runner
-        searches it step-wise instead, deeper, and collapses at the end)."""
+        """A non-dense mode or a filter (a collapsed task: ``collapses``)."""
         default_mode = getattr(self.index, "default_mode", "dense")
         return (task.mode or default_mode) != "dense" or bool(task.filter)
 
     def _by_text(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
-        """One ``search_text`` per group of tasks with the same mode, filter, nprobe and
-        collapsing; a bad filter fails its own group's tasks only."""
+        """One ``search_text`` per group of equal settings; a bad filter fails its group."""
         groups: dict[str, list[RetrievalTask]] = defaultdict(list)
         for t in tasks:
             fields = [t.mode, t.filter, t.nprobe, t.collapse_sections]
@@ -392,12 +356,10 @@ class RetrievalRunner:
         return out
 
     def has_pending(self) -> bool:
-        """Whether staged retrievals wait for more sub-stages (``run([])`` advances them)."""
         return False
 
     def embed(self, texts: list[str]) -> Embeddings:
-        """``texts`` embedded by the index's embedder, document side (``is_query=False``), and
-        the tokens it read (0 for an embedder without a tokenizer)."""
+        """``texts`` embedded (document side), and the tokens read (0: no tokenizer)."""
         vectors = self.embedder.encode(list(texts), is_query=False)
         tokenizer = getattr(self.embedder, "tokenizer", None)
         num_tokens = 0
@@ -415,26 +377,10 @@ class RetrievalRunner:
 
 
 def run_isolated(runner: RetrievalRunner, tasks: list[RetrievalTask]) -> list[Any]:
-    """``runner.run(tasks)``; if the batch raises, each task is run alone, so one task whose
-    query cannot be embedded or searched fails alone (its ``RetrievalResult`` holds the error)
-    and every other task gets its passages."""
-    try:
-        return runner.run(tasks)
-    except Exception as exc:
-        if len(tasks) <= 1:
-            return [failed_result(t, exc) for t in tasks]
-        logger.warning("retrieval batch of %d failed (%s); retrying task by task", len(tasks), exc)
-    results: list[Any] = []
-    for t in tasks:
-        try:
-            results.extend(runner.run([t]))
-        except Exception as exc:
-            results.append(failed_result(t, exc))
-    return results
+    return isolated(runner.run, tasks, failed_result)
 
 
 def failed_result(task: RetrievalTask, exc: BaseException) -> RetrievalResult:
-    """The ``RetrievalResult`` of ``task`` failed by ``exc`` (``errors.failure``)."""
     logger.warning("retrieval task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
     message, kind = failure(exc)
     return RetrievalResult(task.task_id, (), message, error_kind=kind)

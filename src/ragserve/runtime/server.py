@@ -1,8 +1,5 @@
-"""``Server``: the public entry point. Many concurrent graph requests over two workers.
-
-A scheduler thread runs ``Scheduler.step()`` in a loop; ``run`` / ``submit`` / ``stream`` /
-``complete`` hand requests to it and wait (blocking or ``asyncio``) for their results.
-"""
+"""``Server``: the public entry point. A scheduler thread runs ``Scheduler.step()`` in a loop;
+``run`` / ``submit`` / ``stream`` / ``complete`` hand requests to it and wait for them."""
 
 from __future__ import annotations
 
@@ -37,13 +34,9 @@ logger = logging.getLogger(__name__)
 
 class Server:
     """Serve RAG workflows: ``model`` (HF folder or built-in name, or an ``LLMEngine`` in
-    process mode), ``index`` (a saved ``VectorIndex`` folder, ``"factbook"`` for the built-in
-    one, or a ``VectorIndex`` in process mode), ``embedder`` (name or path; default: the one
-    the index was built with).
-
-    Workers start in the constructor (spawned processes unless ``config.in_process``);
-    ``close()`` stops them. Thread-safe; ``submit``/``stream``/``complete`` are coroutines.
-    """
+    process mode), ``index`` (a saved ``VectorIndex`` folder, ``"factbook"``, or a
+    ``VectorIndex`` in process mode), ``embedder`` (default: the index's). Workers start in the
+    constructor and stop in ``close()``. Thread-safe; docs/architecture.md "Server"."""
 
     def __init__(
         self,
@@ -88,10 +81,8 @@ class Server:
         inputs: Mapping[str, Any] | None = None,
     ) -> Response:
         """Run one request to completion (blocking). ``history``: ``(role, content)`` chat
-        turns before the question (a system message, earlier turns), ``state["history"]``;
-        answer nodes (and nodes with ``with_history=True``) see them before their prompt.
-        ``inputs``: more initial state (e.g. a memory node's session id); every key the
-        graph declares (``RAGraph(inputs=...)``) must be given (``ValueError`` naming it)."""
+        turns before the question; ``inputs``: more initial state (every key the graph
+        declares must be given)."""
         done = threading.Event()
         box: list[Response] = []
         self._add(
@@ -116,21 +107,11 @@ class Server:
         history: Sequence[tuple[str, str]] = (),
         inputs: Mapping[str, Any] | None = None,
     ) -> Response:
-        """Run one request; many may be awaited concurrently. Cancelling the awaiting task
-        aborts the request (even one still on its way to the scheduler). ``history`` and
-        ``inputs`` as in ``run``."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        on_done = lambda r: _post(loop, _set, fut, r)
+        """``run`` awaitable; cancelling the awaiting task aborts the request."""
         rid = request_id or uuid.uuid4().hex
-        try:
-            await asyncio.to_thread(
-                self._add, question, graph, rid, on_done, history=history, inputs=inputs
-            )
-            return await fut
-        except asyncio.CancelledError:
-            self.abort(rid)
-            raise
+        add = {"history": history, "inputs": inputs}
+        async with contextlib.aclosing(self._events(question, graph, rid, None, add)) as it:
+            return [response async for response in it][-1]  # no listener: only the Response
 
     async def stream(
         self,
@@ -142,14 +123,9 @@ class Server:
         history: Sequence[tuple[str, str]] = (),
         inputs: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[str]:
-        """Yield text deltas of the answer (generation nodes writing ``"output"``).
-
-        ``on_response`` gets the final ``Response`` (documents, state, timings) once, after the
-        last delta and before the iterator ends, failed requests included. A failed request
-        then raises ``RequestError`` (a ``RuntimeError``; ``.kind``, ``.response``). Closing
-        the iterator early aborts the request (``on_response`` is then not called).
-        ``history`` and ``inputs`` as in ``run``.
-        """
+        """Yield text deltas of the answer; ``on_response`` gets the final ``Response`` once,
+        after the last delta (failed requests too, which then raise ``RequestError``). Closing
+        the iterator early aborts the request."""
         rid = request_id or uuid.uuid4().hex
         add = {"history": history, "inputs": inputs}
         async with contextlib.aclosing(self._events(question, graph, rid, "on_delta", add)) as it:
@@ -165,9 +141,8 @@ class Server:
     async def complete(
         self, prompt: str | list[int], params: Any, *, request_id: str | None = None
     ) -> AsyncIterator[Any]:
-        """Plain LLM completion (no retrieval, no chat template): yields ``RequestOutput``s
-        with cumulative ``token_ids``/``text``; the last one has ``finished=True``. A failed
-        request raises ``RequestError``."""
+        """Plain LLM completion: yields cumulative ``RequestOutput``s; a failed request raises
+        ``RequestError``."""
         from ragserve.generation import RequestMetrics
 
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -189,19 +164,18 @@ class Server:
                 yield _request_output(rid, prompt_ids, token_ids, text, item, metrics)
 
     async def _events(
-        self, question: Any, graph: Any, rid: str, listener: str, add: dict[str, Any]
+        self, question: Any, graph: Any, rid: str, listener: str | None, add: dict[str, Any]
     ) -> AsyncIterator[Any]:
-        """The request's ``listener`` events (``on_delta`` deltas or ``on_update`` updates),
-        then its ``Response``; it is aborted if the iteration stops before the ``Response``."""
+        """The request's ``listener`` events, then its ``Response``; aborted if the iteration
+        stops before."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         put = lambda item: _post(loop, events.put_nowait, item)
+        listeners = {} if listener is None else {listener: put}
         finished = False
         try:
             try:  # inside the ``finally``: a close while registering still aborts
-                await asyncio.to_thread(
-                    self._add, question, graph, rid, put, **{listener: put}, **add
-                )
+                await asyncio.to_thread(self._add, question, graph, rid, put, **listeners, **add)
             except Exception:
                 finished = True  # rejected (unknown workflow, closed): never added
                 raise
@@ -214,35 +188,26 @@ class Server:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; it finishes with ``error="aborted"`` and frees its KV blocks. An
-        abort that arrives before its request does is remembered (``Scheduler``): the request
-        then finishes at once, aborted."""
+        """Stop a request (one not yet added is remembered and finishes at once, aborted)."""
         self.scheduler.abort(request_id)
 
     def set_transforms(self, transforms: Sequence[Any], timeout: float | None = None) -> None:
-        """Swap the scheduler's transform chain (built from ``ServerConfig.cosched``) for live
-        ``transforms`` once the requests already in flight have finished; requests submitted
-        meanwhile run under the new one. The benchmark harness uses it to run every system on
-        one server; ``stats()["cosched"]`` then reports ``["custom"]``."""
+        """Swap the transform chain once the requests in flight have finished."""
         self.scheduler.set_transforms(transforms).result(timeout)
         self._cosched_names = ("custom",) if transforms else ()
 
     # -- documents --------------------------------------------------------------------------
     def add_documents(self, docs: Sequence[Any]) -> Any:
-        """Upsert documents into the index; returns once they are persisted.
-
-        Each document is checked against ``config.document_limits`` first (``ValueError``
-        naming ``documents[i].<field>``). Fails with ``WorkerError`` (``.kind``) when the
-        retrieval worker dies, does not answer within ``call_timeout_s``, or too many calls
-        are in flight."""
+        """Upsert documents (checked against ``config.document_limits``); returns once they are
+        persisted. ``WorkerError`` when the retrieval worker dies, does not answer within
+        ``call_timeout_s``, or too many calls are in flight."""
         docs = list(docs)
         for i, doc in enumerate(docs):
             check_document(doc, self.config.document_limits, f"documents[{i}].")
         return self._call("add_documents", docs)
 
     def delete_documents(self, doc_ids: Sequence[str]) -> Any:
-        """Delete documents by id; returns once the deletion is persisted (errors as
-        ``add_documents``)."""
+        """Delete documents by id; errors as ``add_documents``."""
         return self._call("delete_documents", list(doc_ids))
 
     def _call(self, name: str, *args: Any) -> Any:
@@ -266,9 +231,8 @@ class Server:
             self._call_slots.release()
 
     def embed(self, texts: Sequence[str]) -> Any:
-        """``Embeddings(vectors [n, dim] float32, num_tokens, model)`` of ``texts`` by the
-        index's embedder (document side), computed in the retrieval worker; a ``WorkerError``
-        as for ``add_documents`` (``timeout`` after ``call_timeout_s``, ``overloaded``)."""
+        """``Embeddings(vectors, num_tokens, model)`` of ``texts`` (document side), computed in
+        the retrieval worker; errors as ``add_documents``."""
         texts = list(texts)
         if not texts or not all(isinstance(t, str) and t for t in texts):
             raise ValueError("texts must be a non-empty list of non-empty strings")
@@ -276,11 +240,7 @@ class Server:
 
     # -- lifecycle --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Scheduler, engine (``num_running``/``num_waiting``/``num_blocks_*``) and worker
-        counters; ``cosched``: the co-scheduling optimizations that run.
-        ``scheduler_s_per_node``: the scheduler thread's work (its cycles outside admission
-        and the executor's poll, ``scheduler_busy_s``) per node run started (``None`` before
-        the first). In process mode call it from the thread that drives nothing else."""
+        """Scheduler, engine and worker counters; ``cosched``: the optimizations that run."""
         engine = self.executor.engine_stats()
         busy_s, num_node_runs = self.scheduler.busy_s, self.scheduler.num_node_runs
         out: dict[str, Any] = {
@@ -301,10 +261,8 @@ class Server:
         return out
 
     def health(self) -> dict[str, Any]:
-        """``{"status": "ok" | "unhealthy", "problems": [...], "cosched": [...]}`` (the
-        co-scheduling optimizations that run): unhealthy while the Server
-        is closed, its scheduler loop has stopped or made no cycle for ``health_stall_s``, or
-        a worker is down (dead, restarting, or given up). Thread-safe."""
+        """``{"status": "ok" | "unhealthy", "problems": [...], "cosched": [...]}``: unhealthy
+        while closed, the scheduler loop stalls (``health_stall_s``) or a worker is down."""
         problems = []
         if self._closed.is_set():
             problems.append("the Server is closed")
@@ -402,7 +360,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 def chat_history(turns: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-    """``turns`` checked: ``(role, content)`` pairs with a chat role and string content."""
     out = []
     for i, turn in enumerate(turns):
         if not (isinstance(turn, (tuple, list)) and len(turn) == 2):
@@ -417,8 +374,7 @@ def chat_history(turns: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
-    """``fn(*args)`` on ``loop`` from the scheduler thread; dropped if the loop has closed
-    (its caller is gone: e.g. a cancelled ``submit`` whose abort arrives later)."""
+    """``fn(*args)`` on ``loop``; dropped if the loop has closed (its caller is gone)."""
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
@@ -426,14 +382,7 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
             raise
 
 
-def _set(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
 def request_inputs(graph: CompiledGraph, inputs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``inputs`` checked against the graph: state key names other than ``input`` and
-    ``history``, and every key the graph declares present."""
     given = dict(inputs or {})
     for key in given:
         if not isinstance(key, str) or not NAME.match(key) or key in ("input", "history"):
@@ -445,7 +394,6 @@ def request_inputs(graph: CompiledGraph, inputs: Mapping[str, Any] | None) -> di
 
 
 def completion_graph(params: GenerationParams) -> CompiledGraph:
-    """A plain completion (``Server.complete``): one completion node of ``state["input"]``."""
     from ragserve.graph import END, START
 
     g = RAGraph("completion").add_completion(0, params=params)
@@ -474,7 +422,7 @@ def _request_output(rid: str, prompt_ids, token_ids, text, update, metrics) -> A
 def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) -> Any:
     from ragserve.runtime.executors import LocalExecutor, ProcessExecutor
     from ragserve.runtime.memory_plan import plan_gpu_memory
-    from ragserve.runtime.workers import WorkerSpec
+    from ragserve.runtime.workers import WorkerSpec, build_runner
 
     if not config.in_process and config.backend != "ray":
         _check_paths(model, index, embedder, "worker processes")
@@ -491,41 +439,25 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
             str(model), str(index), None if embedder is None else str(embedder), config
         )
     config, plan = plan_gpu_memory(config, model, index)
-    tier = None
-    if plan.tier_bytes is not None:
-        tier = config.gpu_tier.tier_spec(plan.tier_bytes)
-    if config.in_process:
-        from ragserve.runtime.runners import GenerationRunner
-        from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
-
-        generation = GenerationRunner.build(
-            model, config.engine_kwargs, tokenizer_prefetch=config.tokenizer_prefetch
-        )
-        retrieval = StagedRetrievalRunner.build(
-            index, embedder, config.default_nprobe, tier=tier, reranker=config.operators.reranker
-        )
-        return LocalExecutor(generation, retrieval)
-    log_level = logging.getLogger("ragserve").getEffectiveLevel()
+    tier = None if plan.tier_bytes is None else config.gpu_tier.tier_spec(plan.tier_bytes)
+    # NOTE: in process, the model and the index may be live objects; the builders take both
     gen = WorkerSpec(
         "generation",
-        model=str(model),
-        engine_kwargs=config.engine_kwargs,
-        log_level=log_level,
-        max_message_bytes=config.max_message_bytes,
-        small_message_bytes=config.small_message_bytes,
-        tokenizer_prefetch=config.tokenizer_prefetch,
+        model,
+        config.engine_kwargs,
+        index,
+        embedder,
+        config.default_nprobe,
+        tier,
+        logging.getLogger("ragserve").getEffectiveLevel(),
+        config.max_message_bytes,
+        config.small_message_bytes,
+        config.tokenizer_prefetch,
+        config.operators.reranker,
     )
-    ret = WorkerSpec(
-        "retrieval",
-        index=str(index),
-        embedder=None if embedder is None else str(embedder),
-        default_nprobe=config.default_nprobe,
-        tier=tier,
-        log_level=log_level,
-        max_message_bytes=config.max_message_bytes,
-        small_message_bytes=config.small_message_bytes,
-        reranker=config.operators.reranker,
-    )
+    ret = dataclasses.replace(gen, kind="retrieval")
+    if config.in_process:
+        return LocalExecutor(build_runner(gen), build_runner(ret))
     return ProcessExecutor(gen, ret, config)
 
 

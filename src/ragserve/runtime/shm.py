@@ -21,7 +21,6 @@ from ragserve.runtime.wire import ArrowPayload, InlineArrow, ShmRef
 
 
 def ipc_stream(batch: pa.RecordBatch) -> pa.Buffer:
-    """``batch`` as one Arrow IPC stream (schema + the batch)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
@@ -29,8 +28,7 @@ def ipc_stream(batch: pa.RecordBatch) -> pa.Buffer:
 
 
 def read_stream(buf: pa.Buffer) -> pa.RecordBatch:
-    """The one record batch of the IPC stream in ``buf``, its buffers in place; ``ValueError``
-    if ``buf`` is not such a stream."""
+    """The one record batch in ``buf``, in place; ``ValueError`` if it is no IPC stream."""
     try:
         reader = pa.ipc.open_stream(buf)
         batch = reader.read_next_batch()
@@ -50,11 +48,9 @@ class ShmRing:
         self.shm.buf[:num_slots] = bytes(num_slots)
 
     def handle(self) -> tuple[str, int, int]:
-        """What a worker needs to attach (picklable at process start)."""
         return (self.shm.name, self.num_slots, self.slot_bytes)
 
     def slot_offset(self, slot: int) -> int:
-        """Where ``slot`` starts in the segment."""
         return _header_bytes(self.num_slots) + slot * self.slot_bytes
 
     @property
@@ -63,9 +59,8 @@ class ShmRing:
 
     @contextlib.contextmanager
     def read(self, payload: ArrowPayload) -> Iterator[pa.RecordBatch]:
-        """The batch of ``payload``, read in place; a shared-memory slot is freed when the
-        block ends (the batch must not be used after it). ``ValueError`` for a reference out
-        of the ring or bytes that are no Arrow stream (the slot is freed all the same)."""
+        """The batch of ``payload``, read in place; its slot is freed when the block ends (also
+        on a ``ValueError``: a bad reference or no Arrow stream)."""
         if isinstance(payload, InlineArrow):
             yield read_stream(pa.py_buffer(payload.data))
             return
@@ -107,8 +102,7 @@ class ShmWriter:
         self.shm = shared_memory.SharedMemory(name=name)
 
     def write(self, stream: pa.Buffer, timeout: float | None = None) -> ArrowPayload:
-        """``stream`` (an IPC stream, ``ipc_stream``) in a free slot; inline when it is larger
-        than a slot or no slot freed within ``timeout``."""
+        """``stream`` in a free slot; inline when larger than a slot or none freed in time."""
         size = stream.size
         slot = self._free_slot(timeout) if size <= self.slot_bytes else None
         if slot is None:
@@ -119,7 +113,6 @@ class ShmWriter:
         return ShmRef(slot, size)
 
     def _free_slot(self, timeout: float | None) -> int | None:
-        """A free slot, waiting (polling every 0.5 ms) up to ``timeout``; ``None`` if none."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             slot = bytes(self.shm.buf[: self.num_slots]).find(0)

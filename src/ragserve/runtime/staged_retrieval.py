@@ -1,8 +1,7 @@
-"""``StagedRetrievalRunner``: a ``RetrievalRunner`` that also keeps ``StagedRetrievalTask``s
-active across calls, one sub-stage per ``run`` (the mechanism: ``retrieval/staged.py``); the
-worker keeps calling ``run([])`` while ``has_pending()``. A collapsed staged task is searched
-``FETCH_FACTOR`` times deeper and collapsed at the end, so it equals ``search_text(...,
-collapse_sections=True)``; otherwise the results are Faiss's one-shot top-k."""
+"""``StagedRetrievalRunner``: a ``RetrievalRunner`` that keeps ``StagedRetrievalTask``s active
+across calls, one sub-stage per ``run`` (``retrieval/staged.py``) while ``has_pending()``. A
+collapsed task is searched ``FETCH_FACTOR`` times deeper and collapsed at the end (it equals
+``search_text(..., collapse_sections=True)``); otherwise the results are Faiss's one-shot."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from ragserve.graph import Passage
 from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
 from ragserve.retrieval.staged import StageCostModel, StagedSearch, StageParams, StageProgress
 from ragserve.retrieval.types import ScoredDocument
-from ragserve.runtime.operator_runner import run_operators, split_operators
+from ragserve.runtime.errors import isolated
 from ragserve.runtime.runners import RetrievalRunner, failed_result
 from ragserve.scheduler import RetrievalResult, RetrievalTask
 from ragserve.scheduler.messages import (
@@ -32,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 
 class StagedRetrievalRunner(RetrievalRunner):
-    """``RetrievalRunner`` plus step-wise execution of staged retrievals (see module doc)."""
-
     def __init__(
         self,
         index: Any,
@@ -56,9 +53,8 @@ class StagedRetrievalRunner(RetrievalRunner):
         tier: TierSpec | None = None,
         reranker: str = "embedding",
     ) -> StagedRetrievalRunner:
-        """A runner over ``index`` (a folder, or a live index) with ``tier`` placed on it, and
-        ``embedder`` (a name or path, a live embedder, or ``None``: the index's own); the
-        rerank nodes' ``reranker`` is built from ``OperatorConfig.reranker``."""
+        """A runner over ``index`` (a folder or a live index) with ``tier`` placed on it;
+        ``embedder``: a name or path, a live one, or ``None`` (the index's own)."""
         from ragserve.retrieval import VectorIndex, load_embedder
         from ragserve.retrieval.rerank import load_reranker
 
@@ -91,7 +87,6 @@ class StagedRetrievalRunner(RetrievalRunner):
         scan: str = "auto",
         stream_cold: str = "auto",
     ) -> dict[str, Any]:
-        """Place the index's GPU tier (called through the worker's ``call`` message)."""
         tier = self.index.set_gpu_tier(
             budget_bytes, device=device, dtype=dtype, scan=scan, stream_cold=stream_cold
         )
@@ -111,30 +106,20 @@ class StagedRetrievalRunner(RetrievalRunner):
         }
 
     def run(self, tasks: list[RetrievalTask]) -> list:
-        ops, tasks = split_operators(tasks)
         plain = [
             t for t in tasks if not isinstance(t, StagedRetrievalTask) or self.needs_text_search(t)
         ]
         staged = [t for t in tasks if t not in plain]
-        updates: list = run_operators(self, ops) if ops else []
-        if plain:
-            updates.extend(super().run(plain))
+        updates: list = super().run(plain)
         if staged:
-            updates.extend(self._add(staged))
+            updates.extend(isolated(self._add, staged, failed_result))
         if self.search.has_pending():
             updates.extend(self._step())
         return updates
 
     def _add(self, tasks: list[StagedRetrievalTask]) -> list[RetrievalResult]:
-        """Embed and plan ``tasks``; one whose query cannot be embedded or planned fails alone
-        (the batch is embedded again without it)."""
-        try:
-            vectors = self.embedder.encode([t.query for t in tasks], is_query=True)
-        except Exception as exc:
-            if len(tasks) == 1:
-                return [failed_result(tasks[0], exc)]
-            logger.warning("staged embedding of %d failed (%s); one by one", len(tasks), exc)
-            return [r for t in tasks for r in self._add([t])]
+        """Embed and plan ``tasks``; one that cannot be planned fails alone."""
+        vectors = self.embedder.encode([t.query for t in tasks], is_query=True)
         failed = []
         for i, t in enumerate(tasks):
             try:
@@ -209,9 +194,8 @@ class StagedRetrievalRunner(RetrievalRunner):
     def _top(
         self, task: StagedRetrievalTask, ids: np.ndarray, scores: np.ndarray, collapsed: bool
     ) -> tuple[tuple[Passage, ...], bool]:
-        """``task``'s passages from a (partial) ranking, ``collapsed`` or cut to ``topk``; and
-        whether a collapsed ranking is full (every slot a live passage) yet short of
-        ``topk`` sections: only a deeper search can tell the rest."""
+        """``task``'s passages from a ranking, ``collapsed`` or cut to ``topk``; and whether a
+        full collapsed ranking is short of ``topk`` sections (then a deeper search decides)."""
         if not collapsed:
             return self._passages(ids[: task.topk], scores), False
         row = [int(x) for x in ids if x >= 0]
@@ -223,7 +207,6 @@ class StagedRetrievalRunner(RetrievalRunner):
         return passages, full and len(found) < task.topk
 
     def _searched_collapsed(self, task: StagedRetrievalTask) -> tuple[Passage, ...]:
-        """``task`` searched by ``search_text`` (collapsed, fetching deeper as it needs)."""
         (hits,) = self.index.search_text(
             [task.query],
             task.topk,

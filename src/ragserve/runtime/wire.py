@@ -1,5 +1,5 @@
 """The typed messages between the server and its worker processes, and the fixed tables of
-methods a call message may name. Which message goes where: docs/architecture.md "Data plane"."""
+methods a call message may name (docs/architecture.md "Data plane")."""
 
 from __future__ import annotations
 
@@ -11,15 +11,12 @@ from typing import Any
 
 from ragserve.scheduler import GenerationTask, RetrievalTask
 
-SMALL_MESSAGE_BYTES = 1 << 20
-"""Results whose rows are estimated below this ride pickled in the message, larger ones (up
-to a slot) as Arrow in shared memory (``payloads.py``; the crossover measured in
-BENCHMARKS.md)."""
+SMALL_MESSAGE_BYTES = 1 << 20  # smaller results ride pickled (``payloads.py``; BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
-class SubmitGenerationMsg:
-    tasks: tuple[GenerationTask, ...]
+class SubmitMsg:
+    tasks: tuple[GenerationTask | RetrievalTask, ...]
 
 
 @dataclass(frozen=True)
@@ -28,24 +25,9 @@ class AbortGenerationMsg:
 
 
 @dataclass(frozen=True)
-class SubmitRetrievalMsg:
-    tasks: tuple[RetrievalTask, ...]
-
-
-@dataclass(frozen=True)
-class CallRetrievalMsg:
-    """Run ``runner.<method>(*args)`` (``RETRIEVAL_CALLS``); the answer is a ``CallReplyMsg``
-    with the same ``token``."""
-
-    token: int
-    method: str
-    args: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class CallGenerationMsg:
-    """Run ``runner.<method>(*args)`` (``GENERATION_CALLS``) in the generation worker between
-    engine steps; the answer is a ``CallReplyMsg`` with the same ``token``."""
+class CallMsg:
+    """Run ``runner.<method>(*args)`` (``CALLS``) in the worker, between engine steps or
+    searches; the answer is a ``CallReplyMsg`` with the same ``token``."""
 
     token: int
     method: str
@@ -120,7 +102,7 @@ class WireError:
 
 @dataclass(frozen=True)
 class CallReplyMsg:
-    """The value a ``CallRetrievalMsg`` returned (pickled: any Python value), or its error."""
+    """The value a ``CallMsg`` returned (pickled: any Python value), or its error."""
 
     token: int
     value: Any = None
@@ -135,12 +117,7 @@ RETRIEVAL_CALLS = (
     "drop_gpu_tier",
     "gpu_tier_stats",
 )
-"""The retrieval runner's methods a caller may run in the worker (``call_retrieval``)."""
-
-GENERATION_CALLS = ("set_kv_reuse",)
-"""The generation runner's methods a caller may run in the worker (``call_generation``)."""
-
-CALLS = {"retrieval": RETRIEVAL_CALLS, "generation": GENERATION_CALLS}
+CALLS = {"retrieval": RETRIEVAL_CALLS, "generation": ("set_kv_reuse",)}  # what a caller may run
 
 
 def check_call(method: str, kind: str = "retrieval") -> Callable[..., Any]:
@@ -154,8 +131,7 @@ def check_call(method: str, kind: str = "retrieval") -> Callable[..., Any]:
 
 
 def encode(msg: Any) -> bytes:
-    """A message for a worker's inbox, pickled now (``pickle`` errors, a ``RecursionError``
-    for data nested too deep, raise here, in the sender)."""
+    """``msg`` pickled now: its errors raise here, in the sender."""
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
