@@ -1,8 +1,6 @@
-"""RAGraph: RAG workflows as graphs of operator nodes (generation, retrieval, embed, rerank,
-upsert, memory, function, completion), with conditional edges and fan-out/join.
+"""RAGraph: RAG workflows as graphs of operator nodes with conditional edges and fan-out/join.
 
-Build with ``RAGraph`` (fluent ``add_*``), validate with ``compile()``. Imports neither torch
-nor faiss.
+Build with ``RAGraph`` (fluent ``add_*``), validate with ``compile()``. Imports no torch/faiss.
 """
 
 from ragserve.graph.builder import RAGraph
@@ -11,19 +9,17 @@ from ragserve.graph.nodes import (
     END,
     RESOURCES,
     START,
-    Edge,
-    GenerationNode,
-    GraphError,
-    RetrievalNode,
-    State,
-)
-from ragserve.graph.operators import (
     CompletionNode,
+    Edge,
     EmbedNode,
     FunctionNode,
+    GenerationNode,
+    GraphError,
     MemoryNode,
     Node,
     RerankNode,
+    RetrievalNode,
+    State,
     UpsertNode,
 )
 from ragserve.graph.template import Passage, Template, render_value
