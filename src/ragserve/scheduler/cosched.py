@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ragserve.scheduler.similarity import SimilarityTransform
-from ragserve.scheduler.spec_retrieval import SpeculativeRetrievalTransform
+from ragserve.scheduler.similarity import SimilarityTransform, SpeculativeRetrievalTransform
 from ragserve.scheduler.speculation import SpeculationTransform
 from ragserve.scheduler.split import SplitTransform
 from ragserve.scheduler.transforms import BaseTransform

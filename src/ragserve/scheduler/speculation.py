@@ -1,21 +1,7 @@
-"""Speculative generation (HedraRAG §4.3, RAGCache §5.3): start the next generation on a
-retrieval's partial top-k; keep it if the final top-k is the same, abort and restart if not.
-
-```
-retrieval R (sub-stages):  [s1][s2][s3][s4]            final top-k == partial after s1?
-partial after s1 ─────────────┐                               yes: G's tokens so far are kept
-speculative G:                 [G G G G G ...]                no:  G aborted (blocks freed),
-real G (no speculation):                       [G G G G ...]       the real G runs as usual
-```
-
-Exactness: a speculation is adopted only when the real generation task the scheduler builds
-after the retrieval has exactly the prompt and parameters the speculation was started with;
-greedy decoding then yields the same tokens. Only greedy (temperature 0) nodes speculate.
-Anything else (other docs, another route, a failed request) aborts the speculation.
-
-Speculation starts only while the generation side has room: ``T_curr / T_max < tau`` with
-``T_curr`` the generation tasks in flight (real + speculative) and ``T_max = capacity``.
-"""
+"""Speculative generation (HedraRAG §4.3, RAGCache §5.3): start the next greedy generation on
+a retrieval's partial top-k, while in-flight generations / ``capacity`` < ``tau``; adopt it
+if the final top-k is the same and the real task has exactly its prompt and parameters (so
+greedy decoding gives the same tokens), else abort it."""
 
 from __future__ import annotations
 
@@ -33,8 +19,8 @@ from ragserve.scheduler.messages import (
     RetrievalPartial,
     RetrievalResult,
     Wavefront,
+    as_staged,
 )
-from ragserve.scheduler.similarity import as_staged
 from ragserve.scheduler.transforms import BaseTransform, SchedulerView, TaskView
 
 logger = logging.getLogger(__name__)
@@ -42,8 +28,6 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Spec:
-    """One speculative generation task (mutated by the transform only)."""
-
     spec_id: str
     retrieval_task_id: str
     request_id: str
@@ -73,13 +57,8 @@ class SpeculationStats:
 
 
 class SpeculationTransform(BaseTransform):
-    """Start generations on partial retrieval results; adopt or abort them.
-
-    ``tau``/``capacity``: start only while in-flight generation tasks / ``capacity`` < tau.
-    ``first_clusters``: cut off a first sub-stage of this many clusters, so there is an early
-    partial result to speculate on (0: only the budget's sub-stages give partials).
-    ``max_restarts``: how often a newer, different partial may replace a speculation.
-    """
+    """``first_clusters``: cut a first sub-stage of this many clusters, for an early
+    partial; ``max_restarts``: how often a newer, different partial may replace a speculation."""
 
     def __init__(
         self,
@@ -102,7 +81,6 @@ class SpeculationTransform(BaseTransform):
     def bind(self, view: SchedulerView) -> None:
         self._view = view
 
-    # -- dispatch side ----------------------------------------------------------------------
     def apply(self, wavefront: Wavefront) -> Wavefront:
         wavefront.retrieval = [self._with_partials(t) for t in wavefront.retrieval]
         kept = []
@@ -136,7 +114,6 @@ class SpeculationTransform(BaseTransform):
         return True
 
     def _match(self, run: TaskView, task: GenerationTask) -> _Spec | None:
-        """The confirmed, not yet adopted speculation that ran exactly ``task``, if any."""
         for spec in self._specs.values():
             if spec.request_id != run.request_id or not spec.confirmed:
                 continue
@@ -145,7 +122,6 @@ class SpeculationTransform(BaseTransform):
         return None
 
     def _drop_stale(self) -> None:
-        """Abort the speculations nobody will adopt (``_is_stale``)."""
         for spec in list(self._specs.values()):
             if self._is_stale(spec):
                 self._abort(spec)
@@ -153,9 +129,8 @@ class SpeculationTransform(BaseTransform):
         self._running = {t for t in self._running if t in self._specs or has_task(t)}
 
     def _is_stale(self, spec: _Spec) -> bool:
-        """Request gone; retrieval ended without confirming it (a partial that came after
-        its final); confirmed but the real node, dispatched this cycle, did not match; or
-        adopted by a task that is no longer running."""
+        """Request gone; retrieval ended unconfirmed; confirmed but not adopted by the real
+        task dispatched this cycle; or adopted by a task no longer running."""
         view = self._view
         if not view.is_active(spec.request_id):
             return True
@@ -165,7 +140,6 @@ class SpeculationTransform(BaseTransform):
             return True
         return spec.adopted_as not in view.running_task_ids(spec.request_id)
 
-    # -- update side ------------------------------------------------------------------------
     def on_updates(self, updates: list[Update]) -> list[Update]:
         out: list[Update] = list(self._replay)
         self._replay = []
@@ -252,7 +226,6 @@ class SpeculationTransform(BaseTransform):
         prompt, history = node.prompt.render(step.state), node.history(step.state)
         return GenerationTask(task_id, prompt, params, history=history), step.node_id
 
-    # -- bookkeeping ------------------------------------------------------------------------
     def _abort(self, spec: _Spec) -> None:
         self._view.abort([spec.spec_id])  # dropped if not dispatched yet, else aborted
         self.stats.num_aborted += 1
@@ -269,7 +242,6 @@ class SpeculationTransform(BaseTransform):
         return len(self._specs)
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if the bookkeeping is inconsistent (tests call it)."""
         for retrieval_task_id, spec in self._by_retrieval.items():
             assert self._specs.get(spec.spec_id) is spec, spec.spec_id
             assert spec.retrieval_task_id == retrieval_task_id, spec.spec_id
@@ -280,8 +252,6 @@ class SpeculationTransform(BaseTransform):
 
 
 def _same_work(spec: _Spec, task: GenerationTask) -> bool:
-    """Same prompt, conversation and sampling: greedy decoding gives the same tokens (the
-    task id and ``chunk_s``, how updates are coalesced, may differ)."""
     a = spec.task
     return (a.prompt, a.history, a.params, a.chat) == (
         task.prompt,
