@@ -1,17 +1,7 @@
-"""``CpuPool``: function nodes' bounded thread pool with per-call timeouts.
-
-``submit`` queues a call; ``num_workers`` threads run calls; ``poll`` (scheduler thread)
-returns an ``OperatorResult`` per finished call and one error per call that has run longer
-than its timeout. A Python thread cannot be killed: a timed-out call keeps its thread until
-it returns, so that thread is written off and a fresh one takes its place, at most
-``max_stuck`` at a time (past it, calls fail at once: "the function pool is exhausted").
-
-```
-submit ─▶ queue ─▶ [worker 1] ─┐        poll: finished results
-                   [worker 2] ─┼─▶ done ─▶     + running past deadline -> timeout error
-                   [worker n] ─┘               (its thread written off, a new one started)
-```
-"""
+"""``CpuPool``: function nodes' bounded thread pool. ``poll`` returns an ``OperatorResult`` per
+finished call and a timeout error per call past its deadline; a timed-out call's thread (a
+Python thread cannot be killed) is written off and replaced, at most ``max_stuck`` at a time
+(past it, calls fail at once)."""
 
 from __future__ import annotations
 
@@ -40,8 +30,7 @@ class _Call:
 
 
 class CpuPool:
-    """``num_workers`` threads for function nodes; ``default_timeout_s`` for calls without
-    their own. Thread-safe ``submit``/``abort``; ``poll`` from one thread."""
+    """Thread-safe ``submit``/``abort``; ``poll`` from one thread."""
 
     def __init__(self, num_workers: int = 4, default_timeout_s: float = 30.0, max_stuck: int = 16):
         if num_workers < 1:
@@ -61,7 +50,6 @@ class CpuPool:
             self._spawn()
 
     def submit(self, task_id: str, fn: Callable[[Any], Any], arg: Any, timeout_s: float | None):
-        """Queue ``fn(arg)``; its ``OperatorResult`` comes from a later ``poll``."""
         call = _Call(task_id, fn, arg, timeout_s or self.default_timeout_s)
         with self._lock:
             if self._num_stuck >= self.max_stuck:
@@ -72,7 +60,6 @@ class CpuPool:
         self._queue.put(call)
 
     def abort(self, task_ids: list[str]) -> None:
-        """Drop these calls' results (a running call still runs to its end)."""
         with self._lock:
             for tid in task_ids:
                 call = self._calls.pop(tid, None)
@@ -83,7 +70,6 @@ class CpuPool:
         return bool(self._calls) or not self._done.empty()
 
     def poll(self) -> list[OperatorResult]:
-        """Results of finished calls, and a timeout error for each call past its deadline."""
         out = []
         while True:
             try:

@@ -1,15 +1,7 @@
-"""``MemoryStore``: the per-session memory behind memory nodes, bounded and thread-safe.
-
-A session (any non-empty string id) holds text entries, oldest first. Bounds, each enforced
-on every append by dropping the oldest first:
-
-- ``max_entries`` entries per session;
-- ``max_bytes`` UTF-8 bytes per session (an entry longer than that alone is cut to its last
-  ``max_bytes`` bytes, on a character boundary);
-- ``max_sessions`` sessions (the least recently used session is dropped whole).
-
-In memory only: a restart forgets every session.
-"""
+"""``MemoryStore``: the per-session memory behind memory nodes, in memory only. Each append
+drops the oldest entries past ``max_entries`` or ``max_bytes`` (UTF-8; a longer entry is cut
+to its last ``max_bytes``) per session, and the least recently used session past
+``max_sessions``."""
 
 from __future__ import annotations
 
@@ -25,7 +17,7 @@ class _Session:
 
 
 class MemoryStore:
-    """Session id -> entries. ``read``/``append`` are thread-safe."""
+    """Session id -> entries, oldest first; thread-safe."""
 
     def __init__(
         self, max_entries: int = 64, max_bytes: int = 65536, max_sessions: int = 10000
@@ -42,7 +34,6 @@ class MemoryStore:
         self._lock = threading.Lock()
 
     def read(self, session_id: str) -> list[str]:
-        """The session's entries, oldest first (``[]`` for an unknown session)."""
         _check_session(session_id)
         with self._lock:
             session = self._sessions.get(session_id)
@@ -82,7 +73,6 @@ class MemoryStore:
             }
 
     def check_integrity(self) -> None:
-        """Every bound holds and the byte counts match the entries (tests call it)."""
         with self._lock:
             assert len(self._sessions) <= self.max_sessions
             for sid, s in self._sessions.items():

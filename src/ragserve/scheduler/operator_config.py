@@ -12,18 +12,9 @@ RERANKER_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """Knobs of the operators that run in the server process.
-
-    - ``function_workers`` threads run function nodes (``CpuPool``); a call runs at most
-      ``function_timeout_s`` seconds (a node's own ``timeout_s`` wins), then its request fails;
-      past ``function_max_stuck`` timed-out calls still running, function nodes fail at once.
-    - Memory nodes' ``MemoryStore``: ``memory_max_entries`` entries and ``memory_max_bytes``
-      UTF-8 bytes per session, ``memory_max_sessions`` sessions; oldest dropped first.
-    - ``reranker``: what rerank nodes score with, built by the retrieval worker at start
-      (``retrieval.rerank.load_reranker``): ``"embedding"`` (the index embedder's cosine) or
-      ``"module:factory"``, ``factory(embedder)`` returning a reranker (``score(query,
-      texts)``); only its form is checked here, the import at worker start.
-    """
+    """The ``CpuPool``'s (``function_*``) and ``MemoryStore``'s (``memory_*``) bounds, and
+    ``reranker``: ``"embedding"`` (the embedder's cosine) or ``"module:factory"``, called as
+    ``factory(embedder)`` at worker start (only its form is checked here)."""
 
     function_workers: int = 4
     function_timeout_s: float = 30.0
