@@ -35,12 +35,7 @@ def check_float(name: str, value: Any) -> float:
 
 
 def check_sampling(
-    *,
-    max_tokens: Any,
-    temperature: Any,
-    top_p: Any,
-    top_k: Any = None,
-    seed: Any = None,
+    *, max_tokens: Any, temperature: Any, top_p: Any, top_k: Any = None, seed: Any = None
 ) -> None:
     check_int("max_tokens", max_tokens)
     temp = check_float("temperature", temperature)

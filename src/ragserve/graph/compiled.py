@@ -58,10 +58,7 @@ class FanOut:
 
 
 def validate(
-    name: str | None,
-    nodes: dict[NodeId, Node],
-    edges: list[Edge],
-    inputs: tuple[str, ...] = (),
+    name: str | None, nodes: dict[NodeId, Node], edges: list[Edge], inputs: tuple[str, ...] = ()
 ) -> CompiledGraph:
     if not nodes:
         raise GraphError("graph has no nodes")

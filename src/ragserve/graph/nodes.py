@@ -90,6 +90,7 @@ class _Node:
     append = False
     keys: tuple[str, ...] = ("output",)  # fields naming state keys (required)
     optional_keys: tuple[str, ...] = ()  # fields naming state keys or None
+    reads: tuple[str, ...] = ()  # fields whose keys or template variables it reads
 
     def __post_init__(self) -> None:
         for name in (*self.keys, *self.optional_keys):
@@ -102,6 +103,17 @@ class _Node:
 
     def check(self) -> None:
         """The kind's own field checks."""
+
+    @property
+    def inputs(self) -> frozenset[str]:
+        out: set[str] = set()
+        for name in self.reads:
+            value = getattr(self, name)
+            if isinstance(value, Template):
+                out |= value.variables
+            elif value is not None:
+                out.add(value)
+        return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -125,6 +137,7 @@ class GenerationNode(_Node):
 
     kind = "generation"
     resource = "engine"
+    reads = ("prompt",)
 
     def check(self) -> None:
         check_sampling(
@@ -135,10 +148,6 @@ class GenerationNode(_Node):
         )
         if self.fusion_ratio is not None and not 0.0 <= self.fusion_ratio <= 1.0:
             raise ValueError(f"fusion_ratio must be in [0, 1], got {self.fusion_ratio}")
-
-    @property
-    def inputs(self) -> frozenset[str]:
-        return self.prompt.variables
 
     def history(self, state: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
         """The ``(role, content)`` turns to put before this node's prompt (empty: none)."""
@@ -164,6 +173,7 @@ class RetrievalNode(_Node):
 
     kind = "retrieval"
     resource = "retrieval"
+    reads = ("query",)
 
     def check(self) -> None:
         check_retrieval(topk=self.topk, nprobe=self.nprobe)
@@ -173,10 +183,6 @@ class RetrievalNode(_Node):
             raise ValueError("filter must be a dict of metadata conditions")
         if self.collapse_sections is not None and not isinstance(self.collapse_sections, bool):
             raise ValueError("collapse_sections must be a bool or None")
-
-    @property
-    def inputs(self) -> frozenset[str]:
-        return self.query.variables
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,6 @@ class FunctionNode(_Node):
 
     kind = "function"
     resource = "cpu"
-    inputs = frozenset()
 
     def check(self) -> None:
         check_callable(self.fn)
@@ -212,12 +217,9 @@ class UpsertNode(_Node):
 
     kind = "upsert"
     resource = "retrieval"
+    reads = ("documents",)
     keys = ("documents",)
     optional_keys = ("output",)
-
-    @property
-    def inputs(self) -> frozenset[str]:
-        return frozenset({self.documents})
 
 
 @dataclass(frozen=True)
@@ -230,11 +232,8 @@ class EmbedNode(_Node):
 
     kind = "embed"
     resource = "retrieval"
+    reads = ("text",)
     keys = ("text", "output")
-
-    @property
-    def inputs(self) -> frozenset[str]:
-        return frozenset({self.text})
 
 
 @dataclass(frozen=True)
@@ -250,14 +249,11 @@ class RerankNode(_Node):
 
     kind = "rerank"
     resource = "retrieval"
+    reads = ("query", "docs")
     keys = ("docs", "output")
 
     def check(self) -> None:
         check_int("topk", self.topk)
-
-    @property
-    def inputs(self) -> frozenset[str]:
-        return self.query.variables | {self.docs}
 
 
 @dataclass(frozen=True)
@@ -274,6 +270,7 @@ class MemoryNode(_Node):
 
     kind = "memory"
     resource = "scheduler"
+    reads = ("key", "text")
     keys = ("key",)
     optional_keys = ("output",)
 
@@ -284,11 +281,6 @@ class MemoryNode(_Node):
             raise ValueError("a read memory node needs output=")
         if self.mode == "read" and self.text is not None:
             raise ValueError("text= is only for append memory nodes")
-
-    @property
-    def inputs(self) -> frozenset[str]:
-        extra = self.text.variables if self.text is not None else frozenset()
-        return frozenset({self.key}) | extra
 
 
 @dataclass(frozen=True)
@@ -303,6 +295,7 @@ class CompletionNode(_Node):
 
     kind = "completion"
     resource = "engine"
+    reads = ("prompt",)
     keys = ("prompt", "output")
 
     def check(self) -> None:
@@ -317,10 +310,6 @@ class CompletionNode(_Node):
             )
         except (ValueError, AttributeError) as exc:
             raise ValueError(f"params: {exc}") from None
-
-    @property
-    def inputs(self) -> frozenset[str]:
-        return frozenset({self.prompt})
 
 
 Node = (

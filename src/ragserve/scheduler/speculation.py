@@ -61,11 +61,7 @@ class SpeculationTransform(BaseTransform):
     partial; ``max_restarts``: how often a newer, different partial may replace a speculation."""
 
     def __init__(
-        self,
-        tau: float = 0.75,
-        capacity: int = 64,
-        first_clusters: int = 0,
-        max_restarts: int = 1,
+        self, tau: float = 0.75, capacity: int = 64, first_clusters: int = 0, max_restarts: int = 1
     ) -> None:
         self.tau, self.capacity = tau, capacity
         self.first_clusters, self.max_restarts = first_clusters, max_restarts

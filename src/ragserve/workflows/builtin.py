@@ -64,18 +64,8 @@ def multistep(
         with_history=True,  # the search query follows the conversation
     )
     g.add_retrieval(1, query="subquestion", topk=topk, output="docs", nprobe=nprobe)
-    g.add_generation(
-        2,
-        prompt=MULTISTEP_NOTE,
-        output="notes",
-        max_tokens=step_tokens,
-        append=True,
-    )
-    g.add_generation(
-        3,
-        prompt=MULTISTEP_ANSWER,
-        max_tokens=max_tokens,
-    )
+    g.add_generation(2, prompt=MULTISTEP_NOTE, output="notes", max_tokens=step_tokens, append=True)
+    g.add_generation(3, prompt=MULTISTEP_ANSWER, max_tokens=max_tokens)
     g.add_edge(START, 0).add_edge(0, 1).add_edge(1, 2)
     g.add_edge(2, lambda s: 0 if s.visit_count(2) < rounds else 3, targets=(0, 3))
     return g.add_edge(3, END).compile()
