@@ -39,11 +39,7 @@ def lower(run: NodeRun, node: Any, task_id: str, memory: MemoryStore) -> Lowered
 def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
     kind = node.kind
     if kind == "generation":
-        params = GenerationParams.for_node(node)
-        task = GenerationTask(
-            task_id, node.prompt.render(state), params, history=node.history(state)
-        )
-        return Lowered("engine", task)
+        return Lowered("engine", generation_task(task_id, node, state))
     if kind == "completion":
         prompt = state.get(node.prompt)
         prompt = tuple(prompt) if isinstance(prompt, list) else prompt
@@ -98,6 +94,12 @@ def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
     return Lowered(
         "inline", OperatorResult(task_id, memory.append(session, node.text.render(state)))
     )
+
+
+def generation_task(task_id: str, node: Any, state: Any) -> GenerationTask:
+    """The task of a ``GenerationNode`` reading ``state``."""
+    params = GenerationParams.for_node(node)
+    return GenerationTask(task_id, node.prompt.render(state), params, history=node.history(state))
 
 
 def _is_list(value: Any) -> bool:

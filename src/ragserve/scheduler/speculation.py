@@ -6,14 +6,13 @@ greedy decoding gives the same tokens), else abort it."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.graph import GenerationNode, RetrievalNode
 from ragserve.scheduler.executor import Update
+from ragserve.scheduler.lowering import generation_task
 from ragserve.scheduler.messages import (
-    GenerationParams,
     GenerationTask,
     GenerationUpdate,
     RetrievalPartial,
@@ -22,8 +21,6 @@ from ragserve.scheduler.messages import (
     as_staged,
 )
 from ragserve.scheduler.transforms import BaseTransform, SchedulerView, TaskView
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,7 +110,9 @@ class SpeculationTransform(BaseTransform):
         for spec in self._specs.values():
             if spec.request_id != run.request_id or not spec.confirmed:
                 continue
-            if spec.adopted_as is None and spec.node_id == run.node_id and _same_work(spec, task):
+            # NOTE: the same work up to how updates are coalesced: the same greedy tokens
+            same = dataclasses.replace(spec.task, task_id=task.task_id, chunk_s=task.chunk_s)
+            if spec.adopted_as is None and spec.node_id == run.node_id and same == task:
                 return spec
         return None
 
@@ -216,11 +215,9 @@ class SpeculationTransform(BaseTransform):
         node = run.graph.nodes.get(step.node_id)
         if not isinstance(node, GenerationNode) or node.temperature != 0.0:
             return None
-        params = GenerationParams.for_node(node)
         self._seq += 1
         task_id = f"spec/{self._seq}/{partial.task_id}"
-        prompt, history = node.prompt.render(step.state), node.history(step.state)
-        return GenerationTask(task_id, prompt, params, history=history), step.node_id
+        return generation_task(task_id, node, step.state), step.node_id
 
     def _abort(self, spec: _Spec) -> None:
         self._view.abort([spec.spec_id])  # dropped if not dispatched yet, else aborted
@@ -245,16 +242,6 @@ class SpeculationTransform(BaseTransform):
             assert spec.spec_id == spec_id
             assert spec.adopted_as is None or (spec.confirmed and not spec.buffered), spec_id
         assert not self._replay, "replayed updates left over after on_updates"
-
-
-def _same_work(spec: _Spec, task: GenerationTask) -> bool:
-    a = spec.task
-    return (a.prompt, a.history, a.params, a.chat) == (
-        task.prompt,
-        task.history,
-        task.params,
-        task.chat,
-    )
 
 
 def _ids(passages) -> tuple[str, ...]:
