@@ -1,8 +1,5 @@
-"""``validate()`` turns a builder's nodes and edges into an immutable ``CompiledGraph``, raising
-``GraphError`` naming the node for: unknown endpoints, zero or several outgoing edges, a loop
-of plain edges, a node that cannot reach ``END`` or be reached from ``START``, a fan-out whose
-branches do not join or write the same key, and a template variable nothing produces.
-Fan-out / join semantics: docs/architecture.md "Graph"."""
+"""``validate()``: a builder's nodes and edges to an immutable ``CompiledGraph``, or a
+``GraphError`` naming the node (fan-out / join rules: docs/architecture.md "Graph")."""
 
 from __future__ import annotations
 

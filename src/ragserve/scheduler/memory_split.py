@@ -129,14 +129,8 @@ def solve_memory_split(
     ``index_tier_bytes``) skips the solver; the profiles may then be ``None``."""
     _check_sizes(total_bytes, block_bytes, min_kv_blocks, max_index_bytes)
     if kv_cache_bytes is not None or index_tier_bytes is not None:
-        return _override(
-            total_bytes,
-            block_bytes,
-            min_kv_blocks,
-            (kv_cache_bytes, index_tier_bytes, max_index_bytes),
-            generation,
-            retrieval,
-        )
+        requested = (kv_cache_bytes, index_tier_bytes, max_index_bytes)
+        return _override(total_bytes, block_bytes, min_kv_blocks, requested, generation, retrieval)
     if generation is None or retrieval is None:
         raise ValueError("generation and retrieval profiles are required without an override")
     blocks = np.arange(min_kv_blocks, total_bytes // block_bytes + 1, dtype=np.int64)
@@ -152,8 +146,7 @@ def solve_memory_split(
     top = ties[total >= total.max() - 1e-9 * max(abs(total.max()), 1.0)]
     i = int(top[-1])
     n = int(blocks[i])
-    kv = n * block_bytes
-    return MemorySplit(kv, int(tier[i]), n, "eq2", float(t_g[i]), float(t_r[i]))
+    return MemorySplit(n * block_bytes, int(tier[i]), n, "eq2", float(t_g[i]), float(t_r[i]))
 
 
 def _check_sizes(
@@ -195,12 +188,9 @@ def _override(
             f"kv_cache_bytes {kv_cache_bytes} holds {n} blocks < min_kv_blocks {min_kv_blocks}"
         )
     kv = n * block_bytes
-    if index_tier_bytes is not None:
-        tier = index_tier_bytes
-    elif max_index_bytes is not None:
-        tier = min(total_bytes - kv, max_index_bytes)
-    else:
-        tier = total_bytes - kv
+    tier = total_bytes - kv if index_tier_bytes is None else index_tier_bytes
+    if index_tier_bytes is None and max_index_bytes is not None:
+        tier = min(tier, max_index_bytes)
     if kv + tier > total_bytes:
         raise ValueError(
             f"kv_cache_bytes {kv} + index_tier_bytes {tier} > total_bytes {total_bytes}"
