@@ -98,7 +98,7 @@ def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
 
 def generation_task(task_id: str, node: Any, state: Any) -> GenerationTask:
     """The task of a ``GenerationNode`` reading ``state``."""
-    params = GenerationParams.for_node(node)
+    params = GenerationParams.from_any(node)
     return GenerationTask(task_id, node.prompt.render(state), params, history=node.history(state))
 
 

@@ -35,20 +35,8 @@ class GenerationParams:
         )
 
     @classmethod
-    def for_node(cls, node: Any) -> GenerationParams:
-        return cls(
-            max_tokens=node.max_tokens,
-            temperature=node.temperature,
-            top_p=node.top_p,
-            seed=node.seed,
-            stop=node.stop,
-            ignore_eos=node.ignore_eos,
-            fusion_ratio=node.fusion_ratio,
-        )
-
-    @classmethod
     def from_any(cls, params: Any) -> GenerationParams:
-        """Copy the matching attributes of any SamplingParams-like object."""
+        """The matching attributes of a ``SamplingParams``-like object or a ``GenerationNode``."""
         if isinstance(params, cls):
             return params
         values = {f.name: getattr(params, f.name) for f in fields(cls) if hasattr(params, f.name)}
