@@ -30,13 +30,10 @@ class _Call:
 
 
 class CpuPool:
-    """Thread-safe ``submit``/``abort``; ``poll`` from one thread."""
+    """Thread-safe ``submit``/``abort``; ``poll`` from one thread. Bounds are checked by
+    ``OperatorConfig``."""
 
     def __init__(self, num_workers: int = 4, default_timeout_s: float = 30.0, max_stuck: int = 16):
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not default_timeout_s > 0:
-            raise ValueError(f"default_timeout_s must be > 0, got {default_timeout_s}")
         self.num_workers = num_workers
         self.default_timeout_s = default_timeout_s
         self.max_stuck = max_stuck
@@ -45,7 +42,6 @@ class CpuPool:
         self._lock = threading.Lock()
         self._calls: dict[str, _Call] = {}  # submitted, not yet reported
         self._num_stuck = 0  # threads written off (still running a timed-out call)
-        self._closed = False
         for _ in range(num_workers):
             self._spawn()
 
@@ -95,7 +91,6 @@ class CpuPool:
         return out
 
     def close(self) -> None:
-        self._closed = True
         for _ in range(self.num_workers + self._num_stuck):
             self._queue.put(None)
 

@@ -17,18 +17,12 @@ class _Session:
 
 
 class MemoryStore:
-    """Session id -> entries, oldest first; thread-safe."""
+    """Session id -> entries, oldest first; thread-safe. Bounds are checked by
+    ``OperatorConfig``."""
 
     def __init__(
         self, max_entries: int = 64, max_bytes: int = 65536, max_sessions: int = 10000
     ) -> None:
-        for name, value in (
-            ("max_entries", max_entries),
-            ("max_bytes", max_bytes),
-            ("max_sessions", max_sessions),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         self.max_entries, self.max_bytes, self.max_sessions = max_entries, max_bytes, max_sessions
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._lock = threading.Lock()
@@ -63,14 +57,6 @@ class MemoryStore:
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
         return text
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "num_sessions": len(self._sessions),
-                "num_entries": sum(len(s.entries) for s in self._sessions.values()),
-                "num_bytes": sum(s.num_bytes for s in self._sessions.values()),
-            }
 
     def check_integrity(self) -> None:
         with self._lock:
