@@ -4,7 +4,7 @@ Build with ``RAGraph`` (fluent ``add_*``), validate with ``compile()``. Imports 
 """
 
 from ragserve.graph.builder import RAGraph
-from ragserve.graph.compiled import INPUT_KEY, CompiledGraph, FanOut
+from ragserve.graph.compiled import CompiledGraph, FanOut
 from ragserve.graph.nodes import (
     END,
     RESOURCES,
@@ -22,11 +22,10 @@ from ragserve.graph.nodes import (
     State,
     UpsertNode,
 )
-from ragserve.graph.template import Passage, Template, render_value
+from ragserve.graph.template import Passage, Template
 
 __all__ = [
     "END",
-    "INPUT_KEY",
     "RESOURCES",
     "START",
     "CompiledGraph",
@@ -46,5 +45,4 @@ __all__ = [
     "RetrievalNode",
     "State",
     "Template",
-    "render_value",
 ]

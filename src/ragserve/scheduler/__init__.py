@@ -19,7 +19,7 @@ from ragserve.scheduler.messages import (
     Wavefront,
 )
 from ragserve.scheduler.operator_config import OperatorConfig
-from ragserve.scheduler.request import NodeRun, NodeTiming, RequestState, Response
+from ragserve.scheduler.request import NodeTiming, RequestState, Response
 from ragserve.scheduler.scheduler import Scheduler
 from ragserve.scheduler.transforms import BaseTransform, NextStep, SchedulerView, TaskView
 
@@ -32,7 +32,6 @@ __all__ = [
     "GenerationUpdate",
     "MemoryStore",
     "NextStep",
-    "NodeRun",
     "NodeTiming",
     "OperatorConfig",
     "OperatorResult",
