@@ -125,13 +125,17 @@ class RequestState:
         return all(r.is_dispatched for r in self.runs)
 
     def response(self) -> Response:
+        summed: dict = {}  # node id -> seconds, over its runs
+        for t in self.timings:
+            if t.duration is not None:
+                summed[t.node_id] = summed.get(t.node_id, 0.0) + t.duration
         return Response(
             request_id=self.request_id,
             output=str(self.state.get("output", "")),
             state=dict(self.state),
             doc_ids=tuple(self.retrieved),
             titles=tuple(p.title for p in self.retrieved.values()),
-            timings=_summed(self.timings),
+            timings=summed,
             error=self.error,
             node_timings=tuple(self.timings),
             arrival_time=self.arrival_time,
@@ -147,11 +151,3 @@ class RequestError(RuntimeError):
         super().__init__(response.error)
         self.response = response
         self.kind: ErrorKind = response.error_kind or "internal"
-
-
-def _summed(timings: list[NodeTiming]) -> dict:
-    out: dict = {}
-    for t in timings:
-        if t.duration is not None:
-            out[t.node_id] = out.get(t.node_id, 0.0) + t.duration
-    return out
