@@ -59,9 +59,6 @@ def validate(
 ) -> CompiledGraph:
     if not nodes:
         raise GraphError("graph has no nodes")
-    for node in nodes.values():
-        if not isinstance(node, Node):
-            raise GraphError(f"node {getattr(node, 'node_id', node)!r} is of an unknown kind")
     out: dict[Any, Edge] = {}
     for edge in edges:
         if edge.src is not START and edge.src not in nodes:

@@ -22,7 +22,7 @@ from ragserve.scheduler.request import NodeRun
 
 
 class Lowered(NamedTuple):
-    """``resource``: ``engine``, ``retrieval``, ``operators`` (the retrieval worker's),
+    """``resource``: a ``Wavefront`` list (``generation``, ``retrieval``, ``operators``),
     ``cpu`` (``(fn, state, timeout_s)``) or ``inline`` (an ``OperatorResult`` ready now)."""
 
     resource: str
@@ -39,7 +39,7 @@ def lower(run: NodeRun, node: Any, task_id: str, memory: MemoryStore) -> Lowered
 def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
     kind = node.kind
     if kind == "generation":
-        return Lowered("engine", generation_task(task_id, node, state))
+        return Lowered("generation", generation_task(task_id, node, state))
     if kind == "completion":
         prompt = state.get(node.prompt)
         prompt = tuple(prompt) if isinstance(prompt, list) else prompt
@@ -49,7 +49,7 @@ def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
         ):
             raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r:.60}")
         params = GenerationParams.from_any(node.params)
-        return Lowered("engine", GenerationTask(task_id, prompt, params, chat=False))
+        return Lowered("generation", GenerationTask(task_id, prompt, params, chat=False))
     if kind == "retrieval":
         query = node.query.render(state)
         fields = (node.topk, node.nprobe, node.mode, node.filter, node.collapse_sections)

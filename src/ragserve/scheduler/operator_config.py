@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from ragserve.graph.checks import check_int
 
 DEFAULT_RERANKER = "embedding"
 # ``module:factory``: a dotted module path and a (dotted) attribute inside it
@@ -33,13 +35,6 @@ class OperatorConfig:
             )
         if not 0 < self.function_timeout_s < float("inf"):
             raise ValueError(f"function_timeout_s must be > 0, got {self.function_timeout_s}")
-        for name in (
-            "function_workers",
-            "function_max_stuck",
-            "memory_max_entries",
-            "memory_max_bytes",
-            "memory_max_sessions",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for f in fields(self):
+            if f.type == "int":  # counts and bounds, each >= 1
+                check_int(f.name, getattr(self, f.name))

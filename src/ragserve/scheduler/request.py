@@ -120,10 +120,6 @@ class RequestState:
     error: str | None = None
     error_kind: ErrorKind | None = None
 
-    @property
-    def is_dispatched(self) -> bool:
-        return all(r.is_dispatched for r in self.runs)
-
     def response(self) -> Response:
         summed: dict = {}  # node id -> seconds, over its runs
         for t in self.timings:

@@ -140,11 +140,8 @@ class Scheduler:
                 for item in deferred:
                     self._admit_one("add", item)
             try:
-                kind, item = (
-                    self._inbox.get(timeout=self.poll_timeout)
-                    if idle
-                    else (self._inbox.get_nowait())
-                )
+                get = self._inbox.get
+                kind, item = get(timeout=self.poll_timeout) if idle else get(block=False)
             except queue.Empty:
                 return
             idle = False
@@ -212,19 +209,15 @@ class Scheduler:
                 run.task_id = f"{req.request_id}/{run.node_id}/{run.seq}"
                 self._by_task[run.task_id] = (req, run)
                 run.timing.dispatched_at = now
-                node = req.graph.nodes[run.node_id]
-                lowered = lower(run, node, run.task_id, self.memory)
-                if lowered.resource == "engine":
-                    wavefront.generation.append(self._coalesced(req, lowered.payload))
-                elif lowered.resource == "retrieval":
-                    wavefront.retrieval.append(lowered.payload)
-                elif lowered.resource == "operators":
-                    wavefront.operators.append(lowered.payload)
-                elif lowered.resource == "cpu":
-                    fn, arg, timeout_s = lowered.payload
-                    self._function_pool().submit(run.task_id, fn, arg, timeout_s)
+                resource, task = lower(run, req.graph.nodes[run.node_id], run.task_id, self.memory)
+                if resource == "cpu":
+                    self._function_pool().submit(run.task_id, *task)
+                elif resource == "inline":
+                    self._inline.append(task)
+                elif resource == "generation":
+                    wavefront.generation.append(self._coalesced(req, task))
                 else:
-                    self._inline.append(lowered.payload)
+                    getattr(wavefront, resource).append(task)
         self._has_new_runs = False
         return wavefront
 
