@@ -23,7 +23,7 @@ from ragserve.scheduler.memory_store import MemoryStore
 from ragserve.scheduler.messages import GenerationTask, GenerationUpdate, RetrievalResult, Wavefront
 from ragserve.scheduler.operator_config import OperatorConfig
 from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState
-from ragserve.scheduler.transforms import BaseTransform, NextStep, TaskView, peek_next
+from ragserve.scheduler.transforms import BaseTransform, NextStep, TaskView
 
 logger = logging.getLogger(__name__)
 
@@ -434,7 +434,11 @@ class _View:
         return tuple(r.task_id for r in req.runs if r.task_id is not None)
 
     def peek_next(self, task: TaskView, output: Any) -> NextStep | None:
-        return peek_next(task, output)
+        state = task.state.write(task.node, output)
+        try:
+            return NextStep(task.graph.next_node(task.node_id, state), state)
+        except Exception:  # NOTE: a user router may raise anything
+            return None
 
     def submit_generation(self, tasks: list, request_id: str | None = None) -> None:
         req = None if request_id is None else self._s._active.get(request_id)

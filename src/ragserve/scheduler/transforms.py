@@ -62,14 +62,6 @@ class SchedulerView(Protocol):
     def abort(self, task_ids: list[str]) -> None: ...
 
 
-def peek_next(task: TaskView, output: Any) -> NextStep | None:
-    state = task.state.write(task.node, output)
-    try:
-        return NextStep(task.graph.next_node(task.node_id, state), state)
-    except Exception:  # NOTE: a user router may raise anything
-        return None
-
-
 class BaseTransform(ABC):
     """One rewrite of the wavefront and of the updates; every task the scheduler created must
     still get a final update. ``needs_partial_updates``: it reads partial generation text, so
