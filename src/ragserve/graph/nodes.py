@@ -84,8 +84,8 @@ class State(dict):
         return state
 
 
-class _Node:
-    """What every node kind shares: ``append`` off unless a field says so, and checked keys."""
+class Node:
+    """The base of every node kind: ``append`` off unless a field says so, checked keys."""
 
     append = False
     keys: tuple[str, ...] = ("output",)  # fields naming state keys (required)
@@ -117,7 +117,7 @@ class _Node:
 
 
 @dataclass(frozen=True)
-class GenerationNode(_Node):
+class GenerationNode(Node):
     """Render ``prompt``, generate, write the text to ``state[output]``. ``with_history``:
     whether ``state["history"]`` precedes the prompt (``None``: only for answer nodes, those
     writing ``"output"``); ``fusion_ratio``: cache fusion of the prompt's passages (None: off)."""
@@ -156,7 +156,7 @@ class GenerationNode(_Node):
 
 
 @dataclass(frozen=True)
-class RetrievalNode(_Node):
+class RetrievalNode(Node):
     """Render ``query``, retrieve ``topk`` passages into ``state[output]``. ``nprobe``,
     ``mode``, ``filter`` and ``collapse_sections`` are ``VectorIndex.search_text``'s (None:
     the index's defaults)."""
@@ -186,7 +186,7 @@ class RetrievalNode(_Node):
 
 
 @dataclass(frozen=True)
-class FunctionNode(_Node):
+class FunctionNode(Node):
     """``fn(state) -> value`` on a snapshot of the state, in the server's CPU pool, bounded
     by ``timeout_s`` (``None``: ``OperatorConfig.function_timeout_s``)."""
 
@@ -207,7 +207,7 @@ class FunctionNode(_Node):
 
 
 @dataclass(frozen=True)
-class UpsertNode(_Node):
+class UpsertNode(Node):
     """Write ``state[documents]`` (``Document``s or strings) into the index, durable before
     the node completes; ``output`` (optional) gets the upserted ids."""
 
@@ -223,7 +223,7 @@ class UpsertNode(_Node):
 
 
 @dataclass(frozen=True)
-class EmbedNode(_Node):
+class EmbedNode(Node):
     """Embed ``state[text]`` (str: ``[dim]``; list of str: ``[n, dim]``), document side."""
 
     node_id: NodeId
@@ -237,7 +237,7 @@ class EmbedNode(_Node):
 
 
 @dataclass(frozen=True)
-class RerankNode(_Node):
+class RerankNode(Node):
     """Re-score the passages ``state[docs]`` against ``query`` with the reranker
     (``OperatorConfig.reranker``) and keep the best ``topk``, best first."""
 
@@ -257,7 +257,7 @@ class RerankNode(_Node):
 
 
 @dataclass(frozen=True)
-class MemoryNode(_Node):
+class MemoryNode(Node):
     """Per-session memory (the server's ``MemoryStore``); ``state[key]`` is the session id.
     ``read``: ``output`` gets the entries, oldest first. ``append``: ``text`` is rendered and
     stored; ``output`` (optional) gets the stored text."""
@@ -284,7 +284,7 @@ class MemoryNode(_Node):
 
 
 @dataclass(frozen=True)
-class CompletionNode(_Node):
+class CompletionNode(Node):
     """A plain completion of ``state[prompt]`` (text or token ids, no chat template) with
     ``params`` (a ``SamplingParams``-like object)."""
 
@@ -310,18 +310,6 @@ class CompletionNode(_Node):
             )
         except (ValueError, AttributeError) as exc:
             raise ValueError(f"params: {exc}") from None
-
-
-Node = (
-    GenerationNode
-    | RetrievalNode
-    | FunctionNode
-    | UpsertNode
-    | EmbedNode
-    | RerankNode
-    | MemoryNode
-    | CompletionNode
-)
 
 
 def check_callable(fn: Any) -> None:
