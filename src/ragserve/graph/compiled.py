@@ -116,8 +116,12 @@ def _fanout(src: Any, targets: tuple, nodes: dict[NodeId, Node], out: dict[Any, 
     chains = [_plain_chain(t, out) for t in targets]
     common = [n for n in chains[0] if all(n in c for c in chains[1:])]
     if not common:
-        for chain in chains:
-            _check_plain(src, chain[-1], out)
+        for chain in chains:  # NOTE: the nodes before a chain's last have plain edges
+            if out[chain[-1]].is_conditional or out[chain[-1]].is_fanout:
+                raise GraphError(
+                    f"node {chain[-1]!r} in a branch of the fan-out at {src!r} has a conditional "
+                    "or fan-out edge; branches are chains of plain edges"
+                )
         raise GraphError(
             f"fan-out at {src!r}: branches {targets!r} never join (no node all of them reach "
             "through plain edges)"
@@ -127,8 +131,6 @@ def _fanout(src: Any, targets: tuple, nodes: dict[NodeId, Node], out: dict[Any, 
     for target, branch in zip(targets, branches, strict=True):
         if not branch:
             raise GraphError(f"fan-out at {src!r}: target {target!r} is the join itself")
-        for node_id in branch:
-            _check_plain(src, node_id, out)
     writers: dict[str, NodeId] = {}
     for branch in branches:
         keys = {nodes[n].output: n for n in branch if nodes[n].output is not None}
@@ -140,15 +142,6 @@ def _fanout(src: Any, targets: tuple, nodes: dict[NodeId, Node], out: dict[Any, 
                 )
         writers.update(keys)
     return FanOut(src, branches, join)
-
-
-def _check_plain(src: Any, node_id: NodeId, out: dict[Any, Edge]) -> None:
-    edge = out[node_id]
-    if edge.is_conditional or edge.is_fanout:
-        raise GraphError(
-            f"node {node_id!r} in a branch of the fan-out at {src!r} has a conditional or "
-            "fan-out edge; branches are chains of plain edges"
-        )
 
 
 def _plain_chain(start: NodeId, out: dict[Any, Edge]) -> list[NodeId]:
