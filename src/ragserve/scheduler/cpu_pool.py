@@ -106,7 +106,12 @@ class CpuPool:
                 if call.abandoned:
                     continue
                 call.started_at = time.monotonic()
-            result = _run(call)
+            try:
+                result = OperatorResult(call.task_id, call.fn(call.arg))
+            except Exception as exc:
+                logger.info("function call %s raised %s", call.task_id, type(exc).__name__)
+                error = f"function raised {type(exc).__name__}: {exc}"
+                result = OperatorResult(call.task_id, error=error, error_kind="internal")
             with self._lock:
                 if call.timed_out:
                     self._num_stuck -= 1
@@ -115,15 +120,3 @@ class CpuPool:
                     continue
                 del self._calls[call.task_id]
             self._done.put(result)
-
-
-def _run(call: _Call) -> OperatorResult:
-    try:
-        return OperatorResult(call.task_id, call.fn(call.arg))
-    except Exception as exc:
-        logger.info("function call %s raised %s", call.task_id, type(exc).__name__)
-        return OperatorResult(
-            call.task_id,
-            error=f"function raised {type(exc).__name__}: {exc}",
-            error_kind="internal",
-        )
