@@ -1,7 +1,5 @@
-"""RAGraph: RAG workflows as graphs of operator nodes with conditional edges and fan-out/join.
-
-Build with ``RAGraph`` (fluent ``add_*``), validate with ``compile()``. Imports no torch/faiss.
-"""
+"""RAGraph: RAG workflows as graphs of operator nodes with conditional edges and fan-out/join;
+build with ``RAGraph`` (fluent ``add_*``), validate with ``compile()``. No torch or faiss."""
 
 from ragserve.graph.builder import RAGraph
 from ragserve.graph.compiled import CompiledGraph, FanOut

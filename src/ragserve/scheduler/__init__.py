@@ -1,8 +1,5 @@
-"""The scheduler: request state, the per-cycle wavefront, transforms, and the executor contract.
-
-It never does model math: generation and retrieval run behind a ``BaseExecutor`` (in process
-for tests, worker processes in ``ragserve.runtime``).
-"""
+"""The scheduler: request state, the per-cycle wavefront, transforms, and the executor contract
+(generation and retrieval run behind a ``BaseExecutor``: no model math here)."""
 
 from ragserve.scheduler.executor import BaseExecutor, Update
 from ragserve.scheduler.memory_store import MemoryStore

@@ -192,9 +192,6 @@ class Wavefront:
     retrieval: list[RetrievalTask] = field(default_factory=list)
     operators: list[OperatorTask] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.generation or self.retrieval or self.operators)
-
 
 def as_staged(task: RetrievalTask, **changes: Any) -> StagedRetrievalTask:
     """``task`` as a ``StagedRetrievalTask`` (fields it already has kept), with ``changes``."""
