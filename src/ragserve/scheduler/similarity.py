@@ -24,7 +24,7 @@ from ragserve.scheduler.messages import (
     Wavefront,
     as_staged,
 )
-from ragserve.scheduler.transforms import BaseTransform, SchedulerView
+from ragserve.scheduler.transforms import BaseTransform
 
 SPEC_PREFIX = "specret/"  # task ids of speculative retrievals
 
@@ -67,10 +67,6 @@ class SimilarityTransform(BaseTransform):
         self.cache = LocalCache(max_requests)
         self._task_request: dict[str, str] = {}
         self.num_reordered = 0
-        self._view: SchedulerView | None = None
-
-    def bind(self, view: SchedulerView) -> None:
-        self._view = view
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
         wavefront.retrieval = [self._rewrite(t) for t in wavefront.retrieval]
@@ -79,7 +75,7 @@ class SimilarityTransform(BaseTransform):
     def _rewrite(self, task: RetrievalTask) -> RetrievalTask:
         rid = getattr(task, "request_id", None)
         if rid is None:
-            run = self._view.task(task.task_id) if self._view is not None else None
+            run = self.view.task(task.task_id) if self.view is not None else None
             if run is None:
                 return task
             rid = run.request_id
@@ -120,13 +116,9 @@ class SpeculativeRetrievalTransform(BaseTransform):
         self.fraction = fraction
         self.num_issued = 0
         self.num_warmed = 0
-        self._view: SchedulerView | None = None
         self._done: set[str] = set()  # generation task ids already handled
         self._pending: dict[str, str] = {}  # speculative task id -> request id
         self._seq = itertools.count()
-
-    def bind(self, view: SchedulerView) -> None:
-        self._view = view
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
         return wavefront
@@ -149,12 +141,12 @@ class SpeculativeRetrievalTransform(BaseTransform):
             elif isinstance(u, GenerationUpdate):
                 self._done.discard(u.task_id)
         if issue:
-            self._view.submit_retrieval(issue)
+            self.view.submit_retrieval(issue)
         return out
 
     def _maybe_issue(self, update: GenerationUpdate) -> StagedRetrievalTask | None:
         task_id = update.task_id
-        run = None if task_id in self._done else self._view.task(task_id)
+        run = None if task_id in self._done else self.view.task(task_id)
         if run is None or not isinstance(run.node, GenerationNode):
             return None
         node = run.node
@@ -162,7 +154,7 @@ class SpeculativeRetrievalTransform(BaseTransform):
         if run.num_tokens + len(update.new_token_ids) < self.fraction * node.max_tokens:
             return None
         self._done.add(task_id)
-        step = self._view.peek_next(run, run.partial_text + update.text_delta)
+        step = self.view.peek_next(run, run.partial_text + update.text_delta)
         if step is None or isinstance(step.node_id, tuple):
             return None
         target = run.graph.nodes.get(step.node_id)

@@ -20,7 +20,7 @@ from ragserve.scheduler.messages import (
     Wavefront,
     as_staged,
 )
-from ragserve.scheduler.transforms import BaseTransform, SchedulerView, TaskView
+from ragserve.scheduler.transforms import BaseTransform, TaskView
 
 
 @dataclass
@@ -63,16 +63,12 @@ class SpeculationTransform(BaseTransform):
         self.tau, self.capacity = tau, capacity
         self.first_clusters, self.max_restarts = first_clusters, max_restarts
         self.stats = SpeculationStats()
-        self._view: SchedulerView | None = None
         self._specs: dict[str, _Spec] = {}  # spec id -> spec
         self._by_retrieval: dict[str, _Spec] = {}
         self._restarts: dict[str, int] = {}  # retrieval task id -> replacements so far
         self._replay: list[GenerationUpdate] = []
         self._running: set[str] = set()
         self._seq = 0
-
-    def bind(self, view: SchedulerView) -> None:
-        self._view = view
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
         wavefront.retrieval = [self._with_partials(t) for t in wavefront.retrieval]
@@ -90,7 +86,7 @@ class SpeculationTransform(BaseTransform):
         return as_staged(task, emit_partials=True, first_clusters=first)
 
     def _adopt(self, task: GenerationTask) -> bool:
-        run = self._view.task(task.task_id)
+        run = self.view.task(task.task_id)
         spec = self._match(run, task) if run is not None else None
         if spec is None:
             return False
@@ -120,13 +116,13 @@ class SpeculationTransform(BaseTransform):
         for spec in list(self._specs.values()):
             if self._is_stale(spec):
                 self._abort(spec)
-        has_task = self._view.has_task
+        has_task = self.view.has_task
         self._running = {t for t in self._running if t in self._specs or has_task(t)}
 
     def _is_stale(self, spec: _Spec) -> bool:
         """Request gone; retrieval ended unconfirmed; confirmed but not adopted by the real
         task dispatched this cycle; or adopted by a task no longer running."""
-        view = self._view
+        view = self.view
         if not view.is_active(spec.request_id):
             return True
         if not spec.confirmed:
@@ -178,7 +174,7 @@ class SpeculationTransform(BaseTransform):
             self._abort(spec)
 
     def _on_partial(self, partial: RetrievalPartial) -> None:
-        run = self._view.task(partial.task_id)
+        run = self.view.task(partial.task_id)
         if run is None or not partial.passages:
             return
         old = self._by_retrieval.get(partial.task_id)
@@ -201,7 +197,7 @@ class SpeculationTransform(BaseTransform):
         self._specs[spec.spec_id] = spec
         self._by_retrieval[partial.task_id] = spec
         # dispatched after the next wavefront; coalesced as the request's own task would be
-        self._view.submit_generation([task], request_id=run.request_id)
+        self.view.submit_generation([task], request_id=run.request_id)
         self._running.add(task.task_id)
         self.stats.num_started += 1
 
@@ -209,7 +205,7 @@ class SpeculationTransform(BaseTransform):
         """The (task, node id) the scheduler would run next if ``partial`` were final."""
         if not isinstance(run.node, RetrievalNode):
             return None
-        step = self._view.peek_next(run, list(partial.passages))
+        step = self.view.peek_next(run, list(partial.passages))
         if step is None or isinstance(step.node_id, tuple):
             return None
         node = run.graph.nodes.get(step.node_id)
@@ -220,7 +216,7 @@ class SpeculationTransform(BaseTransform):
         return generation_task(task_id, node, step.state), step.node_id
 
     def _abort(self, spec: _Spec) -> None:
-        self._view.abort([spec.spec_id])  # dropped if not dispatched yet, else aborted
+        self.view.abort([spec.spec_id])  # dropped if not dispatched yet, else aborted
         self.stats.num_aborted += 1
         self._forget(spec)
 

@@ -68,12 +68,14 @@ class BaseTransform(ABC):
     the scheduler must not coalesce updates."""
 
     needs_partial_updates: bool = False
+    view: SchedulerView | None = None
 
     @abstractmethod
     def apply(self, wavefront: Wavefront) -> Wavefront: ...
 
-    def bind(self, view: SchedulerView) -> None:  # noqa: B027 - optional hook
+    def bind(self, view: SchedulerView) -> None:
         """Called once by the ``Scheduler`` that will apply this transform."""
+        self.view = view
 
     def on_updates(self, updates: list[Update]) -> list[Update]:
         return updates
