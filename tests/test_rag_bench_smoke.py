@@ -86,5 +86,5 @@ def test_bench_graphs_fix_the_output_length_on_their_nodes() -> None:
     generation = [n for g in graphs.values() for n in g.nodes.values() if n.kind == "generation"]
     assert len(generation) >= len(graphs)
     for node in generation:
-        params = GenerationParams.for_node(node)
+        params = GenerationParams.from_any(node)
         assert params.ignore_eos and params.stop == ()

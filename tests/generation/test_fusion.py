@@ -267,7 +267,7 @@ def test_workflow_node_fusion_ratio_reaches_the_engine(tiny_models):
 
     graph = RAGraph("g").add_generation(0, prompt="{input}", max_tokens=2, fusion_ratio=0.5)
     node = graph.add_edge(START, 0).add_edge(0, END).compile().nodes[0]
-    params = GenerationParams.for_node(node)
+    params = GenerationParams.from_any(node)
     assert params.fusion_ratio == 0.5
     engine = _engine(tiny_models["llama"])
     runner = GenerationRunner(engine)

@@ -13,8 +13,7 @@ from ragserve.graph import State
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RequestState, Scheduler
 from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
-from ragserve.scheduler.similarity import SimilarityTransform
-from ragserve.scheduler.spec_retrieval import SpeculativeRetrievalTransform
+from ragserve.scheduler.similarity import SimilarityTransform, SpeculativeRetrievalTransform
 from ragserve.scheduler.speculation import SpeculationTransform
 from ragserve.scheduler.split import SplitTransform
 from ragserve.workflows import get_workflow

@@ -1,36 +1,29 @@
-"""RAGraph: RAG workflows as graphs of operator nodes (generation, retrieval, embed, rerank,
-upsert, memory, function, completion), with conditional edges and fan-out/join.
-
-Build with ``RAGraph`` (fluent ``add_*``), validate with ``compile()``. Imports neither torch
-nor faiss.
-"""
+"""RAGraph: RAG workflows as graphs of operator nodes with conditional edges and fan-out/join;
+build with ``RAGraph`` (fluent ``add_*``), validate with ``compile()``. No torch or faiss."""
 
 from ragserve.graph.builder import RAGraph
-from ragserve.graph.compiled import INPUT_KEY, CompiledGraph, FanOut
+from ragserve.graph.compiled import CompiledGraph, FanOut
 from ragserve.graph.nodes import (
     END,
     RESOURCES,
     START,
-    Edge,
-    GenerationNode,
-    GraphError,
-    RetrievalNode,
-    State,
-)
-from ragserve.graph.operators import (
     CompletionNode,
+    Edge,
     EmbedNode,
     FunctionNode,
+    GenerationNode,
+    GraphError,
     MemoryNode,
     Node,
     RerankNode,
+    RetrievalNode,
+    State,
     UpsertNode,
 )
-from ragserve.graph.template import Passage, Template, render_value
+from ragserve.graph.template import Passage, Template
 
 __all__ = [
     "END",
-    "INPUT_KEY",
     "RESOURCES",
     "START",
     "CompiledGraph",
@@ -50,5 +43,4 @@ __all__ = [
     "RetrievalNode",
     "State",
     "Template",
-    "render_value",
 ]

@@ -1,18 +1,13 @@
-"""``validate()`` turns a builder's nodes and edges into an immutable ``CompiledGraph``, raising
-``GraphError`` naming the node for: unknown endpoints, zero or several outgoing edges, a loop
-of plain edges, a node that cannot reach ``END`` or be reached from ``START``, a fan-out whose
-branches do not join or write the same key, and a template variable nothing produces.
-Fan-out / join semantics: docs/architecture.md "Graph"."""
+"""``validate()``: a builder's nodes and edges to an immutable ``CompiledGraph``, or a
+``GraphError`` naming the node (fan-out / join rules: docs/architecture.md "Graph")."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ragserve.graph.nodes import END, START, Edge, GraphError, NodeId, State
-from ragserve.graph.operators import NODE_KINDS, Node
+from ragserve.graph.nodes import END, START, Edge, GraphError, Node, NodeId, State
 
 INPUT_KEY = "input"
 
@@ -29,8 +24,7 @@ class CompiledGraph:
 
     @property
     def answer_nodes(self) -> tuple[NodeId, ...]:
-        """Generation (and completion) nodes writing the answer key ``"output"`` (what
-        ``stream`` yields)."""
+        """Generation and completion nodes writing the answer key ``"output"``."""
         return tuple(
             n.node_id
             for n in self.nodes.values()
@@ -38,8 +32,7 @@ class CompiledGraph:
         )
 
     def next_node(self, src: Any, state: State) -> Any:
-        """Follow ``src``'s edge for this state: a node id, ``END``, or a fan-out's tuple of
-        node ids (``fanouts[src]`` says where they join)."""
+        """``src``'s edge for this state: a node id, ``END``, or a fan-out's tuple."""
         edge: Edge = self.edges[src]
         if not edge.is_conditional:
             return edge.dst
@@ -60,29 +53,17 @@ class FanOut:
     branches: tuple[tuple[NodeId, ...], ...]
     join: NodeId
 
-    def branch_of(self, node_id: NodeId) -> int | None:
-        for i, chain in enumerate(self.branches):
-            if node_id in chain:
-                return i
-        return None
-
 
 def validate(
-    name: str | None,
-    nodes: dict[NodeId, Node],
-    edges: list[Edge],
-    inputs: tuple[str, ...] = (),
+    name: str | None, nodes: dict[NodeId, Node], edges: list[Edge], inputs: tuple[str, ...] = ()
 ) -> CompiledGraph:
     if not nodes:
         raise GraphError("graph has no nodes")
-    for node in nodes.values():
-        if not isinstance(node, NODE_KINDS):
-            raise GraphError(f"node {getattr(node, 'node_id', node)!r} is of an unknown kind")
     out: dict[Any, Edge] = {}
     for edge in edges:
         if edge.src is not START and edge.src not in nodes:
             raise GraphError(f"edge from unknown node {edge.src!r}")
-        for dst in _declared_targets(edge):
+        for dst in edge.declared_targets():
             if dst is not END and dst not in nodes:
                 raise GraphError(f"edge from {edge.src!r} to unknown node {dst!r}")
         if edge.src in out:
@@ -91,12 +72,17 @@ def validate(
     for src in (START, *nodes):
         if src not in out:
             raise GraphError(f"node {src!r} has no outgoing edge")
-    ids = tuple(nodes)
-    succ = {src: tuple(e.possible_targets(ids)) for src, e in out.items()}
+    anywhere = (*nodes, END)
+    succ = {
+        src: (anywhere if e.is_conditional and e.targets is None else e.declared_targets())
+        for src, e in out.items()
+    }
     _check_plain_loops(nodes, out)
-    _check_reaches_end(ids, succ)
+    for node_id in nodes:
+        if END not in _reach(node_id, succ):
+            raise GraphError(f"node {node_id!r} has no path to END")
     reachable = _reach(START, succ)
-    for node_id in ids:
+    for node_id in nodes:
         if node_id not in reachable:
             raise GraphError(f"node {node_id!r} is unreachable from START")
     fanouts = {src: _fanout(src, e.dst, nodes, out) for src, e in out.items() if e.is_fanout}
@@ -109,12 +95,6 @@ def validate(
         MappingProxyType(fanouts),
         tuple(inputs),
     )
-
-
-def _declared_targets(edge: Edge) -> Iterable[Any]:
-    if edge.is_conditional:
-        return edge.targets or ()
-    return edge.dst if edge.is_fanout else (edge.dst,)
 
 
 def _check_plain_loops(nodes: dict[NodeId, Node], out: dict[Any, Edge]) -> None:
@@ -132,19 +112,16 @@ def _check_plain_loops(nodes: dict[NodeId, Node], out: dict[Any, Edge]) -> None:
             )
 
 
-def _check_reaches_end(ids: tuple[NodeId, ...], succ: dict[Any, tuple[Any, ...]]) -> None:
-    for node_id in ids:
-        if END not in _reach(node_id, succ):
-            raise GraphError(f"node {node_id!r} has no path to END")
-
-
 def _fanout(src: Any, targets: tuple, nodes: dict[NodeId, Node], out: dict[Any, Edge]) -> FanOut:
-    """The branches and join of the fan-out at ``src`` (see the module doc), or GraphError."""
     chains = [_plain_chain(t, out) for t in targets]
     common = [n for n in chains[0] if all(n in c for c in chains[1:])]
     if not common:
-        for chain in chains:
-            _check_plain(src, chain[-1], out)
+        for chain in chains:  # NOTE: the nodes before a chain's last have plain edges
+            if out[chain[-1]].is_conditional or out[chain[-1]].is_fanout:
+                raise GraphError(
+                    f"node {chain[-1]!r} in a branch of the fan-out at {src!r} has a conditional "
+                    "or fan-out edge; branches are chains of plain edges"
+                )
         raise GraphError(
             f"fan-out at {src!r}: branches {targets!r} never join (no node all of them reach "
             "through plain edges)"
@@ -154,8 +131,6 @@ def _fanout(src: Any, targets: tuple, nodes: dict[NodeId, Node], out: dict[Any, 
     for target, branch in zip(targets, branches, strict=True):
         if not branch:
             raise GraphError(f"fan-out at {src!r}: target {target!r} is the join itself")
-        for node_id in branch:
-            _check_plain(src, node_id, out)
     writers: dict[str, NodeId] = {}
     for branch in branches:
         keys = {nodes[n].output: n for n in branch if nodes[n].output is not None}
@@ -167,15 +142,6 @@ def _fanout(src: Any, targets: tuple, nodes: dict[NodeId, Node], out: dict[Any, 
                 )
         writers.update(keys)
     return FanOut(src, branches, join)
-
-
-def _check_plain(src: Any, node_id: NodeId, out: dict[Any, Edge]) -> None:
-    edge = out[node_id]
-    if edge.is_conditional or edge.is_fanout:
-        raise GraphError(
-            f"node {node_id!r} in a branch of the fan-out at {src!r} has a conditional or "
-            "fan-out edge; branches are chains of plain edges"
-        )
 
 
 def _plain_chain(start: NodeId, out: dict[Any, Edge]) -> list[NodeId]:
@@ -192,7 +158,7 @@ def _check_entries(fanouts: dict[Any, FanOut], out: dict[Any, Edge]) -> None:
     """No edge enters a branch except the fan-out itself and the branch's own chain."""
     inside = {n: (f, chain) for f in fanouts.values() for chain in f.branches for n in chain}
     for src, edge in out.items():
-        for dst in _declared_targets(edge):
+        for dst in edge.declared_targets():
             if dst not in inside:
                 continue
             fanout, chain = inside[dst]

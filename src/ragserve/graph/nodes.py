@@ -1,13 +1,21 @@
-"""Graph vocabulary: ``START``/``END``, node and edge dataclasses, request ``State``."""
+"""The graph's vocabulary: ``START``/``END``, the node kinds, ``Edge`` and the request ``State``.
+
+Each node kind is a frozen dataclass with ``kind``, ``resource`` (one of ``RESOURCES``),
+``output`` (the state key it writes, or ``None``), ``inputs`` (the keys it reads, checked by
+``compile()``) and ``append``; it checks its fields when built (``ValueError`` naming the
+field). What each kind reads and writes: README, "Building workflows from operators".
+"""
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragserve.graph.checks import check_retrieval, check_sampling
-from ragserve.graph.template import Passage, Template
+from ragserve.graph.checks import check_int, check_retrieval, check_sampling
+from ragserve.graph.template import NAME, Passage, Template
 
 
 class GraphError(ValueError):
@@ -28,15 +36,18 @@ START = Terminal("START")
 END = Terminal("END")
 
 NodeId = Hashable  # user node ids: ints or strings
-Router = Callable[["State"], Any]
+RESOURCES = ("engine", "retrieval", "cpu", "scheduler")
+"""Where a node kind runs: the engine's batch, the retrieval worker's batch, the server's CPU
+pool, or inline in the scheduler thread."""
+MEMORY_MODES = ("read", "append")
+RETRIEVAL_MODES = (None, "dense", "bm25", "hybrid", "ensemble")
 
 
 class State(dict):
     """A request's state: ``input``, then every node's output under its ``output`` key.
 
-    ``visits[node_id]`` counts how many times each node has finished, so conditional edges can
-    bound loops (``lambda s: 1 if s.visits[2] < 3 else END``). Never mutated in place by the
-    scheduler once routers or transforms may hold it: ``write`` returns a new state.
+    ``visits[node_id]`` counts the node's finished runs, so routers can bound loops. Never
+    mutated once routers or transforms may hold it: ``write`` returns a new state.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -53,42 +64,63 @@ class State(dict):
         return state
 
     def write(self, node: Any, value: Any) -> State:
-        """The state after ``node`` finished returning ``value`` (a new ``State``; this one is
-        unchanged): ``value`` under ``node.output`` (nothing for a node without one) and the
-        node's visit counted. The one rule every writer uses (the scheduler, speculation):
-
-        - ``append=False`` (or the key is absent): the value replaces what the key held;
-        - ``append=True`` with text: newline-joined to the old text;
-        - ``append=True`` with passages: added after the old ones, duplicates by id dropped.
-        """
+        """The state after ``node`` returned ``value``, its visit counted (the one write rule).
+        With ``node.append`` and the key present, text is newline-joined to the old text and
+        passages are added after the old ones (duplicates by id dropped); else ``value``
+        replaces the key."""
         state = self.fork()
         key = getattr(node, "output", None)
         if key is not None:
-            state[key] = _merged(
-                state.get(key), value, getattr(node, "append", False), key in state
-            )
+            old = state.get(key)
+            if getattr(node, "append", False) and key in state:
+                if isinstance(value, str):
+                    value = f"{old}\n{value}"
+                else:
+                    seen = {p.doc_id for p in old}
+                    fresh = [p for p in value if isinstance(p, Passage) and p.doc_id not in seen]
+                    value = list(old) + fresh
+            state[key] = value
         state.visits[node.node_id] = state.visit_count(node.node_id) + 1
         return state
 
 
-def _merged(old: Any, value: Any, append: bool, present: bool) -> Any:
-    if not append or not present:
-        return value
-    if isinstance(value, str):
-        return f"{old}\n{value}"
-    seen = {p.doc_id for p in old}
-    return list(old) + [p for p in value if isinstance(p, Passage) and p.doc_id not in seen]
+class Node:
+    """The base of every node kind: ``append`` off unless a field says so, checked keys."""
+
+    append = False
+    keys: tuple[str, ...] = ("output",)  # fields naming state keys (required)
+    optional_keys: tuple[str, ...] = ()  # fields naming state keys or None
+    reads: tuple[str, ...] = ()  # fields whose keys or template variables it reads
+
+    def __post_init__(self) -> None:
+        for name in (*self.keys, *self.optional_keys):
+            value = getattr(self, name)
+            if value is None and name in self.optional_keys:
+                continue
+            if not isinstance(value, str) or not NAME.match(value):
+                raise ValueError(f"{name} must be a state key name, got {value!r}")
+        self.check()
+
+    def check(self) -> None:
+        """The kind's own field checks."""
+
+    @property
+    def inputs(self) -> frozenset[str]:
+        out: set[str] = set()
+        for name in self.reads:
+            value = getattr(self, name)
+            if isinstance(value, Template):
+                out |= value.variables
+            elif value is not None:
+                out.add(value)
+        return frozenset(out)
 
 
 @dataclass(frozen=True)
-class GenerationNode:
-    """Render ``prompt`` from the state, generate, write the text to ``state[output]``.
-
-    With ``append`` the text is added (newline-separated) to what ``output`` already holds.
-    ``with_history``: whether the chat turns before the question (``state["history"]``: a
-    system message and earlier turns, ``Server.submit(history=...)``) precede the rendered
-    prompt in the chat template; ``None`` means only for answer nodes (``output="output"``).
-    """
+class GenerationNode(Node):
+    """Render ``prompt``, generate, write the text to ``state[output]``. ``with_history``:
+    whether ``state["history"]`` precedes the prompt (``None``: only for answer nodes, those
+    writing ``"output"``); ``fusion_ratio``: cache fusion of the prompt's passages (None: off)."""
 
     node_id: NodeId
     prompt: Template
@@ -100,23 +132,22 @@ class GenerationNode:
     top_p: float = 1.0
     seed: int | None = None
     with_history: bool | None = None
-    fusion_ratio: float | None = None  # cache fusion of the prompt's passages; None: off
+    fusion_ratio: float | None = None
     ignore_eos: bool = False  # generate exactly max_tokens unless a stop string ends it
 
     kind = "generation"
     resource = "engine"
+    reads = ("prompt",)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_sampling(
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
         )
-
-    @property
-    def inputs(self) -> frozenset[str]:
-        return self.prompt.variables
+        if self.fusion_ratio is not None and not 0.0 <= self.fusion_ratio <= 1.0:
+            raise ValueError(f"fusion_ratio must be in [0, 1], got {self.fusion_ratio}")
 
     def history(self, state: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
         """The ``(role, content)`` turns to put before this node's prompt (empty: none)."""
@@ -125,15 +156,10 @@ class GenerationNode:
 
 
 @dataclass(frozen=True)
-class RetrievalNode:
-    """Render ``query`` from the state, retrieve ``topk`` passages into ``state[output]``.
-
-    ``nprobe=None`` uses the index's default. With ``append`` new passages are added to those
-    already in ``output`` (duplicates by id dropped). ``mode`` ("dense", "bm25", "hybrid",
-    "ensemble"; None: the index's default), ``filter`` (metadata key -> value | list |
-    range) and ``collapse_sections`` (at most one passage per section; None: the index's
-    default) are those of ``VectorIndex.search_text``.
-    """
+class RetrievalNode(Node):
+    """Render ``query``, retrieve ``topk`` passages into ``state[output]``. ``nprobe``,
+    ``mode``, ``filter`` and ``collapse_sections`` are ``VectorIndex.search_text``'s (None:
+    the index's defaults)."""
 
     node_id: NodeId
     query: Template
@@ -147,31 +173,169 @@ class RetrievalNode:
 
     kind = "retrieval"
     resource = "retrieval"
+    reads = ("query",)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_retrieval(topk=self.topk, nprobe=self.nprobe)
+        if self.mode not in RETRIEVAL_MODES:
+            raise ValueError("mode must be dense, bm25, hybrid, ensemble or None")
+        if self.filter is not None and not isinstance(self.filter, dict):
+            raise ValueError("filter must be a dict of metadata conditions")
+        if self.collapse_sections is not None and not isinstance(self.collapse_sections, bool):
+            raise ValueError("collapse_sections must be a bool or None")
 
-    @property
-    def inputs(self) -> frozenset[str]:
-        return self.query.variables
+
+@dataclass(frozen=True)
+class FunctionNode(Node):
+    """``fn(state) -> value`` on a snapshot of the state, in the server's CPU pool, bounded
+    by ``timeout_s`` (``None``: ``OperatorConfig.function_timeout_s``)."""
+
+    node_id: NodeId
+    fn: Callable[[Any], Any]
+    output: str
+    timeout_s: float | None = None
+
+    kind = "function"
+    resource = "cpu"
+
+    def check(self) -> None:
+        check_callable(self.fn)
+        if self.timeout_s is not None and not (
+            isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < math.inf
+        ):
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
 
-RESOURCES = ("engine", "retrieval", "cpu", "scheduler")
-"""Where a node kind runs, so the scheduler batches one kind across requests: ``engine`` (the
-LLM engine's running batch: generation, completion), ``retrieval`` (the retrieval worker, one
-batch per cycle: retrieval, embed, rerank, upsert), ``cpu`` (the server's bounded thread pool:
-function), ``scheduler`` (inline in the scheduler thread, microseconds: memory)."""
+@dataclass(frozen=True)
+class UpsertNode(Node):
+    """Write ``state[documents]`` (``Document``s or strings) into the index, durable before
+    the node completes; ``output`` (optional) gets the upserted ids."""
+
+    node_id: NodeId
+    documents: str
+    output: str | None = None
+
+    kind = "upsert"
+    resource = "retrieval"
+    reads = ("documents",)
+    keys = ("documents",)
+    optional_keys = ("output",)
+
+
+@dataclass(frozen=True)
+class EmbedNode(Node):
+    """Embed ``state[text]`` (str: ``[dim]``; list of str: ``[n, dim]``), document side."""
+
+    node_id: NodeId
+    text: str
+    output: str
+
+    kind = "embed"
+    resource = "retrieval"
+    reads = ("text",)
+    keys = ("text", "output")
+
+
+@dataclass(frozen=True)
+class RerankNode(Node):
+    """Re-score the passages ``state[docs]`` against ``query`` with the reranker
+    (``OperatorConfig.reranker``) and keep the best ``topk``, best first."""
+
+    node_id: NodeId
+    query: Template
+    docs: str
+    topk: int
+    output: str
+
+    kind = "rerank"
+    resource = "retrieval"
+    reads = ("query", "docs")
+    keys = ("docs", "output")
+
+    def check(self) -> None:
+        check_int("topk", self.topk)
+
+
+@dataclass(frozen=True)
+class MemoryNode(Node):
+    """Per-session memory (the server's ``MemoryStore``); ``state[key]`` is the session id.
+    ``read``: ``output`` gets the entries, oldest first. ``append``: ``text`` is rendered and
+    stored; ``output`` (optional) gets the stored text."""
+
+    node_id: NodeId
+    key: str
+    mode: str = "read"
+    output: str | None = None
+    text: Template | None = None
+
+    kind = "memory"
+    resource = "scheduler"
+    reads = ("key", "text")
+    keys = ("key",)
+    optional_keys = ("output",)
+
+    def check(self) -> None:
+        if self.mode not in MEMORY_MODES:
+            raise ValueError(f"mode must be 'read' or 'append', got {self.mode!r}")
+        if self.mode == "read" and self.output is None:
+            raise ValueError("a read memory node needs output=")
+        if self.mode == "read" and self.text is not None:
+            raise ValueError("text= is only for append memory nodes")
+
+
+@dataclass(frozen=True)
+class CompletionNode(Node):
+    """A plain completion of ``state[prompt]`` (text or token ids, no chat template) with
+    ``params`` (a ``SamplingParams``-like object)."""
+
+    node_id: NodeId
+    params: Any
+    prompt: str = "input"
+    output: str = "output"
+
+    kind = "completion"
+    resource = "engine"
+    reads = ("prompt",)
+    keys = ("prompt", "output")
+
+    def check(self) -> None:
+        p = self.params
+        try:
+            check_sampling(
+                max_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=getattr(p, "top_k", None),
+                seed=getattr(p, "seed", None),
+            )
+        except (ValueError, AttributeError) as exc:
+            raise ValueError(f"params: {exc}") from None
+
+
+def check_callable(fn: Any) -> None:
+    """``fn`` can be called as ``fn(state)``: callable, not async, one positional argument."""
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    call = type(fn).__call__ if not inspect.isroutine(fn) else fn
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call):
+        raise ValueError("fn must be a plain function, not async")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: trust it
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise ValueError(
+            f"fn must take one positional argument (the state), its signature is {signature}"
+        ) from None
 
 
 @dataclass(frozen=True)
 class Edge:
-    """``src`` → ``dst``: a node id / ``END``, a router called on the state returning one, or
-    a tuple of node ids (a fan-out: every one runs, as parallel branches of the request).
-
-    ``targets`` lists a router's possible destinations; when given, ``compile()`` checks paths
-    with it and the scheduler rejects any other return value. Without it a router is assumed
-    able to reach every node and ``END``.
-    """
+    """``src`` → ``dst``: a node id / ``END``, a router ``state -> node id | END``, or a tuple
+    of node ids (a fan-out). ``targets``: a router's possible destinations (``None``: any
+    node and ``END``), checked by ``compile()`` and at run time."""
 
     src: Any
     dst: Any
@@ -185,11 +349,8 @@ class Edge:
     def is_fanout(self) -> bool:
         return isinstance(self.dst, tuple)
 
-    def possible_targets(self, all_nodes: tuple[Any, ...]) -> tuple[Any, ...]:
-        if self.is_fanout:
-            return self.dst
-        if not self.is_conditional:
-            return (self.dst,)
-        if self.targets is not None:
-            return self.targets
-        return (*all_nodes, END)
+    def declared_targets(self) -> tuple[Any, ...]:
+        """The destinations named in the edge (a router's ``targets``, or none)."""
+        if self.is_conditional:
+            return self.targets or ()
+        return self.dst if self.is_fanout else (self.dst,)

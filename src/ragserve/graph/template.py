@@ -1,10 +1,6 @@
-"""Safe ``{name}`` templates rendered from a request's state.
-
-A template is parsed once into literal text and variable names. Rendering substitutes values
-verbatim and never re-scans them, so user text (the question, retrieved passages, generated
-text) is data, not template: ``str.format`` is never called, and ``{x.__class__}``, ``{0}`` or
-``{}`` in a template render literally. ``{{`` and ``}}`` are escaped braces.
-"""
+"""Safe ``{name}`` templates: parsed once; rendering substitutes values verbatim and never
+re-scans them, so user text is data (no ``str.format``: ``{x.__class__}``, ``{0}``, ``{}``
+render literally). ``{{`` and ``}}`` are escaped braces."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The scheduler: request state, the per-cycle wavefront, transforms, and the executor contract.
-
-It never does model math: generation and retrieval run behind a ``BaseExecutor`` (in process
-for tests, worker processes in ``ragserve.runtime``).
-"""
+"""The scheduler: request state, the per-cycle wavefront, transforms, and the executor contract
+(generation and retrieval run behind a ``BaseExecutor``: no model math here)."""
 
 from ragserve.scheduler.executor import BaseExecutor, Update
 from ragserve.scheduler.memory_store import MemoryStore
@@ -19,7 +16,7 @@ from ragserve.scheduler.messages import (
     Wavefront,
 )
 from ragserve.scheduler.operator_config import OperatorConfig
-from ragserve.scheduler.request import NodeRun, NodeTiming, RequestState, Response
+from ragserve.scheduler.request import NodeTiming, RequestState, Response
 from ragserve.scheduler.scheduler import Scheduler
 from ragserve.scheduler.transforms import BaseTransform, NextStep, SchedulerView, TaskView
 
@@ -32,7 +29,6 @@ __all__ = [
     "GenerationUpdate",
     "MemoryStore",
     "NextStep",
-    "NodeRun",
     "NodeTiming",
     "OperatorConfig",
     "OperatorResult",

@@ -1,16 +1,11 @@
-"""``CoScheduleConfig``: which co-scheduling optimizations run, built once at the edge.
-
-``ServerConfig(cosched=CoScheduleConfig(...))`` switches them on (the runtime builds the
-transforms with ``make_transforms``); each is exact (split and reordered search return
-Faiss's top-k, speculation keeps greedy outputs).
-"""
+"""``CoScheduleConfig``: which co-scheduling optimizations run (each exact), built once at the
+edge; the runtime builds the transforms with ``make_transforms``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ragserve.scheduler.similarity import SimilarityTransform
-from ragserve.scheduler.spec_retrieval import SpeculativeRetrievalTransform
+from ragserve.scheduler.similarity import SimilarityTransform, SpeculativeRetrievalTransform
 from ragserve.scheduler.speculation import SpeculationTransform
 from ragserve.scheduler.split import SplitTransform
 from ragserve.scheduler.transforms import BaseTransform
@@ -18,26 +13,11 @@ from ragserve.scheduler.transforms import BaseTransform
 
 @dataclass(frozen=True)
 class CoScheduleConfig:
-    """Switches and knobs of the co-scheduling transforms.
-
-    - ``enable_split``: retrieval sub-stages under the budget ``mb`` (``budget_s``; ``None``:
-      Eq. 1 from the worker's measurements).
-    - ``enable_gen_chunks`` (with ``enable_split``; no effect without it): generation
-      sub-stages too: generation tasks report in chunks of decode steps of ``mb`` seconds
-      instead of one update per token (``budget_s``, or with ``None`` the ``mb`` learned from
-      split retrieval results; per-token updates until one is known). First token and final
-      update are never delayed; outputs are identical. Speculative generations (started by
-      the speculation transform, after the split) keep per-token updates; speculative
-      retrieval fires on the first update at or past its fraction, so up to one chunk later
-      (not at all when the rest of the generation fits in one chunk).
-    - ``enable_similarity``: per-request local cache of the top-``cache_topk`` clusters and
-      cluster reordering.
-    - ``enable_speculation``: generation on partial top-k when in-flight generation tasks /
-      ``spec_capacity`` < ``spec_tau``; ``spec_first_clusters`` > 0 cuts an early first
-      sub-stage of that many clusters.
-    - ``enable_spec_retrieval`` (opt-in): search with a generation's partial text once
-      ``spec_retrieval_fraction`` of its tokens exist, to warm the next retrieval's cache.
-    """
+    """Switches and knobs of the co-scheduling transforms: ``split`` (``SplitTransform``,
+    ``budget_s``) and ``gen_chunks`` (only with ``split``), ``similarity``
+    (``SimilarityTransform``, ``cache_topk``), ``speculation`` (``SpeculationTransform``,
+    ``spec_*``) and the opt-in ``spec_retrieval`` (``SpeculativeRetrievalTransform``, its
+    ``fraction``; needs ``similarity``)."""
 
     enable_split: bool = True
     enable_gen_chunks: bool = True
@@ -62,8 +42,8 @@ class CoScheduleConfig:
 
     @classmethod
     def from_names(cls, spec: str, **knobs: object) -> CoScheduleConfig:
-        """``"all"`` (the defaults), ``"off"``, or a comma list of ``OPTIMIZATIONS`` names
-        (``"split,similarity"``): exactly those switched on. ``knobs`` set the other fields."""
+        """``"all"`` (the defaults), ``"off"``, or a comma list of ``OPTIMIZATIONS`` names:
+        exactly those on. ``knobs`` set the other fields."""
         names = [n.strip() for n in spec.split(",") if n.strip()]
         if names == ["all"]:
             return cls(**knobs)
@@ -79,7 +59,6 @@ class CoScheduleConfig:
 
     @property
     def enabled(self) -> tuple[str, ...]:
-        """Names of the optimizations that run (``gen_chunks`` only with ``split``)."""
         on = [n for n in OPTIMIZATIONS if getattr(self, f"enable_{n}")]
         return tuple(n for n in on if n != "gen_chunks" or self.enable_split)
 
@@ -95,7 +74,6 @@ def _switches(names: object) -> dict[str, bool]:
 
 
 def make_transforms(config: CoScheduleConfig) -> tuple[BaseTransform, ...]:
-    """The transforms for ``config``, in the order the scheduler must apply them."""
     out: list[BaseTransform] = []
     if config.enable_split:
         out.append(SplitTransform(config.budget_s, gen_chunks=config.enable_gen_chunks))

@@ -1,17 +1,7 @@
-"""``CpuPool``: function nodes' bounded thread pool with per-call timeouts.
-
-``submit`` queues a call; ``num_workers`` threads run calls; ``poll`` (scheduler thread)
-returns an ``OperatorResult`` per finished call and one error per call that has run longer
-than its timeout. A Python thread cannot be killed: a timed-out call keeps its thread until
-it returns, so that thread is written off and a fresh one takes its place, at most
-``max_stuck`` at a time (past it, calls fail at once: "the function pool is exhausted").
-
-```
-submit ─▶ queue ─▶ [worker 1] ─┐        poll: finished results
-                   [worker 2] ─┼─▶ done ─▶     + running past deadline -> timeout error
-                   [worker n] ─┘               (its thread written off, a new one started)
-```
-"""
+"""``CpuPool``: function nodes' bounded thread pool. ``poll`` returns an ``OperatorResult`` per
+finished call and a timeout error per call past its deadline; a timed-out call's thread (a
+Python thread cannot be killed) is written off and replaced, at most ``max_stuck`` at a time
+(past it, calls fail at once)."""
 
 from __future__ import annotations
 
@@ -40,14 +30,10 @@ class _Call:
 
 
 class CpuPool:
-    """``num_workers`` threads for function nodes; ``default_timeout_s`` for calls without
-    their own. Thread-safe ``submit``/``abort``; ``poll`` from one thread."""
+    """Thread-safe ``submit``/``abort``; ``poll`` from one thread. Bounds are checked by
+    ``OperatorConfig``."""
 
     def __init__(self, num_workers: int = 4, default_timeout_s: float = 30.0, max_stuck: int = 16):
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not default_timeout_s > 0:
-            raise ValueError(f"default_timeout_s must be > 0, got {default_timeout_s}")
         self.num_workers = num_workers
         self.default_timeout_s = default_timeout_s
         self.max_stuck = max_stuck
@@ -56,12 +42,10 @@ class CpuPool:
         self._lock = threading.Lock()
         self._calls: dict[str, _Call] = {}  # submitted, not yet reported
         self._num_stuck = 0  # threads written off (still running a timed-out call)
-        self._closed = False
         for _ in range(num_workers):
             self._spawn()
 
     def submit(self, task_id: str, fn: Callable[[Any], Any], arg: Any, timeout_s: float | None):
-        """Queue ``fn(arg)``; its ``OperatorResult`` comes from a later ``poll``."""
         call = _Call(task_id, fn, arg, timeout_s or self.default_timeout_s)
         with self._lock:
             if self._num_stuck >= self.max_stuck:
@@ -72,7 +56,6 @@ class CpuPool:
         self._queue.put(call)
 
     def abort(self, task_ids: list[str]) -> None:
-        """Drop these calls' results (a running call still runs to its end)."""
         with self._lock:
             for tid in task_ids:
                 call = self._calls.pop(tid, None)
@@ -83,7 +66,6 @@ class CpuPool:
         return bool(self._calls) or not self._done.empty()
 
     def poll(self) -> list[OperatorResult]:
-        """Results of finished calls, and a timeout error for each call past its deadline."""
         out = []
         while True:
             try:
@@ -109,7 +91,6 @@ class CpuPool:
         return out
 
     def close(self) -> None:
-        self._closed = True
         for _ in range(self.num_workers + self._num_stuck):
             self._queue.put(None)
 
@@ -125,7 +106,12 @@ class CpuPool:
                 if call.abandoned:
                     continue
                 call.started_at = time.monotonic()
-            result = _run(call)
+            try:
+                result = OperatorResult(call.task_id, call.fn(call.arg))
+            except Exception as exc:
+                logger.info("function call %s raised %s", call.task_id, type(exc).__name__)
+                error = f"function raised {type(exc).__name__}: {exc}"
+                result = OperatorResult(call.task_id, error=error, error_kind="internal")
             with self._lock:
                 if call.timed_out:
                     self._num_stuck -= 1
@@ -134,15 +120,3 @@ class CpuPool:
                     continue
                 del self._calls[call.task_id]
             self._done.put(result)
-
-
-def _run(call: _Call) -> OperatorResult:
-    try:
-        return OperatorResult(call.task_id, call.fn(call.arg))
-    except Exception as exc:
-        logger.info("function call %s raised %s", call.task_id, type(exc).__name__)
-        return OperatorResult(
-            call.task_id,
-            error=f"function raised {type(exc).__name__}: {exc}",
-            error_kind="internal",
-        )

@@ -1,20 +1,10 @@
-"""HedraRAG Eq. 2: split GPU memory between KV-cache blocks and the index tier.
+"""HedraRAG Eq. 2: split GPU memory between KV-cache blocks and the index tier::
 
-From offline profiles of generation throughput ``T_G`` against KV-cache size (at the
-workflow's generation request rate ``rps_G``) and of retrieval throughput ``T_R`` against the
-index tier's size (at ``rps_R``), both in workflow requests/s, pick::
+    KV_size* = argmax_{KV_size} min{ T_G(KV_size, rps_G), T_R(total - KV_size, rps_R) }
 
-    KV_size* = argmax_{KV_size} min{ T_G(KV_size, rps_G), T_R(total - KV_size, rps_R) }   (Eq. 2)
-
-over whole KV blocks; the GPU memory left over goes to the index tier. An explicit
-``kv_cache_bytes`` or ``index_tier_bytes`` overrides the solver. Sizes in bytes, throughputs
-in requests/s. Profiles are interpolated piecewise-linearly and held flat past their ends.
-
-NOTE: the paper writes ``T_R(rps_R)`` for the CPU retriever alone; with a GPU tier the
-retrieval throughput depends on the tier's bytes, which is what the split trades, so ``T_R``
-here is a function of them. It can be measured, or modelled from VectorLiteRAG's latency
-model and the access counts (``modelled_retrieval_profile``), which needs no run per size.
-"""
+over whole KV blocks, from throughput profiles (requests/s) of generation by KV size and of
+retrieval by tier bytes (NOTE: the paper's ``T_R`` ignores a GPU tier; here it depends on the
+tier's bytes, measured or modelled with ``modelled_retrieval_profile``)."""
 
 from __future__ import annotations
 
@@ -29,7 +19,8 @@ from ragserve.retrieval.partition import BetaHitRate, fill_budget
 
 @dataclass(frozen=True)
 class ThroughputProfile:
-    """Measured throughput (requests/s) at increasing resource sizes (KV blocks or bytes)."""
+    """Throughput (requests/s) at ascending sizes (KV blocks or bytes), interpolated linearly
+    and held flat past the ends."""
 
     sizes: tuple[float, ...]
     requests_per_second: tuple[float, ...]
@@ -50,7 +41,6 @@ class ThroughputProfile:
             raise ValueError("requests_per_second must be >= 0")
 
     def at(self, sizes: np.ndarray) -> np.ndarray:
-        """Throughput at every size (linear between points, flat past the ends)."""
         return np.interp(np.asarray(sizes, dtype=np.float64), self.sizes, self.requests_per_second)
 
     @classmethod
@@ -61,8 +51,7 @@ class ThroughputProfile:
         batch_size: int,
         retrievals_per_request: float = 1.0,
     ) -> ThroughputProfile:
-        """Retrieval throughput from the latency of a batch of ``batch_size`` queries at each
-        tier size: ``batch_size / (seconds * retrievals_per_request)`` requests/s."""
+        """``batch_size / (seconds * retrievals_per_request)`` requests/s at each size."""
         if batch_size < 1 or retrievals_per_request <= 0:
             raise ValueError(
                 f"need batch_size >= 1 and retrievals_per_request > 0, "
@@ -87,11 +76,9 @@ def modelled_retrieval_profile(
     tail_mode: str = "batch_mean",
     tail_quantile: float = 0.1,
 ) -> ThroughputProfile:
-    """``T_R`` by tier bytes from the latency model: at each size the hottest clusters that
-    fit (``fill_budget``) give a mean hit rate, ``BetaHitRate.tail`` its tail over
-    ``batch_size`` queries (``tail_mode``: the pooled batch's quantile, or ``"min"``, the
-    paper's Eq. 2) and Eq. 1 the batch's seconds; back-to-back batches then serve
-    ``batch_size / (seconds * retrievals_per_request)`` requests/s."""
+    """``T_R`` by tier bytes from the latency model: the hottest clusters that fit give a hit
+    rate, ``BetaHitRate.tail`` its tail over ``batch_size`` queries (``tail_mode``), Eq. 1
+    the batch's seconds."""
     sizes = sorted({int(s) for s in tier_sizes})
     if not sizes or sizes[0] < 0:
         raise ValueError(f"tier_sizes must be non-empty and >= 0, got {tier_sizes}")
@@ -108,11 +95,8 @@ def modelled_retrieval_profile(
 
 @dataclass(frozen=True)
 class MemorySplit:
-    """GPU bytes for the KV cache (``num_kv_blocks`` whole blocks) and for the index tier.
-
-    ``source`` is ``"eq2"`` (solved) or ``"override"``; the predicted throughputs are the
-    profiles' values at the split (``None`` for an override without profiles).
-    """
+    """GPU bytes for the KV cache (``num_kv_blocks`` whole blocks) and the index tier;
+    ``source``: ``"eq2"`` or ``"override"``; the profiles' throughputs at the split."""
 
     kv_cache_bytes: int
     index_tier_bytes: int
@@ -123,7 +107,6 @@ class MemorySplit:
 
     @property
     def predicted_rps(self) -> float | None:
-        """Eq. 2's objective at the split: ``min(T_G, T_R)``."""
         if self.generation_rps is None or self.retrieval_rps is None:
             return None
         return min(self.generation_rps, self.retrieval_rps)
@@ -140,27 +123,14 @@ def solve_memory_split(
     kv_cache_bytes: int | None = None,
     index_tier_bytes: int | None = None,
 ) -> MemorySplit:
-    """Eq. 2 over ``n`` KV blocks of ``block_bytes`` each, ``n >= min_kv_blocks``.
-
-    ``generation`` is ``T_G`` by number of KV blocks, ``retrieval`` is ``T_R`` by index-tier
-    bytes; ``max_index_bytes`` (the whole index) caps the tier: bytes past it are worth
-    nothing to retrieval, so the tie rule hands them to the KV cache. Ties in
-    ``min(T_G, T_R)`` go to the larger ``T_G + T_R``, then to more KV blocks.
-
-    An override (``kv_cache_bytes`` or ``index_tier_bytes``; both only if they fit) skips the
-    solver, and then the profiles may be ``None``. Raises ``ValueError`` naming the field
-    when the inputs cannot be met.
-    """
+    """Eq. 2 over ``n >= min_kv_blocks`` KV blocks; ``generation`` is ``T_G`` by KV blocks,
+    ``retrieval`` ``T_R`` by tier bytes, capped at ``max_index_bytes``. Ties go to the larger
+    ``T_G + T_R``, then to more KV blocks. An override (``kv_cache_bytes`` and/or
+    ``index_tier_bytes``) skips the solver; the profiles may then be ``None``."""
     _check_sizes(total_bytes, block_bytes, min_kv_blocks, max_index_bytes)
     if kv_cache_bytes is not None or index_tier_bytes is not None:
-        return _override(
-            total_bytes,
-            block_bytes,
-            min_kv_blocks,
-            (kv_cache_bytes, index_tier_bytes, max_index_bytes),
-            generation,
-            retrieval,
-        )
+        requested = (kv_cache_bytes, index_tier_bytes, max_index_bytes)
+        return _override(total_bytes, block_bytes, min_kv_blocks, requested, generation, retrieval)
     if generation is None or retrieval is None:
         raise ValueError("generation and retrieval profiles are required without an override")
     blocks = np.arange(min_kv_blocks, total_bytes // block_bytes + 1, dtype=np.int64)
@@ -176,8 +146,7 @@ def solve_memory_split(
     top = ties[total >= total.max() - 1e-9 * max(abs(total.max()), 1.0)]
     i = int(top[-1])
     n = int(blocks[i])
-    kv = n * block_bytes
-    return MemorySplit(kv, int(tier[i]), n, "eq2", float(t_g[i]), float(t_r[i]))
+    return MemorySplit(n * block_bytes, int(tier[i]), n, "eq2", float(t_g[i]), float(t_r[i]))
 
 
 def _check_sizes(
@@ -204,7 +173,6 @@ def _override(
     generation: ThroughputProfile | None,
     retrieval: ThroughputProfile | None,
 ) -> MemorySplit:
-    """``requested``: (``kv_cache_bytes``, ``index_tier_bytes``, ``max_index_bytes``)."""
     kv_cache_bytes, index_tier_bytes, max_index_bytes = requested
     for name, value in (("kv_cache_bytes", kv_cache_bytes), ("index_tier_bytes", index_tier_bytes)):
         if value is not None and value < 0:
@@ -220,12 +188,9 @@ def _override(
             f"kv_cache_bytes {kv_cache_bytes} holds {n} blocks < min_kv_blocks {min_kv_blocks}"
         )
     kv = n * block_bytes
-    if index_tier_bytes is not None:
-        tier = index_tier_bytes
-    elif max_index_bytes is not None:
-        tier = min(total_bytes - kv, max_index_bytes)
-    else:
-        tier = total_bytes - kv
+    tier = total_bytes - kv if index_tier_bytes is None else index_tier_bytes
+    if index_tier_bytes is None and max_index_bytes is not None:
+        tier = min(tier, max_index_bytes)
     if kv + tier > total_bytes:
         raise ValueError(
             f"kv_cache_bytes {kv} + index_tier_bytes {tier} > total_bytes {total_bytes}"

@@ -1,15 +1,7 @@
-"""``MemoryStore``: the per-session memory behind memory nodes, bounded and thread-safe.
-
-A session (any non-empty string id) holds text entries, oldest first. Bounds, each enforced
-on every append by dropping the oldest first:
-
-- ``max_entries`` entries per session;
-- ``max_bytes`` UTF-8 bytes per session (an entry longer than that alone is cut to its last
-  ``max_bytes`` bytes, on a character boundary);
-- ``max_sessions`` sessions (the least recently used session is dropped whole).
-
-In memory only: a restart forgets every session.
-"""
+"""``MemoryStore``: the per-session memory behind memory nodes, in memory only. Each append
+drops the oldest entries past ``max_entries`` or ``max_bytes`` (UTF-8; a longer entry is cut
+to its last ``max_bytes``) per session, and the least recently used session past
+``max_sessions``."""
 
 from __future__ import annotations
 
@@ -25,24 +17,17 @@ class _Session:
 
 
 class MemoryStore:
-    """Session id -> entries. ``read``/``append`` are thread-safe."""
+    """Session id -> entries, oldest first; thread-safe. Bounds are checked by
+    ``OperatorConfig``."""
 
     def __init__(
         self, max_entries: int = 64, max_bytes: int = 65536, max_sessions: int = 10000
     ) -> None:
-        for name, value in (
-            ("max_entries", max_entries),
-            ("max_bytes", max_bytes),
-            ("max_sessions", max_sessions),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         self.max_entries, self.max_bytes, self.max_sessions = max_entries, max_bytes, max_sessions
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._lock = threading.Lock()
 
     def read(self, session_id: str) -> list[str]:
-        """The session's entries, oldest first (``[]`` for an unknown session)."""
         _check_session(session_id)
         with self._lock:
             session = self._sessions.get(session_id)
@@ -73,16 +58,7 @@ class MemoryStore:
                 self._sessions.popitem(last=False)
         return text
 
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "num_sessions": len(self._sessions),
-                "num_entries": sum(len(s.entries) for s in self._sessions.values()),
-                "num_bytes": sum(s.num_bytes for s in self._sessions.values()),
-            }
-
     def check_integrity(self) -> None:
-        """Every bound holds and the byte counts match the entries (tests call it)."""
         with self._lock:
             assert len(self._sessions) <= self.max_sessions
             for sid, s in self._sessions.items():

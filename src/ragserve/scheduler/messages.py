@@ -1,11 +1,9 @@
-"""The small dataclasses that cross from the scheduler to the workers and back.
-
-Everything here is plain data (picklable, no torch): the runtime ships these between
-processes, the in-process executor passes them by reference.
-"""
+"""The plain dataclasses (picklable, no torch) that cross from the scheduler to the workers
+and back: tasks out, updates and results back."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -15,7 +13,7 @@ from ragserve.graph.checks import check_sampling
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """Mirror of ``ragserve.generation.SamplingParams`` without importing the engine."""
+    """``ragserve.generation.SamplingParams`` without importing the engine."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -37,21 +35,8 @@ class GenerationParams:
         )
 
     @classmethod
-    def for_node(cls, node: Any) -> GenerationParams:
-        """The sampling a ``GenerationNode`` asks for."""
-        return cls(
-            max_tokens=node.max_tokens,
-            temperature=node.temperature,
-            top_p=node.top_p,
-            seed=node.seed,
-            stop=node.stop,
-            ignore_eos=node.ignore_eos,
-            fusion_ratio=node.fusion_ratio,
-        )
-
-    @classmethod
     def from_any(cls, params: Any) -> GenerationParams:
-        """Copy the matching attributes of any SamplingParams-like object."""
+        """The matching attributes of a ``SamplingParams``-like object or a ``GenerationNode``."""
         if isinstance(params, cls):
             return params
         values = {f.name: getattr(params, f.name) for f in fields(cls) if hasattr(params, f.name)}
@@ -63,15 +48,9 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class GenerationTask:
-    """Generate for ``prompt``; ``chat`` wraps it as a user message with the chat template,
-    after the ``(role, content)`` turns of ``history`` (a system message, earlier turns).
-
-    ``chunk_s`` (node splitting, generation side): ``None`` sends an update after every engine
-    step that gives the task a token. A number coalesces them into sub-stages of decode steps:
-    a non-final update goes out once the engine steps since the task's last update add up to
-    ``chunk_s`` seconds; the first token, the final update and errors go out at once. The
-    concatenated deltas and token ids are the same either way.
-    """
+    """Generate for ``prompt``; ``chat`` applies the chat template after ``history``'s
+    ``(role, content)`` turns. ``chunk_s``: ``None`` sends an update per engine step, a number
+    one per ``chunk_s`` seconds of steps (first token, final update and errors at once)."""
 
     task_id: str
     prompt: str | tuple[int, ...]
@@ -87,9 +66,8 @@ class GenerationTask:
 
 @dataclass(frozen=True)
 class RetrievalTask:
-    """Embed ``query`` and return its ``topk`` passages (``nprobe=None``: index default;
-    ``mode``/``filter``/``collapse_sections``: as ``VectorIndex.search_text``, None = the
-    index's defaults, unfiltered)."""
+    """Return ``query``'s ``topk`` passages; the rest as ``VectorIndex.search_text`` (None:
+    the index's defaults)."""
 
     task_id: str
     query: str
@@ -102,7 +80,7 @@ class RetrievalTask:
 
 @dataclass(frozen=True)
 class GenerationUpdate:
-    """Progress of one generation task: new text and token ids since the last update."""
+    """New text and token ids of one generation task since its last update."""
 
     task_id: str
     text_delta: str
@@ -125,14 +103,10 @@ class RetrievalResult:
     error_kind: str | None = None  # an ``ErrorKind`` with ``error`` (None: "internal")
 
 
-# -- operators (embed, rerank, upsert) --------------------------------------------------------
-# They travel like ``RetrievalTask``s (``BaseExecutor.submit_operators``), and the retrieval
-# runner answers each with an ``OperatorResult`` whose ``value`` the node writes into the state;
-# function and memory nodes, run in the server process, answer with the same type.
+# Operators travel with the retrieval tasks and are answered with an ``OperatorResult``.
 @dataclass(frozen=True)
 class EmbedTask:
-    """Embed ``texts`` (document side); ``single``: the node's input was one string, so the
-    value is ``[dim]`` rather than ``[n, dim]``."""
+    """Embed ``texts`` (document side); ``single``: the value is ``[dim]``, not ``[n, dim]``."""
 
     task_id: str
     texts: tuple[str, ...]
@@ -141,8 +115,6 @@ class EmbedTask:
 
 @dataclass(frozen=True)
 class RerankTask:
-    """Re-score ``passages`` against ``query``; keep the best ``topk``, best first."""
-
     task_id: str
     query: str
     passages: tuple[Passage, ...]
@@ -151,8 +123,7 @@ class RerankTask:
 
 @dataclass(frozen=True)
 class UpsertTask:
-    """Upsert ``documents`` (``Document`` objects or strings, which get generated ids); the
-    value is the list of ids, in order, once the index has made them durable."""
+    """Upsert ``documents`` (``Document``s or strings); the value is the ids, once durable."""
 
     task_id: str
     documents: tuple[Any, ...]
@@ -163,7 +134,8 @@ OperatorTask = EmbedTask | RerankTask | UpsertTask
 
 @dataclass(frozen=True)
 class OperatorResult:
-    """The outcome of an operator task: ``value`` for the node's output, or ``error``."""
+    """An operator's (or function / memory node's) ``value`` for the node's output, or
+    ``error``."""
 
     task_id: str
     value: Any = None
@@ -171,22 +143,13 @@ class OperatorResult:
     error_kind: str | None = None  # an ``ErrorKind`` with ``error`` (None: "internal")
 
 
-# -- staged retrieval (a retrieval node cut into cluster sub-stages) --------------------------
-# Back come ``RetrievalPartial``s (for the transforms only) and one ``StagedRetrievalResult``.
 @dataclass(frozen=True)
 class StagedRetrievalTask(RetrievalTask):
-    """A retrieval run in sub-stages of clusters.
-
-    - ``split``: pack each sub-stage under the time budget ``mb`` (``budget_s``, or Eq. 1's
-      optimum from the worker's measurements when ``None``); ``False``: one sub-stage.
-    - ``first_clusters``: when > 0, the first sub-stage scans exactly this many clusters
-      (an early partial result for speculation even without budget splitting).
-    - ``hit_clusters`` / ``previous_clusters``: the request's local cache (HedraRAG §4.3):
-      scan probed clusters in ``hit_clusters`` first, then those in ``previous_clusters``,
-      then the rest (each group in coarse order). Exact: every probed cluster is scanned.
-    - ``cache_topk``: also report the clusters of this many best results (the local cache).
-    - ``emit_partials``: send a ``RetrievalPartial`` after every non-final sub-stage.
-    """
+    """A retrieval run in sub-stages of clusters, answered by ``RetrievalPartial``s and one
+    ``StagedRetrievalResult``. ``split``: sub-stages under the budget ``budget_s`` (None: Eq.
+    1's); ``first_clusters`` > 0: a first sub-stage of that many; ``hit_clusters`` then
+    ``previous_clusters`` are scanned first (the local cache); ``cache_topk``: report the
+    clusters of that many best results; ``emit_partials``: a partial per sub-stage."""
 
     request_id: str | None = None
     split: bool = False
@@ -211,12 +174,8 @@ class RetrievalPartial:
 
 @dataclass(frozen=True)
 class StagedRetrievalResult(RetrievalResult):
-    """The final result plus the local-cache data and how the stage was cut.
-
-    ``hit_clusters``: clusters holding the best ``cache_topk`` results; ``probed_clusters``:
-    every cluster this retrieval scanned (coarse order); ``num_substages``: how many
-    sub-stages it took; ``scan_seconds``: the scan time attributed to it.
-    """
+    """The final result, the clusters of the best ``cache_topk`` results and of every probe,
+    and how the stage was cut."""
 
     hit_clusters: tuple[int, ...] = ()
     probed_clusters: tuple[int, ...] = ()
@@ -226,17 +185,17 @@ class StagedRetrievalResult(RetrievalResult):
 
 @dataclass
 class Wavefront:
-    """The ready work of one scheduling cycle, across all active requests, by resource:
-    ``generation`` (the engine), ``retrieval`` and ``operators`` (embed / rerank / upsert
-    tasks: the retrieval worker). Function nodes go to the CPU pool and memory nodes run
-    inline; neither passes through the wavefront.
-
-    Transformations (``scheduler.transforms``) may rewrite it before dispatch.
-    """
+    """One cycle's ready tasks of all requests by resource (the engine; the retrieval
+    worker's retrievals and operators); transforms may rewrite it before dispatch."""
 
     generation: list[GenerationTask] = field(default_factory=list)
     retrieval: list[RetrievalTask] = field(default_factory=list)
     operators: list[OperatorTask] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.generation or self.retrieval or self.operators)
+
+def as_staged(task: RetrievalTask, **changes: Any) -> StagedRetrievalTask:
+    """``task`` as a ``StagedRetrievalTask`` (fields it already has kept), with ``changes``."""
+    if isinstance(task, StagedRetrievalTask):
+        return dataclasses.replace(task, **changes) if changes else task
+    base = {f.name: getattr(task, f.name) for f in fields(RetrievalTask)}
+    return StagedRetrievalTask(**base, **changes)

@@ -11,17 +11,14 @@ from ragserve.graph import CompiledGraph, FanOut, Passage, State
 from ragserve.scheduler.messages import GenerationUpdate
 
 ErrorKind = Literal["bad_request", "worker_died", "internal", "aborted", "overloaded"]
-"""Why a request failed, machine-readable: ``bad_request`` (the engine rejected its input:
-prompt past the context, empty prompt, bad token ids; or a duplicate request id),
-``worker_died`` (a worker process died or cannot start), ``aborted`` (``Server.abort``),
-``overloaded`` (a worker's bounded queue was full: retry later, HTTP 429),
-``internal`` (anything else: a router raised, a retrieval failed, too many node runs)."""
-ERROR_KINDS: tuple[str, ...] = ("bad_request", "worker_died", "internal", "aborted", "overloaded")
+"""Why a request failed (docs/reliability.md): ``bad_request`` (input the engine rejects, a
+duplicate id), ``worker_died``, ``aborted``, ``overloaded`` (a full queue: HTTP 429) or
+``internal`` (anything else)."""
 
 
 @dataclass
 class NodeTiming:
-    """When one node run became ready, was dispatched, produced its first token, finished."""
+    """When one node run became ready, was dispatched, gave its first token, finished."""
 
     node_id: Any
     kind: str
@@ -43,11 +40,8 @@ class NodeTiming:
 
 @dataclass(frozen=True)
 class Response:
-    """The result of one request: the answer, the final state, what was retrieved, timings.
-
-    ``error`` is ``None`` on success; otherwise a message and ``output`` may be partial, and
-    ``error_kind`` says why (an ``ErrorKind``; ``None`` on success).
-    """
+    """One request's answer, final state, retrieved passages and timings; on failure
+    ``error`` and ``error_kind`` say why (``output`` may be partial)."""
 
     request_id: str
     output: str
@@ -67,7 +61,7 @@ class Response:
 
     @property
     def ttft(self) -> float | None:
-        """Time to the first token of the answer (the first ``output``-writing generation)."""
+        """Time to the first token of the answer."""
         for t in self.node_timings:
             if t.is_answer and t.first_token_at is not None:
                 return t.first_token_at - self.arrival_time
@@ -76,11 +70,8 @@ class Response:
 
 @dataclass
 class NodeRun:
-    """One run of one node of a request: ready (``task_id`` None) or dispatched.
-
-    ``state`` is what the node reads: the request's state, or inside a fan-out its branch's
-    own copy (``branch`` is then the branch's index). Mutated by the scheduler thread only.
-    """
+    """One run of one node: ready (``task_id`` None) or dispatched. ``state`` is what it
+    reads (inside a fan-out, branch ``branch``'s own copy)."""
 
     node_id: Any
     state: State
@@ -97,7 +88,7 @@ class NodeRun:
 
 @dataclass
 class OpenJoin:
-    """A fan-out whose branches are running: what each finished branch left behind."""
+    """A running fan-out: what each finished branch left behind."""
 
     fanout: FanOut
     states: list[State | None]
@@ -110,12 +101,9 @@ class OpenJoin:
 
 @dataclass
 class RequestState:
-    """A request inside the scheduler. Mutated only by the scheduler's thread.
-
-    ``runs`` are its node runs now ready or in flight: one, or one per branch inside a
-    fan-out (``join`` then holds the finished branches until all have arrived).
-    ``on_update`` sees every raw ``GenerationUpdate`` of its completion nodes.
-    """
+    """A request inside the scheduler (mutated by its thread only): ``runs`` ready or in
+    flight, one per branch inside a fan-out (``join``). ``on_update`` sees every raw update
+    of its completion nodes."""
 
     request_id: str
     graph: CompiledGraph
@@ -132,19 +120,18 @@ class RequestState:
     error: str | None = None
     error_kind: ErrorKind | None = None
 
-    @property
-    def is_dispatched(self) -> bool:
-        """Every run of the request is in flight (nothing ready to dispatch)."""
-        return all(r.is_dispatched for r in self.runs)
-
     def response(self) -> Response:
+        summed: dict = {}  # node id -> seconds, over its runs
+        for t in self.timings:
+            if t.duration is not None:
+                summed[t.node_id] = summed.get(t.node_id, 0.0) + t.duration
         return Response(
             request_id=self.request_id,
             output=str(self.state.get("output", "")),
             state=dict(self.state),
             doc_ids=tuple(self.retrieved),
             titles=tuple(p.title for p in self.retrieved.values()),
-            timings=_summed(self.timings),
+            timings=summed,
             error=self.error,
             node_timings=tuple(self.timings),
             arrival_time=self.arrival_time,
@@ -154,18 +141,9 @@ class RequestState:
 
 
 class RequestError(RuntimeError):
-    """A failed request, raised by ``Server.stream`` / ``Server.complete``: the message is
-    ``Response.error``, ``kind`` its ``ErrorKind``, ``response`` the final ``Response``."""
+    """A failed request (``Server.stream`` / ``complete``), with its ``Response``."""
 
     def __init__(self, response: Response) -> None:
         super().__init__(response.error)
         self.response = response
         self.kind: ErrorKind = response.error_kind or "internal"
-
-
-def _summed(timings: list[NodeTiming]) -> dict:
-    out: dict = {}
-    for t in timings:
-        if t.duration is not None:
-            out[t.node_id] = out.get(t.node_id, 0.0) + t.duration
-    return out

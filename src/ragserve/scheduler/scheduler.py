@@ -1,17 +1,7 @@
 """The scheduler: every cycle, the wavefront of ready nodes across all active requests.
 
-One thread calls ``step()`` in a loop (the runtime's scheduler thread, or a test). Other
-threads only call ``add_request`` / ``abort``, which go through a thread-safe inbox.
-
-    step():  admit new requests and aborts
-             wavefront = ready node runs of every active request, lowered to their resource's
-                         tasks (memory nodes run here, function nodes go to the CPU pool)
-             wavefront = each transform's rewrite of it
-             dispatch: generation tasks join the engine's batch; retrieval and operator tasks
-                       go to the retrieval worker as one batch; then the transforms' side tasks
-             apply the executor's and the pool's updates: write outputs (``State.write``),
-             follow edges (fan-outs start branches, joins wait for all), finish requests
-"""
+One thread calls ``step()``; other threads only call ``add_request`` / ``abort`` /
+``set_transforms``, which go through a thread-safe inbox."""
 
 from __future__ import annotations
 
@@ -30,15 +20,10 @@ from ragserve.scheduler.cpu_pool import CpuPool
 from ragserve.scheduler.executor import BaseExecutor, Update
 from ragserve.scheduler.lowering import lower
 from ragserve.scheduler.memory_store import MemoryStore
-from ragserve.scheduler.messages import (
-    GenerationTask,
-    GenerationUpdate,
-    RetrievalResult,
-    Wavefront,
-)
+from ragserve.scheduler.messages import GenerationTask, GenerationUpdate, RetrievalResult, Wavefront
 from ragserve.scheduler.operator_config import OperatorConfig
 from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState
-from ragserve.scheduler.transforms import BaseTransform, NextStep, TaskView, peek_next
+from ragserve.scheduler.transforms import BaseTransform, NextStep, TaskView
 
 logger = logging.getLogger(__name__)
 
@@ -49,27 +34,13 @@ MAX_REMEMBERED_ABORTS = 4096  # and how many such ids at most (oldest forgotten 
 class Scheduler:
     """Advances many graph requests at once over one executor.
 
-    ``max_node_runs`` bounds the nodes one request may run (a guard against routers that
-    never exit); past it the request fails with a clear error. ``operators`` bounds the
-    function pool and the session memory (``self.memory``, a ``MemoryStore``).
-
-    ``busy_poll_timeout``: with tasks in flight, how long one poll may wait for updates when
-    the executor ``can_wake`` (``add_request``, ``abort`` and ``set_transforms`` wake it), so
-    cycles follow events rather than a clock; ``None``, or an executor that cannot be woken:
-    ``poll_timeout``.
-
-    ``enable_update_coalescing``: a generation task of a request with no stream listener
-    (``on_delta``/``on_update``), under transforms none of which ``needs_partial_updates``,
-    is dispatched with ``chunk_s = inf`` unless it has its own: the worker sends its first
-    token and its final update only (``GenerationRunner``), never one per engine step. The
-    same holds for a transform's generation side task submitted for a request (a speculative
-    generation: ``SchedulerView.submit_generation(tasks, request_id)``).
-
-    ``abort(id)`` of an id not (yet) added is remembered (``abort_memory_s``, at most
-    ``max_remembered_aborts`` ids): a request added later with that id finishes at once,
-    aborted. So an abort that overtakes its request (a client gone while the request was
-    still on its way in) is not lost. Request ids must therefore not be reused soon after
-    they were aborted.
+    ``max_node_runs`` bounds the node runs of one request (routers that never exit fail).
+    ``busy_poll_timeout``: how long a poll with tasks in flight may wait when the executor
+    ``can_wake`` (else ``poll_timeout``). ``enable_update_coalescing``: generation tasks
+    nobody reads mid-way (no ``on_delta``/``on_update``, no transform that
+    ``needs_partial_updates``) get ``chunk_s = inf``: first token and end only.
+    ``abort(id)`` of an id not yet added is remembered (``abort_memory_s``, at most
+    ``max_remembered_aborts`` ids): the request finishes aborted when it arrives.
     """
 
     def __init__(
@@ -116,7 +87,6 @@ class Scheduler:
         for transform in self.transforms:
             transform.bind(self.view)
 
-    # -- called from any thread -------------------------------------------------------------
     def add_request(self, request: RequestState) -> None:
         self._inbox.put(("add", request))
         self.executor.wake()
@@ -126,21 +96,16 @@ class Scheduler:
         self.executor.wake()
 
     def set_transforms(self, transforms: Sequence[BaseTransform]) -> Future:
-        """Replace the transform chain between requests (e.g. a benchmark switching systems).
-
-        Takes effect in the scheduler thread at the next cycle with no active request and no
-        task in flight; the returned future resolves then. Requests added after this call
-        wait until the switch is done; those added before finish under the old chain.
-        """
+        """Replace the transform chain once no request is active and no task in flight (the
+        future resolves then); requests added meanwhile wait for the new chain."""
         done: Future = Future()
         self._inbox.put(("transforms", (tuple(transforms), done)))
         self.executor.wake()
         return done
 
-    # -- the control loop (scheduler thread only) -----------------------------------------
     def step(self) -> None:
-        """One cycle: admit, collect the wavefront, transform, dispatch, apply updates.
-        ``busy_s`` grows by the cycle's time outside admission and the executor's poll."""
+        """One cycle: admit, collect, transform, dispatch, apply updates (``busy_s``: the
+        cycle's time outside admission and polling)."""
         self._admit()
         started = time.perf_counter()
         wavefront = self._collect_wavefront()
@@ -163,11 +128,9 @@ class Scheduler:
         return len(self._active)
 
     def close(self) -> None:
-        """Stop the function pool's threads (calls still running finish on their own)."""
         if self._pool is not None:
             self._pool.close()
 
-    # -- pieces of the cycle ------------------------------------------------------------------
     def _admit(self) -> None:
         idle = not self._active and not self._by_task
         while True:
@@ -177,11 +140,8 @@ class Scheduler:
                 for item in deferred:
                     self._admit_one("add", item)
             try:
-                kind, item = (
-                    self._inbox.get(timeout=self.poll_timeout)
-                    if idle
-                    else (self._inbox.get_nowait())
-                )
+                get = self._inbox.get
+                kind, item = get(timeout=self.poll_timeout) if idle else get(block=False)
             except queue.Empty:
                 return
             idle = False
@@ -249,24 +209,19 @@ class Scheduler:
                 run.task_id = f"{req.request_id}/{run.node_id}/{run.seq}"
                 self._by_task[run.task_id] = (req, run)
                 run.timing.dispatched_at = now
-                node = req.graph.nodes[run.node_id]
-                lowered = lower(run, node, run.task_id, self.memory)
-                if lowered.resource == "engine":
-                    wavefront.generation.append(self._coalesced(req, lowered.payload))
-                elif lowered.resource == "retrieval":
-                    wavefront.retrieval.append(lowered.payload)
-                elif lowered.resource == "operators":
-                    wavefront.operators.append(lowered.payload)
-                elif lowered.resource == "cpu":
-                    fn, arg, timeout_s = lowered.payload
-                    self._function_pool().submit(run.task_id, fn, arg, timeout_s)
+                resource, task = lower(run, req.graph.nodes[run.node_id], run.task_id, self.memory)
+                if resource == "cpu":
+                    self._function_pool().submit(run.task_id, *task)
+                elif resource == "inline":
+                    self._inline.append(task)
+                elif resource == "generation":
+                    wavefront.generation.append(self._coalesced(req, task))
                 else:
-                    self._inline.append(lowered.payload)
+                    getattr(wavefront, resource).append(task)
         self._has_new_runs = False
         return wavefront
 
     def _coalesced(self, req: RequestState, task: GenerationTask) -> GenerationTask:
-        """``task`` reporting first token and end only, when nothing reads it mid-way."""
         if (
             not self.enable_update_coalescing
             or task.chunk_s is not None
@@ -342,7 +297,7 @@ class Scheduler:
         self._advance(req, run.node_id, state, run.branch)
 
     def _on_tokens(self, req: RequestState, run: NodeRun, node: Any, update: Any) -> bool:
-        """Account a generation update; ``True`` when it is the node's last."""
+        """``True`` when ``update`` is the node's last."""
         timing = run.timing
         if update.new_token_ids and timing.first_token_at is None:
             timing.first_token_at = time.monotonic()
@@ -385,7 +340,7 @@ class Scheduler:
             self._start(req, nxt, state, branch)
 
     def _start(self, req: RequestState, node_id: Any, state: State, branch: int | None) -> bool:
-        """A ready run of ``node_id``; ``False`` if the request failed instead (run limit)."""
+        """A ready run of ``node_id``; ``False`` if the request failed (run limit)."""
         if req.num_node_runs >= self.max_node_runs:
             self._finish(req, f"request ran {self.max_node_runs} nodes without reaching END")
             return False
@@ -400,8 +355,8 @@ class Scheduler:
         return True
 
     def _finish(self, req: RequestState, error: str | None, kind: str = "internal") -> None:
-        """End ``req``; a failure (``error`` set) is of ``kind``, an ``ErrorKind``. Its runs
-        in flight are dropped (generations aborted in the engine, functions abandoned)."""
+        """End ``req`` (failed with ``error`` of ``kind`` unless ``None``); its runs in flight
+        are dropped."""
         for run in req.runs:
             if run.task_id is None:
                 continue
@@ -425,14 +380,12 @@ class Scheduler:
 
 
 def _refuse(req: RequestState, error: str, kind: str) -> None:
-    """End ``req``, never admitted, with ``error`` of ``kind``."""
     req.error, req.error_kind = error, kind  # type: ignore[assignment]
     req.on_done(req.response())
 
 
 def _merged(req: RequestState) -> State:
-    """The request's state after its fan-out: the state at the fan-out, then each branch's
-    writes (its nodes' output keys and visit counts) and passages, in branch order."""
+    """The state at the fan-out, then each branch's output keys, visits and passages."""
     join = req.join
     merged = req.state.fork()
     for i, branch_state in enumerate(join.states):
@@ -481,7 +434,11 @@ class _View:
         return tuple(r.task_id for r in req.runs if r.task_id is not None)
 
     def peek_next(self, task: TaskView, output: Any) -> NextStep | None:
-        return peek_next(task, output)
+        state = task.state.write(task.node, output)
+        try:
+            return NextStep(task.graph.next_node(task.node_id, state), state)
+        except Exception:  # NOTE: a user router may raise anything
+            return None
 
     def submit_generation(self, tasks: list, request_id: str | None = None) -> None:
         req = None if request_id is None else self._s._active.get(request_id)

@@ -1,49 +1,30 @@
-"""Speculative generation (HedraRAG §4.3, RAGCache §5.3): start the next generation on a
-retrieval's partial top-k; keep it if the final top-k is the same, abort and restart if not.
-
-```
-retrieval R (sub-stages):  [s1][s2][s3][s4]            final top-k == partial after s1?
-partial after s1 ─────────────┐                               yes: G's tokens so far are kept
-speculative G:                 [G G G G G ...]                no:  G aborted (blocks freed),
-real G (no speculation):                       [G G G G ...]       the real G runs as usual
-```
-
-Exactness: a speculation is adopted only when the real generation task the scheduler builds
-after the retrieval has exactly the prompt and parameters the speculation was started with;
-greedy decoding then yields the same tokens. Only greedy (temperature 0) nodes speculate.
-Anything else (other docs, another route, a failed request) aborts the speculation.
-
-Speculation starts only while the generation side has room: ``T_curr / T_max < tau`` with
-``T_curr`` the generation tasks in flight (real + speculative) and ``T_max = capacity``.
-"""
+"""Speculative generation (HedraRAG §4.3, RAGCache §5.3): start the next greedy generation on
+a retrieval's partial top-k, while in-flight generations / ``capacity`` < ``tau``; adopt it
+if the final top-k is the same and the real task has exactly its prompt and parameters (so
+greedy decoding gives the same tokens), else abort it."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.graph import GenerationNode, RetrievalNode
 from ragserve.scheduler.executor import Update
+from ragserve.scheduler.lowering import generation_task
 from ragserve.scheduler.messages import (
-    GenerationParams,
     GenerationTask,
     GenerationUpdate,
     RetrievalPartial,
     RetrievalResult,
     Wavefront,
+    as_staged,
 )
-from ragserve.scheduler.similarity import as_staged
-from ragserve.scheduler.transforms import BaseTransform, SchedulerView, TaskView
-
-logger = logging.getLogger(__name__)
+from ragserve.scheduler.transforms import BaseTransform, TaskView
 
 
 @dataclass
 class _Spec:
-    """One speculative generation task (mutated by the transform only)."""
-
     spec_id: str
     retrieval_task_id: str
     request_id: str
@@ -73,25 +54,15 @@ class SpeculationStats:
 
 
 class SpeculationTransform(BaseTransform):
-    """Start generations on partial retrieval results; adopt or abort them.
-
-    ``tau``/``capacity``: start only while in-flight generation tasks / ``capacity`` < tau.
-    ``first_clusters``: cut off a first sub-stage of this many clusters, so there is an early
-    partial result to speculate on (0: only the budget's sub-stages give partials).
-    ``max_restarts``: how often a newer, different partial may replace a speculation.
-    """
+    """``first_clusters``: cut a first sub-stage of this many clusters, for an early
+    partial; ``max_restarts``: how often a newer, different partial may replace a speculation."""
 
     def __init__(
-        self,
-        tau: float = 0.75,
-        capacity: int = 64,
-        first_clusters: int = 0,
-        max_restarts: int = 1,
+        self, tau: float = 0.75, capacity: int = 64, first_clusters: int = 0, max_restarts: int = 1
     ) -> None:
         self.tau, self.capacity = tau, capacity
         self.first_clusters, self.max_restarts = first_clusters, max_restarts
         self.stats = SpeculationStats()
-        self._view: SchedulerView | None = None
         self._specs: dict[str, _Spec] = {}  # spec id -> spec
         self._by_retrieval: dict[str, _Spec] = {}
         self._restarts: dict[str, int] = {}  # retrieval task id -> replacements so far
@@ -99,10 +70,6 @@ class SpeculationTransform(BaseTransform):
         self._running: set[str] = set()
         self._seq = 0
 
-    def bind(self, view: SchedulerView) -> None:
-        self._view = view
-
-    # -- dispatch side ----------------------------------------------------------------------
     def apply(self, wavefront: Wavefront) -> Wavefront:
         wavefront.retrieval = [self._with_partials(t) for t in wavefront.retrieval]
         kept = []
@@ -119,7 +86,7 @@ class SpeculationTransform(BaseTransform):
         return as_staged(task, emit_partials=True, first_clusters=first)
 
     def _adopt(self, task: GenerationTask) -> bool:
-        run = self._view.task(task.task_id)
+        run = self.view.task(task.task_id)
         spec = self._match(run, task) if run is not None else None
         if spec is None:
             return False
@@ -136,27 +103,26 @@ class SpeculationTransform(BaseTransform):
         return True
 
     def _match(self, run: TaskView, task: GenerationTask) -> _Spec | None:
-        """The confirmed, not yet adopted speculation that ran exactly ``task``, if any."""
         for spec in self._specs.values():
             if spec.request_id != run.request_id or not spec.confirmed:
                 continue
-            if spec.adopted_as is None and spec.node_id == run.node_id and _same_work(spec, task):
+            # NOTE: the same work up to how updates are coalesced: the same greedy tokens
+            same = dataclasses.replace(spec.task, task_id=task.task_id, chunk_s=task.chunk_s)
+            if spec.adopted_as is None and spec.node_id == run.node_id and same == task:
                 return spec
         return None
 
     def _drop_stale(self) -> None:
-        """Abort the speculations nobody will adopt (``_is_stale``)."""
         for spec in list(self._specs.values()):
             if self._is_stale(spec):
                 self._abort(spec)
-        has_task = self._view.has_task
+        has_task = self.view.has_task
         self._running = {t for t in self._running if t in self._specs or has_task(t)}
 
     def _is_stale(self, spec: _Spec) -> bool:
-        """Request gone; retrieval ended without confirming it (a partial that came after
-        its final); confirmed but the real node, dispatched this cycle, did not match; or
-        adopted by a task that is no longer running."""
-        view = self._view
+        """Request gone; retrieval ended unconfirmed; confirmed but not adopted by the real
+        task dispatched this cycle; or adopted by a task no longer running."""
+        view = self.view
         if not view.is_active(spec.request_id):
             return True
         if not spec.confirmed:
@@ -165,7 +131,6 @@ class SpeculationTransform(BaseTransform):
             return True
         return spec.adopted_as not in view.running_task_ids(spec.request_id)
 
-    # -- update side ------------------------------------------------------------------------
     def on_updates(self, updates: list[Update]) -> list[Update]:
         out: list[Update] = list(self._replay)
         self._replay = []
@@ -209,7 +174,7 @@ class SpeculationTransform(BaseTransform):
             self._abort(spec)
 
     def _on_partial(self, partial: RetrievalPartial) -> None:
-        run = self._view.task(partial.task_id)
+        run = self.view.task(partial.task_id)
         if run is None or not partial.passages:
             return
         old = self._by_retrieval.get(partial.task_id)
@@ -232,7 +197,7 @@ class SpeculationTransform(BaseTransform):
         self._specs[spec.spec_id] = spec
         self._by_retrieval[partial.task_id] = spec
         # dispatched after the next wavefront; coalesced as the request's own task would be
-        self._view.submit_generation([task], request_id=run.request_id)
+        self.view.submit_generation([task], request_id=run.request_id)
         self._running.add(task.task_id)
         self.stats.num_started += 1
 
@@ -240,21 +205,18 @@ class SpeculationTransform(BaseTransform):
         """The (task, node id) the scheduler would run next if ``partial`` were final."""
         if not isinstance(run.node, RetrievalNode):
             return None
-        step = self._view.peek_next(run, list(partial.passages))
+        step = self.view.peek_next(run, list(partial.passages))
         if step is None or isinstance(step.node_id, tuple):
             return None
         node = run.graph.nodes.get(step.node_id)
         if not isinstance(node, GenerationNode) or node.temperature != 0.0:
             return None
-        params = GenerationParams.for_node(node)
         self._seq += 1
         task_id = f"spec/{self._seq}/{partial.task_id}"
-        prompt, history = node.prompt.render(step.state), node.history(step.state)
-        return GenerationTask(task_id, prompt, params, history=history), step.node_id
+        return generation_task(task_id, node, step.state), step.node_id
 
-    # -- bookkeeping ------------------------------------------------------------------------
     def _abort(self, spec: _Spec) -> None:
-        self._view.abort([spec.spec_id])  # dropped if not dispatched yet, else aborted
+        self.view.abort([spec.spec_id])  # dropped if not dispatched yet, else aborted
         self.stats.num_aborted += 1
         self._forget(spec)
 
@@ -269,7 +231,6 @@ class SpeculationTransform(BaseTransform):
         return len(self._specs)
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if the bookkeeping is inconsistent (tests call it)."""
         for retrieval_task_id, spec in self._by_retrieval.items():
             assert self._specs.get(spec.spec_id) is spec, spec.spec_id
             assert spec.retrieval_task_id == retrieval_task_id, spec.spec_id
@@ -277,18 +238,6 @@ class SpeculationTransform(BaseTransform):
             assert spec.spec_id == spec_id
             assert spec.adopted_as is None or (spec.confirmed and not spec.buffered), spec_id
         assert not self._replay, "replayed updates left over after on_updates"
-
-
-def _same_work(spec: _Spec, task: GenerationTask) -> bool:
-    """Same prompt, conversation and sampling: greedy decoding gives the same tokens (the
-    task id and ``chunk_s``, how updates are coalesced, may differ)."""
-    a = spec.task
-    return (a.prompt, a.history, a.params, a.chat) == (
-        task.prompt,
-        task.history,
-        task.params,
-        task.chat,
-    )
 
 
 def _ids(passages) -> tuple[str, ...]:

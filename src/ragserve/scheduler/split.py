@@ -1,51 +1,21 @@
-"""Node splitting (HedraRAG §4.2): a retrieval node becomes sequential sub-stages of clusters.
-
-The transform only marks retrieval tasks as staged; the cutting happens in the retrieval
-worker's staged search (``ragserve.retrieval.staged``), which owns the measurements Eq. 1 needs.
-Each sub-stage packs, for every active retrieval, clusters in scan
-order until the time budget ``mb`` is reached, and all retrievals' sub-stages of one step go
-to Faiss as one batch. Between sub-stages the worker admits new retrievals, so a short
-retrieval no longer waits behind a long one, and reports partial top-k (for speculation).
-
-```
-unsplit:   R1 [=========== 64 clusters ===========]  R2 waits ........ [=== R2 ===]
-split:     R1 [== mb ==][== mb ==][== mb ==][== mb ==] ...
-           R2            [== mb ==][== mb ==] (joins at the next sub-stage boundary)
-```
-
-The merged top-k is identical to the unsplit search (``retrieval.stepwise`` merges partial
-results under Faiss's order).
-
-Generation nodes are split too (``gen_chunks``): a generation task gets ``chunk_s = mb``, and
-the generation runner then reports it in chunks of decode steps of about ``mb`` each instead
-of one update per token, so generation and retrieval sub-stages are of similar duration and
-the scheduler runs a cycle per chunk rather than per token. With a fixed ``budget_s`` that is
-``mb``; with Eq. 1 (``budget_s=None``) the budget lives in the retrieval worker, so the
-transform learns it from the staged results: a split retrieval's ``scan_seconds /
-num_substages`` is its mean sub-stage time, ``mb`` up to packing (each full sub-stage takes
-clusters until ``mb`` is reached, the last one takes the remainder). Until a split result has
-come back, generation tasks keep per-token updates.
-"""
+"""Node splitting (HedraRAG §4.2): retrieval tasks are marked to run in sub-stages of clusters
+under the time budget ``mb`` (the cutting is ``retrieval.staged``'s, exact), and generation
+tasks report in chunks of about ``mb`` of decode steps (``chunk_s``)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from ragserve.scheduler.executor import Update
-from ragserve.scheduler.messages import RetrievalResult, StagedRetrievalResult, Wavefront
-from ragserve.scheduler.similarity import as_staged
+from ragserve.scheduler.messages import RetrievalResult, StagedRetrievalResult, Wavefront, as_staged
 from ragserve.scheduler.transforms import BaseTransform
 
 
 class SplitTransform(BaseTransform):
-    """Mark every retrieval task for sub-stage execution under the budget ``mb``; give
-    generation tasks the chunk ``mb`` (``gen_chunks``; a task's own ``chunk_s`` is kept).
-
-    ``budget_s=None``: the worker's Eq. 1 optimum from its measured mean stage time and
-    per-sub-stage overhead (no split until both are measured); a number fixes ``mb``.
-    ``learned_budget_s``: the ``mb`` estimated from split results (an exponential moving
-    average with weight ``alpha`` on the newest), used for chunks when ``budget_s`` is None.
-    """
+    """``budget_s`` fixes ``mb`` (None: the worker's Eq. 1 optimum). With ``gen_chunks``,
+    generation tasks without their own ``chunk_s`` get ``mb``: ``budget_s``, else
+    ``learned_budget_s``, the moving average (weight ``alpha``) of split results' sub-stage
+    time (per-token updates until one is known)."""
 
     def __init__(
         self, budget_s: float | None = None, *, gen_chunks: bool = True, alpha: float = 0.2
@@ -62,7 +32,6 @@ class SplitTransform(BaseTransform):
 
     @property
     def chunk_s(self) -> float | None:
-        """The chunk given to generation tasks now (``None``: per-token updates)."""
         if not self.gen_chunks:
             return None
         return self.budget_s if self.budget_s is not None else self.learned_budget_s

@@ -1,28 +1,6 @@
-"""Graph transformations: the plug point for node splitting, reordering and speculation.
-
-The scheduler applies its transforms, in order, to every cycle's wavefront before dispatch.
-A transform may reorder, split (into sub-tasks it later merges back through ``on_update``)
-or add (speculative) side tasks. It must keep the contract that every task the scheduler
-created receives a final update.
-
-A transform gets a ``SchedulerView`` in ``bind(view)``, the only way it sees the scheduler
-(never its executor or request objects). Through it, on the scheduler thread only:
-
-- ``task(task_id) -> TaskView | None``: a read-only snapshot of the node run a dispatched task
-  belongs to (``None`` once its request finished, failed or was aborted);
-- ``has_task(task_id)``: whether ``task`` would give a view (no snapshot built);
-- ``is_active(request_id)`` and ``running_task_ids(request_id)``;
-- ``peek_next(task, output) -> NextStep | None``: where the request would go, and with what
-  state, if the task's node returned ``output`` (``State.write``, then the node's edge);
-  ``None`` when its router raises;
-- ``submit_generation(tasks, request_id=None)`` / ``submit_retrieval(tasks)``: side tasks
-  (speculation), dispatched with the next cycle's wavefront, after it; their updates reach
-  the transforms' ``on_updates`` and never the requests; generation side tasks done for a
-  request (``request_id``) have their updates coalesced as that request's own would be
-  (``Scheduler``'s ``enable_update_coalescing``);
-- ``abort(task_ids)``: a side task not yet dispatched is dropped; a dispatched generation is
-  aborted in the engine.
-"""
+"""Graph transformations: the plug point for node splitting, reordering and speculation. Each
+cycle the scheduler passes the wavefront through its transforms, in order, before dispatch,
+and the updates after; a transform sees the scheduler only through its ``SchedulerView``."""
 
 from __future__ import annotations
 
@@ -61,7 +39,11 @@ class NextStep:
 
 
 class SchedulerView(Protocol):
-    """The narrow interface transforms use (see the module doc)."""
+    """What a transform sees of the scheduler (scheduler thread only): read-only ``TaskView``s
+    of dispatched runs (``None`` once the request ended), ``peek_next`` (where the request
+    would go, and with what state, if the task's node returned ``output``; ``None`` if its
+    router raises), side tasks (dispatched after the next wavefront, their updates reach
+    only ``on_updates``; ``request_id`` coalesces them as that request's own) and ``abort``."""
 
     def task(self, task_id: str) -> TaskView | None: ...
 
@@ -80,30 +62,20 @@ class SchedulerView(Protocol):
     def abort(self, task_ids: list[str]) -> None: ...
 
 
-def peek_next(task: TaskView, output: Any) -> NextStep | None:
-    """The one implementation of "the state if this node returned ``output``" and its edge."""
-    state = task.state.write(task.node, output)
-    try:
-        return NextStep(task.graph.next_node(task.node_id, state), state)
-    except Exception:  # NOTE: a user router may raise anything
-        return None
-
-
 class BaseTransform(ABC):
-    """One rewrite of the wavefront; stateful transforms keep their own bookkeeping.
-
-    ``needs_partial_updates``: the transform reads generation updates before a node's last
-    (its partial text), so the scheduler must not coalesce them (``Scheduler``)."""
+    """One rewrite of the wavefront and of the updates; every task the scheduler created must
+    still get a final update. ``needs_partial_updates``: it reads partial generation text, so
+    the scheduler must not coalesce updates."""
 
     needs_partial_updates: bool = False
+    view: SchedulerView | None = None
 
     @abstractmethod
-    def apply(self, wavefront: Wavefront) -> Wavefront:
-        """The wavefront to dispatch in place of ``wavefront``."""
+    def apply(self, wavefront: Wavefront) -> Wavefront: ...
 
-    def bind(self, view: SchedulerView) -> None:  # noqa: B027 - optional hook
-        """Called once by the ``Scheduler`` that will apply this transform, with its view."""
+    def bind(self, view: SchedulerView) -> None:
+        """Called once by the ``Scheduler`` that will apply this transform."""
+        self.view = view
 
     def on_updates(self, updates: list[Update]) -> list[Update]:
-        """Rewrite the executor's updates before the scheduler sees them (default: as is)."""
         return updates

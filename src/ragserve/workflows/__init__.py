@@ -1,9 +1,6 @@
 """The five built-in workflows HedraRAG evaluates: one-shot, HyDE, Multistep, IRG, RECOMP.
-
-Each builder returns a compiled graph. Loops run a fixed, configurable number of rounds so that
-benchmark runs are deterministic and comparable. Prompts are short and direct so that a small
-instruct model (SmolLM2-135M-Instruct) follows them.
-"""
+Loops run a fixed number of rounds (deterministic benchmarks); prompts are short enough for a
+small instruct model (SmolLM2-135M-Instruct) to follow."""
 
 from __future__ import annotations
 

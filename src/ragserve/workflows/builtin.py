@@ -17,6 +17,12 @@ MULTISTEP_QUERY = (
 )
 MULTISTEP_NOTE = "Use the passages to answer briefly.\n\n{docs}\n\nQuestion: {subquestion}"
 MULTISTEP_ANSWER = "Notes:\n{notes}\n\nUsing the notes, answer in one short sentence: {input}"
+HYDE_PASSAGE = "Write a short encyclopedia passage that answers this question: {input}"
+RECOMP_SUMMARY = (
+    "Summarize the facts in the passages that help answer the question.\n\n{docs}"
+    "\n\nQuestion: {input}"
+)
+RECOMP_ANSWER = "Facts: {summary}\n\nUsing the facts, answer in one short sentence: {input}"
 
 
 def oneshot(*, topk: int = 3, nprobe: int | None = None, max_tokens: int = 64) -> CompiledGraph:
@@ -32,12 +38,9 @@ def hyde(
 ) -> CompiledGraph:
     """HyDE: write a hypothetical passage, retrieve with it, answer from what was found."""
     g = RAGraph("hyde")
+    # the search passage follows the conversation
     g.add_generation(
-        0,
-        prompt="Write a short encyclopedia passage that answers this question: {input}",
-        output="hypo",
-        max_tokens=hypo_tokens,
-        with_history=True,  # the search passage follows the conversation
+        0, prompt=HYDE_PASSAGE, output="hypo", max_tokens=hypo_tokens, with_history=True
     )
     g.add_retrieval(1, query="hypo", topk=topk, output="docs", nprobe=nprobe)
     g.add_generation(2, prompt=ANSWER, max_tokens=max_tokens)
@@ -64,18 +67,8 @@ def multistep(
         with_history=True,  # the search query follows the conversation
     )
     g.add_retrieval(1, query="subquestion", topk=topk, output="docs", nprobe=nprobe)
-    g.add_generation(
-        2,
-        prompt=MULTISTEP_NOTE,
-        output="notes",
-        max_tokens=step_tokens,
-        append=True,
-    )
-    g.add_generation(
-        3,
-        prompt=MULTISTEP_ANSWER,
-        max_tokens=max_tokens,
-    )
+    g.add_generation(2, prompt=MULTISTEP_NOTE, output="notes", max_tokens=step_tokens, append=True)
+    g.add_generation(3, prompt=MULTISTEP_ANSWER, max_tokens=max_tokens)
     g.add_edge(START, 0).add_edge(0, 1).add_edge(1, 2)
     g.add_edge(2, lambda s: 0 if s.visit_count(2) < rounds else 3, targets=(0, 3))
     return g.add_edge(3, END).compile()
@@ -85,9 +78,7 @@ def irg(
     *, rounds: int = 2, topk: int = 2, nprobe: int | None = None, max_tokens: int = 64
 ) -> CompiledGraph:
     """IRG (Iter-RetGen): retrieve, draft, retrieve with question + draft; ``rounds`` of each.
-
-    The last round's generation is the answer node, so ``stream`` sees only the final answer.
-    """
+    Only the last round's generation is the answer node (what ``stream`` sees)."""
     _check_rounds(rounds)
     g = RAGraph("irg")
     g.add_retrieval(0, query="input", topk=topk, output="docs", nprobe=nprobe)
@@ -109,20 +100,8 @@ def recomp(
     """RECOMP: retrieve, compress the passages into a summary, answer from the summary."""
     g = RAGraph("recomp")
     g.add_retrieval(0, query="input", topk=topk, output="docs", nprobe=nprobe)
-    g.add_generation(
-        1,
-        prompt=(
-            "Summarize the facts in the passages that help answer the question.\n\n{docs}"
-            "\n\nQuestion: {input}"
-        ),
-        output="summary",
-        max_tokens=summary_tokens,
-    )
-    g.add_generation(
-        2,
-        prompt="Facts: {summary}\n\nUsing the facts, answer in one short sentence: {input}",
-        max_tokens=max_tokens,
-    )
+    g.add_generation(1, prompt=RECOMP_SUMMARY, output="summary", max_tokens=summary_tokens)
+    g.add_generation(2, prompt=RECOMP_ANSWER, max_tokens=max_tokens)
     return g.add_edge(START, 0).add_edge(0, 1).add_edge(1, 2).add_edge(2, END).compile()
 
 
