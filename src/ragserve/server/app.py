@@ -23,10 +23,8 @@ from starlette.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
 from ragserve.server import chat, completions, embeddings, models, tokens
-from ragserve.server.admission import Admission
-from ragserve.server.backend import ServerBackend
 from ragserve.server.config import ServeConfig
-from ragserve.server.context import AppContext, call_backend, get_context
+from ragserve.server.context import Admission, AppContext, ServerBackend, call_backend, get_context
 from ragserve.server.errors import APIError, install_error_handlers
 from ragserve.server.metrics import ServerMetrics
 from ragserve.server.middleware import GuardMiddleware

@@ -158,6 +158,9 @@ class _Sampling(_Request):
         )
         return self
 
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
