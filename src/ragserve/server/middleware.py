@@ -1,9 +1,5 @@
-"""Raw ASGI middleware in front of every route: a request id, API-key auth, then the body
-limits (size, read deadline, JSON nesting depth).
-
-Pure ASGI (not Starlette's ``BaseHTTPMiddleware``) so streaming responses and client
-disconnects pass through untouched.
-"""
+"""Raw ASGI middleware in front of every route (so streams and disconnects pass untouched): a
+request id, API-key auth, then the body limits (size, read deadline, JSON nesting depth)."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ragserve.server.config import ServeConfig
 from ragserve.server.errors import error_bytes
 
 Scope = MutableMapping[str, Any]
@@ -33,8 +30,8 @@ _DEPTH_TABLE = bytes(1 if c in b"[{" else 255 if c in b"]}" else 0 for c in rang
 
 
 def json_depth(body: bytes) -> int:
-    """How deep ``body``'s arrays/objects nest (brackets inside strings are skipped); the
-    check runs before any parser recurses into it."""
+    """How deep ``body``'s arrays/objects nest (brackets inside strings skipped), before any
+    parser recurses into it."""
     if b"[" not in body and b"{" not in body:
         return 0
     if b'"' in body:
@@ -49,8 +46,8 @@ def _bracket_depth(body: bytes) -> int:
 
 
 def _strip_strings(body: bytes) -> bytes:
-    """``body`` without its JSON strings; an unterminated string ends it (invalid JSON, which
-    the parser rejects). Linear: each string is matched once from its opening quote."""
+    """``body`` without its JSON strings (an unterminated one ends it: invalid JSON). Linear:
+    each string is matched once from its opening quote."""
     parts, pos = [], 0
     while (start := body.find(b'"', pos)) >= 0:
         parts.append(body[pos:start])
@@ -74,31 +71,19 @@ async def _send_error(send: Send, status: int, message: str, headers=()) -> None
 
 
 class GuardMiddleware:
-    """Rejects unauthenticated requests (401), bodies over ``max_body_bytes`` (413), bodies
-    not received within ``body_timeout_s`` (408) and JSON nested deeper than
-    ``max_json_depth`` (400).
-
-    Every response carries ``X-Request-Id`` (also in ``scope["state"]["request_id"]``, where
-    handlers and error logs find it). With ``api_key`` set, every path but ``/health`` needs
-    ``Authorization: Bearer <key>``. The request body is read in full here (it is small by
-    construction) and replayed to the app; after it, ``receive`` is the server's own, so
-    disconnects still reach the app.
+    """Rejects unauthenticated requests (401; with ``api_key`` set, every path but ``/health``
+    needs ``Authorization: Bearer <key>``), bodies over ``max_body_bytes`` (413), bodies not
+    received within ``body_timeout_s`` (408) and JSON nested deeper than ``max_json_depth``
+    (400). Every response carries ``X-Request-Id`` (also in ``scope["state"]``). The body is
+    read in full here and replayed to the app, then ``receive`` is the server's own again.
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        api_key: str | None,
-        max_body_bytes: int,
-        body_timeout_s: float = 30.0,
-        max_json_depth: int = 64,
-    ) -> None:
+    def __init__(self, app: ASGIApp, *, config: ServeConfig) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout_s = body_timeout_s
-        self.max_json_depth = max_json_depth
+        self.expected = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self.max_body_bytes = config.max_body_bytes
+        self.body_timeout_s = config.body_timeout_s
+        self.max_json_depth = config.max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -171,13 +156,8 @@ def _with_request_id(send: Send, request_id: bytes) -> Send:
 
 
 def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
+    value = dict(scope.get("headers", ())).get(b"content-length", b"")
+    return int(value) if value.isdigit() else None
 
 
 def _replay(body: bytes, tail: Message | None, receive: Receive) -> Receive:

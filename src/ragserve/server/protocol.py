@@ -1,14 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic lives only at this edge).
 
-Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients keep working;
-known fields are validated strictly enough that a malformed value is a 400 naming the field.
-Features we do not implement (``n > 1``, tools, logprobs) are rejected rather than ignored.
-
-Limits (validation only; 400 naming the field): numbers are strict (``"10"`` and ``true`` are
-not numbers), floats finite; sampling ranges are the engine's (``ragserve.graph.checks``);
-every string must be valid Unicode (no unpaired surrogates), and no list or string is
-unbounded (``MAX_MESSAGES``, ``MAX_PROMPT_CHARS``); documents follow
-``ragserve.retrieval.limits``.
+Unknown fields are ignored, as OpenAI's; a malformed known field is a 400 naming it: numbers
+are strict (``"10"`` and ``true`` are not), floats finite, sampling ranges the engine's, every
+string valid Unicode, no list or string unbounded. Unimplemented features (``n > 1``, tools,
+logprobs) are rejected rather than ignored; documents follow ``ragserve.retrieval.limits``.
 """
 
 from __future__ import annotations
@@ -44,11 +39,8 @@ PositiveInt = Annotated[StrictInt, Field(ge=1)]
 StopStr = Annotated[StrictStr, Field(min_length=1, max_length=1_024)]
 Text = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
 Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-
-
-def _is_name(key: str) -> bool:
-    """A state key name: a letter or ``_``, then letters, digits or ``_`` (ASCII)."""
-    return key.isascii() and key.isidentifier()
+Name = Annotated[StrictStr, Field(max_length=256)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 def _unpaired_surrogate(value: object, path: str) -> str | None:
@@ -117,12 +109,15 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+
+
 class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
 class _Sampling(_Request):
-    model: Annotated[StrictStr, Field(max_length=256)]
+    model: Name
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
@@ -130,7 +125,7 @@ class _Sampling(_Request):
     seed: Annotated[StrictInt, Field(ge=0, lt=MAX_SEED)] | None = None
     stop: StopStr | Annotated[list[StopStr], Field(max_length=16)] | None = None
     n: StrictInt = 1
-    user: Annotated[StrictStr, Field(max_length=256)] | None = None
+    user: Name | None = None
     logprobs: StrictBool | StrictInt | None = None
     top_logprobs: StrictInt | None = None
 
@@ -168,22 +163,15 @@ class _Sampling(_Request):
 
 
 class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``; ``workflow``, ``topk``, ``nprobe``, ``mode`` and ``filter``
-    (retrieval mode and metadata filter, as ``VectorIndex.search_text``) are extensions.
+    """``POST /v1/chat/completions``; extensions: ``workflow``, ``topk``, ``nprobe``, ``mode``
+    and ``filter`` (as ``VectorIndex.search_text``), ``inputs`` (the workflow's declared
+    inputs, each a string, boolean or number; the keys are checked against the workflow by
+    ``graphs.request_inputs_or_400``). The question is the last user message."""
 
-    The workflow's question is the last user message; the messages before it (``history()``)
-    go to the answer node (and to nodes with ``with_history``) through the chat template;
-    ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` apply to its answer nodes.
-    ``inputs`` (an extension): the workflow's declared inputs (``RAGraph(inputs=...)``, e.g.
-    ``{"session": "abc"}`` for a memory node), each a string (at most ``MAX_INPUT_CHARS``), a
-    boolean, an integer or a finite number; at most ``MAX_INPUTS`` keys, each a state key name.
-    Which keys the workflow takes is checked against it (``graphs.request_inputs_or_400``).
-    """
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Messages
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    workflow: Annotated[StrictStr, Field(max_length=256)] | None = None
+    workflow: Name | None = None
     topk: Annotated[StrictInt, Field(ge=1, le=1000)] | None = None
     nprobe: PositiveInt | None = None
     mode: Literal["dense", "bm25", "hybrid", "ensemble"] | None = None
@@ -210,7 +198,7 @@ class ChatCompletionRequest(_Sampling):
         if len(value) > MAX_INPUTS:
             raise ValueError(f"at most {MAX_INPUTS} inputs, got {len(value)}")
         for key, item in value.items():
-            if len(key) > MAX_INPUT_NAME or not _is_name(key):
+            if len(key) > MAX_INPUT_NAME or not (key.isascii() and key.isidentifier()):
                 raise ValueError(f"{key[:MAX_INPUT_NAME]!r} is not an input name (a state key)")
             if isinstance(item, str) and len(item) > MAX_INPUT_CHARS:
                 raise ValueError(f"{key!r}: at most {MAX_INPUT_CHARS} characters, got {len(item)}")
@@ -251,11 +239,8 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     def _question_index(self) -> int:
-        for i in range(len(self.messages) - 1, -1, -1):
-            message = self.messages[i]
-            if message.role == "user" and message.text().strip():
-                return i
-        raise AssertionError("validated above")
+        users = [i for i, m in enumerate(self.messages) if m.role == "user" and m.text().strip()]
+        return users[-1]  # validated: there is one
 
     def question(self) -> str:
         """The RAG question: the last non-empty user message."""
@@ -281,9 +266,7 @@ class CompletionRequest(_Sampling):
     prompt: (
         Text
         | Annotated[list[Text], Field(min_length=1, max_length=1)]
-        | Annotated[
-            list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1, max_length=MAX_TOKEN_IDS)
-        ]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
     )
     max_tokens: PositiveInt = 16
     echo: StrictBool = False
@@ -339,11 +322,11 @@ class DocumentsRequest(_Request):
 class EmbeddingRequest(_Request):
     """``POST /v1/embeddings``: vectors of the index's embedder (document side)."""
 
-    model: Annotated[StrictStr, Field(max_length=256)]
+    model: Name
     input: Text | Annotated[list[Text], Field(min_length=1, max_length=2048)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None
-    user: Annotated[StrictStr, Field(max_length=256)] | None = None
+    user: Name | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -363,11 +346,9 @@ class EmbeddingRequest(_Request):
 class TokenizeRequest(_Request):
     """``POST /tokenize``: a ``prompt``, or chat ``messages`` (through the chat template)."""
 
-    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    model: Name | None = None
     prompt: Text | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
-        None
-    )
+    messages: Messages | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
 
@@ -381,5 +362,5 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     """``POST /detokenize``: token ids back to text."""
 
-    model: Annotated[StrictStr, Field(max_length=256)] | None = None
-    tokens: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_TOKEN_IDS)]
+    model: Name | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
