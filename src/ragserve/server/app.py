@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
-from ragserve.server import chat, completions, embeddings, models, tokens
+from ragserve.server import chat, completions, models
 from ragserve.server.config import ServeConfig
 from ragserve.server.context import Admission, AppContext, ServerBackend, call_backend, get_context
 from ragserve.server.errors import APIError, install_error_handlers
@@ -51,7 +51,7 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
     install_error_handlers(app)
     app.state.upserts = Admission(config.max_num_upserts, config.retry_after_s)
     app.add_middleware(GuardMiddleware, config=config)
-    for module in (chat, completions, embeddings, models, tokens):
+    for module in (chat, completions, models):
         app.include_router(module.router)
     _add_admin_routes(app)
     return app
