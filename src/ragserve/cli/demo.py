@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import statistics
 import sys
 import time
 from typing import Any
 
 from ragserve.cli.options import add_server_args, build_server
-
-logger = logging.getLogger(__name__)
 
 QUESTIONS = (
     "What is the capital of France?",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -12,11 +11,8 @@ from pathlib import Path
 from ragserve.cli.errors import UsageError
 from ragserve.cli.options import resolve_index
 
-logger = logging.getLogger(__name__)
 # NOTE: = retrieval.build.ENSEMBLE_EMBEDDER, not imported: that would load Faiss for every command.
 ENSEMBLE_EMBEDDER = "multilingual-e5-small-q4"  # the side encoder measured (BENCHMARKS.md)
-# Faiss logs which SIMD build it loaded at INFO; that is noise on the command line.
-logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
