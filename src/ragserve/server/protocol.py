@@ -72,8 +72,7 @@ class _Request(_Body):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data):
-        where = _unpaired_surrogate(data, "")
-        if where is not None:
+        if (where := _unpaired_surrogate(data, "")) is not None:
             raise ValueError(
                 f"{where or 'body'}: string holds an unpaired surrogate (invalid Unicode)"
             )
@@ -102,10 +101,8 @@ class ChatMessage(_Body):
         raise ValueError('content must be a string or a list of {"type": "text", "text": ...}')
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
 
 
@@ -130,17 +127,12 @@ class _Sampling(_Request):
     top_logprobs: StrictInt | None = None
 
     # NOTE: field validators, so the 400's ``param`` names the unsupported field.
-    @field_validator("n")
+    @field_validator("n", "logprobs", "top_logprobs")
     @classmethod
-    def _one_choice(cls, value):
-        if value != 1:
+    def _unsupported(cls, value, info):
+        if info.field_name == "n" and value != 1:
             raise ValueError("n > 1 is not supported (one choice per request)")
-        return value
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value not in (None, False, 0):
+        if info.field_name != "n" and value not in (None, False, 0):
             raise ValueError("logprobs are not supported")
         return value
 
@@ -181,10 +173,16 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: StrictStr | dict | None = None
     response_format: dict | None = None
 
-    @field_validator("tools", "tool_choice")
+    @field_validator("tools", "tool_choice", "response_format")
     @classmethod
-    def _no_tools(cls, value):
-        if value and value != "none":
+    def _unsupported_features(cls, value, info):
+        if info.field_name == "response_format":
+            if value is not None and value.get("type", "text") != "text":
+                kind = value.get("type")
+                raise ValueError(
+                    f"type {kind!r} is not supported (no guided decoding); only 'text'"
+                )
+        elif value and value != "none":
             raise ValueError("tools are not supported")
         return value
 
@@ -209,15 +207,6 @@ class ChatCompletionRequest(_Sampling):
                 raise ValueError(
                     f"{key!r} must be a string, a boolean, an integer or a number, not {what}"
                 )
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value):
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(
-                f"type {value.get('type')!r} is not supported (no guided decoding); only 'text'"
-            )
         return value
 
     @field_validator("messages")
@@ -276,15 +265,13 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_clear_error(cls, value):
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-            return value
-        if (
-            isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value)  # noqa: E721 (bool is not a token)
-        ):
-            return value
-        raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
+        one_text = isinstance(value, list) and len(value) == 1 and isinstance(value[0], str)
+        ids = isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value)  # noqa: E721 (bool is not a token)
+        if not (isinstance(value, str) or one_text or ids):
+            raise ValueError(
+                "prompt must be a string, a list of one string, or a list of token ids"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self):
@@ -331,13 +318,12 @@ class EmbeddingRequest(_Request):
     @field_validator("input", mode="before")
     @classmethod
     def _texts_only(cls, value):
-        if isinstance(value, str) or (
-            isinstance(value, list) and all(isinstance(v, str) for v in value)
-        ):
-            if value == "" or (isinstance(value, list) and any(not v for v in value)):
-                raise ValueError("input texts must be non-empty")
-            return value
-        raise ValueError("input must be a string or a list of strings (token ids unsupported)")
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not all(isinstance(v, str) for v in texts):
+            raise ValueError("input must be a string or a list of strings (token ids unsupported)")
+        if not all(texts):
+            raise ValueError("input texts must be non-empty")
+        return value
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
