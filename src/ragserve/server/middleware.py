@@ -8,19 +8,12 @@ import hmac
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
 import numpy as np
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ragserve.server.config import ServeConfig
 from ragserve.server.errors import error_bytes
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})
 REQUEST_ID_HEADER = b"x-request-id"
@@ -61,12 +54,8 @@ def _strip_strings(body: bytes) -> bytes:
 
 async def _send_error(send: Send, status: int, message: str, headers=()) -> None:
     body = error_bytes(status, message)
-    raw_headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *headers,
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": [*head, *headers]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -162,8 +151,7 @@ def _content_length(scope: Scope) -> int | None:
 
 def _replay(body: bytes, tail: Message | None, receive: Receive) -> Receive:
     pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
-    if tail is not None:
-        pending.append(tail)
+    pending += [tail] if tail is not None else []
 
     async def replayed() -> Message:
         if pending:
