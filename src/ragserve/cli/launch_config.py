@@ -29,6 +29,8 @@ TOP_LEVEL = ("model", "index", "embedder", "workflows", "cosched")
 SECTIONS = ("engine", "runtime", "cosched", "serve", "gpu_tier", "document_limits", "operators")
 # ServerConfig fields that are sections of their own in the file.
 _RUNTIME_SKIP = ("engine_kwargs", "cosched", "gpu_tier", "document_limits", "operators")
+# the annotations a file value of each kind may fill (bool first: a bool is an int)
+_ANNOTATIONS = ((bool, ("bool",)), (int, ("int", "float")), (float, ("float",)), (str, ("str",)))
 
 
 class ConfigError(UsageError):
@@ -49,32 +51,25 @@ class LaunchConfig:
 
 
 def from_args(
-    args: argparse.Namespace,
-    base: LaunchConfig | None = None,
-    engine_defaults: dict[str, Any] | None = None,
+    args: argparse.Namespace, engine_defaults: dict[str, Any] | None = None
 ) -> LaunchConfig:
-    """``base`` + ``engine_defaults`` (the command's), then ``--config``, then the flags of
-    ``options.add_server_args``."""
-    base = base or LaunchConfig()
-    if engine_defaults:
-        engine = {**dict(base.runtime.engine_kwargs), **engine_defaults}
-        base = _with_runtime(base, engine_kwargs=tuple(sorted(engine.items())))
+    """``LaunchConfig()`` with ``engine_defaults`` (the command's), then ``--config``, then the
+    flags of ``options.add_server_args``."""
+    base = LaunchConfig(runtime=ServerConfig(engine_kwargs=engine_defaults or ()))
     config = from_mapping(read_file(args.config), base) if args.config else base
     top = {k: getattr(args, k) for k in ("model", "index", "embedder") if getattr(args, k)}
     engine = {**dict(config.runtime.engine_kwargs), **engine_flags(args)}
-    runtime: dict[str, Any] = {"engine_kwargs": tuple(sorted(engine.items()))}
+    runtime: dict[str, Any] = {"engine_kwargs": engine}
     if args.in_process is not None:
         runtime["in_process"] = args.in_process
     if args.nprobe is not None:
         positive("--nprobe", args.nprobe)
         runtime["default_nprobe"] = args.nprobe
     if args.cosched is not None:
-        knobs = {
-            f.name: getattr(config.runtime.cosched, f.name)
-            for f in dataclasses.fields(CoScheduleConfig)
-            if not f.name.startswith("enable_")
-        }
+        cosched = config.runtime.cosched
+        names = [f.name for f in dataclasses.fields(cosched) if not f.name.startswith("enable_")]
         try:
+            knobs = {name: getattr(cosched, name) for name in names}
             runtime["cosched"] = CoScheduleConfig.from_names(args.cosched, **knobs)
         except ValueError as exc:
             raise UsageError(f"--{exc}") from exc
@@ -150,7 +145,7 @@ def _apply_runtime(runtime: ServerConfig, data: dict[str, Any]) -> ServerConfig:
         raise ConfigError(f"config: [runtime] {bad[0]} belongs in its own section")
     runtime = _replace(runtime, values, "runtime")
     engine = {**dict(runtime.engine_kwargs), **engine_values(_section(data, "engine"))}
-    sections = {"engine_kwargs": tuple(sorted(engine.items()))}
+    sections: dict[str, Any] = {"engine_kwargs": engine}
     if isinstance(data.get("cosched"), str):
         try:
             sections["cosched"] = CoScheduleConfig.from_names(data["cosched"])
@@ -213,15 +208,9 @@ def _replace(obj: Any, values: dict[str, Any], section: str) -> Any:
 
 def _same_kind(value: Any, default: Any, f: dataclasses.Field) -> bool:
     """A loose type check from the field's annotation string (``int | None`` etc.)."""
-    annotation = str(f.type)
-    if isinstance(value, bool):
-        return "bool" in annotation
-    if isinstance(value, int):
-        return "int" in annotation or "float" in annotation
-    if isinstance(value, float):
-        return "float" in annotation
-    if isinstance(value, str):
-        return "str" in annotation
+    for kind, names in _ANNOTATIONS:
+        if isinstance(value, kind):
+            return any(name in str(f.type) for name in names)
     return default is None or isinstance(value, type(default))
 
 
