@@ -26,7 +26,9 @@ HTTP_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--max-body-bytes", "max_body_bytes", int, "larger bodies get 413"),
     ("--drain-timeout", "drain_timeout_s", float, "seconds to drain at exit"),
 )
-TIER_DTYPES = ("float32", "float16", "bfloat16")
+# NOTE: = runtime.config's choices, not imported: that would load Faiss for every command.
+TIER_DTYPES, TIER_SCANS = ("float32", "float16", "bfloat16"), ("auto", "grouped", "dense", "fused")
+STREAM_MODES = ("auto", "on", "off")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,12 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODULE:FUNCTION",
         help="serve a user graph as model ragserve/<name> (repeatable; [name=]module:function)",
     )
-    p.add_argument(
-        "--reranker",
-        metavar="NAME",
-        help="rerank nodes' scorer: 'embedding' (the embedder's cosine, default) or "
-        "module:factory (factory(embedder) returns a reranker)",
-    )
+    scorer = "rerank nodes' scorer: 'embedding' (default) or module:factory (of the embedder)"
+    p.add_argument("--reranker", metavar="NAME", help=scorer)
     p.add_argument("--print-config", action="store_true", help="print the config as TOML, exit")
     h = p.add_argument_group("HTTP")
     add_flags(h, HTTP_FLAGS)
@@ -63,34 +61,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--api-key", metavar="KEY", help="the key itself (vLLM's flag; seen in `ps`)")
     tier = p.add_argument_group("GPU index tier (hot IVF-Flat lists in GPU memory)")
     tier.add_argument("--gpu-index-gb", type=float, help="tier size in GB (overrides Eq. 2)")
-    tier.add_argument(
-        "--gpu-index-profile", help="JSON of profile-memory: Eq. 2 splits the GPU memory"
-    )
+    profile = "JSON of profile-memory: Eq. 2 splits the GPU memory"
+    tier.add_argument("--gpu-index-profile", help=profile)
     tier.add_argument("--gpu-index-device", default="cuda", help="tier device (cuda, cuda:N, cpu)")
     tier.add_argument("--gpu-index-dtype", default="float32", choices=TIER_DTYPES)
-    tier.add_argument(
-        "--gpu-index-scan",
-        default="auto",
-        choices=("auto", "grouped", "dense", "fused"),
-        help="auto: a cost model calibrated on the tier picks per batch; fused: Triton, CUDA",
-    )
-    tier.add_argument(
-        "--gpu-index-stream",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="scan lists the tier lacks on its device, streamed from host memory (auto: CUDA)",
-    )
-    tier.add_argument(
-        "--gpu-index-stream-host-gb", type=float, help="the stream's pinned host memory, GB"
-    )
+    scan = "auto: a cost model calibrated on the tier picks per batch; fused: Triton, CUDA"
+    tier.add_argument("--gpu-index-scan", default="auto", choices=TIER_SCANS, help=scan)
+    stream = "scan lists the tier lacks on its device, streamed from host memory (auto: CUDA)"
+    tier.add_argument("--gpu-index-stream", default="auto", choices=STREAM_MODES, help=stream)
+    host = "the stream's pinned host memory, GB"
+    tier.add_argument("--gpu-index-stream-host-gb", type=float, help=host)
     scale = p.add_argument_group("scale-out on Ray")
-    scale.add_argument(
-        "--ray",
-        nargs="?",
-        const="",
-        metavar="ADDRESS",
-        help="run on Ray: join the cluster at ADDRESS, or start a local one without it",
-    )
+    ray = "run on Ray: join the cluster at ADDRESS, or start a local one without it"
+    scale.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help=ray)
     scale.add_argument("--llm-replicas", type=int, default=1, help="LLM engine replicas (--ray)")
     scale.add_argument("--index-shards", type=int, default=1, help="index shards (--ray)")
     p.set_defaults(func=handler)
