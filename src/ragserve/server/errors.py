@@ -35,7 +35,7 @@ KIND_STATUS: dict[str, tuple[int, str]] = {
 }
 
 
-class APIError(Exception):
+class APIError(StarletteHTTPException):
     """An error with an HTTP status, raised by handlers and rendered in OpenAI's format."""
 
     def __init__(
@@ -47,12 +47,10 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
+        super().__init__(status_code, message, headers)
         self.message = message
         self.param = param
         self.code = code
-        self.headers = headers
 
 
 def error_body(status_code: int, message: str, *, param=None, code=None) -> dict:
@@ -110,28 +108,21 @@ def _format_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    def respond(status: int, message: str, *, param=None, code=None, headers=None):
-        body = error_body(status, message, param=param, code=code)
-        return JSONResponse(body, status_code=status, headers=headers)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return respond(
-            exc.status_code, exc.message, param=exc.param, code=exc.code, headers=exc.headers
-        )
+    @app.exception_handler(StarletteHTTPException)  # APIError and Starlette's own (404, 405)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        param, code = getattr(exc, "param", None), getattr(exc, "code", None)
+        body = error_body(exc.status_code, str(exc.detail), param=param, code=code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _format_validation(exc)
-        return respond(400, message, param=param, code="invalid_request")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return respond(exc.status_code, str(exc.detail), headers=exc.headers)
+        body = error_body(400, message, param=param, code="invalid_request")
+        return JSONResponse(body, status_code=400)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         request_id = request.scope.get("state", {}).get("request_id", "unknown")
         logger.exception("request %s: unhandled error in the HTTP front", request_id)
         message = f"internal error (request id {request_id}); details are in the server log"
-        return respond(500, message, code="internal_error")
+        return JSONResponse(error_body(500, message, code="internal_error"), status_code=500)

@@ -17,8 +17,10 @@ from ragserve.server.errors import error_bytes
 
 OPEN_PATHS = frozenset({"/health"})
 REQUEST_ID_HEADER = b"x-request-id"
+# a JSON string, or an unterminated one to the end (invalid JSON: the parser rejects it);
+# possessive, so each string is matched once from its opening quote (linear)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 # JSON bytes -> +1 (opening bracket), 255 (closing: -1 as int8), 0 (anything else)
-_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)  # possessive: linear
 _DEPTH_TABLE = bytes(1 if c in b"[{" else 255 if c in b"]}" else 0 for c in range(256))
 
 
@@ -27,29 +29,13 @@ def json_depth(body: bytes) -> int:
     parser recurses into it."""
     if b"[" not in body and b"{" not in body:
         return 0
-    if b'"' in body:
-        body = _strip_strings(body)
-    return _bracket_depth(body)
+    return _bracket_depth(_JSON_STRING.sub(b"", body) if b'"' in body else body)
 
 
 def _bracket_depth(body: bytes) -> int:
     """Depth counting every bracket, strings included: an upper bound of ``json_depth``."""
     steps = np.frombuffer(body.translate(_DEPTH_TABLE), dtype=np.int8)
     return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
-
-
-def _strip_strings(body: bytes) -> bytes:
-    """``body`` without its JSON strings (an unterminated one ends it: invalid JSON). Linear:
-    each string is matched once from its opening quote."""
-    parts, pos = [], 0
-    while (start := body.find(b'"', pos)) >= 0:
-        parts.append(body[pos:start])
-        match = _JSON_STRING.match(body, start)
-        if match is None:
-            return b"".join(parts)
-        pos = match.end()
-    parts.append(body[pos:])
-    return b"".join(parts)
 
 
 async def _send_error(send: Send, status: int, message: str, headers=()) -> None:
