@@ -35,7 +35,6 @@ ENGINE_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
 )  # fmt: skip
 SIZE_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--kv-cache-gb", "kv_cache_gb", float, "KV cache size in GiB"),
-    ("--kv-cache-mb", "kv_cache_mb", int, argparse.SUPPRESS),
     ("--host-kv-cache-gb", "host_kv_cache_gb", float,
      "host tier of the knowledge tree's KV, GiB of pinned CPU memory (default 0: GPU only)"),
     ("--tensor-parallel-size -tp", "tensor_parallel_size", int, "1 only (see --llm-replicas)"),
@@ -94,9 +93,6 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     if args.kv_cache_gb is not None:
         positive("--kv-cache-gb", args.kv_cache_gb)
         engine["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
-    elif args.kv_cache_mb is not None:
-        positive("--kv-cache-mb", args.kv_cache_mb)
-        engine["kv_cache_bytes"] = args.kv_cache_mb << 20
     if args.host_kv_cache_gb is not None:
         if args.host_kv_cache_gb < 0:
             raise UsageError(f"--host-kv-cache-gb must be >= 0, got {args.host_kv_cache_gb}")
