@@ -103,31 +103,31 @@ def gpu_tier_config(args: argparse.Namespace) -> Any:
 
 
 def read_api_key(path: str | None, *, from_env: bool = True, key: str | None = None) -> str | None:
-    """The API key: ``key`` (``--api-key``, with a warning), else from ``path`` (surrounding
-    whitespace stripped), else from ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``.
+    """The API key: ``key`` (``--api-key``, with a warning), else from ``path``, else from
+    ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``; surrounding whitespace stripped.
     An empty key is an error, never "no auth"."""
-    if key is not None:
-        if path is not None:
-            raise UsageError("give --api-key or --api-key-file, not both")
-        if not key.strip():
-            raise UsageError("--api-key is empty")
+    if key is not None and path is not None:
+        raise UsageError("give --api-key or --api-key-file, not both")
+    on_command_line = key is not None
+    if on_command_line:
+        empty = "--api-key is empty"
+    elif path is not None:
+        empty = f"--api-key-file: {path} is empty"
+        try:
+            key = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
+    else:
+        empty = f"${API_KEY_ENV} is set but empty (unset it to serve without auth)"
+        key = os.environ.get(API_KEY_ENV) if from_env else None
+    if key is not None and not key.strip():
+        raise UsageError(empty)
+    if on_command_line:
         logger.warning(
             "--api-key: a key on the command line is visible to other local users (ps); "
             "prefer --api-key-file or $%s",
             API_KEY_ENV,
         )
-        return key.strip()
-    if path is not None:
-        try:
-            key = Path(path).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
-        if not key:
-            raise UsageError(f"--api-key-file: {path} is empty")
-        return key
-    key = os.environ.get(API_KEY_ENV) if from_env else None
-    if key is not None and not key.strip():
-        raise UsageError(f"${API_KEY_ENV} is set but empty (unset it to serve without auth)")
     return None if key is None else key.strip()
 
 
