@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ragserve.server import ServeConfig
-from ragserve.server.admission import Admission
+from ragserve.server.context import Admission
 from ragserve.server.errors import APIError
 from ragserve.server.graphs import resolve_workflow, tune_graph
 from ragserve.server.metrics import ServerMetrics, flatten_stats

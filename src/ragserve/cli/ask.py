@@ -4,36 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Any
 
 from ragserve.cli.errors import UsageError
 from ragserve.cli.options import add_server_args, build_server, load_workflow
 
-logger = logging.getLogger(__name__)
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("ask", help="answer one question with a RAG workflow")
     p.add_argument("question")
-    p.add_argument(
-        "--workflow",
-        default="oneshot",
-        help="oneshot, hyde, multistep, irg, recomp, or module:function (a user graph)",
-    )
-    p.add_argument("--topk", type=int, default=None, help="passages per retrieval")
-    p.add_argument("--max-tokens", type=int, default=None, help="answer length bound")
+    workflows = "oneshot, hyde, multistep, irg, recomp, or module:function (a user graph)"
+    p.add_argument("--workflow", default="oneshot", help=workflows)
+    p.add_argument("--topk", type=int, help="passages per retrieval")
+    p.add_argument("--max-tokens", type=int, help="answer length bound")
     p.add_argument("--json", action="store_true", help="print the response as JSON")
     add_server_args(p)
     p.set_defaults(func=handler)
-
-
-def make_server(args: argparse.Namespace, engine_defaults: dict[str, Any] | None = None) -> Any:
-    """The ``Server`` of the command's flags and ``--config`` (co-scheduled by default)."""
-    from ragserve.cli.launch_config import from_args
-
-    return build_server(from_args(args, engine_defaults=engine_defaults))
 
 
 def resolve_graph(args: argparse.Namespace) -> Any:
@@ -41,13 +28,12 @@ def resolve_graph(args: argparse.Namespace) -> Any:
     from ragserve.server.graphs import tune_graph
     from ragserve.workflows import get_workflow
 
-    for flag in ("topk", "max_tokens"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+    knobs = {k: getattr(args, k) for k in ("topk", "max_tokens") if getattr(args, k) is not None}
+    for flag, value in knobs.items():
+        if value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
-    knobs = {k: v for k, v in (("topk", args.topk), ("max_tokens", args.max_tokens)) if v}
     if ":" in args.workflow:
-        _, graph = load_workflow(args.workflow)
-        return tune_graph(graph, topk=args.topk, max_tokens=args.max_tokens)
+        return tune_graph(load_workflow(args.workflow)[1], **knobs)
     try:
         return get_workflow(args.workflow, **knobs)
     except KeyError as exc:
@@ -55,8 +41,10 @@ def resolve_graph(args: argparse.Namespace) -> Any:
 
 
 def handler(args: argparse.Namespace) -> int:
+    from ragserve.cli.launch_config import from_args
+
     graph = resolve_graph(args)
-    with make_server(args) as server:
+    with build_server(from_args(args)) as server:
         response = server.run(args.question, graph)
     if args.json:
         print(json.dumps(response_json(response), indent=2))

@@ -1,10 +1,6 @@
-"""``ragserve bench``: the RAG co-scheduling benchmark (``bench/rag_bench.py``).
-
-The harness lives in the repository's ``bench/`` folder (next to the other benchmarks and
-their plans and results), which a wheel does not ship. The command finds it in
-``$RAGSERVE_BENCH_DIR``, in the source checkout ragserve runs from (``pip install -e .``), or
-in ``./bench``; otherwise it says how to get it. Its flags are the script's.
-"""
+"""``ragserve bench``: the RAG co-scheduling benchmark, ``rag_bench.py`` of the repository's
+``bench/`` (which a wheel does not ship), found in ``$RAGSERVE_BENCH_DIR``, the source
+checkout or ``./bench``; its flags are the script's."""
 
 from __future__ import annotations
 
@@ -14,27 +10,21 @@ import os
 import sys
 from pathlib import Path
 
+from ragserve.cli.errors import UsageError
+
 BENCH_DIR_ENV = "RAGSERVE_BENCH_DIR"
 CHECKOUT_BENCH_DIR = Path(__file__).resolve().parents[3] / "bench"
 
 
-def bench_dir() -> Path | None:
-    """The first folder holding ``rag_bench.py``: ``$RAGSERVE_BENCH_DIR``, the checkout's,
-    ``./bench``."""
+def _harness():
+    """``rag_bench`` of the first folder holding it, or ``None``."""
     candidates = [os.environ.get(BENCH_DIR_ENV), CHECKOUT_BENCH_DIR, Path.cwd() / "bench"]
     for folder in candidates:
         if folder and (Path(folder) / "rag_bench.py").is_file():
-            return Path(folder)
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+            return importlib.import_module("rag_bench")
     return None
-
-
-def _harness():
-    folder = bench_dir()
-    if folder is None:
-        return None
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    return importlib.import_module("rag_bench")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,8 +43,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _missing(args: argparse.Namespace) -> int:
-    from ragserve.cli.errors import UsageError
-
     raise UsageError(
         "ragserve bench runs the harness in the source repository's bench/ folder, which the "
         "installed package does not include: run it from a checkout (git clone ...; "

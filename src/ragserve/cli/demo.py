@@ -1,23 +1,17 @@
-"""``ragserve demo``: the embedded default end to end.
-
-Builds (first run) or loads (later runs) SmolLM2-135M-Instruct, all-MiniLM-L6-v2 and the
-factbook index, then runs a handful of factbook questions through all five built-in workflows
-concurrently and prints the answers, the retrieved titles and a timing table.
-"""
+"""``ragserve demo``: the embedded default end to end: factbook questions through all five
+built-in workflows at once (models and index built on the first run); answers, sources and a
+timing table printed."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import statistics
 import sys
 import time
 from typing import Any
 
 from ragserve.cli.options import add_server_args, build_server
-
-logger = logging.getLogger(__name__)
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -42,12 +36,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 DEMO_ENGINE = {"kv_cache_bytes": 192 << 20, "max_model_len": 2048}
 
 
-def demo_engine() -> dict[str, Any]:
-    from ragserve.retrieval.builtin import build_dtype
-
-    return {**DEMO_ENGINE, **({"dtype": "bfloat16"} if build_dtype() == "bfloat16" else {})}
-
-
 def demo_workflows(max_tokens: int, topk: int) -> dict[str, Any]:
     """The five workflows with short generations (so the demo runs quickly on a CPU)."""
     from ragserve.workflows import get_workflow
@@ -67,8 +55,10 @@ def handler(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = sys.stdout
     from ragserve.cli.launch_config import from_args
+    from ragserve.retrieval.builtin import build_dtype
 
-    config = from_args(args, engine_defaults=demo_engine())
+    bf16 = {"dtype": "bfloat16"} if build_dtype() == "bfloat16" else {}
+    config = from_args(args, engine_defaults={**DEMO_ENGINE, **bf16})
     if not config.runtime.in_process and config.runtime.backend != "ray":
         from ragserve.runtime.worker_start import start_fork_server
 
@@ -96,11 +86,8 @@ def handler(args: argparse.Namespace) -> int:
 
 def _prepare(out: Any, model: str, index: str) -> None:
     """First run only: the built-in model's conversion (mostly one core) overlaps the factbook
-    index build (the embedder's threads); each says when it starts and ends.
-
-    NOTE: the conversion runs in a spawned process, not a thread: two threads importing
-    transformers' lazy modules at once can see a half-initialised module.
-    """
+    index build (the embedder's threads). NOTE: in a spawned process, not a thread: two
+    threads importing transformers' lazy modules at once can see a half-initialised module."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -127,13 +114,11 @@ def _prepare(out: Any, model: str, index: str) -> None:
 
 
 def _step(out: Any, what: str) -> None:
-    out.write(f"ragserve demo: {what} ...\n")
-    out.flush()
+    print(f"ragserve demo: {what} ...", file=out, flush=True)
 
 
 def _done(out: Any, since: float, what: str = "done") -> None:
-    out.write(f"  {what} in {time.perf_counter() - since:.1f} s\n")
-    out.flush()
+    print(f"  {what} in {time.perf_counter() - since:.1f} s", file=out, flush=True)
 
 
 async def _run_all(server: Any, jobs: list, workflows: dict) -> list:

@@ -1,10 +1,7 @@
-"""``LaunchConfig``: everything ``serve`` / ``ask`` / ``demo`` start a Server with, as data.
-
-Read from a config file (TOML, YAML with PyYAML, or JSON; its layout is in the README,
-under ``--config FILE``: top-level ``model`` / ``index`` / ``embedder`` / ``workflows`` /
-``cosched``, sections ``SECTIONS``), then the flags (``from_args``); ``dump_toml`` writes it
-back (``ragserve serve --print-config``) so that reading the dump gives an equal config. TOML
-has no null: a field left out keeps its default (``None`` fields are left out by the dump).
+"""``LaunchConfig``: everything ``serve`` / ``ask`` / ``demo`` start a Server with, as data:
+read from a config file (TOML, YAML, JSON; layout in the README under ``--config FILE``), then
+the flags (``from_args``); ``dump_toml`` writes it back so that reading the dump gives an equal
+config (TOML has no null: ``None`` fields are left out, and a field left out keeps its default).
 """
 
 from __future__ import annotations
@@ -29,17 +26,11 @@ else:  # Python 3.10: the same parser as the tomli package
     import tomli as tomllib
 
 TOP_LEVEL = ("model", "index", "embedder", "workflows", "cosched")
-SECTIONS = (
-    "engine",
-    "runtime",
-    "cosched",
-    "serve",
-    "gpu_tier",
-    "document_limits",
-    "operators",
-)
+SECTIONS = ("engine", "runtime", "cosched", "serve", "gpu_tier", "document_limits", "operators")
 # ServerConfig fields that are sections of their own in the file.
 _RUNTIME_SKIP = ("engine_kwargs", "cosched", "gpu_tier", "document_limits", "operators")
+# the annotations a file value of each kind may fill (bool first: a bool is an int)
+_ANNOTATIONS = ((bool, ("bool",)), (int, ("int", "float")), (float, ("float",)), (str, ("str",)))
 
 
 class ConfigError(UsageError):
@@ -48,10 +39,8 @@ class ConfigError(UsageError):
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """What a command starts: ``model`` / ``index`` / ``embedder`` for ``Server``,
-    ``workflows`` (``module:function`` specs of user graphs), the runtime's ``ServerConfig``
-    (with its engine keyword arguments and ``CoScheduleConfig``) and the HTTP front's
-    ``ServeConfig``."""
+    """What a command starts: ``Server(model, index, embedder, config=runtime)`` with the
+    user graphs ``workflows`` (``module:function`` specs), behind the HTTP front's ``serve``."""
 
     model: str = DEFAULT_MODEL
     index: str = DEFAULT_INDEX
@@ -62,32 +51,25 @@ class LaunchConfig:
 
 
 def from_args(
-    args: argparse.Namespace,
-    base: LaunchConfig | None = None,
-    engine_defaults: dict[str, Any] | None = None,
+    args: argparse.Namespace, engine_defaults: dict[str, Any] | None = None
 ) -> LaunchConfig:
-    """``base`` + ``engine_defaults`` (the command's), then ``--config``, then the flags of
-    ``options.add_server_args``."""
-    base = base or LaunchConfig()
-    if engine_defaults:
-        engine = {**dict(base.runtime.engine_kwargs), **engine_defaults}
-        base = _with_runtime(base, engine_kwargs=tuple(sorted(engine.items())))
+    """``LaunchConfig()`` with ``engine_defaults`` (the command's), then ``--config``, then the
+    flags of ``options.add_server_args``."""
+    base = LaunchConfig(runtime=ServerConfig(engine_kwargs=engine_defaults or ()))
     config = from_mapping(read_file(args.config), base) if args.config else base
     top = {k: getattr(args, k) for k in ("model", "index", "embedder") if getattr(args, k)}
     engine = {**dict(config.runtime.engine_kwargs), **engine_flags(args)}
-    runtime: dict[str, Any] = {"engine_kwargs": tuple(sorted(engine.items()))}
+    runtime: dict[str, Any] = {"engine_kwargs": engine}
     if args.in_process is not None:
         runtime["in_process"] = args.in_process
     if args.nprobe is not None:
         positive("--nprobe", args.nprobe)
         runtime["default_nprobe"] = args.nprobe
     if args.cosched is not None:
-        knobs = {
-            f.name: getattr(config.runtime.cosched, f.name)
-            for f in dataclasses.fields(CoScheduleConfig)
-            if not f.name.startswith("enable_")
-        }
+        cosched = config.runtime.cosched
+        names = [f.name for f in dataclasses.fields(cosched) if not f.name.startswith("enable_")]
         try:
+            knobs = {name: getattr(cosched, name) for name in names}
             runtime["cosched"] = CoScheduleConfig.from_names(args.cosched, **knobs)
         except ValueError as exc:
             raise UsageError(f"--{exc}") from exc
@@ -96,13 +78,6 @@ def from_args(
 
 def _with_runtime(config: LaunchConfig, **changes: Any) -> LaunchConfig:
     return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, **changes))
-
-
-def engine_keys() -> tuple[str, ...]:
-    """The ``[engine]`` keys: ``EngineConfig``'s fields but ``model``."""
-    from ragserve.generation.config import EngineConfig
-
-    return tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
@@ -170,38 +145,24 @@ def _apply_runtime(runtime: ServerConfig, data: dict[str, Any]) -> ServerConfig:
         raise ConfigError(f"config: [runtime] {bad[0]} belongs in its own section")
     runtime = _replace(runtime, values, "runtime")
     engine = {**dict(runtime.engine_kwargs), **engine_values(_section(data, "engine"))}
-    cosched = runtime.cosched
+    sections: dict[str, Any] = {"engine_kwargs": engine}
     if isinstance(data.get("cosched"), str):
-        cosched = _cosched_from_names(data["cosched"])
-    elif "cosched" in data:
-        cosched = _replace(cosched, _section(data, "cosched"), "cosched")
-    engine_kwargs = tuple(sorted(engine.items()))
-    tier = runtime.gpu_tier
+        try:
+            sections["cosched"] = CoScheduleConfig.from_names(data["cosched"])
+        except ValueError as exc:
+            raise ConfigError(f"config: {exc}") from exc
     if "gpu_tier" in data:
         from ragserve.runtime.config import GpuTierConfig
 
-        values = dict(_section(data, "gpu_tier"))
+        tier = dict(_section(data, "gpu_tier"))
         for key in ("generation_profile", "retrieval_profile"):
-            if isinstance(values.get(key), list):  # TOML arrays -> the config's tuples
-                values[key] = tuple(tuple(p) for p in values[key])
-        tier = _replace(tier or GpuTierConfig(), values, "gpu_tier")
-    limits = _replace(runtime.document_limits, _section(data, "document_limits"), "document_limits")
-    operators = _replace(runtime.operators, _section(data, "operators"), "operators")
-    return dataclasses.replace(
-        runtime,
-        engine_kwargs=engine_kwargs,
-        cosched=cosched,
-        gpu_tier=tier,
-        document_limits=limits,
-        operators=operators,
-    )
-
-
-def _cosched_from_names(spec: str) -> CoScheduleConfig:
-    try:
-        return CoScheduleConfig.from_names(spec)
-    except ValueError as exc:
-        raise ConfigError(f"config: {exc}") from exc
+            if isinstance(tier.get(key), list):  # TOML arrays -> the config's tuples
+                tier[key] = tuple(tuple(p) for p in tier[key])
+        sections["gpu_tier"] = _replace(runtime.gpu_tier or GpuTierConfig(), tier, "gpu_tier")
+    for name in ("cosched", "document_limits", "operators"):
+        if name in data and name not in sections:
+            sections[name] = _replace(getattr(runtime, name), _section(data, name), name)
+    return dataclasses.replace(runtime, **sections)
 
 
 def engine_values(values: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +173,9 @@ def engine_values(values: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(gb, (int, float)) or isinstance(gb, bool) or gb <= 0:
             raise ConfigError(f"config: [engine] kv_cache_gb must be a number > 0, got {gb!r}")
         out["kv_cache_bytes"] = int(gb * (1 << 30))
-    keys = engine_keys()
+    from ragserve.generation.config import EngineConfig
+
+    keys = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
     unknown = sorted(set(out) - set(keys))
     if unknown:
         raise ConfigError(
@@ -245,15 +208,9 @@ def _replace(obj: Any, values: dict[str, Any], section: str) -> Any:
 
 def _same_kind(value: Any, default: Any, f: dataclasses.Field) -> bool:
     """A loose type check from the field's annotation string (``int | None`` etc.)."""
-    annotation = str(f.type)
-    if isinstance(value, bool):
-        return "bool" in annotation
-    if isinstance(value, int):
-        return "int" in annotation or "float" in annotation
-    if isinstance(value, float):
-        return "float" in annotation
-    if isinstance(value, str):
-        return "str" in annotation
+    for kind, names in _ANNOTATIONS:
+        if isinstance(value, kind):
+            return any(name in str(f.type) for name in names)
     return default is None or isinstance(value, type(default))
 
 
@@ -262,20 +219,15 @@ def dump_toml(config: LaunchConfig) -> str:
     lines = [_line(k, getattr(config, k)) for k in ("model", "index", "embedder")]
     lines.append(_line("workflows", list(config.workflows)))
     runtime = config.runtime
+    fields = [f.name for f in dataclasses.fields(runtime) if f.name not in _RUNTIME_SKIP]
     sections = {
         "engine": dict(runtime.engine_kwargs),
-        "runtime": {
-            f.name: getattr(runtime, f.name)
-            for f in dataclasses.fields(runtime)
-            if f.name not in _RUNTIME_SKIP
-        },
-        "cosched": dataclasses.asdict(runtime.cosched),
-        "serve": dataclasses.asdict(config.serve),
-        "document_limits": dataclasses.asdict(runtime.document_limits),
-        "operators": dataclasses.asdict(runtime.operators),
+        "runtime": {name: getattr(runtime, name) for name in fields},
     }
-    if runtime.gpu_tier is not None:
-        sections["gpu_tier"] = dataclasses.asdict(runtime.gpu_tier)
+    for name in SECTIONS[2:]:
+        part = config.serve if name == "serve" else getattr(runtime, name)
+        if part is not None:
+            sections[name] = dataclasses.asdict(part)
     for name, values in sections.items():
         lines += ["", f"[{name}]", *(_line(k, v) for k, v in values.items())]
     return "\n".join(line for line in lines if line is not None) + "\n"

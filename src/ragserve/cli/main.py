@@ -1,11 +1,7 @@
-"""``ragserve`` entry point: one sub-command per module in this package.
-
-Each module named in ``COMMANDS`` defines ``register(subparsers)``, which adds its parser and
-sets ``func`` (called with the parsed namespace, returning an exit code). An error a user can
-cause (a missing or damaged index, an unknown model, a bad flag or config file, a port in
-use, a worker that cannot start) ends the command with one ``error: ...`` line on stderr and
-exit code 1 (2 for usage errors); ``-v`` adds the traceback and debug logging.
-"""
+"""``ragserve`` entry point: each module in ``COMMANDS`` has ``register(subparsers)``, which
+adds its parser and sets ``func`` (namespace -> exit code). An error a user can cause ends the
+command with one ``error: ...`` line (exit code 1, 2 for usage errors); ``-v`` adds the
+traceback and debug logging."""
 
 from __future__ import annotations
 
@@ -26,9 +22,8 @@ _QUIET_LOGGERS = ("faiss", "faiss.loader", "httpx", "urllib3", "transformers", "
 
 
 class Parser(argparse.ArgumentParser):
-    """Every ``ragserve`` parser (sub-command parsers inherit the class): a long flag is never
-    matched by a prefix (``--api-key`` must not be read as ``--api-key-file``), and a usage
-    error is one ``error:`` line naming the flag (exit code 2)."""
+    """Every ``ragserve`` parser (sub-commands inherit it): no prefix matching of long flags
+    (``--api-key`` is not ``--api-key-file``); a usage error is one ``error:`` line (exit 2)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["allow_abbrev"] = False
@@ -51,9 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configure_logging(verbose: bool) -> None:
-    """INFO from ragserve (progress of long first-run steps), WARNING from everyone else;
-    third-party progress bars off unless ``verbose`` (set before transformers is imported,
-    and inherited by the worker processes)."""
+    """INFO from ragserve, WARNING from everyone else; third-party progress bars off unless
+    ``verbose`` (set before transformers is imported; the workers inherit it)."""
     if not verbose:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -90,10 +84,8 @@ def one_line(exc: BaseException) -> str:
     (``ModelLoadError: ...``); a ``KeyError``'s message without the quotes."""
     text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    if len(lines) == 1:
-        return lines[0]
+    if len(lines) < 2:
+        return lines[0] if lines else type(exc).__name__
     return f"{lines[0].rstrip(':')}: {lines[-1]}"
 
 

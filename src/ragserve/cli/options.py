@@ -1,9 +1,6 @@
 """The server flags ``serve``, ``ask``, ``demo`` and ``profile-memory`` share (vLLM's names
-where ``vllm serve`` has the flag), and the checks run before a ``Server`` starts.
-
-Every flag defaults to ``None`` ("not given") so a ``--config`` file's value is only
-overridden by a flag the user typed (``launch_config.from_args``).
-"""
+where ``vllm serve`` has the flag; each defaults to ``None``, "not given", so only a typed
+flag overrides ``--config``), and the checks run before a ``Server`` starts."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ragserve.cli.errors import UsageError
@@ -35,68 +33,59 @@ ENGINE_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--load-format", "load_format", str, "auto (safetensors) or dummy (random weights)"),
     ("--cpu-threads", "cpu_threads", int, "torch threads of the LLM (CPU)"),
 )  # fmt: skip
+SIZE_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--kv-cache-gb", "kv_cache_gb", float, "KV cache size in GiB"),
+    ("--host-kv-cache-gb", "host_kv_cache_gb", float,
+     "host tier of the knowledge tree's KV, GiB of pinned CPU memory (default 0: GPU only)"),
+    ("--tensor-parallel-size -tp", "tensor_parallel_size", int, "1 only (see --llm-replicas)"),
+    ("--pipeline-parallel-size -pp", "pipeline_parallel_size", int, "1 only (see --llm-replicas)"),
+)  # fmt: skip
 POSITIVE = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_threads")
+FLAG = {"action": "store_const", "const": True, "default": None}  # a switch, "not given" if off
+
+
+def add_flags(group: Any, flags: tuple[tuple[str, str, Any, str], ...]) -> None:
+    """``(flag, dest, type, help)`` rows, each defaulting to ``None`` (not given)."""
+    for flag, dest, kind, text in flags:
+        names = flag.split()  # the long flag, then its short form if any
+        metavar = names[0][2:].upper().replace("-", "_")
+        group.add_argument(*names, dest=dest, type=kind, default=None, metavar=metavar, help=text)
+
+
+def given(args: argparse.Namespace, flags: tuple[tuple[str, str, Any, str], ...]) -> dict:
+    """The ``dest`` values of the rows of ``flags`` the user gave."""
+    return {d: getattr(args, d) for _, d, _, _ in flags if getattr(args, d) is not None}
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    """Model, index, engine and co-scheduling flags (all default to "not given")."""
+    """Model, index, engine and co-scheduling flags."""
     p.add_argument("--config", default=None, help="TOML or YAML file of these settings")
     p.add_argument("--model", default=None, help=f"HF folder or built-in name ({DEFAULT_MODEL})")
     p.add_argument("--index", default=None, help=f"index folder, or '{DEFAULT_INDEX}' (built-in)")
     p.add_argument("--embedder", default=None, help="embedder (default: the index's own)")
-    p.add_argument(
-        "--cosched",
-        default=None,
-        help="co-scheduling: all (default), off, or a comma list of split, gen_chunks, "
-        "similarity, speculation, spec_retrieval",
-    )
+    cosched = "split, gen_chunks, similarity, speculation, spec_retrieval"
+    p.add_argument("--cosched", help=f"co-scheduling: all (default), off, or a list of {cosched}")
     p.add_argument("--nprobe", type=int, default=None, help="default clusters probed")
+    p.add_argument("--in-process", **FLAG, help="no worker processes (debugging)")
     g = p.add_argument_group("engine")
-    for flag, field, kind, text in ENGINE_FLAGS:
-        metavar = flag[2:].upper().replace("-", "_")
-        g.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar, help=text)
-    g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB")
-    g.add_argument("--kv-cache-mb", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument(
-        "--host-kv-cache-gb",
-        type=float,
-        default=None,
-        help="host tier of the knowledge tree's KV, GiB of pinned CPU memory (default 0: GPU only)",
-    )
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse the KV of shared prompt prefixes (default on)",
-    )
-    g.add_argument(
-        "--enforce-eager", action="store_const", const=True, default=None, help="no CUDA graphs"
-    )
-    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
-        g.add_argument(flag, short, type=int, default=None, help="1 only (see --llm-replicas)")
-    p.add_argument(
-        "--in-process",
-        action="store_const",
-        const=True,
-        default=None,
-        help="no worker processes (debugging)",
-    )
+    add_flags(g, ENGINE_FLAGS + SIZE_FLAGS)
+    prefix = "reuse the KV of shared prompt prefixes (default on)"
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help=prefix)
+    g.add_argument("--enforce-eager", **FLAG, help="no CUDA graphs")
 
 
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields the engine flags give (checked; a bad value is a
     ``UsageError`` naming the flag)."""
     for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
-        size = getattr(args, flag, None)
-        if size is not None and size != 1:
-            name = "--" + flag.replace("_", "-")
+        if getattr(args, flag, None) not in (None, 1):
             raise UsageError(
-                f"{name} {size}: ragserve runs each LLM replica on one device; scale out "
-                "with --ray --llm-replicas N instead"
+                f"--{flag.replace('_', '-')} {getattr(args, flag)}: ragserve runs each LLM "
+                "replica on one device; scale out with --ray --llm-replicas N instead"
             )
-    engine = {f: getattr(args, f) for _, f, _, _ in ENGINE_FLAGS if getattr(args, f) is not None}
+    engine = given(args, ENGINE_FLAGS)
     for field in POSITIVE:
-        if engine.get(field) is not None:
+        if field in engine:
             positive(f"--{field.replace('_', '-')}", engine[field])
     fraction = engine.get("kv_cache_memory_fraction")
     if fraction is not None and not 0 < fraction <= 1:
@@ -104,9 +93,6 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     if args.kv_cache_gb is not None:
         positive("--kv-cache-gb", args.kv_cache_gb)
         engine["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
-    elif args.kv_cache_mb is not None:
-        positive("--kv-cache-mb", args.kv_cache_mb)
-        engine["kv_cache_bytes"] = args.kv_cache_mb << 20
     if args.host_kv_cache_gb is not None:
         if args.host_kv_cache_gb < 0:
             raise UsageError(f"--host-kv-cache-gb must be >= 0, got {args.host_kv_cache_gb}")
@@ -125,8 +111,6 @@ def positive(flag: str, value: float) -> None:
 
 def resolve_index(index: str) -> str:
     """A saved index folder; the built-in name ``factbook`` is built on first use."""
-    from pathlib import Path
-
     if index == DEFAULT_INDEX and not Path(index).is_dir():
         from ragserve.retrieval import builtin_index
 
@@ -136,8 +120,6 @@ def resolve_index(index: str) -> str:
 
 def check_index(index: str) -> None:
     """A clear error for a missing, empty or damaged index folder (before workers start)."""
-    from pathlib import Path
-
     from ragserve.retrieval.storage import read_manifest
 
     path = Path(index)
@@ -155,8 +137,6 @@ def check_model(model: str) -> None:
     """A clear error for an unknown model name or an unsupported architecture, in this
     process (before workers start). A built-in model is converted here on first use, with
     progress logged, rather than silently in the worker."""
-    from pathlib import Path
-
     from ragserve.generation.builtin import BUILTIN_MODELS, resolve_model
     from ragserve.generation.config import ModelConfig
 
@@ -181,8 +161,7 @@ def load_workflow(spec: str) -> tuple[str, Any]:
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise UsageError(f"workflow {spec!r}: expected module:function")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m`: modules next to the caller import
+    _import_from_cwd()
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -198,6 +177,12 @@ def load_workflow(spec: str) -> tuple[str, Any]:
     return name, graph
 
 
+def _import_from_cwd() -> None:
+    """As ``python -m``: modules next to the caller import (spawned workers inherit it)."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def check_reranker(name: str) -> None:
     """A clear error for a ``module:factory`` reranker that cannot be imported or is not
     callable, in this process (before workers start; the retrieval worker builds it)."""
@@ -205,8 +190,7 @@ def check_reranker(name: str) -> None:
 
     if name == EMBEDDING_RERANKER:
         return
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as load_workflow; spawned workers inherit sys.path
+    _import_from_cwd()
     try:
         reranker_factory(name)
     except RerankerLoadError as exc:
@@ -214,8 +198,7 @@ def check_reranker(name: str) -> None:
 
 
 def build_server(config: Any) -> Any:
-    """The ``Server`` of a ``LaunchConfig`` (user workflows registered); the index is checked
-    first."""
+    """The ``Server`` of a ``LaunchConfig`` (user workflows registered), checked first."""
     # NOTE: set before torch/Faiss load here (index build, in-process mode): OpenMP
     # spin-waiting on a busy machine makes small CPU matmuls many times slower.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -232,8 +215,6 @@ def build_server(config: Any) -> Any:
         index,
         ", ".join(config.runtime.cosched.enabled) or "off",
     )
-    server = Server(
-        model=config.model, index=index, embedder=config.embedder, config=config.runtime
-    )
+    server = Server(config.model, index, embedder=config.embedder, config=config.runtime)
     server.workflows.update(workflows)
     return server

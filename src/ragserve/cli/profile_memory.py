@@ -1,15 +1,7 @@
-"""``ragserve profile-memory``: measure HedraRAG Eq. 2's profiles on this machine and write the
-file ``ragserve serve --gpu-index-profile`` reads.
-
-    ragserve profile-memory --model M --index DIR --out profile.json      # then
-    ragserve serve --model M --index DIR --gpu-index-profile profile.json
-
-``T_G``: requests/s of an engine with each KV size (``--kv-blocks``; default: 1, 4, 16, 64 and
-256 requests' worth of blocks) on ``--requests`` offline requests of ``--prompt-tokens`` in
-and ``--output-tokens`` out. ``T_R``: requests/s of batches of ``--batch`` queries with a GPU
-tier of each size (``--tier-gb``; default: 0, 1/16, 1/8, 1/4, 1/2 and all of the index).
-The model, index and engine settings are serve's (``--config`` and the same flags).
-"""
+"""``ragserve profile-memory``: measure HedraRAG Eq. 2's profiles on this machine (``T_G``:
+requests/s of an engine per KV size; ``T_R``: requests/s of query batches per GPU tier size)
+and write the file ``ragserve serve --gpu-index-profile`` reads; model, index and engine
+settings are serve's."""
 
 from __future__ import annotations
 
@@ -34,22 +26,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_server_args(p)
     p.add_argument("--out", required=True, help="profile JSON to write")
-    p.add_argument("--kv-blocks", type=int, nargs="+", default=None, help="KV sizes, blocks")
-    p.add_argument("--tier-gb", type=float, nargs="+", default=None, help="tier sizes, GB")
+    grid = "(default: 1 to 256 requests' worth)"
+    p.add_argument("--kv-blocks", type=int, nargs="+", help=f"KV sizes, blocks {grid}")
+    grid = "(default: 0 to all of the index)"
+    p.add_argument("--tier-gb", type=float, nargs="+", help=f"tier sizes, GB {grid}")
     p.add_argument("--tier-device", default="cuda", help="GPU tier device (cuda, cuda:N, cpu)")
-    p.add_argument(
-        "--gpu-memory-gb",
-        type=float,
-        default=None,
-        help="memory for the KV cache and the tier together, GB (default on CUDA: 92 %% of "
-        "the free memory minus the model's weights)",
-    )
+    total = "memory for the KV cache and the tier, GB (default on CUDA: the free memory)"
+    p.add_argument("--gpu-memory-gb", type=float, help=total)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=256, help="most requests per KV size")
     p.add_argument("--batch", type=int, default=32, help="retrieval batch size")
     p.add_argument("--retrievals-per-request", type=float, default=1.0)
-    p.add_argument("--questions", default=None, help="file of queries, one a line")
+    p.add_argument("--questions", help="file of queries, one a line")
     p.set_defaults(func=handler)
 
 
@@ -69,8 +58,8 @@ def handler(args: argparse.Namespace) -> int:
     engine = dict(config.runtime.engine_kwargs)
     engine.pop("kv_cache_bytes", None)  # NOTE: the profile sets it, point by point
     for flag in ("requests", "batch", "prompt_tokens", "output_tokens"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        if (value := getattr(args, flag)) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     work = GenerationWorkload(args.prompt_tokens, args.output_tokens, args.requests)
     block_bytes = kv_block_bytes(config.model, engine)
     given = None if args.gpu_memory_gb is None else _positive_gb(args.gpu_memory_gb)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.cli.errors import UsageError
-from ragserve.cli.options import add_server_args, build_server
+from ragserve.cli.options import add_flags, add_server_args, build_server, given
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,9 @@ HTTP_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--max-body-bytes", "max_body_bytes", int, "larger bodies get 413"),
     ("--drain-timeout", "drain_timeout_s", float, "seconds to drain at exit"),
 )
+# NOTE: = runtime.config's choices, not imported: that would load Faiss for every command.
+TIER_DTYPES, TIER_SCANS = ("float32", "float16", "bfloat16"), ("auto", "grouped", "dense", "fused")
+STREAM_MODES = ("auto", "on", "off")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,90 +39,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "default, --cosched): /v1/chat/completions, /v1/completions, /v1/embeddings, "
         "/v1/models, /tokenize, /detokenize, /v1/documents, /metrics, /health, /version.",
     )
-    p.add_argument(
-        "model_tag", nargs="?", default=None, metavar="MODEL", help="as --model (vLLM's form)"
-    )
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="as --model (vLLM's form)")
     add_server_args(p)
     p.add_argument(
         "--workflow",
         dest="workflows",
         action="append",
-        default=None,
         metavar="MODULE:FUNCTION",
         help="serve a user graph as model ragserve/<name> (repeatable; [name=]module:function)",
     )
-    p.add_argument(
-        "--reranker",
-        default=None,
-        metavar="NAME",
-        help="rerank nodes' scorer: 'embedding' (the embedder's cosine, default) or "
-        "module:factory (factory(embedder) returns a reranker; built by the retrieval worker)",
-    )
+    scorer = "rerank nodes' scorer: 'embedding' (default) or module:factory (of the embedder)"
+    p.add_argument("--reranker", metavar="NAME", help=scorer)
+    p.add_argument("--print-config", action="store_true", help="print the config as TOML, exit")
     h = p.add_argument_group("HTTP")
-    for flag, field, kind, text in HTTP_FLAGS:
-        metavar = flag[2:].upper().replace("-", "_")
-        h.add_argument(flag, dest=field, type=kind, default=None, metavar=metavar, help=text)
+    add_flags(h, HTTP_FLAGS)
     h.add_argument(
         "--api-key-file",
-        default=None,
         help=f"require 'Authorization: Bearer KEY', KEY read from this file (or from "
         f"${API_KEY_ENV}, the recommended ways). Default: no auth",
     )
-    h.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="as --api-key-file, the key itself (vLLM's flag; other local users see it in `ps`)",
-    )
+    h.add_argument("--api-key", metavar="KEY", help="the key itself (vLLM's flag; seen in `ps`)")
     tier = p.add_argument_group("GPU index tier (hot IVF-Flat lists in GPU memory)")
-    tier.add_argument(
-        "--gpu-index-gb", type=float, default=None, help="tier size in GB (overrides Eq. 2)"
-    )
-    tier.add_argument(
-        "--gpu-index-profile",
-        default=None,
-        help="JSON with generation_profile and retrieval_profile: Eq. 2 splits the GPU memory "
-        "between the KV cache and the tier",
-    )
+    tier.add_argument("--gpu-index-gb", type=float, help="tier size in GB (overrides Eq. 2)")
+    profile = "JSON of profile-memory: Eq. 2 splits the GPU memory"
+    tier.add_argument("--gpu-index-profile", help=profile)
     tier.add_argument("--gpu-index-device", default="cuda", help="tier device (cuda, cuda:N, cpu)")
-    tier.add_argument(
-        "--gpu-index-dtype", default="float32", choices=("float32", "float16", "bfloat16")
-    )
-    tier.add_argument(
-        "--gpu-index-scan",
-        default="auto",
-        choices=("auto", "grouped", "dense", "fused"),
-        help="tier scan strategy (auto: a cost model calibrated on the tier picks per batch; "
-        "fused: the Triton kernel, CUDA)",
-    )
-    tier.add_argument(
-        "--gpu-index-stream",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="stream non-resident lists from host memory to the tier's device and scan them "
-        "there beside the CPU (auto: on a CUDA tier whose budget leaves lists on the host; on "
-        "the 2026-12-01 H200 run 2.2x the tier alone's SLO-bound rate on a 20M corpus)",
-    )
-    tier.add_argument(
-        "--gpu-index-stream-host-gb",
-        type=float,
-        default=None,
-        help="pinned host memory for the stream's bounce buffers, GB (default 1.07)",
-    )
-    p.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the resolved configuration as TOML (a --config file) and exit",
-    )
+    tier.add_argument("--gpu-index-dtype", default="float32", choices=TIER_DTYPES)
+    scan = "auto: a cost model calibrated on the tier picks per batch; fused: Triton, CUDA"
+    tier.add_argument("--gpu-index-scan", default="auto", choices=TIER_SCANS, help=scan)
+    stream = "scan lists the tier lacks on its device, streamed from host memory (auto: CUDA)"
+    tier.add_argument("--gpu-index-stream", default="auto", choices=STREAM_MODES, help=stream)
+    host = "the stream's pinned host memory, GB"
+    tier.add_argument("--gpu-index-stream-host-gb", type=float, help=host)
     scale = p.add_argument_group("scale-out on Ray")
-    scale.add_argument(
-        "--ray",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="ADDRESS",
-        help="run on Ray: join the cluster at ADDRESS, or start a local one without it",
-    )
+    ray = "run on Ray: join the cluster at ADDRESS, or start a local one without it"
+    scale.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help=ray)
     scale.add_argument("--llm-replicas", type=int, default=1, help="LLM engine replicas (--ray)")
     scale.add_argument("--index-shards", type=int, default=1, help="index shards (--ray)")
     p.set_defaults(func=handler)
@@ -130,60 +84,57 @@ def gpu_tier_config(args: argparse.Namespace) -> Any:
     from ragserve.runtime import GpuTierConfig
     from ragserve.runtime.memory_plan import load_profiles
 
-    if args.gpu_index_gb is None and args.gpu_index_profile is None:
+    gb, host = args.gpu_index_gb, args.gpu_index_stream_host_gb
+    if gb is None and args.gpu_index_profile is None:
         return None
-    if args.gpu_index_gb is not None and args.gpu_index_gb < 0:
-        raise UsageError(f"--gpu-index-gb must be >= 0, got {args.gpu_index_gb}")
-    profiles = load_profiles(args.gpu_index_profile) if args.gpu_index_profile else {}
-    budget = None if args.gpu_index_gb is None else int(args.gpu_index_gb * 1e9)
-    host = args.gpu_index_stream_host_gb
+    if gb is not None and gb < 0:
+        raise UsageError(f"--gpu-index-gb must be >= 0, got {gb}")
     if host is not None and host <= 0:
         raise UsageError(f"--gpu-index-stream-host-gb must be > 0, got {host}")
-    extra = {} if host is None else {"stream_host_bytes": int(host * 1e9)}
     return GpuTierConfig(
-        budget_bytes=budget,
+        budget_bytes=None if gb is None else int(gb * 1e9),
         device=args.gpu_index_device,
         dtype=args.gpu_index_dtype,
         scan=args.gpu_index_scan,
         stream_cold=args.gpu_index_stream,
-        **extra,
-        **profiles,
+        **({} if host is None else {"stream_host_bytes": int(host * 1e9)}),
+        **(load_profiles(args.gpu_index_profile) if args.gpu_index_profile else {}),
     )
 
 
 def read_api_key(path: str | None, *, from_env: bool = True, key: str | None = None) -> str | None:
-    """The API key: ``key`` (``--api-key``, with a warning), else from ``path`` (surrounding
-    whitespace stripped), else from ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``.
+    """The API key: ``key`` (``--api-key``, with a warning), else from ``path``, else from
+    ``$RAGSERVE_API_KEY`` (if ``from_env``), else ``None``; surrounding whitespace stripped.
     An empty key is an error, never "no auth"."""
-    if key is not None:
-        if path is not None:
-            raise UsageError("give --api-key or --api-key-file, not both")
-        if not key.strip():
-            raise UsageError("--api-key is empty")
+    if key is not None and path is not None:
+        raise UsageError("give --api-key or --api-key-file, not both")
+    on_command_line = key is not None
+    if on_command_line:
+        empty = "--api-key is empty"
+    elif path is not None:
+        empty = f"--api-key-file: {path} is empty"
+        try:
+            key = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
+    else:
+        empty = f"${API_KEY_ENV} is set but empty (unset it to serve without auth)"
+        key = os.environ.get(API_KEY_ENV) if from_env else None
+    if key is not None and not key.strip():
+        raise UsageError(empty)
+    if on_command_line:
         logger.warning(
             "--api-key: a key on the command line is visible to other local users (ps); "
             "prefer --api-key-file or $%s",
             API_KEY_ENV,
         )
-        return key.strip()
-    if path is not None:
-        try:
-            key = Path(path).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise UsageError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
-        if not key:
-            raise UsageError(f"--api-key-file: {path} is empty")
-        return key
-    key = os.environ.get(API_KEY_ENV) if from_env else None
-    if key is not None and not key.strip():
-        raise UsageError(f"${API_KEY_ENV} is set but empty (unset it to serve without auth)")
     return None if key is None else key.strip()
 
 
 def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) -> Any:
-    """The ``LaunchConfig`` of ``serve``: the shared settings, then the HTTP and GPU-tier
-    flags, and the API key from ``--api-key-file`` or (if ``key_from_env``)
-    ``$RAGSERVE_API_KEY`` when the config file gives none."""
+    """The ``LaunchConfig`` of ``serve``: the shared settings, then the HTTP, GPU-tier and
+    scale-out flags; the API key from the flags, else the file, else (if ``key_from_env``)
+    ``$RAGSERVE_API_KEY``."""
     from ragserve.cli.launch_config import from_args
 
     if args.model_tag is not None:
@@ -191,43 +142,36 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
             raise UsageError(f"model given twice: {args.model_tag} and --model {args.model}")
         args = argparse.Namespace(**{**vars(args), "model": args.model_tag})
     config = from_args(args)
-    tier = gpu_tier_config(args)
-    if tier is not None:
-        config = dataclasses.replace(
-            config, runtime=dataclasses.replace(config.runtime, gpu_tier=tier)
-        )
-    if args.workflows:
-        config = dataclasses.replace(config, workflows=(*config.workflows, *args.workflows))
-    changes = {f: getattr(args, f) for _, f, _, _ in HTTP_FLAGS if getattr(args, f) is not None}
+    changes = given(args, HTTP_FLAGS)
     key = read_api_key(args.api_key_file, from_env=key_from_env, key=args.api_key)
-    given = args.api_key_file is not None or args.api_key is not None
-    if key is not None and (given or config.serve.api_key is None):
+    from_flags = args.api_key_file is not None or args.api_key is not None
+    if key is not None and (from_flags or config.serve.api_key is None):
         changes["api_key"] = key
     if "served_model_name" not in changes and config.serve.served_model_name == "ragserve":
         changes["served_model_name"] = Path(config.model).name
     if config.serve.tokenizer is None:  # /tokenize: the served LLM's
         changes["tokenizer"] = config.model
-    try:
-        serve = dataclasses.replace(config.serve, **changes)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    # NOTE: the Server's own bound must not be below HTTP admission, or admitted requests
-    # would wait in threads for a Server slot instead of being refused with 429.
     runtime = config.runtime
-    if runtime.max_active_requests < serve.max_num_inflight:
-        runtime = dataclasses.replace(runtime, max_active_requests=serve.max_num_inflight)
+    updates: dict[str, Any] = {}
+    if (tier := gpu_tier_config(args)) is not None:
+        updates["gpu_tier"] = tier
     if args.reranker is not None:
         try:
-            operators = dataclasses.replace(runtime.operators, reranker=args.reranker)
+            updates["operators"] = dataclasses.replace(runtime.operators, reranker=args.reranker)
         except ValueError as exc:
             raise UsageError(f"--{exc}") from None
-        runtime = dataclasses.replace(runtime, operators=operators)
     if args.ray is not None or (args.llm_replicas, args.index_shards) != (1, 1):
-        try:
-            runtime = dataclasses.replace(runtime, **_scale_out(args))
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-    return dataclasses.replace(config, serve=serve, runtime=runtime)
+        updates.update(_scale_out(args))
+    try:
+        serve = dataclasses.replace(config.serve, **changes)
+        # NOTE: the Server's own bound must not be below HTTP admission, or admitted requests
+        # would wait in threads for a Server slot instead of being refused with 429.
+        bound = max(runtime.max_active_requests, serve.max_num_inflight)
+        runtime = dataclasses.replace(runtime, max_active_requests=bound, **updates)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    workflows = (*config.workflows, *(args.workflows or ()))
+    return dataclasses.replace(config, workflows=workflows, serve=serve, runtime=runtime)
 
 
 def check_port(host: str, port: int) -> None:
@@ -271,11 +215,7 @@ def handler(args: argparse.Namespace) -> int:
 
 def _scale_out(args: argparse.Namespace) -> dict:
     """``ServerConfig`` fields of ``--ray [ADDRESS] --llm-replicas N --index-shards M``."""
+    fields = {"num_llm_replicas": args.llm_replicas, "num_index_shards": args.index_shards}
     if args.ray is None:
-        return {"num_llm_replicas": args.llm_replicas, "num_index_shards": args.index_shards}
-    return {
-        "backend": "ray",
-        "ray_address": args.ray or None,
-        "num_llm_replicas": args.llm_replicas,
-        "num_index_shards": args.index_shards,
-    }
+        return fields
+    return {"backend": "ray", "ray_address": args.ray or None, **fields}

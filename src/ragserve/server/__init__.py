@@ -1,12 +1,6 @@
-"""ragserve.server: the OpenAI-compatible HTTP front (``ragserve serve``).
-
-``create_app(server, config)`` builds the ASGI app around a ``ragserve.runtime.Server``;
-``serve`` runs it under uvicorn in the foreground, ``BackgroundServer`` on a thread.
-
-The HTTP stack (fastapi, uvicorn) is imported on first use of those names, so commands that
-only need ``ServeConfig`` (``ragserve profile-memory``, ``index``, the launch-config loader)
-run where the ``serve`` extras are not installed.
-"""
+"""ragserve.server: the OpenAI-compatible HTTP front (``ragserve serve``). The HTTP stack is
+imported on first use of ``create_app`` / ``serve`` / ``BackgroundServer``, so what needs only
+``ServeConfig`` runs without the ``serve`` extras."""
 
 from __future__ import annotations
 

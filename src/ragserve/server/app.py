@@ -1,12 +1,6 @@
-"""``create_app(server, config)``: the OpenAI-compatible ASGI app in front of a ``Server``.
-
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``,
-``/tokenize`` and ``/detokenize`` (one module each), ``/v1/documents`` (upsert, delete),
-``/metrics``, ``/health``, ``/version``. Every request passes ``GuardMiddleware`` (request id,
-auth, body size, deadline and depth) first; errors use OpenAI's error format. ``/health`` is
-200 only while the backend says it can make progress, and lists the co-scheduling
-optimizations that run under ``cosched``.
-"""
+"""``create_app(server, config)``: the OpenAI-compatible ASGI app in front of a ``Server``:
+the routers of the API's modules, ``/v1/documents``, ``/metrics``, ``/health`` (200 only while
+the backend can make progress), ``/version``, every request through ``GuardMiddleware``."""
 
 from __future__ import annotations
 
@@ -22,11 +16,9 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
-from ragserve.server import chat, completions, embeddings, models, tokens
-from ragserve.server.admission import Admission
-from ragserve.server.backend import ServerBackend
+from ragserve.server import chat, completions, models
 from ragserve.server.config import ServeConfig
-from ragserve.server.context import AppContext, call_backend, get_context
+from ragserve.server.context import Admission, AppContext, ServerBackend, call_backend, get_context
 from ragserve.server.errors import APIError, install_error_handlers
 from ragserve.server.metrics import ServerMetrics
 from ragserve.server.middleware import GuardMiddleware
@@ -58,14 +50,8 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
     app.state.ctx = AppContext(server, config, metrics, admission)
     install_error_handlers(app)
     app.state.upserts = Admission(config.max_num_upserts, config.retry_after_s)
-    app.add_middleware(
-        GuardMiddleware,
-        api_key=config.api_key,
-        max_body_bytes=config.max_body_bytes,
-        body_timeout_s=config.body_timeout_s,
-        max_json_depth=config.max_json_depth,
-    )
-    for module in (chat, completions, embeddings, models, tokens):
+    app.add_middleware(GuardMiddleware, config=config)
+    for module in (chat, completions, models):
         app.include_router(module.router)
     _add_admin_routes(app)
     return app
@@ -74,8 +60,7 @@ def create_app(server: ServerBackend, config: ServeConfig, *, own_server: bool =
 def _add_admin_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> HTTPResponse:
-        ctx = get_context(request)
-        report = dict(ctx.server.health())  # cheap and thread-safe: no thread pool needed
+        report = dict(get_context(request).server.health())  # cheap, thread-safe: no thread
         report.setdefault("cosched", [])
         status = 200 if report.get("status") == "ok" else 503
         return JSONResponse(report, status_code=status)
@@ -89,20 +74,18 @@ def _add_admin_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> HTTPResponse:
-        ctx = get_context(request)
-        body = await asyncio.to_thread(ctx.metrics.render)
+        body = await asyncio.to_thread(get_context(request).metrics.render)
         return HTTPResponse(body, media_type=PROMETHEUS_TEXT)
 
     @app.post("/v1/documents")
     async def upsert(body: DocumentsRequest, request: Request) -> dict:
         from ragserve.retrieval import Document
 
-        ctx = get_context(request)
         docs = [Document(d.id, d.text, d.title, dict(d.metadata)) for d in body.documents]
         if len({d.id for d in docs}) != len(docs):
             raise APIError(400, "documents: duplicate ids in one request", param="documents")
         with request.app.state.upserts.admit():
-            await call_backend(ctx.server.add_documents, docs)
+            await call_backend(get_context(request).server.add_documents, docs)
         return {
             "object": "list",
             "data": [{"id": d.id, "object": "document", "status": "persisted"} for d in docs],
@@ -110,9 +93,8 @@ def _add_admin_routes(app: FastAPI) -> None:
 
     @app.delete("/v1/documents/{doc_id}")
     async def delete(doc_id: str, request: Request) -> dict:
-        ctx = get_context(request)
         with request.app.state.upserts.admit():
-            result = await call_backend(ctx.server.delete_documents, [doc_id])
+            result = await call_backend(get_context(request).server.delete_documents, [doc_id])
         if result is not None and not result:
             raise APIError(404, f"document {doc_id!r} does not exist", code="document_not_found")
         return {"id": doc_id, "object": "document", "deleted": True}
@@ -120,8 +102,7 @@ def _add_admin_routes(app: FastAPI) -> None:
 
 async def _close_backend(server: ServerBackend) -> None:
     """``server.close()`` on a thread of its own: the pool's threads may all be blocked in
-    backend calls, which closing the Server is what wakes (they fail, and the process can
-    exit)."""
+    backend calls, which only closing the Server wakes."""
     logger.info("closing the Server")
     closer = threading.Thread(target=server.close, name="ragserve-close", daemon=True)
     closer.start()

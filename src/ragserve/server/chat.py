@@ -1,25 +1,17 @@
 """``POST /v1/chat/completions``: a RAG workflow (``model``, or the ``workflow`` extension)
 answers the last user message, or the LLM itself (the served model name) chats, no retrieval.
-Earlier messages reach the answer node through the chat template. Extensions: ``documents``
-(of the response, or of the stream's last chunk), ``usage_by_node``, ``workflow``, ``inputs``
-(``graphs.request_inputs_or_400``); the README's HTTP section has the field list."""
+Extensions (the README's HTTP section): ``documents``, ``usage_by_node``, ``workflow``,
+``inputs``."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response as HTTPResponse
 
-from ragserve.server.context import (
-    GuardedStream,
-    Job,
-    get_context,
-    response_error,
-    sse,
-    sse_error,
-)
+from ragserve.server.context import Job, choice, get_context, usage
+from ragserve.server.errors import error_for_kind
 from ragserve.server.graphs import (
     LLM_LABEL,
     request_inputs_or_400,
@@ -32,41 +24,12 @@ from ragserve.server.protocol import ChatCompletionRequest
 router = APIRouter()
 
 
-def _raise_if_failed(response: Any) -> None:
-    if response.error is not None:
-        raise response_error(response)
-
-
-def documents_of(response: Any) -> list[dict]:
-    """``[{"id", "title"}]`` of the retrieved documents, with ``text`` and ``score`` added when
-    the final state still holds the passage (``state["docs"]`` of the built-in workflows)."""
-    passages: dict[str, Any] = {}
-    for value in (response.state or {}).values():
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                if getattr(item, "doc_id", None) is not None:
-                    passages.setdefault(item.doc_id, item)
-    titles = list(response.titles or ())
-    titles += [None] * (len(response.doc_ids) - len(titles))
-    docs = []
-    for doc_id, title in zip(response.doc_ids, titles, strict=False):
-        doc = {"id": doc_id, "title": title}
-        passage = passages.get(doc_id)
-        if passage is not None:
-            doc.update(text=passage.text, score=getattr(passage, "score", None))
-        docs.append(doc)
-    return docs
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = get_context(request)
     llm_id = ctx.config.served_model_name
     name, graph = resolve_workflow(ctx.server.workflows, body.model, body.workflow, llm_id)
     is_llm = name == LLM_LABEL and body.workflow is None and body.model == llm_id
-    temperature = body.temperature
-    if is_llm and temperature is None:
-        temperature = 1.0  # OpenAI's default, as /v1/completions
     graph = tune_graph_or_400(
         graph,
         topk=body.topk,
@@ -74,7 +37,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         mode=body.mode,
         filter=body.filter,
         max_tokens=body.token_limit() or (ctx.config.default_max_tokens if is_llm else None),
-        temperature=temperature,
+        # OpenAI's default temperature for the LLM itself, as /v1/completions
+        temperature=1.0 if is_llm and body.temperature is None else body.temperature,
         top_p=body.top_p,
         seed=body.seed,
         stop=body.stop_strings(),
@@ -86,37 +50,75 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         extra["inputs"] = inputs
     job = Job.admit(ctx, "chatcmpl", name, body.model)
     if body.stream:
-        status: dict[str, str] = {}
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _events(job, body.question(), graph, status, include_usage, extra)
-        return GuardedStream(events, on_close=lambda: job.end(status.get("end", "aborted")))
-    response = await job.wait(
-        request,
-        ctx.server.submit(body.question(), graph, request_id=job.request_id, **extra),
-        check=_raise_if_failed,
-    )
+        chunks = _chunks(job, body.question(), graph, body.include_usage(), extra)
+        return job.stream("chat.completion.chunk", chunks)
+    work = ctx.server.submit(body.question(), graph, request_id=job.request_id, **extra)
+    response = await job.wait(request, work, check=_raise_if_failed)
     if response is None:
         return HTTPResponse(status_code=499)
-    _observe_timings(job, graph, response)
-    _count_tokens(job, response)
+    if (ttft := getattr(response, "ttft", None)) is not None:
+        ctx.metrics.ttft.labels(job.label).observe(ttft)
+    _observe(job, graph, response)
+    message = {"role": "assistant", "content": response.output}
     return {
-        "id": job.request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": response.output},
-                "finish_reason": finish_reason_of(response),
-                "logprobs": None,
-            }
-        ],
-        "usage": usage_of(response),
-        "usage_by_node": usage_by_node(response),
+        **job.head("chat.completion"),
+        "choices": [choice(message=message, finish_reason=finish_reason_of(response))],
+        **usage_of(response),
         "workflow": name,
         "documents": documents_of(response),
     }
+
+
+def _raise_if_failed(response: Any) -> None:
+    if response.error is not None:
+        kind = getattr(response, "error_kind", None)
+        raise error_for_kind(kind, str(response.error), getattr(response, "request_id", None))
+
+
+async def _chunks(job: Job, question: str, graph: Any, include_usage: bool, extra: dict):
+    """The chunks of one streamed answer; the last holds ``documents`` and ``workflow``."""
+    yield {"choices": [choice(delta={"role": "assistant", "content": ""}, finish_reason=None)]}
+    final: list[Any] = []  # the Response, handed over by the Server before the stream ends
+    server = job.ctx.server
+    first = True
+    async for delta in server.stream(
+        question, graph, request_id=job.request_id, on_response=final.append, **extra
+    ):
+        if delta:
+            if first:
+                job.first_token()
+                first = False
+            yield {"choices": [choice(delta={"content": delta}, finish_reason=None)]}
+    job.status = "ok"
+    response = final[0] if final else None
+    if response is not None:
+        _observe(job, graph, response)
+    last = choice(delta={}, finish_reason=finish_reason_of(response))
+    yield {"choices": [last], "workflow": job.label, "documents": documents_of(response)}
+    if include_usage:  # as OpenAI: one more chunk, no choices, the usage
+        yield {"choices": [], **usage_of(response)}
+
+
+def documents_of(response: Any) -> list[dict]:
+    """``[{"id", "title"}]`` of the retrieved documents, with ``text`` and ``score`` added when
+    the final state still holds the passage (``state["docs"]`` of the built-in workflows)."""
+    if response is None:
+        return []
+    passages: dict[str, Any] = {}
+    for value in (response.state or {}).values():
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if getattr(item, "doc_id", None) is not None:
+                    passages.setdefault(item.doc_id, item)
+    titles = list(response.titles or ())
+    titles += [None] * (len(response.doc_ids) - len(titles))
+    docs = []
+    for doc_id, title in zip(response.doc_ids, titles, strict=False):
+        doc = {"id": doc_id, "title": title}
+        if (passage := passages.get(doc_id)) is not None:
+            doc.update(text=passage.text, score=getattr(passage, "score", None))
+        docs.append(doc)
+    return docs
 
 
 def _generation_runs(response: Any) -> list[Any]:
@@ -132,28 +134,14 @@ def finish_reason_of(response: Any) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def usage_of(response: Any) -> dict | None:
-    """OpenAI ``usage`` of the whole request: the prompt and generated tokens of every
-    generation node run (query writing, summaries, drafts and the answer), from
-    ``Response.node_timings``; ``None`` when the backend gives no node timings."""
+def usage_of(response: Any) -> dict:
+    """OpenAI ``usage`` of every generation node run (query writing, summaries, drafts and the
+    answer) and the extension ``usage_by_node`` (one entry per run, in order); both ``None``
+    when the backend gives no node timings."""
     runs = _generation_runs(response)
     if not runs:
-        return None
-    prompt = sum(t.num_prompt_tokens for t in runs)
-    completion = sum(t.num_tokens for t in runs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def usage_by_node(response: Any) -> list[dict] | None:
-    """The extension ``usage_by_node``: one entry per generation node run, in order."""
-    runs = _generation_runs(response)
-    if not runs:
-        return None
-    return [
+        return {"usage": None, "usage_by_node": None}
+    by_node = [
         {
             "node": t.node_id if isinstance(t.node_id, (int, str)) else str(t.node_id),
             "is_answer": t.is_answer,
@@ -162,86 +150,13 @@ def usage_by_node(response: Any) -> list[dict] | None:
         }
         for t in runs
     ]
+    total = usage(sum(t.num_prompt_tokens for t in runs), sum(t.num_tokens for t in runs))
+    return {"usage": total, "usage_by_node": by_node}
 
 
-def _count_tokens(job: Job, response: Any) -> None:
-    """Token counters (``model_name`` label) and the answer's inter-token latency."""
-    usage = usage_of(response)
-    if usage is None:
-        return
-    metrics = job.ctx.metrics
-    metrics.prompt_tokens.labels(job.model).inc(usage["prompt_tokens"])
-    metrics.generation_tokens.labels(job.model).inc(usage["completion_tokens"])
-    for t in _generation_runs(response):
-        if t.is_answer and t.first_token_at is not None and t.finished_at is not None:
-            metrics.observe_itl(job.model, t.finished_at - t.first_token_at, t.num_tokens)
-
-
-async def _events(
-    job: Job,
-    question: str,
-    graph: Any,
-    status: dict[str, str],
-    include_usage: bool = False,
-    extra: dict[str, Any] | None = None,
-):
-    """SSE events of one streamed answer; ``status["end"]`` is set when it ends by itself."""
-    base = {
-        "id": job.request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": job.model,
-    }
-
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return sse({**base, "choices": [choice], **extra})
-
-    yield chunk({"role": "assistant", "content": ""})
-    first = True
-    final: list[Any] = []  # the Response, handed over by the Server before the stream ends
-    try:
-        deltas = job.ctx.server.stream(
-            question, graph, request_id=job.request_id, on_response=final.append, **(extra or {})
-        )
-        async for delta in deltas:
-            if not delta:
-                continue
-            if first:
-                job.first_token()
-                first = False
-            yield chunk({"content": delta})
-    except Exception as exc:
-        status["end"] = "error"
-        yield sse_error(exc, job.request_id)
-        yield sse("[DONE]")
-        return
-    status["end"] = "ok"
-    response = final[0] if final else None
-    documents = documents_of(response) if response is not None else []
-    if response is not None:
-        _observe_retrieval(job, graph, response)
-        _count_tokens(job, response)
-    reason = finish_reason_of(response) if response is not None else "stop"
-    yield chunk({}, reason, workflow=job.label, documents=documents)
-    if include_usage:  # as OpenAI: one more chunk, no choices, the usage
-        usage = usage_of(response) if response is not None else None
-        by_node = usage_by_node(response) if response is not None else None
-        yield sse({**base, "choices": [], "usage": usage, "usage_by_node": by_node})
-    yield sse("[DONE]")
-
-
-def _observe_timings(job: Job, graph: Any, response: Any) -> None:
-    """TTFT (non-streaming: a stream observes its own first token) and retrieval latency."""
-    ttft = getattr(response, "ttft", None)
-    if ttft is not None:
-        job.ctx.metrics.ttft.labels(job.label).observe(ttft)
-    _observe_retrieval(job, graph, response)
-
-
-def _observe_retrieval(job: Job, graph: Any, response: Any) -> None:
-    """Per-run retrieval latency from ``Response.node_timings`` when the runtime gives them,
-    else from the per-node ``timings`` of the contract."""
+def _observe(job: Job, graph: Any, response: Any) -> None:
+    """Token counters, the answer's inter-token latency and the retrieval latency (per run
+    from ``Response.node_timings`` when the runtime gives them, else from ``timings``)."""
     metrics = job.ctx.metrics
     runs = getattr(response, "node_timings", None)
     if runs:
@@ -251,3 +166,10 @@ def _observe_retrieval(job: Job, graph: Any, response: Any) -> None:
         seconds = [timings[n] for n in retrieval_node_ids(graph) if n in timings]
     for value in seconds:
         metrics.retrieval.labels(job.label).observe(float(value))
+    total = usage_of(response)["usage"]
+    if total is None:
+        return
+    metrics.count_tokens(job.model, total["prompt_tokens"], total["completion_tokens"])
+    for t in _generation_runs(response):
+        if t.is_answer and t.first_token_at is not None and t.finished_at is not None:
+            metrics.observe_itl(job.model, t.finished_at - t.first_token_at, t.num_tokens)

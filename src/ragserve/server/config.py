@@ -1,28 +1,26 @@
-"""Configuration of the HTTP front, built once at the edge (CLI or tests) and never mutated."""
+"""Configuration of the HTTP front, built once at the edge and never mutated."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+_COUNTS = (
+    "max_num_inflight",
+    "max_body_bytes",
+    "max_connections",
+    "max_json_depth",
+    "max_num_upserts",
+)
+
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How the OpenAI-compatible HTTP front listens and protects itself.
-
-    ``max_num_inflight`` bounds the generation requests (chat and completions) admitted at
-    once; past it a request gets 429 with ``Retry-After: retry_after_s``. Document upserts,
-    ``/v1/models``, ``/metrics`` and ``/health`` are not counted. ``api_key`` of ``None``
-    disables auth. ``drain_timeout_s`` is how long a graceful shutdown waits for in-flight
-    requests before cancelling them.
-
-    Connections and bodies are bounded: a client has ``header_timeout_s`` to send a request's
-    headers (also on a kept-alive connection: then counted from its first byte),
-    ``body_timeout_s`` to send its body (else 408); an idle kept-alive connection closes after
-    ``keep_alive_s``; past ``max_connections`` open connections a request gets 503. A body
-    nested deeper than ``max_json_depth`` is a 400; ``max_num_upserts`` bounds the document
-    upserts/deletes in flight (past it: 429). ``tokenizer`` (the LLM's folder or built-in
-    name) serves ``/tokenize`` and ``/detokenize`` (``None``: they are 404).
-    """
+    """How the HTTP front listens and protects itself. ``max_num_inflight`` bounds the chats
+    and completions admitted at once (past it: 429 with ``Retry-After: retry_after_s``),
+    ``max_num_upserts`` the document upserts/deletes; ``api_key`` ``None`` disables auth; a
+    client has ``header_timeout_s`` for a request's headers and ``body_timeout_s`` for its body
+    (else 408); past ``max_connections`` a request gets 503; ``tokenizer`` (the LLM's folder or
+    built-in name) serves ``/tokenize`` and ``/detokenize`` (``None``: 404)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -43,16 +41,12 @@ class ServeConfig:
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_inflight < 1:
-            raise ValueError(f"max_num_inflight must be >= 1, got {self.max_num_inflight}")
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "drain_timeout_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
-        for name in ("max_connections", "max_json_depth", "max_num_upserts"):
+        for name in _COUNTS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:

@@ -1,17 +1,11 @@
-"""Map a chat request onto a compiled workflow: pick it by name, apply per-request knobs.
-
-``model: "ragserve/hyde"`` (or the ``workflow`` extension field) picks ``Server.workflows
-["hyde"]``. ``topk`` / ``nprobe`` replace those of every retrieval node; ``max_tokens``,
-``temperature``, ``top_p`` and ``seed`` replace (and ``stop`` adds to) those of the answer
-nodes (generation nodes writing ``"output"``), leaving intermediate generations (a HyDE
-passage, a RECOMP summary) as the workflow defines them. The compiled graph is never
-mutated: a tuned copy is returned. ``inputs`` of the request must be exactly the keys the
-workflow declares (``RAGraph(inputs=...)``): an unknown or a missing key is a 400 naming it.
-"""
+"""Map a chat request onto a compiled workflow: ``model: "ragserve/hyde"`` (or the
+``workflow`` extension) picks ``Server.workflows["hyde"]``; the request's knobs apply to a
+tuned copy (the compiled graph is never mutated)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -20,18 +14,16 @@ from ragserve.server.errors import APIError
 
 MODEL_PREFIX = "ragserve/"
 LLM_LABEL = "llm"  # the ``workflow`` label in /metrics of chats with the LLM itself
-_LLM_GRAPH: list[Any] = []
 
 
+@functools.cache
 def llm_chat_graph() -> Any:
-    """Chat with the LLM itself, no retrieval: one answer node whose prompt is the question
-    (the conversation before it reaches the chat template as history)."""
-    if not _LLM_GRAPH:
-        from ragserve.graph import END, START, RAGraph
+    """Chat with the LLM itself: one answer node whose prompt is the question (the messages
+    before it reach the chat template as history)."""
+    from ragserve.graph import END, START, RAGraph
 
-        g = RAGraph(LLM_LABEL).add_generation(0, prompt="{input}")
-        _LLM_GRAPH.append(g.add_edge(START, 0).add_edge(0, END).compile())
-    return _LLM_GRAPH[0]
+    g = RAGraph(LLM_LABEL).add_generation(0, prompt="{input}")
+    return g.add_edge(START, 0).add_edge(0, END).compile()
 
 
 def workflow_model_ids(workflows: Mapping[str, Any]) -> list[str]:
@@ -71,7 +63,9 @@ def tune_graph(
     seed: int | None = None,
     stop: tuple[str, ...] = (),
 ) -> Any:
-    """A copy of ``graph`` with the request's overrides (``graph`` itself if there are none)."""
+    """A copy of ``graph`` (itself without overrides) whose retrieval nodes take ``topk``,
+    ``nprobe``, ``mode``, ``filter`` and whose answer nodes (generations writing ``"output"``)
+    take the sampling knobs and add ``stop``; intermediate generations keep theirs."""
     pairs = (("topk", topk), ("nprobe", nprobe), ("mode", mode), ("filter", filter))
     retrieval = {k: v for k, v in pairs if v is not None}
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
@@ -102,25 +96,16 @@ def retrieval_node_ids(graph: Any) -> tuple[Any, ...]:
 
 
 def request_inputs_or_400(name: str, graph: Any, inputs: Mapping[str, Any] | None) -> dict:
-    """``inputs`` for ``Server.submit``: every key one the workflow declares, and every key it
-    declares given; otherwise a 400 naming the key (``param`` ``inputs.<key>``)."""
+    """``inputs`` for ``Server.submit``: exactly the keys the workflow declares
+    (``RAGraph(inputs=...)``), else a 400 naming the key (``param`` ``inputs.<key>``)."""
     given = dict(inputs or {})
     declared = tuple(getattr(graph, "inputs", ()))
-    for key in given:
-        if key not in declared:
-            takes = ", ".join(declared) or "none"
-            raise APIError(
-                400,
-                f"inputs: workflow {name!r} has no input {key!r} (it takes: {takes})",
-                param=f"inputs.{key}",
-                code="invalid_request",
-            )
-    for key in declared:
-        if key not in given:
-            raise APIError(
-                400,
-                f"inputs: workflow {name!r} needs input {key!r}",
-                param=f"inputs.{key}",
-                code="invalid_request",
-            )
+    unknown = [k for k in given if k not in declared]
+    missing = [k for k in declared if k not in given]
+    if unknown or missing:
+        key = (unknown or missing)[0]
+        takes = ", ".join(declared) or "none"
+        problem = f"has no input {key!r} (it takes: {takes})" if unknown else f"needs input {key!r}"
+        message = f"inputs: workflow {name!r} {problem}"
+        raise APIError(400, message, param=f"inputs.{key}", code="invalid_request")
     return given

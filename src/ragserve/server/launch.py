@@ -1,20 +1,80 @@
-"""Run the app under uvicorn: in the foreground (``ragserve serve``) or in a background
-thread (tests, benchmarks). Both shut down gracefully: the listening socket closes, in-flight
-requests finish (up to ``drain_timeout_s``), then the app's shutdown closes what it owns."""
+"""Run the app under uvicorn, in the foreground (``ragserve serve``) or on a thread (tests,
+benchmarks). Both shut down gracefully: the listening socket closes, in-flight requests finish
+(up to ``drain_timeout_s``), then the app's shutdown closes what it owns."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ragserve.server.backend import ServerBackend
 from ragserve.server.config import ServeConfig
-from ragserve.server.connections import header_timeout_protocol
+from ragserve.server.context import ServerBackend
+from ragserve.server.errors import error_bytes
 
 logger = logging.getLogger(__name__)
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """``H11Protocol`` with a deadline for request headers, which uvicorn lacks (a client that
+    sends nothing, or a few bytes of headers, would hold its connection forever).
+
+    The timer is armed whenever the connection waits for a request's headers (a new one, or
+    the next request on a kept-alive one once its first byte arrives); on expiry it closes the
+    connection (408 when some bytes came). ``header_timeout_protocol`` sets the deadline.
+    """
+
+    header_timeout_s: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._header_timer is None:
+                self._arm()
+        else:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_timeout)
+
+    def _disarm(self) -> None:
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._header_timer = None
+
+    def _on_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if self.conn.our_state is h11.IDLE and self.conn.trailing_data[0]:
+            body = error_bytes(408, "request headers not received in time", "request_timeout")
+            head = "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            head += f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+            self.transport.write(head.encode() + body)
+        logger.debug("closing a connection whose request headers did not arrive in time")
+        self.transport.close()
+
+
+def header_timeout_protocol(header_timeout_s: float) -> type[HeaderTimeoutProtocol]:
+    """A protocol class bound to ``header_timeout_s`` (uvicorn builds one per connection)."""
+    attrs = {"header_timeout_s": header_timeout_s}
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), attrs)
 
 
 def _uvicorn_server(app, config: ServeConfig) -> uvicorn.Server:
@@ -43,11 +103,8 @@ def serve(server: ServerBackend, config: ServeConfig) -> None:
 
 
 class BackgroundServer:
-    """uvicorn serving ``app`` on a thread; ``port=0`` picks a free port (see ``.port``).
-
-    >>> with BackgroundServer(app, ServeConfig(port=0)) as bg:
-    ...     httpx.get(f"{bg.url}/health")
-    """
+    """uvicorn serving ``app`` on a thread, as a context manager; ``port=0`` picks a free
+    port (see ``.port``)."""
 
     def __init__(self, app, config: ServeConfig, *, start_timeout_s: float = 30.0) -> None:
         self._server = _uvicorn_server(app, config)

@@ -1,11 +1,6 @@
-"""Prometheus metrics of the HTTP front, named in vLLM's style (``ragserve:*``), and the
-measures vLLM also exports repeated under vLLM's names (``VLLM_ALIASES``), so dashboards built
-for vLLM work unchanged.
-
-Each app gets its own ``CollectorRegistry`` (two apps in one process never collide). Counters
-and histograms are updated by the handlers; gauges of the engine (running/waiting requests,
-queue depths, KV blocks) are read from ``Server.stats()`` at scrape time.
-"""
+"""Prometheus metrics of the HTTP front (``ragserve:*``), those vLLM also exports repeated
+under vLLM's names (``VLLM_ALIASES``), so dashboards built for vLLM work unchanged. One
+registry per app; handlers update the counters, ``Server.stats()`` gauges are read at scrape."""
 
 from __future__ import annotations
 
@@ -146,46 +141,30 @@ class ServerMetrics:
         def histogram(name: str, doc: str, label: str, buckets: tuple) -> Histogram:
             return Histogram(f"ragserve:{name}", doc, [label], buckets=buckets, registry=r)
 
-        self.requests = counter(
-            "requests",
-            "Finished HTTP generation requests by workflow and status.",
-            "workflow",
-            "status",
-        )
-        self.ttft = histogram(
-            "time_to_first_token_seconds",
-            "Time from arrival to the first answer token.",
-            "workflow",
-            TTFT_BUCKETS,
-        )
-        self.e2e = histogram(
-            "e2e_request_latency_seconds",
-            "Time from arrival to the last byte of the answer.",
-            "workflow",
-            E2E_BUCKETS,
-        )
-        self.retrieval = histogram(
-            "retrieval_latency_seconds",
-            "Latency of one retrieval node (embed + search) of a request.",
-            "workflow",
-            RETRIEVAL_BUCKETS,
-        )
+        doc = "Finished HTTP generation requests by workflow and status."
+        self.requests = counter("requests", doc, "workflow", "status")
+        doc = "Time from arrival to the first answer token."
+        self.ttft = histogram("time_to_first_token_seconds", doc, "workflow", TTFT_BUCKETS)
+        doc = "Time from arrival to the last byte of the answer."
+        self.e2e = histogram("e2e_request_latency_seconds", doc, "workflow", E2E_BUCKETS)
+        doc = "Latency of one retrieval node (embed + search) of a request."
+        self.retrieval = histogram("retrieval_latency_seconds", doc, "workflow", RETRIEVAL_BUCKETS)
         every_node = "of completions and chats (every generation node of a workflow)."
         self.prompt_tokens = counter("prompt_tokens", f"Prompt tokens {every_node}", "model_name")
-        self.generation_tokens = counter(
-            "generation_tokens", f"Generated tokens {every_node}", "model_name"
-        )
+        doc = f"Generated tokens {every_node}"
+        self.generation_tokens = counter("generation_tokens", doc, "model_name")
+        doc = "Time between two tokens of an answer (each answer's mean, once per gap)."
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds",
-            "Time between two tokens of an answer (each answer's mean, once per gap).",
-            "model_name",
-            ITL_BUCKETS,
+            "inter_token_latency_seconds", doc, "model_name", ITL_BUCKETS
         )
-        self.embedding_tokens = counter(
-            "embedding_tokens", "Tokens read by the embedder for /v1/embeddings.", "model_name"
-        )
+        doc = "Tokens read by the embedder for /v1/embeddings."
+        self.embedding_tokens = counter("embedding_tokens", doc, "model_name")
         self.rejected = counter("requests_rejected", "Requests refused at admission (429).")
         r.register(StatsCollector(stats, admitted))
+
+    def count_tokens(self, model_name: str, num_prompt: int, num_generated: int) -> None:
+        self.prompt_tokens.labels(model_name).inc(num_prompt)
+        self.generation_tokens.labels(model_name).inc(num_generated)
 
     def observe_itl(self, model_name: str, decode_s: float, num_tokens: int) -> None:
         """``num_tokens - 1`` gaps of ``decode_s / (num_tokens - 1)`` seconds each (first to

@@ -1,9 +1,5 @@
-"""Raw ASGI middleware in front of every route: a request id, API-key auth, then the body
-limits (size, read deadline, JSON nesting depth).
-
-Pure ASGI (not Starlette's ``BaseHTTPMiddleware``) so streaming responses and client
-disconnects pass through untouched.
-"""
+"""Raw ASGI middleware in front of every route (so streams and disconnects pass untouched): a
+request id, API-key auth, then the body limits (size, read deadline, JSON nesting depth)."""
 
 from __future__ import annotations
 
@@ -12,34 +8,28 @@ import hmac
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
 import numpy as np
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ragserve.server.config import ServeConfig
 from ragserve.server.errors import error_bytes
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})
 REQUEST_ID_HEADER = b"x-request-id"
+# a JSON string, or an unterminated one to the end (invalid JSON: the parser rejects it);
+# possessive, so each string is matched once from its opening quote (linear)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 # JSON bytes -> +1 (opening bracket), 255 (closing: -1 as int8), 0 (anything else)
-_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)  # possessive: linear
 _DEPTH_TABLE = bytes(1 if c in b"[{" else 255 if c in b"]}" else 0 for c in range(256))
 
 
 def json_depth(body: bytes) -> int:
-    """How deep ``body``'s arrays/objects nest (brackets inside strings are skipped); the
-    check runs before any parser recurses into it."""
+    """How deep ``body``'s arrays/objects nest (brackets inside strings skipped), before any
+    parser recurses into it."""
     if b"[" not in body and b"{" not in body:
         return 0
-    if b'"' in body:
-        body = _strip_strings(body)
-    return _bracket_depth(body)
+    return _bracket_depth(_JSON_STRING.sub(b"", body) if b'"' in body else body)
 
 
 def _bracket_depth(body: bytes) -> int:
@@ -48,57 +38,27 @@ def _bracket_depth(body: bytes) -> int:
     return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
-def _strip_strings(body: bytes) -> bytes:
-    """``body`` without its JSON strings; an unterminated string ends it (invalid JSON, which
-    the parser rejects). Linear: each string is matched once from its opening quote."""
-    parts, pos = [], 0
-    while (start := body.find(b'"', pos)) >= 0:
-        parts.append(body[pos:start])
-        match = _JSON_STRING.match(body, start)
-        if match is None:
-            return b"".join(parts)
-        pos = match.end()
-    parts.append(body[pos:])
-    return b"".join(parts)
-
-
 async def _send_error(send: Send, status: int, message: str, headers=()) -> None:
     body = error_bytes(status, message)
-    raw_headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *headers,
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": [*head, *headers]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class GuardMiddleware:
-    """Rejects unauthenticated requests (401), bodies over ``max_body_bytes`` (413), bodies
-    not received within ``body_timeout_s`` (408) and JSON nested deeper than
-    ``max_json_depth`` (400).
-
-    Every response carries ``X-Request-Id`` (also in ``scope["state"]["request_id"]``, where
-    handlers and error logs find it). With ``api_key`` set, every path but ``/health`` needs
-    ``Authorization: Bearer <key>``. The request body is read in full here (it is small by
-    construction) and replayed to the app; after it, ``receive`` is the server's own, so
-    disconnects still reach the app.
+    """Rejects unauthenticated requests (401; with ``api_key`` set, every path but ``/health``
+    needs ``Authorization: Bearer <key>``), bodies over ``max_body_bytes`` (413), bodies not
+    received within ``body_timeout_s`` (408) and JSON nested deeper than ``max_json_depth``
+    (400). Every response carries ``X-Request-Id`` (also in ``scope["state"]``). The body is
+    read in full here and replayed to the app, then ``receive`` is the server's own again.
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        api_key: str | None,
-        max_body_bytes: int,
-        body_timeout_s: float = 30.0,
-        max_json_depth: int = 64,
-    ) -> None:
+    def __init__(self, app: ASGIApp, *, config: ServeConfig) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout_s = body_timeout_s
-        self.max_json_depth = max_json_depth
+        self.expected = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self.max_body_bytes = config.max_body_bytes
+        self.body_timeout_s = config.body_timeout_s
+        self.max_json_depth = config.max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -171,19 +131,13 @@ def _with_request_id(send: Send, request_id: bytes) -> Send:
 
 
 def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
+    value = dict(scope.get("headers", ())).get(b"content-length", b"")
+    return int(value) if value.isdigit() else None
 
 
 def _replay(body: bytes, tail: Message | None, receive: Receive) -> Receive:
     pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
-    if tail is not None:
-        pending.append(tail)
+    pending += [tail] if tail is not None else []
 
     async def replayed() -> Message:
         if pending:

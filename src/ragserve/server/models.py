@@ -1,20 +1,30 @@
-"""``GET /v1/models``: every model the server answers to, each with its ``kind`` (an
-extension field): the workflows (``ragserve/<name>``, chat), the LLM itself (the served model
-name: chat and completions) and the index's embedder (``/v1/embeddings``)."""
+"""The endpoints of the models themselves (no workflow): ``GET /v1/models`` (every model the
+server answers to, with its ``kind``: the workflows ``ragserve/<name>``, the LLM itself under
+the served model name, the index's embedder), ``POST /v1/embeddings`` (the embedder's vectors,
+document side) and vLLM's ``POST /tokenize`` / ``/detokenize`` (the LLM's tokenizer,
+``ServeConfig.tokenizer``, loaded in this process on first use)."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import logging
+import threading
 import time
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 
 from ragserve.server.context import AppContext, call_backend, get_context
 from ragserve.server.errors import APIError
 from ragserve.server.graphs import workflow_model_ids
+from ragserve.server.protocol import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
+_LOCK = threading.Lock()
 
 
 async def embedder_id(ctx: AppContext) -> str | None:
@@ -52,3 +62,101 @@ async def model(model_id: str, request: Request) -> dict:
         if card["id"] == model_id:
             return card
     raise APIError(404, f"model {model_id!r} does not exist", code="model_not_found")
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+    """``model`` names the embedder (its id in ``/v1/models``) or the served model name."""
+    ctx = get_context(request)
+    embed = getattr(ctx.server, "embed", None)
+    if embed is None:
+        raise APIError(404, "this server has no embedder", code="model_not_found")
+    out = await call_backend(embed, body.texts())
+    ctx.cache["embedder"] = out.model
+    if body.model not in (out.model, ctx.config.served_model_name):
+        raise APIError(
+            404,
+            f"model {body.model!r} does not exist; the embedder is {out.model!r}",
+            param="model",
+            code="model_not_found",
+        )
+    vectors = np.asarray(out.vectors, dtype=np.float32)
+    if body.dimensions is not None and body.dimensions != vectors.shape[1]:
+        raise APIError(
+            400,
+            f"dimensions: the embedder gives {vectors.shape[1]}, not {body.dimensions}",
+            param="dimensions",
+        )
+    ctx.metrics.embedding_tokens.labels(out.model).inc(out.num_tokens)
+    if body.encoding_format == "base64":  # little-endian float32, as OpenAI's
+        rows = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in vectors]
+    else:
+        rows = vectors.tolist()
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(rows)],
+        "model": body.model,
+        "usage": {"prompt_tokens": out.num_tokens, "total_tokens": out.num_tokens},
+    }
+
+
+def _load_tokenizer(ctx: AppContext) -> Any:
+    with _LOCK:
+        if "tokenizer" not in ctx.cache:
+            from ragserve.generation.builtin import resolve_model
+            from ragserve.generation.engine_setup import load_tokenizer
+
+            ctx.cache["tokenizer"] = load_tokenizer(Path(resolve_model(ctx.config.tokenizer)))
+    return ctx.cache["tokenizer"]
+
+
+async def tokenizer_of(ctx: AppContext, model: str | None) -> Any:
+    if model is not None and model != ctx.config.served_model_name:
+        raise APIError(
+            404,
+            f"model {model!r} has no tokenizer here; the LLM is {ctx.config.served_model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    tokenizer = (
+        None if ctx.config.tokenizer is None else await asyncio.to_thread(_load_tokenizer, ctx)
+    )
+    if tokenizer is None:  # none configured, or the LLM's folder holds none
+        raise APIError(404, "this server has no tokenizer", code="model_not_found")
+    return tokenizer
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The engine's prompt for ``messages`` (``LLMEngine.apply_chat_template``)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant:" if add_generation_prompt else "")
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    """A prompt is tokenized as the engine does (special tokens unless it starts with BOS);
+    ``messages`` go through the chat template first."""
+    tokenizer = await tokenizer_of(get_context(request), body.model)
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = chat_prompt(tokenizer, messages, body.add_generation_prompt)
+    else:
+        text = body.prompt
+    add_special = body.add_special_tokens
+    if add_special is None:  # as the engine: no second BOS
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = not (bos and text.startswith(bos))
+    ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+    return {"count": len(ids), "tokens": ids, "token_strs": None}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    tokenizer = await tokenizer_of(get_context(request), body.model)
+    if body.tokens and max(body.tokens) >= len(tokenizer):
+        raise APIError(400, f"tokens: ids must be < {len(tokenizer)}", param="tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}

@@ -1,14 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic lives only at this edge).
 
-Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients keep working;
-known fields are validated strictly enough that a malformed value is a 400 naming the field.
-Features we do not implement (``n > 1``, tools, logprobs) are rejected rather than ignored.
-
-Limits (validation only; 400 naming the field): numbers are strict (``"10"`` and ``true`` are
-not numbers), floats finite; sampling ranges are the engine's (``ragserve.graph.checks``);
-every string must be valid Unicode (no unpaired surrogates), and no list or string is
-unbounded (``MAX_MESSAGES``, ``MAX_PROMPT_CHARS``); documents follow
-``ragserve.retrieval.limits``.
+Unknown fields are ignored, as OpenAI's; a malformed known field is a 400 naming it: numbers
+are strict (``"10"`` and ``true`` are not), floats finite, sampling ranges the engine's, every
+string valid Unicode, no list or string unbounded. Unimplemented features (``n > 1``, tools,
+logprobs) are rejected rather than ignored; documents follow ``ragserve.retrieval.limits``.
 """
 
 from __future__ import annotations
@@ -44,11 +39,8 @@ PositiveInt = Annotated[StrictInt, Field(ge=1)]
 StopStr = Annotated[StrictStr, Field(min_length=1, max_length=1_024)]
 Text = Annotated[StrictStr, Field(max_length=MAX_PROMPT_CHARS)]
 Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
-
-
-def _is_name(key: str) -> bool:
-    """A state key name: a letter or ``_``, then letters, digits or ``_`` (ASCII)."""
-    return key.isascii() and key.isidentifier()
+Name = Annotated[StrictStr, Field(max_length=256)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 def _unpaired_surrogate(value: object, path: str) -> str | None:
@@ -80,8 +72,7 @@ class _Request(_Body):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data):
-        where = _unpaired_surrogate(data, "")
-        if where is not None:
+        if (where := _unpaired_surrogate(data, "")) is not None:
             raise ValueError(
                 f"{where or 'body'}: string holds an unpaired surrogate (invalid Unicode)"
             )
@@ -110,11 +101,12 @@ class ChatMessage(_Body):
         raise ValueError('content must be a string or a list of {"type": "text", "text": ...}')
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class StreamOptions(_Body):
@@ -122,7 +114,7 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Request):
-    model: Annotated[StrictStr, Field(max_length=256)]
+    model: Name
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
@@ -130,22 +122,17 @@ class _Sampling(_Request):
     seed: Annotated[StrictInt, Field(ge=0, lt=MAX_SEED)] | None = None
     stop: StopStr | Annotated[list[StopStr], Field(max_length=16)] | None = None
     n: StrictInt = 1
-    user: Annotated[StrictStr, Field(max_length=256)] | None = None
+    user: Name | None = None
     logprobs: StrictBool | StrictInt | None = None
     top_logprobs: StrictInt | None = None
 
     # NOTE: field validators, so the 400's ``param`` names the unsupported field.
-    @field_validator("n")
+    @field_validator("n", "logprobs", "top_logprobs")
     @classmethod
-    def _one_choice(cls, value):
-        if value != 1:
+    def _unsupported(cls, value, info):
+        if info.field_name == "n" and value != 1:
             raise ValueError("n > 1 is not supported (one choice per request)")
-        return value
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value not in (None, False, 0):
+        if info.field_name != "n" and value not in (None, False, 0):
             raise ValueError("logprobs are not supported")
         return value
 
@@ -158,6 +145,9 @@ class _Sampling(_Request):
         )
         return self
 
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -165,22 +155,15 @@ class _Sampling(_Request):
 
 
 class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``; ``workflow``, ``topk``, ``nprobe``, ``mode`` and ``filter``
-    (retrieval mode and metadata filter, as ``VectorIndex.search_text``) are extensions.
+    """``POST /v1/chat/completions``; extensions: ``workflow``, ``topk``, ``nprobe``, ``mode``
+    and ``filter`` (as ``VectorIndex.search_text``), ``inputs`` (the workflow's declared
+    inputs, each a string, boolean or number; the keys are checked against the workflow by
+    ``graphs.request_inputs_or_400``). The question is the last user message."""
 
-    The workflow's question is the last user message; the messages before it (``history()``)
-    go to the answer node (and to nodes with ``with_history``) through the chat template;
-    ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` apply to its answer nodes.
-    ``inputs`` (an extension): the workflow's declared inputs (``RAGraph(inputs=...)``, e.g.
-    ``{"session": "abc"}`` for a memory node), each a string (at most ``MAX_INPUT_CHARS``), a
-    boolean, an integer or a finite number; at most ``MAX_INPUTS`` keys, each a state key name.
-    Which keys the workflow takes is checked against it (``graphs.request_inputs_or_400``).
-    """
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Messages
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    workflow: Annotated[StrictStr, Field(max_length=256)] | None = None
+    workflow: Name | None = None
     topk: Annotated[StrictInt, Field(ge=1, le=1000)] | None = None
     nprobe: PositiveInt | None = None
     mode: Literal["dense", "bm25", "hybrid", "ensemble"] | None = None
@@ -190,10 +173,16 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: StrictStr | dict | None = None
     response_format: dict | None = None
 
-    @field_validator("tools", "tool_choice")
+    @field_validator("tools", "tool_choice", "response_format")
     @classmethod
-    def _no_tools(cls, value):
-        if value and value != "none":
+    def _unsupported_features(cls, value, info):
+        if info.field_name == "response_format":
+            if value is not None and value.get("type", "text") != "text":
+                kind = value.get("type")
+                raise ValueError(
+                    f"type {kind!r} is not supported (no guided decoding); only 'text'"
+                )
+        elif value and value != "none":
             raise ValueError("tools are not supported")
         return value
 
@@ -207,7 +196,7 @@ class ChatCompletionRequest(_Sampling):
         if len(value) > MAX_INPUTS:
             raise ValueError(f"at most {MAX_INPUTS} inputs, got {len(value)}")
         for key, item in value.items():
-            if len(key) > MAX_INPUT_NAME or not _is_name(key):
+            if len(key) > MAX_INPUT_NAME or not (key.isascii() and key.isidentifier()):
                 raise ValueError(f"{key[:MAX_INPUT_NAME]!r} is not an input name (a state key)")
             if isinstance(item, str) and len(item) > MAX_INPUT_CHARS:
                 raise ValueError(f"{key!r}: at most {MAX_INPUT_CHARS} characters, got {len(item)}")
@@ -218,15 +207,6 @@ class ChatCompletionRequest(_Sampling):
                 raise ValueError(
                     f"{key!r} must be a string, a boolean, an integer or a number, not {what}"
                 )
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value):
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(
-                f"type {value.get('type')!r} is not supported (no guided decoding); only 'text'"
-            )
         return value
 
     @field_validator("messages")
@@ -248,11 +228,8 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     def _question_index(self) -> int:
-        for i in range(len(self.messages) - 1, -1, -1):
-            message = self.messages[i]
-            if message.role == "user" and message.text().strip():
-                return i
-        raise AssertionError("validated above")
+        users = [i for i, m in enumerate(self.messages) if m.role == "user" and m.text().strip()]
+        return users[-1]  # validated: there is one
 
     def question(self) -> str:
         """The RAG question: the last non-empty user message."""
@@ -278,9 +255,7 @@ class CompletionRequest(_Sampling):
     prompt: (
         Text
         | Annotated[list[Text], Field(min_length=1, max_length=1)]
-        | Annotated[
-            list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1, max_length=MAX_TOKEN_IDS)
-        ]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
     )
     max_tokens: PositiveInt = 16
     echo: StrictBool = False
@@ -290,15 +265,13 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_clear_error(cls, value):
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-            return value
-        if (
-            isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value)  # noqa: E721 (bool is not a token)
-        ):
-            return value
-        raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
+        one_text = isinstance(value, list) and len(value) == 1 and isinstance(value[0], str)
+        ids = isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value)  # noqa: E721 (bool is not a token)
+        if not (isinstance(value, str) or one_text or ids):
+            raise ValueError(
+                "prompt must be a string, a list of one string, or a list of token ids"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self):
@@ -336,22 +309,21 @@ class DocumentsRequest(_Request):
 class EmbeddingRequest(_Request):
     """``POST /v1/embeddings``: vectors of the index's embedder (document side)."""
 
-    model: Annotated[StrictStr, Field(max_length=256)]
+    model: Name
     input: Text | Annotated[list[Text], Field(min_length=1, max_length=2048)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None
-    user: Annotated[StrictStr, Field(max_length=256)] | None = None
+    user: Name | None = None
 
     @field_validator("input", mode="before")
     @classmethod
     def _texts_only(cls, value):
-        if isinstance(value, str) or (
-            isinstance(value, list) and all(isinstance(v, str) for v in value)
-        ):
-            if value == "" or (isinstance(value, list) and any(not v for v in value)):
-                raise ValueError("input texts must be non-empty")
-            return value
-        raise ValueError("input must be a string or a list of strings (token ids unsupported)")
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not all(isinstance(v, str) for v in texts):
+            raise ValueError("input must be a string or a list of strings (token ids unsupported)")
+        if not all(texts):
+            raise ValueError("input texts must be non-empty")
+        return value
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
@@ -360,11 +332,9 @@ class EmbeddingRequest(_Request):
 class TokenizeRequest(_Request):
     """``POST /tokenize``: a ``prompt``, or chat ``messages`` (through the chat template)."""
 
-    model: Annotated[StrictStr, Field(max_length=256)] | None = None
+    model: Name | None = None
     prompt: Text | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
-        None
-    )
+    messages: Messages | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
 
@@ -378,5 +348,5 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     """``POST /detokenize``: token ids back to text."""
 
-    model: Annotated[StrictStr, Field(max_length=256)] | None = None
-    tokens: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=MAX_TOKEN_IDS)]
+    model: Name | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
