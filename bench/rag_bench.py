@@ -32,9 +32,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rag_report import summarize, write_plots  # noqa: E402
-from rag_setup import PRESETS, Preset, passage_text, prepare, write_model  # noqa: E402
+from rag_setup import PRESETS, Preset, prepare, write_model  # noqa: E402
 from rag_systems import SYSTEMS, system_transforms  # noqa: E402
 from sustained import find_capacity, window_stats  # noqa: E402
+from synthetic_corpus import passage_text  # noqa: E402
 
 logger = logging.getLogger("rag_bench")
 WORKFLOWS = ("oneshot", "hyde", "multistep", "irg", "recomp")

@@ -156,58 +156,6 @@ PRESETS["h200-docs"] = dataclasses.replace(
 PRESETS["h200-docs-smoke"] = dataclasses.replace(PRESETS["h200-smoke"], topk=5, passage_words=80)
 PRESETS["smoke"] = dataclasses.replace(PRESETS["smoke"], passage_words=12)
 
-_WORDS = (  # noqa: SIM905 - a word list, read as prose
-    "river valley harbour province census export grain railway climate coast mountain treaty "
-    "council senate currency tariff forest mineral copper cotton rainfall plateau delta port "
-    "dynasty republic colony language dialect festival museum archive bridge canal fortress "
-    "island border capital district reform ministry industry textile fishery orchard vineyard "
-    "glacier volcano desert steppe lagoon estuary meadow quarry foundry workshop library"
-).split()
-
-
-def passage_text(i: int, topic: int, words: int) -> str:
-    """Passage ``i`` of ``topic``: the corpus's sentence, then ``words`` words of its topic's
-    paragraph (the same for every passage of a topic, rotated by ``i``) -- deterministic, and
-    cheap enough to write millions of."""
-    head = f"Synthetic passage {i} about topic {topic}."
-    if words <= 0:
-        return head
-    para = _paragraph(topic, words)
-    cut = i % words
-    return f"{head} {' '.join(para[cut:] + para[:cut])}."
-
-
-def _paragraph(topic: int, words: int, _cache: dict = {}) -> list[str]:  # noqa: B006
-    key = (topic, words)
-    if key not in _cache:
-        step = 1 + topic % 7
-        _cache[key] = [_WORDS[(topic * 31 + j * step) % len(_WORDS)] for j in range(words)]
-    return _cache[key]
-
-
-class LongPassages:
-    """``synthetic_corpus``'s documents with ``passage_text`` as their text."""
-
-    def __init__(self, docs, words: int) -> None:
-        self.docs, self.words = docs, words
-
-    def __len__(self) -> int:
-        return len(self.docs)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        d = self.docs[i]
-        return dataclasses.replace(d, text=self._text(d))
-
-    def __iter__(self):
-        for d in self.docs:
-            yield dataclasses.replace(d, text=self._text(d))
-
-    def _text(self, d) -> str:
-        i, topic = int(d.id[1:]), int(d.title.removeprefix("topic "))
-        return passage_text(i, topic, self.words)
-
 
 def write_model(path: Path, config: dict[str, Any]) -> Path:
     """A random-weight Llama folder: ``config.json`` and SmolLM2's tokenizer (no weights).
@@ -255,9 +203,7 @@ def synthetic_index(p: Preset, out: Path) -> tuple[Path, Any]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         logger.info("building synthetic index %s on %s", tag, device)
         t0 = time.perf_counter()
-        docs, x = synthetic_corpus(spec, p.num_docs, device=device)
-        if p.passage_words:
-            docs = LongPassages(docs, p.passage_words)
+        docs, x = synthetic_corpus(spec, p.num_docs, device=device, passage_words=p.passage_words)
         generate = time.perf_counter() - t0
         result = build_index_directory(
             tag, docs, x, embedder_name=spec.name, nlist=p.nlist, device=device
