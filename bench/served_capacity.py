@@ -15,8 +15,10 @@ server, prompts, seed and arrivals:
 - ``baseline``: what a user builds today: the same engine, exhaustive search on the GPU (every
   list probed, ``nprobe`` = ``nlist``, on the tier holding the whole index: a torch matmul over
   the corpus), no co-scheduling, no KV reuse;
-- ablations: ``no-cosched``, ``no-kv-reuse``, ``no-tier`` (each one feature off), and
-  ``fusion-on`` (cache fusion is off as shipped: no built-in workflow sets ``fusion_ratio``);
+- ablations: ``no-cosched``, ``no-kv-reuse``, ``no-tier`` (each one feature off),
+  ``cosched-all`` (every co-scheduling transform forced on: co-scheduling ``auto``, shipped,
+  turns them off when the tier holds the index) and ``fusion-on`` (cache fusion is off as
+  shipped: no built-in workflow sets ``fusion_ratio``);
 - ``ragserve-again``: the shipped defaults once more, run last (a drift check).
 
 Switches go through ``POST /bench/control`` between points (the KV cache is emptied before
@@ -58,11 +60,11 @@ logger = logging.getLogger("served_capacity")
 EXHAUSTIVE = "exhaustive"
 # system -> (model prefix, co-scheduling, KV reuse, GPU tier, per-request extras)
 SYSTEMS: dict[str, dict] = {
-    "ragserve": {"prefix": "", "cosched": "all", "kv_reuse": True, "tier": True},
-    "llm-alone": {"prefix": "llm-", "cosched": "all", "kv_reuse": True, "tier": True},
+    "ragserve": {"prefix": "", "cosched": "auto", "kv_reuse": True, "tier": True},
+    "llm-alone": {"prefix": "llm-", "cosched": "auto", "kv_reuse": True, "tier": True},
     "no-cosched": {"prefix": "", "cosched": "off", "kv_reuse": True, "tier": True},
-    "no-kv-reuse": {"prefix": "", "cosched": "all", "kv_reuse": False, "tier": True},
-    "fusion-on": {"prefix": "fused-", "cosched": "all", "kv_reuse": True, "tier": True},
+    "no-kv-reuse": {"prefix": "", "cosched": "auto", "kv_reuse": False, "tier": True},
+    "fusion-on": {"prefix": "fused-", "cosched": "auto", "kv_reuse": True, "tier": True},
     "baseline": {
         "prefix": "",
         "cosched": "off",
@@ -70,11 +72,13 @@ SYSTEMS: dict[str, dict] = {
         "tier": True,
         "nprobe": EXHAUSTIVE,
     },  # fmt: skip
-    "no-tier": {"prefix": "", "cosched": "all", "kv_reuse": True, "tier": False},
+    # the transforms forced on (the default before `auto`): what `auto` turned off
+    "cosched-all": {"prefix": "", "cosched": "all", "kv_reuse": True, "tier": True},
+    "no-tier": {"prefix": "", "cosched": "auto", "kv_reuse": True, "tier": False},
     # the shipped defaults again, run last: whether the server drifted over the run
-    "ragserve-again": {"prefix": "", "cosched": "all", "kv_reuse": True, "tier": True},
+    "ragserve-again": {"prefix": "", "cosched": "auto", "kv_reuse": True, "tier": True},
 }
-ABLATIONS = ("no-cosched", "no-kv-reuse", "fusion-on", "no-tier")
+ABLATIONS = ("no-cosched", "no-kv-reuse", "fusion-on", "cosched-all", "no-tier")
 
 
 # -- the server --------------------------------------------------------------------------

@@ -5,10 +5,12 @@ starts exactly what ``ragserve serve FLAGS`` starts (``serve_launch_config``, ``
 ``create_app``, uvicorn), plus ``POST /bench/control``: between load points the bench asks it
 to switch a feature off or on in the running Server (nothing is switched unless asked), and
 reads the counters /metrics does not export (the GPU tier's hit rate). Body (every key
-optional): ``{"cosched": "off" | "all" | "split,..."}`` (the scheduler's transform chain,
-swapped once the requests in flight finish), ``{"kv_reuse": bool}`` (document-KV reuse;
-empties the KV cache either way), ``{"tier": bool}`` (place / drop the GPU index tier at the
-configured budget). The reply: ``{"stats": Server.stats(), "tier": gpu_tier_stats}``.
+optional): ``{"cosched": "auto" | "off" | "all" | "split,..."}`` (the scheduler's transform
+chain, swapped once the requests in flight finish; ``auto`` resolved against the tier as it is
+after this call), ``{"kv_reuse": bool}`` (document-KV reuse; empties the KV cache either way),
+``{"tier": bool}`` (place / drop the GPU index tier at the configured budget; a server
+started with ``auto`` co-scheduling re-resolves it, as a server started so would run).
+The reply: ``{"stats": Server.stats(), "tier": gpu_tier_stats}``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def add_control(app: Any, server: Any, config: Any) -> None:
     """``POST /bench/control`` (module doc) on ``app`` in front of ``server``."""
     from fastapi import Body
 
-    from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
+    from ragserve.scheduler.cosched import CoScheduleConfig
 
     tier = config.runtime.gpu_tier
     knobs = {
@@ -37,9 +39,6 @@ def add_control(app: Any, server: Any, config: Any) -> None:
     @app.post("/bench/control")
     def control(body: dict = Body(default={})) -> dict:  # noqa: B008 - FastAPI's idiom
         wait = 600.0
-        if "cosched" in body:
-            cosched = CoScheduleConfig.from_names(str(body["cosched"]), **knobs)
-            server.set_transforms(make_transforms(cosched), timeout=wait)
         if "kv_reuse" in body:
             server.executor.call_generation("set_kv_reuse", bool(body["kv_reuse"])).result(wait)
         if "tier" in body:
@@ -50,8 +49,15 @@ def add_control(app: Any, server: Any, config: Any) -> None:
                 server.executor.call_retrieval("set_gpu_tier", *spec).result(wait)
             else:
                 server.executor.call_retrieval("drop_gpu_tier").result(wait)
-        stats = server.stats()
         tier_stats = server.executor.call_retrieval("gpu_tier_stats").result(wait)
+        cosched = None
+        if "cosched" in body:
+            cosched = CoScheduleConfig.from_names(str(body["cosched"]), **knobs)
+        elif "tier" in body and config.runtime.cosched.auto:
+            cosched = config.runtime.cosched  # what a server started with this tier runs
+        if cosched is not None:
+            server.set_cosched(cosched, timeout=wait)
+        stats = server.stats()
         return {"stats": stats, "tier": tier_stats}
 
 

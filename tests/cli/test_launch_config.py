@@ -126,7 +126,8 @@ def test_server_config_holds_data_only() -> None:
 
 
 def test_cosched_from_names() -> None:
-    assert CoScheduleConfig.from_names("all") == CoScheduleConfig()
+    assert CoScheduleConfig.from_names("auto") == CoScheduleConfig()  # the default
+    assert CoScheduleConfig.from_names("all") == CoScheduleConfig(auto=False)
     assert CoScheduleConfig.from_names("off").enabled == CoScheduleConfig.none().enabled == ()
     both = CoScheduleConfig.from_names("speculation, split", budget_s=0.01)
     assert both.enabled == ("split", "speculation") and both.budget_s == 0.01

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ragserve.runtime import GpuTierConfig, Server, ServerConfig
+from ragserve.runtime import CoScheduleConfig, GpuTierConfig, Server, ServerConfig
 from ragserve.runtime.memory_plan import load_profiles, plan_gpu_memory
 from ragserve.workflows import get_workflow
 
@@ -32,6 +32,7 @@ def test_in_process_server_serves_through_the_tier(local_server, tiny_model, sma
             assert with_tier.error is None
             assert with_tier.doc_ids == plain.doc_ids
         assert tier.hit_rate == 1.0
+        assert s.stats()["cosched"] == [] and not s.cosched.auto  # auto: the tier holds it all
 
 
 def test_worker_process_builds_the_tier(tiny_model, small_index) -> None:
@@ -39,8 +40,43 @@ def test_worker_process_builds_the_tier(tiny_model, small_index) -> None:
         engine_kwargs=ENGINE, gpu_tier=GpuTierConfig(budget_bytes=1 << 26, device="cpu")
     )
     with Server(tiny_model, small_index, config=config) as s:
+        assert s.stats()["cosched"] == []  # resolved through the worker's gpu_tier_stats
         r = s.run("What is the capital of Peru?", SHORT)
         assert r.error is None and r.doc_ids
+
+
+def test_cosched_auto_follows_the_tier(tiny_model, small_index) -> None:
+    """``auto`` keeps every transform unless the tier holds every non-empty list; ``all``
+    (``auto=False``) keeps them whatever the tier; switching the tier re-resolves."""
+    everything = ["split", "gen_chunks", "similarity", "speculation"]
+    one_list = GpuTierConfig(budget_bytes=400_000, device="cpu")  # one 256-row chunk at dim 384
+    config = ServerConfig(in_process=True, engine_kwargs=ENGINE, gpu_tier=one_list)
+    with Server(tiny_model, small_index, config=config) as s:
+        assert len(s.executor.retrieval.index.gpu_tier.clusters) == 1
+        assert s.stats()["cosched"] == everything
+        assert s.executor.call_retrieval("gpu_tier_stats").result()["holds_index"] is False
+        s.executor.call_retrieval("set_gpu_tier", 1 << 26, "cpu").result()
+        s.set_cosched(config.cosched)
+        assert s.stats()["cosched"] == []
+        s.set_cosched(CoScheduleConfig.from_names("all"))
+        assert s.stats()["cosched"] == everything
+        assert s.run("What is the capital of Kenya?", SHORT).error is None
+    forced = ServerConfig(
+        in_process=True,
+        engine_kwargs=ENGINE,
+        gpu_tier=GpuTierConfig(budget_bytes=1 << 26, device="cpu"),
+        cosched=CoScheduleConfig(enable_speculation=False, auto=False),
+    )
+    with Server(tiny_model, small_index, config=forced) as s:
+        assert s.stats()["cosched"] == ["split", "gen_chunks", "similarity"]
+    resolved = CoScheduleConfig().resolve(True)
+    assert resolved.enabled == () and resolved.cache_topk == CoScheduleConfig().cache_topk
+    assert CoScheduleConfig(enable_split=False).resolve(False).enabled == (
+        "similarity",
+        "speculation",
+    )
+    assert CoScheduleConfig.from_names("auto").auto and not CoScheduleConfig.from_names("all").auto
+    assert not CoScheduleConfig.from_names("split", auto=True).auto  # a list is exact
 
 
 def test_eq2_sets_the_kv_cache_and_the_tier(tiny_model, small_index) -> None:

@@ -64,7 +64,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", default=None, help=f"index folder, or '{DEFAULT_INDEX}' (built-in)")
     p.add_argument("--embedder", default=None, help="embedder (default: the index's own)")
     cosched = "split, gen_chunks, similarity, speculation, spec_retrieval"
-    p.add_argument("--cosched", help=f"co-scheduling: all (default), off, or a list of {cosched}")
+    p.add_argument(
+        "--cosched",
+        help=f"co-scheduling: auto (default: all, or off when the GPU tier holds the index), "
+        f"all, off, or a list of {cosched}",
+    )
     p.add_argument("--nprobe", type=int, default=None, help="default clusters probed")
     p.add_argument("--in-process", **FLAG, help="no worker processes (debugging)")
     g = p.add_argument_group("engine")
@@ -210,10 +214,11 @@ def build_server(config: Any) -> Any:
     from ragserve.runtime import Server
 
     logger.info(
-        "starting the Server: model %s, index %s, co-scheduling: %s",
+        "starting the Server: model %s, index %s, co-scheduling: %s%s",
         config.model,
         index,
         ", ".join(config.runtime.cosched.enabled) or "off",
+        " (auto)" if config.runtime.cosched.auto else "",
     )
     server = Server(config.model, index, embedder=config.embedder, config=config.runtime)
     server.workflows.update(workflows)

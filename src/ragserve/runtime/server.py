@@ -25,7 +25,7 @@ from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.main_guard import check_main_guard
 from ragserve.runtime.worker_start import start_fork_server
 from ragserve.scheduler import GenerationParams, RequestState, Response, Scheduler
-from ragserve.scheduler.cosched import make_transforms
+from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
 from ragserve.scheduler.request import RequestError
 from ragserve.workflows import BUILTIN_WORKFLOWS, get_workflow
 
@@ -50,16 +50,17 @@ class Server:
         if not self.config.in_process:
             check_main_guard()
         self.executor = _make_executor(model, index, embedder, self.config)
+        self.cosched = self.config.cosched.resolve(False)
         self.scheduler = Scheduler(
             self.executor,
-            make_transforms(self.config.cosched),
+            make_transforms(self.cosched),
             max_node_runs=self.config.max_node_runs,
             poll_timeout=self.config.poll_timeout,
             operators=self.config.operators,
             busy_poll_timeout=self.config.busy_poll_timeout,
             enable_update_coalescing=self.config.enable_update_coalescing,
         )
-        self._cosched_names: tuple[str, ...] = self.config.cosched.enabled
+        self._cosched_names: tuple[str, ...] = self.cosched.enabled
         self.workflows: dict[str, CompiledGraph] = {n: get_workflow(n) for n in BUILTIN_WORKFLOWS}
         self._slots = threading.BoundedSemaphore(self.config.max_active_requests)
         self._call_slots = threading.BoundedSemaphore(self.config.max_num_calls)
@@ -67,6 +68,9 @@ class Server:
         self._last_cycle = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="ragserve-scheduler", daemon=True)
         self._thread.start()
+        if self.config.cosched.auto and self.config.gpu_tier is not None:
+            # NOTE: after the loop starts: the worker's reply is read by the loop
+            self.set_cosched(self.config.cosched, self.config.call_timeout_s)
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
 
@@ -190,6 +194,26 @@ class Server:
     def abort(self, request_id: str) -> None:
         """Stop a request (one not yet added is remembered and finishes at once, aborted)."""
         self.scheduler.abort(request_id)
+
+    def set_cosched(self, cosched: CoScheduleConfig, timeout: float | None = None) -> None:
+        """Swap to ``cosched``'s transforms once the requests in flight finish; ``auto`` is
+        resolved (``CoScheduleConfig.resolve``) against the retrieval worker's GPU tier as it
+        is now. ``self.cosched`` is the config that runs."""
+        resolved = cosched.resolve(cosched.auto and self._tier_holds_index())
+        self.scheduler.set_transforms(make_transforms(resolved)).result(timeout)
+        self.cosched, self._cosched_names = resolved, resolved.enabled
+
+    def _tier_holds_index(self) -> bool:
+        try:
+            timeout = self.config.call_timeout_s
+            stats = self.executor.call_retrieval("gpu_tier_stats").result(timeout)
+        except Exception as e:  # noqa: BLE001 - e.g. index shards on Ray: count as no tier
+            logger.info("co-scheduling auto: no GPU tier report (%s)", e)
+            return False
+        if stats and stats.get("holds_index"):
+            logger.info("co-scheduling auto: the GPU tier holds the whole index; transforms off")
+            return True
+        return False
 
     def set_transforms(self, transforms: Sequence[Any], timeout: float | None = None) -> None:
         """Swap the transform chain once the requests in flight have finished."""

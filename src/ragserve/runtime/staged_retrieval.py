@@ -99,10 +99,13 @@ class StagedRetrievalRunner(RetrievalRunner):
         tier = self.index.gpu_tier
         if tier is None:
             return None
+        placed = set(tier.clusters) | set(tier.loading)
+        lists = np.flatnonzero(self.index.cluster_sizes())
         return {
             "clusters": len(tier.clusters),
             "num_bytes": tier.num_bytes,
             "hit_rate": tier.hit_rate,
+            "holds_index": placed.issuperset(lists.tolist()),
         }
 
     def run(self, tasks: list[RetrievalTask]) -> list:

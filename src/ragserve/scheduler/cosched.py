@@ -3,7 +3,7 @@ edge; the runtime builds the transforms with ``make_transforms``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from ragserve.scheduler.similarity import SimilarityTransform, SpeculativeRetrievalTransform
 from ragserve.scheduler.speculation import SpeculationTransform
@@ -17,7 +17,9 @@ class CoScheduleConfig:
     ``budget_s``) and ``gen_chunks`` (only with ``split``), ``similarity``
     (``SimilarityTransform``, ``cache_topk``), ``speculation`` (``SpeculationTransform``,
     ``spec_*``) and the opt-in ``spec_retrieval`` (``SpeculativeRetrievalTransform``, its
-    ``fraction``; needs ``similarity``)."""
+    ``fraction``; needs ``similarity``). ``auto`` (the default): the ``Server`` resolves the
+    config once its workers are up (``resolve``); ``auto=False`` runs exactly the switches
+    given."""
 
     enable_split: bool = True
     enable_gen_chunks: bool = True
@@ -31,6 +33,7 @@ class CoScheduleConfig:
     spec_max_restarts: int = 1
     enable_spec_retrieval: bool = False
     spec_retrieval_fraction: float = 0.5
+    auto: bool = True
 
     def __post_init__(self) -> None:
         if self.enable_spec_retrieval and not self.enable_similarity:
@@ -38,22 +41,35 @@ class CoScheduleConfig:
 
     @classmethod
     def none(cls) -> CoScheduleConfig:
-        return cls(enable_split=False, enable_similarity=False, enable_speculation=False)
+        return cls(**_switches(()), auto=False)
+
+    def resolve(self, tier_holds_index: bool) -> CoScheduleConfig:
+        """The config that runs. ``auto`` turns every transform off when the GPU index tier
+        holds every non-empty IVF list: a retrieval then takes milliseconds, less than the
+        decode steps it would overlap, so splitting it and speculating generations only add
+        scheduler cycles and generations (measured: BENCHMARKS.md, issue 28, where the
+        ablation without co-scheduling sustained 1.6x the shipped defaults on such a
+        server). Otherwise, or with ``auto=False``, the switches as given."""
+        if self.auto and tier_holds_index:
+            return replace(self, **_switches(()), auto=False)
+        return replace(self, auto=False)
 
     @classmethod
     def from_names(cls, spec: str, **knobs: object) -> CoScheduleConfig:
-        """``"all"`` (the defaults), ``"off"``, or a comma list of ``OPTIMIZATIONS`` names:
+        """``"auto"`` (the default: every transform, resolved by ``resolve``), ``"all"``
+        (every transform, always), ``"off"``, or a comma list of ``OPTIMIZATIONS`` names:
         exactly those on. ``knobs`` set the other fields."""
         names = [n.strip() for n in spec.split(",") if n.strip()]
-        if names == ["all"]:
+        knobs = {**knobs, "auto": names == ["auto"]}
+        if names in (["all"], ["auto"]):
             return cls(**knobs)
         if names == ["off"] or names == ["none"]:
             return cls(**{**_switches(()), **knobs})
         unknown = [n for n in names if n not in OPTIMIZATIONS]
         if not names or unknown:
             raise ValueError(
-                f"cosched: unknown optimization {', '.join(unknown) or repr(spec)}; use off, all "
-                f"or a comma list of {', '.join(OPTIMIZATIONS)}"
+                f"cosched: unknown optimization {', '.join(unknown) or repr(spec)}; use auto, "
+                f"off, all or a comma list of {', '.join(OPTIMIZATIONS)}"
             )
         return cls(**{**_switches(names), **knobs})
 
