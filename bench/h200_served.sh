@@ -26,7 +26,7 @@ PRESET=${PRESET:-h200}
 SMOKE_PRESET=${SMOKE_PRESET:-h200-smoke}
 BENCH="python3 $G/bench/served_capacity.py"
 RATES=${RATES:-"ragserve=4,12,20,28 llm-alone=20,28,36 baseline=8,14,20 ablations=auto"}
-SYSTEMS=${SYSTEMS:-"ragserve llm-alone baseline no-tier no-cosched no-kv-reuse fusion-on"}
+SYSTEMS=${SYSTEMS:-"ragserve llm-alone baseline no-tier no-cosched no-kv-reuse fusion-on cosched-all"}
 SMOKE_SYSTEMS=${SMOKE_SYSTEMS:-$SYSTEMS}
 COMMIT=${COMMIT:-unknown}
 
