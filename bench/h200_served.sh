@@ -45,6 +45,7 @@ start() {
     setsid nohup $BENCH --preset "$PRESET" --out "$RUN/full" --tier-gb 24 --seed 0 \
         --warmup ${WARMUP:-5} --window ${WINDOW:-60} --drain 20 --budget ${BUDGET:-1100} \
         --point-overhead 10 --systems $SYSTEMS --rates $RATES --commit "$COMMIT" \
+        --engine-json "${ENGINE_JSON:-{\}}" \
         > "$RUN/full.log" 2>&1 < /dev/null &
     echo "started $! at $(date -u +%T)"
 }
