@@ -41,7 +41,8 @@ def build_index(args: argparse.Namespace, device: str) -> tuple[Any, Any, dict]:
     import faiss
     import torch
 
-    from ragserve.retrieval import gpu_kmeans, stepwise
+    import gpu_kmeans
+    from ragserve.retrieval import stepwise
     from ragserve.retrieval.docstore import DocStore
     from ragserve.retrieval.index import IndexSpec, VectorIndex
     from ragserve.retrieval.synthetic import SyntheticSpec
