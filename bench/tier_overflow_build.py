@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+import gpu_kmeans
+
 LIST_BLOCK_ROWS = 1 << 20  # rows handed to Faiss per device-to-host copy
 
 
@@ -41,7 +43,6 @@ def build_index(args: argparse.Namespace, device: str) -> tuple[Any, Any, dict]:
     import faiss
     import torch
 
-    import gpu_kmeans
     from ragserve.retrieval import stepwise
     from ragserve.retrieval.docstore import DocStore
     from ragserve.retrieval.index import IndexSpec, VectorIndex

@@ -428,37 +428,3 @@ def _envelope(f: PiecewiseLinear, batch_sizes: np.ndarray) -> np.ndarray:
     at_points = np.maximum.accumulate(f.evaluate(points))
     idx = np.searchsorted(points, b, side="right") - 1
     return np.maximum(0.0, np.maximum(at_points[idx], f.evaluate(b)))
-
-
-def measure_cpu_model(
-    index: ScanIndex,
-    queries: np.ndarray,
-    nprobe: int,
-    *,
-    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
-    topk: int = 10,
-    repeats: int = 3,
-    max_segments: int = 4,
-) -> SearchLatencyModel:
-    """Fit the model to the medians of ``repeats`` timings of ``index.assign`` (CQ) and
-    ``index.scan`` (LUT) per batch size (``queries`` needs ``max(batch_sizes)`` rows)."""
-    q = np.ascontiguousarray(queries, dtype=np.float32)
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"batch_sizes must be non-empty and >= 1, got {batch_sizes}")
-    if len(q) < max(batch_sizes):
-        raise ValueError(f"need {max(batch_sizes)} queries, got {len(q)}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    cq, lut = [], []
-    for b in batch_sizes:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            plan = index.assign(q[:b], nprobe)
-            t1 = time.perf_counter()
-            index.scan(q[:b], plan, topk)
-            times.append((t1 - t0, time.perf_counter() - t1))
-        cq_t, lut_t = np.median(np.array(times), axis=0)
-        cq.append(float(cq_t))
-        lut.append(float(lut_t))
-    return SearchLatencyModel.fit(nprobe, batch_sizes, cq, lut, max_segments=max_segments)
