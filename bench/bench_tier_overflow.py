@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from bench_gpu_tier import Results, add_corpus_args, make_queries
-from tier_calibration import measure_cpu_model, profile_max_variance
+from tier_models import measure_cpu_model, profile_max_variance
 from tier_overflow_build import build_index
 from tier_overflow_latency import latency
 from tier_overflow_rates import cpu_rate, stream_rate, tier_rate

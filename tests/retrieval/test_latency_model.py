@@ -127,7 +127,7 @@ def test_from_profile_reads_lut_at_nprobe():
 
 
 def test_measure_cpu_model_times_assign_and_scan(small_corpus, bench_module):
-    measure_cpu_model = bench_module("tier_calibration").measure_cpu_model
+    measure_cpu_model = bench_module("tier_models").measure_cpu_model
     docs, x = small_corpus
     vi = VectorIndex.from_vectors(docs, x, embedder_name="synthetic", nlist=8)
     m = measure_cpu_model(vi, x[:8], 4, batch_sizes=(1, 2, 4, 8), repeats=1)

@@ -23,7 +23,7 @@ from ragserve.retrieval.partition import (
 
 @pytest.fixture(scope="module")
 def calib(bench_module):
-    return bench_module("tier_calibration")
+    return bench_module("tier_models")
 
 
 # Stated tolerances (absolute, on hit rates in [0, 1]).

@@ -66,7 +66,7 @@ class StreamCostModel:
 
     ``probed_rows`` counts a list once per query probing it, ``streamed_bytes`` once per batch;
     ``threads``: the CPU scan's parallelism (``index_tier.scan_threads``). The split it picks
-    is what runs; ``latency_model.StreamedLatencyModel`` prices a batch with it."""
+    is what runs; bench's ``StreamedLatencyModel`` prices a batch with it."""
 
     cpu_fixed_s: float
     cpu_s_per_row: float
