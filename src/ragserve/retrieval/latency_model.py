@@ -124,32 +124,27 @@ def measure_scan_grid(
 ) -> SearchProfile:
     """Median seconds of ``run(batch_size, clusters_per_query)`` (after ``warmup`` calls) over
     the grid; ``synchronize`` (e.g. ``torch.cuda.synchronize``) makes each cover device work."""
-    if not batch_sizes or not cluster_counts:
-        raise ValueError("batch_sizes and cluster_counts must be non-empty")
-    if min(batch_sizes) < 1 or min(cluster_counts) < 1:
-        raise ValueError("batch_sizes and cluster_counts must be >= 1")
     for grid in (batch_sizes, cluster_counts):
-        if list(grid) != sorted(set(grid)):
-            raise ValueError("batch_sizes and cluster_counts must be strictly ascending")
+        if not grid or min(grid) < 1 or list(grid) != sorted(set(grid)):
+            raise ValueError("batch_sizes and cluster_counts must be >= 1, strictly ascending")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     sync = synchronize or (lambda: None)
-    seconds = []
-    for b in batch_sizes:
-        row = []
-        for c in cluster_counts:
-            for _ in range(warmup):
-                run(b, c)
+
+    def median(b: int, c: int) -> float:
+        for _ in range(warmup):
+            run(b, c)
+        sync()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(b, c)
             sync()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                run(b, c)
-                sync()
-                times.append(time.perf_counter() - t0)
-            row.append(float(np.median(times)))
-        seconds.append(tuple(row))
-    return SearchProfile(tuple(batch_sizes), tuple(cluster_counts), tuple(seconds), topk)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    seconds = tuple(tuple(median(b, c) for c in cluster_counts) for b in batch_sizes)
+    return SearchProfile(tuple(batch_sizes), tuple(cluster_counts), seconds, topk)
 
 
 def fit_piecewise_linear(
