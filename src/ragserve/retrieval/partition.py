@@ -412,9 +412,6 @@ class TierUpdater:
         if self._scans % self.config.update_every == 0:
             self._wake.set()
 
-    def update_now(self, *, force: bool = False) -> None:
-        self._round(force=force)
-
     def close(self) -> None:
         self._stop = True
         self._wake.set()
@@ -427,11 +424,11 @@ class TierUpdater:
             if self._stop:
                 return
             try:
-                self._round(force=False)
+                self.update_now()
             except Exception:
                 logger.exception("GPU tier update failed; the CPU serves what is not resident")
 
-    def _round(self, *, force: bool) -> None:
+    def update_now(self, *, force: bool = False) -> None:
         self.tier.poll()
         live = self.counts.snapshot()
         decision = self._detector.check(self.plan, live)
