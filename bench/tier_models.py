@@ -14,7 +14,7 @@ import numpy as np
 
 from ragserve.retrieval.cold_stream import StreamCostModel
 from ragserve.retrieval.hit_rate import BetaHitRate, check_tail_mode
-from ragserve.retrieval.latency_model import LatencyModel, SearchLatencyModel
+from ragserve.retrieval.latency_model import LatencyModel, SearchLatencyModel, SearchProfile
 from ragserve.retrieval.partition import access_share, count_accesses, hottest_first
 from ragserve.retrieval.types import ScanIndex
 
@@ -51,6 +51,42 @@ def measure_cpu_model(
         cq.append(float(cq_t))
         lut.append(float(lut_t))
     return SearchLatencyModel.fit(nprobe, batch_sizes, cq, lut, max_segments=max_segments)
+
+
+def model_from_profile(
+    profile: SearchProfile,
+    nprobe: int,
+    cq_seconds: Sequence[float] | np.ndarray,
+    *,
+    max_segments: int = 4,
+) -> SearchLatencyModel:
+    """``T_LUT`` from ``profile`` at ``nprobe`` clusters/query, ``T_CQ`` from ``cq_seconds``
+    (one per ``profile.batch_sizes``)."""
+    lut = [profile.predict(b, nprobe) for b in profile.batch_sizes]
+    if len(cq_seconds) != len(profile.batch_sizes):
+        raise ValueError(
+            f"cq_seconds needs one value per profile batch size "
+            f"({len(profile.batch_sizes)}), got {len(cq_seconds)}"
+        )
+    return SearchLatencyModel.fit(
+        nprobe, profile.batch_sizes, cq_seconds, lut, max_segments=max_segments
+    )
+
+
+def fit_beta(hit_rates: np.ndarray) -> BetaHitRate:
+    """``BetaHitRate`` by the method of moments; a variance past the Beta limit is clamped just
+    below it."""
+    x = np.asarray(hit_rates, dtype=np.float64).ravel()
+    if x.size == 0:
+        raise ValueError("hit_rates must be non-empty")
+    if np.any(~np.isfinite(x)) or x.min() < 0 or x.max() > 1:
+        raise ValueError("hit_rates must be finite and in [0, 1]")
+    mean = float(x.mean())
+    var = float(x.var(ddof=1)) if x.size > 1 else 0.0
+    limit = mean * (1.0 - mean)
+    if limit <= 0.0 or var <= 1e-15:
+        return BetaHitRate(mean, 0.0)
+    return BetaHitRate(mean, min(var, limit * (1.0 - 1e-6)))
 
 
 def per_query_hit_rates(probe_ids: np.ndarray, on_gpu: np.ndarray) -> np.ndarray:

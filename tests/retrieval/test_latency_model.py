@@ -113,13 +113,14 @@ def test_predictions_are_a_non_decreasing_envelope():
     assert clamp.cq_seconds(1) == 0.0
 
 
-def test_from_profile_reads_lut_at_nprobe():
+def test_from_profile_reads_lut_at_nprobe(bench_module):
+    from_profile = bench_module("tier_models").model_from_profile
     prof = SearchProfile((1, 8, 32), (4, 16), ((1.0, 4.0), (2.0, 8.0), (5.0, 20.0)))
-    m = SearchLatencyModel.from_profile(prof, 16, (0.1, 0.2, 0.5))
+    m = from_profile(prof, 16, (0.1, 0.2, 0.5))
     assert m.lut_seconds(8) == pytest.approx(8.0)
     assert m.cq_seconds(32) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="cq_seconds"):
-        SearchLatencyModel.from_profile(prof, 16, (0.1,))
+        from_profile(prof, 16, (0.1,))
     with pytest.raises(ValueError, match="nprobe"):
         SearchLatencyModel(0, m.cq, m.lut)
     with pytest.raises(ValueError, match="lut_seconds"):

@@ -80,14 +80,14 @@ def test_access_counts_decay_and_hottest_order(calib):
 # -- Beta model (Eq. 2) --------------------------------------------------------------------------
 
 
-def test_method_of_moments_recovers_beta_parameters():
+def test_method_of_moments_recovers_beta_parameters(calib):
     rng = np.random.default_rng(1)
-    fit = BetaHitRate.fit(rng.beta(2.0, 5.0, size=200_000))
+    fit = calib.fit_beta(rng.beta(2.0, 5.0, size=200_000))
     assert fit.alpha == pytest.approx(2.0, rel=0.05)
     assert fit.beta == pytest.approx(5.0, rel=0.05)
-    point = BetaHitRate.fit(np.full(10, 0.25))
+    point = calib.fit_beta(np.full(10, 0.25))
     assert point.is_point_mass and point.alpha is None and point.expected_min(64) == 0.25
-    bernoulli = BetaHitRate.fit(np.array([0.0, 1.0, 1.0, 0.0]))  # past the Beta limit: clamped
+    bernoulli = calib.fit_beta(np.array([0.0, 1.0, 1.0, 0.0]))  # past the Beta limit: clamped
     assert 0 < bernoulli.variance < 0.25 and bernoulli.alpha < 1e-3
 
 
@@ -117,7 +117,7 @@ def test_beta_tail_estimate_matches_simulated_ivf_batches(calib):
         on_gpu = np.zeros(nlist, dtype=bool)
         on_gpu[order[:k]] = True
         rates = calib.per_query_hit_rates(probes, on_gpu)
-        fitted = BetaHitRate.fit(rates)
+        fitted = calib.fit_beta(rates)
         approx = BetaHitRate.from_mean(float(rates.mean()), sigma2)
         for batch in (1, 4, 16, 32):
             mc = rates[rng.integers(0, len(rates), size=(20_000, batch))].min(axis=1).mean()
@@ -151,14 +151,14 @@ def test_tail_mode_is_checked():
     assert BetaHitRate(0.3, 0.0).tail(8) == 0.3  # a point mass pools to itself
 
 
-def test_beta_rejects_bad_parameters():
+def test_beta_rejects_bad_parameters(calib):
     for mean, var, match in [(1.5, 0.0, "mean"), (0.5, 0.25, "variance"), (0.0, 0.1, "variance")]:
         with pytest.raises(ValueError, match=match):
             BetaHitRate(mean, var)
     with pytest.raises(ValueError, match="max_variance"):
         BetaHitRate.from_mean(0.5, 0.25)
     with pytest.raises(ValueError, match="hit_rates"):
-        BetaHitRate.fit(np.array([0.5, 1.2]))
+        calib.fit_beta(np.array([0.5, 1.2]))
     with pytest.raises(ValueError, match="batch sizes"):
         BetaHitRate(0.5, 0.01).expected_mins(np.array([0]))
 

@@ -279,25 +279,6 @@ class SearchLatencyModel(JsonFile, LatencyModel):
         lut = fit_piecewise_linear(b, lut_seconds, max_segments=max_segments)
         return cls(nprobe, cq, lut)
 
-    @classmethod
-    def from_profile(
-        cls,
-        profile: SearchProfile,
-        nprobe: int,
-        cq_seconds: Sequence[float] | np.ndarray,
-        *,
-        max_segments: int = 4,
-    ) -> SearchLatencyModel:
-        """``T_LUT`` from ``profile`` at ``nprobe`` clusters/query, ``T_CQ`` from
-        ``cq_seconds`` (one per ``profile.batch_sizes``)."""
-        lut = [profile.predict(b, nprobe) for b in profile.batch_sizes]
-        if len(cq_seconds) != len(profile.batch_sizes):
-            raise ValueError(
-                f"cq_seconds needs one value per profile batch size "
-                f"({len(profile.batch_sizes)}), got {len(cq_seconds)}"
-            )
-        return cls.fit(nprobe, profile.batch_sizes, cq_seconds, lut, max_segments=max_segments)
-
     def cold_array(self, batch_sizes: np.ndarray, cold: np.ndarray) -> np.ndarray:
         return self.lut_array(batch_sizes) * cold
 
