@@ -126,7 +126,9 @@ def measure_scan_grid(
     the grid; ``synchronize`` (e.g. ``torch.cuda.synchronize``) makes each cover device work."""
     for grid in (batch_sizes, cluster_counts):
         if not grid or min(grid) < 1 or list(grid) != sorted(set(grid)):
-            raise ValueError("batch_sizes and cluster_counts must be >= 1, strictly ascending")
+            raise ValueError(
+                "batch_sizes and cluster_counts must be non-empty, >= 1, strictly ascending"
+            )
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     sync = synchronize or (lambda: None)
