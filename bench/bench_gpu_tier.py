@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+import gpu_kmeans
 from synthetic_corpus import synthetic_corpus
 
 logger = logging.getLogger("bench_gpu_tier")
@@ -41,7 +42,7 @@ def build_index(args: argparse.Namespace, device: str) -> tuple[Any, Any, dict]:
     """An in-memory VectorIndex (no document store rows: search only) and the synthetic spec."""
     import faiss
 
-    from ragserve.retrieval import gpu_kmeans, stepwise
+    from ragserve.retrieval import stepwise
     from ragserve.retrieval.docstore import DocStore
     from ragserve.retrieval.index import IndexSpec, VectorIndex
     from ragserve.retrieval.synthetic import SyntheticSpec

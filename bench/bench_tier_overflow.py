@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from bench_gpu_tier import Results, add_corpus_args, make_queries
+from tier_models import measure_cpu_model, profile_max_variance
 from tier_overflow_build import build_index
 from tier_overflow_latency import latency
 from tier_overflow_rates import cpu_rate, stream_rate, tier_rate
@@ -255,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     def model() -> None:
-        from ragserve.retrieval.latency_model import measure_cpu_model
-        from ragserve.retrieval.partition import count_accesses, profile_max_variance
+        from ragserve.retrieval.partition import count_accesses
 
         index = st["index"]
         st["q"] = make_queries(st["spec"], 4096, seed=1)

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import faiss
 import numpy as np
 
+import gpu_kmeans
 import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.calibrate import calibrate_nprobe
 from ragserve.retrieval.docstore import SCHEMA
@@ -205,8 +206,6 @@ def _build_faiss(
     else:
         sample = stepwise.train_sample(x, max_train, seed)
         if centroids is None:
-            import ragserve.retrieval.gpu_kmeans as gpu_kmeans
-
             centroids = gpu_kmeans.kmeans(sample, spec.nlist, spec.metric, device=device, seed=seed)
         c = np.ascontiguousarray(centroids, dtype=np.float32)
         if c.shape != (spec.nlist, spec.dim):
@@ -230,8 +229,6 @@ def _build_faiss(
 
 def _assign(index: faiss.IndexIVF, x: np.ndarray, metric: str, device: str, backend: str):
     if backend == "torch":
-        import ragserve.retrieval.gpu_kmeans as gpu_kmeans
-
         centroids = index.quantizer.reconstruct_n(0, index.nlist)
         return gpu_kmeans.assign(x, centroids, metric, device=device)
     labels = np.empty(len(x), dtype=np.int64)

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ragserve.retrieval.cold_stream import StreamCostModel
-from ragserve.retrieval.latency_model import SearchLatencyModel, StreamedLatencyModel
+from ragserve.retrieval.latency_model import SearchLatencyModel
+from tier_models import StreamedLatencyModel
 
 
 def repredict(doc: dict, row: dict) -> dict:

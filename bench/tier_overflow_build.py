@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+import gpu_kmeans
+
 LIST_BLOCK_ROWS = 1 << 20  # rows handed to Faiss per device-to-host copy
 
 
@@ -41,7 +43,7 @@ def build_index(args: argparse.Namespace, device: str) -> tuple[Any, Any, dict]:
     import faiss
     import torch
 
-    from ragserve.retrieval import gpu_kmeans, stepwise
+    from ragserve.retrieval import stepwise
     from ragserve.retrieval.docstore import DocStore
     from ragserve.retrieval.index import IndexSpec, VectorIndex
     from ragserve.retrieval.synthetic import SyntheticSpec

@@ -13,17 +13,13 @@ from typing import Any
 import numpy as np
 
 from bench_gpu_tier import Results, exact_share, timed
+from tier_models import StreamedLatencyModel, per_query_hit_rates
 
 
 def latency(args: argparse.Namespace, res: Results, st: dict, device: str) -> None:
     """Predicted vs measured latency at ``B``: CPU-only, the tier at each coverage, then the
     streamed tier (unless skipped)."""
-    from ragserve.retrieval.partition import (
-        BetaHitRate,
-        fill_budget,
-        hottest_first,
-        per_query_hit_rates,
-    )
+    from ragserve.retrieval.partition import BetaHitRate, fill_budget, hottest_first
 
     index, q, plan, mdl = st["index"], st["q"], st["plan"], st["model"]
     batch = int(plan.batch_size)
@@ -230,7 +226,6 @@ def streamed_model(st: dict, plan: Any, cost: Any, batch: int, dim: int) -> Any:
     the share of a batch's cold probes whose list is distinct (from the calibration probes, in
     batches of ``batch``)."""
     from ragserve.retrieval.cold_stream import StreamCostModel
-    from ragserve.retrieval.latency_model import StreamedLatencyModel
 
     counts, sizes = st["counts"], st["index"].cluster_sizes()
     cold = np.ones(len(counts), dtype=bool)

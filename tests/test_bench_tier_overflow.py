@@ -17,8 +17,7 @@ import pytest
 def test_build_by_list_equals_faiss_add(bench_module) -> None:
     import faiss
 
-    from ragserve.retrieval import gpu_kmeans
-
+    gpu_kmeans = bench_module("gpu_kmeans")
     mod = bench_module("tier_overflow_build")
     args = argparse.Namespace(
         num_docs=3000, dim=16, nlist=16, topics=64, zipf=1.1, train_per_list=64, nprobe=4

@@ -13,7 +13,7 @@ import faiss
 import numpy as np
 import pytest
 
-from ragserve.retrieval import Document, IndexCorruptError, VectorIndex, gpu_kmeans, stepwise
+from ragserve.retrieval import Document, IndexCorruptError, VectorIndex, stepwise
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.synthetic import SyntheticEmbedder, SyntheticSpec
 
@@ -21,6 +21,11 @@ from ragserve.retrieval.synthetic import SyntheticEmbedder, SyntheticSpec
 @pytest.fixture(scope="module")
 def bulk(bench_module):
     return bench_module("bulk_build")
+
+
+@pytest.fixture(scope="module")
+def gpu_kmeans(bench_module):
+    return bench_module("gpu_kmeans")
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +178,7 @@ def test_write_store_needs_a_fresh_store(tmp_path, make_corpus, bulk):
 
 
 @pytest.mark.parametrize("metric", ["ip", "l2"])
-def test_torch_assign_matches_faiss_quantizer(make_corpus, metric):
+def test_torch_assign_matches_faiss_quantizer(make_corpus, gpu_kmeans, metric):
     _, x = make_corpus(3000, dim=32, seed=5)
     c = np.random.default_rng(2).normal(size=(40, 32)).astype(np.float32)
     flat = faiss.IndexFlatIP(32) if metric == "ip" else faiss.IndexFlatL2(32)
@@ -184,7 +189,7 @@ def test_torch_assign_matches_faiss_quantizer(make_corpus, metric):
 
 
 @pytest.mark.parametrize("metric", ["ip", "l2"])
-def test_torch_kmeans_as_good_as_faiss(metric):
+def test_torch_kmeans_as_good_as_faiss(gpu_kmeans, metric):
     """Same data, same iterations: our k-means objective is within a few % of Faiss's."""
     rng = np.random.default_rng(0)
     centers = rng.normal(size=(64, 16)).astype(np.float32)
@@ -209,7 +214,7 @@ def test_torch_kmeans_as_good_as_faiss(metric):
         assert ours <= 1.1 * theirs and ours < 0.6 * start
 
 
-def test_kmeans_refills_empty_clusters():
+def test_kmeans_refills_empty_clusters(gpu_kmeans):
     x = np.repeat(np.eye(4, dtype=np.float32), 25, axis=0)  # 4 distinct points, 6 clusters
     c = gpu_kmeans.kmeans(x, 6, "l2", device="cpu", niter=3)
     assert {tuple(r) for r in c.tolist()} <= {tuple(r) for r in np.eye(4).tolist()}

@@ -24,11 +24,7 @@ from tests.retrieval.test_gpu_tier import (
 
 from ragserve.retrieval import Document
 from ragserve.retrieval.cold_stream import StreamConfig, StreamCostModel, plan_split
-from ragserve.retrieval.latency_model import (
-    PiecewiseLinear,
-    SearchLatencyModel,
-    StreamedLatencyModel,
-)
+from ragserve.retrieval.latency_model import PiecewiseLinear, SearchLatencyModel
 from ragserve.retrieval.partition import PlacementConfig
 
 
@@ -153,7 +149,8 @@ def _work(cold: np.ndarray, j: int, rows: np.ndarray) -> float:
     return float((rows[lists[order]] * m[order])[j:].sum())
 
 
-def test_streamed_eq1_model() -> None:
+def test_streamed_eq1_model(bench_module) -> None:
+    StreamedLatencyModel = bench_module("tier_models").StreamedLatencyModel
     base = SearchLatencyModel(
         256, PiecewiseLinear((1.0, 64.0), (0.001, 0.01)), PiecewiseLinear((1.0, 64.0), (0.1, 2.0))
     )
@@ -197,9 +194,10 @@ def test_cuda_stream_equals_faiss(metric: str) -> None:
     index.close()
 
 
-def test_algorithm_1_and_eq2_price_the_streamed_path() -> None:
+def test_algorithm_1_and_eq2_price_the_streamed_path(bench_module) -> None:
     """With a stream that helps, Algorithm 1 needs no more coverage and Eq. 2's modelled
     ``T_R`` is no lower at any tier size; with one that never pays, both are unchanged."""
+    StreamedLatencyModel = bench_module("tier_models").StreamedLatencyModel
     from ragserve.retrieval.partition import PartitionConfig, partition
     from ragserve.scheduler.memory_split import modelled_retrieval_profile
 
@@ -238,10 +236,11 @@ def _lut_model(lut_at_64: float = 2.0) -> SearchLatencyModel:
     )
 
 
-def test_without_split_pricing_the_streamed_model_is_the_balanced_closed_form() -> None:
+def test_without_split_pricing_the_streamed_model_is_the_balanced_closed_form(bench_module) -> None:
     """No router pricing (``rows_per_probe``): the router balances at ``T_LUT``'s pace, the
     closed form ``T_CQ + min(m L, L (s0 + m g) / (L + g))``; a pricing at ``T_LUT``'s pace is
     the same."""
+    StreamedLatencyModel = bench_module("tier_models").StreamedLatencyModel
     rng = np.random.default_rng(3)
     base = _lut_model()
     for _ in range(50):
@@ -259,11 +258,12 @@ def test_without_split_pricing_the_streamed_model_is_the_balanced_closed_form() 
         assert priced.hybrid_seconds(b, eta) == pytest.approx(expect, rel=1e-9, abs=1e-12)
 
 
-def test_split_pricing_predicts_the_split_plan_split_makes() -> None:
+def test_split_pricing_predicts_the_split_plan_split_makes(bench_module) -> None:
     """The oracle is the router's own rule: ``plan_split`` under a ``StreamCostModel`` whose
     CPU pace is 2x (or 0.5x) the real one; each side then takes its real time. One list a
     probe (distinct share 1), equal sizes: the model's streamed share and latency are
     ``plan_split``'s to one list's granularity."""
+    StreamedLatencyModel = bench_module("tier_models").StreamedLatencyModel
     n, w, rows, row_bytes = 48, 64, 1000, 3080
     cold = np.arange(n * w).reshape(n, w)  # every probe its own cold list
     list_rows = np.full(n * w, rows)
@@ -290,9 +290,10 @@ def test_split_pricing_predicts_the_split_plan_split_makes() -> None:
             assert model.hybrid_seconds(n, 0.0) > balanced.hybrid_seconds(n, 0.0) * 1.1
 
 
-def test_split_pricing_inverse_and_algorithm_1() -> None:
+def test_split_pricing_inverse_and_algorithm_1(bench_module) -> None:
     """``required_hit_rate`` inverts ``hybrid_seconds`` with a mispriced split, and Algorithm 1
     needs at least the coverage of the balanced model under it."""
+    StreamedLatencyModel = bench_module("tier_models").StreamedLatencyModel
     from ragserve.retrieval.partition import PartitionConfig, partition
 
     base = _lut_model(1.0)

@@ -11,7 +11,6 @@ from ragserve.retrieval.latency_model import (
     SearchLatencyModel,
     SearchProfile,
     fit_piecewise_linear,
-    measure_cpu_model,
     measure_scan_grid,
 )
 
@@ -114,20 +113,22 @@ def test_predictions_are_a_non_decreasing_envelope():
     assert clamp.cq_seconds(1) == 0.0
 
 
-def test_from_profile_reads_lut_at_nprobe():
+def test_from_profile_reads_lut_at_nprobe(bench_module):
+    from_profile = bench_module("tier_models").model_from_profile
     prof = SearchProfile((1, 8, 32), (4, 16), ((1.0, 4.0), (2.0, 8.0), (5.0, 20.0)))
-    m = SearchLatencyModel.from_profile(prof, 16, (0.1, 0.2, 0.5))
+    m = from_profile(prof, 16, (0.1, 0.2, 0.5))
     assert m.lut_seconds(8) == pytest.approx(8.0)
     assert m.cq_seconds(32) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="cq_seconds"):
-        SearchLatencyModel.from_profile(prof, 16, (0.1,))
+        from_profile(prof, 16, (0.1,))
     with pytest.raises(ValueError, match="nprobe"):
         SearchLatencyModel(0, m.cq, m.lut)
     with pytest.raises(ValueError, match="lut_seconds"):
         SearchLatencyModel.fit(4, (1, 2), (0.1, 0.2), (-1.0, 0.2))
 
 
-def test_measure_cpu_model_times_assign_and_scan(small_corpus):
+def test_measure_cpu_model_times_assign_and_scan(small_corpus, bench_module):
+    measure_cpu_model = bench_module("tier_models").measure_cpu_model
     docs, x = small_corpus
     vi = VectorIndex.from_vectors(docs, x, embedder_name="synthetic", nlist=8)
     m = measure_cpu_model(vi, x[:8], 4, batch_sizes=(1, 2, 4, 8), repeats=1)

@@ -16,12 +16,15 @@ from ragserve.retrieval.partition import (
     count_accesses,
     decay_counts,
     fill_budget,
-    hit_rate_to_coverage,
     hottest_first,
     partition,
-    per_query_hit_rates,
-    profile_max_variance,
 )
+
+
+@pytest.fixture(scope="module")
+def calib(bench_module):
+    return bench_module("tier_models")
+
 
 # Stated tolerances (absolute, on hit rates in [0, 1]).
 EQ2_TOL = 0.005  # Eq. 2 quadrature vs Monte-Carlo minima of Beta samples
@@ -52,7 +55,7 @@ def linear_model(cq=(0.001, 0.0001), lut=(0.01, 0.004), nprobe=16) -> SearchLate
 # -- access counts -------------------------------------------------------------------------------
 
 
-def test_access_counts_decay_and_hottest_order():
+def test_access_counts_decay_and_hottest_order(calib):
     probes = np.array([[0, 2, -1], [2, 3, 0], [2, -1, -1]])
     counts = count_accesses(probes, 5)
     np.testing.assert_array_equal(counts, [2, 0, 3, 1, 0])
@@ -60,8 +63,10 @@ def test_access_counts_decay_and_hottest_order():
     np.testing.assert_array_equal(decay_counts(counts, np.ones(5), 0.5), [2, 1, 2.5, 1.5, 1])
     np.testing.assert_array_equal(decay_counts(None, counts, 0.5), counts)
     on_gpu = np.array([False, False, True, False, False])
-    np.testing.assert_allclose(per_query_hit_rates(probes, on_gpu), [0.5, 1 / 3, 1.0])
-    np.testing.assert_allclose(per_query_hit_rates(np.array([[-1, -1], [2, 1]]), on_gpu), [0.5])
+    np.testing.assert_allclose(calib.per_query_hit_rates(probes, on_gpu), [0.5, 1 / 3, 1.0])
+    np.testing.assert_allclose(
+        calib.per_query_hit_rates(np.array([[-1, -1], [2, 1]]), on_gpu), [0.5]
+    )
     with pytest.raises(ValueError, match="nlist"):
         count_accesses(probes, 3)
     with pytest.raises(ValueError, match="decay"):
@@ -75,14 +80,14 @@ def test_access_counts_decay_and_hottest_order():
 # -- Beta model (Eq. 2) --------------------------------------------------------------------------
 
 
-def test_method_of_moments_recovers_beta_parameters():
+def test_method_of_moments_recovers_beta_parameters(calib):
     rng = np.random.default_rng(1)
-    fit = BetaHitRate.fit(rng.beta(2.0, 5.0, size=200_000))
+    fit = calib.fit_beta(rng.beta(2.0, 5.0, size=200_000))
     assert fit.alpha == pytest.approx(2.0, rel=0.05)
     assert fit.beta == pytest.approx(5.0, rel=0.05)
-    point = BetaHitRate.fit(np.full(10, 0.25))
+    point = calib.fit_beta(np.full(10, 0.25))
     assert point.is_point_mass and point.alpha is None and point.expected_min(64) == 0.25
-    bernoulli = BetaHitRate.fit(np.array([0.0, 1.0, 1.0, 0.0]))  # past the Beta limit: clamped
+    bernoulli = calib.fit_beta(np.array([0.0, 1.0, 1.0, 0.0]))  # past the Beta limit: clamped
     assert 0 < bernoulli.variance < 0.25 and bernoulli.alpha < 1e-3
 
 
@@ -102,17 +107,17 @@ def test_eq2_expected_minimum_matches_monte_carlo(a, b):
     assert np.all(np.diff(mins) <= 1e-12)  # order statistics: the tail falls with B
 
 
-def test_beta_tail_estimate_matches_simulated_ivf_batches():
+def test_beta_tail_estimate_matches_simulated_ivf_batches(calib):
     rng = np.random.default_rng(3)
     probes, nlist = simulate_probes(rng)
     order = hottest_first(count_accesses(probes, nlist))
-    sigma2 = profile_max_variance(probes, nlist)
+    sigma2 = calib.profile_max_variance(probes, nlist)
     assert 0 < sigma2 < 0.25
     for k in (16, 32, 64, 128):
         on_gpu = np.zeros(nlist, dtype=bool)
         on_gpu[order[:k]] = True
-        rates = per_query_hit_rates(probes, on_gpu)
-        fitted = BetaHitRate.fit(rates)
+        rates = calib.per_query_hit_rates(probes, on_gpu)
+        fitted = calib.fit_beta(rates)
         approx = BetaHitRate.from_mean(float(rates.mean()), sigma2)
         for batch in (1, 4, 16, 32):
             mc = rates[rng.integers(0, len(rates), size=(20_000, batch))].min(axis=1).mean()
@@ -146,14 +151,14 @@ def test_tail_mode_is_checked():
     assert BetaHitRate(0.3, 0.0).tail(8) == 0.3  # a point mass pools to itself
 
 
-def test_beta_rejects_bad_parameters():
+def test_beta_rejects_bad_parameters(calib):
     for mean, var, match in [(1.5, 0.0, "mean"), (0.5, 0.25, "variance"), (0.0, 0.1, "variance")]:
         with pytest.raises(ValueError, match=match):
             BetaHitRate(mean, var)
     with pytest.raises(ValueError, match="max_variance"):
         BetaHitRate.from_mean(0.5, 0.25)
     with pytest.raises(ValueError, match="hit_rates"):
-        BetaHitRate.fit(np.array([0.5, 1.2]))
+        calib.fit_beta(np.array([0.5, 1.2]))
     with pytest.raises(ValueError, match="batch sizes"):
         BetaHitRate(0.5, 0.01).expected_mins(np.array([0]))
 
@@ -165,18 +170,18 @@ def _tail(counts: np.ndarray, num_clusters: int, batch: int, mode: str) -> float
 
 
 @pytest.mark.parametrize("mode", ["batch_mean", "min"])
-def test_hit_rate_to_coverage_is_the_fewest_clusters(mode):
+def test_hit_rate_to_coverage_is_the_fewest_clusters(calib, mode):
     counts = 1.0 / np.arange(1, 65) ** 1.1
     for target, batch in [(0.2, 1), (0.2, 8), (0.5, 4), (0.05, 32)]:
-        k = hit_rate_to_coverage(counts, 0.05, target, batch, tail_mode=mode)
+        k = calib.hit_rate_to_coverage(counts, 0.05, target, batch, tail_mode=mode)
         assert k is not None
 
         assert _tail(counts, k, batch, mode) >= target
         assert k == 0 or _tail(counts, k - 1, batch, mode) < target
-    assert hit_rate_to_coverage(counts, 0.05, 0.0, 8, tail_mode=mode) == 0
+    assert calib.hit_rate_to_coverage(counts, 0.05, 0.0, 8, tail_mode=mode) == 0
     # all clusters: point mass at 1
-    assert hit_rate_to_coverage(counts, 0.05, 1.0, 8, tail_mode=mode) == 64
-    assert hit_rate_to_coverage(np.zeros(8), 0.05, 0.5, 8) is None  # no accesses: no hits
+    assert calib.hit_rate_to_coverage(counts, 0.05, 1.0, 8, tail_mode=mode) == 64
+    assert calib.hit_rate_to_coverage(np.zeros(8), 0.05, 0.5, 8) is None  # no accesses: no hits
 
 
 # -- Algorithm 1 ---------------------------------------------------------------------------------
@@ -345,12 +350,12 @@ def test_fill_budget_takes_the_hottest_prefix_that_fits():
 # -- drift ---------------------------------------------------------------------------------------
 
 
-def test_drift_in_the_query_distribution_triggers_a_better_plan():
+def test_drift_in_the_query_distribution_triggers_a_better_plan(calib):
     rng = np.random.default_rng(6)
     probes, nlist = simulate_probes(rng)
     sizes = np.full(nlist, 1000)
     model = linear_model()
-    config = PartitionConfig(0.04, 200.0, profile_max_variance(probes, nlist))
+    config = PartitionConfig(0.04, 200.0, calib.profile_max_variance(probes, nlist))
     plan = partition(model, count_accesses(probes, nlist), sizes, config)
     assert plan.meets_slo and 0 < len(plan.cluster_ids) < nlist
     detector = DriftDetector(DriftConfig(drop=0.1, min_gain=0.05, patience=3))

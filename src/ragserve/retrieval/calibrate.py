@@ -9,10 +9,8 @@ from dataclasses import asdict, dataclass
 import faiss
 import numpy as np
 
-# NOTE: measured with bench/exhaustive_cost.py (dim 384, one thread, batch 1, on the shared 2-core
-# dev machine under load): a full scan costs 3.6 ms/query at 5k vectors, 25 ms at 20k and 143 ms
-# at 80k (4x the nlist/4 probe each time). Up to 20k that is below the query's own embedding and
-# far below generation, so small indexes lose no recall to probing; past it the cost grows.
+# NOTE: up to 20k vectors a full scan costs less than the query's own embedding, so small
+# indexes lose no recall to probing (BENCHMARKS.md, "Exhaustive-search threshold").
 EXHAUSTIVE_MAX_VECTORS = 20_000
 RECALL_TARGET = 0.95
 NUM_QUERIES = 256

@@ -66,7 +66,7 @@ class StreamCostModel:
 
     ``probed_rows`` counts a list once per query probing it, ``streamed_bytes`` once per batch;
     ``threads``: the CPU scan's parallelism (``index_tier.scan_threads``). The split it picks
-    is what runs; ``latency_model.StreamedLatencyModel`` prices a batch with it."""
+    is what runs; bench's ``StreamedLatencyModel`` prices a batch with it."""
 
     cpu_fixed_s: float
     cpu_s_per_row: float
@@ -201,39 +201,31 @@ class ColdStreamer:
         if not self._allocated:
             self._allocate()
         torch = self._torch
-        with torch.cuda.stream(self._compute) if self._is_cuda else contextlib.nullcontext():
-            return self._run_on_stream(q, lc, k, lists, list_data)
-
-    def _run_on_stream(self, q, lc, k: int, lists: np.ndarray, list_data: ListData):
-        torch = self._torch
         dev = self._vec[0].device
-        qd, lcd = upload(torch, q, dev), upload(torch, lc, dev)
-        part_keys, part_ids = [], []
-        num_bytes = 0
-        for i, segments in enumerate(_chunks(lists, list_data, self.stage_rows)):
-            b = i % 2
-            rows, row_list = self._stage(b, segments)
-            num_bytes += rows * self.row_bytes
-            keys, ids = self._scan_staged(b, rows, row_list, qd, lcd, k)
-            part_keys.append(keys)
-            part_ids.append(ids)
-        with self._lock:
-            self.num_batches += 1
-            self.num_lists += len(lists)
-            self.num_bytes += num_bytes
-        if not part_keys:
-            keys = torch.full((len(q), k), -np.inf, device=dev)
-            ids = torch.full((len(q), k), -1, dtype=torch.int64, device=dev)
-        else:
+        with torch.cuda.stream(self._compute) if self._is_cuda else contextlib.nullcontext():
+            qd, lcd = upload(torch, q, dev), upload(torch, lc, dev)
+            part_keys = [torch.full((len(q), 0), -np.inf, device=dev)]
+            part_ids = [torch.full((len(q), 0), -1, dtype=torch.int64, device=dev)]
+            num_bytes = 0
+            for i, segments in enumerate(_chunks(lists, list_data, self.stage_rows)):
+                rows, row_list = self._stage(i % 2, segments)
+                num_bytes += rows * self.row_bytes
+                keys, ids = self._scan_staged(i % 2, rows, row_list, qd, lcd, k)
+                part_keys.append(keys)
+                part_ids.append(ids)
+            with self._lock:
+                self.num_batches += 1
+                self.num_lists += len(lists)
+                self.num_bytes += num_bytes
             keys, ids = canonical_topk(
                 torch, torch.cat(part_keys, 1), torch.cat(part_ids, 1), k, self.is_l2
             )
-        qnorm = np.einsum("nd,nd->n", q, q) if self.is_l2 else None
-        done = None
-        if self._is_cuda:
-            done = torch.cuda.Event()
-            done.record(self._compute)
-        return PendingScan(keys, ids, qnorm, done)
+            qnorm = np.einsum("nd,nd->n", q, q) if self.is_l2 else None
+            done = None
+            if self._is_cuda:
+                done = torch.cuda.Event()
+                done.record(self._compute)
+            return PendingScan(keys, ids, qnorm, done)
 
     def _stage(self, b: int, segments: list[Segment]) -> tuple[int, np.ndarray]:
         """Rows of ``segments`` into staging buffer ``b``: their count and each one's list."""

@@ -29,21 +29,6 @@ class BetaHitRate:
             )
 
     @classmethod
-    def fit(cls, hit_rates: np.ndarray) -> BetaHitRate:
-        """Method of moments; a variance past the Beta limit is clamped just below it."""
-        x = np.asarray(hit_rates, dtype=np.float64).ravel()
-        if x.size == 0:
-            raise ValueError("hit_rates must be non-empty")
-        if np.any(~np.isfinite(x)) or x.min() < 0 or x.max() > 1:
-            raise ValueError("hit_rates must be finite and in [0, 1]")
-        mean = float(x.mean())
-        var = float(x.var(ddof=1)) if x.size > 1 else 0.0
-        limit = mean * (1.0 - mean)
-        if limit <= 0.0 or var <= 1e-15:
-            return cls(mean, 0.0)
-        return cls(mean, min(var, limit * (1.0 - 1e-6)))
-
-    @classmethod
     def from_mean(cls, mean: float, max_variance: float) -> BetaHitRate:
         """§V-B: ``sigma^2 = 4 sigma_max^2 mean (1 - mean)``."""
         if not 0.0 <= max_variance < 0.25:

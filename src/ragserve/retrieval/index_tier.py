@@ -345,7 +345,7 @@ def check_tier_options(
     kind: str, budget_bytes: int, scan: str, stream_cold: str | StreamConfig
 ) -> None:
     """A one-line `ValueError` for bad tier options, before anything moves."""
-    from ragserve.retrieval.cold_stream import STREAM_MODES, StreamConfig
+    from ragserve.retrieval.cold_stream import StreamConfig
     from ragserve.retrieval.gpu_tier import SCANS
 
     if kind != "ivf_flat":
@@ -355,8 +355,7 @@ def check_tier_options(
     if scan not in SCANS:
         raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     if isinstance(stream_cold, str):
-        if stream_cold not in STREAM_MODES:
-            raise ValueError(f"stream_cold must be one of {STREAM_MODES}, got {stream_cold!r}")
+        StreamConfig(mode=stream_cold)  # raises naming the modes
     elif not isinstance(stream_cold, StreamConfig):
         raise ValueError(f"stream_cold must be a mode or a StreamConfig, got {stream_cold!r}")
 

@@ -1,8 +1,7 @@
 """Predicting a scan's seconds (VectorLiteRAG §V-A): the measured ``SearchProfile`` (scan
 seconds on a grid of batch sizes x clusters per query), piecewise-linear fits, and Eq. 1,
-``tau_s(b) = T_CQ(b) + (1 - eta) T_LUT(b)`` (``SearchLatencyModel``), also with cold lists
-streamed to the GPU (``StreamedLatencyModel``). Formulas and why: docs/tier_policy.md.
-Immutable models; pure NumPy.
+``tau_s(b) = T_CQ(b) + (1 - eta) T_LUT(b)`` (``SearchLatencyModel``). Formulas and why:
+docs/tier_policy.md. Immutable models; pure NumPy.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ragserve.retrieval.cold_stream import StreamCostModel
 from ragserve.retrieval.storage import JsonFile
 from ragserve.retrieval.types import ScanIndex
 
@@ -126,32 +124,29 @@ def measure_scan_grid(
 ) -> SearchProfile:
     """Median seconds of ``run(batch_size, clusters_per_query)`` (after ``warmup`` calls) over
     the grid; ``synchronize`` (e.g. ``torch.cuda.synchronize``) makes each cover device work."""
-    if not batch_sizes or not cluster_counts:
-        raise ValueError("batch_sizes and cluster_counts must be non-empty")
-    if min(batch_sizes) < 1 or min(cluster_counts) < 1:
-        raise ValueError("batch_sizes and cluster_counts must be >= 1")
     for grid in (batch_sizes, cluster_counts):
-        if list(grid) != sorted(set(grid)):
-            raise ValueError("batch_sizes and cluster_counts must be strictly ascending")
+        if not grid or min(grid) < 1 or list(grid) != sorted(set(grid)):
+            raise ValueError(
+                "batch_sizes and cluster_counts must be non-empty, >= 1, strictly ascending"
+            )
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     sync = synchronize or (lambda: None)
-    seconds = []
-    for b in batch_sizes:
-        row = []
-        for c in cluster_counts:
-            for _ in range(warmup):
-                run(b, c)
+
+    def median(b: int, c: int) -> float:
+        for _ in range(warmup):
+            run(b, c)
+        sync()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(b, c)
             sync()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                run(b, c)
-                sync()
-                times.append(time.perf_counter() - t0)
-            row.append(float(np.median(times)))
-        seconds.append(tuple(row))
-    return SearchProfile(tuple(batch_sizes), tuple(cluster_counts), tuple(seconds), topk)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    seconds = tuple(tuple(median(b, c) for c in cluster_counts) for b in batch_sizes)
+    return SearchProfile(tuple(batch_sizes), tuple(cluster_counts), seconds, topk)
 
 
 def fit_piecewise_linear(
@@ -221,9 +216,10 @@ def _lstsq(x, y, breaks: Sequence[float], w: np.ndarray) -> tuple[float, np.ndar
     return float((((a @ coef - y) * w) ** 2).sum()), coef
 
 
-class _Eq1:
-    """The scalar forms and Eq. 1, from a model's ``cq_array``, ``lut_array``, ``cold_array``
-    (seconds of a batch's non-resident share ``m``) and ``required_hit_rates``."""
+class LatencyModel:
+    """What Algorithm 1 and Eq. 2 price a batch with: the scalar forms and Eq. 1 from a
+    subclass's ``cq_array``, ``lut_array``, ``cold_array`` (seconds of a batch's non-resident
+    share ``m``) and ``required_hit_rates``."""
 
     def cq_seconds(self, batch_size: float) -> float:
         return float(self.cq_array(np.asarray([batch_size]))[0])
@@ -251,7 +247,7 @@ class _Eq1:
 
 
 @dataclass(frozen=True)
-class SearchLatencyModel(JsonFile, _Eq1):
+class SearchLatencyModel(JsonFile, LatencyModel):
     """CPU search at one ``nprobe``: ``T_CQ(b)``, ``T_LUT(b)`` (seconds). NOTE: predictions are
     the non-decreasing envelope over batch sizes ``1..b``, clamped at 0, which makes Algorithm
     1's feasibility monotone in coverage and its bisection exact."""
@@ -285,25 +281,6 @@ class SearchLatencyModel(JsonFile, _Eq1):
         lut = fit_piecewise_linear(b, lut_seconds, max_segments=max_segments)
         return cls(nprobe, cq, lut)
 
-    @classmethod
-    def from_profile(
-        cls,
-        profile: SearchProfile,
-        nprobe: int,
-        cq_seconds: Sequence[float] | np.ndarray,
-        *,
-        max_segments: int = 4,
-    ) -> SearchLatencyModel:
-        """``T_LUT`` from ``profile`` at ``nprobe`` clusters/query, ``T_CQ`` from
-        ``cq_seconds`` (one per ``profile.batch_sizes``)."""
-        lut = [profile.predict(b, nprobe) for b in profile.batch_sizes]
-        if len(cq_seconds) != len(profile.batch_sizes):
-            raise ValueError(
-                f"cq_seconds needs one value per profile batch size "
-                f"({len(profile.batch_sizes)}), got {len(cq_seconds)}"
-            )
-        return cls.fit(nprobe, profile.batch_sizes, cq_seconds, lut, max_segments=max_segments)
-
     def cold_array(self, batch_sizes: np.ndarray, cold: np.ndarray) -> np.ndarray:
         return self.lut_array(batch_sizes) * cold
 
@@ -336,90 +313,6 @@ class SearchLatencyModel(JsonFile, _Eq1):
             raise ValueError(f"not a SearchLatencyModel: missing or bad field {e}") from e
 
 
-@dataclass(frozen=True)
-class StreamedLatencyModel(_Eq1):
-    """Eq. 1 with cold lists streamed (docs/tier_policy.md), with ``SearchLatencyModel``'s
-    interface. ``cost``'s stream side prices the stream; with ``rows_per_probe`` (rows of a
-    cold probe) its CPU side is the router's pricing, which sets the split, else the router
-    prices the CPU at ``T_LUT`` (the balanced split). ``bytes_per_probe``: mean bytes of a
-    cold list per probe; ``distinct_share``: share of a batch's cold probes whose list is not
-    already streamed for another of its queries (1: the conservative default)."""
-
-    base: SearchLatencyModel
-    cost: StreamCostModel
-    bytes_per_probe: float
-    distinct_share: float = 1.0
-    rows_per_probe: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.bytes_per_probe < 0 or not 0.0 < self.distinct_share <= 1.0:
-            raise ValueError(
-                f"bytes_per_probe must be >= 0 and distinct_share in (0, 1], got "
-                f"{self.bytes_per_probe} and {self.distinct_share}"
-            )
-
-    @property
-    def nprobe(self) -> int:
-        return self.base.nprobe
-
-    def cq_array(self, batch_sizes: np.ndarray) -> np.ndarray:
-        return self.base.cq_array(batch_sizes)
-
-    def lut_array(self, batch_sizes: np.ndarray) -> np.ndarray:
-        return self.base.lut_array(batch_sizes)
-
-    def router_seconds(self, batch_sizes: np.ndarray) -> tuple[np.ndarray, float]:
-        """``(L_r(b), c0)``: the router's CPU seconds for all probes of ``b`` and its fixed
-        cost (balanced: ``T_LUT(b)`` and 0)."""
-        b = np.maximum(np.asarray(batch_sizes, dtype=np.float64), 1.0)
-        if self.rows_per_probe is None:
-            return self.lut_array(b), 0.0
-        rows = b * self.base.nprobe * self.rows_per_probe
-        c = self.cost
-        return c.cpu_s_per_row * rows / np.minimum(b, float(c.threads)), c.cpu_fixed_s
-
-    def streamed_shares(self, batch_sizes: np.ndarray, cold: np.ndarray) -> np.ndarray:
-        """``y``: the share of a batch's probes the router streams when a share ``cold`` of
-        them is not resident, ``clip((c0 + L_r m - s0) / (g + L_r), 0, m)``."""
-        b = np.asarray(batch_sizes, dtype=np.float64)
-        m = np.asarray(cold, dtype=np.float64)
-        lut_r, c0 = self.router_seconds(b)
-        g, s0 = self._stream_array(b), self.cost.stream_fixed_s
-        with np.errstate(divide="ignore", invalid="ignore"):
-            y = np.where(g + lut_r > 0, (c0 + lut_r * m - s0) / (g + lut_r), 0.0)
-        return np.clip(y, 0.0, m)
-
-    def cold_array(self, batch_sizes: np.ndarray, cold: np.ndarray) -> np.ndarray:
-        """The later of the two sides' seconds, each at its real pace."""
-        b = np.asarray(batch_sizes, dtype=np.float64)
-        m = np.asarray(cold, dtype=np.float64)
-        y = self.streamed_shares(b, m)
-        stream = np.where(y > 0, self.cost.stream_fixed_s + self._stream_array(b) * y, 0.0)
-        return np.maximum(stream, self.lut_array(b) * (m - y))
-
-    def _stream_array(self, b: np.ndarray) -> np.ndarray:
-        """``g(b)``: seconds (beyond the fixed cost) to stream every probe of a batch."""
-        per_probe = self.bytes_per_probe * self.distinct_share * self.cost.stream_s_per_byte
-        return np.maximum(b, 1.0) * self.base.nprobe * per_probe
-
-    def required_hit_rates(self, batch_sizes: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-        """Vectorised; ``inf`` marks the infeasible entries. The cold time is non-decreasing
-        in ``m``, so the largest ``m`` within budget is bisected (60 halvings)."""
-        b = np.asarray(batch_sizes, dtype=np.float64)
-        left = np.asarray(seconds, dtype=np.float64) - self.cq_array(b)
-        b, left = np.broadcast_arrays(b, left)
-        lo, hi = np.zeros(b.shape), np.ones(b.shape)
-        fits_all = self.cold_array(b, hi) <= left
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            ok = self.cold_array(b, mid) <= left
-            lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
-        return np.where(left < 0, np.inf, 1.0 - np.where(fits_all, 1.0, lo))
-
-
-LatencyModel = SearchLatencyModel | StreamedLatencyModel  # what Algorithm 1 and Eq. 2 price
-
-
 def _envelope(f: PiecewiseLinear, batch_sizes: np.ndarray) -> np.ndarray:
     """``max(0, max over x in [1, b] of f(x))`` for every ``b`` (batch sizes ``>= 1``)."""
     b = np.maximum(np.asarray(batch_sizes, dtype=np.float64), 1.0)
@@ -428,37 +321,3 @@ def _envelope(f: PiecewiseLinear, batch_sizes: np.ndarray) -> np.ndarray:
     at_points = np.maximum.accumulate(f.evaluate(points))
     idx = np.searchsorted(points, b, side="right") - 1
     return np.maximum(0.0, np.maximum(at_points[idx], f.evaluate(b)))
-
-
-def measure_cpu_model(
-    index: ScanIndex,
-    queries: np.ndarray,
-    nprobe: int,
-    *,
-    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
-    topk: int = 10,
-    repeats: int = 3,
-    max_segments: int = 4,
-) -> SearchLatencyModel:
-    """Fit the model to the medians of ``repeats`` timings of ``index.assign`` (CQ) and
-    ``index.scan`` (LUT) per batch size (``queries`` needs ``max(batch_sizes)`` rows)."""
-    q = np.ascontiguousarray(queries, dtype=np.float32)
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"batch_sizes must be non-empty and >= 1, got {batch_sizes}")
-    if len(q) < max(batch_sizes):
-        raise ValueError(f"need {max(batch_sizes)} queries, got {len(q)}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    cq, lut = [], []
-    for b in batch_sizes:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            plan = index.assign(q[:b], nprobe)
-            t1 = time.perf_counter()
-            index.scan(q[:b], plan, topk)
-            times.append((t1 - t0, time.perf_counter() - t1))
-        cq_t, lut_t = np.median(np.array(times), axis=0)
-        cq.append(float(cq_t))
-        lut.append(float(lut_t))
-    return SearchLatencyModel.fit(nprobe, batch_sizes, cq, lut, max_segments=max_segments)

@@ -61,19 +61,6 @@ def hottest_first(access_counts: np.ndarray) -> np.ndarray:
     return np.argsort(-_check_counts(access_counts), kind="stable")
 
 
-def per_query_hit_rates(probe_ids: np.ndarray, on_gpu: np.ndarray) -> np.ndarray:
-    """Each query's share of valid probes on the GPU (queries without one are dropped)."""
-    ids = np.asarray(probe_ids)
-    mask = np.asarray(on_gpu, dtype=bool)
-    if ids.ndim != 2:
-        raise ValueError(f"probe_ids must be [n, nprobe], got shape {ids.shape}")
-    valid = ids >= 0
-    hits = (mask[np.where(valid, ids, 0)] & valid).sum(axis=1)
-    num = valid.sum(axis=1)
-    keep = num > 0
-    return hits[keep] / num[keep]
-
-
 def _check_counts(access_counts: np.ndarray) -> np.ndarray:
     c = np.asarray(access_counts, dtype=np.float64)
     if c.ndim != 1 or c.size == 0:
@@ -83,55 +70,11 @@ def _check_counts(access_counts: np.ndarray) -> np.ndarray:
     return c
 
 
-def _access_share(counts: np.ndarray, order: np.ndarray) -> np.ndarray:
+def access_share(counts: np.ndarray, order: np.ndarray) -> np.ndarray:
     """``share[k]``: mean hit rate with the first ``k`` clusters of ``order`` cached."""
     total = counts.sum()
     cum = np.concatenate([[0.0], np.cumsum(counts[order])])
     return np.minimum(cum / total, 1.0) if total > 0 else np.zeros_like(cum)
-
-
-def profile_max_variance(probe_ids: np.ndarray, nlist: int) -> float:
-    """``sigma_max^2``: per-query hit-rate variances at hottest-first coverages of mean hit
-    rate near 0.1 .. 0.9, least-squares fitted to ``var = 4 sigma_max^2 mean (1 - mean)``."""
-    counts = count_accesses(probe_ids, nlist)
-    if counts.sum() == 0:
-        raise ValueError("probe_ids has no valid probe")
-    order = hottest_first(counts)
-    share = _access_share(counts, order)
-    ks = np.unique(np.searchsorted(share, np.linspace(0.1, 0.9, 9)).clip(1, nlist))
-    num = den = 0.0
-    for k in ks:
-        on_gpu = np.zeros(nlist, dtype=bool)
-        on_gpu[order[:k]] = True
-        rates = per_query_hit_rates(probe_ids, on_gpu)
-        g = 4.0 * rates.mean() * (1.0 - rates.mean())
-        num += g * rates.var()
-        den += g * g
-    if den == 0.0:
-        return 0.0
-    return float(min(num / den, 0.25 * (1.0 - 1e-6)))
-
-
-def hit_rate_to_coverage(
-    access_counts: np.ndarray,
-    max_variance: float,
-    tail_hit_rate: float,
-    batch_size: int,
-    *,
-    tail_mode: str = "batch_mean",
-    tail_quantile: float = 0.1,
-) -> int | None:
-    """``Hitrate2Coverage``: the fewest hottest clusters whose tail hit rate reaches
-    ``tail_hit_rate``; None if not even all do."""
-    counts = _check_counts(access_counts)
-    share = _access_share(counts, hottest_first(counts))
-    check_tail_mode(tail_mode, tail_quantile)
-
-    def tail(mean: float) -> float:
-        dist = BetaHitRate.from_mean(float(mean), max_variance)
-        return dist.tail(batch_size, tail_mode, tail_quantile)
-
-    return _smallest(lambda k: tail(share[k]) >= tail_hit_rate, len(counts))
 
 
 def _smallest(ok: Callable[[int], bool], hi: int) -> int | None:
@@ -227,7 +170,7 @@ def partition(
     two: docs/tier_policy.md). ``cluster_bytes`` as for ``fill_budget``."""
     counts, sizes = _check_counts(access_counts), _check_bytes(cluster_bytes, access_counts)
     order = hottest_first(counts)
-    share = _access_share(counts, order)
+    share = access_share(counts, order)
     cum_bytes = np.concatenate([[0], np.cumsum(sizes[order])])
     budget = config.budget_bytes
     k_max = len(counts) if budget is None else _max_clusters(sizes[order], budget)
@@ -310,7 +253,7 @@ def _max_clusters(sizes_in_order: np.ndarray, budget_bytes: int) -> int:
 
 def _plan(counts: np.ndarray, sizes: np.ndarray, order: np.ndarray, k: int) -> PartitionPlan:
     chosen = order[:k]
-    share = _access_share(counts, order)[k]
+    share = access_share(counts, order)[k]
     return PartitionPlan(
         tuple(int(c) for c in chosen), len(counts), int(sizes[chosen].sum()), float(share)
     )
@@ -365,7 +308,7 @@ class DriftDetector:
         if total <= 0 or total < self.config.min_accesses:
             return DriftDecision(None, None, False)
         live = float(counts[list(plan.cluster_ids)].sum() / total)
-        best = float(_access_share(counts, hottest_first(counts))[len(plan.cluster_ids)])
+        best = float(access_share(counts, hottest_first(counts))[len(plan.cluster_ids)])
         fell, gain = plan.hit_rate - live, best - live
         cfg = self.config
         if fell > cfg.drop or gain >= cfg.min_gain:
@@ -469,9 +412,6 @@ class TierUpdater:
         if self._scans % self.config.update_every == 0:
             self._wake.set()
 
-    def update_now(self, *, force: bool = False) -> None:
-        self._round(force=force)
-
     def close(self) -> None:
         self._stop = True
         self._wake.set()
@@ -484,11 +424,11 @@ class TierUpdater:
             if self._stop:
                 return
             try:
-                self._round(force=False)
+                self.update_now()
             except Exception:
                 logger.exception("GPU tier update failed; the CPU serves what is not resident")
 
-    def _round(self, *, force: bool) -> None:
+    def update_now(self, *, force: bool = False) -> None:
         self.tier.poll()
         live = self.counts.snapshot()
         decision = self._detector.check(self.plan, live)

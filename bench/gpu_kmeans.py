@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK_ROWS = 1 << 16
 
@@ -19,6 +22,8 @@ CHUNK_ROWS = 1 << 16
 @contextmanager
 def exact_fp32() -> Iterator[None]:
     """fp32 matmuls without TF32 inside the block."""
+    import torch
+
     matmul = torch.backends.cuda.matmul
     old = matmul.allow_tf32
     matmul.allow_tf32 = False
@@ -32,6 +37,8 @@ def assign(
     x: np.ndarray, centroids: np.ndarray, metric: str, *, device: str, chunk_rows: int = CHUNK_ROWS
 ) -> np.ndarray:
     """int64 `[n]`: each host row's nearest centroid, streamed in chunks of `chunk_rows`."""
+    import torch
+
     _check_metric(metric)
     dev = torch.device(device)
     c = torch.as_tensor(np.ascontiguousarray(centroids, dtype=np.float32), device=dev)
@@ -48,6 +55,8 @@ def kmeans(
     x: np.ndarray, nlist: int, metric: str, *, device: str, niter: int = 10, seed: int = 0
 ) -> np.ndarray:
     """float32 `[nlist, d]` centroids of all of `x` (pass a sample); unit-norm for IP."""
+    import torch
+
     _check_metric(metric)
     n = len(x)
     if n < nlist:
