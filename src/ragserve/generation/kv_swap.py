@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ragserve.generation.kv_cache_manager import SwapOp
+from ragserve.generation.sampler import to_device
 
 
 class HostKVCache:
@@ -118,7 +119,7 @@ class HostKVCache:
 
     def _copy_out(self, run: list[SwapOp], markers: dict | None) -> None:
         first = run[0].host_block
-        gpu_ids = _index([op.gpu_block for op in run], self.gpu_cache.device)
+        gpu_ids = to_device([op.gpu_block for op in run], self.gpu_cache.device, torch.long)
         staged = self.gpu_cache[:, :, gpu_ids].movedim(2, 0)
         if self._stream is None:
             self.host_cache[first : first + len(run)] = staged
@@ -132,7 +133,7 @@ class HostKVCache:
 
     def _copy_in(self, run: list[SwapOp], markers: dict | None) -> None:
         first = run[0].host_block
-        gpu_ids = _index([op.gpu_block for op in run], self.gpu_cache.device)
+        gpu_ids = to_device([op.gpu_block for op in run], self.gpu_cache.device, torch.long)
         src = self.host_cache[first : first + len(run)]
         if self._stream is not None:
             src = src.to(self.gpu_cache.device, non_blocking=True)  # pinned and contiguous
@@ -190,12 +191,3 @@ def _contiguous_runs(ops: list[SwapOp]) -> list[list[SwapOp]]:
 
 def _done(marker: torch.cuda.Event | Future) -> bool:
     return marker.done() if isinstance(marker, Future) else marker.query()
-
-
-def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    """``ids`` as an index tensor on ``device``. NOTE: on CUDA copied from pinned memory
-    without blocking; a pageable copy would wait for the side stream's earlier swap-outs."""
-    index = torch.tensor(ids, dtype=torch.long)
-    if device.type != "cuda":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)

@@ -19,7 +19,7 @@ from ragserve.generation.attention.base import (
     BaseAttentionBackend,
     store_kv,
 )
-from ragserve.generation.models.layers import RotaryEmbedding
+from ragserve.generation.models.layers import RotaryEmbedding, rotate_half
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -29,10 +29,7 @@ def rotate_keys(keys: torch.Tensor, rotary: RotaryEmbedding, delta: int) -> torc
     RoPE rotations compose, so one extra rotation by ``theta * delta`` moves every key."""
     if delta == 0:
         return keys
-    cos, sin = rotary.cos[delta], rotary.sin[delta]
-    half = keys.shape[-1] // 2
-    rotated = torch.cat((-keys[..., half:], keys[..., :half]), dim=-1)
-    return keys * cos + rotated * sin
+    return keys * rotary.cos[delta] + rotate_half(keys) * rotary.sin[delta]
 
 
 def _qkv(layer: nn.Module, x: torch.Tensor, positions: torch.Tensor):
