@@ -350,21 +350,17 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
             node = self.nodes.get(keys[j])
             if node is None:
                 start = ends[j - 1] if j else 0
-                num_tokens = ends[j] - start
-                self._node_ids += 1
-                node = KVNode(
-                    self._node_ids,
-                    keys[j],
-                    parent,
-                    start,
-                    num_tokens,
-                    self.cost_fn(num_tokens, start),
-                )
-                self.nodes[keys[j]] = node
-                if parent is not None:
-                    parent.children[keys[j]] = node
+                node = self._new_node(keys[j], parent, start, ends[j] - start)
             parent = node
         return parent
+
+    def _new_node(self, key: int, parent: KVNode | None, start: int, num_tokens: int) -> KVNode:
+        self._node_ids += 1
+        cost = self.cost_fn(num_tokens, start)
+        node = self.nodes[key] = KVNode(self._node_ids, key, parent, start, num_tokens, cost)
+        if parent is not None:
+            parent.children[key] = node
+        return node
 
     def _segments(self, seq: Sequence) -> tuple[list[int], list[int]]:
         cached = self._node_keys.get(seq.request_id)
@@ -412,9 +408,8 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         self._stopped.discard(seq.request_id)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody uses (GPU and host); blocks in use stay cached.
-
-        Planned swap-outs are cancelled (their host copies are forgotten too)."""
+        """Forget every cached block nobody uses (GPU and host; planned swap-outs are
+        cancelled); blocks in use stay cached."""
         self._ops = [op for op in self._ops if op.kind == "in"]
         for entry in sorted(self.entries.values(), key=lambda e: e.depth):
             if entry.is_alive and entry.host_block is not None and not entry.locked:
@@ -431,15 +426,11 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` naming the first invariant of the ref counts, pools, tree
         or nodes that does not hold (tests call it after every step, the engine when idle)."""
-        _check_refs(self)
+        holds = [e.gpu_block for hs in self._passage_holds.values() for h in hs for e in h.entries]
+        check_ref_counts(self.ref_cnt, self._tables, holds)
         _check_gpu_pool(self)
         _check_host_pool(self)
         _check_tree(self)
-
-
-def _check_refs(bm: TieredBlockManager) -> None:
-    holds = [e.gpu_block for hs in bm._passage_holds.values() for h in hs for e in h.entries]
-    check_ref_counts(bm.ref_cnt, bm._tables, holds)
 
 
 def _check_gpu_pool(bm: TieredBlockManager) -> None:

@@ -110,12 +110,7 @@ class PassageTierMixin:
         return budget - len(on_host) - num_new
 
     def _passage_node(self, seed: int, num_tokens: int) -> KVNode:
-        node = self.nodes.get(seed)
-        if node is None:
-            self._node_ids += 1
-            node = KVNode(self._node_ids, seed, None, 0, num_tokens, self.cost_fn(num_tokens, 0))
-            self.nodes[seed] = node
-        return node
+        return self.nodes.get(seed) or self._new_node(seed, None, 0, num_tokens)
 
     def release_passages(self, request_id: str) -> None:
         """Drop the request's holds (unknown: no-op); a passage still unwritten is forgotten."""

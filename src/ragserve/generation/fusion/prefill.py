@@ -18,7 +18,6 @@ from ragserve.generation.fusion.forward import (
     rows_metadata,
 )
 from ragserve.generation.fusion.selectors import (
-    FUSION_SELECTORS,
     attention_scores,
     kv_deviation,
     pick_rows,
@@ -45,8 +44,6 @@ class FusionRunner:
         paged: bool = True,
     ):
         num_layers = len(model.model.layers)
-        if selector not in FUSION_SELECTORS:
-            raise ValueError(f"unknown fusion_selector {selector!r}; use one of {FUSION_SELECTORS}")
         if probe_layer is not None and not 0 <= probe_layer < num_layers:
             raise ValueError(f"fusion_probe_layer must be in [0, {num_layers}), got {probe_layer}")
         self.model = model
