@@ -11,6 +11,7 @@ Copies are not done here: mutations append ``SwapOp``s in order, and the engine 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -31,6 +32,21 @@ class SwapOp:
     kind: str
     gpu_block: int
     host_block: int
+
+
+def _best_swap_cut(
+    cost_fn: CostFn, swap_cost_fn: Callable[[int], float], bs: int, num_gpu: int, num_host: int
+) -> int:
+    """How many of ``num_host`` host blocks after ``num_gpu`` GPU blocks to swap in."""
+    best_k, best_cost = num_host, None
+    for k in range(num_host, -1, -1):
+        start = (num_gpu + k) * bs
+        rest = (num_host - k) * bs
+        recompute = cost_fn(rest, start) - cost_fn(0, start) if rest else 0.0
+        cost = swap_cost_fn(k) + recompute
+        if best_cost is None or cost < best_cost:
+            best_k, best_cost = k, cost
+    return best_k
 
 
 def _flop_cost(num_tokens: int, num_context_tokens: int) -> float:
@@ -78,9 +94,8 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         self._node_keys: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (ends, keys)
         self._counted: dict[str, set[int]] = {}  # rid -> ids of nodes it has accessed
         self._skipped: dict[str, int] = {}  # rid -> host hit blocks it would recompute
-        # (cost model, swap model, GPU blocks, host blocks) -> host blocks to swap in: the
-        # waiting queue is scanned every step (cache-aware admission) with the same shapes
-        self._swap_cuts: dict[tuple, int] = {}
+        # NOTE: the waiting queue is scanned every step (cache-aware admission), same shapes
+        self._best_swap_cut = functools.lru_cache(maxsize=4096)(_best_swap_cut)
         self.num_gpu_hit_tokens = 0
         self.num_host_hit_tokens = 0
         self.num_swapped_out_blocks = 0
@@ -123,27 +138,10 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         if self.swap_cost_fn is None or num_gpu == len(hit):
             return hit
         num_host = len(hit) - num_gpu
-        key = (self.cost_fn, self.swap_cost_fn, num_gpu, num_host)
-        best_k = self._swap_cuts.get(key)
-        if best_k is None:
-            if len(self._swap_cuts) >= 4096:
-                self._swap_cuts.clear()
-            best_k = self._swap_cuts[key] = self._best_swap_cut(num_gpu, num_host)
+        models = (self.cost_fn, self.swap_cost_fn, self.block_size)
+        best_k = self._best_swap_cut(*models, num_gpu, num_host)
         self._skipped[seq.request_id] = num_host - best_k  # counted when admitted
         return hit[: num_gpu + best_k]
-
-    def _best_swap_cut(self, num_gpu: int, num_host: int) -> int:
-        """How many of ``num_host`` host blocks after ``num_gpu`` GPU blocks to swap in."""
-        bs = self.block_size
-        best_k, best_cost = num_host, None
-        for k in range(num_host, -1, -1):
-            start = (num_gpu + k) * bs
-            rest = (num_host - k) * bs
-            recompute = self.cost_fn(rest, start) - self.cost_fn(0, start) if rest else 0.0
-            cost = self.swap_cost_fn(k) + recompute
-            if best_cost is None or cost < best_cost:
-                best_k, best_cost = k, cost
-        return best_k
 
     def num_swap_in_blocks(self, computed_blocks: Seq[CachedBlock]) -> int:
         return sum(1 for e in computed_blocks if e.gpu_block is None)
