@@ -131,9 +131,8 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         return list(takewhile(lambda e: e is not None, map(self.entries.get, hashes)))
 
     def _cheaper_to_swap(self, seq: Sequence, hit: list[CachedBlock]) -> list[CachedBlock]:
-        """``hit`` cut where swapping its host part in stops paying off: keeping the first k
-        host blocks costs k swaps plus recomputing the rest; the cheapest k wins (ties: more
-        swapped)."""
+        """``hit`` cut where swapping in its host part stops paying: keeping k host blocks
+        costs k swaps plus recomputing the rest; the cheapest k wins (ties: more swapped)."""
         num_gpu = next((i for i, e in enumerate(hit) if e.gpu_block is None), len(hit))
         if self.swap_cost_fn is None or num_gpu == len(hit):
             return hit

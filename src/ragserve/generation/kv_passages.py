@@ -32,10 +32,9 @@ class PassageTierMixin:
     def acquire_passages(
         self, request_id: str, passages: Seq[tuple[str, Seq[int]]], num_extra_blocks: int
     ) -> list[PassageBlocks] | None:
-        """Hold the stored KV of each ``(key, token ids)`` for one fused prefill, keeping
-        ``num_extra_blocks`` allocatable (else ``None``, nothing changed): one handle per
-        passage, in order. Passages on the GPU are held first; one whose swap-in or new blocks
-        do not fit is returned unstored (``blocks == ()``). May evict and plan swaps."""
+        """One handle per ``(key, token ids)`` held for a fused prefill, keeping
+        ``num_extra_blocks`` allocatable (else ``None``: nothing changed); GPU passages are held
+        first, one that does not fit is unstored (``blocks == ()``). May evict and swap."""
         if num_extra_blocks > self.num_free_blocks:
             return None
         if request_id in self._passage_holds:

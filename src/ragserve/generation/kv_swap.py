@@ -150,9 +150,8 @@ class HostKVCache:
 
 
 def _outs_first(ops: list[SwapOp]) -> list[SwapOp]:
-    """``ops`` with every swap-out moved before every swap-in (each kind's order kept) where
-    that changes no copy's data, else ``ops`` unchanged. NOTE: with a full GPU pool a step's
-    ops alternate out, in, out, ...: grouped, they copy in runs."""
+    """``ops`` with swap-outs before swap-ins (orders kept) where no copy's data changes, else
+    ``ops``. NOTE: with a full GPU pool ops alternate out, in, ...: grouped, they copy in runs."""
     read_slots: set[int] = set()
     written_blocks: set[int] = set()
     for op in ops:
@@ -165,9 +164,8 @@ def _outs_first(ops: list[SwapOp]) -> list[SwapOp]:
 
 
 def _contiguous_runs(ops: list[SwapOp]) -> list[list[SwapOp]]:
-    """``ops`` cut into maximal runs of one kind over consecutive host slots (ascending or
-    descending: a chain evicted tail first swaps back in falling slots), each in ascending
-    host order; a run's ops touch distinct GPU blocks, so their order is free."""
+    """``ops`` cut into maximal runs of one kind over consecutive host slots (rising or falling:
+    a chain evicted tail first swaps back in falling slots), each sorted; GPU blocks distinct."""
     runs: list[list[SwapOp]] = []
     blocks: set[int] = set()  # the current run's GPU blocks
     step = 0  # +1 / -1: the current run's direction; 0: not set (one op)

@@ -104,9 +104,8 @@ class ModelRunner:
         fused_rows: dict[int, list[int]] | None = None,
         prev: SampledTokens | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat ``input_ids``, ``positions``, the metadata and the rows to sample.
-        ``fused_rows``: sequence index -> the positions its fused prefill computes. ``prev``:
-        the previous launched step's tokens (inputs of rows whose token is pending)."""
+        """Flat ``input_ids``, ``positions``, the metadata and the rows to sample; ``fused_rows``:
+        seq index -> its fused rows; ``prev``: the step launched before (pending inputs)."""
         fused_rows = fused_rows or {}
         pending_rows: list[int] = []  # flat rows whose input is in ``prev.device``
         pending_src: list[int] = []

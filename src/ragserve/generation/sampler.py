@@ -95,9 +95,8 @@ class Sampler:
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``values`` (a list, or a numpy array: shared) as a tensor on ``device``. NOTE: on CUDA
-    copied from pinned memory without blocking; a pageable copy would wait for the side
-    stream's earlier swap-outs."""
+    """``values`` (list or numpy array) on ``device``. NOTE: CUDA: from pinned memory without
+    blocking; a pageable copy would wait for the side stream's earlier swap-outs."""
     tensor = torch.as_tensor(values, dtype=dtype)
     if device.type == "cpu":
         return tensor

@@ -108,10 +108,8 @@ class FusionRunner:
         backend: BaseAttentionBackend,
         passages: list[PassageBlocks] | None = None,
     ) -> list[int]:
-        """Write each keyed segment's stored KV (re-rotated) into the sequence's blocks and
-        return the sorted rows to compute (unkeyed tokens, the last token, the selected share
-        of each keyed segment), which the caller runs with per-query positions.
-        ``passages``: the keyed segments' held blocks in span order (``None``: the store)."""
+        """Write each keyed segment's stored KV (re-rotated) into the sequence's blocks; the
+        sorted rows to compute. ``passages``: held blocks in span order (``None``: the store)."""
         num_tokens = len(token_ids)
         dev = kv_cache.device
         page = kv_cache.shape[3]
