@@ -122,19 +122,17 @@ class FusionRunner:
         keyed = [(s, e, key) for s, e, key in plan.spans if key is not None]
         if passages is not None and len(passages) != len(keyed):
             raise ValueError(f"passages: {len(passages)} handles for {len(keyed)} keyed spans")
+        fused = [False] * num_tokens
         for i, (start, end, key) in enumerate(keyed):
+            fused[start:end] = [True] * (end - start)
             if passages is None:
                 stored = self.passage_kv(key, token_ids[start:end])
             else:
                 stored = self.paged_passage_kv(passages[i], kv_cache)
             flat[0][:, slots[start:end]] = rotate_keys(stored[0], rotary, start).to(flat.dtype)
             flat[1][:, slots[start:end]] = stored[1].to(flat.dtype)
-        in_keyed = [False] * num_tokens
-        for start, end, _ in keyed:
-            in_keyed[start:end] = [True] * (end - start)
-        fused = list(in_keyed)
-        in_keyed[-1] = False  # the last token's logits are sampled: always computed
-        base = [p for p in range(num_tokens) if not in_keyed[p]]
+        # the last token's logits are sampled: always computed
+        base = [p for p in range(num_tokens - 1) if not fused[p]] + [num_tokens - 1]
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         extra = self._select(ids, base, plan, kv_caches, table, slots, backend)
         rows = sorted(set(base).union(extra))
