@@ -14,11 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragserve.generation.attention.base import (
-    AttentionMetadata,
-    BaseAttentionBackend,
-    store_kv,
-)
+from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend, store_kv
 from ragserve.generation.models.layers import RotaryEmbedding, rotate_half
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
