@@ -126,9 +126,8 @@ def _convert_model(name: str, out: Path) -> None:
 
 @contextlib.contextmanager
 def _gguf_parsed_once():
-    """Memoize gguf's file reader and tensor-name map while transformers converts. NOTE:
-    transformers parses the GGUF four times and rebuilds the map per tensor (most of the
-    conversion's time); both are read-only, so the output is unchanged."""
+    """Memoize gguf's (read-only) file reader and tensor-name map while transformers converts:
+    it parses the GGUF four times and rebuilds the map per tensor."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map

@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
 }
 
 CPU_DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
+FUSION_SELECTORS = ("qcfuse", "cacheblend", "sift")
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,9 @@ class EngineConfig:
             raise ValueError("cache_aware_fairness_window must be >= 0")
         if self.fusion_ratio is not None and not 0.0 <= self.fusion_ratio <= 1.0:
             raise ValueError(f"fusion_ratio must be None or in [0, 1], got {self.fusion_ratio}")
-        if self.fusion_selector not in ("qcfuse", "cacheblend", "sift"):
+        if self.fusion_selector not in FUSION_SELECTORS:
             raise ValueError(
-                f"unknown fusion_selector {self.fusion_selector!r}; use 'qcfuse', 'cacheblend' "
-                "or 'sift'"
+                f"unknown fusion_selector {self.fusion_selector!r}: {FUSION_SELECTORS}"
             )
         if self.fusion_kv_cache_bytes < 0 or self.fusion_host_kv_cache_bytes < 0:
             raise ValueError("fusion_kv_cache_bytes and fusion_host_kv_cache_bytes must be >= 0")

@@ -45,10 +45,7 @@ class IncrementalDetokenizer:
     an incomplete UTF-8 sequence (``decode``: ``make_decoder``'s function)."""
 
     def __init__(
-        self,
-        tokenizer: Any,
-        seq: Sequence,
-        decode: Callable[[list[int]], str] | None = None,
+        self, tokenizer: Any, seq: Sequence, decode: Callable[[list[int]], str] | None = None
     ):
         self.tokenizer = tokenizer
         self.decode = decode or make_decoder(tokenizer, False)

@@ -82,9 +82,8 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
 def resolve_kv_pool(
     config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> tuple[EngineConfig, int]:
-    """``(config resolved, num_blocks)``: the pool from ``kv_cache_bytes``, else on CUDA a share
-    of the memory left after the weights, else (CPU) up to 32 full contexts within a modest
-    default. An implicit ``max_model_len`` shrinks to the pool; an explicit one must fit."""
+    """``(config resolved, num_blocks)``: ``kv_cache_bytes``, else a share of free CUDA memory,
+    else (CPU) up to 32 full contexts; an implicit ``max_model_len`` shrinks to the pool."""
     max_model_len = resolve_max_model_len(config, cfg)
     per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype)
     if config.kv_cache_bytes is not None:
@@ -123,9 +122,8 @@ _TOKENIZERS: dict[str, Any] = {}  # digest of the files -> tokenizer
 
 
 def load_tokenizer(folder: Path) -> Any:
-    """The folder's tokenizer (``None`` without one). NOTE: a load takes ~1 s; engines of one
-    process whose folders hold the same tokenizer files share one tokenizer object (the
-    engine only calls it and decodes with it, never configures it)."""
+    """The folder's tokenizer (``None`` without one). NOTE: a load takes ~1 s; engines whose
+    folders hold the same tokenizer files share one (the engine never configures it)."""
     files = [folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()]
     if not any(f.name in _TOKENIZER_FILES[:3] for f in files):
         logger.info("no tokenizer in %s: prompts must be token ids", folder)
@@ -184,8 +182,7 @@ def kv_tier_stats(
     hit_tokens: int,
     store: PassageKVStore,
 ) -> dict[str, int]:
-    """The KV-tier and passage-store counters of ``LLMEngine.stats()`` (zeros where a tier
-    does not exist; passages live in the tiers, else in ``store``)."""
+    """The KV-tier and passage-store counters of ``LLMEngine.stats()`` (0: no such tier)."""
     per_block = host.bytes_per_block if host is not None else 0
     tiered = isinstance(bm, TieredBlockManager)
     names = (

@@ -11,6 +11,7 @@ Copies are not done here: mutations append ``SwapOp``s in order, and the engine 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -31,6 +32,21 @@ class SwapOp:
     kind: str
     gpu_block: int
     host_block: int
+
+
+def _best_swap_cut(
+    cost_fn: CostFn, swap_cost_fn: Callable[[int], float], bs: int, num_gpu: int, num_host: int
+) -> int:
+    """How many of ``num_host`` host blocks after ``num_gpu`` GPU blocks to swap in."""
+    best_k, best_cost = num_host, None
+    for k in range(num_host, -1, -1):
+        start = (num_gpu + k) * bs
+        rest = (num_host - k) * bs
+        recompute = cost_fn(rest, start) - cost_fn(0, start) if rest else 0.0
+        cost = swap_cost_fn(k) + recompute
+        if best_cost is None or cost < best_cost:
+            best_k, best_cost = k, cost
+    return best_k
 
 
 def _flop_cost(num_tokens: int, num_context_tokens: int) -> float:
@@ -78,9 +94,8 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         self._node_keys: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (ends, keys)
         self._counted: dict[str, set[int]] = {}  # rid -> ids of nodes it has accessed
         self._skipped: dict[str, int] = {}  # rid -> host hit blocks it would recompute
-        # (cost model, swap model, GPU blocks, host blocks) -> host blocks to swap in: the
-        # waiting queue is scanned every step (cache-aware admission) with the same shapes
-        self._swap_cuts: dict[tuple, int] = {}
+        # NOTE: the waiting queue is scanned every step (cache-aware admission), same shapes
+        self._best_swap_cut = functools.lru_cache(maxsize=4096)(_best_swap_cut)
         self.num_gpu_hit_tokens = 0
         self.num_host_hit_tokens = 0
         self.num_swapped_out_blocks = 0
@@ -116,34 +131,16 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         return list(takewhile(lambda e: e is not None, map(self.entries.get, hashes)))
 
     def _cheaper_to_swap(self, seq: Sequence, hit: list[CachedBlock]) -> list[CachedBlock]:
-        """``hit`` cut where swapping its host part in stops paying off: keeping the first k
-        host blocks costs k swaps plus recomputing the rest; the cheapest k wins (ties: more
-        swapped)."""
+        """``hit`` cut where swapping in its host part stops paying: keeping k host blocks
+        costs k swaps plus recomputing the rest; the cheapest k wins (ties: more swapped)."""
         num_gpu = next((i for i, e in enumerate(hit) if e.gpu_block is None), len(hit))
         if self.swap_cost_fn is None or num_gpu == len(hit):
             return hit
         num_host = len(hit) - num_gpu
-        key = (self.cost_fn, self.swap_cost_fn, num_gpu, num_host)
-        best_k = self._swap_cuts.get(key)
-        if best_k is None:
-            if len(self._swap_cuts) >= 4096:
-                self._swap_cuts.clear()
-            best_k = self._swap_cuts[key] = self._best_swap_cut(num_gpu, num_host)
+        models = (self.cost_fn, self.swap_cost_fn, self.block_size)
+        best_k = self._best_swap_cut(*models, num_gpu, num_host)
         self._skipped[seq.request_id] = num_host - best_k  # counted when admitted
         return hit[: num_gpu + best_k]
-
-    def _best_swap_cut(self, num_gpu: int, num_host: int) -> int:
-        """How many of ``num_host`` host blocks after ``num_gpu`` GPU blocks to swap in."""
-        bs = self.block_size
-        best_k, best_cost = num_host, None
-        for k in range(num_host, -1, -1):
-            start = (num_gpu + k) * bs
-            rest = (num_host - k) * bs
-            recompute = self.cost_fn(rest, start) - self.cost_fn(0, start) if rest else 0.0
-            cost = self.swap_cost_fn(k) + recompute
-            if best_cost is None or cost < best_cost:
-                best_k, best_cost = k, cost
-        return best_k
 
     def num_swap_in_blocks(self, computed_blocks: Seq[CachedBlock]) -> int:
         return sum(1 for e in computed_blocks if e.gpu_block is None)
@@ -350,21 +347,17 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
             node = self.nodes.get(keys[j])
             if node is None:
                 start = ends[j - 1] if j else 0
-                num_tokens = ends[j] - start
-                self._node_ids += 1
-                node = KVNode(
-                    self._node_ids,
-                    keys[j],
-                    parent,
-                    start,
-                    num_tokens,
-                    self.cost_fn(num_tokens, start),
-                )
-                self.nodes[keys[j]] = node
-                if parent is not None:
-                    parent.children[keys[j]] = node
+                node = self._new_node(keys[j], parent, start, ends[j] - start)
             parent = node
         return parent
+
+    def _new_node(self, key: int, parent: KVNode | None, start: int, num_tokens: int) -> KVNode:
+        self._node_ids += 1
+        cost = self.cost_fn(num_tokens, start)
+        node = self.nodes[key] = KVNode(self._node_ids, key, parent, start, num_tokens, cost)
+        if parent is not None:
+            parent.children[key] = node
+        return node
 
     def _segments(self, seq: Sequence) -> tuple[list[int], list[int]]:
         cached = self._node_keys.get(seq.request_id)
@@ -412,9 +405,8 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         self._stopped.discard(seq.request_id)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody uses (GPU and host); blocks in use stay cached.
-
-        Planned swap-outs are cancelled (their host copies are forgotten too)."""
+        """Forget every cached block nobody uses (GPU and host; planned swap-outs are
+        cancelled); blocks in use stay cached."""
         self._ops = [op for op in self._ops if op.kind == "in"]
         for entry in sorted(self.entries.values(), key=lambda e: e.depth):
             if entry.is_alive and entry.host_block is not None and not entry.locked:
@@ -431,15 +423,11 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` naming the first invariant of the ref counts, pools, tree
         or nodes that does not hold (tests call it after every step, the engine when idle)."""
-        _check_refs(self)
+        holds = [e.gpu_block for hs in self._passage_holds.values() for h in hs for e in h.entries]
+        check_ref_counts(self.ref_cnt, self._tables, holds)
         _check_gpu_pool(self)
         _check_host_pool(self)
         _check_tree(self)
-
-
-def _check_refs(bm: TieredBlockManager) -> None:
-    holds = [e.gpu_block for hs in bm._passage_holds.values() for h in hs for e in h.entries]
-    check_ref_counts(bm.ref_cnt, bm._tables, holds)
 
 
 def _check_gpu_pool(bm: TieredBlockManager) -> None:

@@ -32,10 +32,9 @@ class PassageTierMixin:
     def acquire_passages(
         self, request_id: str, passages: Seq[tuple[str, Seq[int]]], num_extra_blocks: int
     ) -> list[PassageBlocks] | None:
-        """Hold the stored KV of each ``(key, token ids)`` for one fused prefill, keeping
-        ``num_extra_blocks`` allocatable (else ``None``, nothing changed): one handle per
-        passage, in order. Passages on the GPU are held first; one whose swap-in or new blocks
-        do not fit is returned unstored (``blocks == ()``). May evict and plan swaps."""
+        """One handle per ``(key, token ids)`` held for a fused prefill, keeping
+        ``num_extra_blocks`` allocatable (else ``None``: nothing changed); GPU passages are held
+        first, one that does not fit is unstored (``blocks == ()``). May evict and swap."""
         if num_extra_blocks > self.num_free_blocks:
             return None
         if request_id in self._passage_holds:
@@ -110,12 +109,7 @@ class PassageTierMixin:
         return budget - len(on_host) - num_new
 
     def _passage_node(self, seed: int, num_tokens: int) -> KVNode:
-        node = self.nodes.get(seed)
-        if node is None:
-            self._node_ids += 1
-            node = KVNode(self._node_ids, seed, None, 0, num_tokens, self.cost_fn(num_tokens, 0))
-            self.nodes[seed] = node
-        return node
+        return self.nodes.get(seed) or self._new_node(seed, None, 0, num_tokens)
 
     def release_passages(self, request_id: str) -> None:
         """Drop the request's holds (unknown: no-op); a passage still unwritten is forgotten."""

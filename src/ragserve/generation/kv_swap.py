@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ragserve.generation.kv_cache_manager import SwapOp
+from ragserve.generation.sampler import to_device
 
 
 class HostKVCache:
@@ -118,7 +119,7 @@ class HostKVCache:
 
     def _copy_out(self, run: list[SwapOp], markers: dict | None) -> None:
         first = run[0].host_block
-        gpu_ids = _index([op.gpu_block for op in run], self.gpu_cache.device)
+        gpu_ids = to_device([op.gpu_block for op in run], self.gpu_cache.device, torch.long)
         staged = self.gpu_cache[:, :, gpu_ids].movedim(2, 0)
         if self._stream is None:
             self.host_cache[first : first + len(run)] = staged
@@ -132,7 +133,7 @@ class HostKVCache:
 
     def _copy_in(self, run: list[SwapOp], markers: dict | None) -> None:
         first = run[0].host_block
-        gpu_ids = _index([op.gpu_block for op in run], self.gpu_cache.device)
+        gpu_ids = to_device([op.gpu_block for op in run], self.gpu_cache.device, torch.long)
         src = self.host_cache[first : first + len(run)]
         if self._stream is not None:
             src = src.to(self.gpu_cache.device, non_blocking=True)  # pinned and contiguous
@@ -149,9 +150,8 @@ class HostKVCache:
 
 
 def _outs_first(ops: list[SwapOp]) -> list[SwapOp]:
-    """``ops`` with every swap-out moved before every swap-in (each kind's order kept) where
-    that changes no copy's data, else ``ops`` unchanged. NOTE: with a full GPU pool a step's
-    ops alternate out, in, out, ...: grouped, they copy in runs."""
+    """``ops`` with swap-outs before swap-ins (orders kept) where no copy's data changes, else
+    ``ops``. NOTE: with a full GPU pool ops alternate out, in, ...: grouped, they copy in runs."""
     read_slots: set[int] = set()
     written_blocks: set[int] = set()
     for op in ops:
@@ -164,9 +164,8 @@ def _outs_first(ops: list[SwapOp]) -> list[SwapOp]:
 
 
 def _contiguous_runs(ops: list[SwapOp]) -> list[list[SwapOp]]:
-    """``ops`` cut into maximal runs of one kind over consecutive host slots (ascending or
-    descending: a chain evicted tail first swaps back in falling slots), each in ascending
-    host order; a run's ops touch distinct GPU blocks, so their order is free."""
+    """``ops`` cut into maximal runs of one kind over consecutive host slots (rising or falling:
+    a chain evicted tail first swaps back in falling slots), each sorted; GPU blocks distinct."""
     runs: list[list[SwapOp]] = []
     blocks: set[int] = set()  # the current run's GPU blocks
     step = 0  # +1 / -1: the current run's direction; 0: not set (one op)
@@ -190,12 +189,3 @@ def _contiguous_runs(ops: list[SwapOp]) -> list[list[SwapOp]]:
 
 def _done(marker: torch.cuda.Event | Future) -> bool:
     return marker.done() if isinstance(marker, Future) else marker.query()
-
-
-def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    """``ids`` as an index tensor on ``device``. NOTE: on CUDA copied from pinned memory
-    without blocking; a pageable copy would wait for the side stream's earlier swap-outs."""
-    index = torch.tensor(ids, dtype=torch.long)
-    if device.type != "cuda":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)

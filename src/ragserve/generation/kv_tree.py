@@ -74,10 +74,8 @@ class PassageBlocks:
 
 
 class EvictionPolicy:
-    """Sets a node's priority at each access; the lowest priority is evicted first. ``"lru"``:
-    least recently used (acquired or released); ``"pgdsf"``: RAGCache's prefix-aware
-    greedy-dual-size-frequency, ``clock + freq * cost / size``, where ``clock`` rises to each
-    evicted node's priority, so once-hot nodes age out."""
+    """Sets node priorities (lowest evicted first): ``"lru"`` by last use; ``"pgdsf"`` (RAGCache)
+    ``clock + freq * cost / size``, ``clock`` rising to each evicted priority (aging)."""
 
     def __init__(self, name: str) -> None:
         if name not in KV_EVICTION_POLICIES:

@@ -111,11 +111,7 @@ class LLMEngine:
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            fairness_window=(
-                config.cache_aware_fairness_window
-                if config.enable_cache_aware_scheduling and config.enable_prefix_caching
-                else None
-            ),
+            fairness_window=self._fairness_window(config.enable_prefix_caching),
             overlap_swap_in=config.overlap_swap_in and self.host_kv_cache is not None,
             max_model_len=max_model_len,
         )
@@ -148,10 +144,8 @@ class LLMEngine:
         segment_ends: Sequence_[int] | None = None,
         fusion_ratio: float | None = None,
     ) -> None:
-        """Queue a request; on ``ValueError`` (``PromptTooLongError``: no room to generate)
-        nothing changed. ``prompt`` may be ``Segment``s; ``fusion_ratio`` (default: the
-        engine's) turns on cache fusion for keyed segments. ``segment_ends``: the documents'
-        exclusive token ends for the knowledge tree (groups cached blocks, never outputs)."""
+        """Queue a request (on ``ValueError`` nothing changed); ``Segment`` prompts with a
+        ``fusion_ratio`` fuse; ``segment_ends``: document ends for the knowledge tree."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if (params.stop or isinstance(prompt, str)) and self.tokenizer is None:
@@ -195,14 +189,12 @@ class LLMEngine:
             self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        """Requests queued or running (or outputs held back by a raising step); a launched
-        step whose requests all ended since does not count."""
+        """Requests queued or running, or outputs held back by a raising step."""
         return self.scheduler.has_unfinished() or bool(self._carried)
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: the requests that got a token or finished (overlapped: those of the
-        step launched by the previous call). With ``enable_step_isolation`` a request that
-        raises finishes alone with ``finish_reason == "error"``."""
+        """One iteration: the requests that got a token or finished (overlapped: of the step
+        the previous call launched); a request that raises alone ends with ``"error"``."""
         carried, self._carried = self._carried, []
         self.run_deferred_checks()
         out = self.scheduler.schedule()
@@ -413,10 +405,13 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("set_kv_reuse needs an idle engine (requests are unfinished)")
         self.block_manager.reset_prefix_cache()
-        self.block_manager.enable_prefix_caching = bool(enabled)
-        cfg = self.config
-        aware = enabled and cfg.enable_cache_aware_scheduling
-        self.scheduler.fairness_window = cfg.cache_aware_fairness_window if aware else None
+        self.block_manager.enable_prefix_caching = enabled
+        self.scheduler.fairness_window = self._fairness_window(enabled)
+
+    def _fairness_window(self, kv_reuse: bool) -> int | None:
+        """The scheduler's window: cache-aware admission runs only with KV reuse."""
+        aware = kv_reuse and self.config.enable_cache_aware_scheduling
+        return self.config.cache_aware_fairness_window if aware else None
 
     def synchronize_kv(self) -> None:
         """Wait for every pending host-tier copy (before reading KV blocks outside ``step``)."""

@@ -11,15 +11,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ragserve.generation.attention import (
-    AttentionMetadata,
-    BaseAttentionBackend,
-)
+from ragserve.generation.attention import AttentionMetadata, BaseAttentionBackend
 from ragserve.generation.config import ModelConfig
 from ragserve.generation.cuda_graph import CUDAGraphRunner
 from ragserve.generation.faults import check_fault
 from ragserve.generation.fusion import FusionRunner
-from ragserve.generation.sampler import Sampler
+from ragserve.generation.sampler import Sampler, to_device
 from ragserve.generation.scheduler import SchedulerOutput
 from ragserve.generation.sequence import Sequence
 
@@ -104,9 +101,8 @@ class ModelRunner:
         fused_rows: dict[int, list[int]] | None = None,
         prev: SampledTokens | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat ``input_ids``, ``positions``, the metadata and the rows to sample.
-        ``fused_rows``: sequence index -> the positions its fused prefill computes. ``prev``:
-        the previous launched step's tokens (inputs of rows whose token is pending)."""
+        """Flat ``input_ids``, ``positions``, the metadata and the rows to sample; ``fused_rows``:
+        seq index -> its fused rows; ``prev``: the step launched before (pending inputs)."""
         fused_rows = fused_rows or {}
         pending_rows: list[int] = []  # flat rows whose input is in ``prev.device``
         pending_src: list[int] = []
@@ -143,21 +139,20 @@ class ModelRunner:
             if out.sample[i]:
                 logits_rows.append(query_start[-1] - 1)
         dev = self.device
-        positions_t = _to(np.asarray(positions, dtype=np.int64), dev)
+        positions_t = _int_tensor(positions, dev)
         metadata = AttentionMetadata(
-            query_start_loc=_to(np.asarray(query_start, dtype=np.int32), dev),
-            seq_lens=_to(np.asarray(seq_lens, dtype=np.int32), dev),
-            block_tables=_to(tables, dev),
-            slot_mapping=_to(np.asarray(slots, dtype=np.int64), dev),
+            query_start_loc=_int_tensor(query_start, dev, np.int32),
+            seq_lens=_int_tensor(seq_lens, dev, np.int32),
+            block_tables=to_device(tables, dev),
+            slot_mapping=_int_tensor(slots, dev),
             query_lens_cpu=tuple(query_lens),
             seq_lens_cpu=tuple(seq_lens),
             query_positions=positions_t if fused_rows else None,
         )
-        input_ids = _to(np.asarray(ids, dtype=np.int64), dev)
+        input_ids = _int_tensor(ids, dev)
         if pending_rows:
-            src = prev.device[_to(np.asarray(pending_src, dtype=np.int64), dev)]
-            input_ids[_to(np.asarray(pending_rows, dtype=np.int64), dev)] = src
-        return input_ids, positions_t, metadata, _to(np.asarray(logits_rows, dtype=np.int64), dev)
+            input_ids[_int_tensor(pending_rows, dev)] = prev.device[_int_tensor(pending_src, dev)]
+        return input_ids, positions_t, metadata, _int_tensor(logits_rows, dev)
 
     def run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -200,8 +195,5 @@ class ModelRunner:
         return SampledTokens(self.sampler.sample(logits, rids, params), sampled)
 
 
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+def _int_tensor(values: list[int], device: torch.device, dtype=np.int64) -> torch.Tensor:
+    return to_device(np.asarray(values, dtype=dtype), device)

@@ -63,7 +63,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
-            idx = _on(sampled, logits.device)
+            idx = to_device(sampled, logits.device)
             probs = self._probs(logits[idx], [params[i] for i in sampled])
             for row, i in enumerate(sampled):
                 gen = self._generator(request_ids[i], params[i])
@@ -72,18 +72,18 @@ class Sampler:
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = _on([p.temperature for p in params], logits.device)
+        temps = to_device([p.temperature for p in params], logits.device)
         logits = logits / temps[:, None]
         top_ks = [p.top_k for p in params if p.top_k is not None]
         if top_ks:
             vocab = logits.shape[-1]
-            ks = _on([min(p.top_k or vocab, vocab) for p in params], logits.device)
+            ks = to_device([min(p.top_k or vocab, vocab) for p in params], logits.device)
             sorted_desc = logits.sort(dim=-1, descending=True).values
             kth = sorted_desc.gather(-1, (ks - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_ps = _on([p.top_p for p in params], logits.device)
+            top_ps = to_device([p.top_p for p in params], logits.device)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above
             drop_sorted = before >= top_ps[:, None]
@@ -94,9 +94,10 @@ class Sampler:
         return probs
 
 
-def _on(values: list, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values)`` on ``device`` (CUDA: from pinned memory, without a sync)."""
-    tensor = torch.tensor(values)
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` (list or numpy array) on ``device``. NOTE: CUDA: from pinned memory without
+    blocking; a pageable copy would wait for the side stream's earlier swap-outs."""
+    tensor = torch.as_tensor(values, dtype=dtype)
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)

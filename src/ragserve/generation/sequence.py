@@ -38,9 +38,8 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A snapshot of one request after a step (``token_ids``, ``text`` cumulative;
-    ``prompt_token_ids`` shared, read-only). ``finish_reason``: ``None`` while running, else
-    ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (``error``: the exception)."""
+    """One request after a step (cumulative; ``prompt_token_ids`` shared, read-only);
+    ``finish_reason``: ``None``, ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``."""
 
     request_id: str
     prompt_token_ids: list[int]

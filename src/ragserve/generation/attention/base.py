@@ -125,8 +125,7 @@ def has_triton() -> bool:
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:
-    """``name``, or for ``"auto"`` the fastest backend on ``device``. NOTE: measured on an
-    H200 (BENCHMARKS.md "LLM engine"): Triton beat FlexAttention and SDPA at every batch."""
+    """``name``, or for ``"auto"`` the fastest backend on ``device`` (BENCHMARKS.md)."""
     if name != "auto":
         return name
     device = torch.device(device)

@@ -26,9 +26,7 @@ class KernelConfig:
     num_splits: int | None = None
 
 
-# NOTE: defaults chosen by bench/bench_attention.py on an H200 (Llama-3.1-8B shape; figures in
-# BENCHMARKS.md): decode 7.2 / 25 / 68 / 256 us per layer at batch 1 / 16 / 64 / 256 with 1k
-# contexts (up to 4.2 TB/s of KV); prefill 8x1024 tokens in 306 us (225 TFLOP/s).
+# NOTE: tiles chosen by bench/bench_attention.py on an H200 (figures: BENCHMARKS.md).
 DECODE_CONFIG = KernelConfig(block_q=1, block_n=64, num_warps=4, num_stages=3)
 PREFILL_CONFIG = KernelConfig(block_q=32, block_n=32, num_warps=4, num_stages=3)
 TARGET_PROGRAMS = 264  # about two programs per multiprocessor of an H100/H200

@@ -116,9 +116,7 @@ def unified_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
         part_row = (q_tok * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
         tl.store(
-            part_out_ptr + part_row[:, None] * HEAD_DIM_P + d[None, :],
-            out,
-            mask=row_ok[:, None],
+            part_out_ptr + part_row[:, None] * HEAD_DIM_P + d[None, :], out, mask=row_ok[:, None]
         )
     else:
         tl.store(

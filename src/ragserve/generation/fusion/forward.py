@@ -14,12 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragserve.generation.attention.base import (
-    AttentionMetadata,
-    BaseAttentionBackend,
-    store_kv,
-)
-from ragserve.generation.models.layers import RotaryEmbedding
+from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend, store_kv
+from ragserve.generation.models.layers import RotaryEmbedding, rotate_half
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -29,10 +25,7 @@ def rotate_keys(keys: torch.Tensor, rotary: RotaryEmbedding, delta: int) -> torc
     RoPE rotations compose, so one extra rotation by ``theta * delta`` moves every key."""
     if delta == 0:
         return keys
-    cos, sin = rotary.cos[delta], rotary.sin[delta]
-    half = keys.shape[-1] // 2
-    rotated = torch.cat((-keys[..., half:], keys[..., :half]), dim=-1)
-    return keys * cos + rotated * sin
+    return keys * rotary.cos[delta] + rotate_half(keys) * rotary.sin[delta]
 
 
 def _qkv(layer: nn.Module, x: torch.Tensor, positions: torch.Tensor):
@@ -52,10 +45,8 @@ def forward_rows(
     num_layers: int | None = None,
     probe_layer: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run ``rows`` through the first ``num_layers`` layers (all by default; with
-    ``probe_layer``, up to it), writing their KV into ``kv`` (mutated); returns their hidden
-    states (before the final norm) and the probe layer's attention probabilities
-    ``[heads, len(rows), num_tokens]`` (else ``None``)."""
+    """Run ``rows`` through ``num_layers`` layers (default all; up to ``probe_layer``) writing
+    their KV into ``kv``; returns their hidden states and the probe's probabilities or None."""
     layers = model.model.layers
     stop = len(layers) if num_layers is None else num_layers
     if probe_layer is not None:
@@ -114,9 +105,8 @@ def probe_attention(
     backend: BaseAttentionBackend,
     probe_layer: int,
 ) -> torch.Tensor:
-    """Attention probabilities ``[heads, len(query), num_tokens]`` of the ``query`` positions
-    (a subset of ``rows``) at ``probe_layer``: ``rows`` (``metadata``: ``rows_metadata``) run
-    over the paged cache up to it, writing their KV at ``rows``' slots (mutated)."""
+    """Attention probabilities ``[heads, len(query), num_tokens]`` of ``query`` (within ``rows``)
+    at ``probe_layer``; ``rows`` run the paged layers below it, writing their KV."""
     layers = model.model.layers
     backend.prepare(metadata)
     x = model.model.embed_tokens(token_ids[rows])

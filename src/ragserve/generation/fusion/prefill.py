@@ -18,7 +18,6 @@ from ragserve.generation.fusion.forward import (
     rows_metadata,
 )
 from ragserve.generation.fusion.selectors import (
-    FUSION_SELECTORS,
     attention_scores,
     kv_deviation,
     pick_rows,
@@ -45,8 +44,6 @@ class FusionRunner:
         paged: bool = True,
     ):
         num_layers = len(model.model.layers)
-        if selector not in FUSION_SELECTORS:
-            raise ValueError(f"unknown fusion_selector {selector!r}; use one of {FUSION_SELECTORS}")
         if probe_layer is not None and not 0 <= probe_layer < num_layers:
             raise ValueError(f"fusion_probe_layer must be in [0, {num_layers}), got {probe_layer}")
         self.model = model
@@ -111,10 +108,8 @@ class FusionRunner:
         backend: BaseAttentionBackend,
         passages: list[PassageBlocks] | None = None,
     ) -> list[int]:
-        """Write each keyed segment's stored KV (re-rotated) into the sequence's blocks and
-        return the sorted rows to compute (unkeyed tokens, the last token, the selected share
-        of each keyed segment), which the caller runs with per-query positions.
-        ``passages``: the keyed segments' held blocks in span order (``None``: the store)."""
+        """Write each keyed segment's stored KV (re-rotated) into the sequence's blocks; the
+        sorted rows to compute. ``passages``: held blocks in span order (``None``: the store)."""
         num_tokens = len(token_ids)
         dev = kv_cache.device
         page = kv_cache.shape[3]
@@ -127,19 +122,17 @@ class FusionRunner:
         keyed = [(s, e, key) for s, e, key in plan.spans if key is not None]
         if passages is not None and len(passages) != len(keyed):
             raise ValueError(f"passages: {len(passages)} handles for {len(keyed)} keyed spans")
+        fused = [False] * num_tokens
         for i, (start, end, key) in enumerate(keyed):
+            fused[start:end] = [True] * (end - start)
             if passages is None:
                 stored = self.passage_kv(key, token_ids[start:end])
             else:
                 stored = self.paged_passage_kv(passages[i], kv_cache)
             flat[0][:, slots[start:end]] = rotate_keys(stored[0], rotary, start).to(flat.dtype)
             flat[1][:, slots[start:end]] = stored[1].to(flat.dtype)
-        in_keyed = [False] * num_tokens
-        for start, end, _ in keyed:
-            in_keyed[start:end] = [True] * (end - start)
-        fused = list(in_keyed)
-        in_keyed[-1] = False  # the last token's logits are sampled: always computed
-        base = [p for p in range(num_tokens) if not in_keyed[p]]
+        # the last token's logits are sampled: always computed
+        base = [p for p in range(num_tokens - 1) if not fused[p]] + [num_tokens - 1]
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         extra = self._select(ids, base, plan, kv_caches, table, slots, backend)
         rows = sorted(set(base).union(extra))

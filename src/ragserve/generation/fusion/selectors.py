@@ -11,8 +11,6 @@ import torch
 
 from ragserve.generation.segments import num_picked
 
-FUSION_SELECTORS = ("qcfuse", "cacheblend", "sift")
-
 
 def query_rows(spans: Sequence[tuple[int, int, str | None]], num_tokens: int) -> list[int]:
     """Positions of the query: unkeyed tokens after the last keyed segment, else the last."""
