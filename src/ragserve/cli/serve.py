@@ -12,20 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.cli.errors import UsageError
-from ragserve.cli.options import add_flags, add_server_args, build_server, given
+from ragserve.cli.options import Flags, add_flags, add_server_args, build_server, given
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAGSERVE_API_KEY"
-# (flag, ServeConfig field, type, help): a flag given sets the field.
-HTTP_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
-    ("--host", "host", str, "bind address (default: loopback)"),
-    ("--port", "port", int, "port (default 8000)"),
-    ("--served-model-name", "served_model_name", str, "id of the LLM itself (default: --model)"),
-    ("--max-inflight", "max_num_inflight", int, "admission bound; past it 429"),
-    ("--max-body-bytes", "max_body_bytes", int, "larger bodies get 413"),
-    ("--drain-timeout", "drain_timeout_s", float, "seconds to drain at exit"),
-)
+# (flag, ServeConfig field, type, help, check): a flag given sets the field (which checks it).
+HTTP_FLAGS: Flags = (
+    ("--host", "host", str, "bind address (default: loopback)", None),
+    ("--port", "port", int, "port (default 8000)", None),
+    ("--served-model-name", "served_model_name", str, "the LLM's own id (default: --model)", None),
+    ("--max-inflight", "max_num_inflight", int, "admission bound; past it 429", None),
+    ("--max-body-bytes", "max_body_bytes", int, "larger bodies get 413", None),
+    ("--drain-timeout", "drain_timeout_s", float, "seconds to drain at exit", None),
+)  # fmt: skip
 # NOTE: = runtime.config's choices, not imported: that would load Faiss for every command.
 TIER_DTYPES, TIER_SCANS = ("float32", "float16", "bfloat16"), ("auto", "grouped", "dense", "fused")
 STREAM_MODES = ("auto", "on", "off")
