@@ -89,10 +89,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pr.set_defaults(func=_profile)
 
 
-def _resolve_dir(name: str) -> Path:
-    return Path(resolve_index(name))
-
-
 def _build(args: argparse.Namespace) -> int:
     from ragserve.retrieval.build import BuildError, build_index
     from ragserve.retrieval.builtin import builtin_index, builtin_index_dir
@@ -148,7 +144,7 @@ def _info(args: argparse.Namespace) -> int:
     from ragserve.retrieval import VectorIndex
     from ragserve.retrieval.storage import read_manifest
 
-    directory = _resolve_dir(args.dir)
+    directory = Path(resolve_index(args.dir))
     index = VectorIndex.load(directory)
     info = {"manifest": read_manifest(directory), "live": index.info()}
     index.close()
@@ -163,7 +159,7 @@ def _search(args: argparse.Namespace) -> int:
         flt = json.loads(args.filter) if args.filter else None
     except json.JSONDecodeError as exc:
         raise UsageError(f"--filter is not valid JSON ({exc.msg})") from None
-    index = VectorIndex.load(_resolve_dir(args.dir))
+    index = VectorIndex.load(resolve_index(args.dir))
     try:
         results = index.search_text(
             args.query,
@@ -199,7 +195,7 @@ def _profile(args: argparse.Namespace) -> int:
     from ragserve.retrieval import VectorIndex
     from ragserve.retrieval.latency_model import measure_profile
 
-    directory = _resolve_dir(args.dir)
+    directory = Path(resolve_index(args.dir))
     index = VectorIndex.load(directory)
     batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     _, vectors = index._store.vectors()

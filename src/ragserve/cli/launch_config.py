@@ -73,11 +73,8 @@ def from_args(
             runtime["cosched"] = CoScheduleConfig.from_names(args.cosched, **knobs)
         except ValueError as exc:
             raise UsageError(f"--{exc}") from exc
-    return _with_runtime(dataclasses.replace(config, **top), **runtime)
-
-
-def _with_runtime(config: LaunchConfig, **changes: Any) -> LaunchConfig:
-    return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, **changes))
+    runtime_config = dataclasses.replace(config.runtime, **runtime)
+    return dataclasses.replace(config, **top, runtime=runtime_config)
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
