@@ -30,9 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handler)
 
 
-# NOTE: a small context and KV pool keep the CPU engine fast on short RAG prompts; a config
-# file or the flags override them. On a CPU with native bf16 the LLM runs in bf16 (prefill
-# ~1.45x less CPU time than fp32 on SmolLM2-135M); elsewhere in the engine's default.
+# NOTE: a small context and KV pool keep the CPU engine fast on short RAG prompts (a config
+# file or the flags override them); a CPU with native bf16 runs the LLM in bf16 (BENCHMARKS.md).
 DEMO_ENGINE = {"kv_cache_bytes": 192 << 20, "max_model_len": 2048}
 
 

@@ -36,8 +36,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         )
     except ValueError as exc:  # an override out of a node's range
         raise APIError(400, f"invalid request parameters: {exc}", code="invalid_request") from exc
-    # NOTE: ``history`` only when there is one, so a single-turn chat is the same call (and
-    # the same state, prompts and outputs) as before conversations were passed on.
+    # NOTE: ``history`` only when there is one: a single-turn chat is a plain ``submit``.
     extra: dict[str, Any] = {"history": history} if (history := body.history()) else {}
     if inputs := request_inputs_or_400(name, graph, body.inputs):
         extra["inputs"] = inputs
