@@ -82,33 +82,30 @@ def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    suffix = path.suffix.lower()
+    kind = {".toml": "toml", ".json": "json", ".yaml": "YAML", ".yml": "YAML"}.get(
+        path.suffix.lower()
+    )
+    if kind is None:
+        raise ConfigError(f"config file {path}: use a .toml, .yaml or .json file")
+    errors: tuple = (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError)
     try:
-        if suffix == ".toml":
-            with path.open("rb") as f:
-                data = tomllib.load(f)
-        elif suffix in (".yaml", ".yml"):
-            data = _read_yaml(path)
-        elif suffix == ".json":
-            data = json.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+        if kind == "YAML":
+            try:
+                import yaml
+            except ImportError as exc:
+                raise ConfigError(
+                    f"config file {path}: YAML needs PyYAML (pip install pyyaml)"
+                ) from exc
+            errors += (yaml.YAMLError,)
+            data = yaml.safe_load(text) or {}
         else:
-            raise ConfigError(f"config file {path}: use a .toml, .yaml or .json file")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid {suffix[1:]}: {exc}") from exc
+            data = (tomllib.loads if kind == "toml" else json.loads)(text)
+    except errors as exc:
+        raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys")
     return data
-
-
-def _read_yaml(path: Path) -> Any:
-    try:
-        import yaml
-    except ImportError as exc:
-        raise ConfigError(f"config file {path}: YAML needs PyYAML (pip install pyyaml)") from exc
-    try:
-        return yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
 
 
 def from_mapping(data: dict[str, Any], base: LaunchConfig | None = None) -> LaunchConfig:
