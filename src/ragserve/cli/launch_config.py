@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.cli.errors import UsageError
-from ragserve.cli.options import DEFAULT_INDEX, DEFAULT_MODEL, engine_flags, positive
+from ragserve.cli.options import (
+    DEFAULT_INDEX,
+    DEFAULT_MODEL,
+    RUNTIME_FLAGS,
+    engine_flags,
+    given,
+)
 from ragserve.runtime.config import ServerConfig
 from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.server.config import ServeConfig
@@ -59,12 +65,9 @@ def from_args(
     config = from_mapping(read_file(args.config), base) if args.config else base
     top = {k: getattr(args, k) for k in ("model", "index", "embedder") if getattr(args, k)}
     engine = {**dict(config.runtime.engine_kwargs), **engine_flags(args)}
-    runtime: dict[str, Any] = {"engine_kwargs": engine}
+    runtime: dict[str, Any] = {"engine_kwargs": engine, **given(args, RUNTIME_FLAGS)}
     if args.in_process is not None:
         runtime["in_process"] = args.in_process
-    if args.nprobe is not None:
-        positive("--nprobe", args.nprobe)
-        runtime["default_nprobe"] = args.nprobe
     if args.cosched is not None:
         cosched = config.runtime.cosched
         names = [f.name for f in dataclasses.fields(cosched) if not f.name.startswith("enable_")]

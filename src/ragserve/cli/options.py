@@ -44,6 +44,7 @@ SIZE_FLAGS: Flags = (
     ("--pipeline-parallel-size -pp", "pipeline_parallel_size", int, "1 only (--llm-replicas)",
      None),
 )  # fmt: skip
+RUNTIME_FLAGS: Flags = (("--nprobe", "default_nprobe", int, "default clusters probed", "> 0"),)
 CHECKS = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "in (0, 1]": lambda v: 0 < v <= 1}
 FLAG = {"action": "store_const", "const": True, "default": None}  # a switch, "not given" if off
 
@@ -80,7 +81,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help=f"co-scheduling: auto (default: all, or off when the GPU tier holds the index), "
         f"all, off, or a list of {cosched}",
     )
-    p.add_argument("--nprobe", type=int, default=None, help="default clusters probed")
+    add_flags(p, RUNTIME_FLAGS)
     p.add_argument("--in-process", **FLAG, help="no worker processes (debugging)")
     g = p.add_argument_group("engine")
     add_flags(g, ENGINE_FLAGS + SIZE_FLAGS)
@@ -107,11 +108,6 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     if args.enforce_eager:
         engine["enable_cuda_graphs"] = False
     return engine
-
-
-def positive(flag: str, value: float) -> None:
-    if value <= 0:
-        raise UsageError(f"{flag} must be > 0, got {value}")
 
 
 def resolve_index(index: str) -> str:
