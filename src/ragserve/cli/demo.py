@@ -30,9 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handler)
 
 
-# NOTE: a small context and KV pool keep the CPU engine fast on short RAG prompts; a config
-# file or the flags override them. On a CPU with native bf16 the LLM runs in bf16 (prefill
-# ~1.45x less CPU time than fp32 on SmolLM2-135M); elsewhere in the engine's default.
+# NOTE: a small context and KV pool keep the CPU engine fast on short RAG prompts (a config
+# file or the flags override them); a CPU with native bf16 runs the LLM in bf16 (BENCHMARKS.md).
 DEMO_ENGINE = {"kv_cache_bytes": 192 << 20, "max_model_len": 2048}
 
 
@@ -76,7 +75,7 @@ def handler(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - t0
     out.write("\n")
     failed = _print_answers(out, jobs, responses)
-    _print_timings(out, jobs, responses)
+    _print_timings(out, list(workflows), jobs, responses)
     out.write(
         f"\n{len(jobs)} requests ({len(questions)} questions x {len(workflows)} workflows) "
         f"concurrently in {wall:.1f} s; total {time.perf_counter() - start:.1f} s\n"
@@ -128,7 +127,7 @@ async def _run_all(server: Any, jobs: list, workflows: dict) -> list:
 def _print_answers(out: Any, jobs: list, responses: list) -> int:
     failed = 0
     for (question, name), r in zip(jobs, responses, strict=True):
-        if name == next(iter(_names(jobs))):
+        if name == jobs[0][1]:
             out.write(f"Q: {question}\n")
         answer = " ".join(r.output.split()) or "(empty)"
         if r.error is not None:
@@ -139,9 +138,9 @@ def _print_answers(out: Any, jobs: list, responses: list) -> int:
     return failed
 
 
-def _print_timings(out: Any, jobs: list, responses: list) -> None:
+def _print_timings(out: Any, names: list[str], jobs: list, responses: list) -> None:
     out.write("\nworkflow    requests  mean s   max s  retrieval s  generation s  nodes\n")
-    for name in _names(jobs):
+    for name in names:
         rs = [r for (_, n), r in zip(jobs, responses, strict=True) if n == name]
         lat = [r.latency for r in rs]
         ret = [_kind_seconds(r, "retrieval") for r in rs]
@@ -155,7 +154,3 @@ def _print_timings(out: Any, jobs: list, responses: list) -> None:
 
 def _kind_seconds(r: Any, kind: str) -> float:
     return sum(t.duration or 0.0 for t in r.node_timings if t.kind == kind)
-
-
-def _names(jobs: list) -> list[str]:
-    return list(dict.fromkeys(name for _, name in jobs))

@@ -82,16 +82,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(func=_search)
 
-    pr = sub.add_parser("profile", help="measure CPU search time vs batch size and clusters")
-    pr.add_argument("dir", help=folder)
-    pr.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated")
-    pr.add_argument("--repeats", type=int, default=5)
-    pr.set_defaults(func=_profile)
-
-
-def _resolve_dir(name: str) -> Path:
-    return Path(resolve_index(name))
-
 
 def _build(args: argparse.Namespace) -> int:
     from ragserve.retrieval.build import BuildError, build_index
@@ -148,7 +138,7 @@ def _info(args: argparse.Namespace) -> int:
     from ragserve.retrieval import VectorIndex
     from ragserve.retrieval.storage import read_manifest
 
-    directory = _resolve_dir(args.dir)
+    directory = Path(resolve_index(args.dir))
     index = VectorIndex.load(directory)
     info = {"manifest": read_manifest(directory), "live": index.info()}
     index.close()
@@ -163,7 +153,7 @@ def _search(args: argparse.Namespace) -> int:
         flt = json.loads(args.filter) if args.filter else None
     except json.JSONDecodeError as exc:
         raise UsageError(f"--filter is not valid JSON ({exc.msg})") from None
-    index = VectorIndex.load(_resolve_dir(args.dir))
+    index = VectorIndex.load(resolve_index(args.dir))
     try:
         results = index.search_text(
             args.query,
@@ -190,26 +180,4 @@ def _search(args: argparse.Namespace) -> int:
         for rank, hit in enumerate(hits, 1):
             snippet = hit.text if len(hit.text) <= 160 else hit.text[:157] + "..."
             print(f"  {rank}. [{hit.score:.3f}] {hit.title or hit.id}  ({hit.id})\n     {snippet}")
-    return 0
-
-
-def _profile(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from ragserve.retrieval import VectorIndex
-    from ragserve.retrieval.latency_model import measure_profile
-
-    directory = _resolve_dir(args.dir)
-    index = VectorIndex.load(directory)
-    batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
-    _, vectors = index._store.vectors()
-    rng = np.random.default_rng(0)
-    queries = vectors[rng.choice(len(vectors), max(batch_sizes), replace=len(vectors) < 64)]
-    prof = measure_profile(index, queries, batch_sizes=batch_sizes, repeats=args.repeats)
-    prof.save(directory / "profile.json")
-    index.close()
-    print(f"wrote {directory / 'profile.json'} (seconds per scan step)")
-    print("batch \\ clusters " + " ".join(f"{c:>9d}" for c in prof.cluster_counts))
-    for b, row in zip(prof.batch_sizes, prof.seconds, strict=True):
-        print(f"{b:>17d} " + " ".join(f"{t * 1e3:>7.2f}ms" for t in row))
     return 0

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.cli.errors import UsageError
-from ragserve.cli.options import DEFAULT_INDEX, DEFAULT_MODEL, engine_flags, positive
+from ragserve.cli.options import (
+    DEFAULT_INDEX,
+    DEFAULT_MODEL,
+    RUNTIME_FLAGS,
+    engine_flags,
+    given,
+)
 from ragserve.runtime.config import ServerConfig
 from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.server.config import ServeConfig
@@ -59,12 +65,9 @@ def from_args(
     config = from_mapping(read_file(args.config), base) if args.config else base
     top = {k: getattr(args, k) for k in ("model", "index", "embedder") if getattr(args, k)}
     engine = {**dict(config.runtime.engine_kwargs), **engine_flags(args)}
-    runtime: dict[str, Any] = {"engine_kwargs": engine}
+    runtime: dict[str, Any] = {"engine_kwargs": engine, **given(args, RUNTIME_FLAGS)}
     if args.in_process is not None:
         runtime["in_process"] = args.in_process
-    if args.nprobe is not None:
-        positive("--nprobe", args.nprobe)
-        runtime["default_nprobe"] = args.nprobe
     if args.cosched is not None:
         cosched = config.runtime.cosched
         names = [f.name for f in dataclasses.fields(cosched) if not f.name.startswith("enable_")]
@@ -73,11 +76,8 @@ def from_args(
             runtime["cosched"] = CoScheduleConfig.from_names(args.cosched, **knobs)
         except ValueError as exc:
             raise UsageError(f"--{exc}") from exc
-    return _with_runtime(dataclasses.replace(config, **top), **runtime)
-
-
-def _with_runtime(config: LaunchConfig, **changes: Any) -> LaunchConfig:
-    return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, **changes))
+    runtime_config = dataclasses.replace(config.runtime, **runtime)
+    return dataclasses.replace(config, **top, runtime=runtime_config)
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
@@ -85,33 +85,30 @@ def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    suffix = path.suffix.lower()
+    kind = {".toml": "toml", ".json": "json", ".yaml": "YAML", ".yml": "YAML"}.get(
+        path.suffix.lower()
+    )
+    if kind is None:
+        raise ConfigError(f"config file {path}: use a .toml, .yaml or .json file")
+    errors: tuple = (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError)
     try:
-        if suffix == ".toml":
-            with path.open("rb") as f:
-                data = tomllib.load(f)
-        elif suffix in (".yaml", ".yml"):
-            data = _read_yaml(path)
-        elif suffix == ".json":
-            data = json.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+        if kind == "YAML":
+            try:
+                import yaml
+            except ImportError as exc:
+                raise ConfigError(
+                    f"config file {path}: YAML needs PyYAML (pip install pyyaml)"
+                ) from exc
+            errors += (yaml.YAMLError,)
+            data = yaml.safe_load(text) or {}
         else:
-            raise ConfigError(f"config file {path}: use a .toml, .yaml or .json file")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid {suffix[1:]}: {exc}") from exc
+            data = (tomllib.loads if kind == "toml" else json.loads)(text)
+    except errors as exc:
+        raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys")
     return data
-
-
-def _read_yaml(path: Path) -> Any:
-    try:
-        import yaml
-    except ImportError as exc:
-        raise ConfigError(f"config file {path}: YAML needs PyYAML (pip install pyyaml)") from exc
-    try:
-        return yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
 
 
 def from_mapping(data: dict[str, Any], base: LaunchConfig | None = None) -> LaunchConfig:

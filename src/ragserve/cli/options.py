@@ -19,42 +19,54 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_INDEX = "factbook"
 
-# (flag, EngineConfig field, type, help): a flag given sets the field.
-ENGINE_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
-    ("--device", "device", str, "LLM device: auto, cpu, cuda, cuda:N"),
-    ("--dtype", "dtype", str, "auto, float32, bfloat16, float16"),
-    ("--max-model-len", "max_model_len", int, "LLM context bound"),
-    ("--max-num-seqs", "max_num_seqs", int, "sequences batched at once"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens per engine step"),
-    ("--block-size", "block_size", int, "KV cache block size, tokens"),
+# (flag, dest, type, help, check): a flag given sets ``dest`` (an ``EngineConfig`` field here);
+# ``check`` (a key of ``CHECKS``) or ``None`` bounds its value.
+Flags = tuple[tuple[str, str, Any, str, str | None], ...]
+ENGINE_FLAGS: Flags = (
+    ("--device", "device", str, "LLM device: auto, cpu, cuda, cuda:N", None),
+    ("--dtype", "dtype", str, "auto, float32, bfloat16, float16", None),
+    ("--max-model-len", "max_model_len", int, "LLM context bound", "> 0"),
+    ("--max-num-seqs", "max_num_seqs", int, "sequences batched at once", "> 0"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens per engine step", "> 0"),
+    ("--block-size", "block_size", int, "KV cache block size, tokens", "> 0"),
     ("--gpu-memory-utilization", "kv_cache_memory_fraction", float,
-     "CUDA: share of the free memory after the weights given to the KV cache (0-1]"),
-    ("--seed", "seed", int, "the engine's sampling seed"),
-    ("--load-format", "load_format", str, "auto (safetensors) or dummy (random weights)"),
-    ("--cpu-threads", "cpu_threads", int, "torch threads of the LLM (CPU)"),
+     "CUDA: share of the free memory after the weights given to the KV cache (0-1]", "in (0, 1]"),
+    ("--seed", "seed", int, "the engine's sampling seed", None),
+    ("--load-format", "load_format", str, "auto (safetensors) or dummy (random weights)", None),
+    ("--cpu-threads", "cpu_threads", int, "torch threads of the LLM (CPU)", "> 0"),
 )  # fmt: skip
-SIZE_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
-    ("--kv-cache-gb", "kv_cache_gb", float, "KV cache size in GiB"),
+SIZE_FLAGS: Flags = (
+    ("--kv-cache-gb", "kv_cache_gb", float, "KV cache size in GiB", "> 0"),
     ("--host-kv-cache-gb", "host_kv_cache_gb", float,
-     "host tier of the knowledge tree's KV, GiB of pinned CPU memory (default 0: GPU only)"),
-    ("--tensor-parallel-size -tp", "tensor_parallel_size", int, "1 only (see --llm-replicas)"),
-    ("--pipeline-parallel-size -pp", "pipeline_parallel_size", int, "1 only (see --llm-replicas)"),
+     "host tier of the knowledge tree's KV, GiB of pinned CPU memory (default 0: GPU only)",
+     ">= 0"),
+    ("--tensor-parallel-size -tp", "tensor_parallel_size", int, "1 only (--llm-replicas)", None),
+    ("--pipeline-parallel-size -pp", "pipeline_parallel_size", int, "1 only (--llm-replicas)",
+     None),
 )  # fmt: skip
-POSITIVE = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_threads")
+RUNTIME_FLAGS: Flags = (("--nprobe", "default_nprobe", int, "default clusters probed", "> 0"),)
+CHECKS = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "in (0, 1]": lambda v: 0 < v <= 1}
 FLAG = {"action": "store_const", "const": True, "default": None}  # a switch, "not given" if off
 
 
-def add_flags(group: Any, flags: tuple[tuple[str, str, Any, str], ...]) -> None:
-    """``(flag, dest, type, help)`` rows, each defaulting to ``None`` (not given)."""
-    for flag, dest, kind, text in flags:
+def add_flags(group: Any, flags: Flags) -> None:
+    """``(flag, dest, type, help, check)`` rows, each defaulting to ``None`` (not given)."""
+    for flag, dest, kind, text, _ in flags:
         names = flag.split()  # the long flag, then its short form if any
         metavar = names[0][2:].upper().replace("-", "_")
         group.add_argument(*names, dest=dest, type=kind, default=None, metavar=metavar, help=text)
 
 
-def given(args: argparse.Namespace, flags: tuple[tuple[str, str, Any, str], ...]) -> dict:
-    """The ``dest`` values of the rows of ``flags`` the user gave."""
-    return {d: getattr(args, d) for _, d, _, _ in flags if getattr(args, d) is not None}
+def given(args: argparse.Namespace, flags: Flags) -> dict:
+    """The ``dest`` values of the rows of ``flags`` the user gave (checked: a bad value is a
+    ``UsageError`` naming the flag)."""
+    values = {}
+    for flag, dest, _, _, check in flags:
+        if (value := getattr(args, dest)) is not None:
+            if check is not None and not CHECKS[check](value):
+                raise UsageError(f"{flag.split()[0]} must be {check}, got {value}")
+            values[dest] = value
+    return values
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +81,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help=f"co-scheduling: auto (default: all, or off when the GPU tier holds the index), "
         f"all, off, or a list of {cosched}",
     )
-    p.add_argument("--nprobe", type=int, default=None, help="default clusters probed")
+    add_flags(p, RUNTIME_FLAGS)
     p.add_argument("--in-process", **FLAG, help="no worker processes (debugging)")
     g = p.add_argument_group("engine")
     add_flags(g, ENGINE_FLAGS + SIZE_FLAGS)
@@ -81,36 +93,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineConfig`` fields the engine flags give (checked; a bad value is a
     ``UsageError`` naming the flag)."""
+    sizes = given(args, SIZE_FLAGS)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(args, flag, None) not in (None, 1):
+        if sizes.pop(flag, 1) != 1:
             raise UsageError(
                 f"--{flag.replace('_', '-')} {getattr(args, flag)}: ragserve runs each LLM "
                 "replica on one device; scale out with --ray --llm-replicas N instead"
             )
     engine = given(args, ENGINE_FLAGS)
-    for field in POSITIVE:
-        if field in engine:
-            positive(f"--{field.replace('_', '-')}", engine[field])
-    fraction = engine.get("kv_cache_memory_fraction")
-    if fraction is not None and not 0 < fraction <= 1:
-        raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
-    if args.kv_cache_gb is not None:
-        positive("--kv-cache-gb", args.kv_cache_gb)
-        engine["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
-    if args.host_kv_cache_gb is not None:
-        if args.host_kv_cache_gb < 0:
-            raise UsageError(f"--host-kv-cache-gb must be >= 0, got {args.host_kv_cache_gb}")
-        engine["host_kv_cache_bytes"] = int(args.host_kv_cache_gb * (1 << 30))
+    for gb, value in sizes.items():  # kv_cache_gb -> kv_cache_bytes
+        engine[gb.replace("_gb", "_bytes")] = int(value * (1 << 30))
     if args.enable_prefix_caching is not None:
         engine["enable_prefix_caching"] = args.enable_prefix_caching
     if args.enforce_eager:
         engine["enable_cuda_graphs"] = False
     return engine
-
-
-def positive(flag: str, value: float) -> None:
-    if value <= 0:
-        raise UsageError(f"{flag} must be > 0, got {value}")
 
 
 def resolve_index(index: str) -> str:

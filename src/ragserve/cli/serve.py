@@ -12,20 +12,27 @@ from pathlib import Path
 from typing import Any
 
 from ragserve.cli.errors import UsageError
-from ragserve.cli.options import add_flags, add_server_args, build_server, given
+from ragserve.cli.options import Flags, add_flags, add_server_args, build_server, given
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAGSERVE_API_KEY"
-# (flag, ServeConfig field, type, help): a flag given sets the field.
-HTTP_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
-    ("--host", "host", str, "bind address (default: loopback)"),
-    ("--port", "port", int, "port (default 8000)"),
-    ("--served-model-name", "served_model_name", str, "id of the LLM itself (default: --model)"),
-    ("--max-inflight", "max_num_inflight", int, "admission bound; past it 429"),
-    ("--max-body-bytes", "max_body_bytes", int, "larger bodies get 413"),
-    ("--drain-timeout", "drain_timeout_s", float, "seconds to drain at exit"),
-)
+# (flag, ServeConfig field, type, help, check): a flag given sets the field (which checks it).
+HTTP_FLAGS: Flags = (
+    ("--host", "host", str, "bind address (default: loopback)", None),
+    ("--port", "port", int, "port (default 8000)", None),
+    ("--served-model-name", "served_model_name", str, "the LLM's own id (default: --model)", None),
+    ("--max-inflight", "max_num_inflight", int, "admission bound; past it 429", None),
+    ("--max-body-bytes", "max_body_bytes", int, "larger bodies get 413", None),
+    ("--drain-timeout", "drain_timeout_s", float, "seconds to drain at exit", None),
+)  # fmt: skip
+# (flag, dest, type, help, check) of the tier's sizes, in GB; dest -> GpuTierConfig's bytes field
+TIER_SIZE_FLAGS: Flags = (
+    ("--gpu-index-gb", "gpu_index_gb", float, "tier size in GB (overrides Eq. 2)", ">= 0"),
+    ("--gpu-index-stream-host-gb", "gpu_index_stream_host_gb", float,
+     "the stream's pinned host memory, GB", "> 0"),
+)  # fmt: skip
+TIER_BYTES = {"gpu_index_gb": "budget_bytes", "gpu_index_stream_host_gb": "stream_host_bytes"}
 # NOTE: = runtime.config's choices, not imported: that would load Faiss for every command.
 TIER_DTYPES, TIER_SCANS = ("float32", "float16", "bfloat16"), ("auto", "grouped", "dense", "fused")
 STREAM_MODES = ("auto", "on", "off")
@@ -60,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     h.add_argument("--api-key", metavar="KEY", help="the key itself (vLLM's flag; seen in `ps`)")
     tier = p.add_argument_group("GPU index tier (hot IVF-Flat lists in GPU memory)")
-    tier.add_argument("--gpu-index-gb", type=float, help="tier size in GB (overrides Eq. 2)")
+    add_flags(tier, TIER_SIZE_FLAGS)
     profile = "JSON of profile-memory: Eq. 2 splits the GPU memory"
     tier.add_argument("--gpu-index-profile", help=profile)
     tier.add_argument("--gpu-index-device", default="cuda", help="tier device (cuda, cuda:N, cpu)")
@@ -69,8 +76,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tier.add_argument("--gpu-index-scan", default="auto", choices=TIER_SCANS, help=scan)
     stream = "scan lists the tier lacks on its device, streamed from host memory (auto: CUDA)"
     tier.add_argument("--gpu-index-stream", default="auto", choices=STREAM_MODES, help=stream)
-    host = "the stream's pinned host memory, GB"
-    tier.add_argument("--gpu-index-stream-host-gb", type=float, help=host)
     scale = p.add_argument_group("scale-out on Ray")
     ray = "run on Ray: join the cluster at ADDRESS, or start a local one without it"
     scale.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help=ray)
@@ -84,20 +89,15 @@ def gpu_tier_config(args: argparse.Namespace) -> Any:
     from ragserve.runtime import GpuTierConfig
     from ragserve.runtime.memory_plan import load_profiles
 
-    gb, host = args.gpu_index_gb, args.gpu_index_stream_host_gb
-    if gb is None and args.gpu_index_profile is None:
+    if args.gpu_index_gb is None and args.gpu_index_profile is None:
         return None
-    if gb is not None and gb < 0:
-        raise UsageError(f"--gpu-index-gb must be >= 0, got {gb}")
-    if host is not None and host <= 0:
-        raise UsageError(f"--gpu-index-stream-host-gb must be > 0, got {host}")
+    sizes = {TIER_BYTES[k]: int(gb * 1e9) for k, gb in given(args, TIER_SIZE_FLAGS).items()}
     return GpuTierConfig(
-        budget_bytes=None if gb is None else int(gb * 1e9),
         device=args.gpu_index_device,
         dtype=args.gpu_index_dtype,
         scan=args.gpu_index_scan,
         stream_cold=args.gpu_index_stream,
-        **({} if host is None else {"stream_host_bytes": int(host * 1e9)}),
+        **sizes,
         **(load_profiles(args.gpu_index_profile) if args.gpu_index_profile else {}),
     )
 

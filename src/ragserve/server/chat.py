@@ -11,14 +11,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response as HTTPResponse
 
 from ragserve.server.context import Job, choice, get_context, usage
-from ragserve.server.errors import error_for_kind
-from ragserve.server.graphs import (
-    LLM_LABEL,
-    request_inputs_or_400,
-    resolve_workflow,
-    retrieval_node_ids,
-    tune_graph_or_400,
-)
+from ragserve.server.errors import APIError, error_for_kind
+from ragserve.server.graphs import LLM_LABEL, request_inputs_or_400, resolve_workflow, tune_graph
 from ragserve.server.protocol import ChatCompletionRequest
 
 router = APIRouter()
@@ -30,21 +24,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     llm_id = ctx.config.served_model_name
     name, graph = resolve_workflow(ctx.server.workflows, body.model, body.workflow, llm_id)
     is_llm = name == LLM_LABEL and body.workflow is None and body.model == llm_id
-    graph = tune_graph_or_400(
-        graph,
-        topk=body.topk,
-        nprobe=body.nprobe,
-        mode=body.mode,
-        filter=body.filter,
-        max_tokens=body.token_limit() or (ctx.config.default_max_tokens if is_llm else None),
-        # OpenAI's default temperature for the LLM itself, as /v1/completions
-        temperature=1.0 if is_llm and body.temperature is None else body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=body.stop_strings(),
-    )
-    # NOTE: ``history`` only when there is one, so a single-turn chat is the same call (and
-    # the same state, prompts and outputs) as before conversations were passed on.
+    knobs = {k: getattr(body, k) for k in ("topk", "nprobe", "mode", "filter", "top_p", "seed")}
+    try:
+        graph = tune_graph(
+            graph,
+            **knobs,
+            max_tokens=body.token_limit() or (ctx.config.default_max_tokens if is_llm else None),
+            # OpenAI's default temperature for the LLM itself, as /v1/completions
+            temperature=1.0 if is_llm and body.temperature is None else body.temperature,
+            stop=body.stop_strings(),
+        )
+    except ValueError as exc:  # an override out of a node's range
+        raise APIError(400, f"invalid request parameters: {exc}", code="invalid_request") from exc
+    # NOTE: ``history`` only when there is one: a single-turn chat is a plain ``submit``.
     extra: dict[str, Any] = {"history": history} if (history := body.history()) else {}
     if inputs := request_inputs_or_400(name, graph, body.inputs):
         extra["inputs"] = inputs
@@ -163,7 +155,8 @@ def _observe(job: Job, graph: Any, response: Any) -> None:
         seconds = [t.duration for t in runs if t.kind == "retrieval" and t.duration is not None]
     else:
         timings = response.timings or {}
-        seconds = [timings[n] for n in retrieval_node_ids(graph) if n in timings]
+        ids = [n.node_id for n in graph.nodes.values() if n.kind == "retrieval"]
+        seconds = [timings[n] for n in ids if n in timings]
     for value in seconds:
         metrics.retrieval.labels(job.label).observe(float(value))
     total = usage_of(response)["usage"]

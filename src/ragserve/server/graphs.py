@@ -14,6 +14,8 @@ from ragserve.server.errors import APIError
 
 MODEL_PREFIX = "ragserve/"
 LLM_LABEL = "llm"  # the ``workflow`` label in /metrics of chats with the LLM itself
+RETRIEVAL_KNOBS = ("topk", "nprobe", "mode", "filter")
+ANSWER_KNOBS = ("max_tokens", "temperature", "top_p", "seed")
 
 
 @functools.cache
@@ -42,34 +44,25 @@ def resolve_workflow(
     graph = workflows.get(name)
     if graph is None:
         known = ", ".join([*workflow_model_ids(workflows), *([llm_id] if llm_id else [])])
-        known = known or "(none)"
         what = f"workflow {workflow!r}" if workflow is not None else f"model {model!r}"
         raise APIError(
-            404, f"{what} does not exist; known: {known}", param="model", code="model_not_found"
+            404,
+            f"{what} does not exist; known: {known or '(none)'}",
+            param="model",
+            code="model_not_found",
         )
     return name, graph
 
 
-def tune_graph(
-    graph: Any,
-    *,
-    topk: int | None = None,
-    nprobe: int | None = None,
-    mode: str | None = None,
-    filter: dict | None = None,  # noqa: A002 - the retrieval API's name
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stop: tuple[str, ...] = (),
-) -> Any:
-    """A copy of ``graph`` (itself without overrides) whose retrieval nodes take ``topk``,
-    ``nprobe``, ``mode``, ``filter`` and whose answer nodes (generations writing ``"output"``)
-    take the sampling knobs and add ``stop``; intermediate generations keep theirs."""
-    pairs = (("topk", topk), ("nprobe", nprobe), ("mode", mode), ("filter", filter))
-    retrieval = {k: v for k, v in pairs if v is not None}
-    sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
-    answer = {k: v for k, v in sampling.items() if v is not None}
+def tune_graph(graph: Any, *, stop: tuple[str, ...] = (), **knobs: Any) -> Any:
+    """A copy of ``graph`` (itself without overrides) whose retrieval nodes take the given
+    ``RETRIEVAL_KNOBS`` and whose answer nodes (generations writing ``"output"``) take the
+    ``ANSWER_KNOBS`` and add ``stop``; intermediate generations keep theirs. ``None`` is "not
+    given"."""
+    if unknown := set(knobs) - {*RETRIEVAL_KNOBS, *ANSWER_KNOBS}:
+        raise TypeError(f"tune_graph() got unknown knobs {sorted(unknown)}")
+    retrieval = {k: knobs[k] for k in RETRIEVAL_KNOBS if knobs.get(k) is not None}
+    answer = {k: knobs[k] for k in ANSWER_KNOBS if knobs.get(k) is not None}
     if not retrieval and not answer and not stop:
         return graph
     nodes = {}
@@ -81,18 +74,6 @@ def tune_graph(
             node = dataclasses.replace(node, **answer, stop=merged_stop)
         nodes[node_id] = node
     return dataclasses.replace(graph, nodes=MappingProxyType(nodes))
-
-
-def tune_graph_or_400(graph: Any, **overrides: Any) -> Any:
-    """``tune_graph``; an override out of a node's range (``ValueError``) is a 400."""
-    try:
-        return tune_graph(graph, **overrides)
-    except ValueError as exc:
-        raise APIError(400, f"invalid request parameters: {exc}", code="invalid_request") from exc
-
-
-def retrieval_node_ids(graph: Any) -> tuple[Any, ...]:
-    return tuple(n.node_id for n in graph.nodes.values() if n.kind == "retrieval")
 
 
 def request_inputs_or_400(name: str, graph: Any, inputs: Mapping[str, Any] | None) -> dict:

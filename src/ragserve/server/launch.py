@@ -26,7 +26,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     The timer is armed whenever the connection waits for a request's headers (a new one, or
     the next request on a kept-alive one once its first byte arrives); on expiry it closes the
-    connection (408 when some bytes came). ``header_timeout_protocol`` sets the deadline.
+    connection (408 when some bytes came).
     """
 
     header_timeout_s: float = 10.0
@@ -71,13 +71,10 @@ class HeaderTimeoutProtocol(H11Protocol):
         self.transport.close()
 
 
-def header_timeout_protocol(header_timeout_s: float) -> type[HeaderTimeoutProtocol]:
-    """A protocol class bound to ``header_timeout_s`` (uvicorn builds one per connection)."""
-    attrs = {"header_timeout_s": header_timeout_s}
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), attrs)
-
-
 def _uvicorn_server(app, config: ServeConfig) -> uvicorn.Server:
+    # uvicorn builds one protocol object per connection, of a class bound to the deadline
+    timeout = {"header_timeout_s": config.header_timeout_s}
+    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), timeout)
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -86,7 +83,7 @@ def _uvicorn_server(app, config: ServeConfig) -> uvicorn.Server:
         access_log=False,
         timeout_graceful_shutdown=config.drain_timeout_s,
         lifespan="on",
-        http=header_timeout_protocol(config.header_timeout_s),
+        http=protocol,
         timeout_keep_alive=config.keep_alive_s,
         limit_concurrency=config.max_connections,
     )
