@@ -17,8 +17,6 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ragserve.retrieval.sharded import BaseShard
 from ragserve.runtime.errors import ShardDiedError
 from ragserve.runtime.runners import GenerationRunner
@@ -112,14 +110,6 @@ class LLMReplica(_Actor):
         return {**self._engine_stats, "tasks": self.num_tasks}
 
 
-class ShardedRetrievalRunner(StagedRetrievalRunner):
-    """``StagedRetrievalRunner`` over a ``ShardedIndex`` (the cluster of a row id is asked of
-    the shards instead of read from one Faiss index)."""
-
-    def _clusters_of(self, ids: np.ndarray) -> np.ndarray:
-        return self.index.clusters_of(ids)
-
-
 class RetrievalCoordinator(_Actor):
     """The embedder and the retrieval runner: one index folder, or a ``ShardedIndex`` whose
     shards are Ray actors (named ``shard_names``) laid out under ``shard_root``. ``tier``
@@ -137,7 +127,6 @@ class RetrievalCoordinator(_Actor):
         reranker: str = "embedding",
     ) -> None:
         vindex: Any = index  # a folder: ``build`` loads it and places its tier (on restarts too)
-        runner_cls: type = StagedRetrievalRunner
         if shard_root is not None:
             import ray
 
@@ -146,8 +135,9 @@ class RetrievalCoordinator(_Actor):
 
             shards = [RayShard(ray.get_actor(n)) for n in shard_names or []]
             vindex = ShardedIndex(shards, read_layout(shard_root), read_quantizer(shard_root))
-            runner_cls = ShardedRetrievalRunner
-        runner = runner_cls.build(vindex, embedder, default_nprobe, tier=tier, reranker=reranker)
+        runner = StagedRetrievalRunner.build(
+            vindex, embedder, default_nprobe, tier=tier, reranker=reranker
+        )
         if shard_root is not None:
             vindex._embedder = runner.embedder
         self._own_index = shard_root is None  # its tier is reported here (shards: their own)

@@ -465,20 +465,8 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
     config, plan = plan_gpu_memory(config, model, index)
     tier = None if plan.tier_bytes is None else config.gpu_tier.tier_spec(plan.tier_bytes)
     # NOTE: in process, the model and the index may be live objects; the builders take both
-    gen = WorkerSpec(
-        "generation",
-        model,
-        config.engine_kwargs,
-        index,
-        embedder,
-        config.default_nprobe,
-        tier,
-        logging.getLogger("ragserve").getEffectiveLevel(),
-        config.max_message_bytes,
-        config.small_message_bytes,
-        config.tokenizer_prefetch,
-        config.operators.reranker,
-    )
+    level = logging.getLogger("ragserve").getEffectiveLevel()
+    gen = WorkerSpec("generation", model, index, embedder, tier, config, level)
     ret = dataclasses.replace(gen, kind="retrieval")
     if config.in_process:
         return LocalExecutor(build_runner(gen), build_runner(ret))
