@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ragserve.scheduler import GenerationUpdate
+from ragserve.scheduler import GenerationUpdate, RetrievalResult
 
 logger = logging.getLogger(__name__)
 
@@ -54,3 +54,10 @@ def isolated(
 
 def failed_update(task_id: str, reason: str, kind: str = "internal") -> GenerationUpdate:
     return GenerationUpdate(task_id, "", (), True, "error", error=reason, error_kind=kind)
+
+
+def failed_results(is_generation: bool, task_ids: Any, reason: str, kind: str) -> list[Any]:
+    """An error update (generation) or result (retrieval) for each of ``task_ids``."""
+    if is_generation:
+        return [failed_update(t, reason, kind) for t in task_ids]
+    return [RetrievalResult(t, (), reason, error_kind=kind) for t in task_ids]

@@ -15,7 +15,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.errors import WorkerError, failed_update
+from ragserve.runtime.errors import WorkerError, failed_results
 from ragserve.runtime.payloads import read_results
 from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
 from ragserve.runtime.shm import ShmRing
@@ -39,7 +39,6 @@ from ragserve.scheduler import (
     BaseExecutor,
     GenerationTask,
     GenerationUpdate,
-    RetrievalResult,
     RetrievalTask,
     Update,
 )
@@ -108,8 +107,8 @@ class LocalExecutor(BaseExecutor):
 
 class WorkerHandle:
     """One worker process, its bounded inbox, result pipe and shared-memory ring. ``pending``:
-    encoded messages waiting for room in the inbox, up to ``config.max_pending_messages``
-    (``has_room``; then tasks fail as ``overloaded``; an abort or shutdown always queues)."""
+    encoded messages waiting for room in the inbox (past ``config.max_pending_messages`` tasks
+    fail as ``overloaded``; an abort or shutdown always queues)."""
 
     def __init__(self, spec: WorkerSpec, config: ServerConfig, ctx: Any) -> None:
         self.spec, self.config, self.ctx = spec, config, ctx
@@ -155,10 +154,6 @@ class WorkerHandle:
     def send(self, msg: Any) -> None:
         self.pending.append(encode(msg))
         self.flush()
-
-    @property
-    def has_room(self) -> bool:
-        return len(self.pending) < self.config.max_pending_messages
 
     def flush(self) -> None:
         """Move pending messages into the inbox while it has room (never blocks)."""
@@ -262,41 +257,44 @@ class ProcessExecutor(BaseExecutor):
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
         self._submit(self.workers["ret"], tasks)
 
-    def _refusal(self, worker: WorkerHandle) -> tuple[str, str] | None:
+    def _refusal(self, worker: WorkerHandle) -> WorkerError | None:
         if worker.broken is not None:
-            return worker.broken, "worker_died"
-        if not worker.has_room:
-            reason = (
+            return WorkerError(worker.broken, "worker_died")
+        if len(worker.pending) >= self.config.max_pending_messages:
+            return WorkerError(
                 f"the {worker.spec.kind} worker's queue is full "
-                f"({self.config.max_pending_messages} messages waiting); retry later"
+                f"({self.config.max_pending_messages} messages waiting); retry later",
+                "overloaded",
             )
-            return reason, "overloaded"
         return None
 
     def _submit(self, worker: WorkerHandle, tasks: list) -> None:
         refusal = self._refusal(worker)
         if refusal is not None:
-            self._errors.extend(self._failed(worker, [t.task_id for t in tasks], *refusal))
+            self._errors.extend(
+                self._failed(worker, [t.task_id for t in tasks], str(refusal), refusal.kind)
+            )
             return
         try:
             data = encode(SubmitMsg(tuple(tasks)))
         except Exception:  # NOTE: each task that cannot be pickled fails alone
-            good = []
-            for t in tasks:
-                try:
-                    encode(t)
-                except Exception as exc:
-                    reason = f"the task cannot be sent to the worker: {type(exc).__name__}"
-                    logger.warning("task %s: %s (%s)", t.task_id, reason, exc)
-                    self._errors.extend(self._failed(worker, [t.task_id], reason, "bad_request"))
-                else:
-                    good.append(t)
-            if not good:
+            tasks = [t for t in tasks if self._encodes(worker, t)]
+            if not tasks:
                 return
-            data, tasks = encode(SubmitMsg(tuple(good))), good
+            data = encode(SubmitMsg(tuple(tasks)))
         worker.in_flight.update(t.task_id for t in tasks)
         worker.pending.append(data)
         worker.flush()
+
+    def _encodes(self, worker: WorkerHandle, task: Any) -> bool:
+        try:
+            encode(task)
+        except Exception as exc:
+            reason = f"the task cannot be sent to the worker: {type(exc).__name__}"
+            logger.warning("task %s: %s (%s)", task.task_id, reason, exc)
+            self._errors.extend(self._failed(worker, [task.task_id], reason, "bad_request"))
+            return False
+        return True
 
     def abort(self, task_ids: list[str]) -> None:
         gen = self.workers["gen"]
@@ -318,21 +316,20 @@ class ProcessExecutor(BaseExecutor):
         token = next(self._tokens)
         fut: Future = Future()
         kind = worker.spec.kind
+        error = self._refusal(worker)
         try:
-            refusal = self._refusal(worker)
-            if refusal is not None:
-                raise WorkerError(*refusal)
-            try:
+            if error is None:
                 check_call(name, kind)
-            except ValueError as exc:
-                raise WorkerError(str(exc), "bad_request") from None
-            try:
+        except ValueError as exc:
+            error = WorkerError(str(exc), "bad_request")
+        try:
+            if error is None:
                 data = encode(CallMsg(token, name, args))
-            except Exception as exc:
-                reason = f"the arguments cannot be sent to the {kind} worker: {type(exc).__name__}"
-                raise WorkerError(reason, "bad_request") from None
-        except WorkerError as exc:
-            fut.set_exception(exc)
+        except Exception as exc:
+            reason = f"the arguments cannot be sent to the {kind} worker: {type(exc).__name__}"
+            error = WorkerError(reason, "bad_request")
+        if error is not None:
+            fut.set_exception(error)
             return fut
         with self._replies_lock:
             self._replies[token] = fut
@@ -443,9 +440,7 @@ class ProcessExecutor(BaseExecutor):
     def _failed(
         self, worker: WorkerHandle, task_ids: Any, reason: str, kind: str = "worker_died"
     ) -> list[Update]:
-        if worker is self.workers["gen"]:
-            return [failed_update(t, reason, kind) for t in task_ids]
-        return [RetrievalResult(t, (), reason, error_kind=kind) for t in task_ids]
+        return failed_results(worker.spec.kind == "generation", task_ids, reason, kind)
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self.workers["gen"].engine_stats)

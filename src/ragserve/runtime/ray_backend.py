@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.errors import failed_update
+from ragserve.runtime.errors import failed_results
 from ragserve.runtime.replica_router import ReplicaRouter
 from ragserve.scheduler import (
     BaseExecutor,
     GenerationTask,
-    RetrievalResult,
     RetrievalTask,
     Update,
 )
@@ -321,35 +320,34 @@ class RayExecutor(BaseExecutor):
             self._restarts[name] = self._restarts.get(name, 0) + 1
             logger.warning("%s actor died (%s); Ray restarts it", name, type(exc).__name__)
         reason = f"{name} actor died ({type(exc).__name__}); Ray restarts it"
-        if name == RETRIEVAL and self._is_given_up(name):
-            failed = [t for t, _ in self._retrievals.values()]
-            self._retrievals.clear()
+        if name != RETRIEVAL:
+            replica = int(name.rsplit("_", 1)[1])
+            self.router.set_available(replica, False)
+            lost = self.router.tasks_on(replica)
+            for tid in lost:
+                self.router.finish(tid)
+            if lost:  # a submit that raced the death may have reached the restarted instance
+                self.actors[name].abort.remote(lost)
+            return failed_results(True, lost, reason, "worker_died")
+        held = {t.task_id for t in self._held}
+        given_up = self._is_given_up(name)
+        if given_up:
+            held = set()
             self._held.clear()
             reason = (
                 f"{name} actor did not come back within {self.config.worker_start_timeout:.0f} s"
             )
-        elif name == RETRIEVAL:
-            held = {t.task_id for t in self._held}
-            failed = []
-            for t, n in [(t, n) for t, n in self._retrievals.values() if t.task_id not in held]:
-                if n < 2:  # idempotent: one retry each
-                    self._retrievals[t.task_id] = (t, 2)
-                    self._held.append(t)
-                else:
-                    del self._retrievals[t.task_id]
-                    failed.append(t)
-        if name == RETRIEVAL:
-            return [
-                RetrievalResult(t.task_id, (), reason, error_kind="worker_died") for t in failed
-            ]
-        replica = int(name.rsplit("_", 1)[1])
-        self.router.set_available(replica, False)
-        lost = self.router.tasks_on(replica)
-        for tid in lost:
-            self.router.finish(tid)
-        if lost:  # a submit that raced the death may have reached the restarted instance
-            self.actors[name].abort.remote(lost)
-        return [failed_update(t, reason, "worker_died") for t in lost]
+        failed = []
+        for t, attempts in list(self._retrievals.values()):
+            if t.task_id in held:
+                continue
+            if attempts < 2 and not given_up:  # idempotent: one retry each
+                self._retrievals[t.task_id] = (t, 2)
+                self._held.append(t)
+            else:
+                del self._retrievals[t.task_id]
+                failed.append(t.task_id)
+        return failed_results(False, failed, reason, "worker_died")
 
     # -- documents, stats, close ------------------------------------------------------------
     def call_retrieval(self, name: str, *args: Any) -> Future:
