@@ -1,8 +1,6 @@
 """The retrieval worker's operator tasks, run by ``RetrievalRunner.run`` beside its searches:
-embed (one embedder call per batch), rerank (the runner's ``reranker``, else the embedder's
-cosine; ties keep the input order), upsert (strings get ``uuid5`` ids from the task id, so a
-retry writes the same ids; checked against ``document_limits``). Each task gets its own
-``OperatorResult``; a bad one fails alone and nothing raises out of ``run_operators``."""
+embed (one embedder call per batch), rerank (ties keep the input order), upsert (strings get
+``uuid5`` ids from the task id, so a retry writes the same ids). A bad task fails alone."""
 
 from __future__ import annotations
 

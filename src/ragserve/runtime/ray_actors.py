@@ -1,11 +1,7 @@
-"""The Ray backend's actors: LLM replicas, the retrieval coordinator, and the shard client.
-
-Each actor runs a worker loop (``workers.serve_generation`` / ``serve_retrieval``, as a worker
-process does) on its own thread over an in-memory inbox; Ray method calls only enqueue
-messages (``submit``, ``abort``, ``call``) or take what the loop produced (``poll``), so the
-actors are created with ``max_concurrency > 1``. The classes are plain Python: the backend
-wraps them with ``ray.remote``.
-"""
+"""The Ray backend's actors (plain classes the backend wraps with ``ray.remote``): LLM
+replicas, the retrieval coordinator, and the shard client. Each actor runs a worker loop
+(``workers.serve_*``) on its own thread; Ray method calls only enqueue messages or take what
+the loop produced (``poll``), so the actors need ``max_concurrency > 1``."""
 
 from __future__ import annotations
 
@@ -111,10 +107,8 @@ class LLMReplica(_Actor):
 
 
 class RetrievalCoordinator(_Actor):
-    """The embedder and the retrieval runner: one index folder, or a ``ShardedIndex`` whose
-    shards are Ray actors (named ``shard_names``) laid out under ``shard_root``. ``tier``
-    places the GPU tier of the one index folder (the shards hold their own); ``reranker``: the
-    rerank nodes' (``OperatorConfig.reranker``, built here)."""
+    """The embedder and the retrieval runner over one index folder (``tier``: its GPU tier), or
+    a ``ShardedIndex`` of the Ray actors ``shard_names`` laid out under ``shard_root``."""
 
     def __init__(
         self,
@@ -170,11 +164,9 @@ class RetrievalCoordinator(_Actor):
 
 
 class RayShard(BaseShard):
-    """A ``BaseShard`` whose ``ShardServer`` is a Ray actor (one shard folder each). Large
-    arrays (queries, top-k ids and scores) travel through Ray's object store. A call that finds
-    its actor dead is retried once when it is idempotent (searches and reads): Ray restarts the
-    actor from its folder (``max_restarts``), and the retry waits until it answers. Writes are
-    not retried: their caller gets the error and the shard holds whatever it acknowledged."""
+    """A ``BaseShard`` whose ``ShardServer`` is a Ray actor. An idempotent call (searches,
+    reads) that finds the actor dead is retried once, after Ray restarted it from its folder;
+    a write is not: its caller gets the error and the shard holds what it acknowledged."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
