@@ -10,6 +10,7 @@ import logging
 import os
 import time
 import uuid
+from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,9 +227,9 @@ class RayExecutor(BaseExecutor):
 
     # -- BaseExecutor -----------------------------------------------------------------------
     def submit_generation(self, tasks: list[GenerationTask]) -> None:
-        groups: dict[int, list[GenerationTask]] = {}
+        groups: dict[int, list[GenerationTask]] = defaultdict(list)
         for t in tasks:
-            groups.setdefault(self.router.route(t.task_id, t.prompt), []).append(t)
+            groups[self.router.route(t.task_id, t.prompt)].append(t)
         for replica, group in groups.items():
             self.actors[f"llm_{replica}"].submit.remote(group)
 
@@ -243,11 +244,10 @@ class RayExecutor(BaseExecutor):
             self.actors[RETRIEVAL].submit.remote(list(tasks))
 
     def abort(self, task_ids: list[str]) -> None:
-        groups: dict[int, list[str]] = {}
+        groups: dict[int | None, list[str]] = defaultdict(list)
         for tid in task_ids:
-            replica = self.router.finish(tid)
-            if replica is not None:
-                groups.setdefault(replica, []).append(tid)
+            groups[self.router.finish(tid)].append(tid)
+        groups.pop(None, None)
         for replica, ids in groups.items():
             self.actors[f"llm_{replica}"].abort.remote(ids)
 

@@ -93,12 +93,7 @@ class GenerationRunner:
             for t in tasks:
                 self._tokenizing[t.task_id] = (t, self._prefetch.submit(self._tokenized, t))
             return []
-        errors = []
-        for t in tasks:
-            update = self._admit(t, None)
-            if update is not None:
-                errors.append(update)
-        return errors
+        return [u for t in tasks if (u := self._admit(t, None)) is not None]
 
     def _prompt(self, t: GenerationTask) -> Any:
         """The chat-templated text, its paragraph segments (cache fusion), or the token ids."""
@@ -136,8 +131,7 @@ class GenerationRunner:
             if not future.done() and self.engine.has_unfinished():
                 break
             del self._tokenizing[task_id]
-            update = self._admit(task, future.result())
-            if update is not None:
+            if (update := self._admit(task, future.result())) is not None:
                 errors.append(update)
         return errors
 

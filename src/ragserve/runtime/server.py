@@ -205,15 +205,16 @@ class Server:
 
     def _tier_holds_index(self) -> bool:
         try:
-            timeout = self.config.call_timeout_s
-            stats = self.executor.call_retrieval("gpu_tier_stats").result(timeout)
+            stats = self.executor.call_retrieval("gpu_tier_stats").result(
+                self.config.call_timeout_s
+            )
         except Exception as e:  # noqa: BLE001 - e.g. index shards on Ray: count as no tier
             logger.info("co-scheduling auto: no GPU tier report (%s)", e)
             return False
-        if stats and stats.get("holds_index"):
+        holds = bool(stats and stats.get("holds_index"))
+        if holds:
             logger.info("co-scheduling auto: the GPU tier holds the whole index; transforms off")
-            return True
-        return False
+        return holds
 
     def set_transforms(self, transforms: Sequence[Any], timeout: float | None = None) -> None:
         """Swap the transform chain once the requests in flight have finished."""

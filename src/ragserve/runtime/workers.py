@@ -103,15 +103,12 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
 
 
 def _thread_local_progress_lock() -> None:
-    """tqdm (the model loaders' progress bars) creates a process-shared lock, a named
-    semaphore the server's resource tracker records; a worker killed with SIGKILL never
-    releases it. A worker's bars need no cross-process lock."""
-    try:
-        import threading
+    """tqdm's default lock (the model loaders' progress bars) is a named semaphore that a
+    worker killed with SIGKILL never releases; a worker's bars need no cross-process lock."""
+    import threading
 
-        from tqdm import tqdm
-    except ImportError:
-        return
+    from tqdm import tqdm  # a dependency of transformers
+
     tqdm.set_lock(threading.RLock())
 
 
