@@ -17,8 +17,9 @@ from typing import Any
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError, failed_results
 from ragserve.runtime.payloads import read_results
-from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
+from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.shm import ShmRing
+from ragserve.runtime.staged_retrieval import StagedRetrievalRunner, run_isolated
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
     CallMsg,
@@ -51,7 +52,7 @@ MAX_FAILED_STARTS = 3  # a worker that dies this many times before 'ready' is gi
 class LocalExecutor(BaseExecutor):
     """Engine and index in this process."""
 
-    def __init__(self, generation: GenerationRunner, retrieval: RetrievalRunner) -> None:
+    def __init__(self, generation: GenerationRunner, retrieval: StagedRetrievalRunner) -> None:
         self.generation = generation
         self.retrieval = retrieval
         self._pending: list[RetrievalTask] = []
@@ -302,7 +303,7 @@ class ProcessExecutor(BaseExecutor):
         gen.send(AbortGenerationMsg(tuple(task_ids)))
 
     def call_retrieval(self, name: str, *args: Any) -> Future:
-        """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
+        """Run ``StagedRetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
         blocks). The future fails with ``WorkerError``: ``bad_request`` when the arguments
         cannot be pickled or ``name`` is not in ``CALLS``, ``worker_died`` when the worker
         dies first or is broken, ``overloaded`` when its queue is full."""

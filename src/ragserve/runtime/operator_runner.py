@@ -1,4 +1,4 @@
-"""The retrieval worker's operator tasks, run by ``RetrievalRunner.run`` beside its searches:
+"""The retrieval worker's operator tasks, run by ``StagedRetrievalRunner.run`` beside its searches:
 embed (one embedder call per batch), rerank (ties keep the input order), upsert (strings get
 ``uuid5`` ids from the task id, so a retry writes the same ids). A bad task fails alone."""
 

@@ -139,7 +139,7 @@ class RetrievalCoordinator(_Actor):
         super().__init__(runner, serve_retrieval)
 
     def call(self, name: str, args: tuple) -> Any:
-        """``RetrievalRunner.<name>(*args)`` (upserts), run between two searches."""
+        """``StagedRetrievalRunner.<name>(*args)`` (upserts), run between two searches."""
         fut: Future = Future()
         token = next(self._tokens)
         self._replies[token] = fut

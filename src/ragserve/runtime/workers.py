@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.payloads import Outbox
-from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
+from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.shm import ShmWriter
+from ragserve.runtime.staged_retrieval import StagedRetrievalRunner, run_isolated
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
     CallMsg,
@@ -54,12 +55,10 @@ class WorkerSpec:
     log_level: int = logging.WARNING
 
 
-def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
+def build_runner(spec: WorkerSpec) -> GenerationRunner | StagedRetrievalRunner:
     config = spec.config
     if spec.kind == "generation":
         return GenerationRunner.build(spec.model, config.engine_kwargs, config.tokenizer_prefetch)
-    from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
-
     return StagedRetrievalRunner.build(
         spec.index,
         spec.embedder,
@@ -177,7 +176,7 @@ def serve_generation(runner: GenerationRunner, drain: Drain, outbox: Any) -> Non
         was_busy = busy
 
 
-def serve_retrieval(runner: RetrievalRunner, drain: Drain, outbox: Any) -> None:
+def serve_retrieval(runner: StagedRetrievalRunner, drain: Drain, outbox: Any) -> None:
     """Until a ``ShutdownMsg``: every task queued since the last search goes in one batch
     (``run_isolated``); calls run between batches; staged retrievals advance a sub-stage per
     turn."""
