@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ragserve.scheduler import GenerationUpdate, RetrievalResult
+from ragserve.scheduler.messages import EmbedTask, OperatorResult, RerankTask, UpsertTask
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,15 @@ def isolated(
             return [fail(t, exc) for t in tasks]
         logger.warning("a batch of %d tasks failed (%s); one by one", len(tasks), exc)
     return [r for t in tasks for r in isolated(run, [t], fail)]
+
+
+def failed_result(task: Any, exc: BaseException) -> RetrievalResult | OperatorResult:
+    """``task``'s error result for ``exc`` (an ``OperatorResult`` for an operator task)."""
+    logger.warning("task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+    message, kind = failure(exc)
+    if isinstance(task, (EmbedTask, RerankTask, UpsertTask)):
+        return OperatorResult(task.task_id, error=message, error_kind=kind)
+    return RetrievalResult(task.task_id, (), message, error_kind=kind)
 
 
 def failed_update(task_id: str, reason: str, kind: str = "internal") -> GenerationUpdate:

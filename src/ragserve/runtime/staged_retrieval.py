@@ -17,7 +17,7 @@ from ragserve.graph import Passage
 from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
 from ragserve.retrieval.staged import StageCostModel, StagedSearch, StageParams, StageProgress
 from ragserve.retrieval.types import ScoredDocument
-from ragserve.runtime.errors import failure, isolated
+from ragserve.runtime.errors import failed_result, isolated
 from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.scheduler import RetrievalResult, RetrievalTask
 from ragserve.scheduler.messages import (
@@ -336,9 +336,3 @@ class StagedRetrievalRunner:
 
 def run_isolated(runner: StagedRetrievalRunner, tasks: list[RetrievalTask]) -> list[Any]:
     return isolated(runner.run, tasks, failed_result)
-
-
-def failed_result(task: RetrievalTask, exc: BaseException) -> RetrievalResult:
-    logger.warning("retrieval task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-    message, kind = failure(exc)
-    return RetrievalResult(task.task_id, (), message, error_kind=kind)
