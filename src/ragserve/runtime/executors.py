@@ -317,20 +317,21 @@ class ProcessExecutor(BaseExecutor):
         token = next(self._tokens)
         fut: Future = Future()
         kind = worker.spec.kind
-        error = self._refusal(worker)
         try:
-            if error is None:
+            refusal = self._refusal(worker)
+            if refusal is not None:
+                raise refusal
+            try:
                 check_call(name, kind)
-        except ValueError as exc:
-            error = WorkerError(str(exc), "bad_request")
-        try:
-            if error is None:
+            except ValueError as exc:
+                raise WorkerError(str(exc), "bad_request") from None
+            try:
                 data = encode(CallMsg(token, name, args))
-        except Exception as exc:
-            reason = f"the arguments cannot be sent to the {kind} worker: {type(exc).__name__}"
-            error = WorkerError(reason, "bad_request")
-        if error is not None:
-            fut.set_exception(error)
+            except Exception as exc:
+                reason = f"the arguments cannot be sent to the {kind} worker: {type(exc).__name__}"
+                raise WorkerError(reason, "bad_request") from None
+        except WorkerError as exc:
+            fut.set_exception(exc)
             return fut
         with self._replies_lock:
             self._replies[token] = fut
