@@ -207,7 +207,7 @@ def measure_generation_profile(
             f"kv_blocks: {sizes[0]} blocks of {block_size} tokens cannot hold one request of "
             f"{work.tokens} tokens (needs {per_request})"
         )
-    rows, rps = [], []
+    rows = []
     for n in sizes:
         engine = LLMEngine(model, **{**engine_kwargs, "kv_cache_bytes": n * block_bytes})
         try:
@@ -230,7 +230,6 @@ def measure_generation_profile(
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         produced = sum(len(o.token_ids) for o in outs)
-        rps.append(count / seconds)
         rows.append(
             {
                 "kv_blocks": n,
@@ -242,7 +241,8 @@ def measure_generation_profile(
             }  # fmt: skip
         )
         logger.info("T_G: %d KV blocks -> %.2f requests/s", n, count / seconds)
-    return ThroughputProfile(tuple(float(s) for s in sizes), tuple(rps)), rows
+    rps = tuple(row["rps"] for row in rows)
+    return ThroughputProfile(tuple(float(s) for s in sizes), rps), rows
 
 
 def measure_retrieval_profile(

@@ -89,14 +89,8 @@ class Server:
         declares must be given)."""
         done = threading.Event()
         box: list[Response] = []
-        self._add(
-            question,
-            graph,
-            request_id,
-            on_done=lambda r: (box.append(r), done.set()),
-            history=history,
-            inputs=inputs,
-        )
+        on_done = lambda r: (box.append(r), done.set())
+        self._add(question, graph, request_id, on_done, history=history, inputs=inputs)
         while not done.wait(0.5):
             if self._closed.is_set():
                 raise WorkerError("the Server closed before the request finished", "aborted")
