@@ -109,8 +109,7 @@ class RayExecutor(BaseExecutor):
             self._plan_placement()
             self.shards = self._start_shards(index)
             self.actors = {RETRIEVAL: self._start_coordinator(index, embedder)}
-            for i, actor in enumerate(self._start_replicas(model)):
-                self.actors[f"llm_{i}"] = actor
+            self.actors.update((f"llm_{i}", a) for i, a in enumerate(self._start_replicas(model)))
             pending = [a.ping.remote() for a in self.actors.values()]
             pending += [s.stats.remote() for s in self.shards]
             ray.get(pending, timeout=config.worker_start_timeout)
