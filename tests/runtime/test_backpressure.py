@@ -27,7 +27,9 @@ def _stopped(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_a_flood_is_bounded_and_the_rest_is_overloaded(tiny_model: str, small_index: str) -> None:
     config = ServerConfig(queue_size=2, max_pending_messages=3)
-    gen = WorkerSpec("generation", model=tiny_model, engine_kwargs=(("device", "cpu"),))
+    gen = WorkerSpec(
+        "generation", model=tiny_model, config=ServerConfig(engine_kwargs={"device": "cpu"})
+    )
     executor = ProcessExecutor(gen, WorkerSpec("retrieval", index=small_index), config)
     worker = executor.workers["ret"]
     os.kill(worker.proc.pid, signal.SIGSTOP)

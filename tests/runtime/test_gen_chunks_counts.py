@@ -129,7 +129,9 @@ def process_executor(tiny_model: str, small_index: str):
     from ragserve.runtime.executors import ProcessExecutor
     from ragserve.runtime.workers import WorkerSpec
 
-    gen = WorkerSpec("generation", model=tiny_model, engine_kwargs=tuple(ENGINE_KWARGS.items()))
+    gen = WorkerSpec(
+        "generation", model=tiny_model, config=ServerConfig(engine_kwargs=ENGINE_KWARGS)
+    )
     ret = WorkerSpec("retrieval", index=small_index)
     return ProcessExecutor(gen, ret, ServerConfig())
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ragserve.graph import Passage
-from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
+from ragserve.runtime.runners import GenerationRunner
+from ragserve.runtime.staged_retrieval import StagedRetrievalRunner, run_isolated
 from ragserve.scheduler import GenerationParams, GenerationTask, RetrievalTask
 from ragserve.workflows import get_workflow
 
@@ -46,7 +47,7 @@ class OneDocIndex:
 
 
 def test_a_poison_query_fails_alone_and_the_batch_is_retried() -> None:
-    runner = RetrievalRunner(OneDocIndex(), PickyEmbedder())
+    runner = StagedRetrievalRunner(OneDocIndex(), PickyEmbedder())
     tasks = [RetrievalTask(f"t{i}", "poison" if i == 2 else f"q{i}", 1) for i in range(5)]
     results = run_isolated(runner, tasks)
     by_id = {r.task_id: r for r in results}
@@ -59,7 +60,7 @@ def test_a_poison_query_fails_alone_and_the_batch_is_retried() -> None:
 
 def test_a_healthy_batch_runs_once_as_a_batch() -> None:
     embedder = PickyEmbedder()
-    runner = RetrievalRunner(OneDocIndex(), embedder)
+    runner = StagedRetrievalRunner(OneDocIndex(), embedder)
     tasks = [RetrievalTask("a", "q", 1), RetrievalTask("b", "r", 1)]
     results = run_isolated(runner, tasks)
     assert [r.error for r in results] == [None, None] and embedder.num_calls == 1

@@ -7,7 +7,7 @@ import numpy as np
 from ragserve.graph import Passage
 from ragserve.retrieval import Document
 from ragserve.retrieval.rerank import BaseReranker
-from ragserve.runtime.runners import RetrievalRunner
+from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import EmbedTask, OperatorResult, RerankTask, UpsertTask
 
 
@@ -31,8 +31,8 @@ class RecordingIndex:
         self.added.append(list(docs))
 
 
-def _runner() -> RetrievalRunner:
-    return RetrievalRunner(RecordingIndex(), CountingEmbedder())
+def _runner() -> StagedRetrievalRunner:
+    return StagedRetrievalRunner(RecordingIndex(), CountingEmbedder())
 
 
 def test_embed_tasks_of_a_batch_share_one_encode_call() -> None:

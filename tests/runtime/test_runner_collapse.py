@@ -13,7 +13,6 @@ import pytest
 
 from ragserve.retrieval import Document, VectorIndex
 from ragserve.retrieval.collapse import FETCH_FACTOR, section_key
-from ragserve.runtime.runners import RetrievalRunner
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RetrievalTask
 from ragserve.scheduler.messages import RetrievalPartial, StagedRetrievalTask
@@ -68,7 +67,7 @@ def plain():
     vi.close()
 
 
-def _drive(runner: RetrievalRunner, tasks: list) -> tuple[dict, dict]:
+def _drive(runner: StagedRetrievalRunner, tasks: list) -> tuple[dict, dict]:
     """Run ``tasks`` to the end; final results and partials by task id."""
     finals, partials = {}, {}
     updates = runner.run(tasks)
@@ -115,7 +114,7 @@ def _collapsed(vi: VectorIndex, query: str, topk: int) -> list:
 
 @pytest.mark.parametrize("staged", [False, True])
 def test_collapsed_node_equals_search_text(sectioned: VectorIndex, staged: bool) -> None:
-    runner = (StagedRetrievalRunner if staged else RetrievalRunner)(sectioned, sectioned.embedder)
+    runner = StagedRetrievalRunner(sectioned, sectioned.embedder)
     make = _staged if staged else RetrievalTask
     tasks = [make(f"t{i}", q, 5) for i, q in enumerate(QUERIES)]
     tasks.append(make("off", "apple", 5, collapse_sections=False))
@@ -157,7 +156,7 @@ def test_collapsed_staged_task_that_needs_no_deeper_search(sectioned: VectorInde
 
 @pytest.mark.parametrize("staged", [False, True])
 def test_index_without_sections_stays_faiss_one_shot(plain: VectorIndex, staged: bool) -> None:
-    runner = (StagedRetrievalRunner if staged else RetrievalRunner)(plain, plain.embedder)
+    runner = StagedRetrievalRunner(plain, plain.embedder)
     plain.search_text = None  # never called: nothing to collapse
     make = _staged if staged else RetrievalTask
     tasks = [make(f"t{i}", q, 6, collapse_sections=i % 2 == 0) for i, q in enumerate(QUERIES)]
@@ -168,7 +167,7 @@ def test_index_without_sections_stays_faiss_one_shot(plain: VectorIndex, staged:
 
 
 def test_index_switched_off_and_sections_added_later(plain: VectorIndex) -> None:
-    runner = RetrievalRunner(plain, plain.embedder)
+    runner = StagedRetrievalRunner(plain, plain.embedder)
     assert not runner.collapses(RetrievalTask("t", "apple", 5))
     extra = [Document(f"x{c}", "apple apple apple", "X", {"source_id": "x"}) for c in range(3)]
     plain.add_documents(extra)
@@ -182,9 +181,9 @@ def test_index_switched_off_and_sections_added_later(plain: VectorIndex) -> None
 
 @pytest.mark.parametrize("staged", [False, True])
 def test_bad_collapse_value_fails_its_task_only(sectioned: VectorIndex, staged: bool) -> None:
-    from ragserve.runtime.runners import run_isolated
+    from ragserve.runtime.staged_retrieval import run_isolated
 
-    runner = (StagedRetrievalRunner if staged else RetrievalRunner)(sectioned, sectioned.embedder)
+    runner = StagedRetrievalRunner(sectioned, sectioned.embedder)
     make = _staged if staged else RetrievalTask
     tasks = [make("bad", "apple", 5, collapse_sections="yes"), make("ok", "lemon", 5)]
     finals = {r.task_id: r for r in run_isolated(runner, tasks)}

@@ -1,4 +1,4 @@
-"""`RetrievalRunner` answers tasks with a mode or filter through `VectorIndex.search_text`,
+"""`StagedRetrievalRunner` answers tasks with a mode or filter through `VectorIndex.search_text`,
 next to plain dense tasks in the same batch; a bad filter fails its own task only."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 
 from ragserve.retrieval import Document, VectorIndex
-from ragserve.runtime.runners import RetrievalRunner
+from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RetrievalTask
 
 
@@ -37,7 +37,7 @@ def _index() -> VectorIndex:
 
 def test_mixed_batch() -> None:
     vi = _index()
-    runner = RetrievalRunner(vi, vi.embedder)
+    runner = StagedRetrievalRunner(vi, vi.embedder)
     tasks = [
         RetrievalTask("plain", "red green", 4),
         RetrievalTask("bm25", "item7", 2, mode="bm25"),
@@ -70,7 +70,7 @@ def test_ensemble_tasks_equal_search_text() -> None:
 
     vi = _index()
     vi.enable_ensemble(EnsembleConfig("bow2", depth=20), embedder=Bow2())
-    runner = RetrievalRunner(vi, vi.embedder)
+    runner = StagedRetrievalRunner(vi, vi.embedder)
     tasks = [
         RetrievalTask("ens", "cyan item9 red", 4, mode="ensemble"),
         RetrievalTask("ens-f", "blue black", 3, mode="ensemble", filter={"k": 1}),

@@ -17,6 +17,17 @@ if TYPE_CHECKING:
 # ``retrieval.gpu_tier.SCANS`` (no torch import here)
 TIER_SCANS = ("auto", "grouped", "dense", "fused")
 STREAM_MODES = ("auto", "on", "off")  # ``retrieval.cold_stream.STREAM_MODES``
+COUNTS = (  # the ``ServerConfig`` fields that must be >= 1
+    "max_active_requests",
+    "queue_size",
+    "max_pending_messages",
+    "shm_slots",
+    "shm_slot_bytes",
+    "max_message_bytes",
+    "max_num_calls",
+    "num_llm_replicas",
+    "num_index_shards",
+)
 
 
 @dataclass(frozen=True)
@@ -117,16 +128,7 @@ class ServerConfig:
         for name in ("call_timeout_s", "health_stall_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
-        names = (
-            "max_active_requests",
-            "queue_size",
-            "max_pending_messages",
-            "shm_slots",
-            "shm_slot_bytes",
-            "max_message_bytes",
-            "max_num_calls",
-        )
-        for name in names:
+        for name in COUNTS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.small_message_bytes <= self.max_message_bytes:
@@ -140,9 +142,6 @@ class ServerConfig:
         _one_of(self, "backend", ("process", "ray"))
         _one_of(self, "worker_start_method", START_METHODS)
         _one_of(self, "shard_partition", ("list", "document"))
-        for name in ("num_llm_replicas", "num_index_shards"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.backend == "process" and (self.num_llm_replicas, self.num_index_shards) != (1, 1):
             raise ValueError("num_llm_replicas and num_index_shards > 1 need backend='ray'")
         if self.backend == "ray" and self.in_process:

@@ -8,7 +8,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ragserve.scheduler import GenerationUpdate
+from ragserve.scheduler import GenerationUpdate, RetrievalResult
+from ragserve.scheduler.messages import EmbedTask, OperatorResult, RerankTask, UpsertTask
 
 logger = logging.getLogger(__name__)
 
@@ -52,5 +53,21 @@ def isolated(
     return [r for t in tasks for r in isolated(run, [t], fail)]
 
 
+def failed_result(task: Any, exc: BaseException) -> RetrievalResult | OperatorResult:
+    """``task``'s error result for ``exc`` (an ``OperatorResult`` for an operator task)."""
+    logger.warning("task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
+    message, kind = failure(exc)
+    if isinstance(task, (EmbedTask, RerankTask, UpsertTask)):
+        return OperatorResult(task.task_id, error=message, error_kind=kind)
+    return RetrievalResult(task.task_id, (), message, error_kind=kind)
+
+
 def failed_update(task_id: str, reason: str, kind: str = "internal") -> GenerationUpdate:
     return GenerationUpdate(task_id, "", (), True, "error", error=reason, error_kind=kind)
+
+
+def failed_results(is_generation: bool, task_ids: Any, reason: str, kind: str) -> list[Any]:
+    """An error update (generation) or result (retrieval) for each of ``task_ids``."""
+    if is_generation:
+        return [failed_update(t, reason, kind) for t in task_ids]
+    return [RetrievalResult(t, (), reason, error_kind=kind) for t in task_ids]

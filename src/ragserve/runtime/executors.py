@@ -15,10 +15,11 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.errors import WorkerError, failed_update
+from ragserve.runtime.errors import WorkerError, failed_results
 from ragserve.runtime.payloads import read_results
-from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
+from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.shm import ShmRing
+from ragserve.runtime.staged_retrieval import StagedRetrievalRunner, run_isolated
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
     CallMsg,
@@ -39,7 +40,6 @@ from ragserve.scheduler import (
     BaseExecutor,
     GenerationTask,
     GenerationUpdate,
-    RetrievalResult,
     RetrievalTask,
     Update,
 )
@@ -52,7 +52,7 @@ MAX_FAILED_STARTS = 3  # a worker that dies this many times before 'ready' is gi
 class LocalExecutor(BaseExecutor):
     """Engine and index in this process."""
 
-    def __init__(self, generation: GenerationRunner, retrieval: RetrievalRunner) -> None:
+    def __init__(self, generation: GenerationRunner, retrieval: StagedRetrievalRunner) -> None:
         self.generation = generation
         self.retrieval = retrieval
         self._pending: list[RetrievalTask] = []
@@ -108,8 +108,8 @@ class LocalExecutor(BaseExecutor):
 
 class WorkerHandle:
     """One worker process, its bounded inbox, result pipe and shared-memory ring. ``pending``:
-    encoded messages waiting for room in the inbox, up to ``config.max_pending_messages``
-    (``has_room``; then tasks fail as ``overloaded``; an abort or shutdown always queues)."""
+    encoded messages waiting for room in the inbox (past ``config.max_pending_messages`` tasks
+    fail as ``overloaded``; an abort or shutdown always queues)."""
 
     def __init__(self, spec: WorkerSpec, config: ServerConfig, ctx: Any) -> None:
         self.spec, self.config, self.ctx = spec, config, ctx
@@ -155,10 +155,6 @@ class WorkerHandle:
     def send(self, msg: Any) -> None:
         self.pending.append(encode(msg))
         self.flush()
-
-    @property
-    def has_room(self) -> bool:
-        return len(self.pending) < self.config.max_pending_messages
 
     def flush(self) -> None:
         """Move pending messages into the inbox while it has room (never blocks)."""
@@ -262,41 +258,44 @@ class ProcessExecutor(BaseExecutor):
     def submit_retrieval(self, tasks: list[RetrievalTask]) -> None:
         self._submit(self.workers["ret"], tasks)
 
-    def _refusal(self, worker: WorkerHandle) -> tuple[str, str] | None:
+    def _refusal(self, worker: WorkerHandle) -> WorkerError | None:
         if worker.broken is not None:
-            return worker.broken, "worker_died"
-        if not worker.has_room:
-            reason = (
+            return WorkerError(worker.broken, "worker_died")
+        if len(worker.pending) >= self.config.max_pending_messages:
+            return WorkerError(
                 f"the {worker.spec.kind} worker's queue is full "
-                f"({self.config.max_pending_messages} messages waiting); retry later"
+                f"({self.config.max_pending_messages} messages waiting); retry later",
+                "overloaded",
             )
-            return reason, "overloaded"
         return None
 
     def _submit(self, worker: WorkerHandle, tasks: list) -> None:
         refusal = self._refusal(worker)
         if refusal is not None:
-            self._errors.extend(self._failed(worker, [t.task_id for t in tasks], *refusal))
+            self._errors.extend(
+                self._failed(worker, [t.task_id for t in tasks], str(refusal), refusal.kind)
+            )
             return
         try:
             data = encode(SubmitMsg(tuple(tasks)))
         except Exception:  # NOTE: each task that cannot be pickled fails alone
-            good = []
-            for t in tasks:
-                try:
-                    encode(t)
-                except Exception as exc:
-                    reason = f"the task cannot be sent to the worker: {type(exc).__name__}"
-                    logger.warning("task %s: %s (%s)", t.task_id, reason, exc)
-                    self._errors.extend(self._failed(worker, [t.task_id], reason, "bad_request"))
-                else:
-                    good.append(t)
-            if not good:
+            tasks = [t for t in tasks if self._encodes(worker, t)]
+            if not tasks:
                 return
-            data, tasks = encode(SubmitMsg(tuple(good))), good
+            data = encode(SubmitMsg(tuple(tasks)))
         worker.in_flight.update(t.task_id for t in tasks)
         worker.pending.append(data)
         worker.flush()
+
+    def _encodes(self, worker: WorkerHandle, task: Any) -> bool:
+        try:
+            encode(task)
+        except Exception as exc:
+            reason = f"the task cannot be sent to the worker: {type(exc).__name__}"
+            logger.warning("task %s: %s (%s)", task.task_id, reason, exc)
+            self._errors.extend(self._failed(worker, [task.task_id], reason, "bad_request"))
+            return False
+        return True
 
     def abort(self, task_ids: list[str]) -> None:
         gen = self.workers["gen"]
@@ -304,7 +303,7 @@ class ProcessExecutor(BaseExecutor):
         gen.send(AbortGenerationMsg(tuple(task_ids)))
 
     def call_retrieval(self, name: str, *args: Any) -> Future:
-        """Run ``RetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
+        """Run ``StagedRetrievalRunner.<name>(*args)`` in the retrieval worker (thread-safe, never
         blocks). The future fails with ``WorkerError``: ``bad_request`` when the arguments
         cannot be pickled or ``name`` is not in ``CALLS``, ``worker_died`` when the worker
         dies first or is broken, ``overloaded`` when its queue is full."""
@@ -321,7 +320,7 @@ class ProcessExecutor(BaseExecutor):
         try:
             refusal = self._refusal(worker)
             if refusal is not None:
-                raise WorkerError(*refusal)
+                raise refusal
             try:
                 check_call(name, kind)
             except ValueError as exc:
@@ -443,9 +442,7 @@ class ProcessExecutor(BaseExecutor):
     def _failed(
         self, worker: WorkerHandle, task_ids: Any, reason: str, kind: str = "worker_died"
     ) -> list[Update]:
-        if worker is self.workers["gen"]:
-            return [failed_update(t, reason, kind) for t in task_ids]
-        return [RetrievalResult(t, (), reason, error_kind=kind) for t in task_ids]
+        return failed_results(worker.spec.kind == "generation", task_ids, reason, kind)
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self.workers["gen"].engine_stats)

@@ -18,6 +18,9 @@ GUARD_HELP = (
 )
 
 
+MAIN_TESTS = ("__name__ == '__main__'", "'__main__' == __name__")  # as ``ast.unparse`` writes
+
+
 class MainGuardError(RuntimeError):
     """Raised by ``Server(...)`` created at import time of an unguarded ``__main__``."""
 
@@ -62,14 +65,5 @@ def _guard_ranges(filename: str) -> tuple[tuple[int, int], ...]:
     return tuple(
         (node.lineno, node.end_lineno or node.lineno)
         for node in tree.body
-        if isinstance(node, ast.If) and _is_main_test(node.test)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in MAIN_TESTS
     )
-
-
-def _is_main_test(test: ast.expr) -> bool:
-    if not (isinstance(test, ast.Compare) and len(test.comparators) == 1):
-        return False
-    sides = (test.left, test.comparators[0])
-    names = {s.id for s in sides if isinstance(s, ast.Name)}
-    consts = {s.value for s in sides if isinstance(s, ast.Constant)}
-    return names == {"__name__"} and consts == {"__main__"} and isinstance(test.ops[0], ast.Eq)

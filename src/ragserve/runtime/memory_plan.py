@@ -1,8 +1,6 @@
 """The GPU memory split between the KV cache and the index tier (HedraRAG Eq. 2,
-``scheduler.memory_split``): its start-up profiles, measured on this machine (``ragserve
-profile-memory``: ``T_G`` requests/s by KV blocks, ``T_R`` by tier bytes, written by
-``write_profile``, read by ``load_profiles``), and ``plan_gpu_memory``, which resolves
-``ServerConfig.gpu_tier`` into the engine's ``kv_cache_bytes`` and the tier's bytes::
+``scheduler.memory_split``): its profiles (``ragserve profile-memory`` measures ``T_G``
+requests/s by KV blocks and ``T_R`` by tier bytes) and ``plan_gpu_memory``::
 
     gpu_memory_bytes (free on the device - model weights, or given)
       ├── KV cache: num_kv_blocks * block_bytes  -> engine_kwargs["kv_cache_bytes"]
@@ -192,9 +190,8 @@ def measure_generation_profile(
     kv_blocks: Sequence[int],
     workload: GenerationWorkload | None = None,
 ) -> tuple[ThroughputProfile, list[dict]]:
-    """``T_G``: completed requests/s at each KV size (one engine each, ``num_requests`` of
-    ``prompt_tokens`` in and ``output_tokens`` out, queued at once), and a row of details per
-    size. ``ValueError`` naming ``kv_blocks`` when a size cannot hold one request."""
+    """``T_G``: completed requests/s at each KV size (one engine each, the workload queued at
+    once), and a row per size; ``ValueError`` when a size cannot hold one request."""
     import torch
 
     from ragserve.generation.llm_engine import LLMEngine
@@ -210,7 +207,7 @@ def measure_generation_profile(
             f"kv_blocks: {sizes[0]} blocks of {block_size} tokens cannot hold one request of "
             f"{work.tokens} tokens (needs {per_request})"
         )
-    rows, rps = [], []
+    rows = []
     for n in sizes:
         engine = LLMEngine(model, **{**engine_kwargs, "kv_cache_bytes": n * block_bytes})
         try:
@@ -233,7 +230,6 @@ def measure_generation_profile(
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         produced = sum(len(o.token_ids) for o in outs)
-        rps.append(count / seconds)
         rows.append(
             {
                 "kv_blocks": n,
@@ -245,7 +241,8 @@ def measure_generation_profile(
             }  # fmt: skip
         )
         logger.info("T_G: %d KV blocks -> %.2f requests/s", n, count / seconds)
-    return ThroughputProfile(tuple(float(s) for s in sizes), tuple(rps)), rows
+    rps = tuple(row["rps"] for row in rows)
+    return ThroughputProfile(tuple(float(s) for s in sizes), rps), rows
 
 
 def measure_retrieval_profile(
@@ -261,7 +258,7 @@ def measure_retrieval_profile(
     min_batches: int = 5,
 ) -> tuple[ThroughputProfile, list[dict]]:
     """``T_R``: requests/s at each tier size (hottest lists by ``queries``' probes) serving
-    back-to-back batches, and a row of details per size. The tier is dropped at the end."""
+    back-to-back batches, and a row per size; the tier is dropped at the end."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
     if batch_size < 1 or len(q) < batch_size:
         raise ValueError(f"batch_size must be in [1, {len(q)}] (the queries), got {batch_size}")

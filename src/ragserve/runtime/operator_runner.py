@@ -1,27 +1,22 @@
-"""The retrieval worker's operator tasks, run by ``RetrievalRunner.run`` beside its searches:
-embed (one embedder call per batch), rerank (the runner's ``reranker``, else the embedder's
-cosine; ties keep the input order), upsert (strings get ``uuid5`` ids from the task id, so a
-retry writes the same ids; checked against ``document_limits``). Each task gets its own
-``OperatorResult``; a bad one fails alone and nothing raises out of ``run_operators``."""
+"""The retrieval worker's operator tasks, run by ``StagedRetrievalRunner.run`` beside its searches:
+embed (one embedder call per batch), rerank (ties keep the input order), upsert (strings get
+``uuid5`` ids from the task id, so a retry writes the same ids). A bad task fails alone."""
 
 from __future__ import annotations
 
-import logging
 import uuid
 from typing import Any
 
 import numpy as np
 
 from ragserve.graph import Passage
-from ragserve.runtime.errors import failure, isolated
+from ragserve.runtime.errors import failed_result, isolated
 from ragserve.scheduler.messages import (
     EmbedTask,
     OperatorResult,
     RerankTask,
     UpsertTask,
 )
-
-logger = logging.getLogger(__name__)
 
 OPERATOR_TASKS = (EmbedTask, RerankTask, UpsertTask)
 
@@ -38,7 +33,7 @@ def run_operators(runner: Any, tasks: list) -> list[OperatorResult]:
     results: dict[str, OperatorResult] = {}
     embeds = [t for t in tasks if isinstance(t, EmbedTask)]
     if embeds:
-        embedded = isolated(lambda ts: _embed(runner.embedder, ts), embeds, _failed)
+        embedded = isolated(lambda ts: _embed(runner.embedder, ts), embeds, failed_result)
         results.update((r.task_id, r) for r in embedded)
     for t in tasks:
         if isinstance(t, RerankTask):
@@ -103,10 +98,4 @@ def _guarded(task: Any, fn: Any, *args: Any) -> OperatorResult:
     try:
         return OperatorResult(task.task_id, fn(*args))
     except Exception as exc:
-        return _failed(task, exc)
-
-
-def _failed(task: Any, exc: BaseException) -> OperatorResult:
-    logger.warning("operator task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-    message, kind = failure(exc)
-    return OperatorResult(task.task_id, error=message, error_kind=kind)
+        return failed_result(task, exc)

@@ -1,9 +1,6 @@
 """A results message's rows, both ways: ``Outbox`` (worker side) sends them as an Arrow batch
-in a shared-memory slot when ``small_message_bytes <= estimate <= slot_bytes`` (``uses_arrow``,
-the one place that picks), else pickled in the message; ``read_results`` (server side) reads
-either. Both carry the same values. Arrow rows: every ``GenerationUpdate`` field a column; a
-retrieval result's passages ``list<struct<doc_id, text, title, score>>`` (the slim results ride
-in the message). docs/architecture.md "Data plane"."""
+in a shared-memory slot when ``uses_arrow``, else pickled in the message; ``read_results``
+(server side) reads either. docs/architecture.md "Data plane"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The Ray backend's actors: LLM replicas, the retrieval coordinator, and the shard client.
-
-Each actor runs a worker loop (``workers.serve_generation`` / ``serve_retrieval``, as a worker
-process does) on its own thread over an in-memory inbox; Ray method calls only enqueue
-messages (``submit``, ``abort``, ``call``) or take what the loop produced (``poll``), so the
-actors are created with ``max_concurrency > 1``. The classes are plain Python: the backend
-wraps them with ``ray.remote``.
-"""
+"""The Ray backend's actors (plain classes the backend wraps with ``ray.remote``): LLM
+replicas, the retrieval coordinator, and the shard client. Each actor runs a worker loop
+(``workers.serve_*``) on its own thread; Ray method calls only enqueue messages or take what
+the loop produced (``poll``), so the actors need ``max_concurrency > 1``."""
 
 from __future__ import annotations
 
@@ -16,8 +12,6 @@ import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from ragserve.retrieval.sharded import BaseShard
 from ragserve.runtime.errors import ShardDiedError
@@ -112,19 +106,9 @@ class LLMReplica(_Actor):
         return {**self._engine_stats, "tasks": self.num_tasks}
 
 
-class ShardedRetrievalRunner(StagedRetrievalRunner):
-    """``StagedRetrievalRunner`` over a ``ShardedIndex`` (the cluster of a row id is asked of
-    the shards instead of read from one Faiss index)."""
-
-    def _clusters_of(self, ids: np.ndarray) -> np.ndarray:
-        return self.index.clusters_of(ids)
-
-
 class RetrievalCoordinator(_Actor):
-    """The embedder and the retrieval runner: one index folder, or a ``ShardedIndex`` whose
-    shards are Ray actors (named ``shard_names``) laid out under ``shard_root``. ``tier``
-    places the GPU tier of the one index folder (the shards hold their own); ``reranker``: the
-    rerank nodes' (``OperatorConfig.reranker``, built here)."""
+    """The embedder and the retrieval runner over one index folder (``tier``: its GPU tier), or
+    a ``ShardedIndex`` of the Ray actors ``shard_names`` laid out under ``shard_root``."""
 
     def __init__(
         self,
@@ -137,7 +121,6 @@ class RetrievalCoordinator(_Actor):
         reranker: str = "embedding",
     ) -> None:
         vindex: Any = index  # a folder: ``build`` loads it and places its tier (on restarts too)
-        runner_cls: type = StagedRetrievalRunner
         if shard_root is not None:
             import ray
 
@@ -146,8 +129,9 @@ class RetrievalCoordinator(_Actor):
 
             shards = [RayShard(ray.get_actor(n)) for n in shard_names or []]
             vindex = ShardedIndex(shards, read_layout(shard_root), read_quantizer(shard_root))
-            runner_cls = ShardedRetrievalRunner
-        runner = runner_cls.build(vindex, embedder, default_nprobe, tier=tier, reranker=reranker)
+        runner = StagedRetrievalRunner.build(
+            vindex, embedder, default_nprobe, tier=tier, reranker=reranker
+        )
         if shard_root is not None:
             vindex._embedder = runner.embedder
         self._own_index = shard_root is None  # its tier is reported here (shards: their own)
@@ -155,7 +139,7 @@ class RetrievalCoordinator(_Actor):
         super().__init__(runner, serve_retrieval)
 
     def call(self, name: str, args: tuple) -> Any:
-        """``RetrievalRunner.<name>(*args)`` (upserts), run between two searches."""
+        """``StagedRetrievalRunner.<name>(*args)`` (upserts), run between two searches."""
         fut: Future = Future()
         token = next(self._tokens)
         self._replies[token] = fut
@@ -180,11 +164,9 @@ class RetrievalCoordinator(_Actor):
 
 
 class RayShard(BaseShard):
-    """A ``BaseShard`` whose ``ShardServer`` is a Ray actor (one shard folder each). Large
-    arrays (queries, top-k ids and scores) travel through Ray's object store. A call that finds
-    its actor dead is retried once when it is idempotent (searches and reads): Ray restarts the
-    actor from its folder (``max_restarts``), and the retry waits until it answers. Writes are
-    not retried: their caller gets the error and the shard holds whatever it acknowledged."""
+    """A ``BaseShard`` whose ``ShardServer`` is a Ray actor. An idempotent call (searches,
+    reads) that finds the actor dead is retried once, after Ray restarted it from its folder;
+    a write is not: its caller gets the error and the shard holds what it acknowledged."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle

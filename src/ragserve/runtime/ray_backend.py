@@ -10,18 +10,18 @@ import logging
 import os
 import time
 import uuid
+from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.errors import failed_update
+from ragserve.runtime.errors import failed_results
 from ragserve.runtime.replica_router import ReplicaRouter
 from ragserve.scheduler import (
     BaseExecutor,
     GenerationTask,
-    RetrievalResult,
     RetrievalTask,
     Update,
 )
@@ -109,8 +109,7 @@ class RayExecutor(BaseExecutor):
             self._plan_placement()
             self.shards = self._start_shards(index)
             self.actors = {RETRIEVAL: self._start_coordinator(index, embedder)}
-            for i, actor in enumerate(self._start_replicas(model)):
-                self.actors[f"llm_{i}"] = actor
+            self.actors.update((f"llm_{i}", a) for i, a in enumerate(self._start_replicas(model)))
             pending = [a.ping.remote() for a in self.actors.values()]
             pending += [s.stats.remote() for s in self.shards]
             ray.get(pending, timeout=config.worker_start_timeout)
@@ -227,9 +226,9 @@ class RayExecutor(BaseExecutor):
 
     # -- BaseExecutor -----------------------------------------------------------------------
     def submit_generation(self, tasks: list[GenerationTask]) -> None:
-        groups: dict[int, list[GenerationTask]] = {}
+        groups: dict[int, list[GenerationTask]] = defaultdict(list)
         for t in tasks:
-            groups.setdefault(self.router.route(t.task_id, t.prompt), []).append(t)
+            groups[self.router.route(t.task_id, t.prompt)].append(t)
         for replica, group in groups.items():
             self.actors[f"llm_{replica}"].submit.remote(group)
 
@@ -244,11 +243,10 @@ class RayExecutor(BaseExecutor):
             self.actors[RETRIEVAL].submit.remote(list(tasks))
 
     def abort(self, task_ids: list[str]) -> None:
-        groups: dict[int, list[str]] = {}
+        groups: dict[int | None, list[str]] = defaultdict(list)
         for tid in task_ids:
-            replica = self.router.finish(tid)
-            if replica is not None:
-                groups.setdefault(replica, []).append(tid)
+            groups[self.router.finish(tid)].append(tid)
+        groups.pop(None, None)
         for replica, ids in groups.items():
             self.actors[f"llm_{replica}"].abort.remote(ids)
 
@@ -321,35 +319,34 @@ class RayExecutor(BaseExecutor):
             self._restarts[name] = self._restarts.get(name, 0) + 1
             logger.warning("%s actor died (%s); Ray restarts it", name, type(exc).__name__)
         reason = f"{name} actor died ({type(exc).__name__}); Ray restarts it"
-        if name == RETRIEVAL and self._is_given_up(name):
-            failed = [t for t, _ in self._retrievals.values()]
-            self._retrievals.clear()
+        if name != RETRIEVAL:
+            replica = int(name.rsplit("_", 1)[1])
+            self.router.set_available(replica, False)
+            lost = self.router.tasks_on(replica)
+            for tid in lost:
+                self.router.finish(tid)
+            if lost:  # a submit that raced the death may have reached the restarted instance
+                self.actors[name].abort.remote(lost)
+            return failed_results(True, lost, reason, "worker_died")
+        held = {t.task_id for t in self._held}
+        given_up = self._is_given_up(name)
+        if given_up:
+            held = set()
             self._held.clear()
             reason = (
                 f"{name} actor did not come back within {self.config.worker_start_timeout:.0f} s"
             )
-        elif name == RETRIEVAL:
-            held = {t.task_id for t in self._held}
-            failed = []
-            for t, n in [(t, n) for t, n in self._retrievals.values() if t.task_id not in held]:
-                if n < 2:  # idempotent: one retry each
-                    self._retrievals[t.task_id] = (t, 2)
-                    self._held.append(t)
-                else:
-                    del self._retrievals[t.task_id]
-                    failed.append(t)
-        if name == RETRIEVAL:
-            return [
-                RetrievalResult(t.task_id, (), reason, error_kind="worker_died") for t in failed
-            ]
-        replica = int(name.rsplit("_", 1)[1])
-        self.router.set_available(replica, False)
-        lost = self.router.tasks_on(replica)
-        for tid in lost:
-            self.router.finish(tid)
-        if lost:  # a submit that raced the death may have reached the restarted instance
-            self.actors[name].abort.remote(lost)
-        return [failed_update(t, reason, "worker_died") for t in lost]
+        failed = []
+        for t, attempts in list(self._retrievals.values()):
+            if t.task_id in held:
+                continue
+            if attempts < 2 and not given_up:  # idempotent: one retry each
+                self._retrievals[t.task_id] = (t, 2)
+                self._held.append(t)
+            else:
+                del self._retrievals[t.task_id]
+                failed.append(t.task_id)
+        return failed_results(False, failed, reason, "worker_died")
 
     # -- documents, stats, close ------------------------------------------------------------
     def call_retrieval(self, name: str, *args: Any) -> Future:

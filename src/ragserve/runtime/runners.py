@@ -1,26 +1,20 @@
-"""The work itself, shared by every executor: ``GenerationRunner`` and ``RetrievalRunner``.
-One request never fails another: a task rejected on ``add``, a retrieval that fails alone
-(``run_isolated``) or a task the engine fails in a step gets an error; the engine survives."""
+"""``GenerationRunner``: the generation work, shared by every executor (the retrieval work:
+``staged_retrieval.py``). One request never fails another: a task rejected on ``add`` or
+failed by the engine in a step gets an error; the engine survives."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
-
-from ragserve.graph import Passage
-from ragserve.runtime.errors import failed_update, failure, isolated
-from ragserve.runtime.operator_runner import run_operators, split_operators
-from ragserve.scheduler import GenerationTask, GenerationUpdate, RetrievalResult, RetrievalTask
+from ragserve.runtime.errors import failed_update, failure
+from ragserve.scheduler import GenerationTask, GenerationUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +87,7 @@ class GenerationRunner:
             for t in tasks:
                 self._tokenizing[t.task_id] = (t, self._prefetch.submit(self._tokenized, t))
             return []
-        errors = []
-        for t in tasks:
-            update = self._admit(t, None)
-            if update is not None:
-                errors.append(update)
-        return errors
+        return [u for t in tasks if (u := self._admit(t, None)) is not None]
 
     def _prompt(self, t: GenerationTask) -> Any:
         """The chat-templated text, its paragraph segments (cache fusion), or the token ids."""
@@ -136,8 +125,7 @@ class GenerationRunner:
             if not future.done() and self.engine.has_unfinished():
                 break
             del self._tokenizing[task_id]
-            update = self._admit(task, future.result())
-            if update is not None:
+            if (update := self._admit(task, future.result())) is not None:
                 errors.append(update)
         return errors
 
@@ -251,136 +239,3 @@ class GenerationRunner:
             progress.chars, progress.tokens = visible, len(out.token_ids)
             progress.waited_s = 0.0
         return update
-
-
-class Embeddings(NamedTuple):
-    """``vectors`` ``[n, dim]`` float32 (normalised), ``num_tokens`` read, ``model`` name."""
-
-    vectors: np.ndarray
-    num_tokens: int
-    model: str
-
-
-class RetrievalRunner:
-    """Owns the embedder and the ``VectorIndex``; searches a batch of tasks at once and runs
-    its operator tasks (``operator_runner``: ``reranker``, ``document_limits``)."""
-
-    def __init__(self, index: Any, embedder: Any, default_nprobe: int | None = None) -> None:
-        from ragserve.retrieval.limits import DocumentLimits
-
-        self.index = index
-        self.embedder = embedder
-        self.default_nprobe = default_nprobe
-        self.reranker: Any = None
-        self.document_limits = DocumentLimits()
-
-    def run(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
-        """One result per task, in order: ``search_text`` for a filter, a non-dense mode or
-        collapsing (``_by_text``), else one Faiss search per ``nprobe``."""
-        ops, tasks = split_operators(tasks)
-        by_text = [t for t in tasks if self.needs_text_search(t) or self.collapses(t)]
-        vector = [t for t in tasks if t not in by_text]
-        done = {
-            r.task_id: r
-            for r in (*run_operators(self, ops), *self._by_text(by_text), *self._search(vector))
-        }
-        return [done[t.task_id] for t in (*ops, *tasks)]
-
-    def _search(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
-        if not tasks:
-            return []
-        kmax = max(t.topk for t in tasks)
-        ids = np.full((len(tasks), kmax), -1, dtype=np.int64)
-        scores = np.zeros((len(tasks), kmax), dtype=np.float32)
-        vectors = self.embedder.encode([t.query for t in tasks], is_query=True)
-        groups: dict[int | None, list[int]] = defaultdict(list)
-        for i, t in enumerate(tasks):
-            groups[t.nprobe or self.default_nprobe].append(i)
-        for nprobe, rows in groups.items():
-            topk = max(tasks[i].topk for i in rows)
-            kwargs = {} if nprobe is None else {"nprobe": nprobe}
-            found = self.index.search(vectors[rows], topk, **kwargs)
-            ids[rows, :topk] = found.ids
-            scores[rows, :topk] = found.scores
-        return [
-            RetrievalResult(t.task_id, self._passages(ids[i, : t.topk], scores[i]))
-            for i, t in enumerate(tasks)
-        ]
-
-    def _passages(self, ids: np.ndarray, scores: np.ndarray) -> tuple[Passage, ...]:
-        row = [int(x) for x in ids if x >= 0]
-        docs = self.index.get_documents(row) if row else []
-        return tuple(
-            Passage(d.id, d.text, d.title, float(scores[j]))
-            for j, d in enumerate(docs)
-            if d is not None
-        )
-
-    def collapses(self, task: RetrievalTask) -> bool:
-        """``VectorIndex.collapses`` (an index without it, e.g. sharded, never collapses)."""
-        collapses = getattr(self.index, "collapses", None)
-        return collapses is not None and collapses(task.collapse_sections)
-
-    def needs_text_search(self, task: RetrievalTask) -> bool:
-        """A non-dense mode or a filter (a collapsed task: ``collapses``)."""
-        default_mode = getattr(self.index, "default_mode", "dense")
-        return (task.mode or default_mode) != "dense" or bool(task.filter)
-
-    def _by_text(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
-        """One ``search_text`` per group of equal settings; a bad filter fails its group."""
-        groups: dict[str, list[RetrievalTask]] = defaultdict(list)
-        for t in tasks:
-            fields = [t.mode, t.filter, t.nprobe, t.collapse_sections]
-            groups[json.dumps(fields, sort_keys=True, default=str)].append(t)
-        out = []
-        for group in groups.values():
-            t0 = group[0]
-            try:
-                found = self.index.search_text(
-                    [t.query for t in group],
-                    max(t.topk for t in group),
-                    nprobe=t0.nprobe or self.default_nprobe,
-                    mode=t0.mode,
-                    filter=t0.filter,
-                    collapse_sections=t0.collapse_sections,
-                )
-            except ValueError as exc:
-                out.extend(
-                    RetrievalResult(t.task_id, (), str(exc), error_kind="bad_request")
-                    for t in group
-                )
-                continue
-            for t, hits in zip(group, found, strict=True):
-                passages = tuple(Passage(h.id, h.text, h.title, h.score) for h in hits[: t.topk])
-                out.append(RetrievalResult(t.task_id, passages))
-        return out
-
-    def has_pending(self) -> bool:
-        return False
-
-    def embed(self, texts: list[str]) -> Embeddings:
-        """``texts`` embedded (document side), and the tokens read (0: no tokenizer)."""
-        vectors = self.embedder.encode(list(texts), is_query=False)
-        tokenizer = getattr(self.embedder, "tokenizer", None)
-        num_tokens = 0
-        if tokenizer is not None:
-            limit = getattr(self.embedder, "max_length", None)
-            ids = tokenizer(list(texts), truncation=limit is not None, max_length=limit)
-            num_tokens = sum(len(row) for row in ids["input_ids"])
-        return Embeddings(np.asarray(vectors, dtype=np.float32), num_tokens, self.embedder.name)
-
-    def add_documents(self, docs: list) -> Any:
-        return self.index.add_documents(docs)
-
-    def delete_documents(self, doc_ids: list[str]) -> Any:
-        return self.index.delete_documents(doc_ids)
-
-
-def run_isolated(runner: RetrievalRunner, tasks: list[RetrievalTask]) -> list[Any]:
-    return isolated(runner.run, tasks, failed_result)
-
-
-def failed_result(task: RetrievalTask, exc: BaseException) -> RetrievalResult:
-    logger.warning("retrieval task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-    message, kind = failure(exc)
-    return RetrievalResult(task.task_id, (), message, error_kind=kind)

@@ -89,14 +89,8 @@ class Server:
         declares must be given)."""
         done = threading.Event()
         box: list[Response] = []
-        self._add(
-            question,
-            graph,
-            request_id,
-            on_done=lambda r: (box.append(r), done.set()),
-            history=history,
-            inputs=inputs,
-        )
+        on_done = lambda r: (box.append(r), done.set())
+        self._add(question, graph, request_id, on_done, history=history, inputs=inputs)
         while not done.wait(0.5):
             if self._closed.is_set():
                 raise WorkerError("the Server closed before the request finished", "aborted")
@@ -205,15 +199,16 @@ class Server:
 
     def _tier_holds_index(self) -> bool:
         try:
-            timeout = self.config.call_timeout_s
-            stats = self.executor.call_retrieval("gpu_tier_stats").result(timeout)
+            stats = self.executor.call_retrieval("gpu_tier_stats").result(
+                self.config.call_timeout_s
+            )
         except Exception as e:  # noqa: BLE001 - e.g. index shards on Ray: count as no tier
             logger.info("co-scheduling auto: no GPU tier report (%s)", e)
             return False
-        if stats and stats.get("holds_index"):
+        holds = bool(stats and stats.get("holds_index"))
+        if holds:
             logger.info("co-scheduling auto: the GPU tier holds the whole index; transforms off")
-            return True
-        return False
+        return holds
 
     def set_transforms(self, transforms: Sequence[Any], timeout: float | None = None) -> None:
         """Swap the transform chain once the requests in flight have finished."""
@@ -465,20 +460,8 @@ def _make_executor(model: Any, index: Any, embedder: Any, config: ServerConfig) 
     config, plan = plan_gpu_memory(config, model, index)
     tier = None if plan.tier_bytes is None else config.gpu_tier.tier_spec(plan.tier_bytes)
     # NOTE: in process, the model and the index may be live objects; the builders take both
-    gen = WorkerSpec(
-        "generation",
-        model,
-        config.engine_kwargs,
-        index,
-        embedder,
-        config.default_nprobe,
-        tier,
-        logging.getLogger("ragserve").getEffectiveLevel(),
-        config.max_message_bytes,
-        config.small_message_bytes,
-        config.tokenizer_prefetch,
-        config.operators.reranker,
-    )
+    level = logging.getLogger("ragserve").getEffectiveLevel()
+    gen = WorkerSpec("generation", model, index, embedder, tier, config, level)
     ret = dataclasses.replace(gen, kind="retrieval")
     if config.in_process:
         return LocalExecutor(build_runner(gen), build_runner(ret))

@@ -1,6 +1,5 @@
 """A shared-memory ring of fixed-size slots carrying Arrow IPC streams from a worker (the one
-writer) to the server (the one reader); a stream past a slot, or with no free slot in time,
-goes inline (``InlineArrow``). docs/architecture.md "Data plane".
+writer) to the server (the one reader); docs/architecture.md "Data plane".
 
     [ flags: 1 byte per slot | pad to 64 ] [ slot 0 ] [ slot 1 ] ...   slot i at
     header + i * slot_bytes:  [ Arrow IPC stream (schema, one record batch) | unused ]

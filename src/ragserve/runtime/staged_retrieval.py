@@ -1,13 +1,15 @@
-"""``StagedRetrievalRunner``: a ``RetrievalRunner`` that keeps ``StagedRetrievalTask``s active
-across calls, one sub-stage per ``run`` (``retrieval/staged.py``) while ``has_pending()``. A
-collapsed task is searched ``FETCH_FACTOR`` times deeper and collapsed at the end (it equals
-``search_text(..., collapse_sections=True)``); otherwise the results are Faiss's one-shot."""
+"""``StagedRetrievalRunner``: the retrieval work, shared by every executor. ``run`` searches a
+batch at once, runs its operator tasks and advances ``StagedRetrievalTask``s one sub-stage per
+call (``retrieval/staged.py``) while ``has_pending()``; a collapsed staged task is searched
+``FETCH_FACTOR`` times deeper and collapsed at the end (as ``search_text`` would collapse it)."""
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -15,8 +17,8 @@ from ragserve.graph import Passage
 from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
 from ragserve.retrieval.staged import StageCostModel, StagedSearch, StageParams, StageProgress
 from ragserve.retrieval.types import ScoredDocument
-from ragserve.runtime.errors import isolated
-from ragserve.runtime.runners import RetrievalRunner, failed_result
+from ragserve.runtime.errors import failed_result, isolated
+from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.scheduler import RetrievalResult, RetrievalTask
 from ragserve.scheduler.messages import (
     RetrievalPartial,
@@ -30,7 +32,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class StagedRetrievalRunner(RetrievalRunner):
+class Embeddings(NamedTuple):
+    """``vectors`` ``[n, dim]`` float32 (normalised), ``num_tokens`` read, ``model`` name."""
+
+    vectors: np.ndarray
+    num_tokens: int
+    model: str
+
+
+class StagedRetrievalRunner:
+    """Owns the embedder and the ``VectorIndex``; a task that fails, fails alone."""
+
     def __init__(
         self,
         index: Any,
@@ -38,7 +50,13 @@ class StagedRetrievalRunner(RetrievalRunner):
         default_nprobe: int | None = None,
         cost: StageCostModel | None = None,
     ) -> None:
-        super().__init__(index, embedder, default_nprobe)
+        from ragserve.retrieval.limits import DocumentLimits
+
+        self.index = index
+        self.embedder = embedder
+        self.default_nprobe = default_nprobe
+        self.reranker: Any = None
+        self.document_limits = DocumentLimits()
         self.search = StagedSearch(index, cost)
         self._tasks: dict[str, StagedRetrievalTask] = {}
         self._collapsed: set[str] = set()  # active task ids whose passages are collapsed
@@ -79,6 +97,114 @@ class StagedRetrievalRunner(RetrievalRunner):
     def has_pending(self) -> bool:
         return self.search.has_pending()
 
+    def run(self, tasks: list[RetrievalTask]) -> list:
+        """The operator and one-shot tasks' results, in order (``search_text`` for a filter, a
+        non-dense mode or collapsing, else one Faiss search per ``nprobe``); then the staged
+        tasks that failed to start, and the updates of one sub-stage of the active ones."""
+        ops, tasks = split_operators(tasks)
+        staged = [
+            t for t in tasks if isinstance(t, StagedRetrievalTask) and not self.needs_text_search(t)
+        ]
+        plain = [t for t in tasks if t not in staged]
+        by_text = [t for t in plain if self.needs_text_search(t) or self.collapses(t)]
+        vector = [t for t in plain if t not in by_text]
+        done = {
+            r.task_id: r
+            for r in (*run_operators(self, ops), *self._by_text(by_text), *self._search(vector))
+        }
+        updates: list = [done[t.task_id] for t in (*ops, *plain)]
+        if staged:
+            updates.extend(isolated(self._add, staged, failed_result))
+        if self.search.has_pending():
+            updates.extend(self._step())
+        return updates
+
+    def _search(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
+        if not tasks:
+            return []
+        kmax = max(t.topk for t in tasks)
+        ids = np.full((len(tasks), kmax), -1, dtype=np.int64)
+        scores = np.zeros((len(tasks), kmax), dtype=np.float32)
+        vectors = self.embedder.encode([t.query for t in tasks], is_query=True)
+        groups: dict[int | None, list[int]] = defaultdict(list)
+        for i, t in enumerate(tasks):
+            groups[t.nprobe or self.default_nprobe].append(i)
+        for nprobe, rows in groups.items():
+            topk = max(tasks[i].topk for i in rows)
+            kwargs = {} if nprobe is None else {"nprobe": nprobe}
+            found = self.index.search(vectors[rows], topk, **kwargs)
+            ids[rows, :topk] = found.ids
+            scores[rows, :topk] = found.scores
+        return [
+            RetrievalResult(t.task_id, self._passages(ids[i, : t.topk], scores[i]))
+            for i, t in enumerate(tasks)
+        ]
+
+    def _passages(self, ids: np.ndarray, scores: np.ndarray) -> tuple[Passage, ...]:
+        row = [int(x) for x in ids if x >= 0]
+        docs = self.index.get_documents(row) if row else []
+        return tuple(
+            Passage(d.id, d.text, d.title, float(scores[j]))
+            for j, d in enumerate(docs)
+            if d is not None
+        )
+
+    def collapses(self, task: RetrievalTask) -> bool:
+        """``VectorIndex.collapses`` (an index without it, e.g. sharded, never collapses)."""
+        collapses = getattr(self.index, "collapses", None)
+        return collapses is not None and collapses(task.collapse_sections)
+
+    def needs_text_search(self, task: RetrievalTask) -> bool:
+        """A non-dense mode or a filter (a collapsed task: ``collapses``)."""
+        default_mode = getattr(self.index, "default_mode", "dense")
+        return (task.mode or default_mode) != "dense" or bool(task.filter)
+
+    def _by_text(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
+        """One ``search_text`` per group of equal settings; a bad filter fails its group."""
+        groups: dict[str, list[RetrievalTask]] = defaultdict(list)
+        for t in tasks:
+            fields = [t.mode, t.filter, t.nprobe, t.collapse_sections]
+            groups[json.dumps(fields, sort_keys=True, default=str)].append(t)
+        out = []
+        for group in groups.values():
+            t0 = group[0]
+            try:
+                found = self.index.search_text(
+                    [t.query for t in group],
+                    max(t.topk for t in group),
+                    nprobe=t0.nprobe or self.default_nprobe,
+                    mode=t0.mode,
+                    filter=t0.filter,
+                    collapse_sections=t0.collapse_sections,
+                )
+            except ValueError as exc:
+                out.extend(
+                    RetrievalResult(t.task_id, (), str(exc), error_kind="bad_request")
+                    for t in group
+                )
+                continue
+            for t, hits in zip(group, found, strict=True):
+                passages = tuple(Passage(h.id, h.text, h.title, h.score) for h in hits[: t.topk])
+                out.append(RetrievalResult(t.task_id, passages))
+        return out
+
+    def embed(self, texts: list[str]) -> Embeddings:
+        """``texts`` embedded (document side), and the tokens read (0: no tokenizer)."""
+        vectors = self.embedder.encode(list(texts), is_query=False)
+        tokenizer = getattr(self.embedder, "tokenizer", None)
+        num_tokens = 0
+        if tokenizer is not None:
+            limit = getattr(self.embedder, "max_length", None)
+            ids = tokenizer(list(texts), truncation=limit is not None, max_length=limit)
+            num_tokens = sum(len(row) for row in ids["input_ids"])
+        return Embeddings(np.asarray(vectors, dtype=np.float32), num_tokens, self.embedder.name)
+
+    def add_documents(self, docs: list) -> Any:
+        return self.index.add_documents(docs)
+
+    def delete_documents(self, doc_ids: list[str]) -> Any:
+        return self.index.delete_documents(doc_ids)
+
     def set_gpu_tier(
         self,
         budget_bytes: int,
@@ -107,18 +233,6 @@ class StagedRetrievalRunner(RetrievalRunner):
             "hit_rate": tier.hit_rate,
             "holds_index": placed.issuperset(lists.tolist()),
         }
-
-    def run(self, tasks: list[RetrievalTask]) -> list:
-        plain = [
-            t for t in tasks if not isinstance(t, StagedRetrievalTask) or self.needs_text_search(t)
-        ]
-        staged = [t for t in tasks if t not in plain]
-        updates: list = super().run(plain)
-        if staged:
-            updates.extend(isolated(self._add, staged, failed_result))
-        if self.search.has_pending():
-            updates.extend(self._step())
-        return updates
 
     def _add(self, tasks: list[StagedRetrievalTask]) -> list[RetrievalResult]:
         """Embed and plan ``tasks``; one that cannot be planned fails alone."""
@@ -218,3 +332,7 @@ class StagedRetrievalRunner(RetrievalRunner):
             collapse_sections=True,
         )
         return tuple(Passage(h.id, h.text, h.title, h.score) for h in hits)
+
+
+def run_isolated(runner: StagedRetrievalRunner, tasks: list[RetrievalTask]) -> list[Any]:
+    return isolated(runner.run, tasks, failed_result)

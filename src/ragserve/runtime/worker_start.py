@@ -1,13 +1,7 @@
 """How worker processes start: forked from a fork server that has already imported torch,
-Faiss, transformers and ragserve (``worker_preload.py``), or spawned afresh.
-
-A spawned worker spends most of its start importing those libraries (about 20 s of a 28 s
-restart on this 2-core machine at load average ~7, docs/reliability.md), and that start is
-the whole outage of a worker kill. With
-``"forkserver"`` that import happens once, in the fork server, and every start and restart
-forks from it. The fork server keeps the environment it started with, so each worker gets the
-server's environment of the moment it is started (as a spawned one would) before it runs.
-"""
+Faiss, transformers and ragserve (``worker_preload.py``: a restart then skips most of its
+outage, docs/reliability.md), or spawned afresh. Each worker gets the server's environment of
+the moment it is started, as a spawned one would."""
 
 from __future__ import annotations
 
@@ -34,8 +28,7 @@ def worker_context(method: str) -> BaseContext:
 
 def start_fork_server(method: str) -> int | None:
     """Launch the fork server now, if ``method`` uses one, and return its pid (``None`` for
-    ``"spawn"``). It imports ``PRELOAD`` in the background while the caller goes on (index and
-    memory plan resolution); the first worker start then waits only for what is left."""
+    ``"spawn"``); it imports ``PRELOAD`` in the background while the caller goes on."""
     worker_context(method)
     if method != "forkserver":
         return None

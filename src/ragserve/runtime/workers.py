@@ -11,14 +11,15 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.payloads import Outbox
-from ragserve.runtime.runners import GenerationRunner, RetrievalRunner, run_isolated
+from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.shm import ShmWriter
+from ragserve.runtime.staged_retrieval import StagedRetrievalRunner, run_isolated
 from ragserve.runtime.wire import (
-    SMALL_MESSAGE_BYTES,
     AbortGenerationMsg,
     CallMsg,
     FatalMsg,
@@ -42,31 +43,28 @@ Drain = Callable[[bool], list]  # ``drain(block)``: the queued messages
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker process builds at start: picklable, no live objects (the fields are
-    ``ServerConfig``'s; ``tier``: ``retrieval.index_tier``; ``log_level``: of the ``ragserve``
-    loggers, the parent's by default)."""
+    """What a worker process builds at start: picklable, no live objects (``tier``:
+    ``retrieval.index_tier``; ``log_level``: of the ``ragserve`` loggers)."""
 
     kind: str  # "generation" | "retrieval"
     model: str | None = None
-    engine_kwargs: tuple[tuple[str, Any], ...] = ()
     index: str | None = None
     embedder: str | None = None
-    default_nprobe: int | None = None
     tier: TierSpec | None = None
+    config: ServerConfig = field(default_factory=ServerConfig)
     log_level: int = logging.WARNING
-    max_message_bytes: int = 1 << 28
-    small_message_bytes: int = SMALL_MESSAGE_BYTES
-    tokenizer_prefetch: bool = True
-    reranker: str = "embedding"
 
 
-def build_runner(spec: WorkerSpec) -> GenerationRunner | RetrievalRunner:
+def build_runner(spec: WorkerSpec) -> GenerationRunner | StagedRetrievalRunner:
+    config = spec.config
     if spec.kind == "generation":
-        return GenerationRunner.build(spec.model, spec.engine_kwargs, spec.tokenizer_prefetch)
-    from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
-
+        return GenerationRunner.build(spec.model, config.engine_kwargs, config.tokenizer_prefetch)
     return StagedRetrievalRunner.build(
-        spec.index, spec.embedder, spec.default_nprobe, tier=spec.tier, reranker=spec.reranker
+        spec.index,
+        spec.embedder,
+        config.default_nprobe,
+        tier=spec.tier,
+        reranker=config.operators.reranker,
     )
 
 
@@ -87,7 +85,8 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
     try:
         runner = build_runner(spec)
         writer = ShmWriter(ring_handle)
-        outbox = Outbox(conn, writer, spec.max_message_bytes, spec.small_message_bytes)
+        config = spec.config
+        outbox = Outbox(conn, writer, config.max_message_bytes, config.small_message_bytes)
     except RerankerLoadError as exc:  # a configuration error: its one line, no traceback
         conn.send(FatalMsg(str(exc)))
         return
@@ -103,15 +102,12 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
 
 
 def _thread_local_progress_lock() -> None:
-    """tqdm (the model loaders' progress bars) creates a process-shared lock, a named
-    semaphore the server's resource tracker records; a worker killed with SIGKILL never
-    releases it. A worker's bars need no cross-process lock."""
-    try:
-        import threading
+    """tqdm's default lock (the model loaders' progress bars) is a named semaphore that a
+    worker killed with SIGKILL never releases; a worker's bars need no cross-process lock."""
+    import threading
 
-        from tqdm import tqdm
-    except ImportError:
-        return
+    from tqdm import tqdm  # a dependency of transformers
+
     tqdm.set_lock(threading.RLock())
 
 
@@ -180,7 +176,7 @@ def serve_generation(runner: GenerationRunner, drain: Drain, outbox: Any) -> Non
         was_busy = busy
 
 
-def serve_retrieval(runner: RetrievalRunner, drain: Drain, outbox: Any) -> None:
+def serve_retrieval(runner: StagedRetrievalRunner, drain: Drain, outbox: Any) -> None:
     """Until a ``ShutdownMsg``: every task queued since the last search goes in one batch
     (``run_isolated``); calls run between batches; staged retrievals advance a sub-stage per
     turn."""
