@@ -102,6 +102,12 @@ def test_overrides_and_missing_profiles(tiny_model, small_index) -> None:
     fixed = GpuTierConfig(budget_bytes=1 << 20, device="cpu")
     _, plan = plan_gpu_memory(ServerConfig(gpu_tier=fixed), tiny_model, small_index)
     assert (plan.tier_bytes, plan.source) == (1 << 20, "override")
+    both = GpuTierConfig(budget_bytes=1 << 22, device="cpu", gpu_memory_bytes=1 << 23)
+    fits = ServerConfig(engine_kwargs={**ENGINE, "kv_cache_bytes": 1 << 22}, gpu_tier=both)
+    assert plan_gpu_memory(fits, tiny_model, small_index)[1].source == "override"
+    over = ServerConfig(engine_kwargs={**ENGINE, "kv_cache_bytes": 5 << 20}, gpu_tier=both)
+    with pytest.raises(ValueError, match=r"budget_bytes \(0.00 GB\) \+ kv_cache_bytes .* exceed"):
+        plan_gpu_memory(over, tiny_model, small_index)
     bare = GpuTierConfig(device="cpu", gpu_memory_bytes=1 << 23)
     with pytest.raises(ValueError, match="budget_bytes"):
         plan_gpu_memory(ServerConfig(gpu_tier=bare), tiny_model, small_index)

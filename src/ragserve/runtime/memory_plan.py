@@ -47,6 +47,8 @@ def plan_gpu_memory(config: ServerConfig, model: Any, index: Any) -> tuple[Serve
     engine = dict(config.engine_kwargs)
     kv = engine.get("kv_cache_bytes")
     if tier.budget_bytes is not None and (kv is not None or tier.device == "cpu"):
+        if kv is not None:
+            _check_fits(tier, kv, model, engine)
         return config, TierPlan(tier.budget_bytes, kv, "override")
     from ragserve.scheduler.memory_split import solve_memory_split
 
@@ -78,6 +80,24 @@ def plan_gpu_memory(config: ServerConfig, model: Any, index: Any) -> tuple[Serve
     )
     resolved = dataclasses.replace(config, engine_kwargs=tuple(sorted(engine.items())))
     return resolved, TierPlan(split.index_tier_bytes, split.kv_cache_bytes, split.source)
+
+
+def _check_fits(tier: Any, kv: int, model: Any, engine: dict[str, Any]) -> None:
+    """Both sides given: they must fit beside the weights on one GPU, a ``ValueError`` at start
+    rather than an out-of-memory step under load (an 80 GB card given an H200's sizes)."""
+    same_gpu = str(engine.get("device", "auto")) in ("auto", "cuda", "cuda:0", tier.device)
+    if not (tier.gpu_memory_bytes or (same_gpu and tier.device.startswith("cuda"))):
+        return
+    try:
+        total = tier.gpu_memory_bytes or free_gpu_bytes(tier.device) - _weight_bytes(model, engine)
+    except ValueError:
+        return  # nothing to measure against (no CUDA here): the sizes given stand
+    if kv + tier.budget_bytes > total:
+        raise ValueError(
+            f"gpu_tier.budget_bytes ({tier.budget_bytes / 1e9:.2f} GB) + kv_cache_bytes "
+            f"({kv / 1e9:.2f} GB) exceed the {total / 1e9:.2f} GB of {tier.device} left beside "
+            "the model's weights; lower one of them"
+        )
 
 
 def load_profiles(path: str | Path) -> dict[str, tuple[tuple[float, float], ...]]:
