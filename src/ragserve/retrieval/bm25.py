@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.storage import remove_stale_sidecars, save_sidecar, write_dir_atomically
+from ragserve.retrieval.storage import write_dir_atomically
 from ragserve.retrieval.types import TopK
 
 ROW_IDS = "row_ids.npy"
@@ -166,28 +166,10 @@ def passage_text(doc) -> str:
     return f"{doc.title}\n{doc.text}" if doc.title else doc.text
 
 
-# -- snapshots beside the Faiss snapshot (called by persist.py) -----------------------------------
-
-SNAPSHOT_KEY = "bm25_snapshot"  # manifest metadata: the folder of the BM25 snapshot
-
-
-def save_snapshot(vi, directory: Path, generation: int) -> None:
-    """Before a Faiss snapshot of `generation`: save `vi`'s BM25 index, if any (`save_sidecar`)."""
-    save_sidecar(vi._bm25, directory, f"bm25-{generation:06d}", vi.metadata, SNAPSHOT_KEY)
-
-
-def remove_stale(directory: Path, manifest: dict) -> None:
-    """Delete BM25 snapshot folders (and leftovers) the manifest no longer names."""
-    remove_stale_sidecars(directory, manifest, SNAPSHOT_KEY, "bm25-")
-
-
-def load_snapshot(store, directory: Path, metadata: dict, applied_seq: int) -> BM25Index | None:
-    """The manifest's BM25 snapshot (None: none) with the store's log past `applied_seq`
-    replayed into it, inside the Faiss replay's store read snapshot; `ValueError` if unreadable."""
-    name = metadata.get(SNAPSHOT_KEY)
-    if not name:
-        return None
-    index = BM25Index.load(directory / name)
+def load_snapshot(path: Path, store, applied_seq: int) -> BM25Index:
+    """The snapshot at `path` with the store's log past `applied_seq` replayed into it (inside
+    the Faiss replay's store read snapshot); `ValueError` if unreadable."""
+    index = BM25Index.load(path)
     ops = store.ops_after(applied_seq)
     if ops:
         touched = sorted({row_id for _, _, row_id in ops})

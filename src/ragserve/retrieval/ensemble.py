@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ragserve.retrieval.storage import remove_stale_sidecars, save_sidecar, write_dir_atomically
+from ragserve.retrieval.storage import write_dir_atomically
 from ragserve.retrieval.types import TopK
 
 if TYPE_CHECKING:
     from ragserve.retrieval.embedder import Embedder
 
 CONFIG_KEY = "ensemble"  # index metadata: the EnsembleConfig as a dict (set at build)
-SNAPSHOT_KEY = "ensemble_snapshot"  # index metadata: the folder of the side snapshot
 ROW_IDS, VECTORS = "row_ids.npy", "vectors.npy"
 
 
@@ -170,25 +169,6 @@ class SideDense:
         if x.ndim != 2 or len(x) != len(rows):
             raise ValueError(f"unreadable ensemble snapshot {path}: {len(rows)} ids, {x.shape}")
         return cls(embedder_name, rows, x)
-
-
-def save_snapshot(vi, directory: Path, generation: int) -> None:
-    """Save the side vectors (if any) of the snapshot `generation`, named in `vi.metadata`."""
-    save_sidecar(vi._side, directory, f"ensemble-{generation:06d}", vi.metadata, SNAPSHOT_KEY)
-
-
-def remove_stale(directory: Path, manifest: dict) -> None:
-    """Delete side snapshot folders the manifest no longer names."""
-    remove_stale_sidecars(directory, manifest, SNAPSHOT_KEY, "ensemble-")
-
-
-def load_snapshot(directory: Path, metadata: dict) -> SideDense | None:
-    """The manifest's side snapshot (not yet synced with the store), or None."""
-    name = metadata.get(SNAPSHOT_KEY)
-    config = metadata.get(CONFIG_KEY)
-    if not name or not config:
-        return None
-    return SideDense.load(directory / name, EnsembleConfig(**config).embedder)
 
 
 class EnsembleMixin:
