@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ragserve.retrieval.stepwise import exact_topk
 from ragserve.retrieval.storage import write_dir_atomically
 from ragserve.retrieval.types import TopK
 
@@ -127,18 +128,10 @@ class SideDense:
         """Top-`topk` row ids per query by inner product (`-1` pads), among `allowed`."""
         with self._lock:
             rows, x = self._row_ids, self._vectors
-        ids = np.full((len(queries), topk), -1, dtype=np.int64)
-        scores = np.zeros((len(queries), topk), dtype=np.float32)
         if allowed is not None:
             mask = np.isin(rows, allowed)
             rows, x = rows[mask], x[mask]
-        if not len(rows):
-            return TopK(ids, scores)
-        s = np.asarray(queries, dtype=np.float32) @ x.T
-        order = np.argsort(-s, axis=1, kind="stable")[:, :topk]
-        ids[:, : order.shape[1]] = rows[order]
-        scores[:, : order.shape[1]] = np.take_along_axis(s, order, axis=1)
-        return TopK(ids, scores)
+        return exact_topk(queries, rows, x, topk)
 
     def scores_of(self, query: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
         """Inner products of one query with the passages `row_ids` (each must be present)."""

@@ -182,6 +182,25 @@ def empty_topk(n: int, k: int, is_l2: bool) -> TopK:
     return TopK(np.full((n, k), -1, np.int64), np.full((n, k), fill, np.float32))
 
 
+def exact_topk(
+    queries: np.ndarray, row_ids: np.ndarray, x: np.ndarray, topk: int, is_l2: bool = False
+) -> TopK:
+    """Brute-force top-`topk` of the rows `row_ids` (vectors `x`) per query, ties in row
+    order; missing slots: id `-1`, score 0."""
+    ids = np.full((len(queries), topk), -1, dtype=np.int64)
+    scores = np.zeros((len(queries), topk), dtype=np.float32)
+    if len(row_ids):
+        q = np.asarray(queries, dtype=np.float32)
+        if is_l2:
+            s = (q * q).sum(1)[:, None] - 2 * q @ x.T + (x * x).sum(1)[None, :]
+        else:
+            s = q @ x.T
+        order = np.argsort(s if is_l2 else -s, axis=1, kind="stable")[:, :topk]
+        ids[:, : order.shape[1]] = row_ids[order]
+        scores[:, : order.shape[1]] = np.take_along_axis(s, order, axis=1)
+    return TopK(ids, scores)
+
+
 @functools.lru_cache(maxsize=256)
 def _ivf_params(width: int) -> faiss.SearchParametersIVF:
     """Read-only per-call search parameters, shared by concurrent scans of the same width."""
