@@ -180,12 +180,7 @@ class ShardedIndex(IndexEncoderMixin):
         return cls(shards, layout, read_quantizer(root), embedder=embedder)
 
     def assign(self, queries: np.ndarray, nprobe: int | None = None) -> ProbePlan:
-        q = np.ascontiguousarray(queries, dtype=np.float32)
-        if q.ndim != 2 or q.shape[1] != self.spec.dim:
-            raise ValueError(f"queries must have shape [n, {self.spec.dim}], got {q.shape}")
-        width = max(1, min(int(nprobe or self.spec.nprobe), self.spec.nlist))
-        dists, ids = self.quantizer.search(q, width)
-        return ProbePlan(ids.astype(np.int64, copy=False), dists.astype(np.float32, copy=False))
+        return stepwise.assign(self.quantizer, queries, nprobe or self.spec.nprobe)
 
     def scan(
         self, queries: np.ndarray, plan: ProbePlan, topk: int, state: TopK | None = None

@@ -98,11 +98,13 @@ def train_sample(x: np.ndarray, max_train: int | None, seed: int) -> np.ndarray:
     return x[np.sort(pick)]
 
 
-def assign(index: faiss.IndexIVF, queries: np.ndarray, nprobe: int) -> ProbePlan:
-    """Coarse assignment: each query's `nprobe` nearest clusters, best first."""
-    q = check_queries(index, queries)
-    nprobe = max(1, min(int(nprobe), index.nlist))
-    dists, ids = index.quantizer.search(q, nprobe)
+def assign(index: faiss.Index, queries: np.ndarray, nprobe: int) -> ProbePlan:
+    """Coarse assignment: each query's `nprobe` nearest clusters, best first (`index`: an IVF
+    index or its coarse quantizer)."""
+    quantizer = getattr(index, "quantizer", index)
+    q = check_queries(quantizer, queries)
+    nprobe = max(1, min(int(nprobe), quantizer.ntotal))
+    dists, ids = quantizer.search(q, nprobe)
     return ProbePlan(ids.astype(np.int64, copy=False), dists.astype(np.float32, copy=False))
 
 
