@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,9 +42,6 @@ class EnsembleConfig:
         if self.depth < 1:
             raise ValueError(f"ensemble depth must be >= 1, got {self.depth}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def zscore(scores: np.ndarray) -> np.ndarray:
     """(s - mean) / std over the last axis; all zeros where the scores do not vary."""
@@ -76,10 +73,6 @@ class SideDense:
         self._vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         self._embedder: Embedder | None = None
         self._lock = threading.Lock()
-
-    @classmethod
-    def empty(cls, embedder_name: str, dim: int = 0) -> SideDense:
-        return cls(embedder_name, np.zeros(0, np.int64), np.zeros((0, dim), np.float32))
 
     @property
     def embedder(self) -> Embedder:
@@ -171,12 +164,6 @@ class EnsembleMixin:
     _side: SideDense | None
     _side_synced: bool
 
-    def _apply_side(self, docs, side: np.ndarray | None, added, removed) -> None:
-        if side is None:  # not yet synced: the next `side_dense()` embeds what is missing
-            self._side_synced = False
-            return
-        self._side.apply(np.asarray(added, dtype=np.int64), side, removed)
-
     @property
     def ensemble_config(self) -> EnsembleConfig | None:
         data = self.metadata.get(CONFIG_KEY)
@@ -195,7 +182,7 @@ class EnsembleMixin:
                     f"index already has ensemble embedder {current.embedder!r}; "
                     "rebuild to change it"
                 )
-            self.metadata[CONFIG_KEY] = config.to_dict()
+            self.metadata[CONFIG_KEY] = asdict(config)
         return self._sync_side(embedder)
 
     def side_dense(self, embedder: Embedder | None = None) -> SideDense:
@@ -213,7 +200,7 @@ class EnsembleMixin:
         with self._write_mutex:
             name = self.ensemble_config.embedder
             if self._side is None:
-                self._side = SideDense.empty(name)
+                self._side = SideDense(name, np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
             if embedder is not None:
                 self._side.set_embedder(embedder)
             if self._side_synced:
