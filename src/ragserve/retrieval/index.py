@@ -357,6 +357,13 @@ class VectorIndex(
                 f"{len(np.setxor1d(ids, in_store))} differ"
             )
 
+    def search_profile(self):
+        """The `SearchProfile` measured for this index (`DIR/profile.json`), or None."""
+        from ragserve.retrieval.latency_model import SearchProfile
+
+        path = self.directory / "profile.json" if self.directory else None
+        return SearchProfile.load(path) if path is not None and path.is_file() else None
+
     def info(self) -> dict[str, Any]:
         sizes = self.cluster_sizes()
         return {
