@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -119,7 +119,9 @@ def snapshot_lock(directory: Path, *, exclusive: bool) -> Iterator[None]:
         f.close()  # releases the lock
 
 
-def remove_stale_files(directory: Path, manifest: dict[str, Any], sidecars=()) -> None:
+def remove_stale_files(
+    directory: Path, manifest: dict[str, Any], sidecars: Iterable[tuple[str, str]] = ()
+) -> None:
     """Delete leftover tmp files, snapshots the manifest no longer names, and folders named
     `prefix*` of `sidecars` ((metadata key, prefix)) other than the one it names."""
     keep = manifest.get("metadata") or {}
