@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -120,7 +120,7 @@ def snapshot_lock(directory: Path, *, exclusive: bool) -> Iterator[None]:
 
 
 def remove_stale_files(
-    directory: Path, manifest: dict[str, Any], sidecars: Iterable[tuple[str, str]] = ()
+    directory: Path, manifest: dict[str, Any], sidecars: Collection[tuple[str, str]] = ()
 ) -> None:
     """Delete leftover tmp files, snapshots the manifest no longer names, and folders named
     `prefix*` of `sidecars` ((metadata key, prefix)) other than the one it names."""
