@@ -187,14 +187,9 @@ def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedde
         if isinstance(exc, sqlite3.DatabaseError):
             raise IndexCorruptError(store_path, f"SQLite error: {exc}") from None
         raise
-    spec = IndexSpec(
-        manifest["dim"],
-        manifest["nlist"],
-        manifest["kind"],
-        manifest["metric"],
-        finetune.saved_encoder(directory, metadata) or manifest["embedder"],
-        manifest.get("nprobe", 1),
-    )
+    encoder = finetune.saved_encoder(directory, metadata) or manifest["embedder"]
+    shape = (manifest[key] for key in ("dim", "nlist", "kind", "metric"))
+    spec = IndexSpec(*shape, encoder, manifest.get("nprobe", 1))
     vi = cls(index, store, spec, embedder=embedder, directory=directory)
     vi.generation = int(manifest.get("generation", 1))
     vi.applied_seq = int(seq)
