@@ -91,9 +91,6 @@ class SideDense:
         with self._lock:
             return np.sort(self._row_ids)
 
-    def encode(self, texts: list[str], *, is_query: bool) -> np.ndarray:
-        return self.embedder.encode(texts, is_query=is_query)
-
     def apply(self, added: np.ndarray, vectors: np.ndarray, removed) -> None:
         """Mirror a committed upsert/delete: `added` row ids with their side `vectors`."""
         added = np.asarray(added, dtype=np.int64)
@@ -113,7 +110,7 @@ class SideDense:
             have = self._row_ids
         gone = np.setdiff1d(have, live)
         missing = np.setdiff1d(live, have)
-        vectors = self.encode(texts_of(missing), is_query=False) if len(missing) else None
+        vectors = self.embedder.encode(texts_of(missing), is_query=False) if len(missing) else None
         self.apply(missing, vectors, gone)
         return len(missing)
 
@@ -216,4 +213,4 @@ class EnsembleMixin:
         """Side vectors of `docs` about to be upserted (None: no synced side index)."""
         if self._side is None or not self._side_synced:
             return None
-        return self._side.encode([self.embed_text(d) for d in docs], is_query=False)
+        return self._side.embedder.encode([self.embed_text(d) for d in docs], is_query=False)

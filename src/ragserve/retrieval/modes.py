@@ -84,7 +84,8 @@ class SearchModesMixin:
         texts = list(texts)
         vectors = None if mode == "bm25" else self.embedder.encode(texts, is_query=True)
         # NOTE: the ensemble's queries are embedded once here, not again per deeper collapse pass
-        side = self.side_dense().encode(texts, is_query=True) if mode == "ensemble" else None
+        side_embedder = self.side_dense().embedder if mode == "ensemble" else None
+        side = None if side_embedder is None else side_embedder.encode(texts, is_query=True)
         if not collapse_sections:
             return self._ranked(texts, vectors, topk, nprobe, mode, allowed, side)
         out: list[list[ScoredDocument]] = [[] for _ in texts]
