@@ -21,6 +21,7 @@ import logging
 import shutil
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from ragserve.retrieval import load_embedder
@@ -126,7 +127,7 @@ def run_corpus(name: str, configs: list[str], modes, cache, show: str, rows: lis
         index.bm25()
         for label, mode, ensemble in ensemble_runs(modes, ensemble_configs, side_name):
             if ensemble is not None:
-                index.metadata["ensemble"] = ensemble.to_dict()
+                index.metadata["ensemble"] = asdict(ensemble)
             result = evaluate(index, questions, mode, None, True)
             if ensemble is not None and side_name != SIDE:
                 label = f"{label} side {side_name}"

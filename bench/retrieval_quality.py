@@ -48,7 +48,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -224,7 +224,7 @@ def run_setting(name: str, docs, questions, embedder, rows: list, *, cache=None,
         for nprobe_name, nprobe in nprobes.items():
             for mode, config in _mode_runs(methods, side is not None):
                 if config is not None:
-                    index.metadata["ensemble"] = config.to_dict()
+                    index.metadata["ensemble"] = asdict(config)
                 for collapse in methods.collapses:
                     if mode == "bm25" and nprobe is not None:
                         continue  # no probes in BM25
@@ -267,7 +267,7 @@ def latency(index: VectorIndex, questions, methods: Methods, has_side: bool, rou
         for text in texts:
             for mode, config in runs.items():
                 if config is not None:
-                    index.metadata["ensemble"] = config.to_dict()
+                    index.metadata["ensemble"] = asdict(config)
                 t0 = time.perf_counter()
                 index.search_text([text], K, mode=mode)
                 times[mode].append(1000 * (time.perf_counter() - t0))

@@ -96,10 +96,10 @@ WRITER = textwrap.dedent(
     for i in range(100000):
         if i % 4 == 3:
             victim = f"w{int(rng.integers(0, i))}"
-            print("try del", victim, flush=True)
+            print(f"try del {victim}", flush=True)  # one write: a kill never splits it
             vi.delete_documents([victim])
         else:
-            print("try add", f"w{i}", flush=True)
+            print(f"try add w{i}", flush=True)
             vec = rng.normal(size=(1, vi.dim)).astype("float32")
             vi.add_documents([Document(f"w{i}", f"text {i}")], vec)
         print("ok", flush=True)

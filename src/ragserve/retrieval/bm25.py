@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ragserve.retrieval.storage import remove_stale_sidecars, save_sidecar, write_dir_atomically
+from ragserve.retrieval.storage import write_dir_atomically
 from ragserve.retrieval.types import TopK
 
 ROW_IDS = "row_ids.npy"
@@ -45,8 +45,7 @@ class BM25Index:
 
     @classmethod
     def from_texts(cls, row_ids: Sequence[int], texts: Sequence[str]) -> BM25Index:
-        tokens = dict(zip((int(r) for r in row_ids), tokenize(texts), strict=True))
-        index = cls(np.zeros(0, np.int64), None, tokens)
+        index = cls(np.zeros(0, np.int64), None, _tokenized(zip(row_ids, texts, strict=True)))
         index._dirty = True
         return index
 
@@ -61,12 +60,10 @@ class BM25Index:
         """Mirror a committed upsert/delete: `added` (row id, passage text), `removed` row ids."""
         with self._lock:
             if self._tokens is None:
-                self._tokens = _tokens_of(store, self._row_ids)
+                self._tokens = _tokenized(live_texts(store, self._row_ids))
             for row_id in removed:
                 self._tokens.pop(int(row_id), None)
-            if added:
-                new = tokenize([text for _, text in added])
-                self._tokens.update(zip((int(r) for r, _ in added), new, strict=True))
+            self._tokens.update(_tokenized(added))
             self._dirty = True
 
     def search(self, texts: Sequence[str], topk: int, allowed: np.ndarray | None = None) -> TopK:
@@ -153,12 +150,17 @@ class BM25Index:
         return cls(row_ids, retriever, None)
 
 
-def _tokens_of(store, row_ids: np.ndarray) -> dict[int, list[str]]:
+def _tokenized(pairs) -> dict[int, list[str]]:
+    """Row id -> tokens of (row id, text) pairs."""
+    pairs = list(pairs)
+    texts = tokenize([text for _, text in pairs]) if pairs else []
+    return dict(zip((int(r) for r, _ in pairs), texts, strict=True))
+
+
+def live_texts(store, row_ids) -> list[tuple[int, str]]:
+    """(row id, `passage_text`) of the passages among `row_ids` still in `store`."""
     docs = store.get([int(r) for r in row_ids])
-    live = [(int(r), d) for r, d in zip(row_ids, docs, strict=True) if d is not None]
-    return dict(
-        zip((r for r, _ in live), tokenize([passage_text(d) for _, d in live]), strict=True)
-    )
+    return [(int(r), passage_text(d)) for r, d in zip(row_ids, docs, strict=True) if d is not None]
 
 
 def passage_text(doc) -> str:
@@ -166,33 +168,12 @@ def passage_text(doc) -> str:
     return f"{doc.title}\n{doc.text}" if doc.title else doc.text
 
 
-# -- snapshots beside the Faiss snapshot (called by persist.py) -----------------------------------
-
-SNAPSHOT_KEY = "bm25_snapshot"  # manifest metadata: the folder of the BM25 snapshot
-
-
-def save_snapshot(vi, directory: Path, generation: int) -> None:
-    """Before a Faiss snapshot of `generation`: save `vi`'s BM25 index, if any (`save_sidecar`)."""
-    save_sidecar(vi._bm25, directory, f"bm25-{generation:06d}", vi.metadata, SNAPSHOT_KEY)
-
-
-def remove_stale(directory: Path, manifest: dict) -> None:
-    """Delete BM25 snapshot folders (and leftovers) the manifest no longer names."""
-    remove_stale_sidecars(directory, manifest, SNAPSHOT_KEY, "bm25-")
-
-
-def load_snapshot(store, directory: Path, metadata: dict, applied_seq: int) -> BM25Index | None:
-    """The manifest's BM25 snapshot (None: none) with the store's log past `applied_seq`
-    replayed into it, inside the Faiss replay's store read snapshot; `ValueError` if unreadable."""
-    name = metadata.get(SNAPSHOT_KEY)
-    if not name:
-        return None
-    index = BM25Index.load(directory / name)
+def load_snapshot(path: Path, store, applied_seq: int) -> BM25Index:
+    """The snapshot at `path` with the store's log past `applied_seq` replayed into it (inside
+    the Faiss replay's store read snapshot); `ValueError` if unreadable."""
+    index = BM25Index.load(path)
     ops = store.ops_after(applied_seq)
     if ops:
-        touched = sorted({row_id for _, _, row_id in ops})
         added = sorted({r for _, op, r in ops if op == "add"})
-        docs = store.get(added)
-        live = [(r, passage_text(d)) for r, d in zip(added, docs, strict=True) if d is not None]
-        index.apply(live, touched, store)
+        index.apply(live_texts(store, added), sorted({r for _, _, r in ops}), store)
     return index

@@ -125,13 +125,8 @@ class DocStore:
         if row_ids is None:
             rows = self._query("SELECT row_id, vector FROM docs ORDER BY row_id")
         else:
-            rows = []
-            for chunk in _chunks(list(row_ids), 500):
-                marks = ",".join("?" * len(chunk))
-                rows += self._query(
-                    f"SELECT row_id, vector FROM docs WHERE row_id IN ({marks}) ORDER BY row_id",
-                    chunk,
-                )
+            rows = self._query_in("SELECT row_id, vector FROM docs WHERE row_id", list(row_ids))
+            rows.sort(key=lambda r: r[0])
         ids = np.array([r[0] for r in rows], dtype=np.int64)
         if not rows:
             return ids, np.zeros((0, int(self.get_meta("dim") or 0)), dtype=np.float32)
@@ -146,17 +141,9 @@ class DocStore:
         return [by_doc.get(k) if isinstance(k, str) else by_row.get(int(k)) for k in keys]
 
     def _fetch(self, column: str, keys: list) -> dict:
-        found = {}
-        for chunk in _chunks(keys, 500):
-            marks = ",".join("?" * len(chunk))
-            rows = self._query(
-                f"SELECT {column}, doc_id, title, text, metadata FROM docs "
-                f"WHERE {column} IN ({marks})",
-                chunk,
-            )
-            for key, doc_id, title, text, meta in rows:
-                found[key] = Document(doc_id, text, title, json.loads(meta))
-        return found
+        sql = f"SELECT {column}, doc_id, title, text, metadata FROM docs WHERE {column}"
+        rows = self._query_in(sql, keys)
+        return {key: Document(i, text, title, json.loads(m)) for key, i, title, text, m in rows}
 
     def row_ids_where(self, where: str, args: Sequence = ()) -> np.ndarray:
         """Sorted int64 row ids of live documents matching an SQL `where` over `docs`
@@ -198,6 +185,14 @@ class DocStore:
         with self._lock:
             return self._conn.execute(sql, tuple(args)).fetchall()
 
+    def _query_in(self, sql: str, keys: list) -> list:
+        """`sql` + ` IN (keys)`, 500 keys a query (SQLite's limit on arguments)."""
+        rows = []
+        for i in range(0, len(keys), 500):
+            chunk = keys[i : i + 500]
+            rows += self._query(f"{sql} IN ({','.join('?' * len(chunk))})", chunk)
+        return rows
+
     @contextmanager
     def _txn(self) -> Iterator[None]:
         self._conn.execute("BEGIN IMMEDIATE")
@@ -207,8 +202,3 @@ class DocStore:
             self._conn.execute("ROLLBACK")
             raise
         self._conn.execute("COMMIT")
-
-
-def _chunks(items: list, size: int):
-    for i in range(0, len(items), size):
-        yield items[i : i + size]

@@ -116,11 +116,8 @@ class Embedder:
         with torch.inference_mode():
             for start in batches:
                 idx = order[start : start + self.batch_size]
-                out[idx] = self._encode_batch([texts[i] for i in idx])
+                out[idx] = self.pooled([texts[i] for i in idx]).cpu().numpy()
         return out
-
-    def _encode_batch(self, texts: list[str]) -> np.ndarray:
-        return self.pooled(texts).cpu().numpy()
 
     def pooled(self, texts: list[str]):
         """The unit fp32 vectors of `texts` (no prefix added) as a torch tensor; differentiable

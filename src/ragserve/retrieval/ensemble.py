@@ -9,18 +9,18 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ragserve.retrieval.storage import remove_stale_sidecars, save_sidecar, write_dir_atomically
+from ragserve.retrieval.stepwise import exact_topk
+from ragserve.retrieval.storage import write_dir_atomically
 from ragserve.retrieval.types import TopK
 
 if TYPE_CHECKING:
     from ragserve.retrieval.embedder import Embedder
 
 CONFIG_KEY = "ensemble"  # index metadata: the EnsembleConfig as a dict (set at build)
-SNAPSHOT_KEY = "ensemble_snapshot"  # index metadata: the folder of the side snapshot
 ROW_IDS, VECTORS = "row_ids.npy", "vectors.npy"
 
 
@@ -41,9 +41,6 @@ class EnsembleConfig:
             raise ValueError("ensemble weights must be >= 0")
         if self.depth < 1:
             raise ValueError(f"ensemble depth must be >= 1, got {self.depth}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def zscore(scores: np.ndarray) -> np.ndarray:
@@ -77,10 +74,6 @@ class SideDense:
         self._embedder: Embedder | None = None
         self._lock = threading.Lock()
 
-    @classmethod
-    def empty(cls, embedder_name: str, dim: int = 0) -> SideDense:
-        return cls(embedder_name, np.zeros(0, np.int64), np.zeros((0, dim), np.float32))
-
     @property
     def embedder(self) -> Embedder:
         with self._lock:
@@ -97,9 +90,6 @@ class SideDense:
     def row_ids(self) -> np.ndarray:
         with self._lock:
             return np.sort(self._row_ids)
-
-    def encode(self, texts: list[str], *, is_query: bool) -> np.ndarray:
-        return self.embedder.encode(texts, is_query=is_query)
 
     def apply(self, added: np.ndarray, vectors: np.ndarray, removed) -> None:
         """Mirror a committed upsert/delete: `added` row ids with their side `vectors`."""
@@ -120,7 +110,7 @@ class SideDense:
             have = self._row_ids
         gone = np.setdiff1d(have, live)
         missing = np.setdiff1d(live, have)
-        vectors = self.encode(texts_of(missing), is_query=False) if len(missing) else None
+        vectors = self.embedder.encode(texts_of(missing), is_query=False) if len(missing) else None
         self.apply(missing, vectors, gone)
         return len(missing)
 
@@ -128,18 +118,10 @@ class SideDense:
         """Top-`topk` row ids per query by inner product (`-1` pads), among `allowed`."""
         with self._lock:
             rows, x = self._row_ids, self._vectors
-        ids = np.full((len(queries), topk), -1, dtype=np.int64)
-        scores = np.zeros((len(queries), topk), dtype=np.float32)
         if allowed is not None:
             mask = np.isin(rows, allowed)
             rows, x = rows[mask], x[mask]
-        if not len(rows):
-            return TopK(ids, scores)
-        s = np.asarray(queries, dtype=np.float32) @ x.T
-        order = np.argsort(-s, axis=1, kind="stable")[:, :topk]
-        ids[:, : order.shape[1]] = rows[order]
-        scores[:, : order.shape[1]] = np.take_along_axis(s, order, axis=1)
-        return TopK(ids, scores)
+        return exact_topk(queries, rows, x, topk)
 
     def scores_of(self, query: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
         """Inner products of one query with the passages `row_ids` (each must be present)."""
@@ -172,37 +154,12 @@ class SideDense:
         return cls(embedder_name, rows, x)
 
 
-def save_snapshot(vi, directory: Path, generation: int) -> None:
-    """Save the side vectors (if any) of the snapshot `generation`, named in `vi.metadata`."""
-    save_sidecar(vi._side, directory, f"ensemble-{generation:06d}", vi.metadata, SNAPSHOT_KEY)
-
-
-def remove_stale(directory: Path, manifest: dict) -> None:
-    """Delete side snapshot folders the manifest no longer names."""
-    remove_stale_sidecars(directory, manifest, SNAPSHOT_KEY, "ensemble-")
-
-
-def load_snapshot(directory: Path, metadata: dict) -> SideDense | None:
-    """The manifest's side snapshot (not yet synced with the store), or None."""
-    name = metadata.get(SNAPSHOT_KEY)
-    config = metadata.get(CONFIG_KEY)
-    if not name or not config:
-        return None
-    return SideDense.load(directory / name, EnsembleConfig(**config).embedder)
-
-
 class EnsembleMixin:
     """`VectorIndex`'s side index, built at `enable_ensemble` or on first use, kept in sync by
     the index's write path."""
 
     _side: SideDense | None
     _side_synced: bool
-
-    def _apply_side(self, docs, side: np.ndarray | None, added, removed) -> None:
-        if side is None:  # not yet synced: the next `side_dense()` embeds what is missing
-            self._side_synced = False
-            return
-        self._side.apply(np.asarray(added, dtype=np.int64), side, removed)
 
     @property
     def ensemble_config(self) -> EnsembleConfig | None:
@@ -222,7 +179,7 @@ class EnsembleMixin:
                     f"index already has ensemble embedder {current.embedder!r}; "
                     "rebuild to change it"
                 )
-            self.metadata[CONFIG_KEY] = config.to_dict()
+            self.metadata[CONFIG_KEY] = asdict(config)
         return self._sync_side(embedder)
 
     def side_dense(self, embedder: Embedder | None = None) -> SideDense:
@@ -240,7 +197,7 @@ class EnsembleMixin:
         with self._write_mutex:
             name = self.ensemble_config.embedder
             if self._side is None:
-                self._side = SideDense.empty(name)
+                self._side = SideDense(name, np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
             if embedder is not None:
                 self._side.set_embedder(embedder)
             if self._side_synced:
@@ -256,4 +213,4 @@ class EnsembleMixin:
         """Side vectors of `docs` about to be upserted (None: no synced side index)."""
         if self._side is None or not self._side_synced:
             return None
-        return self._side.encode([self.embed_text(d) for d in docs], is_query=False)
+        return self._side.embedder.encode([self.embed_text(d) for d in docs], is_query=False)

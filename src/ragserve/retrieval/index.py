@@ -298,10 +298,10 @@ class VectorIndex(
 
                 texts = [passage_text(d) for d in docs]
                 self._bm25.apply(list(zip(added, texts, strict=True)), removed, self._store)
-            if self._side is not None and added:
-                self._apply_side(docs, side, added, removed)
+            if self._side is not None and added and side is None:
+                self._side_synced = False  # the next `side_dense()` embeds what is missing
             elif self._side is not None:
-                self._side.apply(np.zeros(0, np.int64), None, removed)
+                self._side.apply(np.asarray(added, dtype=np.int64), side, removed)
         self._maybe_compact()
 
     # -- properties -----------------------------------------------------------------------------

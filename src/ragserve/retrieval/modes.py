@@ -11,6 +11,7 @@ import faiss
 import numpy as np
 
 from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
+from ragserve.retrieval.stepwise import exact_topk
 from ragserve.retrieval.types import ScoredDocument, TopK
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class SearchModesMixin:
         small set, else a Faiss id selector with `nprobe` doubled until `topk` hits."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if len(allowed) <= EXHAUSTIVE_FILTER_MAX:
-            return self._brute_force(q, topk, allowed)
+            return exact_topk(q, *self.vectors_of(allowed), topk, self.spec.is_l2)
         selector = faiss.IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
         probe = nprobe or self.spec.nprobe
         while True:
@@ -63,22 +64,6 @@ class SearchModesMixin:
             if probe >= self.nlist or (ids >= 0).all():
                 return TopK(ids, scores)
             probe = min(self.nlist, probe * 2)
-
-    def _brute_force(self, q: np.ndarray, topk: int, allowed: np.ndarray) -> TopK:
-        out = _no_hits(len(q), topk)
-        row_ids, x = self.vectors_of(allowed)
-        if not len(row_ids):
-            return out
-        if self.spec.is_l2:
-            s = (q * q).sum(1)[:, None] - 2 * q @ x.T + (x * x).sum(1)[None, :]
-            order = np.argsort(s, axis=1, kind="stable")[:, :topk]
-        else:
-            s = q @ x.T
-            order = np.argsort(-s, axis=1, kind="stable")[:, :topk]
-        n = order.shape[1]
-        out.ids[:, :n] = row_ids[order]
-        out.scores[:, :n] = np.take_along_axis(s, order, axis=1)
-        return out
 
     def _search_text_modes(
         self,
@@ -99,7 +84,8 @@ class SearchModesMixin:
         texts = list(texts)
         vectors = None if mode == "bm25" else self.embedder.encode(texts, is_query=True)
         # NOTE: the ensemble's queries are embedded once here, not again per deeper collapse pass
-        side = self.side_dense().encode(texts, is_query=True) if mode == "ensemble" else None
+        side_embedder = self.side_dense().embedder if mode == "ensemble" else None
+        side = None if side_embedder is None else side_embedder.encode(texts, is_query=True)
         if not collapse_sections:
             return self._ranked(texts, vectors, topk, nprobe, mode, allowed, side)
         out: list[list[ScoredDocument]] = [[] for _ in texts]

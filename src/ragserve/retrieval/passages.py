@@ -54,13 +54,12 @@ class PassageMixin:
 
     def bm25(self) -> BM25Index:
         """The BM25 side index; built from the stored passages on first use."""
-        from ragserve.retrieval.bm25 import BM25Index, passage_text
+        from ragserve.retrieval.bm25 import BM25Index, live_texts
 
         with self._write_mutex:
             if self._bm25 is None:
-                rows = self._store.row_ids_where("1")
-                docs = self._store.get([int(r) for r in rows])
-                self._bm25 = BM25Index.from_texts(rows, [passage_text(d) for d in docs])
+                pairs = live_texts(self._store, self._store.row_ids_where("1"))
+                self._bm25 = BM25Index.from_texts([r for r, _ in pairs], [t for _, t in pairs])
             return self._bm25
 
 

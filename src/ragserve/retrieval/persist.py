@@ -21,9 +21,9 @@ import faiss
 import numpy as np
 
 import ragserve.retrieval.bm25 as bm25
-import ragserve.retrieval.ensemble as ensemble
 import ragserve.retrieval.finetune as finetune
 from ragserve.retrieval.docstore import DocStore
+from ragserve.retrieval.ensemble import SideDense
 from ragserve.retrieval.storage import (
     DOCSTORE,
     FORMAT,
@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 _Index = TypeVar("_Index", bound="PersistMixin")
 _LOAD_ATTEMPTS = 20  # each retry needs a compaction to have finished since the last one
+# side indexes snapshotted with each generation: VectorIndex attribute -> (metadata key, prefix)
+_SIDECARS = {"_bm25": ("bm25_snapshot", "bm25-"), "_side": ("ensemble_snapshot", "ensemble-")}
 
 
 class PersistMixin:
@@ -113,9 +115,7 @@ class PersistMixin:
             data, seq, generation = self.serialize(), self._store.last_seq(), self.generation + 1
             with snapshot_lock(self.directory, exclusive=True):  # loads see before or after
                 manifest = _write_generation(self, self.directory, data, generation, seq)
-                remove_stale_files(self.directory, manifest)
-                bm25.remove_stale(self.directory, manifest)
-                ensemble.remove_stale(self.directory, manifest)
+                remove_stale_files(self.directory, manifest, _SIDECARS.values())
                 self._store.truncate_log(seq)
             self.generation, self.applied_seq = generation, seq
         logger.info("compacted %s to generation %d (log seq %d)", self.directory, generation, seq)
@@ -147,8 +147,13 @@ class PersistMixin:
 
 def _write_generation(vi, directory: Path, data: np.ndarray, generation: int, seq: int) -> dict:
     """The side snapshots, then the Faiss snapshot `data` and the manifest naming them all."""
-    bm25.save_snapshot(vi, directory, generation)
-    ensemble.save_snapshot(vi, directory, generation)
+    for attr, (key, prefix) in _SIDECARS.items():
+        part, name = getattr(vi, attr), f"{prefix}{generation:06d}"
+        if part is None:
+            vi.metadata.pop(key, None)
+        else:
+            part.save(directory, name)
+            vi.metadata[key] = name
     return write_snapshot(directory, vi.spec, vi._index, data, generation, seq, vi.metadata)
 
 
@@ -163,16 +168,16 @@ def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedde
     store_path = directory / DOCSTORE
     if not store_path.is_file():
         raise IndexCorruptError(store_path, "file missing")
-    metadata = dict(manifest.get("metadata") or {})
+    metadata, seq = dict(manifest.get("metadata") or {}), manifest["applied_seq"]
     store = None
     try:
         store = DocStore(store_path)
         store.check()
         with store.read_snapshot():
-            _replay(index, store, manifest["applied_seq"])
+            _replay(index, store, seq)
             count = store.count()
-            load = partial(bm25.load_snapshot, store, directory, metadata, manifest["applied_seq"])
-            lexical = _sidecar(load, directory, metadata, bm25.SNAPSHOT_KEY)
+            load = partial(bm25.load_snapshot, store=store, applied_seq=seq)
+            lexical = _load_sidecar(directory, metadata, "_bm25", load)
         if count != index.ntotal:
             reason = f"holds {count} documents but the index has {index.ntotal} vectors"
             raise IndexCorruptError(store_path, reason)
@@ -182,22 +187,18 @@ def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedde
         if isinstance(exc, sqlite3.DatabaseError):
             raise IndexCorruptError(store_path, f"SQLite error: {exc}") from None
         raise
-    spec = IndexSpec(
-        manifest["dim"],
-        manifest["nlist"],
-        manifest["kind"],
-        manifest["metric"],
-        finetune.saved_encoder(directory, metadata) or manifest["embedder"],
-        manifest.get("nprobe", 1),
-    )
+    encoder = finetune.saved_encoder(directory, metadata) or manifest["embedder"]
+    shape = (manifest[key] for key in ("dim", "nlist", "kind", "metric"))
+    spec = IndexSpec(*shape, encoder, manifest.get("nprobe", 1))
     vi = cls(index, store, spec, embedder=embedder, directory=directory)
     vi.generation = int(manifest.get("generation", 1))
-    vi.applied_seq = int(manifest["applied_seq"])
+    vi.applied_seq = int(seq)
     vi.metadata = metadata
     vi._bm25 = lexical
     try:  # the side index is synced with the store on first use
-        load = partial(ensemble.load_snapshot, directory, metadata)
-        vi._side = _sidecar(load, directory, metadata, ensemble.SNAPSHOT_KEY)
+        if (config := vi.ensemble_config) is not None:
+            load = partial(SideDense.load, embedder_name=config.embedder)
+            vi._side = _load_sidecar(directory, metadata, "_side", load)
         if metadata.get("query_adapter"):  # NOTE: a silently different ranking otherwise
             reason = "the query adapter was removed after e82677a: rebuild the index without it"
             raise IndexCorruptError(directory / "query_adapter.npy", reason)
@@ -207,12 +208,16 @@ def _load_once(cls, directory: Path, manifest: dict[str, Any], embedder: Embedde
     return vi
 
 
-def _sidecar(load, directory: Path, metadata: dict[str, Any], key: str) -> Any:
-    """`load()`, a side snapshot; its `ValueError` becomes one naming the folder."""
+def _load_sidecar(directory: Path, metadata: dict[str, Any], attr: str, load) -> Any:
+    """`load(path)` of the side snapshot the manifest names for `attr` (None: none); its
+    `ValueError` becomes an `IndexCorruptError` naming the folder."""
+    name = metadata.get(_SIDECARS[attr][0])
+    if not name:
+        return None
     try:
-        return load()
+        return load(directory / name)
     except ValueError as exc:
-        raise IndexCorruptError(directory / metadata[key], str(exc)) from None
+        raise IndexCorruptError(directory / name, str(exc)) from None
 
 
 def write_snapshot(

@@ -99,23 +99,17 @@ def reranker_factory(name: str) -> Any:
     """The callable ``"module:factory"`` names (imported now), or ``RerankerLoadError``."""
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
-        raise RerankerLoadError(
-            f"reranker {name!r}: expected {EMBEDDING_RERANKER!r} or 'module:factory'"
-        )
+        raise _load_error(name, f"expected {EMBEDDING_RERANKER!r} or 'module:factory'")
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:
-        raise RerankerLoadError(
-            f"reranker {name!r}: cannot import {module_name} ({_one_line(exc)})"
-        ) from None
+        raise _load_error(name, f"cannot import {module_name} ({_one_line(exc)})") from None
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise RerankerLoadError(f"reranker {name!r}: {module_name} has no attribute {attr}")
+            raise _load_error(name, f"{module_name} has no attribute {attr}")
         target = getattr(target, part)
     if not callable(target):
-        raise RerankerLoadError(
-            f"reranker {name!r}: {attr} is a {type(target).__name__}, not callable"
-        )
+        raise _load_error(name, f"{attr} is a {type(target).__name__}, not callable")
     return target
 
 
@@ -128,13 +122,17 @@ def load_reranker(name: str, embedder: Any) -> Any:
     try:
         reranker = factory(embedder)
     except Exception as exc:
-        raise RerankerLoadError(f"reranker {name!r}: the factory raised {_one_line(exc)}") from None
+        raise _load_error(name, f"the factory raised {_one_line(exc)}") from None
     if not callable(getattr(reranker, "score", None)):
-        raise RerankerLoadError(
-            f"reranker {name!r}: the factory returned a {type(reranker).__name__}, "
-            "which has no score(query, texts) method"
+        kind = type(reranker).__name__
+        raise _load_error(
+            name, f"the factory returned a {kind}, which has no score(query, texts) method"
         )
     return reranker
+
+
+def _load_error(name: str, why: str) -> RerankerLoadError:
+    return RerankerLoadError(f"reranker {name!r}: {why}")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -180,12 +180,7 @@ class ShardedIndex(IndexEncoderMixin):
         return cls(shards, layout, read_quantizer(root), embedder=embedder)
 
     def assign(self, queries: np.ndarray, nprobe: int | None = None) -> ProbePlan:
-        q = np.ascontiguousarray(queries, dtype=np.float32)
-        if q.ndim != 2 or q.shape[1] != self.spec.dim:
-            raise ValueError(f"queries must have shape [n, {self.spec.dim}], got {q.shape}")
-        width = max(1, min(int(nprobe or self.spec.nprobe), self.spec.nlist))
-        dists, ids = self.quantizer.search(q, width)
-        return ProbePlan(ids.astype(np.int64, copy=False), dists.astype(np.float32, copy=False))
+        return stepwise.assign(self.quantizer, queries, nprobe or self.spec.nprobe)
 
     def scan(
         self, queries: np.ndarray, plan: ProbePlan, topk: int, state: TopK | None = None
@@ -216,7 +211,7 @@ class ShardedIndex(IndexEncoderMixin):
     def get_documents(self, ids: Sequence[int | str]) -> list[Document | None]:
         keys = list(ids)
         found: list[Document | None] = [None] * len(keys)
-        for part in [w() for w in [s.submit("get_documents", keys) for s in self.shards]]:
+        for part in self._on_all("get_documents", keys):
             found = [f if f is not None else d for f, d in zip(found, part, strict=True)]
         return found
 
@@ -260,7 +255,7 @@ class ShardedIndex(IndexEncoderMixin):
     def cluster_sizes(self) -> np.ndarray:
         sizes = self._sizes
         if sizes is None:
-            sizes = sum(w() for w in [s.submit("cluster_sizes") for s in self.shards])
+            sizes = sum(self._on_all("cluster_sizes"))
             self._sizes = sizes
         return sizes
 
@@ -282,13 +277,11 @@ class ShardedIndex(IndexEncoderMixin):
         check_tier_options(self.spec.kind, budget_bytes, scan, stream_cold)
         share = shard_tier_budget(budget_bytes, len(self.shards))
         options = {"device": device, "dtype": dtype, "scan": scan, "stream_cold": stream_cold}
-        for w in [s.submit("set_gpu_tier", share, options) for s in self.shards]:
-            w()
+        self._on_all("set_gpu_tier", share, options)
         return self._refresh_tier()
 
     def drop_gpu_tier(self) -> None:
-        for w in [s.submit("drop_gpu_tier") for s in self.shards]:
-            w()
+        self._on_all("drop_gpu_tier")
         self._refresh_tier()
 
     @property
@@ -306,7 +299,7 @@ class ShardedIndex(IndexEncoderMixin):
         return tier.resident_mask(cluster_ids)
 
     def _refresh_tier(self) -> ShardedTier | None:
-        states = [w() for w in [s.submit("tier_state") for s in self.shards]]
+        states = self._on_all("tier_state")
         self._tier_read_at = time.monotonic()
         held = [st for st in states if st is not None]
         if not held:
@@ -338,16 +331,19 @@ class ShardedIndex(IndexEncoderMixin):
 
     def clusters_of(self, ids: np.ndarray) -> np.ndarray:
         out = np.full(len(ids), -1, np.int64)
-        for part in [w() for w in [s.submit("clusters_of", ids) for s in self.shards]]:
+        for part in self._on_all("clusters_of", ids):
             out = np.where(out < 0, part, out)
         return out
 
     def check_integrity(self) -> None:
-        for s in self.shards:
-            s.call("check_integrity")
+        self._on_all("check_integrity")
 
     def shard_stats(self) -> list[dict[str, int]]:
-        return [s.call("stats") for s in self.shards]
+        return self._on_all("stats")
+
+    def _on_all(self, method: str, *args: Any) -> list:
+        """`method(*args)` on every shard at once; the results in shard order."""
+        return [wait() for wait in [s.submit(method, *args) for s in self.shards]]
 
 
 def shard_tier_budget(budget_bytes: int, num_shards: int) -> int:

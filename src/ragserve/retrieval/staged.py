@@ -79,10 +79,8 @@ class StageCostModel:
     def observe_scan(self, num_vector_pairs: int, seconds: float) -> None:
         if num_vector_pairs <= 0 or seconds <= 0:
             return
-        rate = seconds / num_vector_pairs
-        self.seconds_per_vector = (
-            rate if self.num_scans == 0 else self._ema(self.seconds_per_vector, rate)
-        )
+        old = self.seconds_per_vector if self.num_scans else None  # the prior: replaced
+        self.seconds_per_vector = self._ema(old, seconds / num_vector_pairs)
         self.num_scans += 1
 
     def observe_overhead(self, seconds: float) -> None:

@@ -98,11 +98,13 @@ def train_sample(x: np.ndarray, max_train: int | None, seed: int) -> np.ndarray:
     return x[np.sort(pick)]
 
 
-def assign(index: faiss.IndexIVF, queries: np.ndarray, nprobe: int) -> ProbePlan:
-    """Coarse assignment: each query's `nprobe` nearest clusters, best first."""
-    q = check_queries(index, queries)
-    nprobe = max(1, min(int(nprobe), index.nlist))
-    dists, ids = index.quantizer.search(q, nprobe)
+def assign(index: faiss.Index, queries: np.ndarray, nprobe: int) -> ProbePlan:
+    """Coarse assignment: each query's `nprobe` nearest clusters, best first (`index`: an IVF
+    index or its coarse quantizer)."""
+    quantizer = getattr(index, "quantizer", index)
+    q = check_queries(quantizer, queries)
+    nprobe = max(1, min(int(nprobe), quantizer.ntotal))
+    dists, ids = quantizer.search(q, nprobe)
     return ProbePlan(ids.astype(np.int64, copy=False), dists.astype(np.float32, copy=False))
 
 
@@ -180,6 +182,25 @@ def search(
 def empty_topk(n: int, k: int, is_l2: bool) -> TopK:
     fill = np.inf if is_l2 else -np.inf
     return TopK(np.full((n, k), -1, np.int64), np.full((n, k), fill, np.float32))
+
+
+def exact_topk(
+    queries: np.ndarray, row_ids: np.ndarray, x: np.ndarray, topk: int, is_l2: bool = False
+) -> TopK:
+    """Brute-force top-`topk` of the rows `row_ids` (vectors `x`) per query, ties in row
+    order; missing slots: id `-1`, score 0."""
+    ids = np.full((len(queries), topk), -1, dtype=np.int64)
+    scores = np.zeros((len(queries), topk), dtype=np.float32)
+    if len(row_ids):
+        q = np.asarray(queries, dtype=np.float32)
+        if is_l2:
+            s = (q * q).sum(1)[:, None] - 2 * q @ x.T + (x * x).sum(1)[None, :]
+        else:
+            s = q @ x.T
+        order = np.argsort(s if is_l2 else -s, axis=1, kind="stable")[:, :topk]
+        ids[:, : order.shape[1]] = row_ids[order]
+        scores[:, : order.shape[1]] = np.take_along_axis(s, order, axis=1)
+    return TopK(ids, scores)
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -119,9 +119,17 @@ def snapshot_lock(directory: Path, *, exclusive: bool) -> Iterator[None]:
         f.close()  # releases the lock
 
 
-def remove_stale_files(directory: Path, manifest: dict[str, Any]) -> None:
-    """Delete leftover tmp files and snapshots the manifest no longer names."""
+def remove_stale_files(
+    directory: Path, manifest: dict[str, Any], sidecars: Collection[tuple[str, str]] = ()
+) -> None:
+    """Delete leftover tmp files, snapshots the manifest no longer names, and folders named
+    `prefix*` of `sidecars` ((metadata key, prefix)) other than the one it names."""
+    keep = manifest.get("metadata") or {}
     for path in directory.iterdir():
+        if path.is_dir():
+            if any(path.name.startswith(p) and path.name != keep.get(k) for k, p in sidecars):
+                shutil.rmtree(path, ignore_errors=True)
+            continue
         stale_snapshot = path.name.startswith("index-") and path.name != manifest["snapshot"]
         if path.name.endswith(".tmp") or stale_snapshot:
             path.unlink(missing_ok=True)
@@ -188,21 +196,3 @@ def write_dir_atomically(directory: Path, name: str, fill: Callable[[Path], None
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     fsync_dir(directory)
-
-
-def save_sidecar(part: Any, directory: Path, name: str, metadata: dict, key: str) -> None:
-    """Before a Faiss snapshot: save ``part`` (a side index; ``None``: none) as
-    ``directory/name``, named by ``metadata[key]`` in the same manifest."""
-    if part is None:
-        metadata.pop(key, None)
-        return
-    part.save(directory, name)
-    metadata[key] = name
-
-
-def remove_stale_sidecars(directory: Path, manifest: dict[str, Any], key: str, prefix: str) -> None:
-    """Delete sidecar folders named ``prefix*`` (and leftovers) the manifest no longer names."""
-    keep = (manifest.get("metadata") or {}).get(key)
-    for path in directory.iterdir():
-        if path.name.startswith(prefix) and path.name != keep and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)

@@ -17,12 +17,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ragserve.retrieval.ingest.sections import Block, ParsedDocument
+from ragserve.retrieval.ingest.sections import PARAGRAPH_BREAK, Block, ParsedDocument
+from ragserve.retrieval.passages import passage_text
 from ragserve.retrieval.types import Document
 
 logger = logging.getLogger(__name__)
 
-_PARAGRAPH = re.compile(r"\n\s*\n")
 _SENTENCE = re.compile(r"(?<=[.!?:;])\s+(?=\S)")
 MIN_TEXT_TOKENS = 32  # a heading path longer than window - this is shortened to its last part
 
@@ -106,7 +106,7 @@ class Chunker:
     def chunk_document(self, doc: Document) -> Iterator[Document]:
         """A record's passages (paragraphs under its title): one keeps `doc.id`, several get
         `<id>#<n>` and `source_id`/`chunk` metadata."""
-        paragraphs = tuple(Block(p) for p in _PARAGRAPH.split(doc.text) if p.strip())
+        paragraphs = tuple(Block(p) for p in PARAGRAPH_BREAK.split(doc.text) if p.strip())
         title = doc.title or ""
         budget, title = self._budget(title, (title,) if title else ())
         texts = [self._fit(title, t) for t in self._pack(paragraphs, budget)] or [doc.text]
@@ -127,8 +127,7 @@ class Chunker:
 
     def passage_tokens(self, title: str, text: str) -> int:
         """Tokens the embedder sees for a passage (as `VectorIndex` embeds it)."""
-        shown = f"{title}: {text}" if title and not text.startswith(title) else text
-        return self.count([shown])[0] + self.num_special
+        return self.count([passage_text(Document("", text, title))])[0] + self.num_special
 
     def _budget(self, title: str, path: tuple[str, ...]) -> tuple[int, str]:
         room = self.window - self.num_special

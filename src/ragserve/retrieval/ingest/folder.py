@@ -4,7 +4,6 @@ section under the document's title, blocks at blank lines); unusable files are l
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,10 +11,9 @@ from pathlib import Path
 from ragserve.retrieval.ingest.html import parse_html
 from ragserve.retrieval.ingest.markdown import parse_markdown
 from ragserve.retrieval.ingest.rst import parse_rst
-from ragserve.retrieval.ingest.sections import ParsedDocument, SectionBuilder
+from ragserve.retrieval.ingest.sections import PARAGRAPH_BREAK, ParsedDocument, SectionBuilder
 
 logger = logging.getLogger(__name__)
-_BLANK = re.compile(r"\n\s*\n")
 
 
 def parse_text(text: str, doc_title: str | None = None) -> ParsedDocument:
@@ -41,7 +39,7 @@ def parse_pdf(path: Path, doc_title: str | None = None) -> ParsedDocument:
 def _paragraphs(texts: list[str], title: str | None):
     builder = SectionBuilder(title)
     for text in texts:
-        for para in _BLANK.split(text):
+        for para in PARAGRAPH_BREAK.split(text):
             builder.add(para)
     return builder.build()
 

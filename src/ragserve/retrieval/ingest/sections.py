@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _ROLE_TARGET = re.compile(r"^(.*?)\s*<[^<>]+>$", re.S)
+PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 
 
 def role_display_text(body: str) -> str:
