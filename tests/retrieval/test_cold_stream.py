@@ -197,11 +197,12 @@ def test_cuda_stream_equals_faiss(metric: str) -> None:
     index.close()
 
 
-def test_algorithm_1_and_eq2_price_the_streamed_path() -> None:
+def test_algorithm_1_and_eq2_price_the_streamed_path(bench_module) -> None:
     """With a stream that helps, Algorithm 1 needs no more coverage and Eq. 2's modelled
     ``T_R`` is no lower at any tier size; with one that never pays, both are unchanged."""
     from ragserve.retrieval.partition import PartitionConfig, partition
-    from ragserve.scheduler.memory_split import modelled_retrieval_profile
+
+    modelled_retrieval_profile = bench_module("eq2_model").modelled_retrieval_profile
 
     rng = np.random.default_rng(0)
     counts = rng.zipf(1.3, 512).astype(np.float64)
