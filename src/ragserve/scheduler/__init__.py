@@ -2,7 +2,6 @@
 (generation and retrieval run behind a ``BaseExecutor``: no model math here)."""
 
 from ragserve.scheduler.executor import BaseExecutor, Update
-from ragserve.scheduler.memory_store import MemoryStore
 from ragserve.scheduler.messages import (
     EmbedTask,
     GenerationParams,
@@ -16,6 +15,7 @@ from ragserve.scheduler.messages import (
     Wavefront,
 )
 from ragserve.scheduler.operator_config import OperatorConfig
+from ragserve.scheduler.operators import MemoryStore
 from ragserve.scheduler.request import NodeTiming, RequestState, Response
 from ragserve.scheduler.scheduler import Scheduler
 from ragserve.scheduler.transforms import BaseTransform, NextStep, SchedulerView, TaskView
