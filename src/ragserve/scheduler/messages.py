@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ragserve.graph import Passage
-from ragserve.graph.checks import check_sampling
+from ragserve.graph.checks import check_sampling_of
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,7 @@ class GenerationParams:
     fusion_ratio: float | None = None  # engine ``add_request(fusion_ratio=...)``, not sampling
 
     def __post_init__(self) -> None:
-        check_sampling(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-        )
+        check_sampling_of(self)
 
     @classmethod
     def from_any(cls, params: Any) -> GenerationParams:
