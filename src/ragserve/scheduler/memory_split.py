@@ -106,15 +106,15 @@ def solve_memory_split(
     if max_index_bytes is not None:
         tier = np.minimum(tier, max_index_bytes)
     t_g, t_r = generation.at(blocks), retrieval.at(tier)
-    objective = np.minimum(t_g, t_r)
-    best = objective.max()
-    # NOTE: relative tie tolerance so that plateaus of measured curves count as ties.
-    ties = np.flatnonzero(objective >= best - 1e-9 * max(abs(best), 1.0))
-    total = t_g[ties] + t_r[ties]
-    top = ties[total >= total.max() - 1e-9 * max(abs(total.max()), 1.0)]
-    i = int(top[-1])
+    ties = np.flatnonzero(_at_max(np.minimum(t_g, t_r)))
+    i = int(ties[_at_max(t_g[ties] + t_r[ties])][-1])
     n = int(blocks[i])
     return MemorySplit(n * block_bytes, int(tier[i]), n, "eq2", float(t_g[i]), float(t_r[i]))
+
+
+def _at_max(values: np.ndarray) -> np.ndarray:
+    # NOTE: relative tie tolerance so that plateaus of measured curves count as ties.
+    return values >= values.max() - 1e-9 * max(abs(values.max()), 1.0)
 
 
 def _check_sizes(

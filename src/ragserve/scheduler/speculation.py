@@ -72,10 +72,7 @@ class SpeculationTransform(BaseTransform):
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
         wavefront.retrieval = [self._with_partials(t) for t in wavefront.retrieval]
-        kept = []
-        for task in wavefront.generation:
-            if not self._adopt(task):
-                kept.append(task)
+        kept = [t for t in wavefront.generation if not self._adopt(t)]
         self._drop_stale()
         self._running.update(t.task_id for t in kept)
         wavefront.generation = kept
