@@ -1,8 +1,8 @@
 """The scheduler: request state, the per-cycle wavefront, transforms, and the executor contract
 (generation and retrieval run behind a ``BaseExecutor``: no model math here)."""
 
-from ragserve.scheduler.executor import BaseExecutor, Update
 from ragserve.scheduler.messages import (
+    BaseExecutor,
     EmbedTask,
     GenerationParams,
     GenerationTask,
@@ -11,6 +11,7 @@ from ragserve.scheduler.messages import (
     RerankTask,
     RetrievalResult,
     RetrievalTask,
+    Update,
     UpsertTask,
     Wavefront,
 )

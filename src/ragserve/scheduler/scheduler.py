@@ -16,9 +16,15 @@ from concurrent.futures import Future
 from typing import Any
 
 from ragserve.graph import END, START, GraphError, State
-from ragserve.scheduler.executor import BaseExecutor, Update
 from ragserve.scheduler.lowering import lower
-from ragserve.scheduler.messages import GenerationTask, GenerationUpdate, RetrievalResult, Wavefront
+from ragserve.scheduler.messages import (
+    BaseExecutor,
+    GenerationTask,
+    GenerationUpdate,
+    RetrievalResult,
+    Update,
+    Wavefront,
+)
 from ragserve.scheduler.operator_config import OperatorConfig
 from ragserve.scheduler.operators import CpuPool, MemoryStore
 from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState

@@ -14,13 +14,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ragserve.graph import GenerationNode, RetrievalNode
-from ragserve.scheduler.executor import Update
 from ragserve.scheduler.messages import (
     GenerationUpdate,
     RetrievalResult,
     RetrievalTask,
     StagedRetrievalResult,
     StagedRetrievalTask,
+    Update,
     Wavefront,
     as_staged,
 )

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.graph import GenerationNode, RetrievalNode
-from ragserve.scheduler.executor import Update
 from ragserve.scheduler.lowering import generation_task
 from ragserve.scheduler.messages import (
     GenerationTask,
     GenerationUpdate,
     RetrievalPartial,
     RetrievalResult,
+    Update,
     Wavefront,
     as_staged,
 )
