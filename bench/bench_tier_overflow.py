@@ -106,11 +106,8 @@ def eq2_budget(
     ``gpu_memory_bytes`` / ``kv_block_bytes``, ``T_R`` modelled on this corpus."""
     import json
 
-    from ragserve.scheduler.memory_split import (
-        ThroughputProfile,
-        modelled_retrieval_profile,
-        solve_memory_split,
-    )
+    from eq2_model import modelled_retrieval_profile
+    from ragserve.scheduler.memory_split import ThroughputProfile, solve_memory_split
 
     data = json.loads(Path(path).read_text())
     for key in ("generation_profile", "gpu_memory_bytes", "kv_block_bytes"):

@@ -199,7 +199,8 @@ def test_algorithm_1_and_eq2_price_the_streamed_path(bench_module) -> None:
     ``T_R`` is no lower at any tier size; with one that never pays, both are unchanged."""
     StreamedLatencyModel = bench_module("tier_models").StreamedLatencyModel
     from ragserve.retrieval.partition import PartitionConfig, partition
-    from ragserve.scheduler.memory_split import modelled_retrieval_profile
+
+    modelled_retrieval_profile = bench_module("eq2_model").modelled_retrieval_profile
 
     rng = np.random.default_rng(0)
     counts = rng.zipf(1.3, 512).astype(np.float64)

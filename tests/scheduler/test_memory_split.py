@@ -7,12 +7,7 @@ import pytest
 
 from ragserve.retrieval.latency_model import PiecewiseLinear, SearchLatencyModel
 from ragserve.retrieval.partition import BetaHitRate
-from ragserve.scheduler.memory_split import (
-    MemorySplit,
-    ThroughputProfile,
-    modelled_retrieval_profile,
-    solve_memory_split,
-)
+from ragserve.scheduler.memory_split import MemorySplit, ThroughputProfile, solve_memory_split
 
 GB = 1 << 30
 BLOCK = 2 << 20  # 2 MiB per KV block
@@ -136,7 +131,8 @@ def test_throughput_profiles_validate_and_convert_latency():
 
 
 @pytest.mark.parametrize("mode", ["batch_mean", "min"])
-def test_modelled_retrieval_profile_feeds_eq2(mode):
+def test_modelled_retrieval_profile_feeds_eq2(mode, bench_module):
+    modelled_retrieval_profile = bench_module("eq2_model").modelled_retrieval_profile
     model = SearchLatencyModel(
         64,
         PiecewiseLinear((1.0, 64.0), (0.002, 0.010)),

@@ -51,67 +51,25 @@ class RAGraph:
         self._duplicates: list[NodeId] = []
 
     def add_generation(
-        self,
-        node_id: NodeId,
-        prompt: str,
-        output: str | None = None,
-        *,
-        max_tokens: int = 128,
-        stop: tuple[str, ...] | list[str] = (),
-        temperature: float = 0.0,
-        append: bool = False,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        with_history: bool | None = None,
-        fusion_ratio: float | None = None,
-        ignore_eos: bool = False,
+        self, node_id: NodeId, prompt: str, output: str | None = None, **options: Any
     ) -> RAGraph:
-        """A generation node (``GenerationNode``); ``output=None`` writes the answer key
-        ``"output"``. ``fusion_ratio``: the share of the passages' tokens cache fusion
-        recomputes (None: off); ``ignore_eos``: generate past end-of-sequence."""
-        return self._add(
-            GenerationNode,
-            node_id,
-            Template.parse(prompt),
-            "output" if output is None else output,
-            max_tokens,
-            tuple(stop),
-            temperature,
-            append,
-            top_p=top_p,
-            seed=seed,
-            with_history=with_history,
-            fusion_ratio=fusion_ratio,
-            ignore_eos=ignore_eos,
-        )
+        """A generation node; ``output=None`` writes the answer key ``"output"``. ``options``:
+        ``GenerationNode``'s fields (``max_tokens``, ``stop``, ``temperature``, ``append``,
+        ``top_p``, ``seed``, ``with_history``, ``fusion_ratio``, ``ignore_eos``)."""
+        options["stop"] = tuple(options.get("stop", ()))
+        output = "output" if output is None else output
+        return self._add(GenerationNode, node_id, Template.parse(prompt), output, **options)
 
     def add_retrieval(
-        self,
-        node_id: NodeId,
-        query: str,
-        topk: int,
-        output: str,
-        *,
-        nprobe: int | None = None,
-        append: bool = False,
-        mode: str | None = None,
-        filter: dict[str, Any] | None = None,  # noqa: A002 - the retrieval API's name
-        collapse_sections: bool | None = None,
+        self, node_id: NodeId, query: str, topk: int, output: str, **options: Any
     ) -> RAGraph:
-        """A retrieval node; ``query`` names a state key (or is a ``{name}`` template)."""
+        """A retrieval node; ``query`` names a state key (or is a ``{name}`` template).
+        ``options``: ``RetrievalNode``'s fields (``nprobe``, ``append``, ``mode``, ``filter``,
+        ``collapse_sections``)."""
+        if options.get("filter") == {}:
+            options["filter"] = None
         query_template = _query_template(node_id, query)
-        return self._add(
-            RetrievalNode,
-            node_id,
-            query_template,
-            topk,
-            output,
-            nprobe,
-            append,
-            mode,
-            None if filter == {} else filter,
-            collapse_sections,
-        )
+        return self._add(RetrievalNode, node_id, query_template, topk, output, **options)
 
     def add_function(
         self, node_id: NodeId, fn: Any, *, output: str, timeout_s: float | None = None

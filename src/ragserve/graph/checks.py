@@ -52,7 +52,7 @@ def check_sampling(
         check_int("seed", seed, low=0, high=MAX_SEED)
 
 
-def check_retrieval(*, topk: Any, nprobe: Any = None) -> None:
-    check_int("topk", topk)
-    if nprobe is not None:
-        check_int("nprobe", nprobe)
+def check_sampling_of(params: Any) -> None:
+    """``check_sampling`` of an object's attributes of those names (a missing one is None)."""
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    check_sampling(**{name: getattr(params, name, None) for name in names})

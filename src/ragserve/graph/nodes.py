@@ -14,7 +14,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragserve.graph.checks import check_int, check_retrieval, check_sampling
+from ragserve.graph.checks import check_int, check_sampling_of
 from ragserve.graph.template import NAME, Passage, Template
 
 
@@ -140,12 +140,7 @@ class GenerationNode(Node):
     reads = ("prompt",)
 
     def check(self) -> None:
-        check_sampling(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
-        )
+        check_sampling_of(self)
         if self.fusion_ratio is not None and not 0.0 <= self.fusion_ratio <= 1.0:
             raise ValueError(f"fusion_ratio must be in [0, 1], got {self.fusion_ratio}")
 
@@ -176,7 +171,9 @@ class RetrievalNode(Node):
     reads = ("query",)
 
     def check(self) -> None:
-        check_retrieval(topk=self.topk, nprobe=self.nprobe)
+        check_int("topk", self.topk)
+        if self.nprobe is not None:
+            check_int("nprobe", self.nprobe)
         if self.mode not in RETRIEVAL_MODES:
             raise ValueError("mode must be dense, bm25, hybrid, ensemble or None")
         if self.filter is not None and not isinstance(self.filter, dict):
@@ -299,16 +296,9 @@ class CompletionNode(Node):
     keys = ("prompt", "output")
 
     def check(self) -> None:
-        p = self.params
         try:
-            check_sampling(
-                max_tokens=p.max_tokens,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                top_k=getattr(p, "top_k", None),
-                seed=getattr(p, "seed", None),
-            )
-        except (ValueError, AttributeError) as exc:
+            check_sampling_of(self.params)
+        except ValueError as exc:
             raise ValueError(f"params: {exc}") from None
 
 

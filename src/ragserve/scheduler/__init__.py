@@ -1,9 +1,8 @@
 """The scheduler: request state, the per-cycle wavefront, transforms, and the executor contract
 (generation and retrieval run behind a ``BaseExecutor``: no model math here)."""
 
-from ragserve.scheduler.executor import BaseExecutor, Update
-from ragserve.scheduler.memory_store import MemoryStore
 from ragserve.scheduler.messages import (
+    BaseExecutor,
     EmbedTask,
     GenerationParams,
     GenerationTask,
@@ -12,10 +11,12 @@ from ragserve.scheduler.messages import (
     RerankTask,
     RetrievalResult,
     RetrievalTask,
+    Update,
     UpsertTask,
     Wavefront,
 )
 from ragserve.scheduler.operator_config import OperatorConfig
+from ragserve.scheduler.operators import MemoryStore
 from ragserve.scheduler.request import NodeTiming, RequestState, Response
 from ragserve.scheduler.scheduler import Scheduler
 from ragserve.scheduler.transforms import BaseTransform, NextStep, SchedulerView, TaskView

@@ -13,13 +13,10 @@ from ragserve.scheduler.transforms import BaseTransform
 
 @dataclass(frozen=True)
 class CoScheduleConfig:
-    """Switches and knobs of the co-scheduling transforms: ``split`` (``SplitTransform``,
-    ``budget_s``) and ``gen_chunks`` (only with ``split``), ``similarity``
-    (``SimilarityTransform``, ``cache_topk``), ``speculation`` (``SpeculationTransform``,
-    ``spec_*``) and the opt-in ``spec_retrieval`` (``SpeculativeRetrievalTransform``, its
-    ``fraction``; needs ``similarity``). ``auto`` (the default): the ``Server`` resolves the
-    config once its workers are up (``resolve``); ``auto=False`` runs exactly the switches
-    given."""
+    """Switches and knobs of the co-scheduling transforms (``make_transforms``): ``split``,
+    ``gen_chunks`` (only with ``split``), ``similarity``, ``speculation`` (``spec_*``) and the
+    opt-in ``spec_retrieval`` (needs ``similarity``). ``auto`` (the default): the ``Server``
+    resolves it once its workers are up (``resolve``); ``auto=False``: the switches as given."""
 
     enable_split: bool = True
     enable_gen_chunks: bool = True
@@ -44,12 +41,9 @@ class CoScheduleConfig:
         return cls(**_switches(()), auto=False)
 
     def resolve(self, tier_holds_index: bool) -> CoScheduleConfig:
-        """The config that runs. ``auto`` turns every transform off when the GPU index tier
-        holds every non-empty IVF list: a retrieval then takes milliseconds, less than the
-        decode steps it would overlap, so splitting it and speculating generations only add
-        scheduler cycles and generations (measured: BENCHMARKS.md, issue 28, where the
-        ablation without co-scheduling sustained 1.6x the shipped defaults on such a
-        server). Otherwise, or with ``auto=False``, the switches as given."""
+        """The config that runs: ``auto`` turns every transform off when the GPU index tier
+        holds every non-empty IVF list (a retrieval then takes less than the decode steps it
+        would overlap: BENCHMARKS.md, issue 28); else the switches as given."""
         if self.auto and tier_holds_index:
             return replace(self, **_switches(()), auto=False)
         return replace(self, auto=False)

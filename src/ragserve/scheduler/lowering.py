@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ragserve.graph import Passage
-from ragserve.scheduler.memory_store import MemoryStore
 from ragserve.scheduler.messages import (
     EmbedTask,
     GenerationParams,
@@ -18,6 +17,7 @@ from ragserve.scheduler.messages import (
     RetrievalTask,
     UpsertTask,
 )
+from ragserve.scheduler.operators import MemoryStore
 from ragserve.scheduler.request import NodeRun
 
 

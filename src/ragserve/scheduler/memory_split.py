@@ -4,7 +4,7 @@
 
 over whole KV blocks, from throughput profiles (requests/s) of generation by KV size and of
 retrieval by tier bytes (NOTE: the paper's ``T_R`` ignores a GPU tier; here it depends on the
-tier's bytes, measured or modelled with ``modelled_retrieval_profile``)."""
+tier's bytes: measured, or modelled in ``bench/eq2_model.py``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from ragserve.retrieval.latency_model import SearchLatencyModel
-from ragserve.retrieval.partition import BetaHitRate, fill_budget
 
 
 @dataclass(frozen=True)
@@ -64,35 +61,6 @@ class ThroughputProfile:
         return cls(tuple(float(s) for s in sizes), tuple(float(r) for r in rps))
 
 
-def modelled_retrieval_profile(
-    model: SearchLatencyModel,
-    access_counts: np.ndarray,
-    cluster_bytes: np.ndarray,
-    max_variance: float,
-    tier_sizes: Sequence[int],
-    *,
-    batch_size: int,
-    retrievals_per_request: float = 1.0,
-    tail_mode: str = "batch_mean",
-    tail_quantile: float = 0.1,
-) -> ThroughputProfile:
-    """``T_R`` by tier bytes from the latency model: the hottest clusters that fit give a hit
-    rate, ``BetaHitRate.tail`` its tail over ``batch_size`` queries (``tail_mode``), Eq. 1
-    the batch's seconds."""
-    sizes = sorted({int(s) for s in tier_sizes})
-    if not sizes or sizes[0] < 0:
-        raise ValueError(f"tier_sizes must be non-empty and >= 0, got {tier_sizes}")
-    seconds = []
-    for size in sizes:
-        plan = fill_budget(access_counts, cluster_bytes, size)
-        dist = BetaHitRate.from_mean(plan.hit_rate, max_variance)
-        tail = dist.tail(batch_size, tail_mode, tail_quantile)
-        seconds.append(model.hybrid_seconds(batch_size, tail))
-    if min(seconds) <= 0:
-        raise ValueError("the latency model predicts a zero-second batch: cannot give a rate")
-    return ThroughputProfile.from_batch_latency(sizes, seconds, batch_size, retrievals_per_request)
-
-
 @dataclass(frozen=True)
 class MemorySplit:
     """GPU bytes for the KV cache (``num_kv_blocks`` whole blocks) and the index tier;
@@ -138,15 +106,15 @@ def solve_memory_split(
     if max_index_bytes is not None:
         tier = np.minimum(tier, max_index_bytes)
     t_g, t_r = generation.at(blocks), retrieval.at(tier)
-    objective = np.minimum(t_g, t_r)
-    best = objective.max()
-    # NOTE: relative tie tolerance so that plateaus of measured curves count as ties.
-    ties = np.flatnonzero(objective >= best - 1e-9 * max(abs(best), 1.0))
-    total = t_g[ties] + t_r[ties]
-    top = ties[total >= total.max() - 1e-9 * max(abs(total.max()), 1.0)]
-    i = int(top[-1])
+    ties = np.flatnonzero(_at_max(np.minimum(t_g, t_r)))
+    i = int(ties[_at_max(t_g[ties] + t_r[ties])][-1])
     n = int(blocks[i])
     return MemorySplit(n * block_bytes, int(tier[i]), n, "eq2", float(t_g[i]), float(t_r[i]))
+
+
+def _at_max(values: np.ndarray) -> np.ndarray:
+    # NOTE: relative tie tolerance so that plateaus of measured curves count as ties.
+    return values >= values.max() - 1e-9 * max(abs(values.max()), 1.0)
 
 
 def _check_sizes(

@@ -1,14 +1,16 @@
-"""The plain dataclasses (picklable, no torch) that cross from the scheduler to the workers
-and back: tasks out, updates and results back."""
+"""The boundary between the scheduler and its workers: the plain dataclasses (picklable, no
+torch) that cross it (tasks out, updates and results back) and ``BaseExecutor``, the contract
+of what carries them."""
 
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ragserve.graph import Passage
-from ragserve.graph.checks import check_sampling
+from ragserve.graph.checks import check_sampling_of
 
 
 @dataclass(frozen=True)
@@ -26,13 +28,7 @@ class GenerationParams:
     fusion_ratio: float | None = None  # engine ``add_request(fusion_ratio=...)``, not sampling
 
     def __post_init__(self) -> None:
-        check_sampling(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-        )
+        check_sampling_of(self)
 
     @classmethod
     def from_any(cls, params: Any) -> GenerationParams:
@@ -199,3 +195,38 @@ def as_staged(task: RetrievalTask, **changes: Any) -> StagedRetrievalTask:
         return dataclasses.replace(task, **changes) if changes else task
     base = {f.name: getattr(task, f.name) for f in fields(RetrievalTask)}
     return StagedRetrievalTask(**base, **changes)
+
+
+Update = GenerationUpdate | RetrievalResult | OperatorResult
+
+
+class BaseExecutor(ABC):
+    """Runs the scheduler's tasks (its only caller, one thread): generation tasks join the
+    engine's batch, one cycle's retrieval tasks are searched as one batch. ``poll(timeout)``
+    waits at most ``timeout`` for updates; every task gets a final update, possibly with
+    ``error`` (also when a worker dies). ``abort``: no more updates for those generations.
+    ``wake()`` (any thread, only with ``can_wake``) makes a waiting ``poll`` return."""
+
+    can_wake: bool = False
+
+    @abstractmethod
+    def submit_generation(self, tasks: list[GenerationTask]) -> None: ...
+
+    @abstractmethod
+    def submit_retrieval(self, tasks: list[RetrievalTask]) -> None: ...
+
+    def submit_operators(self, tasks: list[OperatorTask]) -> None:
+        """By default operators share the retrieval batch (told apart by type)."""
+        self.submit_retrieval(tasks)  # type: ignore[arg-type]
+
+    @abstractmethod
+    def abort(self, task_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def poll(self, timeout: float) -> list[Update]: ...
+
+    def wake(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass

@@ -16,19 +16,21 @@ from concurrent.futures import Future
 from typing import Any
 
 from ragserve.graph import END, START, GraphError, State
-from ragserve.scheduler.cpu_pool import CpuPool
-from ragserve.scheduler.executor import BaseExecutor, Update
 from ragserve.scheduler.lowering import lower
-from ragserve.scheduler.memory_store import MemoryStore
-from ragserve.scheduler.messages import GenerationTask, GenerationUpdate, RetrievalResult, Wavefront
+from ragserve.scheduler.messages import (
+    BaseExecutor,
+    GenerationTask,
+    GenerationUpdate,
+    RetrievalResult,
+    Update,
+    Wavefront,
+)
 from ragserve.scheduler.operator_config import OperatorConfig
+from ragserve.scheduler.operators import CpuPool, MemoryStore
 from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState
 from ragserve.scheduler.transforms import BaseTransform, NextStep, TaskView
 
 logger = logging.getLogger(__name__)
-
-ABORT_MEMORY_S = 300.0  # how long an abort of a not-yet-added request id is remembered
-MAX_REMEMBERED_ABORTS = 4096  # and how many such ids at most (oldest forgotten first)
 
 
 class Scheduler:
@@ -40,8 +42,12 @@ class Scheduler:
     nobody reads mid-way (no ``on_delta``/``on_update``, no transform that
     ``needs_partial_updates``) get ``chunk_s = inf``: first token and end only.
     ``abort(id)`` of an id not yet added is remembered (``abort_memory_s``, at most
-    ``max_remembered_aborts`` ids): the request finishes aborted when it arrives.
+    ``max_remembered_aborts`` ids, oldest forgotten first): the request finishes aborted when
+    it arrives.
     """
+
+    abort_memory_s = 300.0
+    max_remembered_aborts = 4096
 
     def __init__(
         self,
@@ -78,8 +84,6 @@ class Scheduler:
         self.busy_s = 0.0  # scheduler work: cycles' time outside admission and polling
         self._poll_s = 0.0
         self._has_new_runs = False  # a run was started since the last wavefront collection
-        self.abort_memory_s = ABORT_MEMORY_S
-        self.max_remembered_aborts = MAX_REMEMBERED_ABORTS
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when aborted
         self._pending_transforms: tuple | None = None  # (chain, future) until it can swap
         self._deferred: list[RequestState] = []  # adds that arrived behind a pending swap

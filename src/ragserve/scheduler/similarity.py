@@ -14,13 +14,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ragserve.graph import GenerationNode, RetrievalNode
-from ragserve.scheduler.executor import Update
 from ragserve.scheduler.messages import (
     GenerationUpdate,
     RetrievalResult,
     RetrievalTask,
     StagedRetrievalResult,
     StagedRetrievalTask,
+    Update,
     Wavefront,
     as_staged,
 )
@@ -95,11 +95,8 @@ class SimilarityTransform(BaseTransform):
                 self._task_request.pop(u.task_id, None) if isinstance(u, RetrievalResult) else None
             )
             if rid is not None and isinstance(u, StagedRetrievalResult) and u.error is None:
-                self.warm(rid, CacheEntry(u.hit_clusters, u.probed_clusters))
+                self.cache.put(rid, CacheEntry(u.hit_clusters, u.probed_clusters))
         return updates
-
-    def warm(self, request_id: str, entry: CacheEntry) -> None:
-        self.cache.put(request_id, entry)
 
 
 class SpeculativeRetrievalTransform(BaseTransform):
@@ -130,7 +127,7 @@ class SpeculativeRetrievalTransform(BaseTransform):
             if u.task_id in self._pending:
                 rid = self._pending.pop(u.task_id)
                 if isinstance(u, StagedRetrievalResult) and u.error is None:
-                    self.similarity.warm(rid, CacheEntry(u.hit_clusters, u.probed_clusters))
+                    self.similarity.cache.put(rid, CacheEntry(u.hit_clusters, u.probed_clusters))
                     self.num_warmed += 1
                 continue
             out.append(u)

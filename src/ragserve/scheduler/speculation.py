@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.graph import GenerationNode, RetrievalNode
-from ragserve.scheduler.executor import Update
 from ragserve.scheduler.lowering import generation_task
 from ragserve.scheduler.messages import (
     GenerationTask,
     GenerationUpdate,
     RetrievalPartial,
     RetrievalResult,
+    Update,
     Wavefront,
     as_staged,
 )
@@ -72,10 +72,7 @@ class SpeculationTransform(BaseTransform):
 
     def apply(self, wavefront: Wavefront) -> Wavefront:
         wavefront.retrieval = [self._with_partials(t) for t in wavefront.retrieval]
-        kept = []
-        for task in wavefront.generation:
-            if not self._adopt(task):
-                kept.append(task)
+        kept = [t for t in wavefront.generation if not self._adopt(t)]
         self._drop_stale()
         self._running.update(t.task_id for t in kept)
         wavefront.generation = kept

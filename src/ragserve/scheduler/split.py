@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ragserve.scheduler.executor import Update
-from ragserve.scheduler.messages import RetrievalResult, StagedRetrievalResult, Wavefront, as_staged
+from ragserve.scheduler.messages import (
+    RetrievalResult,
+    StagedRetrievalResult,
+    Update,
+    Wavefront,
+    as_staged,
+)
 from ragserve.scheduler.transforms import BaseTransform
 
 

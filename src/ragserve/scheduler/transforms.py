@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ragserve.graph import CompiledGraph, State
-from ragserve.scheduler.executor import Update
-from ragserve.scheduler.messages import Wavefront
+from ragserve.scheduler.messages import Update, Wavefront
 
 
 @dataclass(frozen=True)
