@@ -33,6 +33,7 @@ every point). Sustained: completed >= 95 % of offered and >= 90 % within the SLO
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -44,6 +45,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +57,7 @@ sys.path.insert(0, str(BENCH))
 from rag_setup import PRESETS, prepare  # noqa: E402
 from served_load import Utilisation, percentile, poisson_schedule, run_load  # noqa: E402
 from served_workflows import NAMES, workflow_flags  # noqa: E402
-from sustained import is_sustained, window_stats  # noqa: E402
+from sustained import find_capacity, is_sustained, window_stats  # noqa: E402
 
 logger = logging.getLogger("served_capacity")
 EXHAUSTIVE = "exhaustive"
@@ -284,20 +287,38 @@ def p90_or_inf(row: dict) -> float:
 
 
 # -- the run -----------------------------------------------------------------------------
-def parse_rates(specs: list[str]) -> dict[str, list[float]]:
+@dataclass(frozen=True)
+class Search:
+    """``SYSTEM=find:LO,HI,N``: the sustained rate searched (``sustained.find_capacity``: LO,
+    then HI, widened by HI/LO either way until bracketed, then geometric bisection) in at most
+    N points, for a card whose capacity is not known in advance."""
+
+    lo: float
+    hi: float
+    points: int
+
+
+def parse_rates(specs: list[str]) -> dict[str, list[float] | Search]:
     """``SYSTEM=r1,r2`` (``ablations=...`` for every ablation; ``auto``: ragserve's capacity
-    and the next rate above it, ``--ablation-points`` of them)."""
-    out: dict[str, list[float]] = {}
+    and the next rate above it, ``--ablation-points`` of them; ``find:LO,HI,N``: a Search)."""
+    out: dict[str, list[float] | Search] = {}
     for spec in specs:
         name, _, values = spec.partition("=")
         names = ABLATIONS if name == "ablations" else (name,)
         for n in names:
             if n not in SYSTEMS:
                 raise ValueError(f"--rates {spec!r}: unknown system {n!r}; know {list(SYSTEMS)}")
-            rates = [] if values == "auto" else sorted(float(v) for v in values.split(","))
+            find = values.startswith("find:")
+            rates = (
+                []
+                if values == "auto"
+                else [float(v) for v in values.removeprefix("find:").split(",")]
+            )
             if any(r <= 0 for r in rates):
                 raise ValueError(f"--rates {spec!r}: rates must be > 0")
-            out[n] = rates
+            if find and (len(rates) != 3 or not rates[0] < rates[1] or rates[2] < 2):
+                raise ValueError(f"--rates {spec!r}: find:LO,HI,N needs LO < HI and N >= 2")
+            out[n] = Search(rates[0], rates[1], int(rates[2])) if find else sorted(rates)
     return out
 
 
@@ -342,6 +363,21 @@ def run(args) -> int:
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         tmp.replace(path)
 
+    def search(system: str, spec: Search, point: Callable[[float], dict]) -> None:
+        def probe(rate: float) -> dict:
+            if time.monotonic() - t_start + point_s > args.budget:
+                raise TimeoutError(rate)
+            rows.append(point(rate))
+            save()
+            return rows[-1]
+
+        try:
+            cap = find_capacity(probe, spec.lo, spec.hi, max_points=spec.points, expand=True)
+            meta.setdefault("capacity", {})[system] = [cap.rate, cap.bound, cap.upper]
+        except TimeoutError as e:
+            meta["not_run"].append({"system": system, "rate": e.args[0], "why": "budget"})
+        save()
+
     if args.server_mode == "process":
         server = ServedProcess(cmd, args.out / "server.log", args.preset, args.start_timeout)
     else:
@@ -352,6 +388,11 @@ def run(args) -> int:
     point_s = args.warmup + args.window + args.point_overhead
     try:
         for system in order:
+            if isinstance(rates[system], Search):
+                point = functools.partial(measure, server, system, data=data, args=args,
+                                          tier_state=tier_state)  # fmt: skip
+                search(system, rates[system], point)
+                continue
             todo = rates[system] or ablation_rates(rows, args.ablation_points)
             low = None
             for rate in todo:
@@ -480,7 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS),
                     help="run order (the tier is dropped for no-tier: keep it last)")  # fmt: skip
     ap.add_argument("--rates", nargs="+", default=["ragserve=2,4", "llm-alone=2,4"],
-                    metavar="SYSTEM=R1,R2", help="rates per system; ablations=auto")  # fmt: skip
+                    metavar="SYSTEM=R1,R2",
+                    help="rates per system; ablations=auto; SYSTEM=find:LO,HI,N")  # fmt: skip
     ap.add_argument("--ablation-points", type=int, default=1)
     ap.add_argument("--warmup", type=float, default=10.0)
     ap.add_argument("--window", type=float, default=60.0)

@@ -31,13 +31,18 @@ def test_served_capacity_cpu_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     argv = ["--preset", "smoke", "--in-process", "--server-mode", "thread", "--out", str(out),
             "--tier-gb", "0.001", "--tier-device", "cpu", "--tier-scan", "dense", "--warmup",
             "0.1", "--window", "0.5", "--drain", "30", "--sample-s", "0.2", "--rates",
-            "ragserve=2,4", "llm-alone=4", "baseline=4", "ablations=auto"]  # fmt: skip
+            "ragserve=2,4", "llm-alone=find:2,4,2", "baseline=4", "ablations=auto"]  # fmt: skip
     assert bench.main(argv) == 0
     doc = json.loads((out / "results.json").read_text())
     pairs = [(r["system"], r["rate"]) for r in doc["rows"]]
     # the ablations run at ragserve's capacity (its lowest rate when nothing was sustained)
     at = bench.ablation_rates(doc["rows"], 1)
-    assert pairs == [("ragserve", 2.0), ("ragserve", 4.0), ("llm-alone", 4.0),
+    # the search: 2 first, then 4 if 2 was sustained, else 1 (2 points at most)
+    llm = [r for r in doc["rows"] if r["system"] == "llm-alone"]
+    assert [r["rate"] for r in llm] == [2.0, 4.0 if llm[0]["sustained"] else 1.0]
+    good = [r["rate"] for r in llm if r["sustained"]]
+    assert doc["meta"]["capacity"]["llm-alone"][0] == (max(good) if good else None)
+    assert pairs == [("ragserve", 2.0), ("ragserve", 4.0), *((r["system"], r["rate"]) for r in llm),
                      *((a, at[0]) for a in bench.ABLATIONS[:3]), ("baseline", 4.0),
                      ("cosched-all", at[0]), ("no-tier", at[0])]  # fmt: skip
     for r in doc["rows"]:
@@ -94,6 +99,10 @@ def test_served_capacity_rates_checked_before_anything_starts(tmp_path: Path) ->
         bench.main(["--out", str(tmp_path / "x"), "--rates", "ragserve=0,2"])
     assert not (tmp_path / "x").exists()
     assert bench.parse_rates(["ablations=auto", "ragserve=4,2"])["ragserve"] == [2.0, 4.0]
+    assert bench.parse_rates(["ragserve=find:8,16,6"])["ragserve"] == bench.Search(8, 16, 6)
+    for bad in ("find:16,8,6", "find:8,16", "find:8,16,1"):
+        with pytest.raises(ValueError, match="find:LO,HI,N"):
+            bench.parse_rates([f"ragserve={bad}"])
     rows = [{"system": "ragserve", "rate": r, "sustained": ok}
             for r, ok in ((2, True), (4, True), (8, False), (16, False))]  # fmt: skip
     assert bench.ablation_rates(rows, 2) == [4, 8] and bench.ablation_rates(rows, 1) == [4]
