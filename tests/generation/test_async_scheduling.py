@@ -235,3 +235,50 @@ def test_same_outputs_on_cuda_with_graphs(tiny_models) -> None:
         tiny_models, arrivals, device="cuda", dtype="float32", enable_cuda_graphs=True
     )
     assert sync == overlapped
+
+
+# -- packed step inputs (EngineConfig.enable_packed_inputs): the oracle is one copy per array --
+def test_packed_inputs_equal_one_copy_per_array(tiny_models) -> None:
+    """The step's index arrays through one buffer per dtype give the same tensors as one copy
+    per array (pending rows of an overlapped step included) and the same outputs."""
+    engine = make(tiny_models, True)
+    runner = engine.model_runner
+    seen = []
+    prepare = runner.prepare_inputs
+
+    def both_ways(out, fused_rows=None, prev=None):
+        runner.pack_inputs = False
+        single = prepare(out, fused_rows, prev)
+        runner.pack_inputs = True
+        packed = prepare(out, fused_rows, prev)
+        seen.append(prev is not None)
+        for a, b in zip(single[:2] + single[3:], packed[:2] + packed[3:], strict=True):
+            assert a.dtype == b.dtype and a.tolist() == b.tolist()
+        for field in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+            a, b = getattr(single[2], field), getattr(packed[2], field)
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist(), field
+        return packed
+
+    runner.prepare_inputs = both_ways
+    engine.generate(PROMPTS, [greedy(n) for n in (6, 2, 9, 4, 7)])
+    assert len(seen) > 5 and any(seen)  # steps with pending (on-device) inputs were checked
+    arrivals = {
+        0: {"a": (PROMPTS[0], greedy(12)), "b": (PROMPTS[1], greedy(3))},
+        2: {"c": (PROMPTS[2], greedy(1)), "d": (PROMPTS[3], greedy(9))},
+    }
+    runs = [summary(drive(make(tiny_models, True, enable_packed_inputs=p), arrivals))
+            for p in (False, True)]  # fmt: skip
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+def test_packed_inputs_on_cuda(tiny_models) -> None:
+    """The device path: one pinned buffer per dtype, split on the GPU (CUDA graphs on)."""
+    arrivals = {
+        0: {"a": (PROMPTS[0], greedy(12)), "b": (PROMPTS[1], greedy(4))},
+        2: {"c": (PROMPTS[2], SamplingParams(max_tokens=9, temperature=1.0, seed=5))},
+    }
+    kw = dict(device="cuda", dtype="float32", enable_cuda_graphs=True)
+    runs = [summary(drive(make(tiny_models, True, enable_packed_inputs=p, **kw), arrivals))
+            for p in (False, True)]  # fmt: skip
+    assert runs[0] == runs[1]

@@ -68,6 +68,7 @@ class EngineConfig:
     enable_deferred_integrity_check: bool = True
     enable_fast_detokenize: bool = True  # decode through a fast tokenizer's backend directly
     enable_async_scheduling: bool = True  # step n+1 launched before step n's tokens are read
+    enable_packed_inputs: bool = True  # a step's index arrays in 2 host-to-device copies, not 9
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:

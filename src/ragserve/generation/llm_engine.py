@@ -90,6 +90,7 @@ class LLMEngine:
             block_size=config.block_size,
             seed=config.seed,
         )
+        self.model_runner.pack_inputs = config.enable_packed_inputs
         self.model_runner.fusion = FusionRunner(
             model,
             PassageKVStore(

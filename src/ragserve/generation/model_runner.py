@@ -1,4 +1,4 @@
-"""Runs one scheduled step on the device: packs inputs on the host (copied once), runs the
+"""Runs one scheduled step on the device: packs inputs on the host (copied once a dtype), runs the
 model (``run_model``: the CUDA-graph hook) and samples; ``launch_model`` leaves the tokens on
 the device (``SampledTokens``) for the next launched step."""
 
@@ -84,6 +84,7 @@ class ModelRunner:
         self.logits_hook: LogitsHook | None = None  # debug/test tap on last-position logits
         self.graph_runner: CUDAGraphRunner | None = None  # set by capture_cuda_graphs
         self.fusion: FusionRunner | None = None  # cache fusion, set by the engine
+        self.pack_inputs = True  # EngineConfig.enable_packed_inputs
 
     def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> None:
         self.graph_runner = CUDAGraphRunner(
@@ -139,20 +140,28 @@ class ModelRunner:
             if out.sample[i]:
                 logits_rows.append(query_start[-1] - 1)
         dev = self.device
-        positions_t = _int_tensor(positions, dev)
+        longs = (ids, positions, slots, logits_rows, pending_rows, pending_src)
+        ints = (query_start, seq_lens, tables.ravel())
+        if self.pack_inputs:  # two host-to-device copies a step: one per dtype
+            input_ids, positions_t, slots_t, rows_t, pend_t, src_t = _packed(longs, dev, np.int64)
+            starts_t, lens_t, tables_t = _packed(ints, dev, np.int32)
+        else:
+            input_ids, positions_t, slots_t, rows_t, pend_t, src_t = (
+                to_device(np.asarray(a, dtype=np.int64), dev) for a in longs
+            )
+            starts_t, lens_t, tables_t = (to_device(np.asarray(a, np.int32), dev) for a in ints)
         metadata = AttentionMetadata(
-            query_start_loc=_int_tensor(query_start, dev, np.int32),
-            seq_lens=_int_tensor(seq_lens, dev, np.int32),
-            block_tables=to_device(tables, dev),
-            slot_mapping=_int_tensor(slots, dev),
+            query_start_loc=starts_t,
+            seq_lens=lens_t,
+            block_tables=tables_t.view(tables.shape),
+            slot_mapping=slots_t,
             query_lens_cpu=tuple(query_lens),
             seq_lens_cpu=tuple(seq_lens),
             query_positions=positions_t if fused_rows else None,
         )
-        input_ids = _int_tensor(ids, dev)
         if pending_rows:
-            input_ids[_int_tensor(pending_rows, dev)] = prev.device[_int_tensor(pending_src, dev)]
-        return input_ids, positions_t, metadata, _int_tensor(logits_rows, dev)
+            input_ids[pend_t] = prev.device[src_t]
+        return input_ids, positions_t, metadata, rows_t
 
     def run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -195,5 +204,7 @@ class ModelRunner:
         return SampledTokens(self.sampler.sample(logits, rids, params), sampled)
 
 
-def _int_tensor(values: list[int], device: torch.device, dtype=np.int64) -> torch.Tensor:
-    return to_device(np.asarray(values, dtype=dtype), device)
+def _packed(parts: tuple, device: torch.device, dtype) -> list[torch.Tensor]:
+    """``parts`` (lists or 1-d arrays) on ``device`` through one buffer, split there (views)."""
+    arrays = [np.asarray(p, dtype=dtype) for p in parts]
+    return list(torch.split(to_device(np.concatenate(arrays), device), [len(a) for a in arrays]))
