@@ -128,8 +128,8 @@ def test_e5_prefixes_queries_and_passages_differently(e5, monkeypatch):
     assert (e5.query_prefix, e5.passage_prefix) == ("query: ", "passage: ")
     assert e5.max_length == 512 and e5.passage_window == 510 and e5.chunk_tokens == 256
     seen: list[str] = []
-    real = e5._encode_batch
-    monkeypatch.setattr(e5, "_encode_batch", lambda texts: seen.extend(texts) or real(texts))
+    real = e5.pooled
+    monkeypatch.setattr(e5, "pooled", lambda texts: seen.extend(texts) or real(texts))
     q = e5.encode(["how do I sort a list"], is_query=True)
     p = e5.encode(["how do I sort a list"], is_query=False)
     assert seen == ["query: how do I sort a list", "passage: how do I sort a list"]

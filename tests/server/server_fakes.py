@@ -104,8 +104,9 @@ class FakeBackend:
     async def complete(self, prompt, params, *, request_id=None):
         await self._wait_gate(request_id)
         try:
-            words = prompt.split()[::-1][: params.max_tokens]
-            prompt_ids = list(range(len(prompt.split())))
+            tokens = prompt.split() if isinstance(prompt, str) else [str(t) for t in prompt]
+            words = tokens[::-1][: params.max_tokens]  # token ids as the engine takes them too
+            prompt_ids = list(range(len(tokens)))
             if not words:  # as the engine: an empty answer still ends with a finished output
                 yield FakeOutput(request_id, prompt_ids, [], "", True, "stop")
             for n in range(1, len(words) + 1):
