@@ -10,7 +10,8 @@
 # fastapi, starlette, uvicorn, pydantic and its parts: the device lacks them) and data/model
 # (config + SmolLM2's tokenizer, written here by
 #   python bench/rag_bench.py --preset h200 --model-only --out $G ; weights are random on the
-#   device). Knobs: RATES (the --rates list), BUDGET (s after which no point starts), WINDOW.
+#   device). Knobs: RATES (the --rates list; SYSTEM=find:LO,HI,N searches the sustained rate),
+#   BUDGET (s after which no point starts), WINDOW, ENGINE_JSON (--engine-json).
 set -uo pipefail
 G=${G:-.gpurun}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -29,6 +30,12 @@ RATES=${RATES:-"ragserve=4,12,20,28 llm-alone=20,28,36 baseline=8,14,20 ablation
 SYSTEMS=${SYSTEMS:-"ragserve llm-alone baseline no-tier no-cosched no-kv-reuse fusion-on cosched-all"}
 SMOKE_SYSTEMS=${SMOKE_SYSTEMS:-$SYSTEMS}
 COMMIT=${COMMIT:-unknown}
+# An 80 GB card (H100) cannot hold the H200's 40 GiB KV cache beside the 24 GB tier and 16 GB
+# of weights (the server refuses it at start): 28 GiB there, unless ENGINE_JSON says otherwise.
+if [ -z "${ENGINE_JSON:-}" ]; then
+    mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+    [ "${mem:-0}" -lt 100000 ] && ENGINE_JSON='{"kv_cache_bytes": 30064771072}'
+fi
 
 collect() {
     [ -f "$RUN/full/results.json" ] && cp "$RUN/full/results.json" "$OUT/results.json"
