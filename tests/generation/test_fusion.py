@@ -486,3 +486,35 @@ def _run_all(engine: LLMEngine, prompts: list, ratio: float) -> list[list[int]]:
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
         engine.check_integrity()
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_a_requests_missing_passages_run_in_one_forward(tiny_models, monkeypatch):
+    """``fusion_batch_misses``: the passages a fused request misses are computed in one
+    forward (packed, attention within each), each equal to its forward alone, and the engine's
+    outputs equal the one-forward-per-passage oracle's, with the tree and without."""
+    from ragserve.generation.fusion import prefill
+
+    engine = _engine(tiny_models["llama"])
+    runner = engine.model_runner.fusion
+    docs = [s.content for s in _segments(3, [0, 1, 2, 3])[1:-1]]
+    packed = runner._compute_alone_many([*docs, docs[1]])
+    for kv, doc in zip(packed, [*docs, docs[1]], strict=True):
+        alone = runner._compute_alone_many([doc])[0]
+        assert kv.shape == alone.shape
+        torch.testing.assert_close(kv, alone, atol=1e-5, rtol=1e-5)
+    calls = []
+    forward = prefill.forward_rows
+    monkeypatch.setattr(
+        prefill, "forward_rows", lambda *a, **k: calls.append(1) or forward(*a, **k)
+    )
+    segs = [_segments(9, o) for o in ORDERS]
+    for tree in (True, False):
+        runs = []
+        for batch in (False, True):
+            calls.clear()
+            e = _engine(tiny_models["llama"], fusion_batch_misses=batch, enable_knowledge_tree=tree)
+            runs.append((_run(e, segs, [0.3] * 4), e.stats()["num_fused_tokens"]))
+            # 4 distinct passages: one forward each, or one per request that misses any:
+            # request 0 (docs 0, 1, 2) and request 2 (doc 3); 1 and 3 find theirs cached
+            assert len(calls) == (2 if batch else 4), (tree, batch, len(calls))
+        assert runs[0] == runs[1]

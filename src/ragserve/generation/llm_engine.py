@@ -102,6 +102,7 @@ class LLMEngine:
             selector=config.fusion_selector,
             probe_layer=config.fusion_probe_layer,
             paged=config.fusion_paged_prefill,
+            batch_misses=config.fusion_batch_misses,
         )
         if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
             self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)

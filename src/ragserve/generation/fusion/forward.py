@@ -44,21 +44,28 @@ def forward_rows(
     *,
     num_layers: int | None = None,
     probe_layer: int | None = None,
+    positions: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``rows`` through ``num_layers`` layers (default all; up to ``probe_layer``) writing
-    their KV into ``kv``; returns their hidden states and the probe's probabilities or None."""
+    their KV into ``kv``; returns their hidden states and the probe's probabilities or None.
+    ``positions``/``segments`` (per ``kv`` entry): RoPE positions other than the entry's index,
+    and independent sequences packed in one ``kv`` (a row attends only within its segment)."""
     layers = model.model.layers
     stop = len(layers) if num_layers is None else num_layers
     if probe_layer is not None:
         stop = probe_layer + 1
     num_tokens = kv.shape[2]
     mask = torch.arange(num_tokens, device=rows.device)[None, :] <= rows[:, None]
+    if segments is not None:
+        mask &= segments[None, :] == segments[rows][:, None]
+    row_positions = rows if positions is None else positions[rows]
     x = model.model.embed_tokens(token_ids[rows])
     probs = None
     for index in range(stop):
         layer = layers[index]
         attn = layer.self_attn
-        q, k, v = _qkv(layer, x, rows)
+        q, k, v = _qkv(layer, x, row_positions)
         kv[0, index, rows] = k.to(kv.dtype)
         kv[1, index, rows] = v.to(kv.dtype)
         group = attn.num_heads // attn.num_kv_heads

@@ -42,6 +42,7 @@ class FusionRunner:
         selector: str = "qcfuse",
         probe_layer: int | None = None,
         paged: bool = True,
+        batch_misses: bool = True,
     ):
         num_layers = len(model.model.layers)
         if probe_layer is not None and not 0 <= probe_layer < num_layers:
@@ -52,30 +53,52 @@ class FusionRunner:
         self.probe_layer = max(1, num_layers // 4) if probe_layer is None else probe_layer
         self.probe_layer = min(self.probe_layer, num_layers - 1)
         self.paged = paged
+        self.batch_misses = batch_misses  # a request's missing passages in one forward
         self.num_fused_tokens = 0
         self.num_recomputed_tokens = 0
         self._sift_index: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
 
     def passage_kv(self, key: str, token_ids: list[int]) -> torch.Tensor:
         """Stored KV of a passage at positions ``0..n-1`` (computed and stored on a miss)."""
-        kv = self.store.get(key, token_ids)
-        if kv is None:
-            kv = self._compute_alone(token_ids)
-            self.store.put(key, token_ids, kv)
-        return kv
+        return self._passage_kvs([(key, token_ids)], None, None)[0]
 
-    def paged_passage_kv(self, handle: PassageBlocks, kv_cache: torch.Tensor) -> torch.Tensor:
-        """A passage's KV at positions ``0..n-1`` from its blocks in ``kv_cache``; computed
-        alone (and written to its unwritten blocks) unless ready."""
-        flat = _flat(kv_cache)
-        if handle.is_ready:
-            return flat[:, :, self._passage_slots(handle, kv_cache, 0)]
-        kv = self._compute_alone(list(handle.token_ids))
-        if handle.blocks:
-            first = handle.num_ready_blocks * kv_cache.shape[3]
-            flat[:, :, self._passage_slots(handle, kv_cache, first)] = kv[:, :, first:]
-            handle.num_ready_blocks = len(handle.blocks)
-        return kv
+    def _passage_kvs(
+        self,
+        spans: list[tuple[str, list[int]]],
+        handles: list[PassageBlocks] | None,
+        kv_cache: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        """Each ``(key, tokens)``'s KV at positions ``0..n-1``: from the store (``handles``
+        None) or its ready blocks; the misses computed alone, each distinct passage once and,
+        with ``batch_misses``, all in one forward, then stored or written to their blocks."""
+        found: list[torch.Tensor | None] = []
+        for i, (key, tokens) in enumerate(spans):
+            if handles is None:
+                found.append(self.store.get(key, tokens))
+            elif handles[i].is_ready:
+                found.append(_flat(kv_cache)[:, :, self._passage_slots(handles[i], kv_cache, 0)])
+            else:
+                found.append(None)
+        todo: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        for i, kv in enumerate(found):
+            if kv is None:
+                todo.setdefault((spans[i][0], tuple(spans[i][1])), []).append(i)
+        passages = [list(tokens) for _, tokens in todo]
+        if self.batch_misses and len(passages) > 1:
+            computed = self._compute_alone_many(passages)
+        else:
+            computed = [self._compute_alone_many([t])[0] for t in passages]
+        for ((key, tokens), where), kv in zip(todo.items(), computed, strict=True):
+            if handles is None:
+                self.store.put(key, list(tokens), kv)
+            for i in where:
+                found[i] = kv
+                if handles is not None and handles[i].blocks and not handles[i].is_ready:
+                    first = handles[i].num_ready_blocks * kv_cache.shape[3]
+                    slots = self._passage_slots(handles[i], kv_cache, first)
+                    _flat(kv_cache)[:, :, slots] = kv[:, :, first:]
+                    handles[i].num_ready_blocks = len(handles[i].blocks)
+        return found
 
     @staticmethod
     def _passage_slots(handle: PassageBlocks, kv_cache: torch.Tensor, first: int) -> torch.Tensor:
@@ -85,11 +108,22 @@ class FusionRunner:
         blocks = torch.tensor(handle.blocks, dtype=torch.long, device=dev)
         return blocks[pos // block_size] * block_size + pos % block_size
 
-    def _compute_alone(self, token_ids: list[int]) -> torch.Tensor:
-        kv = self._empty_kv(len(token_ids))
-        ids = torch.tensor(token_ids, dtype=torch.long, device=kv.device)
-        forward_rows(self.model, ids, kv, torch.arange(len(token_ids), device=kv.device))
-        return kv
+    def _compute_alone_many(self, passages: list[list[int]]) -> list[torch.Tensor]:
+        """Each passage's KV at positions ``0..n-1`` as if computed alone: one forward over
+        them packed, attention kept within each passage (block-diagonal causal mask)."""
+        sizes = [len(t) for t in passages]
+        kv = self._empty_kv(sum(sizes))
+        dev = kv.device
+        ids = torch.tensor([t for p in passages for t in p], dtype=torch.long, device=dev)
+        rows = torch.arange(len(ids), device=dev)
+        if len(passages) == 1:
+            forward_rows(self.model, ids, kv, rows)
+        else:
+            lengths = torch.tensor(sizes, device=dev)
+            starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+            segments = torch.repeat_interleave(torch.arange(len(sizes), device=dev), lengths)
+            forward_rows(self.model, ids, kv, rows, positions=rows - starts, segments=segments)
+        return list(torch.split(kv, sizes, dim=2))
 
     def _empty_kv(self, num_tokens: int, num_layers: int | None = None) -> torch.Tensor:
         attn = self.model.model.layers[0].self_attn
@@ -123,12 +157,10 @@ class FusionRunner:
         if passages is not None and len(passages) != len(keyed):
             raise ValueError(f"passages: {len(passages)} handles for {len(keyed)} keyed spans")
         fused = [False] * num_tokens
-        for i, (start, end, key) in enumerate(keyed):
+        spans = [(key, token_ids[start:end]) for start, end, key in keyed]
+        kvs = self._passage_kvs(spans, passages, kv_cache)
+        for (start, end, _), stored in zip(keyed, kvs, strict=True):
             fused[start:end] = [True] * (end - start)
-            if passages is None:
-                stored = self.passage_kv(key, token_ids[start:end])
-            else:
-                stored = self.paged_passage_kv(passages[i], kv_cache)
             flat[0][:, slots[start:end]] = rotate_keys(stored[0], rotary, start).to(flat.dtype)
             flat[1][:, slots[start:end]] = stored[1].to(flat.dtype)
         # the last token's logits are sampled: always computed
