@@ -73,17 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             t = ttft(engines[batch], fused_prompt(rng, args, vocab), args.ratio)
             if rep:  # the first of each side warms up
                 times[batch].append(t)
-    result = {
-        "argv": sys.argv[1:] if argv is None else argv,
-        "batched": {
-            "mean_s": statistics.mean(times[True]),
-            "median_s": statistics.median(times[True]),
-        },
-        "per_passage": {
-            "mean_s": statistics.mean(times[False]),
-            "median_s": statistics.median(times[False]),
-        },
-    }
+    result = {"argv": sys.argv[1:] if argv is None else argv}
+    for name, batch in (("batched", True), ("per_passage", False)):
+        result[name] = {"mean_s": statistics.mean(times[batch]),
+                        "median_s": statistics.median(times[batch])}  # fmt: skip
     result["per_passage_over_batched_median"] = (
         result["per_passage"]["median_s"] / result["batched"]["median_s"]
     )
