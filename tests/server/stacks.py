@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,14 +68,21 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_process(
-    argv: list[str], log_path: Path, env: dict[str, str] | None = None, timeout_s: float = 300
+    argv: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300,
+    new_session: bool = False,
 ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """``ragserve serve ARGV --port P`` until ``/health`` answers; killed at exit if alive."""
+    """``ragserve serve ARGV --port P`` until ``/health`` answers; killed at exit if alive.
+    ``new_session``: in its own process group (a terminal's, for ``os.killpg``)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "ragserve.cli.main", "serve", *argv, "--port", str(port)]
     with open(log_path, "w") as log:  # a file, not a pipe: a full pipe blocks
-        proc = subprocess.Popen(cmd, env=env or dict(os.environ), stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            cmd, env=env or dict(os.environ), stdout=log, stderr=log, start_new_session=new_session
+        )
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -89,3 +97,6 @@ def serve_process(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if new_session:  # its workers too, should any outlive it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import httpx
 import openai
@@ -105,3 +106,45 @@ def _exercise(proc: subprocess.Popen, url: str, tmp_path) -> None:
     assert "[generation worker] ragserve.generation.llm_engine: engine ready" in log  # INFO
     assert "Loading weights" not in log  # third-party progress bars are off without -v
     assert "timeout graceful shutdown exceeded" not in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "systemd-stop"])
+def test_group_signal_drains_without_restarting_workers(
+    assets: tuple[str, str], tmp_path, sig: signal.Signals
+) -> None:
+    """Ctrl-C signals the terminal's whole process group and systemd's stop SIGTERMs the whole
+    cgroup, the workers included: they leave shutdown to the server, so the in-flight stream
+    finishes and no worker is restarted."""
+    model, index = assets
+    argv = [model, "--index", index, "--served-model-name", "tiny"]
+    argv += ["--drain-timeout", "180", "--device", "cpu", "--cpu-threads", "1"]
+    log_path = tmp_path / "serve.log"
+    with serve_process(argv, log_path, new_session=True) as (proc, url):
+        body = {"model": "tiny", "prompt": "Once", "max_tokens": 100, "ignore_eos": True}
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+        ) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: ")
+            os.killpg(proc.pid, sig)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2].removeprefix("data: "))
+        assert "choices" in last, (last, log_path.read_text())
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=120) in (0, -sig, 128 + sig)
+        log = log_path.read_text()
+        assert "closing the Server" in log
+        assert "worker died" not in log, log
+        # the workers are gone with the server (the group is empty)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("a worker outlived the server")

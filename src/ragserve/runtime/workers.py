@@ -8,6 +8,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -70,6 +71,12 @@ def build_runner(spec: WorkerSpec) -> GenerationRunner | StagedRetrievalRunner:
 
 def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> None:
     """Entry point of a worker process."""
+    # NOTE: the server owns shutdown: it drains in-flight requests, then sends ShutdownMsg
+    # (SIGKILL after a timeout). Ctrl-C signals the terminal's whole process group and systemd
+    # sends SIGTERM to the whole cgroup: a worker that died of either would be restarted and
+    # fail the requests being drained. A dead server is noticed by ``_ParentWatch``.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # NOTE: the workers and the server share the CPU cores. OpenMP's default spin-waiting
     # (torch, Faiss) then turns every small matmul into a ~30x slower busy wait; sleep
     # instead. Set before torch/Faiss load; an explicit OMP_WAIT_POLICY wins.
