@@ -488,8 +488,8 @@ def _run_all(engine: LLMEngine, prompts: list, ratio: float) -> list[list[int]]:
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def test_a_requests_missing_passages_run_in_one_forward(tiny_models, monkeypatch):
-    """``fusion_batch_misses``: the passages a fused request misses are computed in one
+def test_a_steps_missing_passages_run_in_one_forward(tiny_models, monkeypatch):
+    """``fusion_batch_misses``: the passages a step's fused prefills miss are computed in one
     forward (packed, attention within each), each equal to its forward alone, and the engine's
     outputs equal the one-forward-per-passage oracle's, with the tree and without."""
     from ragserve.generation.fusion import prefill
@@ -514,7 +514,17 @@ def test_a_requests_missing_passages_run_in_one_forward(tiny_models, monkeypatch
             calls.clear()
             e = _engine(tiny_models["llama"], fusion_batch_misses=batch, enable_knowledge_tree=tree)
             runs.append((_run(e, segs, [0.3] * 4), e.stats()["num_fused_tokens"]))
-            # 4 distinct passages: one forward each, or one per request that misses any:
-            # request 0 (docs 0, 1, 2) and request 2 (doc 3); 1 and 3 find theirs cached
+            # 4 distinct passages: one forward each, or one per step that misses any: step 0
+            # (requests 0 and 1: docs 0, 1, 2) and step 1 (requests 2 and 3: doc 3)
             assert len(calls) == (2 if batch else 4), (tree, batch, len(calls))
+        assert runs[0] == runs[1]
+    # four requests, one passage each, none shared, prefilled in one step: one forward
+    one_each = [_segments(9, [d]) for d in range(4)]
+    for tree in (True, False):
+        runs = []
+        for batch in (False, True):
+            calls.clear()
+            e = _engine(tiny_models["llama"], fusion_batch_misses=batch, enable_knowledge_tree=tree)
+            runs.append(_run_all(e, one_each, 0.3))
+            assert len(calls) == (1 if batch else 4), (tree, batch, len(calls))
         assert runs[0] == runs[1]

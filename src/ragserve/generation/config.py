@@ -62,7 +62,7 @@ class EngineConfig:
     fusion_kv_cache_bytes: int = 256 * 1024**2  # passage store budgets, used without the tree
     fusion_host_kv_cache_bytes: int = 0
     fusion_paged_prefill: bool = True  # False: the dense per-request fused forward
-    fusion_batch_misses: bool = True  # a request's uncached passages in one forward, not one each
+    fusion_batch_misses: bool = True  # a step's uncached passages in one forward, not one each
     enable_step_isolation: bool = True  # a raising step fails only the requests that raise
     # NOTE: the idle-time integrity check walks every block (~3 ms at 12k): deferred, it runs
     # after the step's outputs are handed on (``run_deferred_checks``, else the next step).

@@ -185,12 +185,19 @@ class ModelRunner:
         check_fault("forward", out.seqs)
         fused_rows: dict[int, list[int]] = {}
         if self.fusion is not None:
-            for i, seq in enumerate(out.seqs):
-                if seq.fusion is not None and seq.num_computed_tokens == 0:
-                    fused_rows[i] = self.fusion.prepare(
-                        seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
-                        self.backend, seq.passage_blocks,
-                    )  # fmt: skip
+            todo = [
+                (i, seq)
+                for i, seq in enumerate(out.seqs)
+                if seq.fusion is not None and seq.num_computed_tokens == 0
+            ]
+            kvs = self.fusion.step_passage_kvs(
+                [(s.token_ids, s.fusion, s.passage_blocks) for _, s in todo], self.kv_cache
+            )
+            for (i, seq), kv in zip(todo, kvs, strict=True):
+                fused_rows[i] = self.fusion.prepare(
+                    seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
+                    self.backend, seq.passage_blocks, kv,
+                )  # fmt: skip
         input_ids, positions, metadata, logits_rows = self.prepare_inputs(out, fused_rows, prev)
         hidden = self.run_model(input_ids, positions, metadata)
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]

@@ -53,10 +53,33 @@ class FusionRunner:
         self.probe_layer = max(1, num_layers // 4) if probe_layer is None else probe_layer
         self.probe_layer = min(self.probe_layer, num_layers - 1)
         self.paged = paged
-        self.batch_misses = batch_misses  # a request's missing passages in one forward
+        self.batch_misses = batch_misses  # a step's missing passages in one forward
         self.num_fused_tokens = 0
         self.num_recomputed_tokens = 0
         self._sift_index: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
+
+    def step_passage_kvs(
+        self,
+        prefills: list[tuple[list[int], FusionPlan, list[PassageBlocks] | None]],
+        kv_cache: torch.Tensor,
+    ) -> list[list[torch.Tensor] | None]:
+        """With ``batch_misses``, the stored KV of every keyed span of a step's fused prefills
+        ``(token_ids, plan, passages)``, what all of them miss in one forward, one list a
+        prefill; without, ``None`` each (``prepare`` then computes a miss per passage)."""
+        if not self.batch_misses:
+            return [None] * len(prefills)
+        out: list[list[torch.Tensor] | None] = [None] * len(prefills)
+        for held in (False, True):  # the store's passages, then the tree's blocks
+            which = [i for i, (*_, p) in enumerate(prefills) if (p is not None) is held]
+            if not which:
+                continue
+            own = [_keyed_spans(*prefills[i]) for i in which]
+            handles = [h for i in which for h in prefills[i][2]] if held else None
+            spans = [span for spans in own for span in spans]
+            kvs = iter(self._passage_kvs(spans, handles, kv_cache if held else None))
+            for i, spans in zip(which, own, strict=True):
+                out[i] = [next(kvs) for _ in spans]
+        return out
 
     def passage_kv(self, key: str, token_ids: list[int]) -> torch.Tensor:
         """Stored KV of a passage at positions ``0..n-1`` (computed and stored on a miss)."""
@@ -141,9 +164,11 @@ class FusionRunner:
         block_table: list[int],
         backend: BaseAttentionBackend,
         passages: list[PassageBlocks] | None = None,
+        kvs: list[torch.Tensor] | None = None,
     ) -> list[int]:
         """Write each keyed segment's stored KV (re-rotated) into the sequence's blocks; the
-        sorted rows to compute. ``passages``: held blocks in span order (``None``: the store)."""
+        sorted rows to compute. ``passages``: held blocks in span order (``None``: the store);
+        ``kvs``: the segments' KV already fetched (``step_passage_kvs``)."""
         num_tokens = len(token_ids)
         dev = kv_cache.device
         page = kv_cache.shape[3]
@@ -154,11 +179,9 @@ class FusionRunner:
         slots = table[pos // page] * page + pos % page
         rotary = self.model.model.rotary
         keyed = [(s, e, key) for s, e, key in plan.spans if key is not None]
-        if passages is not None and len(passages) != len(keyed):
-            raise ValueError(f"passages: {len(passages)} handles for {len(keyed)} keyed spans")
         fused = [False] * num_tokens
-        spans = [(key, token_ids[start:end]) for start, end, key in keyed]
-        kvs = self._passage_kvs(spans, passages, kv_cache)
+        if kvs is None:
+            kvs = self._passage_kvs(_keyed_spans(token_ids, plan, passages), passages, kv_cache)
         for (start, end, _), stored in zip(keyed, kvs, strict=True):
             fused[start:end] = [True] * (end - start)
             flat[0][:, slots[start:end]] = rotate_keys(stored[0], rotary, start).to(flat.dtype)
@@ -249,6 +272,16 @@ class FusionRunner:
         flat = (-1, *k_cache.shape[2:])
         stored = torch.stack([k_cache.view(flat)[slots], v_cache.view(flat)[slots]])
         return kv_deviation(torch.stack([fresh_k, fresh_v]), stored)
+
+
+def _keyed_spans(
+    token_ids: list[int], plan: FusionPlan, passages: list[PassageBlocks] | None
+) -> list[tuple[str, list[int]]]:
+    """``(key, tokens)`` of each keyed segment; ``passages`` must hold one handle each."""
+    spans = [(key, token_ids[start:end]) for start, end, key in plan.spans if key is not None]
+    if passages is not None and len(passages) != len(spans):
+        raise ValueError(f"passages: {len(passages)} handles for {len(spans)} keyed spans")
+    return spans
 
 
 def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
