@@ -16,6 +16,7 @@ from torch import nn
 
 from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend, store_kv
 from ragserve.generation.models.layers import RotaryEmbedding, rotate_half
+from ragserve.generation.sampler import to_device
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -92,8 +93,8 @@ def rows_metadata(
     ``num_tokens - 1``) with per-query positions; ``slots``: every position's flat slot."""
     dev = rows.device
     return AttentionMetadata(
-        query_start_loc=torch.tensor([0, len(rows)], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+        query_start_loc=to_device([0, len(rows)], dev, torch.int32),
+        seq_lens=to_device([num_tokens], dev, torch.int32),
         block_tables=block_table[None].to(torch.int32),
         slot_mapping=slots[rows],
         query_lens_cpu=(len(rows),),

@@ -26,6 +26,7 @@ from ragserve.generation.fusion.selectors import (
 )
 from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.kv_tree import PassageBlocks
+from ragserve.generation.sampler import to_device
 from ragserve.generation.segments import FusionPlan
 
 SIFT_INDEX_ENTRIES = 4096  # passages whose SIFT-style scores are kept (n floats each)
@@ -128,7 +129,7 @@ class FusionRunner:
         block_size = kv_cache.shape[3]
         dev = kv_cache.device
         pos = torch.arange(first, len(handle.token_ids), device=dev)
-        blocks = torch.tensor(handle.blocks, dtype=torch.long, device=dev)
+        blocks = to_device(handle.blocks, dev, torch.long)
         return blocks[pos // block_size] * block_size + pos % block_size
 
     def _compute_alone_many(self, passages: list[list[int]]) -> list[torch.Tensor]:
@@ -137,12 +138,12 @@ class FusionRunner:
         sizes = [len(t) for t in passages]
         kv = self._empty_kv(sum(sizes))
         dev = kv.device
-        ids = torch.tensor([t for p in passages for t in p], dtype=torch.long, device=dev)
+        ids = to_device([t for p in passages for t in p], dev, torch.long)
         rows = torch.arange(len(ids), device=dev)
         if len(passages) == 1:
             forward_rows(self.model, ids, kv, rows)
         else:
-            lengths = torch.tensor(sizes, device=dev)
+            lengths = to_device(sizes, dev, torch.long)
             starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
             segments = torch.repeat_interleave(torch.arange(len(sizes), device=dev), lengths)
             forward_rows(self.model, ids, kv, rows, positions=rows - starts, segments=segments)
@@ -174,7 +175,7 @@ class FusionRunner:
         page = kv_cache.shape[3]
         flat = _flat(kv_cache)
         kv_caches = [(kv_cache[0, i], kv_cache[1, i]) for i in range(kv_cache.shape[1])]
-        table = torch.tensor(block_table, dtype=torch.long, device=dev)
+        table = to_device(block_table, dev, torch.long)
         pos = torch.arange(num_tokens, device=dev)
         slots = table[pos // page] * page + pos % page
         rotary = self.model.model.rotary
@@ -188,7 +189,7 @@ class FusionRunner:
             flat[1][:, slots[start:end]] = stored[1].to(flat.dtype)
         # the last token's logits are sampled: always computed
         base = [p for p in range(num_tokens - 1) if not fused[p]] + [num_tokens - 1]
-        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        ids = to_device(token_ids, dev, torch.long)
         extra = self._select(ids, base, plan, kv_caches, table, slots, backend)
         rows = sorted(set(base).union(extra))
         self.num_fused_tokens += plan.num_keyed_tokens
@@ -204,7 +205,7 @@ class FusionRunner:
         """``paged=False``: ``rows`` through every layer densely over the sequence's gathered
         KV, written back; the last row then runs again in the batched forward (same result)."""
         kv = flat[:, :, slots]
-        forward_rows(self.model, ids, kv, torch.tensor(rows, dtype=torch.long, device=ids.device))
+        forward_rows(self.model, ids, kv, to_device(rows, ids.device, torch.long))
         flat[:, :, slots] = kv
 
     def _select(
@@ -224,8 +225,8 @@ class FusionRunner:
         if plan.ratio == 1.0:
             scores = torch.zeros(num_tokens, device=ids.device)
         elif self.selector == "qcfuse":
-            rows = torch.tensor(base, dtype=torch.long, device=ids.device)
-            query = torch.tensor(query_rows(plan.spans, num_tokens), device=ids.device)
+            rows = to_device(base, ids.device, torch.long)
+            query = to_device(query_rows(plan.spans, num_tokens), ids.device, torch.long)
             metadata = rows_metadata(rows, num_tokens, slots, table)
             probs = probe_attention(
                 self.model, ids, rows, query, kv_caches, metadata, backend, self.probe_layer
@@ -250,7 +251,7 @@ class FusionRunner:
             self._sift_index.move_to_end(full_key)
             return scores
         work = self._empty_kv(len(token_ids))
-        ids = torch.tensor(token_ids, dtype=torch.long, device=work.device)
+        ids = to_device(token_ids, work.device, torch.long)
         rows = torch.arange(len(token_ids), device=work.device)
         _, probs = forward_rows(self.model, ids, work, rows, probe_layer=self.probe_layer)
         scores = received_attention(probs)

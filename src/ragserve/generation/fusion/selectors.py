@@ -41,8 +41,9 @@ def kv_deviation(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
 def pick_rows(
     scores: torch.Tensor, spans: Sequence[tuple[int, int, str | None]], ratio: float
 ) -> list[int]:
-    """The top ``ceil(ratio * n)`` positions of each keyed segment by ``scores`` (sorted)."""
-    picked: list[int] = []
+    """The top ``ceil(ratio * n)`` positions of each keyed segment by ``scores`` (sorted); one
+    device-to-host copy for all segments (each copy waits for the device)."""
+    picked: list[torch.Tensor] = []
     for start, end, key in spans:
         if key is None:
             continue
@@ -51,6 +52,5 @@ def pick_rows(
             continue
         seg = scores[start:end].float()
         # NOTE: stable descending sort so equal scores keep the earlier token first.
-        order = torch.sort(-seg, stable=True).indices[:num].tolist()
-        picked.extend(start + i for i in order)
-    return sorted(picked)
+        picked.append(torch.sort(-seg, stable=True).indices[:num] + start)
+    return sorted(torch.cat(picked).tolist()) if picked else []
