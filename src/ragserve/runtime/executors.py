@@ -174,6 +174,8 @@ class WorkerHandle:
         return f"{self.spec.kind} worker died (exit code {code}); it has been restarted"
 
     def close(self, join_timeout: float = 5.0) -> None:
+        if self.inbox is None:  # closed before
+            return
         if self.proc.is_alive():
             with contextlib.suppress(queue.Full, ValueError, OSError):
                 self.inbox.put(encode(ShutdownMsg()), timeout=1.0)
@@ -183,6 +185,10 @@ class WorkerHandle:
             self.proc.join(join_timeout)
         self.inbox.cancel_join_thread()
         self.inbox.close()
+        # NOTE: dropped, so its semaphores are unlinked now (their finalizers run on garbage
+        # collection); a server that uvicorn ends by re-raising SIGTERM runs no exit handlers,
+        # and the resource tracker would warn about them as leaked.
+        self.inbox, self.ready = None, False
         self.conn.close()
         self.ring.close()
 
