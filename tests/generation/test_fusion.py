@@ -3,6 +3,7 @@ target position, blocks are freed exactly, and the selectors pick the expected t
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -508,23 +509,19 @@ def test_a_steps_missing_passages_run_in_one_forward(tiny_models, monkeypatch):
         prefill, "forward_rows", lambda *a, **k: calls.append(1) or forward(*a, **k)
     )
     segs = [_segments(9, o) for o in ORDERS]
-    for tree in (True, False):
-        runs = []
-        for batch in (False, True):
-            calls.clear()
-            e = _engine(tiny_models["llama"], fusion_batch_misses=batch, enable_knowledge_tree=tree)
-            runs.append((_run(e, segs, [0.3] * 4), e.stats()["num_fused_tokens"]))
-            # 4 distinct passages: one forward each, or one per step that misses any: step 0
-            # (requests 0 and 1: docs 0, 1, 2) and step 1 (requests 2 and 3: doc 3)
-            assert len(calls) == (2 if batch else 4), (tree, batch, len(calls))
-        assert runs[0] == runs[1]
-    # four requests, one passage each, none shared, prefilled in one step: one forward
     one_each = [_segments(9, [d]) for d in range(4)]
-    for tree in (True, False):
+    loads = [
+        # 4 distinct passages: one forward each, or one per step that misses any: step 0
+        # (requests 0 and 1: docs 0, 1, 2) and step 1 (requests 2 and 3: doc 3)
+        (lambda e: _run(e, segs, [0.3] * 4), 2),
+        # four requests, one passage each, none shared, prefilled in one step: one forward
+        (lambda e: _run_all(e, one_each, 0.3), 1),
+    ]
+    for (run, batched_forwards), tree in itertools.product(loads, (True, False)):
         runs = []
         for batch in (False, True):
             calls.clear()
             e = _engine(tiny_models["llama"], fusion_batch_misses=batch, enable_knowledge_tree=tree)
-            runs.append(_run_all(e, one_each, 0.3))
-            assert len(calls) == (1 if batch else 4), (tree, batch, len(calls))
+            runs.append((run(e), e.stats()["num_fused_tokens"]))
+            assert len(calls) == (batched_forwards if batch else 4), (tree, batch, len(calls))
         assert runs[0] == runs[1]

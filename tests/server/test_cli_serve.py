@@ -3,6 +3,7 @@ then SIGTERM drains an in-flight stream before the process exits."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -52,12 +53,37 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_serve_process_auth_and_sigterm_drain(assets: tuple[str, str], tmp_path) -> None:
+    env = {**os.environ, "RAGSERVE_API_KEY": "k3y"}  # a secret never goes on argv
+    with serve_process(_argv(assets), tmp_path / "serve.log", env) as (proc, url):
+        _exercise(proc, url, tmp_path)
+
+
+def _argv(assets: tuple[str, str]) -> list[str]:
     model, index = assets
     argv = [model, "--index", index, "--served-model-name", "tiny"]
-    argv += ["--drain-timeout", "180", "--device", "cpu", "--cpu-threads", "1"]
-    env = {**os.environ, "RAGSERVE_API_KEY": "k3y"}  # a secret never goes on argv
-    with serve_process(argv, tmp_path / "serve.log", env) as (proc, url):
-        _exercise(proc, url, tmp_path)
+    return argv + ["--drain-timeout", "180", "--device", "cpu", "--cpu-threads", "1"]
+
+
+def _stream_through(url: str, signal_it, headers: dict | None = None) -> list[str]:
+    """A 100-token completion streamed; ``signal_it()`` once its first event arrived. The
+    stream must still end in full (``finish_reason`` length); returns its non-empty lines.
+    NOTE: through the worker processes a token took 10-100 ms on this shared 2-core machine
+    (load dependent): 100 tokens keep the stream in flight when the signal lands and finish
+    well within the drain timeout."""
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 100, "ignore_eos": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers,
+        timeout=120,
+    ) as r:  # fmt: skip
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        signal_it()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    last = json.loads(rest[-2].removeprefix("data: "))
+    assert "choices" in last, last
+    assert last["choices"][0]["finish_reason"] == "length"
+    return rest
 
 
 def _exercise(proc: subprocess.Popen, url: str, tmp_path) -> None:
@@ -78,26 +104,8 @@ def _exercise(proc: subprocess.Popen, url: str, tmp_path) -> None:
     assert any(q.endswith(".pending") for q in queues), queues  # the worker processes' queues
     requests = families["ragserve:requests"].samples
     assert any(s.labels == {"workflow": "oneshot", "status": "ok"} for s in requests)
-    # NOTE: through the worker processes a token took 10-100 ms on this shared 2-core machine
-    # (load dependent): 100 tokens keep the stream in flight when SIGTERM lands and finish well
-    # within the drain timeout.
-    body = {"model": "tiny", "prompt": "Once", "max_tokens": 100, "ignore_eos": True}
-    headers = {"Authorization": "Bearer k3y"}
-    with httpx.stream(
-        "POST",
-        f"{url}/v1/completions",
-        json={**body, "stream": True},
-        headers=headers,
-        timeout=120,
-    ) as r:
-        lines = r.iter_lines()
-        first = next(line for line in lines if line)
-        assert first.startswith("data: ")
-        proc.send_signal(signal.SIGTERM)
-        rest = [line for line in lines if line]
-    assert rest[-1] == "data: [DONE]"
-    last = json.loads(rest[-2].removeprefix("data: "))
-    assert last["choices"][0]["finish_reason"] == "length"
+    sigterm = functools.partial(proc.send_signal, signal.SIGTERM)
+    rest = _stream_through(url, sigterm, {"Authorization": "Bearer k3y"})
     text = "".join(json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in rest[:-1])
     assert text  # the answer kept arriving after SIGTERM
     # uvicorn re-raises the captured SIGTERM after its graceful shutdown
@@ -118,23 +126,9 @@ def test_group_signal_drains_without_restarting_workers(
     """Ctrl-C signals the terminal's whole process group and systemd's stop SIGTERMs the whole
     cgroup, the workers included: they leave shutdown to the server, so the in-flight stream
     finishes and no worker is restarted."""
-    model, index = assets
-    argv = [model, "--index", index, "--served-model-name", "tiny"]
-    argv += ["--drain-timeout", "180", "--device", "cpu", "--cpu-threads", "1"]
     log_path = tmp_path / "serve.log"
-    with serve_process(argv, log_path, new_session=True) as (proc, url):
-        body = {"model": "tiny", "prompt": "Once", "max_tokens": 100, "ignore_eos": True}
-        with httpx.stream(
-            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
-        ) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line).startswith("data: ")
-            os.killpg(proc.pid, sig)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-        last = json.loads(rest[-2].removeprefix("data: "))
-        assert "choices" in last, (last, log_path.read_text())
-        assert last["choices"][0]["finish_reason"] == "length"
+    with serve_process(_argv(assets), log_path, new_session=True) as (proc, url):
+        _stream_through(url, functools.partial(os.killpg, proc.pid, sig))
         assert proc.wait(timeout=120) in (0, -sig, 128 + sig)
         log = log_path.read_text()
         assert "closing the Server" in log

@@ -190,9 +190,9 @@ class ModelRunner:
                 for i, seq in enumerate(out.seqs)
                 if seq.fusion is not None and seq.num_computed_tokens == 0
             ]
-            kvs = self.fusion.step_passage_kvs(
+            kvs = todo and self.fusion.step_passage_kvs(
                 [(s.token_ids, s.fusion, s.passage_blocks) for _, s in todo], self.kv_cache
-            )
+            )  # a decode-only step skips it
             for (i, seq), kv in zip(todo, kvs, strict=True):
                 fused_rows[i] = self.fusion.prepare(
                     seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
