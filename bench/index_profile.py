@@ -14,7 +14,7 @@ import numpy as np
 
 from ragserve.cli.options import resolve_index
 from ragserve.retrieval import VectorIndex
-from ragserve.retrieval.latency_model import measure_profile
+from tier_models import measure_profile
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ from ragserve.retrieval.latency_model import (
     SearchLatencyModel,
     SearchProfile,
     fit_piecewise_linear,
-    measure_scan_grid,
 )
 
 
@@ -140,7 +139,8 @@ def test_measure_cpu_model_times_assign_and_scan(small_corpus, bench_module):
         measure_cpu_model(vi, x[:8], 4, batch_sizes=(1, 2), repeats=0)
 
 
-def test_measure_scan_grid_calls_every_point_and_synchronizes():
+def test_measure_scan_grid_calls_every_point_and_synchronizes(bench_module):
+    measure_scan_grid = bench_module("tier_models").measure_scan_grid
     calls: list[tuple[int, int]] = []
     syncs = []
     prof = measure_scan_grid(

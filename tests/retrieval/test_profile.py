@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ragserve.retrieval import VectorIndex
-from ragserve.retrieval.latency_model import SearchProfile, measure_profile
+from ragserve.retrieval.latency_model import SearchProfile
 
 
 def test_cluster_costs_are_list_size_times_code_size(small_corpus):
@@ -17,7 +17,8 @@ def test_cluster_costs_are_list_size_times_code_size(small_corpus):
     np.testing.assert_array_equal(vi.cluster_cost_bytes(), sizes * 16)  # SQ8: 1 byte per dim
 
 
-def test_measured_profile_grid_and_round_trip(tmp_path, small_corpus):
+def test_measured_profile_grid_and_round_trip(tmp_path, small_corpus, bench_module):
+    measure_profile = bench_module("tier_models").measure_profile
     docs, x = small_corpus
     vi = VectorIndex.from_vectors(docs, x, embedder_name="synthetic", nlist=8)
     prof = measure_profile(vi, x[:8], batch_sizes=(1, 8), repeats=1)

@@ -9,14 +9,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ragserve.retrieval.storage import JsonFile
-from ragserve.retrieval.types import ScanIndex
 
 _MAX_COMBINATIONS = 20_000  # NOTE: past this many breakpoint sets, candidates thin to quantiles
 
@@ -85,68 +83,6 @@ class SearchProfile(JsonFile):
             tuple(tuple(r) for r in raw["seconds"]),
             raw.get("topk", 10),
         )
-
-
-def measure_profile(
-    index: ScanIndex,
-    queries: np.ndarray,
-    *,
-    batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
-    cluster_counts: tuple[int, ...] | None = None,
-    topk: int = 10,
-    repeats: int = 3,
-) -> SearchProfile:
-    """Time ``index.scan`` over the grid; ``queries`` needs ``max(batch_sizes)`` rows."""
-    q = np.ascontiguousarray(queries, dtype=np.float32)
-    if len(q) < max(batch_sizes):
-        raise ValueError(f"need {max(batch_sizes)} queries, got {len(q)}")
-    if cluster_counts is None:
-        cluster_counts = tuple(
-            sorted({c for c in (1, 4, 16, 64) if c <= index.nlist} | {index.nlist})
-        )
-    plan = index.assign(q[: max(batch_sizes)], max(cluster_counts))
-
-    def run(b: int, c: int) -> None:
-        index.scan(q[:b], plan.rows(0, b).columns(0, c), topk)
-
-    return measure_scan_grid(run, batch_sizes, cluster_counts, repeats=repeats, warmup=0, topk=topk)
-
-
-def measure_scan_grid(
-    run: Callable[[int, int], object],
-    batch_sizes: Sequence[int],
-    cluster_counts: Sequence[int],
-    *,
-    repeats: int = 3,
-    warmup: int = 1,
-    synchronize: Callable[[], object] | None = None,
-    topk: int = 10,
-) -> SearchProfile:
-    """Median seconds of ``run(batch_size, clusters_per_query)`` (after ``warmup`` calls) over
-    the grid; ``synchronize`` (e.g. ``torch.cuda.synchronize``) makes each cover device work."""
-    for grid in (batch_sizes, cluster_counts):
-        if not grid or min(grid) < 1 or list(grid) != sorted(set(grid)):
-            raise ValueError(
-                "batch_sizes and cluster_counts must be non-empty, >= 1, strictly ascending"
-            )
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    sync = synchronize or (lambda: None)
-
-    def median(b: int, c: int) -> float:
-        for _ in range(warmup):
-            run(b, c)
-        sync()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(b, c)
-            sync()
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
-
-    seconds = tuple(tuple(median(b, c) for c in cluster_counts) for b in batch_sizes)
-    return SearchProfile(tuple(batch_sizes), tuple(cluster_counts), seconds, topk)
 
 
 def fit_piecewise_linear(
