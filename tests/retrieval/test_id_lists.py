@@ -5,7 +5,7 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from ragserve.retrieval.id_lists import IdLists
+from ragserve.retrieval.index import IdLists
 
 
 def _ivf(ids: np.ndarray) -> faiss.IndexIVFFlat:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,13 +19,11 @@ import ragserve.retrieval.stepwise as stepwise
 from ragserve.retrieval.docstore import DocStore
 from ragserve.retrieval.embedder import Embedder, IndexEncoderMixin
 from ragserve.retrieval.ensemble import EnsembleMixin
-from ragserve.retrieval.id_lists import IdLists
 from ragserve.retrieval.index_tier import GpuTierMixin
 from ragserve.retrieval.modes import SearchModesMixin
 from ragserve.retrieval.partition import AccessCounts
 from ragserve.retrieval.passages import PassageMixin, check_header, passage_text
 from ragserve.retrieval.persist import PersistMixin
-from ragserve.retrieval.rwlock import RWLock
 from ragserve.retrieval.types import (
     Document,
     IndexSpec,
@@ -38,6 +37,79 @@ if TYPE_CHECKING:
     from ragserve.retrieval.bm25 import BM25Index
     from ragserve.retrieval.gpu_tier import GpuTier
     from ragserve.retrieval.partition import TierUpdater
+
+
+class RWLock:
+    """Many concurrent searches, one exclusive index mutation. Writer-preferring: once a writer
+    waits, new readers queue behind it (no starvation)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+@dataclasses.dataclass(frozen=True)
+class IdLists:
+    """Row id -> inverted list of an IVF index, sparse (row ids need not be dense: upserts,
+    deletes and shards keep the whole index's ids): sorted ids and their lists, looked up with
+    ``searchsorted``, so memory is proportional to the rows held."""
+
+    ids: np.ndarray  # int64, sorted ascending
+    lists: np.ndarray  # int64, the list of ``ids[i]``
+
+    @classmethod
+    def of(cls, ivf: faiss.IndexIVF) -> IdLists:
+        """The map of ``ivf``'s rows (the caller keeps the index unchanged meanwhile)."""
+        ids, lists = [], []
+        for c in range(ivf.nlist):
+            n = ivf.invlists.list_size(c)
+            if n:
+                ids.append(faiss.rev_swig_ptr(ivf.invlists.get_ids(c), n).astype(np.int64))
+                lists.append(np.full(n, c, np.int64))
+        if not ids:
+            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+        all_ids, all_lists = np.concatenate(ids), np.concatenate(lists)
+        order = np.argsort(all_ids, kind="stable")
+        return cls(all_ids[order], all_lists[order])
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        """int64: the list of each id, ``-1`` for ids not held."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(self.ids):
+            return np.full(ids.shape, -1, np.int64)
+        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        return np.where(self.ids[pos] == ids, self.lists[pos], -1)
 
 
 class VectorIndex(
