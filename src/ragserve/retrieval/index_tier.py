@@ -52,7 +52,6 @@ class TierSpec(NamedTuple):
 # (queries, cold lists per query) of the stream's calibration: both sides' terms vary
 STREAM_POINTS = ((4, 4), (16, 8), (32, 16), (64, 32))
 ASSIGNS = ("auto", "tier", "faiss")  # where ``search`` assigns queries (``set_gpu_tier``)
-_NO_HEAP_INIT = 1024  # NOTE: Faiss's PARALLEL_MODE_NO_HEAP_INIT flag (IndexIVF.h; not exported)
 
 
 class GpuTierMixin:
@@ -179,7 +178,7 @@ class GpuTierMixin:
         if not len(cold):
             return None
         rng = np.random.default_rng(seed)
-        real = threads is None and self._index.parallel_mode & ~_NO_HEAP_INIT == 0
+        real = threads is None and self._index.parallel_mode & ~stepwise.NO_HEAP_INIT == 0
         threads = scan_threads(self._index) if threads is None else int(threads)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -363,7 +362,7 @@ def check_tier_options(
 def scan_threads(index: faiss.IndexIVF) -> int:
     """The CPU scan's parallelism: ``stepwise.scan_threads()``, or Faiss's OpenMP threads for
     an index in a ``parallel_mode`` other than 0 (Faiss spreads that one call)."""
-    if index.parallel_mode & ~_NO_HEAP_INIT == 0:
+    if index.parallel_mode & ~stepwise.NO_HEAP_INIT == 0:
         return stepwise.scan_threads()
     return max(1, int(faiss.omp_get_max_threads()))
 

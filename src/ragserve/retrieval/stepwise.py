@@ -30,7 +30,7 @@ SCAN_THREADS_ENV = "RAGSERVE_CPU_SCAN_THREADS"
 # NOTE: a thread's share of a scan is at least this many probed rows (~0.5 ms of Faiss's scan on
 # one core at 128 dims, any kind), so a handoff to the pool (tens of microseconds) pays for itself.
 MIN_SCAN_ROWS_PER_THREAD = 16384
-_NO_HEAP_INIT = 1024  # NOTE: Faiss's PARALLEL_MODE_NO_HEAP_INIT flag (IndexIVF.h; not exported)
+NO_HEAP_INIT = 1024  # NOTE: Faiss's PARALLEL_MODE_NO_HEAP_INIT flag (IndexIVF.h; not exported)
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 
 
@@ -124,7 +124,7 @@ def scan(index: faiss.IndexIVF, queries: np.ndarray, plan: ProbePlan, topk: int)
     dist = np.empty((n, k), dtype=np.float32)
     ids = np.empty((n, k), dtype=np.int64)
     call = functools.partial(_scan_rows, index, k, _ivf_params(width), (q, iq, dq, dist, ids))
-    threads = 1 if index.parallel_mode & ~_NO_HEAP_INIT else split_threads(index, n, width)
+    threads = 1 if index.parallel_mode & ~NO_HEAP_INIT else split_threads(index, n, width)
     if threads <= 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
         call(0, n)
     else:
