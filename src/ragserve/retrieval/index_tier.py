@@ -278,9 +278,7 @@ class GpuTierMixin:
                     f"{tier.chunk_bytes} bytes; the given clusters need {need}"
                 )
         with self._rw.read():
-            for c in want:
-                vectors, ids = self._list_data(c)
-                tier.begin_load(c, vectors, ids, pin=False)  # copied before it returns
+            self._begin_loads(tier, want, pin=False)  # copied before it returns
             tier.wait_idle()
             self._tier = tier
         if scan == "auto" and not tier.adopt_model(previous):
@@ -312,12 +310,12 @@ class GpuTierMixin:
         tier = self._tier
         if tier is None:
             return 0
-        started = 0
         with self._rw.read():
-            for c in clusters:
-                vectors, ids = self._list_data(int(c))
-                started += tier.begin_load(int(c), vectors, ids)
-        return started
+            return self._begin_loads(tier, clusters)
+
+    def _begin_loads(self, tier: GpuTier, clusters: Sequence[int], *, pin: bool = True) -> int:
+        """Start loading ``clusters`` into ``tier`` (under the shared lock); how many started."""
+        return sum(tier.begin_load(int(c), *self._list_data(int(c)), pin=pin) for c in clusters)
 
     def _list_data(self, c: int) -> tuple[np.ndarray, np.ndarray]:
         """List ``c``'s vectors and ids: views of Faiss's memory, valid under the lock."""
