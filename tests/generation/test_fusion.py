@@ -12,7 +12,6 @@ import torch
 from oracle_cases import pool_bytes
 
 from ragserve.generation import LLMEngine, SamplingParams, Segment
-from ragserve.generation.fusion import FusionPlan, PassageKVStore
 from ragserve.generation.fusion.forward import rotate_keys
 from ragserve.generation.fusion.selectors import (
     attention_scores,
@@ -21,6 +20,8 @@ from ragserve.generation.fusion.selectors import (
     query_rows,
     received_attention,
 )
+from ragserve.generation.fusion.store import PassageKVStore
+from ragserve.generation.segments import FusionPlan
 
 MAX_TOKENS = 6
 
@@ -249,7 +250,7 @@ def test_bad_fusion_inputs(tiny_models):
 
 
 def test_paragraph_segments_key_the_middle_paragraphs():
-    from ragserve.generation.fusion import paragraph_segments
+    from ragserve.generation.segments import paragraph_segments
 
     text = "Use the passages.\n\n[1] Alpha\nriver\n\n[2] Beta\n\nQuestion: why?"
     segs = paragraph_segments(text)
@@ -310,7 +311,7 @@ def test_smollm2_ratio_one_equals_full_prefill():
 
 
 def _ids(engine: LLMEngine, segs: list[Segment]) -> list[int]:
-    from ragserve.generation.fusion import tokenize_segments
+    from ragserve.generation.segments import tokenize_segments
 
     return tokenize_segments(segs, engine._tokenize_segment)[0]
 

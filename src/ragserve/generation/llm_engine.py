@@ -35,7 +35,8 @@ from ragserve.generation.engine_setup import (
 )
 from ragserve.generation.errors import PromptTooLongError
 from ragserve.generation.faults import check_fault
-from ragserve.generation.fusion import FusionRunner, PassageKVStore
+from ragserve.generation.fusion.prefill import FusionRunner
+from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import ModelRunner, SampledTokens
 from ragserve.generation.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ from torch import nn
 
 from ragserve.generation.config import ModelConfig
 from ragserve.generation.errors import ModelLoadError
-from ragserve.generation.models.llama import LlamaForCausalLM
+from ragserve.generation.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,7 @@ from ragserve.generation.attention.base import (
     BaseAttentionBackend,
     available_backends,
     get_backend,
-    register_backend,
     resolve_backend,
-    store_kv,
 )
 
 __all__ = [
@@ -19,7 +17,5 @@ __all__ = [
     "BaseAttentionBackend",
     "available_backends",
     "get_backend",
-    "register_backend",
     "resolve_backend",
-    "store_kv",
 ]

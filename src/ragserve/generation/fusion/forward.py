@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend, store_kv
-from ragserve.generation.models.layers import RotaryEmbedding, rotate_half
+from ragserve.generation.llama import RotaryEmbedding, rotate_half
 from ragserve.generation.sampler import to_device
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
