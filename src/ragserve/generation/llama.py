@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragserve.generation.attention import AttentionMetadata, BaseAttentionBackend
-from ragserve.generation.config import ModelConfig
-from ragserve.generation.errors import ModelLoadError
+from ragserve.generation.config import ModelConfig, ModelLoadError
 
 
 class RMSNorm(nn.Module):

@@ -18,7 +18,7 @@ import torch
 
 from ragserve.generation.attention import get_backend
 from ragserve.generation.builtin import resolve_model
-from ragserve.generation.config import EngineConfig, ModelConfig
+from ragserve.generation.config import EngineConfig, ModelConfig, PromptTooLongError
 from ragserve.generation.detokenizer import (
     IncrementalDetokenizer,
     check_finished,
@@ -33,7 +33,6 @@ from ragserve.generation.engine_setup import (
     resolve_kv_pool,
     resolve_max_model_len,
 )
-from ragserve.generation.errors import PromptTooLongError
 from ragserve.generation.faults import check_fault
 from ragserve.generation.fusion.prefill import FusionRunner
 from ragserve.generation.fusion.store import PassageKVStore

@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ragserve.generation.config import ModelConfig
-from ragserve.generation.errors import ModelLoadError
+from ragserve.generation.config import ModelConfig, ModelLoadError
 from ragserve.generation.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
