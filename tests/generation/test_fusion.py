@@ -220,7 +220,7 @@ def test_sift_scores_are_attention_received_inside_the_passage(tiny_models):
 
 def test_store_tiers_and_token_check():
     one = torch.zeros(2, 1, 4, 1, 2)  # 64 bytes
-    store = PassageKVStore("m", torch.device("cpu"), device_bytes=128, host_bytes=64)
+    store = PassageKVStore(torch.device("cpu"), device_bytes=128, host_bytes=64)
     store.put("a", [1, 2, 3, 4], one)
     store.put("b", [5, 6, 7, 8], one.clone())
     store.put("c", [9, 9, 9, 9], one.clone())  # a -> host

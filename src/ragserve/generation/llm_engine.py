@@ -93,12 +93,7 @@ class LLMEngine:
         self.model_runner.pack_inputs = config.enable_packed_inputs
         self.model_runner.fusion = FusionRunner(
             model,
-            PassageKVStore(
-                f"{config.model}:{dtype}",
-                device,
-                config.fusion_kv_cache_bytes,
-                config.fusion_host_kv_cache_bytes,
-            ),
+            PassageKVStore(device, config.fusion_kv_cache_bytes, config.fusion_host_kv_cache_bytes),
             selector=config.fusion_selector,
             probe_layer=config.fusion_probe_layer,
             paged=config.fusion_paged_prefill,

@@ -1,9 +1,6 @@
 """Paged attention backends behind one contract (see ``base``)."""
 
-from ragserve.generation.attention import (  # noqa: F401  (each registers its backend)
-    torch_ref,
-    triton_backend,
-)
+from ragserve.generation.attention import triton_backend  # noqa: F401  (registers "triton")
 from ragserve.generation.attention.base import (
     AttentionMetadata,
     BaseAttentionBackend,
