@@ -13,7 +13,7 @@ from oracle_cases import pool_bytes
 
 from ragserve.generation import LLMEngine, SamplingParams, Segment
 from ragserve.generation.fusion.forward import rotate_keys
-from ragserve.generation.fusion.selectors import (
+from ragserve.generation.fusion.prefill import (
     attention_scores,
     kv_deviation,
     pick_rows,

@@ -1,10 +1,15 @@
 """The fused prefill of one request: each keyed segment's stored KV (tree blocks or the
 ``PassageKVStore``), re-rotated to its start, is written into the request's blocks; the
-selector picks the rows to recompute, which the model runner runs in the step's batch."""
+selector picks the rows to recompute, which the model runner runs in the step's batch.
+
+A selector scores every token and ``pick_rows`` takes the ``ceil(ratio * n)`` top-scored of
+each keyed segment. ``"qcfuse"``: attention the query pays at a probe layer; ``"cacheblend"``:
+layer-1 KV deviation; ``"sift"``: attention each token receives inside its passage alone."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -17,17 +22,10 @@ from ragserve.generation.fusion.forward import (
     rotate_keys,
     rows_metadata,
 )
-from ragserve.generation.fusion.selectors import (
-    attention_scores,
-    kv_deviation,
-    pick_rows,
-    query_rows,
-    received_attention,
-)
 from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.kv_tree import PassageBlocks
 from ragserve.generation.sampler import to_device
-from ragserve.generation.segments import FusionPlan
+from ragserve.generation.segments import FusionPlan, num_picked
 
 SIFT_INDEX_ENTRIES = 4096  # passages whose SIFT-style scores are kept (n floats each)
 
@@ -288,3 +286,47 @@ def _keyed_spans(
 def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
     """``[2, num_layers, num_slots, kv_heads, head_dim]`` view of the paged cache."""
     return kv_cache.view(2, kv_cache.shape[1], -1, *kv_cache.shape[4:])
+
+
+def query_rows(spans: Sequence[tuple[int, int, str | None]], num_tokens: int) -> list[int]:
+    """Positions of the query: unkeyed tokens after the last keyed segment, else the last."""
+    last_keyed_end = max((e for _, e, key in spans if key is not None), default=0)
+    rows = list(range(last_keyed_end, num_tokens))
+    return rows or [num_tokens - 1]
+
+
+def attention_scores(probs: torch.Tensor, rows: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Per-token attention received from the ``query`` positions: ``probs`` is ``[heads,
+    len(rows), num_tokens]`` for the computed ``rows``; returns ``[num_tokens]``."""
+    picked = torch.isin(rows, query)
+    return probs[:, picked].float().sum(dim=(0, 1))
+
+
+def received_attention(probs: torch.Tensor) -> torch.Tensor:
+    """``[n]`` attention each key receives, summed over heads and queries, from ``probs``
+    ``[heads, n, n]`` (a passage attending to itself, causally)."""
+    return probs.float().sum(dim=(0, 1))
+
+
+def kv_deviation(fresh: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """``[num_tokens]`` L2 distance between fresh and stored ``[2, num_tokens, heads, dim]``."""
+    diff = (fresh.float() - stored.float()).pow(2)
+    return diff.sum(dim=(0, 2, 3)).sqrt()
+
+
+def pick_rows(
+    scores: torch.Tensor, spans: Sequence[tuple[int, int, str | None]], ratio: float
+) -> list[int]:
+    """The top ``ceil(ratio * n)`` positions of each keyed segment by ``scores`` (sorted); one
+    device-to-host copy for all segments (each copy waits for the device)."""
+    picked: list[torch.Tensor] = []
+    for start, end, key in spans:
+        if key is None:
+            continue
+        num = num_picked(end - start, ratio)
+        if num <= 0:
+            continue
+        seg = scores[start:end].float()
+        # NOTE: stable descending sort so equal scores keep the earlier token first.
+        picked.append(torch.sort(-seg, stable=True).indices[:num] + start)
+    return sorted(torch.cat(picked).tolist()) if picked else []
