@@ -12,13 +12,13 @@ import torch
 from oracle_cases import pool_bytes
 
 from ragserve.generation import LLMEngine, SamplingParams, Segment
-from ragserve.generation.fusion.forward import rotate_keys
 from ragserve.generation.fusion.prefill import (
     attention_scores,
     kv_deviation,
     pick_rows,
     query_rows,
     received_attention,
+    rotate_keys,
 )
 from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.segments import FusionPlan
@@ -320,7 +320,7 @@ def _dense_fused_logits(runner, token_ids: list[int], plan: FusionPlan, rows: li
     """The oracle of a fused prefill (session 1's path): a dense KV of the whole prompt with
     the stored passages re-rotated, ``rows`` recomputed at every layer by ``forward_rows``;
     the last token's logits and the dense stored KV (untouched by the rows)."""
-    from ragserve.generation.fusion.forward import forward_rows
+    from ragserve.generation.fusion.prefill import forward_rows
 
     model = runner.model
     kv = runner._empty_kv(len(token_ids))
@@ -336,7 +336,7 @@ def _dense_fused_logits(runner, token_ids: list[int], plan: FusionPlan, rows: li
 
 def _dense_qcfuse_scores(runner, kv, ids, plan: FusionPlan) -> torch.Tensor:
     """Session 1's QCFuse scores: the unkeyed rows densely up to the probe layer."""
-    from ragserve.generation.fusion.forward import forward_rows
+    from ragserve.generation.fusion.prefill import forward_rows
 
     keyed = torch.zeros(len(ids), dtype=torch.bool)
     for start, end, key in plan.spans:
