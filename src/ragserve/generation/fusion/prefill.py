@@ -346,14 +346,6 @@ def rotate_keys(keys: torch.Tensor, rotary: RotaryEmbedding, delta: int) -> torc
     return keys * rotary.cos[delta] + rotate_half(keys) * rotary.sin[delta]
 
 
-def _qkv(layer: nn.Module, x: torch.Tensor, positions: torch.Tensor):
-    return layer.self_attn.qkv(positions, layer.input_layernorm(x))
-
-
-def _context(cache: torch.Tensor, group: int) -> torch.Tensor:
-    return cache.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, N, D]
-
-
 def forward_rows(
     model: nn.Module,
     token_ids: torch.Tensor,
@@ -383,12 +375,12 @@ def forward_rows(
     for index in range(stop):
         layer = layers[index]
         attn = layer.self_attn
-        q, k, v = _qkv(layer, x, row_positions)
+        q, k, v = attn.qkv(row_positions, layer.input_layernorm(x))
         kv[0, index, rows] = k.to(kv.dtype)
         kv[1, index, rows] = v.to(kv.dtype)
         group = attn.num_heads // attn.num_kv_heads
-        keys = _context(kv[0, index], group).to(q.dtype)
-        values = _context(kv[1, index], group).to(q.dtype)
+        keys = kv[0, index].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)  # [H, N, D]
+        values = kv[1, index].transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
         qh = q.transpose(0, 1)  # [heads, rows, D]
         if index == probe_layer:
             scores = (qh.float() @ keys.float().transpose(1, 2)) * attn.scale
@@ -438,7 +430,7 @@ def probe_attention(
     for index in range(probe_layer):
         x = layers[index](rows, x, kv_caches[index], metadata, backend)
     attn = layers[probe_layer].self_attn
-    q, k, v = _qkv(layers[probe_layer], x, rows)
+    q, k, v = attn.qkv(rows, layers[probe_layer].input_layernorm(x))
     k_cache, v_cache = kv_caches[probe_layer]
     store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
     num_tokens = metadata.seq_lens_cpu[0]

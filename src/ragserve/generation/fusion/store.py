@@ -80,7 +80,7 @@ class PassageKVStore:
         for key, entry in list(self._entries.items()):
             if device_used <= self.device_bytes:
                 break
-            if entry.on_device and entry is not self._newest():
+            if entry.on_device and entry is not next(reversed(self._entries.values())):
                 device_used -= entry.num_bytes
                 self._to_host(key, entry)
         host_used = self.num_host_bytes
@@ -91,9 +91,6 @@ class PassageKVStore:
                 host_used -= entry.num_bytes
                 del self._entries[key]
                 self.num_evicted += 1
-
-    def _newest(self) -> _Entry:
-        return next(reversed(self._entries.values()))
 
     def _to_host(self, key: str, entry: _Entry) -> None:
         if entry.num_bytes > self.host_bytes:
