@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ragserve.generation.attention import AttentionMetadata, BaseAttentionBackend
+from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend
 from ragserve.generation.config import ModelConfig, ModelLoadError
 
 

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragserve.generation.attention import get_backend
+from ragserve.generation.attention.base import get_backend
 from ragserve.generation.builtin import resolve_model
 from ragserve.generation.config import EngineConfig, ModelConfig, PromptTooLongError
 from ragserve.generation.detokenizer import (

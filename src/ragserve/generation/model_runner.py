@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ragserve.generation.attention import AttentionMetadata, BaseAttentionBackend
+from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend
 from ragserve.generation.config import ModelConfig
 from ragserve.generation.cuda_graph import CUDAGraphRunner
 from ragserve.generation.faults import check_fault
