@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_peaks import peaks, time_cuda  # noqa: E402
-from ragserve.generation.attention import AttentionMetadata, get_backend  # noqa: E402
+from ragserve.generation.attention.base import AttentionMetadata, get_backend  # noqa: E402
 from ragserve.generation.attention.triton_backend import (  # noqa: E402
     KernelConfig,
     TritonBackend,

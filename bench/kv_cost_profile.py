@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from ragserve.generation import LLMEngine, ModelConfig, SamplingParams
-from ragserve.generation.engine_setup import PrefillCostModel
-from ragserve.generation.kv_cache_manager import SwapOp, TieredBlockManager
+from ragserve.generation.kv_cache_manager import PrefillCostModel, SwapOp, TieredBlockManager
 from ragserve.generation.kv_swap import HostKVCache
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragserve.generation.engine_setup import PrefillCostModel
+from ragserve.generation.kv_cache_manager import PrefillCostModel
 from ragserve.generation.kv_swap import HostKVCache
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ragserve.generation.attention import AttentionMetadata
+from ragserve.generation.attention.base import AttentionMetadata
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Fused RMSNorm and rotary kernels match the eager op sequences of ``models/layers.py``.
+"""Fused RMSNorm and rotary kernels match the eager op sequences of ``llama.py``.
 
 CPU: under Triton's interpreter, in the subprocess of ``test_attention_triton``'s small
 interpreter test (one interpreter start for both); GPU: compiled, bf16 and float32.

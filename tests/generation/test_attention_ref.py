@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ragserve.generation.attention import AttentionMetadata, get_backend
+from ragserve.generation.attention.base import AttentionMetadata, get_backend
 
 
 def _dense(q, k, v, group, q_offset):

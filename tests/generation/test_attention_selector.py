@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ragserve.generation.attention import available_backends, base, get_backend, resolve_backend
+from ragserve.generation.attention import base
+from ragserve.generation.attention.base import available_backends, get_backend, resolve_backend
 
 
 def test_registry_names() -> None:

@@ -20,7 +20,7 @@ from attention_cases import (
     run_backend,
 )
 
-from ragserve.generation.attention import get_backend
+from ragserve.generation.attention.base import get_backend
 
 HERE = Path(__file__).parent
 CASES = {"mixed": MIXED, "decode": DECODE, "prefill": PREFILL, "chunked": CHUNKED}

@@ -78,7 +78,7 @@ def test_bad_configs_name_the_file():
 
 
 def test_unsupported_rope_type_is_an_error(tmp_path):
-    from ragserve.generation.models.layers import rope_inv_freq
+    from ragserve.generation.llama import rope_inv_freq
 
     with pytest.raises(ModelLoadError, match="yarn"):
         rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})

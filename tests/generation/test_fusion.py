@@ -12,15 +12,16 @@ import torch
 from oracle_cases import pool_bytes
 
 from ragserve.generation import LLMEngine, SamplingParams, Segment
-from ragserve.generation.fusion import FusionPlan, PassageKVStore
-from ragserve.generation.fusion.forward import rotate_keys
-from ragserve.generation.fusion.selectors import (
+from ragserve.generation.fusion.prefill import (
     attention_scores,
     kv_deviation,
     pick_rows,
     query_rows,
     received_attention,
+    rotate_keys,
 )
+from ragserve.generation.fusion.store import PassageKVStore
+from ragserve.generation.segments import FusionPlan
 
 MAX_TOKENS = 6
 
@@ -219,7 +220,7 @@ def test_sift_scores_are_attention_received_inside_the_passage(tiny_models):
 
 def test_store_tiers_and_token_check():
     one = torch.zeros(2, 1, 4, 1, 2)  # 64 bytes
-    store = PassageKVStore("m", torch.device("cpu"), device_bytes=128, host_bytes=64)
+    store = PassageKVStore(torch.device("cpu"), device_bytes=128, host_bytes=64)
     store.put("a", [1, 2, 3, 4], one)
     store.put("b", [5, 6, 7, 8], one.clone())
     store.put("c", [9, 9, 9, 9], one.clone())  # a -> host
@@ -249,7 +250,7 @@ def test_bad_fusion_inputs(tiny_models):
 
 
 def test_paragraph_segments_key_the_middle_paragraphs():
-    from ragserve.generation.fusion import paragraph_segments
+    from ragserve.generation.segments import paragraph_segments
 
     text = "Use the passages.\n\n[1] Alpha\nriver\n\n[2] Beta\n\nQuestion: why?"
     segs = paragraph_segments(text)
@@ -310,7 +311,7 @@ def test_smollm2_ratio_one_equals_full_prefill():
 
 
 def _ids(engine: LLMEngine, segs: list[Segment]) -> list[int]:
-    from ragserve.generation.fusion import tokenize_segments
+    from ragserve.generation.segments import tokenize_segments
 
     return tokenize_segments(segs, engine._tokenize_segment)[0]
 
@@ -319,7 +320,7 @@ def _dense_fused_logits(runner, token_ids: list[int], plan: FusionPlan, rows: li
     """The oracle of a fused prefill (session 1's path): a dense KV of the whole prompt with
     the stored passages re-rotated, ``rows`` recomputed at every layer by ``forward_rows``;
     the last token's logits and the dense stored KV (untouched by the rows)."""
-    from ragserve.generation.fusion.forward import forward_rows
+    from ragserve.generation.fusion.prefill import forward_rows
 
     model = runner.model
     kv = runner._empty_kv(len(token_ids))
@@ -335,7 +336,7 @@ def _dense_fused_logits(runner, token_ids: list[int], plan: FusionPlan, rows: li
 
 def _dense_qcfuse_scores(runner, kv, ids, plan: FusionPlan) -> torch.Tensor:
     """Session 1's QCFuse scores: the unkeyed rows densely up to the probe layer."""
-    from ragserve.generation.fusion.forward import forward_rows
+    from ragserve.generation.fusion.prefill import forward_rows
 
     keyed = torch.zeros(len(ids), dtype=torch.bool)
     for start, end, key in plan.spans:

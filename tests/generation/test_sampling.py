@@ -18,7 +18,8 @@ def _logits() -> torch.Tensor:
 
 def test_greedy_rows_take_the_argmax():
     logits = _logits()
-    tokens = Sampler(torch.device("cpu"))(logits, ["a", "b", "c"], [SamplingParams()] * 3)
+    sampler = Sampler(torch.device("cpu"))
+    tokens = sampler.sample(logits, ["a", "b", "c"], [SamplingParams()] * 3).tolist()
     assert tokens == logits.argmax(-1).tolist()
 
 
@@ -38,7 +39,7 @@ def test_top_k_and_top_p_restrict_the_support():
     params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5)]
     seen = [set(), set()]
     for _ in range(200):
-        a, b = sampler(logits[:2], ["k", "p"], params)
+        a, b = sampler.sample(logits[:2], ["k", "p"], params).tolist()
         seen[0].add(a)
         seen[1].add(b)
     assert seen[0] == set(top2)
@@ -51,13 +52,13 @@ def test_seeded_generators_are_per_request():
 
     def draw(ids):
         sampler = Sampler(torch.device("cpu"))
-        return [sampler(logits[:1], ids, [params])[0] for _ in range(20)]
+        return [int(sampler.sample(logits[:1], ids, [params])[0]) for _ in range(20)]
 
     assert draw(["x"]) == draw(["y"])  # same seed, same stream, whatever the request id
     sampler = Sampler(torch.device("cpu"))
-    first = [sampler(logits[:1], ["x"], [params])[0] for _ in range(5)]
+    first = [int(sampler.sample(logits[:1], ["x"], [params])[0]) for _ in range(5)]
     sampler.release("x")  # a finished request's generator is dropped; a new one restarts
-    again = [sampler(logits[:1], ["x"], [params])[0] for _ in range(5)]
+    again = [int(sampler.sample(logits[:1], ["x"], [params])[0]) for _ in range(5)]
     assert first == again
 
 

@@ -3,8 +3,7 @@
 Public: ``LLMEngine``, ``SamplingParams``, ``RequestOutput`` (see ``docs/architecture.md``).
 """
 
-from ragserve.generation.config import EngineConfig, ModelConfig
-from ragserve.generation.errors import ModelLoadError, PromptTooLongError
+from ragserve.generation.config import EngineConfig, ModelConfig, ModelLoadError, PromptTooLongError
 from ragserve.generation.llm_engine import LLMEngine
 from ragserve.generation.sampling_params import SamplingParams
 from ragserve.generation.segments import Segment

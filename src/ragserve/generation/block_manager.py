@@ -16,9 +16,9 @@ from itertools import takewhile
 from ragserve.generation.sequence import Sequence
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Seq[int], extra_keys: tuple = ()) -> int:
+def hash_block_tokens(parent_hash: int | None, token_ids: Seq[int]) -> int:
     """Chained hash of one full block (stable within a process)."""
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+    return hash((parent_hash, tuple(token_ids)))
 
 
 def extend_block_hashes(

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from ragserve.generation.errors import ModelLoadError
+from ragserve.generation.config import ModelLoadError
 from ragserve.paths import file_lock, ragserve_home
 
 logger = logging.getLogger(__name__)

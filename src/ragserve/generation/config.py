@@ -1,6 +1,7 @@
 """Engine and model configuration: frozen dataclasses. ``EngineConfig`` is what the user asked
 for (``"auto"`` allowed; the engine resolves it once with ``replace``); ``ModelConfig`` is the
-architecture read from a Hugging Face ``config.json``."""
+architecture read from a Hugging Face ``config.json``. Also the errors the engine raises for bad
+input (never for its own bugs)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ragserve.generation.errors import ModelLoadError
 from ragserve.generation.kv_tree import KV_EVICTION_POLICIES
+
+
+class ModelLoadError(ValueError):
+    """A model folder cannot be loaded (the message names the offending file)."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit the model's context (``max_model_len``)."""
+
 
 # HF architecture name -> (has q/k per-head RMSNorm, default attention bias)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ragserve.generation.attention import AttentionMetadata
+from ragserve.generation.attention.base import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

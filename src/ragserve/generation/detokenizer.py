@@ -17,10 +17,8 @@ def make_decoder(tokenizer: Any, fast: bool = True) -> Callable[[list[int]], str
     if tokenizer is None:
         return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if fast and backend is not None and _plain_wrapper(tokenizer):
-        decode = backend.decode
-        return lambda ids: decode(ids, skip_special_tokens=True)
-    decode = tokenizer.decode
+    direct = fast and backend is not None and _plain_wrapper(tokenizer)
+    decode = backend.decode if direct else tokenizer.decode
     return lambda ids: decode(ids, skip_special_tokens=True)
 
 

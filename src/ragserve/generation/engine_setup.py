@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,42 +16,12 @@ import torch
 from ragserve.generation.block_manager import BlockManager
 from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from ragserve.generation.fusion.store import PassageKVStore
-from ragserve.generation.kv_cache_manager import TieredBlockManager
+from ragserve.generation.kv_cache_manager import PrefillCostModel, TieredBlockManager
 from ragserve.generation.kv_swap import HostKVCache
 from ragserve.generation.model_runner import kv_cache_bytes_per_block
 from ragserve.generation.segments import whitespace_newline_counts
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillCostModel:
-    """A ``CostFn``: ``fixed_s + n * (per_token_s + per_token_context_s * (c + n / 2))`` for
-    ``n`` new tokens after ``c`` cached ones. Measured: ``bench/kv_cost_profile.py``."""
-
-    per_token_s: float
-    per_token_context_s: float
-    fixed_s: float = 0.0
-
-    def __call__(self, num_tokens: int, num_context_tokens: int) -> float:
-        attended = num_context_tokens + num_tokens / 2
-        return self.fixed_s + num_tokens * (self.per_token_s + self.per_token_context_s * attended)
-
-    @classmethod
-    def from_flops(cls, cfg: ModelConfig, seconds_per_flop: float = 1e-12) -> PrefillCostModel:
-        """Costs from the model's shape (2 FLOPs per weight, 4 per attended key) at
-        ``seconds_per_flop`` (the default, 1 TFLOP/s, gives relative costs only)."""
-        weights = cfg.num_hidden_layers * (
-            cfg.hidden_size
-            * cfg.head_dim
-            * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
-            + 3 * cfg.hidden_size * cfg.intermediate_size
-        )
-        attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-        return cls(
-            per_token_s=2.0 * weights * seconds_per_flop,
-            per_token_context_s=attention * seconds_per_flop,
-        )
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from itertools import takewhile
 
 from ragserve.generation.block_manager import BaseBlockManager, check_ref_counts
+from ragserve.generation.config import ModelConfig
 from ragserve.generation.kv_passages import PassageTierMixin
 from ragserve.generation.kv_tree import CachedBlock, CostFn, EvictionHeap, EvictionPolicy, KVNode
 from ragserve.generation.segments import find_segment_ends
@@ -49,9 +50,34 @@ def _best_swap_cut(
     return best_k
 
 
-def _flop_cost(num_tokens: int, num_context_tokens: int) -> float:
-    """Relative prefill cost when no profile is given: linear layers + attention."""
-    return num_tokens * (1.0 + (num_context_tokens + num_tokens / 2) / 4096)
+@dataclass(frozen=True)
+class PrefillCostModel:
+    """A ``CostFn``: ``fixed_s + n * (per_token_s + per_token_context_s * (c + n / 2))`` for
+    ``n`` new tokens after ``c`` cached ones. Measured: ``bench/kv_cost_profile.py``."""
+
+    per_token_s: float
+    per_token_context_s: float
+    fixed_s: float = 0.0
+
+    def __call__(self, num_tokens: int, num_context_tokens: int) -> float:
+        attended = num_context_tokens + num_tokens / 2
+        return self.fixed_s + num_tokens * (self.per_token_s + self.per_token_context_s * attended)
+
+    @classmethod
+    def from_flops(cls, cfg: ModelConfig, seconds_per_flop: float = 1e-12) -> PrefillCostModel:
+        """Costs from the model's shape (2 FLOPs per weight, 4 per attended key) at
+        ``seconds_per_flop`` (the default, 1 TFLOP/s, gives relative costs only)."""
+        weights = cfg.num_hidden_layers * (
+            cfg.hidden_size
+            * cfg.head_dim
+            * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+            + 3 * cfg.hidden_size * cfg.intermediate_size
+        )
+        attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+        return cls(
+            per_token_s=2.0 * weights * seconds_per_flop,
+            per_token_context_s=attention * seconds_per_flop,
+        )
 
 
 class TieredBlockManager(BaseBlockManager, PassageTierMixin):
@@ -75,7 +101,7 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
             raise ValueError("num_host_blocks must be >= 0")
         self.num_host_blocks = num_host_blocks
         self.policy = EvictionPolicy(policy)
-        self.cost_fn = cost_fn or _flop_cost
+        self.cost_fn = cost_fn or PrefillCostModel(1.0, 1 / 4096)  # relative, shape-free
         self.swap_cost_fn = swap_cost_fn
         self.swap_out_filter = swap_out_filter
         self.newline_counts = newline_counts or {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from ragserve.generation.block_manager import extend_block_hashes
-from ragserve.generation.kv_tree import CachedBlock, KVNode, PassageBlocks
+from ragserve.generation.kv_tree import CachedBlock, PassageBlocks
 
 
 class PassageTierMixin:
@@ -92,7 +92,7 @@ class PassageTierMixin:
         for entry in on_host:
             self._swap_in(entry)
             handle.entries.append(entry)
-        node = self._passage_node(seed, len(handle.token_ids))
+        node = self.nodes.get(seed) or self._new_node(seed, None, 0, len(handle.token_ids))
         for i in range(len(cached), len(hashes)):
             block = self._pop_block()
             parent = handle.entries[-1] if handle.entries else None
@@ -107,9 +107,6 @@ class PassageTierMixin:
         else:
             self.num_passage_hits += 1
         return budget - len(on_host) - num_new
-
-    def _passage_node(self, seed: int, num_tokens: int) -> KVNode:
-        return self.nodes.get(seed) or self._new_node(seed, None, 0, num_tokens)
 
     def release_passages(self, request_id: str) -> None:
         """Drop the request's holds (unknown: no-op); a passage still unwritten is forgotten."""

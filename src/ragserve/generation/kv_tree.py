@@ -127,6 +127,3 @@ class EvictionHeap:
                 continue
             return block
         return None
-
-    def __len__(self) -> int:
-        return len(self._heap)

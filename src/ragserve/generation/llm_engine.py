@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragserve.generation.attention import get_backend
+from ragserve.generation.attention.base import get_backend
 from ragserve.generation.builtin import resolve_model
-from ragserve.generation.config import EngineConfig, ModelConfig
+from ragserve.generation.config import EngineConfig, ModelConfig, PromptTooLongError
 from ragserve.generation.detokenizer import (
     IncrementalDetokenizer,
     check_finished,
@@ -33,9 +33,9 @@ from ragserve.generation.engine_setup import (
     resolve_kv_pool,
     resolve_max_model_len,
 )
-from ragserve.generation.errors import PromptTooLongError
 from ragserve.generation.faults import check_fault
-from ragserve.generation.fusion import FusionRunner, PassageKVStore
+from ragserve.generation.fusion.prefill import FusionRunner
+from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import ModelRunner, SampledTokens
 from ragserve.generation.sampling_params import SamplingParams
@@ -93,12 +93,7 @@ class LLMEngine:
         self.model_runner.pack_inputs = config.enable_packed_inputs
         self.model_runner.fusion = FusionRunner(
             model,
-            PassageKVStore(
-                f"{config.model}:{dtype}",
-                device,
-                config.fusion_kv_cache_bytes,
-                config.fusion_host_kv_cache_bytes,
-            ),
+            PassageKVStore(device, config.fusion_kv_cache_bytes, config.fusion_host_kv_cache_bytes),
             selector=config.fusion_selector,
             probe_layer=config.fusion_probe_layer,
             paged=config.fusion_paged_prefill,

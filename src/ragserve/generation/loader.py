@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ragserve.generation.config import ModelConfig
-from ragserve.generation.errors import ModelLoadError
-from ragserve.generation.models.llama import LlamaForCausalLM
+from ragserve.generation.config import ModelConfig, ModelLoadError
+from ragserve.generation.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ragserve.generation.attention import AttentionMetadata, BaseAttentionBackend
+from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend
 from ragserve.generation.config import ModelConfig
 from ragserve.generation.cuda_graph import CUDAGraphRunner
 from ragserve.generation.faults import check_fault
-from ragserve.generation.fusion import FusionRunner
+from ragserve.generation.fusion.prefill import FusionRunner
 from ragserve.generation.sampler import Sampler, to_device
 from ragserve.generation.scheduler import SchedulerOutput
 from ragserve.generation.sequence import Sequence
@@ -70,15 +70,12 @@ class ModelRunner:
     ):
         param = next(model.parameters())
         self.model = model
-        self.config = cfg
         self.backend = backend
         self.device = param.device
-        self.dtype = param.dtype
         self.block_size = block_size
-        self.num_blocks = num_blocks
         shape = (2, cfg.num_hidden_layers, num_blocks, block_size)
         shape += (cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(shape[1])]
         self.sampler = Sampler(self.device, seed)
         self.logits_hook: LogitsHook | None = None  # debug/test tap on last-position logits

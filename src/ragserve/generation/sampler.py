@@ -50,16 +50,11 @@ class Sampler:
             self._gens[request_id] = gen
         return gen
 
-    def __call__(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
-    ) -> list[int]:
-        """``logits``: float32 ``[n, vocab]`` -> n token ids (one host sync)."""
-        return self.sample(logits, request_ids, params).tolist()
-
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> torch.Tensor:
-        """The n token ids as an int64 tensor on the logits' device, without a host sync."""
+        """``logits``: float32 ``[n, vocab]`` -> n token ids, int64 on the logits' device (no
+        host sync)."""
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:

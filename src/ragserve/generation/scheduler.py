@@ -13,6 +13,8 @@ from ragserve.generation.block_manager import BaseBlockManager
 from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.sequence import Sequence, SequenceStatus
 
+LOOKAHEAD = 64  # waiting requests cache-aware admission compares
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:
@@ -51,14 +53,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         *,
         fairness_window: int | None = None,
-        lookahead: int = 64,
         overlap_swap_in: bool = False,
         max_model_len: int | None = None,
     ):
         self.block_manager = block_manager
         self.max_model_len = max_model_len  # a pending token at this length ends its request
         self.fairness_window = fairness_window  # None: first come, first served
-        self.lookahead = lookahead
         self.overlap_swap_in = overlap_swap_in
         self.num_deferred_swap_ins = 0  # admissions that loaded KV during another step
         self._num_passed: dict[str, int] = {}
@@ -156,7 +156,7 @@ class Scheduler:
         if self.fairness_window is None or len(self.waiting) == 1:
             return 0, self._computed_blocks(self.waiting[0])
         best, best_share = 0, -1.0
-        for i in range(min(len(self.waiting), self.lookahead)):
+        for i in range(min(len(self.waiting), LOOKAHEAD)):
             seq = self.waiting[i]
             if self._num_passed.get(seq.request_id, 0) >= self.fairness_window:
                 best = i

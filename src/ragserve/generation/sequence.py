@@ -86,16 +86,8 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -105,9 +97,9 @@ class Sequence:
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,  # shared: never mutated by the engine
-            token_ids=self.output_token_ids,
+            token_ids=self.token_ids[self.num_prompt_tokens :],
             text=self.text,
-            finished=self.is_finished,
+            finished=self.status is SequenceStatus.FINISHED,
             finish_reason=self.finish_reason,
             metrics=RequestMetrics(
                 m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finish_time

@@ -56,7 +56,7 @@ class GenerationRunner:
         tokenizer_prefetch: bool = False,
     ) -> None:
         from ragserve.generation import SamplingParams
-        from ragserve.generation.fusion import paragraph_segments
+        from ragserve.generation.segments import paragraph_segments
 
         self.engine = engine
         self._params_cls = SamplingParams

@@ -1,25 +1,4 @@
-"""Paged attention backends behind one contract (see ``base``)."""
+"""Paged attention backends behind one contract (``base``); importing the package registers
+"triton" beside ``base``'s "torch_ref"."""
 
-from ragserve.generation.attention import (  # noqa: F401  (each registers its backend)
-    torch_ref,
-    triton_backend,
-)
-from ragserve.generation.attention.base import (
-    AttentionMetadata,
-    BaseAttentionBackend,
-    available_backends,
-    get_backend,
-    register_backend,
-    resolve_backend,
-    store_kv,
-)
-
-__all__ = [
-    "AttentionMetadata",
-    "BaseAttentionBackend",
-    "available_backends",
-    "get_backend",
-    "register_backend",
-    "resolve_backend",
-    "store_kv",
-]
+from ragserve.generation.attention import triton_backend  # noqa: F401

@@ -1,5 +1,5 @@
-"""The passage KV store used without the knowledge tree: each passage's KV computed alone,
-keyed by (model tag, key), checked against its token ids; LRU within a device budget, then a
+"""The passage KV store used without the knowledge tree (one per engine): each passage's KV
+computed alone, keyed by its key, checked against its token ids; LRU within a device budget, then a
 host tier within a host budget."""
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ class _Entry:
 class PassageKVStore:
     """Owns stored passage KV; ``get`` may move entries between tiers, ``put`` may evict."""
 
-    def __init__(self, model_tag: str, device: torch.device, device_bytes: int, host_bytes: int):
+    def __init__(self, device: torch.device, device_bytes: int, host_bytes: int):
         if device_bytes < 0 or host_bytes < 0:
             raise ValueError("device_bytes and host_bytes must be >= 0")
-        self.model_tag = model_tag
         self.device = device
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
-        self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
         self.num_hits = 0
         self.num_host_hits = 0
         self.num_misses = 0
@@ -41,7 +40,7 @@ class PassageKVStore:
         return len(self._entries)
 
     def __contains__(self, key: str) -> bool:
-        return (self.model_tag, key) in self._entries
+        return key in self._entries
 
     @property
     def num_device_bytes(self) -> int:
@@ -53,11 +52,11 @@ class PassageKVStore:
 
     def get(self, key: str, token_ids: list[int]) -> torch.Tensor | None:
         """The stored KV of passage ``key`` on the device if it holds exactly ``token_ids``."""
-        entry = self._entries.get((self.model_tag, key))
+        entry = self._entries.get(key)
         if entry is None or entry.token_ids != tuple(token_ids):
             self.num_misses += 1
             return None
-        self._entries.move_to_end((self.model_tag, key))
+        self._entries.move_to_end(key)
         self.num_hits += 1
         if not entry.on_device:
             self.num_host_hits += 1
@@ -69,37 +68,33 @@ class PassageKVStore:
     def put(self, key: str, token_ids: list[int], kv: torch.Tensor) -> None:
         """Store (or replace) passage ``key``; an entry larger than the device budget is not
         kept. Evicts least recently used entries to fit."""
-        full_key = (self.model_tag, key)
-        self._entries.pop(full_key, None)
+        self._entries.pop(key, None)
         entry = _Entry(tuple(token_ids), kv, on_device=True)
         if entry.num_bytes > self.device_bytes:
             return
-        self._entries[full_key] = entry
+        self._entries[key] = entry
         self._fit()
 
     def _fit(self) -> None:
         device_used = self.num_device_bytes
-        for full_key, entry in list(self._entries.items()):
+        for key, entry in list(self._entries.items()):
             if device_used <= self.device_bytes:
                 break
-            if entry.on_device and entry is not self._newest():
+            if entry.on_device and entry is not next(reversed(self._entries.values())):
                 device_used -= entry.num_bytes
-                self._to_host(full_key, entry)
+                self._to_host(key, entry)
         host_used = self.num_host_bytes
-        for full_key, entry in list(self._entries.items()):
+        for key, entry in list(self._entries.items()):
             if host_used <= self.host_bytes:
                 break
             if not entry.on_device:
                 host_used -= entry.num_bytes
-                del self._entries[full_key]
+                del self._entries[key]
                 self.num_evicted += 1
 
-    def _newest(self) -> _Entry:
-        return next(reversed(self._entries.values()))
-
-    def _to_host(self, full_key: tuple[str, str], entry: _Entry) -> None:
+    def _to_host(self, key: str, entry: _Entry) -> None:
         if entry.num_bytes > self.host_bytes:
-            del self._entries[full_key]
+            del self._entries[key]
             self.num_evicted += 1
             return
         host = entry.kv.to("cpu")

@@ -1,1 +1,0 @@
-"""Model implementations: one decoder (``llama.py``) serves every supported architecture."""
