@@ -6,7 +6,7 @@ from ragserve.runtime.errors import WorkerError
 from ragserve.runtime.main_guard import MainGuardError
 from ragserve.runtime.server import Server
 from ragserve.scheduler.cosched import CoScheduleConfig
-from ragserve.scheduler.operator_config import OperatorConfig
+from ragserve.scheduler.operators import OperatorConfig
 from ragserve.scheduler.request import ErrorKind, NodeTiming, RequestError, Response
 
 __all__ = [

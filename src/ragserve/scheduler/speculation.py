@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragserve.graph import GenerationNode, RetrievalNode
-from ragserve.scheduler.lowering import generation_task
 from ragserve.scheduler.messages import (
     GenerationTask,
     GenerationUpdate,
@@ -20,6 +19,7 @@ from ragserve.scheduler.messages import (
     Wavefront,
     as_staged,
 )
+from ragserve.scheduler.scheduler import generation_task
 from ragserve.scheduler.transforms import BaseTransform, TaskView
 
 
