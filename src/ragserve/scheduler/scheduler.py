@@ -33,7 +33,7 @@ from ragserve.scheduler.messages import (
 )
 from ragserve.scheduler.operators import CpuPool, MemoryStore, OperatorConfig
 from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState
-from ragserve.scheduler.transforms import BaseTransform, NextStep, TaskView
+from ragserve.scheduler.transforms import BaseTransform, SchedulerView
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Scheduler:
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when aborted
         self._pending_transforms: tuple | None = None  # (chain, future) until it can swap
         self._deferred: list[RequestState] = []  # adds that arrived behind a pending swap
-        self.view = _View(self)
+        self.view = SchedulerView(self)
         for transform in self.transforms:
             transform.bind(self.view)
 
@@ -407,66 +407,6 @@ def _merged(req: RequestState) -> State:
         for doc_id, passage in join.retrieved[i].items():
             req.retrieved.setdefault(doc_id, passage)
     return merged
-
-
-class _View:
-    """The ``SchedulerView`` of one scheduler (scheduler thread only)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._s = scheduler
-
-    def task(self, task_id: str) -> TaskView | None:
-        entry = self._s._by_task.get(task_id)
-        if entry is None:
-            return None
-        req, run = entry
-        return TaskView(
-            task_id,
-            req.request_id,
-            req.graph,
-            run.node_id,
-            run.state,
-            run.partial_text,
-            run.timing.num_tokens,
-        )
-
-    def has_task(self, task_id: str) -> bool:
-        return task_id in self._s._by_task
-
-    def is_active(self, request_id: str) -> bool:
-        return request_id in self._s._active
-
-    def running_task_ids(self, request_id: str) -> tuple[str, ...]:
-        req = self._s._active.get(request_id)
-        if req is None:
-            return ()
-        return tuple(r.task_id for r in req.runs if r.task_id is not None)
-
-    def peek_next(self, task: TaskView, output: Any) -> NextStep | None:
-        state = task.state.write(task.node, output)
-        try:
-            return NextStep(task.graph.next_node(task.node_id, state), state)
-        except Exception:  # NOTE: a user router may raise anything
-            return None
-
-    def submit_generation(self, tasks: list, request_id: str | None = None) -> None:
-        req = None if request_id is None else self._s._active.get(request_id)
-        if req is not None:
-            tasks = [self._s._coalesced(req, t) for t in tasks]
-        self._s._side.generation.extend(tasks)
-
-    def submit_retrieval(self, tasks: list) -> None:
-        self._s._side.retrieval.extend(tasks)
-
-    def abort(self, task_ids: list[str]) -> None:
-        ids = set(task_ids)
-        side = self._s._side
-        queued = {t.task_id for t in side.generation} & ids
-        side.generation = [t for t in side.generation if t.task_id not in ids]
-        side.retrieval = [t for t in side.retrieval if t.task_id not in ids]
-        dispatched = [t for t in task_ids if t not in queued]
-        if dispatched:
-            self._s.executor.abort(dispatched)
 
 
 class Lowered(NamedTuple):
