@@ -38,8 +38,8 @@ class PromptExecutor(StagedExecutor):
 def _run(transforms: list, workflow: str, n: int = 8, **scheduler_kwargs):
     index = make_index("ivf_flat", "ip")
     runner = StagedRetrievalRunner(index, HashEmbedder(), default_nprobe=16)
-    runner.cost.seconds_per_vector = 1.0
-    runner.cost.observe_scan = lambda *args: None
+    runner.search.cost.seconds_per_vector = 1.0
+    runner.search.cost.observe_scan = lambda *args: None
     ex = PromptExecutor(runner)
     graph = get_workflow(workflow, topk=3, **({"rounds": 2} if workflow == "irg" else {}))
     scheduler = Scheduler(ex, transforms, **scheduler_kwargs)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ragserve.graph import Passage
 from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
-from ragserve.retrieval.staged import StageCostModel, StagedSearch, StageParams, StageProgress
+from ragserve.retrieval.staged import StagedSearch, StageParams, StageProgress
 from ragserve.retrieval.types import ScoredDocument
 from ragserve.runtime.errors import failed_result, isolated
 from ragserve.scheduler import RetrievalResult, RetrievalTask
@@ -56,7 +56,6 @@ class StagedRetrievalRunner:
         index: Any,
         embedder: Any,
         default_nprobe: int | None = None,
-        cost: StageCostModel | None = None,
     ) -> None:
         from ragserve.retrieval.limits import DocumentLimits
 
@@ -65,7 +64,7 @@ class StagedRetrievalRunner:
         self.default_nprobe = default_nprobe
         self.reranker: Any = None
         self.document_limits = DocumentLimits()
-        self.search = StagedSearch(index, cost)
+        self.search = StagedSearch(index)
         self._tasks: dict[str, StagedRetrievalTask] = {}
         self._collapsed: set[str] = set()  # active task ids whose passages are collapsed
 
@@ -93,14 +92,6 @@ class StagedRetrievalRunner:
         runner = cls(index, embedder, default_nprobe)
         runner.reranker = load_reranker(reranker, embedder)
         return runner
-
-    @property
-    def cost(self) -> StageCostModel:
-        return self.search.cost
-
-    @property
-    def num_steps(self) -> int:
-        return self.search.num_steps
 
     def has_pending(self) -> bool:
         return self.search.has_pending()
