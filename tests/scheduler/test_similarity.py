@@ -14,13 +14,13 @@ from test_split import (
 from ragserve.retrieval.staged import reorder_probes
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RetrievalTask, Scheduler, Wavefront
-from ragserve.scheduler.messages import StagedRetrievalTask
-from ragserve.scheduler.similarity import (
+from ragserve.scheduler.cosched import (
     CacheEntry,
     LocalCache,
     SimilarityTransform,
+    SplitTransform,
 )
-from ragserve.scheduler.split import SplitTransform
+from ragserve.scheduler.messages import StagedRetrievalTask
 from ragserve.workflows import get_workflow
 
 

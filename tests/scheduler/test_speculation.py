@@ -12,10 +12,14 @@ from test_split import HashEmbedder, StagedExecutor, make_index, run_requests
 from ragserve.graph import State
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RequestState, Scheduler
-from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
-from ragserve.scheduler.similarity import SimilarityTransform, SpeculativeRetrievalTransform
-from ragserve.scheduler.speculation import SpeculationTransform
-from ragserve.scheduler.split import SplitTransform
+from ragserve.scheduler.cosched import (
+    CoScheduleConfig,
+    SimilarityTransform,
+    SpeculationTransform,
+    SpeculativeRetrievalTransform,
+    SplitTransform,
+    make_transforms,
+)
 from ragserve.workflows import get_workflow
 
 

@@ -22,12 +22,12 @@ from ragserve.scheduler import (
     Scheduler,
     Wavefront,
 )
+from ragserve.scheduler.cosched import SplitTransform
 from ragserve.scheduler.messages import (
     RetrievalPartial,
     StagedRetrievalResult,
     StagedRetrievalTask,
 )
-from ragserve.scheduler.split import SplitTransform
 from ragserve.workflows import get_workflow
 
 DIM = 16

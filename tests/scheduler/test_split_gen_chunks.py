@@ -16,9 +16,8 @@ from ragserve.scheduler import (
     Scheduler,
     Wavefront,
 )
-from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
+from ragserve.scheduler.cosched import CoScheduleConfig, SplitTransform, make_transforms
 from ragserve.scheduler.messages import RetrievalPartial, StagedRetrievalResult
-from ragserve.scheduler.split import SplitTransform
 from ragserve.workflows import get_workflow
 
 
