@@ -38,8 +38,6 @@ from ragserve.scheduler.messages import (
 from ragserve.scheduler.scheduler import generation_task
 from ragserve.scheduler.transforms import BaseTransform, TaskView
 
-SPEC_PREFIX = "specret/"  # task ids of speculative retrievals
-
 
 @dataclass(frozen=True)
 class CoScheduleConfig:
@@ -257,6 +255,9 @@ class SimilarityTransform(BaseTransform):
             if rid is not None and isinstance(u, StagedRetrievalResult) and u.error is None:
                 self.cache.put(rid, CacheEntry(u.hit_clusters, u.probed_clusters))
         return updates
+
+
+SPEC_PREFIX = "specret/"  # task ids of speculative retrievals
 
 
 class SpeculativeRetrievalTransform(BaseTransform):
