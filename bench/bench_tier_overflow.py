@@ -107,7 +107,7 @@ def eq2_budget(
     import json
 
     from eq2_model import modelled_retrieval_profile
-    from ragserve.scheduler.memory_split import ThroughputProfile, solve_memory_split
+    from ragserve.runtime.memory_plan import ThroughputProfile, solve_memory_split
 
     data = json.loads(Path(path).read_text())
     for key in ("generation_profile", "gpu_memory_bytes", "kv_block_bytes"):

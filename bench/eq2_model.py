@@ -1,5 +1,5 @@
 """HedraRAG Eq. 2's ``T_R`` modelled, not measured: retrieval throughput by GPU-tier bytes from
-VectorLiteRAG's latency model, so Eq. 2 (``ragserve.scheduler.memory_split``) needs no retrieval
+VectorLiteRAG's latency model, so Eq. 2 (``ragserve.runtime.memory_plan``) needs no retrieval
 run per tier size (``bench_tier_overflow.py``'s budget phase)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from ragserve.retrieval.latency_model import SearchLatencyModel
 from ragserve.retrieval.partition import BetaHitRate, fill_budget
-from ragserve.scheduler.memory_split import ThroughputProfile
+from ragserve.runtime.memory_plan import ThroughputProfile
 
 
 def modelled_retrieval_profile(

@@ -404,7 +404,7 @@ def _time_scheduler(server) -> dict:
 
 
 def _spec(transforms):
-    from ragserve.scheduler.speculation import SpeculationTransform
+    from ragserve.scheduler.cosched import SpeculationTransform
 
     inner = [getattr(t, "inner", t) for t in transforms]
     return next((t for t in inner if isinstance(t, SpeculationTransform)), None)

@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                 "mode": mode,
                 "mean_s": float(np.nanmean(lat)),
                 "p90_s": float(np.nanpercentile(lat, 90)),
-                "budget_s": runner.cost.budget(),
-                "beta_s": runner.cost.beta,
-                "t_retrieval_s": runner.cost.mean_stage_seconds,
-                "steps": runner.num_steps,
+                "budget_s": runner.search.cost.budget(),
+                "beta_s": runner.search.cost.beta,
+                "t_retrieval_s": runner.search.cost.mean_stage_seconds,
+                "steps": runner.search.num_steps,
             }
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ragserve.scheduler.speculation import SpeculationTransform
+    from ragserve.scheduler.cosched import SpeculationTransform
 
     args = build_parser().parse_args(argv)
     replicas, shards = sb.parse_config(args.config)

@@ -16,7 +16,7 @@ from ragserve.graph import END, START, RAGraph, State
 from ragserve.runtime.executors import LocalExecutor
 from ragserve.runtime.runners import GenerationRunner
 from ragserve.scheduler import GenerationParams, GenerationTask, RequestState, Scheduler
-from ragserve.scheduler.split import SplitTransform
+from ragserve.scheduler.cosched import SplitTransform
 
 PROMPTS = ["Tell me about Peru.", "What is RAG?", "Kenya", "The capital of Chile is"]
 

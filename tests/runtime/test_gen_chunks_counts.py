@@ -17,7 +17,7 @@ import pytest
 from ragserve.graph import END, START, RAGraph, State
 from ragserve.runtime.wire import EngineStatsMsg, GenerationResultsMsg
 from ragserve.scheduler import GenerationParams, RequestState, Scheduler
-from ragserve.scheduler.split import SplitTransform
+from ragserve.scheduler.cosched import SplitTransform
 
 logger = logging.getLogger(__name__)
 

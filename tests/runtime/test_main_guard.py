@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from ragserve.runtime.main_guard import _guard_ranges, _is_guarded
+from ragserve.runtime.worker_start import _guard_ranges, _is_guarded
 
 SCRIPT = """
 from ragserve.runtime import Server
@@ -30,7 +30,7 @@ def test_unguarded_script_gets_the_explanatory_error(tmp_path, tiny_model, small
     )
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("ragserve.runtime.main_guard.MainGuardError:")
+    assert last.startswith("ragserve.runtime.worker_start.MainGuardError:")
     assert 'if __name__ == "__main__":' in last and f"{script}:4" in last
 
 
@@ -63,7 +63,7 @@ def test_guard_ranges_cover_only_the_guarded_block(tmp_path) -> None:
 
 def test_a_call_from_a_function_passes_the_check() -> None:
     # not module-level code of __main__ (pytest's own __main__ is not on this stack)
-    from ragserve.runtime.main_guard import check_main_guard
+    from ragserve.runtime.worker_start import check_main_guard
 
     check_main_guard()
 
@@ -72,7 +72,7 @@ def test_a_call_from_a_function_passes_the_check() -> None:
 def test_a_main_without_a_file_is_not_refused() -> None:
     # `python -c`, a REPL or a notebook: spawned workers do not re-import such a __main__
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    code = "from ragserve.runtime.main_guard import check_main_guard; check_main_guard()"
+    code = "from ragserve.runtime.worker_start import check_main_guard; check_main_guard()"
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ragserve.runtime.replica_router import ReplicaRouter
+from ragserve.runtime.ray_backend import ReplicaRouter
 
 
 def test_same_document_prefix_goes_to_the_same_replica() -> None:

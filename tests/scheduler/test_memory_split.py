@@ -7,7 +7,7 @@ import pytest
 
 from ragserve.retrieval.latency_model import PiecewiseLinear, SearchLatencyModel
 from ragserve.retrieval.partition import BetaHitRate
-from ragserve.scheduler.memory_split import MemorySplit, ThroughputProfile, solve_memory_split
+from ragserve.runtime.memory_plan import MemorySplit, ThroughputProfile, solve_memory_split
 
 GB = 1 << 30
 BLOCK = 2 << 20  # 2 MiB per KV block

@@ -14,13 +14,13 @@ from test_split import (
 from ragserve.retrieval.staged import reorder_probes
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RetrievalTask, Scheduler, Wavefront
-from ragserve.scheduler.messages import StagedRetrievalTask
-from ragserve.scheduler.similarity import (
+from ragserve.scheduler.cosched import (
     CacheEntry,
     LocalCache,
     SimilarityTransform,
+    SplitTransform,
 )
-from ragserve.scheduler.split import SplitTransform
+from ragserve.scheduler.messages import StagedRetrievalTask
 from ragserve.workflows import get_workflow
 
 
@@ -44,8 +44,8 @@ def test_reordered_search_equals_faiss_and_hits_come_first() -> None:
     index = make_index("ivf_flat", "ip")
     emb = HashEmbedder()
     runner = StagedRetrievalRunner(index, emb, default_nprobe=16)
-    runner.cost.seconds_per_vector = 1.0
-    runner.cost.observe_scan = lambda *args: None
+    runner.search.cost.seconds_per_vector = 1.0
+    runner.search.cost.observe_scan = lambda *args: None
     ex = StagedExecutor(runner)
     sim = SimilarityTransform(cache_topk=20)
     sched = Scheduler(ex, [SplitTransform(budget_s=120.0), sim])

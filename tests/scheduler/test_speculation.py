@@ -12,10 +12,14 @@ from test_split import HashEmbedder, StagedExecutor, make_index, run_requests
 from ragserve.graph import State
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner
 from ragserve.scheduler import RequestState, Scheduler
-from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
-from ragserve.scheduler.similarity import SimilarityTransform, SpeculativeRetrievalTransform
-from ragserve.scheduler.speculation import SpeculationTransform
-from ragserve.scheduler.split import SplitTransform
+from ragserve.scheduler.cosched import (
+    CoScheduleConfig,
+    SimilarityTransform,
+    SpeculationTransform,
+    SpeculativeRetrievalTransform,
+    SplitTransform,
+    make_transforms,
+)
 from ragserve.workflows import get_workflow
 
 
@@ -38,8 +42,8 @@ class PromptExecutor(StagedExecutor):
 def _run(transforms: list, workflow: str, n: int = 8, **scheduler_kwargs):
     index = make_index("ivf_flat", "ip")
     runner = StagedRetrievalRunner(index, HashEmbedder(), default_nprobe=16)
-    runner.cost.seconds_per_vector = 1.0
-    runner.cost.observe_scan = lambda *args: None
+    runner.search.cost.seconds_per_vector = 1.0
+    runner.search.cost.observe_scan = lambda *args: None
     ex = PromptExecutor(runner)
     graph = get_workflow(workflow, topk=3, **({"rounds": 2} if workflow == "irg" else {}))
     scheduler = Scheduler(ex, transforms, **scheduler_kwargs)

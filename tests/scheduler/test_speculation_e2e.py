@@ -8,10 +8,12 @@ import asyncio
 import pytest
 
 from ragserve.runtime import Server, ServerConfig
-from ragserve.scheduler.cosched import CoScheduleConfig
-from ragserve.scheduler.similarity import SimilarityTransform
-from ragserve.scheduler.speculation import SpeculationTransform
-from ragserve.scheduler.split import SplitTransform
+from ragserve.scheduler.cosched import (
+    CoScheduleConfig,
+    SimilarityTransform,
+    SpeculationTransform,
+    SplitTransform,
+)
 from ragserve.workflows import get_workflow
 
 CAPITALS = [

@@ -24,8 +24,8 @@ from ragserve.scheduler import (
     RetrievalTask,
     Scheduler,
 )
+from ragserve.scheduler.cosched import SpeculationTransform
 from ragserve.scheduler.messages import RetrievalPartial
-from ragserve.scheduler.speculation import SpeculationTransform
 from ragserve.workflows import get_workflow
 
 NUM_CHUNKS = 3

@@ -22,12 +22,12 @@ from ragserve.scheduler import (
     Scheduler,
     Wavefront,
 )
+from ragserve.scheduler.cosched import SplitTransform
 from ragserve.scheduler.messages import (
     RetrievalPartial,
     StagedRetrievalResult,
     StagedRetrievalTask,
 )
-from ragserve.scheduler.split import SplitTransform
 from ragserve.workflows import get_workflow
 
 DIM = 16
@@ -140,8 +140,8 @@ def test_staged_search_equals_faiss(kind: str, metric: str) -> None:
     q = rng.normal(size=(12, DIM)).astype(np.float32)
     emb = TableEmbedder({f"q{i}": q[i] for i in range(len(q))})
     runner = StagedRetrievalRunner(index, emb)
-    runner.cost.seconds_per_vector = 1.0  # cost = list size: the budget counts vectors
-    runner.cost.observe_scan = lambda *args: None  # keep it so (no timing in the test)
+    runner.search.cost.seconds_per_vector = 1.0  # cost = list size: the budget counts vectors
+    runner.search.cost.observe_scan = lambda *args: None  # keep it so (no timing in the test)
     nprobe, topk = 12, 5
     arrivals: dict[int, list] = {}
     for i in range(len(q)):
@@ -172,7 +172,7 @@ def test_staged_search_equals_faiss(kind: str, metric: str) -> None:
         assert len(r.probed_clusters) == nprobe
         if i % 2:
             assert r.hit_clusters and set(r.hit_clusters) <= set(r.probed_clusters)
-    assert runner.num_steps > 3
+    assert runner.search.num_steps > 3
 
 
 def test_unsplit_staged_task_is_one_substage_and_plain_tasks_still_work() -> None:
@@ -267,8 +267,8 @@ def run_requests(scheduler: Scheduler, requests: list[tuple[str, object, str]]) 
 def test_split_through_the_scheduler_equals_faiss() -> None:
     index = make_index("ivf_flat", "ip")
     runner = StagedRetrievalRunner(index, HashEmbedder(), default_nprobe=16)
-    runner.cost.seconds_per_vector = 1.0
-    runner.cost.observe_scan = lambda *args: None
+    runner.search.cost.seconds_per_vector = 1.0
+    runner.search.cost.observe_scan = lambda *args: None
     ex = StagedExecutor(runner)
     sched = Scheduler(ex, [SplitTransform(budget_s=150.0)])
     graph = get_workflow("irg", rounds=2, topk=3)

@@ -16,9 +16,8 @@ from ragserve.scheduler import (
     Scheduler,
     Wavefront,
 )
-from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
+from ragserve.scheduler.cosched import CoScheduleConfig, SplitTransform, make_transforms
 from ragserve.scheduler.messages import RetrievalPartial, StagedRetrievalResult
-from ragserve.scheduler.split import SplitTransform
 from ragserve.workflows import get_workflow
 
 
@@ -109,9 +108,9 @@ def test_learned_chunk_reaches_generation_tasks_through_the_chain() -> None:
 
     def run(transforms):
         runner = StagedRetrievalRunner(make_index("ivf_flat", "ip"), HashEmbedder(), 16)
-        runner.cost.seconds_per_vector = 1.0
-        runner.cost.observe_scan = lambda *args: None
-        runner.cost.budget = lambda override=None: 60.0 if override is None else override
+        runner.search.cost.seconds_per_vector = 1.0
+        runner.search.cost.observe_scan = lambda *args: None
+        runner.search.cost.budget = lambda override=None: 60.0 if override is None else override
         ex = StagedExecutor(runner)
         graph = get_workflow("oneshot", topk=3)
         done = run_requests(

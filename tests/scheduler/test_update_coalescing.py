@@ -12,7 +12,7 @@ from sched_fakes import FakeExecutor
 
 from ragserve.graph import State
 from ragserve.scheduler import BaseTransform, RequestState, Scheduler, Wavefront
-from ragserve.scheduler.split import SplitTransform
+from ragserve.scheduler.cosched import SplitTransform
 from ragserve.workflows import get_workflow
 
 WORKFLOWS = ("oneshot", "hyde", "multistep", "irg", "recomp")

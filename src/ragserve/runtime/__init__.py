@@ -3,10 +3,10 @@ and the shared-memory data plane."""
 
 from ragserve.runtime.config import GpuTierConfig, ServerConfig
 from ragserve.runtime.errors import WorkerError
-from ragserve.runtime.main_guard import MainGuardError
 from ragserve.runtime.server import Server
+from ragserve.runtime.worker_start import MainGuardError
 from ragserve.scheduler.cosched import CoScheduleConfig
-from ragserve.scheduler.operator_config import OperatorConfig
+from ragserve.scheduler.operators import OperatorConfig
 from ragserve.scheduler.request import ErrorKind, NodeTiming, RequestError, Response
 
 __all__ = [

@@ -9,7 +9,7 @@ from ragserve.retrieval.limits import DocumentLimits
 from ragserve.runtime.wire import SMALL_MESSAGE_BYTES
 from ragserve.runtime.worker_start import START_METHODS
 from ragserve.scheduler.cosched import CoScheduleConfig
-from ragserve.scheduler.operator_config import OperatorConfig
+from ragserve.scheduler.operators import OperatorConfig
 
 if TYPE_CHECKING:
     from ragserve.retrieval.index_tier import TierSpec

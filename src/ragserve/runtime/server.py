@@ -22,8 +22,7 @@ from ragserve.graph.template import NAME
 from ragserve.retrieval.limits import check_document
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError
-from ragserve.runtime.main_guard import check_main_guard
-from ragserve.runtime.worker_start import start_fork_server
+from ragserve.runtime.worker_start import check_main_guard, start_fork_server
 from ragserve.scheduler import GenerationParams, RequestState, Response, Scheduler
 from ragserve.scheduler.cosched import CoScheduleConfig, make_transforms
 from ragserve.scheduler.request import RequestError

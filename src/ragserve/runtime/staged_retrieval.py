@@ -1,12 +1,15 @@
 """``StagedRetrievalRunner``: the retrieval work, shared by every executor. ``run`` searches a
 batch at once, runs its operator tasks and advances ``StagedRetrievalTask``s one sub-stage per
 call (``retrieval/staged.py``) while ``has_pending()``; a collapsed staged task is searched
-``FETCH_FACTOR`` times deeper and collapsed at the end (as ``search_text`` would collapse it)."""
+``FETCH_FACTOR`` times deeper and collapsed at the end (as ``search_text`` would collapse it).
+Operator tasks: embed (one embedder call per batch), rerank (ties keep the input order), upsert
+(strings get ``uuid5`` ids from the task id, so a retry writes the same ids)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -15,21 +18,26 @@ import numpy as np
 
 from ragserve.graph import Passage
 from ragserve.retrieval.collapse import FETCH_FACTOR, collapse_hits
-from ragserve.retrieval.staged import StageCostModel, StagedSearch, StageParams, StageProgress
+from ragserve.retrieval.staged import StagedSearch, StageParams, StageProgress
 from ragserve.retrieval.types import ScoredDocument
 from ragserve.runtime.errors import failed_result, isolated
-from ragserve.runtime.operator_runner import run_operators, split_operators
 from ragserve.scheduler import RetrievalResult, RetrievalTask
 from ragserve.scheduler.messages import (
+    EmbedTask,
+    OperatorResult,
+    RerankTask,
     RetrievalPartial,
     StagedRetrievalResult,
     StagedRetrievalTask,
+    UpsertTask,
 )
 
 if TYPE_CHECKING:
     from ragserve.retrieval.index_tier import TierSpec
 
 logger = logging.getLogger(__name__)
+
+OPERATOR_TASKS = (EmbedTask, RerankTask, UpsertTask)
 
 
 class Embeddings(NamedTuple):
@@ -48,7 +56,6 @@ class StagedRetrievalRunner:
         index: Any,
         embedder: Any,
         default_nprobe: int | None = None,
-        cost: StageCostModel | None = None,
     ) -> None:
         from ragserve.retrieval.limits import DocumentLimits
 
@@ -57,7 +64,7 @@ class StagedRetrievalRunner:
         self.default_nprobe = default_nprobe
         self.reranker: Any = None
         self.document_limits = DocumentLimits()
-        self.search = StagedSearch(index, cost)
+        self.search = StagedSearch(index)
         self._tasks: dict[str, StagedRetrievalTask] = {}
         self._collapsed: set[str] = set()  # active task ids whose passages are collapsed
 
@@ -86,14 +93,6 @@ class StagedRetrievalRunner:
         runner.reranker = load_reranker(reranker, embedder)
         return runner
 
-    @property
-    def cost(self) -> StageCostModel:
-        return self.search.cost
-
-    @property
-    def num_steps(self) -> int:
-        return self.search.num_steps
-
     def has_pending(self) -> bool:
         return self.search.has_pending()
 
@@ -101,7 +100,8 @@ class StagedRetrievalRunner:
         """The operator and one-shot tasks' results, in order (``search_text`` for a filter, a
         non-dense mode or collapsing, else one Faiss search per ``nprobe``); then the staged
         tasks that failed to start, and the updates of one sub-stage of the active ones."""
-        ops, tasks = split_operators(tasks)
+        ops = [t for t in tasks if isinstance(t, OPERATOR_TASKS)]
+        tasks = [t for t in tasks if not isinstance(t, OPERATOR_TASKS)]
         staged = [
             t for t in tasks if isinstance(t, StagedRetrievalTask) and not self.needs_text_search(t)
         ]
@@ -110,7 +110,7 @@ class StagedRetrievalRunner:
         vector = [t for t in plain if t not in by_text]
         done = {
             r.task_id: r
-            for r in (*run_operators(self, ops), *self._by_text(by_text), *self._search(vector))
+            for r in (*self._operators(ops), *self._by_text(by_text), *self._search(vector))
         }
         updates: list = [done[t.task_id] for t in (*ops, *plain)]
         if staged:
@@ -118,6 +118,65 @@ class StagedRetrievalRunner:
         if self.search.has_pending():
             updates.extend(self._step())
         return updates
+
+    def _operators(self, tasks: list) -> list[OperatorResult]:
+        """One ``OperatorResult`` per operator task; a bad task fails alone."""
+        embeds = [t for t in tasks if isinstance(t, EmbedTask)]
+        results = isolated(self._embed_tasks, embeds, failed_result) if embeds else []
+        for t in tasks:
+            if not isinstance(t, EmbedTask):
+                try:
+                    value = self._rerank(t) if isinstance(t, RerankTask) else self._upsert(t)
+                    results.append(OperatorResult(t.task_id, value))
+                except Exception as exc:
+                    results.append(failed_result(t, exc))
+        return results
+
+    def _embed_tasks(self, tasks: list[EmbedTask]) -> list[OperatorResult]:
+        texts = [text for t in tasks for text in t.texts]
+        vectors = np.asarray(self.embedder.encode(texts, is_query=False), dtype=np.float32)
+        out, pos = [], 0
+        for t in tasks:
+            rows = vectors[pos : pos + len(t.texts)]
+            pos += len(t.texts)
+            out.append(OperatorResult(t.task_id, rows[0].copy() if t.single else rows.copy()))
+        return out
+
+    def _rerank(self, task: RerankTask) -> list[Passage]:
+        if self.reranker is None:
+            from ragserve.retrieval.rerank import EmbeddingReranker
+
+            self.reranker = EmbeddingReranker(self.embedder)
+        texts = [f"{p.title}: {p.text}" if p.title else p.text for p in task.passages]
+        scores = np.asarray(self.reranker.score(task.query, texts), dtype=np.float32)
+        if scores.shape != (len(texts),):
+            raise RuntimeError(f"reranker returned {scores.shape} scores for {len(texts)} passages")
+        order = np.argsort(-scores, kind="stable")[: task.topk]
+        passages = task.passages
+        return [
+            Passage(passages[i].doc_id, passages[i].text, passages[i].title, float(scores[i]))
+            for i in order
+        ]
+
+    def _upsert(self, task: UpsertTask) -> list[str]:
+        from ragserve.retrieval import Document
+        from ragserve.retrieval.limits import check_document
+
+        docs = []
+        for i, item in enumerate(task.documents):
+            if isinstance(item, str):
+                item = Document(uuid.uuid5(uuid.NAMESPACE_URL, f"{task.task_id}/{i}").hex, item)
+            elif not isinstance(item, Document):
+                item = Document(
+                    item.id,
+                    item.text,
+                    getattr(item, "title", None),
+                    dict(getattr(item, "metadata", None) or {}),
+                )
+            check_document(item, self.document_limits, f"documents[{i}].")
+            docs.append(item)
+        self.index.add_documents(docs)
+        return [d.id for d in docs]
 
     def _search(self, tasks: list[RetrievalTask]) -> list[RetrievalResult]:
         if not tasks:

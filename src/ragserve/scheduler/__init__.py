@@ -15,8 +15,7 @@ from ragserve.scheduler.messages import (
     UpsertTask,
     Wavefront,
 )
-from ragserve.scheduler.operator_config import OperatorConfig
-from ragserve.scheduler.operators import MemoryStore
+from ragserve.scheduler.operators import MemoryStore, OperatorConfig
 from ragserve.scheduler.request import NodeTiming, RequestState, Response
 from ragserve.scheduler.scheduler import Scheduler
 from ragserve.scheduler.transforms import BaseTransform, NextStep, SchedulerView, TaskView

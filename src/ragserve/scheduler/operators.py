@@ -1,20 +1,54 @@
 """The operators the scheduler runs itself: function nodes in the ``CpuPool``, memory nodes on
-the ``MemoryStore`` (their bounds are checked by ``OperatorConfig``)."""
+the ``MemoryStore``; ``OperatorConfig``: their bounds, and the retrieval worker's reranker."""
 
 from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
+from ragserve.graph.checks import check_int
 from ragserve.scheduler.messages import OperatorResult
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_RERANKER = "embedding"
+# ``module:factory``: a dotted module path and a (dotted) attribute inside it
+RERANKER_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """The ``CpuPool``'s (``function_*``) and ``MemoryStore``'s (``memory_*``) bounds, and
+    ``reranker``: ``"embedding"`` (the embedder's cosine) or ``"module:factory"``, called as
+    ``factory(embedder)`` at worker start (only its form is checked here)."""
+
+    function_workers: int = 4
+    function_timeout_s: float = 30.0
+    function_max_stuck: int = 16
+    memory_max_entries: int = 64
+    memory_max_bytes: int = 65536
+    memory_max_sessions: int = 10000
+    reranker: str = DEFAULT_RERANKER
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reranker, str) or not (
+            self.reranker == DEFAULT_RERANKER or RERANKER_SPEC.fullmatch(self.reranker)
+        ):
+            raise ValueError(
+                f"reranker must be {DEFAULT_RERANKER!r} or 'module:factory', got {self.reranker!r}"
+            )
+        if not 0 < self.function_timeout_s < float("inf"):
+            raise ValueError(f"function_timeout_s must be > 0, got {self.function_timeout_s}")
+        for f in fields(self):
+            if f.type == "int":  # counts and bounds, each >= 1
+                check_int(f.name, getattr(self, f.name))
 
 
 @dataclass

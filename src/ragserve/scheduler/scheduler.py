@@ -1,4 +1,5 @@
-"""The scheduler: every cycle, the wavefront of ready nodes across all active requests.
+"""The scheduler: every cycle, the wavefront of ready nodes across all active requests, each
+run lowered to its resource's task (``lower``).
 
 One thread calls ``step()``; other threads only call ``add_request`` / ``abort`` /
 ``set_transforms``, which go through a thread-safe inbox."""
@@ -13,22 +14,26 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
-from ragserve.graph import END, START, GraphError, State
-from ragserve.scheduler.lowering import lower
+from ragserve.graph import END, START, GraphError, Passage, State
 from ragserve.scheduler.messages import (
     BaseExecutor,
+    EmbedTask,
+    GenerationParams,
     GenerationTask,
     GenerationUpdate,
+    OperatorResult,
+    RerankTask,
     RetrievalResult,
+    RetrievalTask,
     Update,
+    UpsertTask,
     Wavefront,
 )
-from ragserve.scheduler.operator_config import OperatorConfig
-from ragserve.scheduler.operators import CpuPool, MemoryStore
+from ragserve.scheduler.operators import CpuPool, MemoryStore, OperatorConfig
 from ragserve.scheduler.request import NodeRun, NodeTiming, OpenJoin, RequestState
-from ragserve.scheduler.transforms import BaseTransform, NextStep, TaskView
+from ragserve.scheduler.transforms import BaseTransform, SchedulerView
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +92,7 @@ class Scheduler:
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when aborted
         self._pending_transforms: tuple | None = None  # (chain, future) until it can swap
         self._deferred: list[RequestState] = []  # adds that arrived behind a pending swap
-        self.view = _View(self)
+        self.view = SchedulerView(self)
         for transform in self.transforms:
             transform.bind(self.view)
 
@@ -404,61 +409,89 @@ def _merged(req: RequestState) -> State:
     return merged
 
 
-class _View:
-    """The ``SchedulerView`` of one scheduler (scheduler thread only)."""
+class Lowered(NamedTuple):
+    """``resource``: a ``Wavefront`` list (``generation``, ``retrieval``, ``operators``),
+    ``cpu`` (``(fn, state, timeout_s)``) or ``inline`` (an ``OperatorResult`` ready now)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._s = scheduler
+    resource: str
+    payload: Any
 
-    def task(self, task_id: str) -> TaskView | None:
-        entry = self._s._by_task.get(task_id)
-        if entry is None:
-            return None
-        req, run = entry
-        return TaskView(
-            task_id,
-            req.request_id,
-            req.graph,
-            run.node_id,
-            run.state,
-            run.partial_text,
-            run.timing.num_tokens,
-        )
 
-    def has_task(self, task_id: str) -> bool:
-        return task_id in self._s._by_task
+def lower(run: NodeRun, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
+    """A ready node run becomes the task of the resource its node kind declares (the table:
+    docs/architecture.md, "Operators and the life of a request"). Input the node cannot use
+    lowers to a ``bad_request`` ``OperatorResult`` naming the field: nothing is sent."""
+    try:
+        return _lower(run.state, node, task_id, memory)
+    except ValueError as exc:
+        return Lowered("inline", OperatorResult(task_id, error=str(exc), error_kind="bad_request"))
 
-    def is_active(self, request_id: str) -> bool:
-        return request_id in self._s._active
 
-    def running_task_ids(self, request_id: str) -> tuple[str, ...]:
-        req = self._s._active.get(request_id)
-        if req is None:
-            return ()
-        return tuple(r.task_id for r in req.runs if r.task_id is not None)
+def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
+    kind = node.kind
+    if kind == "generation":
+        return Lowered("generation", generation_task(task_id, node, state))
+    if kind == "completion":
+        prompt = state.get(node.prompt)
+        prompt = tuple(prompt) if isinstance(prompt, list) else prompt
+        if not isinstance(prompt, str) and not (
+            isinstance(prompt, tuple)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r:.60}")
+        params = GenerationParams.from_any(node.params)
+        return Lowered("generation", GenerationTask(task_id, prompt, params, chat=False))
+    if kind == "retrieval":
+        query = node.query.render(state)
+        fields = (node.topk, node.nprobe, node.mode, node.filter, node.collapse_sections)
+        return Lowered("retrieval", RetrievalTask(task_id, query, *fields))
+    if kind == "embed":
+        value = state.get(node.text)
+        if isinstance(value, str):
+            return Lowered("operators", EmbedTask(task_id, (value,), single=True))
+        if not (_is_list(value) and value and all(isinstance(v, str) for v in value)):
+            raise ValueError(
+                f"text: state[{node.text!r}] must be a string or a non-empty list of strings"
+            )
+        return Lowered("operators", EmbedTask(task_id, tuple(value)))
+    if kind == "rerank":
+        docs = state.get(node.docs)
+        docs = [docs] if isinstance(docs, Passage) else docs
+        if not _is_list(docs) or not all(isinstance(p, Passage) for p in docs):
+            raise ValueError(f"docs: state[{node.docs!r}] must be retrieved passages")
+        if not docs:
+            return Lowered("inline", OperatorResult(task_id, []))
+        task = RerankTask(task_id, node.query.render(state), tuple(docs), node.topk)
+        return Lowered("operators", task)
+    if kind == "upsert":
+        value = state.get(node.documents)
+        items = list(value) if _is_list(value) else [value]
+        for item in items:
+            if not (isinstance(item, str) or (hasattr(item, "id") and hasattr(item, "text"))):
+                raise ValueError(
+                    f"documents: state[{node.documents!r}] must be a Document, a string or a "
+                    f"list of them, got {type(item).__name__}"
+                )
+        if not items:
+            return Lowered("inline", OperatorResult(task_id, []))
+        return Lowered("operators", UpsertTask(task_id, tuple(items)))
+    if kind == "function":
+        return Lowered("cpu", (node.fn, state.fork(), node.timeout_s))
+    session = state.get(node.key)  # a memory node: done here
+    if not isinstance(session, str) or not session:
+        raise ValueError(f"key: state[{node.key!r}] must hold a non-empty session id string")
+    if node.mode == "read":
+        return Lowered("inline", OperatorResult(task_id, memory.read(session)))
+    return Lowered(
+        "inline", OperatorResult(task_id, memory.append(session, node.text.render(state)))
+    )
 
-    def peek_next(self, task: TaskView, output: Any) -> NextStep | None:
-        state = task.state.write(task.node, output)
-        try:
-            return NextStep(task.graph.next_node(task.node_id, state), state)
-        except Exception:  # NOTE: a user router may raise anything
-            return None
 
-    def submit_generation(self, tasks: list, request_id: str | None = None) -> None:
-        req = None if request_id is None else self._s._active.get(request_id)
-        if req is not None:
-            tasks = [self._s._coalesced(req, t) for t in tasks]
-        self._s._side.generation.extend(tasks)
+def generation_task(task_id: str, node: Any, state: Any) -> GenerationTask:
+    """The task of a ``GenerationNode`` reading ``state``."""
+    params = GenerationParams.from_any(node)
+    return GenerationTask(task_id, node.prompt.render(state), params, history=node.history(state))
 
-    def submit_retrieval(self, tasks: list) -> None:
-        self._s._side.retrieval.extend(tasks)
 
-    def abort(self, task_ids: list[str]) -> None:
-        ids = set(task_ids)
-        side = self._s._side
-        queued = {t.task_id for t in side.generation} & ids
-        side.generation = [t for t in side.generation if t.task_id not in ids]
-        side.retrieval = [t for t in side.retrieval if t.task_id not in ids]
-        dispatched = [t for t in task_ids if t not in queued]
-        if dispatched:
-            self._s.executor.abort(dispatched)
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))

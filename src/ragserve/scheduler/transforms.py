@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from ragserve.graph import CompiledGraph, State
 from ragserve.scheduler.messages import Update, Wavefront
@@ -37,28 +37,68 @@ class NextStep:
     state: State
 
 
-class SchedulerView(Protocol):
-    """What a transform sees of the scheduler (scheduler thread only): read-only ``TaskView``s
+class SchedulerView:
+    """What a transform sees of one scheduler (scheduler thread only): read-only ``TaskView``s
     of dispatched runs (``None`` once the request ended), ``peek_next`` (where the request
     would go, and with what state, if the task's node returned ``output``; ``None`` if its
     router raises), side tasks (dispatched after the next wavefront, their updates reach
     only ``on_updates``; ``request_id`` coalesces them as that request's own) and ``abort``."""
 
-    def task(self, task_id: str) -> TaskView | None: ...
+    def __init__(self, scheduler: Any) -> None:
+        self._s = scheduler
 
-    def has_task(self, task_id: str) -> bool: ...
+    def task(self, task_id: str) -> TaskView | None:
+        entry = self._s._by_task.get(task_id)
+        if entry is None:
+            return None
+        req, run = entry
+        return TaskView(
+            task_id,
+            req.request_id,
+            req.graph,
+            run.node_id,
+            run.state,
+            run.partial_text,
+            run.timing.num_tokens,
+        )
 
-    def is_active(self, request_id: str) -> bool: ...
+    def has_task(self, task_id: str) -> bool:
+        return task_id in self._s._by_task
 
-    def running_task_ids(self, request_id: str) -> tuple[str, ...]: ...
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._s._active
 
-    def peek_next(self, task: TaskView, output: Any) -> NextStep | None: ...
+    def running_task_ids(self, request_id: str) -> tuple[str, ...]:
+        req = self._s._active.get(request_id)
+        if req is None:
+            return ()
+        return tuple(r.task_id for r in req.runs if r.task_id is not None)
 
-    def submit_generation(self, tasks: list, request_id: str | None = None) -> None: ...
+    def peek_next(self, task: TaskView, output: Any) -> NextStep | None:
+        state = task.state.write(task.node, output)
+        try:
+            return NextStep(task.graph.next_node(task.node_id, state), state)
+        except Exception:  # NOTE: a user router may raise anything
+            return None
 
-    def submit_retrieval(self, tasks: list) -> None: ...
+    def submit_generation(self, tasks: list, request_id: str | None = None) -> None:
+        req = None if request_id is None else self._s._active.get(request_id)
+        if req is not None:
+            tasks = [self._s._coalesced(req, t) for t in tasks]
+        self._s._side.generation.extend(tasks)
 
-    def abort(self, task_ids: list[str]) -> None: ...
+    def submit_retrieval(self, tasks: list) -> None:
+        self._s._side.retrieval.extend(tasks)
+
+    def abort(self, task_ids: list[str]) -> None:
+        ids = set(task_ids)
+        side = self._s._side
+        queued = {t.task_id for t in side.generation} & ids
+        side.generation = [t for t in side.generation if t.task_id not in ids]
+        side.retrieval = [t for t in side.retrieval if t.task_id not in ids]
+        dispatched = [t for t in task_ids if t not in queued]
+        if dispatched:
+            self._s.executor.abort(dispatched)
 
 
 class BaseTransform(ABC):
