@@ -138,6 +138,7 @@ class Job:
     arrival: float
     status: str = "aborted"
     ended: bool = False
+    first_token_seen: bool = False
 
     @classmethod
     def admit(cls, ctx: AppContext, prefix: str, label: str, model: str) -> Job:
@@ -151,7 +152,10 @@ class Job:
         return cls(ctx, new_request_id(prefix), label, model, time.monotonic())
 
     def first_token(self) -> None:
-        self.ctx.metrics.ttft.labels(self.label).observe(time.monotonic() - self.arrival)
+        """The answer's first token arrived (its time to first token observed once)."""
+        if not self.first_token_seen:
+            self.first_token_seen = True
+            self.ctx.metrics.ttft.labels(self.label).observe(time.monotonic() - self.arrival)
 
     def end(self, status: str | None = None) -> None:
         if self.ended:
