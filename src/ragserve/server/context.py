@@ -5,7 +5,6 @@ life of one generation request (``Job``) until it ends, also early: the client d
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -222,10 +221,9 @@ class Job:
 
 
 async def call_backend(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run a (possibly blocking, possibly async) Server method without blocking the loop."""
+    """Run a blocking Server method (``embed``, ``add_documents``, ``delete_documents``) on a
+    thread, its failure as an HTTP error."""
     try:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
         return await asyncio.to_thread(fn, *args)
     except Exception as exc:
         raise backend_error(exc) from exc
