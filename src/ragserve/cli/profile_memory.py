@@ -15,7 +15,6 @@ from ragserve.cli.options import add_server_args
 
 KV_MULTIPLES = (1, 4, 16, 64, 256)  # requests' worth of KV blocks in the default grid
 TIER_FRACTIONS = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)  # of the whole index, default grid
-TIER_CHUNK_ROWS = 256  # the tier's chunk (retrieval.gpu_tier): lists take whole chunks
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -138,9 +137,9 @@ def _tier_grid(args: argparse.Namespace, index: Any, total: int | None) -> list[
         if min(args.tier_gb) < 0:
             raise UsageError(f"--tier-gb must be >= 0, got {args.tier_gb}")
         return [int(g * 1e9) for g in args.tier_gb]
-    sizes = index.cluster_sizes()
-    chunks = int(sum(-(-int(n) // TIER_CHUNK_ROWS) for n in sizes if n > 0))
-    whole = chunks * TIER_CHUNK_ROWS * (index.spec.dim * 4 + 12)  # float32 rows, ids, bias
+    from ragserve.retrieval.gpu_tier import tier_list_bytes
+
+    whole = int(tier_list_bytes(index.cluster_sizes(), index.spec.dim).sum())  # float32 rows
     cap = whole if total is None else min(whole, total)
     return sorted({int(f * cap) for f in TIER_FRACTIONS})
 

@@ -72,14 +72,11 @@ async def _chunks(job: Job, question: str, graph: Any, include_usage: bool, extr
     yield {"choices": [choice(delta={"role": "assistant", "content": ""}, finish_reason=None)]}
     final: list[Any] = []  # the Response, handed over by the Server before the stream ends
     server = job.ctx.server
-    first = True
     async for delta in server.stream(
         question, graph, request_id=job.request_id, on_response=final.append, **extra
     ):
         if delta:
-            if first:
-                job.first_token()
-                first = False
+            job.first_token()
             yield {"choices": [choice(delta={"content": delta}, finish_reason=None)]}
     job.status = "ok"
     response = final[0] if final else None
@@ -164,5 +161,5 @@ def _observe(job: Job, graph: Any, response: Any) -> None:
         return
     metrics.count_tokens(job.model, total["prompt_tokens"], total["completion_tokens"])
     for t in _generation_runs(response):
-        if t.is_answer and t.first_token_at is not None and t.finished_at is not None:
-            metrics.observe_itl(job.model, t.finished_at - t.first_token_at, t.num_tokens)
+        if t.is_answer:
+            metrics.observe_itl(job.model, t.first_token_at, t.finished_at, t.num_tokens)

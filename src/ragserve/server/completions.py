@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response as HTTPResponse
 
 from ragserve.server.context import Job, choice, get_context, usage
-from ragserve.server.errors import APIError
+from ragserve.server.errors import APIError, model_not_found
 from ragserve.server.graphs import workflow_model_ids
 from ragserve.server.protocol import CompletionRequest
 
@@ -46,12 +46,7 @@ async def completions(body: CompletionRequest, request: Request):
     ctx = get_context(request)
     known = [ctx.config.served_model_name, *workflow_model_ids(ctx.server.workflows)]
     if body.model not in known:
-        raise APIError(
-            404,
-            f"model {body.model!r} does not exist; known: {', '.join(known)}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(f"model {body.model!r} does not exist; known: {', '.join(known)}")
     params = sampling_params(body)
     job = Job.admit(ctx, "cmpl", WORKFLOW_LABEL, body.model)
     outputs = _outputs(job, body.prompt_input(), params)
@@ -72,18 +67,16 @@ async def _outputs(job: Job, prompt: str | list[int], params: Any):
     fails unless the last one is finished."""
     last = None
     async for out in job.ctx.server.complete(prompt, params, request_id=job.request_id):
-        if (last is None or not last.token_ids) and out.token_ids:
+        if out.token_ids:
             job.first_token()
         last = out
         yield out
     if last is None or not last.finished:
         raise RuntimeError("the engine ended the completion without a finished output")
-    metrics = job.ctx.metrics
+    metrics, timing = job.ctx.metrics, getattr(last, "metrics", None)
     metrics.count_tokens(job.model, len(last.prompt_token_ids), len(last.token_ids))
-    timing = getattr(last, "metrics", None)
     first, end = getattr(timing, "first_token_time", None), getattr(timing, "finish_time", None)
-    if first is not None and end is not None:
-        metrics.observe_itl(job.model, end - first, len(last.token_ids))
+    metrics.observe_itl(job.model, first, end, len(last.token_ids))
 
 
 async def _last(outputs) -> Any:

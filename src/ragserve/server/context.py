@@ -5,7 +5,6 @@ life of one generation request (``Job``) until it ends, also early: the client d
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -138,6 +137,7 @@ class Job:
     arrival: float
     status: str = "aborted"
     ended: bool = False
+    first_token_seen: bool = False
 
     @classmethod
     def admit(cls, ctx: AppContext, prefix: str, label: str, model: str) -> Job:
@@ -151,7 +151,10 @@ class Job:
         return cls(ctx, new_request_id(prefix), label, model, time.monotonic())
 
     def first_token(self) -> None:
-        self.ctx.metrics.ttft.labels(self.label).observe(time.monotonic() - self.arrival)
+        """The answer's first token arrived (its time to first token observed once)."""
+        if not self.first_token_seen:
+            self.first_token_seen = True
+            self.ctx.metrics.ttft.labels(self.label).observe(time.monotonic() - self.arrival)
 
     def end(self, status: str | None = None) -> None:
         if self.ended:
@@ -218,10 +221,9 @@ class Job:
 
 
 async def call_backend(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run a (possibly blocking, possibly async) Server method without blocking the loop."""
+    """Run a blocking Server method (``embed``, ``add_documents``, ``delete_documents``) on a
+    thread, its failure as an HTTP error."""
     try:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
         return await asyncio.to_thread(fn, *args)
     except Exception as exc:
         raise backend_error(exc) from exc

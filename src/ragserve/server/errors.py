@@ -53,6 +53,11 @@ class APIError(StarletteHTTPException):
         self.code = code
 
 
+def model_not_found(message: str, param: str | None = "model") -> APIError:
+    """The 404 of a model (workflow, LLM, embedder or tokenizer) this server does not serve."""
+    return APIError(404, message, param=param, code="model_not_found")
+
+
 def error_body(status_code: int, message: str, *, param=None, code=None) -> dict:
     kind = _TYPES.get(status_code, "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ragserve.server.errors import APIError
+from ragserve.server.errors import APIError, model_not_found
 
 MODEL_PREFIX = "ragserve/"
 LLM_LABEL = "llm"  # the ``workflow`` label in /metrics of chats with the LLM itself
@@ -45,12 +45,7 @@ def resolve_workflow(
     if graph is None:
         known = ", ".join([*workflow_model_ids(workflows), *([llm_id] if llm_id else [])])
         what = f"workflow {workflow!r}" if workflow is not None else f"model {model!r}"
-        raise APIError(
-            404,
-            f"{what} does not exist; known: {known or '(none)'}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(f"{what} does not exist; known: {known or '(none)'}")
     return name, graph
 
 

@@ -103,10 +103,11 @@ class BackgroundServer:
     """uvicorn serving ``app`` on a thread, as a context manager; ``port=0`` picks a free
     port (see ``.port``)."""
 
-    def __init__(self, app, config: ServeConfig, *, start_timeout_s: float = 30.0) -> None:
+    START_TIMEOUT_S = 30.0
+
+    def __init__(self, app, config: ServeConfig) -> None:
         self._server = _uvicorn_server(app, config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
-        self._start_timeout_s = start_timeout_s
         self.host = config.host
 
     @property
@@ -119,7 +120,7 @@ class BackgroundServer:
 
     def start(self) -> BackgroundServer:
         self._thread.start()
-        deadline = time.monotonic() + self._start_timeout_s
+        deadline = time.monotonic() + self.START_TIMEOUT_S
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("uvicorn failed to start (see the log above)")

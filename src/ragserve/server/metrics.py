@@ -166,13 +166,14 @@ class ServerMetrics:
         self.prompt_tokens.labels(model_name).inc(num_prompt)
         self.generation_tokens.labels(model_name).inc(num_generated)
 
-    def observe_itl(self, model_name: str, decode_s: float, num_tokens: int) -> None:
-        """``num_tokens - 1`` gaps of ``decode_s / (num_tokens - 1)`` seconds each (first to
-        last token of one answer); nothing for answers of fewer than two tokens."""
-        if num_tokens < 2 or decode_s < 0:
+    def observe_itl(self, model_name: str, first: Any, last: Any, num_tokens: int) -> None:
+        """``num_tokens - 1`` gaps of ``(last - first) / (num_tokens - 1)`` seconds each (the
+        times of one answer's first and last tokens); nothing for answers of fewer than two
+        tokens or without both times."""
+        if first is None or last is None or num_tokens < 2 or last < first:
             return
         child = self.inter_token_latency.labels(model_name)
-        gap = decode_s / (num_tokens - 1)
+        gap = (last - first) / (num_tokens - 1)
         for _ in range(num_tokens - 1):
             child.observe(gap)
 

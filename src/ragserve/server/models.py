@@ -18,7 +18,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from ragserve.server.context import AppContext, call_backend, get_context
-from ragserve.server.errors import APIError
+from ragserve.server.errors import APIError, model_not_found
 from ragserve.server.graphs import workflow_model_ids
 from ragserve.server.protocol import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
@@ -61,7 +61,7 @@ async def model(model_id: str, request: Request) -> dict:
     for card in await model_cards(get_context(request)):
         if card["id"] == model_id:
             return card
-    raise APIError(404, f"model {model_id!r} does not exist", code="model_not_found")
+    raise model_not_found(f"model {model_id!r} does not exist", param=None)
 
 
 @router.post("/v1/embeddings")
@@ -70,16 +70,11 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
     ctx = get_context(request)
     embed = getattr(ctx.server, "embed", None)
     if embed is None:
-        raise APIError(404, "this server has no embedder", code="model_not_found")
+        raise model_not_found("this server has no embedder", param=None)
     out = await call_backend(embed, body.texts())
     ctx.cache["embedder"] = out.model
     if body.model not in (out.model, ctx.config.served_model_name):
-        raise APIError(
-            404,
-            f"model {body.model!r} does not exist; the embedder is {out.model!r}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(f"model {body.model!r} does not exist; the embedder is {out.model!r}")
     vectors = np.asarray(out.vectors, dtype=np.float32)
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise APIError(
@@ -112,17 +107,13 @@ def _load_tokenizer(ctx: AppContext) -> Any:
 
 async def tokenizer_of(ctx: AppContext, model: str | None) -> Any:
     if model is not None and model != ctx.config.served_model_name:
-        raise APIError(
-            404,
-            f"model {model!r} has no tokenizer here; the LLM is {ctx.config.served_model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+        llm = ctx.config.served_model_name
+        raise model_not_found(f"model {model!r} has no tokenizer here; the LLM is {llm!r}")
     tokenizer = (
         None if ctx.config.tokenizer is None else await asyncio.to_thread(_load_tokenizer, ctx)
     )
     if tokenizer is None:  # none configured, or the LLM's folder holds none
-        raise APIError(404, "this server has no tokenizer", code="model_not_found")
+        raise model_not_found("this server has no tokenizer", param=None)
     return tokenizer
 
 
