@@ -77,10 +77,10 @@ class PassageKVStore:
 
     def _fit(self) -> None:
         device_used = self.num_device_bytes
-        for key, entry in list(self._entries.items()):
+        for key, entry in list(self._entries.items())[:-1]:  # the newest stays on the device
             if device_used <= self.device_bytes:
                 break
-            if entry.on_device and entry is not next(reversed(self._entries.values())):
+            if entry.on_device:
                 device_used -= entry.num_bytes
                 self._to_host(key, entry)
         host_used = self.num_host_bytes
