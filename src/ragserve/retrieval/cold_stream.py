@@ -13,7 +13,6 @@ staged chunk is a ``Pool`` of one-row chunks, so ``dense_scan`` masks unprobed l
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,8 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragserve.retrieval.tier_scan import PendingScan, Pool, canonical_topk, dense_scan, upload
-
-logger = logging.getLogger(__name__)
 
 STREAM_MODES = ("auto", "on", "off")
 ListData = Callable[[int], tuple[np.ndarray, np.ndarray]]  # list -> (vectors [n, dim], ids [n])

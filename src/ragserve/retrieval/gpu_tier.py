@@ -47,9 +47,9 @@ from ragserve.retrieval.tier_scan import (
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("float32", "float16", "bfloat16")
-SCANS = ("auto", *STRATEGIES)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPES = tuple(DTYPE_BYTES)
+SCANS = ("auto", *STRATEGIES)
 CHUNK_SIZE = 256
 
 
@@ -222,7 +222,7 @@ class GpuTier:
                 return False
             chunks = np.array([self._free.pop() for _ in range(num)], dtype=np.int64)
             pad = num * self.chunk_size - n
-            host_v = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
+            host_v = torch.from_numpy(np.pad(np.asarray(vectors, np.float32), ((0, pad), (0, 0))))
             host_i = torch.from_numpy(np.concatenate([ids, np.full(pad, -1, np.int64)]))
             if self.is_l2:
                 norms = np.einsum("nd,nd->n", vectors, vectors).astype(np.float32)
@@ -232,26 +232,20 @@ class GpuTier:
             host_b = torch.from_numpy(bias)
             if self._is_cuda and pin:
                 host_v, host_i, host_b = (t.pin_memory() for t in (host_v, host_i, host_b))
-            event = self._write_chunks(chunks, n, host_v, host_i, host_b)
+            event = self._write_chunks(chunks, host_v, host_i, host_b)
             self._loading[cluster] = _Load(chunks, event, (host_v, host_i, host_b))
         return True
 
-    def _write_chunks(self, chunks: np.ndarray, n: int, host_v, host_i, host_b) -> Any:
+    def _write_chunks(self, chunks: np.ndarray, host_v, host_i, host_b) -> Any:
+        """Copy padded host rows into ``chunks`` (on the side stream on CUDA); the copy's end
+        event, or None."""
         torch = self._torch
         stream = self._side
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             dev_chunks = torch.from_numpy(chunks).to(self.device, non_blocking=True)
-            vec = host_v.to(self.device, non_blocking=True).to(self._tdtype)
-            full = torch.zeros(
-                (len(chunks) * self.chunk_size, self.dim), dtype=self._tdtype, device=self.device
-            )
-            full[:n] = vec
-            self._vectors.index_copy_(0, dev_chunks, full.view(len(chunks), self.chunk_size, -1))
-            ids = host_i.to(self.device, non_blocking=True).view(len(chunks), -1)
-            self._ids.index_copy_(0, dev_chunks, ids)
-            bias = host_b.to(self.device, non_blocking=True).view(len(chunks), -1)
-            self._bias.index_copy_(0, dev_chunks, bias)
+            for pool, host in ((self._vectors, host_v), (self._ids, host_i), (self._bias, host_b)):
+                rows = host.to(self.device, non_blocking=True).to(pool.dtype)
+                pool.index_copy_(0, dev_chunks, rows.view(len(chunks), *pool.shape[1:]))
             if stream is None:
                 return None
             event = torch.cuda.Event()

@@ -91,15 +91,10 @@ class IdLists:
     @classmethod
     def of(cls, ivf: faiss.IndexIVF) -> IdLists:
         """The map of ``ivf``'s rows (the caller keeps the index unchanged meanwhile)."""
-        ids, lists = [], []
-        for c in range(ivf.nlist):
-            n = ivf.invlists.list_size(c)
-            if n:
-                ids.append(faiss.rev_swig_ptr(ivf.invlists.get_ids(c), n).astype(np.int64))
-                lists.append(np.full(n, c, np.int64))
-        if not ids:
-            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
-        all_ids, all_lists = np.concatenate(ids), np.concatenate(lists)
+        sizes = [ivf.invlists.list_size(c) for c in range(ivf.nlist)]
+        ids = [faiss.rev_swig_ptr(ivf.invlists.get_ids(c), n) for c, n in enumerate(sizes) if n]
+        all_ids = np.concatenate([np.zeros(0, np.int64), *ids]).astype(np.int64)
+        all_lists = np.repeat(np.arange(ivf.nlist, dtype=np.int64), sizes)
         order = np.argsort(all_ids, kind="stable")
         return cls(all_ids[order], all_lists[order])
 

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from ragserve.retrieval.cold_stream import ColdStreamer, StreamConfig, StreamCostModel
     from ragserve.retrieval.gpu_tier import GpuTier
     from ragserve.retrieval.partition import PlacementConfig, TierUpdater
-    from ragserve.retrieval.tier_assign import DeviceAssigner
 
 
 class TierSpec(NamedTuple):
@@ -103,29 +102,21 @@ class GpuTierMixin:
         q = stepwise.check_queries(self._index, queries)
         nprobe = nprobe or self.spec.nprobe
         chooser = tier.assign_chooser
-        if chooser is None:
-            return self._search_assigned_on_tier(assigner, q, topk, nprobe)
-        path = chooser.choose(len(q))
+        path = "tier" if chooser is None else chooser.choose(len(q))
         t0 = time.perf_counter()
-        if path == "tier":
-            found = self._search_assigned_on_tier(assigner, q, topk, nprobe)
-        else:
+        if path == "faiss":
             found = self.scan(q, self.assign(q, nprobe), topk)
-        chooser.record(len(q), path, time.perf_counter() - t0)
-        return found
-
-    def _search_assigned_on_tier(
-        self, assigner: DeviceAssigner, q: np.ndarray, topk: int, nprobe: int
-    ) -> TopK:
-        split = assigner.assign(q, nprobe)
-        found = self.scan(q, split.sure, topk)
-        band = (
-            self._band_scan(q[split.band_rows], split.band, topk) if len(split.band_rows) else None
-        )
-        redo = assigner.settle(split, found, band)
-        if len(redo):
-            again = self.scan(q[redo], self.assign(q[redo], nprobe), topk)
-            found.ids[redo], found.scores[redo] = again.ids, again.scores
+        else:
+            split = assigner.assign(q, nprobe)
+            found = self.scan(q, split.sure, topk)
+            rows = split.band_rows
+            band = self._band_scan(q[rows], split.band, topk) if len(rows) else None
+            redo = assigner.settle(split, found, band)
+            if len(redo):
+                again = self.scan(q[redo], self.assign(q[redo], nprobe), topk)
+                found.ids[redo], found.scores[redo] = again.ids, again.scores
+        if chooser is not None:
+            chooser.record(len(q), path, time.perf_counter() - t0)
         return found
 
     def _band_scan(self, q: np.ndarray, band: ProbePlan, k: int) -> TopK:

@@ -12,6 +12,7 @@ Contracts and where they depart from the paper: docs/tier_policy.md.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -75,17 +76,6 @@ def access_share(counts: np.ndarray, order: np.ndarray) -> np.ndarray:
     total = counts.sum()
     cum = np.concatenate([[0.0], np.cumsum(counts[order])])
     return np.minimum(cum / total, 1.0) if total > 0 else np.zeros_like(cum)
-
-
-def _smallest(ok: Callable[[int], bool], hi: int) -> int | None:
-    """The smallest ``k`` in ``[0, hi]`` with ``ok(k)`` (monotone in ``k``), or None."""
-    if not ok(hi):
-        return None
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
-    return lo
 
 
 @dataclass(frozen=True)
@@ -178,12 +168,28 @@ def partition(
         # NOTE: an index tier as large as MEM_KVcache leaves mu_LLM = 0: never a candidate.
         k_max = min(k_max, int(np.searchsorted(cum_bytes, config.kv_cache_bytes)) - 1)
 
-    def feasible(k: int) -> bool:
-        return _feasible(model, config, float(share[k]), int(cum_bytes[k])) is not None
+    def feasible(k: int) -> tuple[int, float] | None:
+        return _feasible(model, config, float(share[k]), int(cum_bytes[k]))
 
-    k = _smallest(feasible, k_max)
-    plan = _plan(counts, sizes, order, k_max if k is None else k)
-    return _with_latency(plan, model, config, share[len(plan.cluster_ids)], k is not None)
+    k, found = k_max, feasible(k_max)
+    if found is not None:  # feasibility is monotone in k: bisect for the first feasible one
+        k = bisect.bisect_left(range(k_max), True, key=lambda k: feasible(k) is not None)
+        found = feasible(k)
+    meets_slo = found is not None
+    if found is None:
+        mu = max(_throughput(config, int(cum_bytes[k])), 1e-12)
+        batch = min(_MAX_BATCH, max(1, math.ceil(config.target_seconds * mu)))
+        dist = BetaHitRate.from_mean(float(share[k]), config.max_variance)
+        found = batch, dist.tail(batch, config.tail_mode, config.tail_quantile)
+    batch, tail = found
+    return dataclasses.replace(
+        _plan(counts, sizes, order, k),
+        tail_hit_rate=tail,
+        batch_size=batch,
+        predicted_seconds=model.hybrid_seconds(batch, min(max(tail, 0.0), 1.0)),
+        target_seconds=config.target_seconds,
+        meets_slo=meets_slo,
+    )
 
 
 def _feasible(
@@ -213,27 +219,6 @@ def _throughput(config: PartitionConfig, index_bytes: int) -> float:
         return config.throughput
     kv = config.kv_cache_bytes
     return (kv - index_bytes) / kv * config.throughput
-
-
-def _with_latency(
-    plan: PartitionPlan, model: LatencyModel, config: PartitionConfig, mean: float, meets_slo: bool
-) -> PartitionPlan:
-    found = _feasible(model, config, float(mean), plan.num_bytes) if meets_slo else None
-    if found is None:
-        mu = max(_throughput(config, plan.num_bytes), 1e-12)
-        batch = min(_MAX_BATCH, max(1, math.ceil(config.target_seconds * mu)))
-        dist = BetaHitRate.from_mean(float(mean), config.max_variance)
-        tail = dist.tail(batch, config.tail_mode, config.tail_quantile)
-    else:
-        batch, tail = found
-    return dataclasses.replace(
-        plan,
-        tail_hit_rate=tail,
-        batch_size=batch,
-        predicted_seconds=model.hybrid_seconds(batch, min(max(tail, 0.0), 1.0)),
-        target_seconds=config.target_seconds,
-        meets_slo=meets_slo,
-    )
 
 
 def _check_bytes(cluster_bytes: np.ndarray, access_counts: np.ndarray) -> np.ndarray:
@@ -440,20 +425,15 @@ class TierUpdater:
         self.num_rounds += 1
 
     def _apply(self, plan: PartitionPlan) -> None:
-        want = list(plan.cluster_ids)
-        wanted = set(want)
-        self.tier.evict([c for c in self.tier.clusters + self.tier.loading if c not in wanted])
-        self.tier.poll()
-        have = set(self.tier.clusters) | set(self.tier.loading)
-        missing = [c for c in want if c not in have]
-        budget = self.config.max_swap_bytes
-        batch: list[int] = []
+        """Evict what ``plan`` drops, then load its missing lists in order, as many as fit in
+        ``max_swap_bytes``."""
+        tier, wanted = self.tier, set(plan.cluster_ids)
+        tier.evict([c for c in tier.clusters + tier.loading if c not in wanted])
+        tier.poll()
+        have = set(tier.clusters + tier.loading)
+        missing = [c for c in plan.cluster_ids if c not in have]
         sizes = self._sizes()
-        for c in missing:
-            cost = self.tier.chunks_for(int(sizes[c])) * self.tier.chunk_bytes
-            if cost > budget:
-                break
-            budget -= cost
-            batch.append(c)
+        cost = np.cumsum([tier.chunks_for(int(sizes[c])) * tier.chunk_bytes for c in missing])
+        batch = missing[: int(np.searchsorted(cost, self.config.max_swap_bytes, side="right"))]
         if batch:
             self._load_lists(batch)

@@ -5,7 +5,7 @@ are merged (`stepwise.merge`): the source index's result, exactly.
 
 from __future__ import annotations
 
-import logging
+import functools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -26,8 +26,6 @@ from ragserve.retrieval.index_tier import TierSpec, check_tier_options
 from ragserve.retrieval.passages import passage_text
 from ragserve.retrieval.shard_split import QUANTIZER, ShardLayout, read_layout
 from ragserve.retrieval.types import Document, ProbePlan, TopK
-
-logger = logging.getLogger(__name__)
 
 TIER_REFRESH_S = 1.0  # how stale `ShardedIndex`'s view of the shards' tiers may get
 
@@ -305,15 +303,13 @@ class ShardedIndex(IndexEncoderMixin):
         if not held:
             self._tier = None
             return None
-        sets = [np.asarray(st["clusters"], dtype=np.int64) for st in states if st is not None]
-        if len(held) < len(states) and self.layout.partition == "document":
-            resident = np.zeros(0, np.int64)  # a shard without a tier scans every list
-        elif self.layout.partition == "document":
-            resident = sets[0]
-            for other in sets[1:]:
-                resident = np.intersect1d(resident, other)
-        else:  # each list lives on one shard: its owner's tier decides
+        sets = [np.asarray(st["clusters"], dtype=np.int64) for st in held]
+        if self.layout.partition == "list":  # each list lives on one shard: its owner's tier
             resident = np.unique(np.concatenate(sets))
+        elif len(held) < len(states):  # a shard without a tier scans every list
+            resident = np.zeros(0, np.int64)
+        else:
+            resident = functools.reduce(np.intersect1d, sets)
         self._tier = ShardedTier(
             clusters=tuple(int(c) for c in resident),
             num_bytes=sum(int(st["num_bytes"]) for st in held),

@@ -240,7 +240,7 @@ class StagedSearch:
         t0 = time.perf_counter()
         part = self.index.scan(queries, ProbePlan(cids, dists), kmax)
         t1 = time.perf_counter()
-        pairs = int(self._sizes[np.where(cpu_cids < 0, 0, cpu_cids)][cpu_cids >= 0].sum())
+        pairs = int(self._sizes[cpu_cids[cpu_cids >= 0]].sum())
         self.cost.observe_scan(pairs, t1 - t0)
         is_l2 = self.index.spec.is_l2
         out = []

@@ -85,16 +85,10 @@ def plan_grouped(lc: np.ndarray, counts: np.ndarray) -> GroupedPlan:
     runs = np.bincount(bucket, weights=counts[live], minlength=NUM_BUCKETS).astype(np.int64)
     mpad = np.zeros(NUM_BUCKETS, np.int64)
     np.maximum.at(mpad, bucket, m[live])
-    run_offsets = np.cumsum(runs) - runs
     slots = runs * mpad
-    return GroupedPlan(
-        int(per_row.sum()),
-        int(per_row.max()) if len(per_row) else 0,
-        runs,
-        mpad,
-        run_offsets,
-        np.cumsum(slots) - slots,
-    )
+    width = int(per_row.max()) if len(per_row) else 0
+    offsets = np.cumsum(runs) - runs, np.cumsum(slots) - slots
+    return GroupedPlan(int(per_row.sum()), width, runs, mpad, *offsets)
 
 
 def grouped_scan(torch: Any, pool: Pool, qd: Any, lc: Any, plan: GroupedPlan, k: int):
