@@ -138,11 +138,7 @@ class ColdStreamer:
         self._lock = threading.Lock()
         self.model: StreamCostModel | None = None
         self.list_rows = np.zeros(nlist, np.int64)
-        self.num_batches = 0
-        self.num_lists = 0
-        self.num_bytes = 0
-        self.num_cold_probes = 0  # cold probes the split saw, and those it streamed
-        self.num_streamed_probes = 0
+        self.reset_counts()
 
     @property
     def pinned_bytes(self) -> int:
@@ -187,6 +183,8 @@ class ColdStreamer:
         return self._pool.submit(self._run, q, lc, int(k), lists, list_data)
 
     def reset_counts(self) -> None:
+        """Zero the counts: batches, lists and bytes streamed; the cold probes the split saw
+        and those it streamed."""
         with self._lock:
             self.num_batches = self.num_lists = self.num_bytes = 0
             self.num_cold_probes = self.num_streamed_probes = 0

@@ -53,21 +53,25 @@ SCANS = ("auto", *STRATEGIES)
 CHUNK_SIZE = 256
 
 
-def tier_chunk_bytes(dim: int, dtype: str = "float32", chunk_size: int = CHUNK_SIZE) -> int:
-    """Bytes of one pool chunk: ``chunk_size`` rows of vector, int64 id and float32 bias."""
+def tier_chunk_bytes(dim: int, dtype: str = "float32") -> int:
+    """Bytes of one pool chunk: ``CHUNK_SIZE`` rows of vector, int64 id and float32 bias."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    return chunk_size * (dim * DTYPE_BYTES[dtype] + 8 + 4)
+    return CHUNK_SIZE * (dim * DTYPE_BYTES[dtype] + 8 + 4)
 
 
-def tier_list_bytes(
-    sizes: np.ndarray, dim: int, dtype: str = "float32", chunk_size: int = CHUNK_SIZE
-) -> np.ndarray:
+def tier_list_bytes(sizes: np.ndarray, dim: int, dtype: str = "float32") -> np.ndarray:
     """Pool bytes of lists of ``sizes`` rows (whole chunks). NOTE: the one price of a list for
     every picker within a byte budget, so a chosen set always loads."""
     rows = np.asarray(sizes, dtype=np.int64)
-    chunks = np.where(rows > 0, np.maximum(1, -(-rows // chunk_size)), 0)
-    return chunks * tier_chunk_bytes(dim, dtype, chunk_size)
+    chunks = np.where(rows > 0, np.maximum(1, -(-rows // CHUNK_SIZE)), 0)
+    return chunks * tier_chunk_bytes(dim, dtype)
+
+
+def headroom_chunks(sizes: np.ndarray) -> int:
+    """Chunks to hold lists of ``sizes`` rows, with room for upserts: 1/8 plus one per list."""
+    chunks = int(np.sum(-(-sizes // CHUNK_SIZE)))
+    return chunks + chunks // 8 + len(sizes)
 
 
 # (batch size, share of the resident lists each query probes): every strategy's terms vary
@@ -96,12 +100,11 @@ class GpuTier:
         *,
         dim: int,
         nlist: int,
-        metric: str,
+        is_l2: bool,
         budget_bytes: int,
         max_chunks: int,
         device: str = "cuda",
         dtype: str = "float32",
-        chunk_size: int = 256,
         scan: str = "auto",
         stream: StreamConfig | None = None,
     ) -> None:
@@ -109,33 +112,24 @@ class GpuTier:
 
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        if metric not in ("ip", "l2"):
-            raise ValueError(f"metric must be 'ip' or 'l2', got {metric!r}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        self.chunk_bytes = tier_chunk_bytes(dim, dtype, chunk_size)  # NOTE: checks dtype
+        self.chunk_bytes = tier_chunk_bytes(dim, dtype)  # NOTE: checks dtype
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available (use device='cpu')")
+        self._torch, self.device, self._is_cuda = torch, str(dev), dev.type == "cuda"
+        self._can_fuse = fused_available(dev)
         # NOTE: auto considers fused on CUDA only (the interpreter runs it on CPU when asked)
-        can_fuse = fused_available(dev)
-        self.strategies = tuple(
-            s for s in STRATEGIES if s != "fused" or (can_fuse and dev.type == "cuda")
-        )
-        self._can_fuse = can_fuse
-        self._torch = torch
-        self.device = str(dev)
+        fuse = self._can_fuse and self._is_cuda
+        self.strategies = tuple(s for s in STRATEGIES if s != "fused" or fuse)
         self.set_scan(scan)
-        self.dtype = dtype
-        self.dim, self.nlist, self.is_l2 = dim, nlist, metric == "l2"
-        self.chunk_size = chunk_size
+        self.dim, self.nlist, self.is_l2, self.dtype = dim, nlist, bool(is_l2), dtype
+        self.chunk_size = size = CHUNK_SIZE
         self.budget_bytes = int(budget_bytes)
         self._tdtype = getattr(torch, dtype)
         capacity = min(self.budget_bytes // self.chunk_bytes, max(int(max_chunks), 0))
-        self._vectors = torch.zeros((capacity, chunk_size, dim), dtype=self._tdtype, device=dev)
-        self._ids = torch.full((capacity, chunk_size), -1, dtype=torch.int64, device=dev)
-        self._bias = torch.full((capacity, chunk_size), -np.inf, device=dev)
-        self._is_cuda = dev.type == "cuda"
+        self._vectors = torch.zeros((capacity, size, dim), dtype=self._tdtype, device=dev)
+        self._ids = torch.full((capacity, size), -1, dtype=torch.int64, device=dev)
+        self._bias = torch.full((capacity, size), -np.inf, device=dev)
         self._side = torch.cuda.Stream(dev) if self._is_cuda else None
         self._lock = threading.RLock()
         self._free = list(range(capacity - 1, -1, -1))  # pop() takes the lowest
@@ -147,8 +141,7 @@ class GpuTier:
         self._scan_counts = dict.fromkeys(STRATEGIES, 0)
         self._bounds = torch.from_numpy(BUCKET_BOUNDS).to(dev)
         self._rebuild_lookup()
-        self._hits = 0.0
-        self._probes = 0.0
+        self._hits = self._probes = 0.0
         self.assigner: DeviceAssigner | None = None
         self.assign_chooser: AssignChooser | None = None
         self.streamer: ColdStreamer | None = None
@@ -192,7 +185,7 @@ class GpuTier:
         return max(1, -(-int(num_rows) // self.chunk_size))
 
     def list_bytes(self, sizes: np.ndarray) -> np.ndarray:
-        return tier_list_bytes(sizes, self.dim, self.dtype, self.chunk_size)
+        return tier_list_bytes(sizes, self.dim, self.dtype)
 
     def resident_mask(self, cluster_ids: np.ndarray) -> np.ndarray:
         c = np.asarray(cluster_ids, dtype=np.int64)

@@ -173,7 +173,7 @@ class GpuTierMixin:
         threads = scan_threads(self._index) if threads is None else int(threads)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        cpu_rows, cpu_s, stream_bytes, stream_s = [], [], [], []
+        cpu, stream = [], []  # per point: (1, rows or bytes, seconds) of each side
         for n, w in points:
             w = min(w, len(cold))
             probes = np.stack([rng.choice(cold, w, replace=False) for _ in range(n)])
@@ -181,17 +181,15 @@ class GpuTierMixin:
             sub = ProbePlan(probes, np.zeros(probes.shape, np.float32))
             on_cpu = functools.partial(stepwise.scan, self._index, q, sub, 10)
             on_stream = functools.partial(streamer.scan, q, probes, 10, self._list_data)
-            cpu, gpu = _concurrent_seconds(on_cpu, on_stream, repeats)
+            cpu_s, stream_s = _concurrent_seconds(on_cpu, on_stream, repeats)
             # NOTE: the threads this point's scan really had (a small one is not split), so
             # `c1` is one core's cost of a row; the model then prices min(queries, threads).
             par = stepwise.split_threads(self._index, n, w) if real else max(1, min(n, threads))
-            cpu_rows.append(sizes[probes].sum() / par)
-            cpu_s.append(cpu)
-            stream_bytes.append(sizes[np.unique(probes)].sum() * streamer.row_bytes)
-            stream_s.append(gpu)
-        ones = np.ones(len(points))
-        c0, c1 = nnls_relative(np.stack([ones, cpu_rows], 1), np.array(cpu_s))
-        s0, s1 = nnls_relative(np.stack([ones, stream_bytes], 1), np.array(stream_s))
+            cpu.append((1.0, sizes[probes].sum() / par, cpu_s))
+            stream.append((1.0, sizes[np.unique(probes)].sum() * streamer.row_bytes, stream_s))
+        cpu, stream = np.array(cpu), np.array(stream)
+        c0, c1 = nnls_relative(cpu[:, :2], cpu[:, 2])
+        s0, s1 = nnls_relative(stream[:, :2], stream[:, 2])
         streamer.model = StreamCostModel(c0, c1, s0, s1, threads)
         streamer.reset_counts()
         return streamer.model
@@ -219,7 +217,7 @@ class GpuTierMixin:
         ``clusters`` pins exactly those; None places the hottest and re-places them on drift
         (``placement``). Options: docs/architecture.md, "GPU tier"."""
         from ragserve.retrieval.cold_stream import StreamConfig
-        from ragserve.retrieval.gpu_tier import GpuTier
+        from ragserve.retrieval.gpu_tier import GpuTier, headroom_chunks
         from ragserve.retrieval.partition import PlacementConfig, TierUpdater, plan_placement
 
         check_tier_options(self.spec.kind, budget_bytes, scan, stream_cold)
@@ -234,9 +232,9 @@ class GpuTierMixin:
         tier = GpuTier(
             dim=self.spec.dim,
             nlist=self.spec.nlist,
-            metric=self.spec.metric,
+            is_l2=self.spec.is_l2,
             budget_bytes=int(budget_bytes),
-            max_chunks=_tier_chunks(sizes if pinned is None else sizes[pinned], 256),
+            max_chunks=headroom_chunks(sizes if pinned is None else sizes[pinned]),
             device=device,
             dtype=dtype,
             scan=scan,
@@ -382,9 +380,3 @@ def _check_clusters(clusters: Sequence[int], nlist: int) -> np.ndarray:
     if c.size and (c[0] < 0 or c[-1] >= nlist):
         raise ValueError(f"clusters must be list ids in [0, {nlist}), got {c[0]}..{c[-1]}")
     return c
-
-
-def _tier_chunks(sizes: np.ndarray, chunk_size: int) -> int:
-    """Chunks to hold these lists, with room for upserts: 1/8 plus one per list."""
-    chunks = int(np.sum(-(-sizes // chunk_size)))
-    return chunks + chunks // 8 + len(sizes)
