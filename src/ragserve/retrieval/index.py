@@ -295,11 +295,8 @@ class VectorIndex(
     def documents_of(self, result: TopK) -> list[list[ScoredDocument]]:
         """Resolve a `TopK` into documents, dropping missing slots and deleted documents."""
         docs = iter(self._store.get([int(i) for i in result.ids.ravel()]))
-        out = []
-        for scores in result.scores:
-            hits = [(next(docs), float(s)) for s in scores]
-            out.append([ScoredDocument(d, s) for d, s in hits if d is not None])
-        return out
+        hits = [[(next(docs), float(s)) for s in scores] for scores in result.scores]
+        return [[ScoredDocument(d, s) for d, s in row if d is not None] for row in hits]
 
     def _plan_for(self, queries: np.ndarray, cluster_ids: np.ndarray) -> ProbePlan:
         q = np.ascontiguousarray(queries, dtype=np.float32)

@@ -185,9 +185,8 @@ class ShardedIndex(IndexEncoderMixin):
     ) -> TopK:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         waits = [s.submit("scan", q, p, topk) for s, p in self.fan_out(plan)]
-        parts = [w() for w in waits]
-        for part in parts:
-            state = stepwise.merge(state, part, self.spec.is_l2)
+        for wait in waits:
+            state = stepwise.merge(state, wait(), self.spec.is_l2)
         return state if state is not None else stepwise.empty_topk(len(q), topk, self.spec.is_l2)
 
     def search(self, queries: np.ndarray, topk: int, nprobe: int | None = None) -> TopK:
