@@ -74,8 +74,7 @@ class BetaHitRate:
         out = np.empty(b.size)
         flat = b.ravel()
         for start in range(0, flat.size, 256):
-            chunk = flat[start : start + 256, None]
-            powered = np.exp(chunk * log_s[None, :])
+            powered = np.exp(flat[start : start + 256, None] * log_s[None, :])
             out[start : start + 256] = ((powered[:, 1:] + powered[:, :-1]) * 0.5 * dx).sum(1)
         return np.clip(out.reshape(b.shape), 0.0, 1.0)
 

@@ -231,11 +231,7 @@ class VectorIndex(
             plan = self._plan_for(queries, np.asarray(plan, dtype=np.int64))
         self.access_counts.observe(plan.cluster_ids)
         with self._rw.read():
-            tier = self._tier
-            if tier is None:
-                part = stepwise.scan(self._index, queries, plan, topk)
-            else:
-                part = self._hybrid_scan(tier, queries, plan, topk)
+            part = self._locked_scan(queries, plan, topk)
         updater = self._tier_updater
         if updater is not None:
             updater.note_scan()

@@ -54,16 +54,15 @@ ASSIGNS = ("auto", "tier", "faiss")  # where ``search`` assigns queries (``set_g
 
 
 class GpuTierMixin:
-    def _hybrid_scan(
-        self,
-        tier: GpuTier,
-        queries: np.ndarray,
-        plan: ProbePlan,
-        k: int,
-        strategy: str | None = None,
+    def _locked_scan(
+        self, queries: np.ndarray, plan: ProbePlan, k: int, strategy: str | None = None
     ) -> TopK:
-        """Resident probes to the tier (enqueued first, so all run at once), the streamer's share
-        of the rest to it, the others to Faiss; merged exactly. Under the shared lock."""
+        """Under the shared lock: without a tier, Faiss's scan; with one, the resident probes to
+        the tier (enqueued first, so all run at once), the streamer's share of the rest to it,
+        the others to Faiss, merged exactly."""
+        tier = self._tier
+        if tier is None:
+            return stepwise.scan(self._index, queries, plan, k)
         q = stepwise.check_queries(self._index, queries)
         if k < 1:
             raise ValueError(f"topk must be >= 1, got {k}")
@@ -109,8 +108,10 @@ class GpuTierMixin:
         else:
             split = assigner.assign(q, nprobe)
             found = self.scan(q, split.sure, topk)
-            rows = split.band_rows
-            band = self._band_scan(q[rows], split.band, topk) if len(rows) else None
+            rows, band = split.band_rows, None
+            if len(rows):  # the band's few lists per row, grouped (dense would read every row)
+                with self._rw.read():
+                    band = self._locked_scan(q[rows], split.band, topk, strategy="grouped")
             redo = assigner.settle(split, found, band)
             if len(redo):
                 again = self.scan(q[redo], self.assign(q[redo], nprobe), topk)
@@ -118,14 +119,6 @@ class GpuTierMixin:
         if chooser is not None:
             chooser.record(len(q), path, time.perf_counter() - t0)
         return found
-
-    def _band_scan(self, q: np.ndarray, band: ProbePlan, k: int) -> TopK:
-        """The band's few lists per row, grouped on the tier (dense would read every row)."""
-        with self._rw.read():
-            tier = self._tier
-            if tier is None:
-                return stepwise.scan(self._index, q, band, k)
-            return self._hybrid_scan(tier, q, band, k, strategy="grouped")
 
     def _stream_cold(
         self, streamer: ColdStreamer, q: np.ndarray, cold: np.ndarray, k: int

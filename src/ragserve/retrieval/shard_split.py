@@ -87,7 +87,8 @@ def split_index(source: Path, root: Path, num_shards: int, partition: str = "lis
         row_ids, _ = vi._store.vectors()
         if len(row_ids) and int(row_ids.max()) >= 1 << ROW_ID_SHIFT:
             raise ValueError(f"{source} has row ids past 2**{ROW_ID_SHIFT}; cannot shard it")
-        layout = _layout_for(vi, num_shards, partition)
+        owners = balance_lists(vi.cluster_cost_bytes(), num_shards) if partition == "list" else None
+        layout = ShardLayout(num_shards, partition, owners)
         owner_of_row = _row_owners(vi, layout, row_ids)
         tmp = scratch_dir(root)
         for shard in range(num_shards):
@@ -95,18 +96,12 @@ def split_index(source: Path, root: Path, num_shards: int, partition: str = "lis
             _write_shard(vi, layout.shard_dir(tmp, shard), shard, keep, row_ids)
         faiss.write_index(vi.faiss_index.quantizer, str(tmp / QUANTIZER))
         meta = {"num_shards": num_shards, "partition": partition, "source": str(source)}
-        meta["owners"] = list(layout.owners) if layout.owners is not None else None
+        meta["owners"] = None if owners is None else list(owners)
         atomic_write_bytes(tmp / LAYOUT, json.dumps(meta).encode())
         publish_dir(tmp, root)
     finally:
         vi.close()
     return layout
-
-
-def _layout_for(vi: VectorIndex, num_shards: int, partition: str) -> ShardLayout:
-    if partition == "list":
-        return ShardLayout(num_shards, "list", balance_lists(vi.cluster_cost_bytes(), num_shards))
-    return ShardLayout(num_shards, partition)
 
 
 def _row_owners(vi: VectorIndex, layout: ShardLayout, row_ids: np.ndarray) -> np.ndarray:
