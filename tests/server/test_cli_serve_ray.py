@@ -15,16 +15,31 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["serve", "--model", "m", "--index", "i", *argv])
 
 
+def _scale_out(*argv: str) -> dict:
+    """The scale-out fields of the ``ServerConfig`` that ``serve``'s flags give."""
+    runtime = serve.serve_launch_config(_parse(*argv), key_from_env=False).runtime
+    names = ("backend", "ray_address", "num_llm_replicas", "num_index_shards")
+    return {name: getattr(runtime, name) for name in names}
+
+
 def test_ray_flags_map_to_server_config_fields() -> None:
-    assert serve._scale_out(_parse()) == {"num_llm_replicas": 1, "num_index_shards": 1}
-    local = serve._scale_out(_parse("--ray", "--llm-replicas", "2", "--index-shards", "3"))
+    from ragserve.runtime import ServerConfig
+
+    default = ServerConfig()
+    assert _scale_out() == {
+        "backend": default.backend,
+        "ray_address": default.ray_address,
+        "num_llm_replicas": 1,
+        "num_index_shards": 1,
+    }
+    local = _scale_out("--ray", "--llm-replicas", "2", "--index-shards", "3")
     assert local == {
         "backend": "ray",
         "ray_address": None,
         "num_llm_replicas": 2,
         "num_index_shards": 3,
     }
-    joined = serve._scale_out(_parse("--ray", "10.0.0.1:6379"))
+    joined = _scale_out("--ray", "10.0.0.1:6379")
     assert joined["ray_address"] == "10.0.0.1:6379" and joined["num_llm_replicas"] == 1
 
 

@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--chunk-tokens", type=int, help=chunk)
     b.add_argument("--chunk-overlap", type=int, default=32, help="tokens repeated between passages")
     b.add_argument("--strict", action="store_true", help="fail on unsupported/unreadable files")
-    b.add_argument("--no-bm25", action="store_true", help="build no BM25 index (dense only)")
+    no_bm25 = "build no BM25 index (dense only)"
+    b.add_argument("--no-bm25", dest="enable_bm25", action="store_false", help=no_bm25)
     mode = "search mode when a query names none (default: ensemble if built, else dense)"
     b.add_argument("--default-mode", choices=modes, help=mode)
     b.add_argument(
@@ -84,7 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ragserve.retrieval.build import BuildError, build_index
+    from dataclasses import fields
+
+    from ragserve.retrieval.build import BuildConfig, BuildError, build_index
     from ragserve.retrieval.builtin import builtin_index, builtin_index_dir
 
     start = time.perf_counter()
@@ -95,7 +98,8 @@ def _build(args: argparse.Namespace) -> int:
     if args.out is None:
         raise UsageError("--out is required for this corpus")
     try:
-        config = _build_config(args)
+        # NOTE: each BuildConfig field is the `dest` of its flag
+        config = BuildConfig(**{f.name: getattr(args, f.name) for f in fields(BuildConfig)})
         report = build_index(args.corpus, args.out, config, force=args.force, progress=True)
     except BuildError as exc:
         raise UsageError(str(exc)) from None
@@ -122,16 +126,6 @@ def _build(args: argparse.Namespace) -> int:
         f"({report.seconds['total']:.1f} s)"
     )
     return 0
-
-
-def _build_config(args: argparse.Namespace):
-    """`index build`'s flags as a `BuildConfig` (a bad combination: `BuildError`)."""
-    from ragserve.retrieval.build import BuildConfig
-
-    names = ("embedder", "nlist", "nprobe", "kind", "metric", "chunk_tokens", "chunk_overlap")
-    names += ("strict", "default_mode", "ensemble", "passage_header", "collapse_sections")
-    names += ("finetune",)
-    return BuildConfig(enable_bm25=not args.no_bm25, **{n: getattr(args, n) for n in names})
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -26,8 +26,7 @@ class Parser(argparse.ArgumentParser):
     (``--api-key`` is not ``--api-key-file``); a usage error is one ``error:`` line (exit 2)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        kwargs["allow_abbrev"] = False
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
@@ -74,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.verbose:
             logging.getLogger("ragserve.cli").exception("%s failed", args.command)
-        hint = " (run with -v for the traceback)" if _unexpected(exc) and not args.verbose else ""
+        expected = isinstance(exc, (ValueError, KeyError, OSError, RuntimeError, ImportError))
+        hint = "" if expected or args.verbose else " (run with -v for the traceback)"
         print(f"error: {one_line(exc)}{hint}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
 
@@ -87,10 +87,6 @@ def one_line(exc: BaseException) -> str:
     if len(lines) < 2:
         return lines[0] if lines else type(exc).__name__
     return f"{lines[0].rstrip(':')}: {lines[-1]}"
-
-
-def _unexpected(exc: BaseException) -> bool:
-    return not isinstance(exc, (ValueError, KeyError, OSError, RuntimeError, ImportError))
 
 
 if __name__ == "__main__":

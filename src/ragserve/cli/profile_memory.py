@@ -56,12 +56,12 @@ def handler(args: argparse.Namespace) -> int:
     config = from_args(args)
     engine = dict(config.runtime.engine_kwargs)
     engine.pop("kv_cache_bytes", None)  # NOTE: the profile sets it, point by point
-    for flag in ("requests", "batch", "prompt_tokens", "output_tokens"):
-        if (value := getattr(args, flag)) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    for flag in ("requests", "batch", "prompt_tokens", "output_tokens", "gpu_memory_gb"):
+        if (value := getattr(args, flag)) is not None and value <= 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
     work = GenerationWorkload(args.prompt_tokens, args.output_tokens, args.requests)
     block_bytes = kv_block_bytes(config.model, engine)
-    given = None if args.gpu_memory_gb is None else _positive_gb(args.gpu_memory_gb)
+    given = None if args.gpu_memory_gb is None else int(args.gpu_memory_gb * 1e9)
     free = None if given is not None else _free_bytes(engine)
     block_size = int(engine.get("block_size", 16))
     kv_blocks = args.kv_blocks or _kv_grid(work, block_size, given or free, block_bytes)
@@ -103,12 +103,6 @@ def handler(args: argparse.Namespace) -> int:
     )
     print(f"wrote {out}: T_G at {len(gen.sizes)} KV sizes, T_R at {len(ret.sizes)} tier sizes")
     return 0
-
-
-def _positive_gb(gb: float) -> int:
-    if gb <= 0:
-        raise UsageError(f"--gpu-memory-gb must be > 0, got {gb}")
-    return int(gb * 1e9)
 
 
 def _free_bytes(engine: dict) -> int | None:

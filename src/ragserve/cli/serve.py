@@ -161,7 +161,9 @@ def serve_launch_config(args: argparse.Namespace, *, key_from_env: bool = True) 
         except ValueError as exc:
             raise UsageError(f"--{exc}") from None
     if args.ray is not None or (args.llm_replicas, args.index_shards) != (1, 1):
-        updates.update(_scale_out(args))
+        updates |= {"num_llm_replicas": args.llm_replicas, "num_index_shards": args.index_shards}
+    if args.ray is not None:
+        updates |= {"backend": "ray", "ray_address": args.ray or None}
     try:
         serve = dataclasses.replace(config.serve, **changes)
         # NOTE: the Server's own bound must not be below HTTP admission, or admitted requests
@@ -211,11 +213,3 @@ def handler(args: argparse.Namespace) -> int:
     logger.info("Server ready; co-scheduling: %s", ", ".join(server.stats()["cosched"]) or "off")
     serve(server, config.serve)
     return 0
-
-
-def _scale_out(args: argparse.Namespace) -> dict:
-    """``ServerConfig`` fields of ``--ray [ADDRESS] --llm-replicas N --index-shards M``."""
-    fields = {"num_llm_replicas": args.llm_replicas, "num_index_shards": args.index_shards}
-    if args.ray is None:
-        return fields
-    return {"backend": "ray", "ray_address": args.ray or None, **fields}

@@ -54,7 +54,7 @@ class BM25Index:
         with self._lock:
             if self._tokens is not None:
                 return np.array(sorted(self._tokens), dtype=np.int64)
-            return np.sort(self._row_ids)
+            return self._row_ids.copy()
 
     def apply(self, added: Sequence[tuple[int, str]], removed: Sequence[int], store) -> None:
         """Mirror a committed upsert/delete: `added` (row id, passage text), `removed` row ids."""
@@ -96,10 +96,9 @@ class BM25Index:
         if retriever is None or not terms:
             return out
         s = np.asarray(retriever.get_scores(terms), dtype=np.float32)
-        order = np.argsort(rows)
-        pos = np.searchsorted(rows, row_ids, sorter=order).clip(max=len(rows) - 1)
-        found = rows[order[pos]] == row_ids
-        out[found] = s[order[pos[found]]]
+        pos = np.searchsorted(rows, row_ids).clip(max=len(rows) - 1)  # `rows` are sorted
+        found = rows[pos] == row_ids
+        out[found] = s[pos[found]]
         return out
 
     def _current(self):

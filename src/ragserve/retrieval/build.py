@@ -5,7 +5,6 @@ and recorded with why (docs/architecture.md, "Building with the defaults")."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ragserve.retrieval.embedder import DEFAULT_EMBEDDER
 from ragserve.retrieval.modes import MODES
+from ragserve.retrieval.passages import PASSAGE_HEADERS
 from ragserve.retrieval.stepwise import KINDS, METRICS
 
 if TYPE_CHECKING:
@@ -32,14 +32,6 @@ ENCODER_DIR = "encoder"  # OUT/encoder: the fine-tuned encoder
 
 class BuildError(ValueError):
     """The build cannot go on; the message is one line saying why. Nothing was written."""
-
-
-@contextlib.contextmanager
-def _as_build_error():
-    try:
-        yield
-    except (ValueError, FileNotFoundError) as exc:
-        raise (exc if isinstance(exc, BuildError) else BuildError(str(exc))) from None
 
 
 @dataclass(frozen=True)
@@ -68,7 +60,7 @@ class BuildConfig:
         for name, value, allowed in (
             ("kind", self.kind, KINDS),
             ("metric", self.metric, tuple(METRICS)),
-            ("passage_header", self.passage_header, ("path", "none")),
+            ("passage_header", self.passage_header, PASSAGE_HEADERS),
             ("default_mode", self.default_mode, (None, *MODES)),
         ):
             if value not in allowed:
@@ -124,7 +116,7 @@ def build_index(
         raise FileNotFoundError(f"no corpus at {corpus}")  # before the embedder loads
     is_folder = str(corpus) != "factbook" and Path(corpus).is_dir()
     report = BuildReport(out=out, num_passages=0)
-    with _as_build_error():
+    try:
         embedder = load_embedder(config.embedder)
         docs = _passages(corpus, config, embedder, report)
         report.seconds["ingest"] = round(time.perf_counter() - start, 1)
@@ -134,13 +126,12 @@ def build_index(
         if report.default_mode == "ensemble" and not report.ensemble:
             raise BuildError("default mode ensemble needs a side encoder (--ensemble)")
         index = _index(docs, embedder, config, report, progress)
-    try:
-        index.metadata["default_mode"] = report.default_mode
-        index.metadata["collapse_sections"] = config.collapse_sections
-        index.metadata["finetune_encoder"] = report.finetune
-        save_and_swap(index, embedder if tuned else None, out)
-    finally:
-        index.close()
+    except (ValueError, FileNotFoundError) as exc:
+        raise (exc if isinstance(exc, BuildError) else BuildError(str(exc))) from None
+    index.metadata["default_mode"] = report.default_mode
+    index.metadata["collapse_sections"] = config.collapse_sections
+    index.metadata["finetune_encoder"] = report.finetune
+    save_and_swap(index, embedder if tuned else None, out)
     report.seconds["total"] = round(time.perf_counter() - start, 1)
     return report
 
@@ -278,7 +269,8 @@ def _index(docs: list[Document], embedder, config: BuildConfig, report: BuildRep
 
 def save_and_swap(index, tuned_embedder, out: Path) -> None:
     """Save `index` (and `tuned_embedder`, if any) into a staging folder beside `out`, then move
-    it into place; an index already at `out` is removed only after that. Closes `index`."""
+    it into place; an index already at `out` is removed only after that. Closes `index`, also
+    on failure."""
     from ragserve.retrieval.finetune import save_embedder
     from ragserve.retrieval.storage import fsync_dir
 
@@ -296,6 +288,7 @@ def save_and_swap(index, tuned_embedder, out: Path) -> None:
         os.rename(staging, out)
         fsync_dir(out.parent)
     except BaseException:
+        index.close()
         shutil.rmtree(staging, ignore_errors=True)
         if old.exists() and not out.exists():
             os.rename(old, out)

@@ -54,13 +54,10 @@ def build_dtype() -> str:
 
 def has_native_bf16(cpuinfo: str) -> bool:
     """Whether `/proc/cpuinfo`'s flags name AVX512-BF16 or AMX-BF16."""
-    flags = {
-        word
-        for line in cpuinfo.splitlines()
-        if line.startswith("flags")
-        for word in line.split(":", 1)[-1].split()
-    }
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    flags = (
+        line.split(":", 1)[-1].split() for line in cpuinfo.splitlines() if line.startswith("flags")
+    )
+    return any({"avx512_bf16", "amx_bf16"} & set(words) for words in flags)
 
 
 def _build_factbook(out: Path, progress: bool) -> None:

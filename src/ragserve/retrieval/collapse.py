@@ -39,14 +39,7 @@ def collapse_hits(hits: Sequence[ScoredDocument], topk: int) -> list[ScoredDocum
     """The first hit of each section, in rank order, cut to `topk`."""
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
-    seen: set[Hashable] = set()
-    out: list[ScoredDocument] = []
+    first: dict[Hashable, ScoredDocument] = {}
     for hit in hits:
-        key = section_key(hit.document)
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(hit)
-        if len(out) == topk:
-            break
-    return out
+        first.setdefault(section_key(hit.document), hit)
+    return list(first.values())[:topk]

@@ -71,11 +71,8 @@ class DocStore:
 
     def delete(self, doc_ids: Iterable[str]) -> list[int]:
         """Delete documents by `doc_id` (unknown ids are ignored); returns the removed row ids."""
-        removed = []
         with self._lock, self._txn():
-            for doc_id in doc_ids:
-                removed += self._delete_row(doc_id)
-        return removed
+            return [row for doc_id in doc_ids for row in self._delete_row(doc_id)]
 
     def _delete_row(self, doc_id: str) -> list[int]:
         """Inside a transaction: delete (and log) `doc_id`'s row; its row id, if any."""
@@ -110,12 +107,8 @@ class DocStore:
         return int(seq)
 
     def ops_after(self, seq: int) -> list[tuple[int, str, int]]:
-        return [
-            tuple(r)
-            for r in self._query(
-                "SELECT seq, op, row_id FROM ops WHERE seq > ? ORDER BY seq", (seq,)
-            )
-        ]
+        rows = self._query("SELECT seq, op, row_id FROM ops WHERE seq > ? ORDER BY seq", (seq,))
+        return [tuple(r) for r in rows]
 
     def count(self) -> int:
         return int(self._query("SELECT COUNT(*) FROM docs")[0][0])
@@ -187,11 +180,10 @@ class DocStore:
 
     def _query_in(self, sql: str, keys: list) -> list:
         """`sql` + ` IN (keys)`, 500 keys a query (SQLite's limit on arguments)."""
-        rows = []
-        for i in range(0, len(keys), 500):
-            chunk = keys[i : i + 500]
-            rows += self._query(f"{sql} IN ({','.join('?' * len(chunk))})", chunk)
-        return rows
+        chunks = (keys[i : i + 500] for i in range(0, len(keys), 500))
+        return [
+            row for c in chunks for row in self._query(f"{sql} IN ({','.join('?' * len(c))})", c)
+        ]
 
     @contextmanager
     def _txn(self) -> Iterator[None]:

@@ -103,17 +103,6 @@ class SideDense:
                 rows = np.concatenate([rows, added])
             self._row_ids, self._vectors = rows, np.ascontiguousarray(x)
 
-    def sync(self, live: np.ndarray, texts_of) -> int:
-        """Drop rows not `live`, embed the missing ones (`texts_of(row_ids)` → their texts);
-        returns how many were embedded."""
-        with self._lock:
-            have = self._row_ids
-        gone = np.setdiff1d(have, live)
-        missing = np.setdiff1d(live, have)
-        vectors = self.embedder.encode(texts_of(missing), is_query=False) if len(missing) else None
-        self.apply(missing, vectors, gone)
-        return len(missing)
-
     def search(self, queries: np.ndarray, topk: int, allowed: np.ndarray | None = None) -> TopK:
         """Top-`topk` row ids per query by inner product (`-1` pads), among `allowed`."""
         with self._lock:
@@ -202,12 +191,14 @@ class EnsembleMixin:
                 self._side.set_embedder(embedder)
             if self._side_synced:
                 return 0
-            live = self._store.row_ids_where("1")
-            num = self._side.sync(
-                live, lambda rows: [self.embed_text(d) for d in self._store.get(rows.tolist())]
-            )
+            # drop the rows no longer live, embed the live ones the side index lacks
+            live, have = self._store.row_ids_where("1"), self._side.row_ids()
+            missing = np.setdiff1d(live, have)
+            texts = [self.embed_text(d) for d in self._store.get(missing.tolist())]
+            vectors = self._side.embedder.encode(texts, is_query=False) if len(missing) else None
+            self._side.apply(missing, vectors, np.setdiff1d(have, live))
             self._side_synced = True
-            return num
+            return len(missing)
 
     def _side_upsert_vectors(self, docs) -> np.ndarray | None:
         """Side vectors of `docs` about to be upserted (None: no synced side index)."""

@@ -226,11 +226,10 @@ def _table_exceptions(table: dict[int, str]) -> list:
     for cp, out in sorted(table.items()):
         if unicodedata.normalize("NFKC", chr(cp)) != out:
             by_output.setdefault(out, []).append(cp)
-    steps = []
-    for out, cps in sorted(by_output.items()):
-        cls = "".join(f"\\x{{{cp:x}}}" for cp in cps)
-        steps.append(normalizers.Replace(Regex(f"[{cls}]"), out))
-    return steps
+    return [
+        normalizers.Replace(Regex("[" + "".join(f"\\x{{{cp:x}}}" for cp in cps) + "]"), out)
+        for out, cps in sorted(by_output.items())
+    ]
 
 
 def load_parts(dtype=None):

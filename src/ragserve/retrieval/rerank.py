@@ -33,7 +33,7 @@ class BaseReranker(ABC):
         scores = np.asarray(self.score(query, texts), dtype=np.float32)
         if scores.shape != (len(hits),):
             raise ValueError(f"reranker returned {scores.shape} scores for {len(hits)} hits")
-        order = np.argsort(-scores, kind="stable")[: topk if topk is not None else len(hits)]
+        order = np.argsort(-scores, kind="stable")[:topk]
         return [ScoredDocument(hits[i].document, float(scores[i])) for i in order]
 
 

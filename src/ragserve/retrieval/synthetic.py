@@ -41,10 +41,6 @@ class SyntheticSpec:
         c = rng.normal(size=(self.num_topics, self.dim)).astype(np.float32)
         return c / np.linalg.norm(c, axis=1, keepdims=True)
 
-    def topic_probs(self) -> np.ndarray:
-        p = 1.0 / np.arange(1, self.num_topics + 1) ** self.zipf_a
-        return p / p.sum()
-
 
 class SyntheticEmbedder:
     """``encode(texts, is_query=...)`` -> float32 ``[n, dim]`` unit vectors (see module doc)."""
@@ -54,7 +50,8 @@ class SyntheticEmbedder:
         self.dim = spec.dim
         self.name = spec.name
         self._centers = spec.centers()
-        self._cdf = np.cumsum(spec.topic_probs())
+        zipf = 1.0 / np.arange(1, spec.num_topics + 1) ** spec.zipf_a
+        self._cdf = np.cumsum(zipf / zipf.sum())
 
     def encode(self, texts, *, is_query: bool = True, progress: bool = False, **_) -> np.ndarray:
         out = np.empty((len(texts), self.dim), np.float32)

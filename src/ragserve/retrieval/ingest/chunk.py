@@ -48,7 +48,6 @@ class ChunkConfig:
 class ChunkStats:
     """Counts over a chunking run; `num_truncated` passages lost text to fit the window."""
 
-    num_documents: int = 0
     num_passages: int = 0
     num_truncated: int = 0
     num_titles_shortened: int = 0
@@ -91,7 +90,6 @@ class Chunker:
 
     def chunk(self, source: str, doc: ParsedDocument) -> Iterator[Document]:
         """Passages `<source>#<n>` with metadata `source`, `section`, `chunk` (+ front matter)."""
-        self.stats.num_documents += 1
         n = 0
         for section in doc.sections:
             title = section.title or source
@@ -110,7 +108,6 @@ class Chunker:
         title = doc.title or ""
         budget, title = self._budget(title, (title,) if title else ())
         texts = [self._fit(title, t) for t in self._pack(paragraphs, budget)] or [doc.text]
-        self.stats.num_documents += 1
         self.stats.num_passages += len(texts)
         if len(texts) == 1:
             yield Document(doc.id, texts[0], doc.title, doc.metadata)

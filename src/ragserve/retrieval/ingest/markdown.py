@@ -142,33 +142,27 @@ def _mkdocs_to_myst(text: str) -> str:
     i, fence = 0, None
     while i < len(lines):
         line = lines[i]
+        i += 1
         opened = _FENCE.match(line)
-        if fence is not None:
-            if opened and opened.group(1)[0] == fence[0] and len(opened.group(1)) >= len(fence):
+        if fence is not None or opened:  # fenced code, kept as it is
+            if fence is None:
+                fence = opened.group(1)
+            elif opened and opened.group(1)[0] == fence[0] and len(opened.group(1)) >= len(fence):
                 fence = None
             out.append(line)
-            i += 1
-            continue
-        if opened:
-            fence = opened.group(1)
-            out.append(line)
-            i += 1
             continue
         if _MKDOCSTRINGS.match(line):  # `::: package.module` and its indented options
-            i += 1
             while i < len(lines) and (lines[i][:1] in (" ", "\t")) and lines[i].strip():
                 i += 1
             continue
         if _SNIPPET.match(line):
-            i += 1
             continue
         block = _MKDOCS_BLOCK.match(line)
         if block is None:
             out.append(line)
-            i += 1
             continue
         indent = len(block.group("indent").expandtabs(4))
-        body, i = _indented_body(lines, i + 1, indent)
+        body, i = _indented_body(lines, i, indent)
         inner = _mkdocs_to_myst("\n".join(body))
         colons = ":" * max(3, 1 + max((len(m) for m in re.findall(r"^:+", inner, re.M)), default=0))
         if block.group("adm"):
