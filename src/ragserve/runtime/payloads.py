@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import pickle
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -15,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from ragserve.graph import Passage
-from ragserve.runtime.errors import error_kind_of, failed_update
+from ragserve.runtime.errors import error_kind_of, error_result, failed_update
 from ragserve.runtime.shm import ShmRing, ShmWriter, ipc_stream
 from ragserve.runtime.wire import (
     CallMsg,
@@ -24,9 +23,9 @@ from ragserve.runtime.wire import (
     GenerationResultsMsg,
     RetrievalResultsMsg,
     WireError,
+    encode,
 )
-from ragserve.scheduler import GenerationUpdate, RetrievalResult
-from ragserve.scheduler.messages import OperatorResult
+from ragserve.scheduler import GenerationUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +62,17 @@ def uses_arrow(num_bytes: int, small_message_bytes: int, slot_bytes: int) -> boo
 
 def generation_bytes(updates: list[Any]) -> int:
     """The estimated payload size of ``updates``."""
-    total = 0
-    for u in updates:
-        total += ROW_BYTES + len(u.text_delta) + 8 * len(u.new_token_ids)
-        total += 8 * len(u.prompt_token_ids) if u.prompt_token_ids else 0
-        total += len(u.final_text) if u.final_text else 0
-        total += len(u.error) if u.error else 0
-    return total
+    text = sum(len(u.text_delta) + len(u.final_text or "") + len(u.error or "") for u in updates)
+    ids = sum(len(u.new_token_ids) + len(u.prompt_token_ids or ()) for u in updates)
+    return ROW_BYTES * len(updates) + text + 8 * ids
 
 
 def retrieval_bytes(results: list[Any]) -> int:
     """The estimated payload size of ``results`` (an operator result: its fixed part only)."""
-    total = 0
-    for r in results:
-        total += ROW_BYTES
-        for p in getattr(r, "passages", ()):
-            total += 8 + len(p.doc_id) + len(p.text) + (len(p.title) if p.title else 0)
-    return total
+    passages = [p for r in results for p in getattr(r, "passages", ())]
+    return ROW_BYTES * len(results) + sum(
+        8 + len(p.doc_id) + len(p.text) + len(p.title or "") for p in passages
+    )
 
 
 class Outbox:
@@ -96,18 +89,17 @@ class Outbox:
 
     def send(self, msg: Any, fallback: Callable[[str], Any]) -> None:
         try:
-            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+            data = encode(msg)
         except Exception as exc:
             logger.error("a %s cannot be pickled (%s); sending errors instead", type(msg), exc)
-            reason = f"the result cannot be sent back: {type(exc).__name__}"
-            data = pickle.dumps(fallback(reason), protocol=pickle.HIGHEST_PROTOCOL)
+            data = encode(fallback(f"the result cannot be sent back: {type(exc).__name__}"))
         if len(data) > self.max_message_bytes:
             reason = (
                 f"the result cannot be sent back: its message of {len(data)} bytes exceeds "
                 f"max_message_bytes ({self.max_message_bytes})"
             )
             logger.error("%s", reason)
-            data = pickle.dumps(fallback(reason), protocol=pickle.HIGHEST_PROTOCOL)
+            data = encode(fallback(reason))
         self.conn.send_bytes(data)
 
     def send_stats(self, stats: dict[str, Any]) -> None:
@@ -129,27 +121,19 @@ class Outbox:
 
         if not self._uses_arrow(generation_bytes(updates)):
             self.send(GenerationResultsMsg(task_ids, None, stats, tuple(updates)), failed)
-            return
-        payload = self._payload(lambda: generation_batch(updates), failed)
-        if payload is not None:
+        elif (payload := self._payload(lambda: generation_batch(updates), failed)) is not None:
             self.send(GenerationResultsMsg(task_ids, payload, stats), failed)
 
     def send_retrieval(self, results: list) -> None:
         """Operator results carry no passages and ride in the message as they are."""
 
-        def error_of(r: Any, reason: str) -> Any:
-            if hasattr(r, "passages"):
-                return RetrievalResult(r.task_id, (), reason, error_kind="internal")
-            return OperatorResult(r.task_id, error=reason, error_kind="internal")
-
         def failed(reason: str) -> RetrievalResultsMsg:
-            return RetrievalResultsMsg(tuple(error_of(r, reason) for r in results), None)
+            errors = (error_result(r, reason, "internal") for r in results)
+            return RetrievalResultsMsg(tuple(errors), None)
 
         if not self._uses_arrow(retrieval_bytes(results)):
             self.send(RetrievalResultsMsg(tuple(results), None), failed)
-            return
-        payload = self._payload(lambda: retrieval_batch(results), failed)
-        if payload is not None:
+        elif (payload := self._payload(lambda: retrieval_batch(results), failed)) is not None:
             slim = (with_fields(r, passages=()) if hasattr(r, "passages") else r for r in results)
             self.send(RetrievalResultsMsg(tuple(slim), payload), failed)
 
