@@ -72,16 +72,11 @@ def start_ray(config: ServerConfig) -> bool:
     if ray.is_initialized():
         return False
     env = {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
-    if config.ray_address is not None:
-        ray.init(address=config.ray_address, runtime_env=env, log_to_driver=False)
-        return False
-    ray.init(
-        num_cpus=config.ray_num_cpus or os.cpu_count() or 1,
-        include_dashboard=False,
-        runtime_env=env,
-        log_to_driver=False,
-    )
-    return True
+    local = config.ray_address is None
+    cluster = {"num_cpus": config.ray_num_cpus or os.cpu_count() or 1, "include_dashboard": False}
+    where = cluster if local else {"address": config.ray_address}
+    ray.init(runtime_env=env, log_to_driver=False, **where)
+    return local
 
 
 def shard_root(index: str | Path, num_shards: int, partition: str) -> Path:
@@ -374,7 +369,7 @@ class RayExecutor(BaseExecutor):
         self._down.pop(name, None)
         logger.info("%s actor is back", name)
         if name != RETRIEVAL:
-            self.router.set_available(int(name.rsplit("_", 1)[1]), True)
+            self.router.set_available(int(name.removeprefix("llm_")), True)
         elif self._held:
             held, self._held = self._held, []
             self.actors[RETRIEVAL].submit.remote(held)
@@ -387,7 +382,7 @@ class RayExecutor(BaseExecutor):
             logger.warning("%s actor died (%s); Ray restarts it", name, type(exc).__name__)
         reason = f"{name} actor died ({type(exc).__name__}); Ray restarts it"
         if name != RETRIEVAL:
-            replica = int(name.rsplit("_", 1)[1])
+            replica = int(name.removeprefix("llm_"))
             self.router.set_available(replica, False)
             lost = self.router.tasks_on(replica)
             for tid in lost:
@@ -428,16 +423,16 @@ class RayExecutor(BaseExecutor):
         return dict(total)
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.actors:
-            entry = dict(self._actor_stats.get(name, {}))
-            entry["restarts"] = self._restarts.get(name, 0)
-            entry["alive"] = name not in self._down
-            if name.startswith("llm_"):
-                entry["in_flight"] = self.router.loads[int(name.rsplit("_", 1)[1])]
-            else:
-                entry["in_flight"] = len(self._retrievals)
-            out[name] = entry
+        loads = {f"llm_{i}": n for i, n in enumerate(self.router.loads)}
+        out: dict[str, Any] = {
+            name: {
+                **self._actor_stats.get(name, {}),
+                "restarts": self._restarts.get(name, 0),
+                "alive": name not in self._down,
+                "in_flight": loads.get(name, len(self._retrievals)),
+            }
+            for name in self.actors
+        }
         out["router"] = self.router.stats()
         out.update(self._shard_stats())
         return out
