@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ragserve.retrieval.limits import DocumentLimits
-from ragserve.runtime.wire import SMALL_MESSAGE_BYTES
 from ragserve.runtime.worker_start import START_METHODS
 from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.scheduler.operators import OperatorConfig
@@ -90,7 +89,7 @@ class ServerConfig:
     shm_slots: int = 8
     shm_slot_bytes: int = 8 << 20
     max_message_bytes: int = 1 << 28
-    small_message_bytes: int = SMALL_MESSAGE_BYTES
+    small_message_bytes: int = 1 << 20  # smaller results ride pickled (``wire.py``; BENCHMARKS.md)
     tokenizer_prefetch: bool = True
     worker_start_timeout: float = 600.0
     max_node_runs: int = 256

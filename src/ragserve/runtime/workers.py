@@ -1,6 +1,6 @@
 """The worker loops, one per runner kind, shared by the worker processes (``worker_main``) and
 the Ray actors (``ray_actors``): drain the inbox (``wire.py`` messages), run the runner, hand
-the results to an outbox (``payloads.Outbox`` for a process: its pipe and ring)."""
+the results to an outbox (``wire.Outbox`` for a process: its pipe and ring)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.payloads import Outbox
 from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.shm import ShmWriter
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner, run_isolated
@@ -25,6 +24,7 @@ from ragserve.runtime.wire import (
     AbortGenerationMsg,
     CallMsg,
     FatalMsg,
+    Outbox,
     ReadyMsg,
     ShutdownMsg,
     SubmitMsg,
