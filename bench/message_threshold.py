@@ -1,9 +1,9 @@
 """Where a results message's rows should stop riding pickled and go as Arrow in shared memory
-(``runtime/payloads.py``, ``ServerConfig.small_message_bytes``): the real ``Outbox`` in a
+(``runtime/wire.py``, ``ServerConfig.small_message_bytes``): the real ``Outbox`` in a
 spawned process sends retrieval results (3 passages each) and generation steps (one update
 per sequence, each with a prompt of token ids) of growing size through a real pipe and ring
 (``ServerConfig``'s default slots); this process receives and decodes them
-(``payloads.read_results``). Each size is timed with both encodings interleaved, best of
+(``wire.read_results``). Each size is timed with both encodings interleaved, best of
 ``--repeats`` round trips (request -> built, sent, received, decoded); the first size where
 Arrow is faster is the crossover.
 
@@ -63,8 +63,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from ragserve.runtime.config import ServerConfig
-    from ragserve.runtime.payloads import generation_bytes, read_results, retrieval_bytes
     from ragserve.runtime.shm import ShmRing
+    from ragserve.runtime.wire import generation_bytes, read_results, retrieval_bytes
 
     config = ServerConfig()
     ring = ShmRing(args.slots or config.shm_slots, args.slot_bytes or config.shm_slot_bytes)

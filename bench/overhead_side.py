@@ -227,7 +227,7 @@ def data_plane_us(repeats: int = 300) -> dict[str, float]:
     pipe = Pipe()
     if hasattr(workers, "Outbox"):  # after: typed messages, rows pickled or Arrow by size
         from ragserve.runtime import ServerConfig
-        from ragserve.runtime.payloads import read_results
+        from ragserve.runtime.wire import read_results
 
         config = ServerConfig()
         ring = ShmRing(4, config.shm_slot_bytes)

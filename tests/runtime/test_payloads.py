@@ -11,15 +11,16 @@ import pytest
 
 from ragserve.graph import Passage
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.payloads import (
+from ragserve.runtime.shm import ShmRef, ShmRing, ShmWriter
+from ragserve.runtime.wire import (
+    GenerationResultsMsg,
     Outbox,
+    RetrievalResultsMsg,
     generation_bytes,
     read_results,
     retrieval_bytes,
     uses_arrow,
 )
-from ragserve.runtime.shm import ShmRing, ShmWriter
-from ragserve.runtime.wire import GenerationResultsMsg, RetrievalResultsMsg, ShmRef
 from ragserve.scheduler import GenerationUpdate, RetrievalResult
 from ragserve.scheduler.messages import OperatorResult, RetrievalPartial, StagedRetrievalResult
 

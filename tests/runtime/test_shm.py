@@ -10,27 +10,23 @@ import pyarrow as pa
 import pytest
 
 from ragserve.graph import Passage
-from ragserve.runtime.payloads import (
-    Outbox,
-    attach_retrieval,
-    generation_batch,
-    read_generation,
-    read_results,
-    retrieval_batch,
-)
-from ragserve.runtime.shm import ShmRing, ShmWriter, ipc_stream
+from ragserve.runtime.shm import InlineArrow, ShmRef, ShmRing, ShmWriter, ipc_stream
 from ragserve.runtime.wire import (
     AbortGenerationMsg,
     CallMsg,
     CallReplyMsg,
     GenerationResultsMsg,
-    InlineArrow,
+    Outbox,
     RetrievalResultsMsg,
-    ShmRef,
     SubmitMsg,
     WireError,
+    attach_retrieval,
     check_call,
     encode,
+    generation_batch,
+    read_generation,
+    read_results,
+    retrieval_batch,
 )
 from ragserve.scheduler import (
     GenerationParams,

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ragserve.retrieval.limits import DocumentLimits
-from ragserve.runtime.wire import SMALL_MESSAGE_BYTES
 from ragserve.runtime.worker_start import START_METHODS
 from ragserve.scheduler.cosched import CoScheduleConfig
 from ragserve.scheduler.operators import OperatorConfig
@@ -50,15 +49,13 @@ class GpuTierConfig:
     stream_host_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        if self.budget_bytes is not None and self.budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
-        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
-            raise ValueError(f"gpu_memory_bytes must be > 0, got {self.gpu_memory_bytes}")
+        at_least(0, budget_bytes=self.budget_bytes)
+        at_least(
+            1, gpu_memory_bytes=self.gpu_memory_bytes, stream_host_bytes=self.stream_host_bytes
+        )
         _one_of(self, "dtype", ("float32", "float16", "bfloat16"))
         _one_of(self, "scan", TIER_SCANS)
         _one_of(self, "stream_cold", STREAM_MODES)
-        if self.stream_host_bytes < 1:
-            raise ValueError(f"stream_host_bytes must be >= 1, got {self.stream_host_bytes}")
 
     def tier_spec(self, budget_bytes: int) -> TierSpec:
         from ragserve.retrieval.index_tier import TierSpec
@@ -92,7 +89,7 @@ class ServerConfig:
     shm_slots: int = 8
     shm_slot_bytes: int = 8 << 20
     max_message_bytes: int = 1 << 28
-    small_message_bytes: int = SMALL_MESSAGE_BYTES
+    small_message_bytes: int = 1 << 20  # smaller results ride pickled (``wire.py``; BENCHMARKS.md)
     tokenizer_prefetch: bool = True
     worker_start_timeout: float = 600.0
     max_node_runs: int = 256
@@ -128,17 +125,12 @@ class ServerConfig:
         for name in ("call_timeout_s", "health_stall_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
-        for name in COUNTS:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        at_least(1, ray_num_cpus=self.ray_num_cpus, **{n: getattr(self, n) for n in COUNTS})
         if not 0 <= self.small_message_bytes <= self.max_message_bytes:
             raise ValueError(
                 f"small_message_bytes must be in [0, max_message_bytes], "
                 f"got {self.small_message_bytes}"
             )
-        self._check_backend()
-
-    def _check_backend(self) -> None:
         _one_of(self, "backend", ("process", "ray"))
         _one_of(self, "worker_start_method", START_METHODS)
         _one_of(self, "shard_partition", ("list", "document"))
@@ -146,14 +138,18 @@ class ServerConfig:
             raise ValueError("num_llm_replicas and num_index_shards > 1 need backend='ray'")
         if self.backend == "ray" and self.in_process:
             raise ValueError("backend='ray' runs actors; it cannot be combined with in_process")
-        tier = self.gpu_tier
-        if self.backend == "ray" and tier is not None and tier.budget_bytes is None:
+        if self.backend == "ray" and self.gpu_tier and self.gpu_tier.budget_bytes is None:
             raise ValueError(
                 "gpu_tier.budget_bytes: backend='ray' needs an explicit tier size (split "
                 "evenly over the index shards; the Eq. 2 split is not run for actors)"
             )
-        if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
-            raise ValueError(f"ray_num_cpus must be >= 1 or None, got {self.ray_num_cpus}")
+
+
+def at_least(minimum: int, **values: int | None) -> None:
+    """``ValueError`` naming the first of ``values`` below ``minimum`` (``None`` is no value)."""
+    for name, value in values.items():
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _one_of(config: Any, name: str, choices: tuple[str, ...]) -> None:

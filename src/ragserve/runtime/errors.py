@@ -53,13 +53,18 @@ def isolated(
     return [r for t in tasks for r in isolated(run, [t], fail)]
 
 
+def error_result(item: Any, message: str, kind: str) -> RetrievalResult | OperatorResult:
+    """The error result in place of ``item``, a retrieval task or result (an ``OperatorResult``
+    for an operator's)."""
+    if isinstance(item, (EmbedTask, RerankTask, UpsertTask, OperatorResult)):
+        return OperatorResult(item.task_id, error=message, error_kind=kind)
+    return RetrievalResult(item.task_id, (), message, error_kind=kind)
+
+
 def failed_result(task: Any, exc: BaseException) -> RetrievalResult | OperatorResult:
-    """``task``'s error result for ``exc`` (an ``OperatorResult`` for an operator task)."""
+    """``task``'s error result for ``exc``."""
     logger.warning("task %s failed: %s: %s", task.task_id, type(exc).__name__, exc)
-    message, kind = failure(exc)
-    if isinstance(task, (EmbedTask, RerankTask, UpsertTask)):
-        return OperatorResult(task.task_id, error=message, error_kind=kind)
-    return RetrievalResult(task.task_id, (), message, error_kind=kind)
+    return error_result(task, *failure(exc))
 
 
 def failed_update(task_id: str, reason: str, kind: str = "internal") -> GenerationUpdate:

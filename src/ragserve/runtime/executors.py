@@ -16,7 +16,6 @@ from typing import Any
 
 from ragserve.runtime.config import ServerConfig
 from ragserve.runtime.errors import WorkerError, failed_results
-from ragserve.runtime.payloads import read_results
 from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.shm import ShmRing
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner, run_isolated
@@ -33,6 +32,7 @@ from ragserve.runtime.wire import (
     SubmitMsg,
     check_call,
     encode,
+    read_results,
 )
 from ragserve.runtime.worker_start import worker_context, worker_process
 from ragserve.runtime.workers import WorkerSpec, worker_main

@@ -23,13 +23,13 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.config import ServerConfig, at_least
 
 logger = logging.getLogger(__name__)
 
@@ -115,77 +115,53 @@ def solve_memory_split(
     ``retrieval`` ``T_R`` by tier bytes, capped at ``max_index_bytes``. Ties go to the larger
     ``T_G + T_R``, then to more KV blocks. An override (``kv_cache_bytes`` and/or
     ``index_tier_bytes``) skips the solver; the profiles may then be ``None``."""
-    _check_sizes(total_bytes, block_bytes, min_kv_blocks, max_index_bytes)
-    if kv_cache_bytes is not None or index_tier_bytes is not None:
-        requested = (kv_cache_bytes, index_tier_bytes, max_index_bytes)
-        return _override(total_bytes, block_bytes, min_kv_blocks, requested, generation, retrieval)
-    if generation is None or retrieval is None:
-        raise ValueError("generation and retrieval profiles are required without an override")
-    blocks = np.arange(min_kv_blocks, total_bytes // block_bytes + 1, dtype=np.int64)
-    tier = total_bytes - blocks * block_bytes
-    if max_index_bytes is not None:
-        tier = np.minimum(tier, max_index_bytes)
-    t_g, t_r = generation.at(blocks), retrieval.at(tier)
-    ties = np.flatnonzero(_at_max(np.minimum(t_g, t_r)))
-    i = int(ties[_at_max(t_g[ties] + t_r[ties])][-1])
-    n = int(blocks[i])
-    return MemorySplit(n * block_bytes, int(tier[i]), n, "eq2", float(t_g[i]), float(t_r[i]))
-
-
-def _at_max(values: np.ndarray) -> np.ndarray:
-    # NOTE: relative tie tolerance so that plateaus of measured curves count as ties.
-    return values >= values.max() - 1e-9 * max(abs(values.max()), 1.0)
-
-
-def _check_sizes(
-    total_bytes: int, block_bytes: int, min_kv_blocks: int, max_index_bytes: int | None
-) -> None:
-    if block_bytes <= 0:
-        raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
-    if min_kv_blocks < 0:
-        raise ValueError(f"min_kv_blocks must be >= 0, got {min_kv_blocks}")
+    at_least(1, block_bytes=block_bytes)
+    at_least(0, min_kv_blocks=min_kv_blocks, max_index_bytes=max_index_bytes)
+    at_least(0, kv_cache_bytes=kv_cache_bytes, index_tier_bytes=index_tier_bytes)
     if total_bytes < min_kv_blocks * block_bytes:
         raise ValueError(
             f"total_bytes {total_bytes} < min_kv_blocks * block_bytes "
             f"({min_kv_blocks} * {block_bytes})"
         )
-    if max_index_bytes is not None and max_index_bytes < 0:
-        raise ValueError(f"max_index_bytes must be >= 0 or None, got {max_index_bytes}")
-
-
-def _override(
-    total_bytes: int,
-    block_bytes: int,
-    min_kv_blocks: int,
-    requested: tuple[int | None, int | None, int | None],
-    generation: ThroughputProfile | None,
-    retrieval: ThroughputProfile | None,
-) -> MemorySplit:
-    kv_cache_bytes, index_tier_bytes, max_index_bytes = requested
-    for name, value in (("kv_cache_bytes", kv_cache_bytes), ("index_tier_bytes", index_tier_bytes)):
-        if value is not None and value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    if kv_cache_bytes is None:
-        assert index_tier_bytes is not None
-        if index_tier_bytes > total_bytes:
-            raise ValueError(f"index_tier_bytes {index_tier_bytes} > total_bytes {total_bytes}")
-        kv_cache_bytes = total_bytes - index_tier_bytes
-    n = kv_cache_bytes // block_bytes
-    if n < min_kv_blocks:
-        raise ValueError(
-            f"kv_cache_bytes {kv_cache_bytes} holds {n} blocks < min_kv_blocks {min_kv_blocks}"
-        )
-    kv = n * block_bytes
-    tier = total_bytes - kv if index_tier_bytes is None else index_tier_bytes
-    if index_tier_bytes is None and max_index_bytes is not None:
-        tier = min(tier, max_index_bytes)
-    if kv + tier > total_bytes:
-        raise ValueError(
-            f"kv_cache_bytes {kv} + index_tier_bytes {tier} > total_bytes {total_bytes}"
-        )
+    source = "eq2" if kv_cache_bytes is None and index_tier_bytes is None else "override"
+    if source == "eq2":
+        if generation is None or retrieval is None:
+            raise ValueError("generation and retrieval profiles are required without an override")
+        blocks = np.arange(min_kv_blocks, total_bytes // block_bytes + 1, dtype=np.int64)
+        tiers = total_bytes - blocks * block_bytes
+        if max_index_bytes is not None:
+            tiers = np.minimum(tiers, max_index_bytes)
+        t_g, t_r = generation.at(blocks), retrieval.at(tiers)
+        ties = np.flatnonzero(_at_max(np.minimum(t_g, t_r)))
+        i = int(ties[_at_max(t_g[ties] + t_r[ties])][-1])
+        n, tier = int(blocks[i]), int(tiers[i])
+    else:
+        if kv_cache_bytes is None:
+            if index_tier_bytes > total_bytes:
+                raise ValueError(f"index_tier_bytes {index_tier_bytes} > total_bytes {total_bytes}")
+            kv_cache_bytes = total_bytes - index_tier_bytes
+        n = kv_cache_bytes // block_bytes
+        if n < min_kv_blocks:
+            raise ValueError(
+                f"kv_cache_bytes {kv_cache_bytes} holds {n} blocks < min_kv_blocks {min_kv_blocks}"
+            )
+        tier = index_tier_bytes
+        if tier is None:
+            tier = total_bytes - n * block_bytes
+            tier = tier if max_index_bytes is None else min(tier, max_index_bytes)
+        if n * block_bytes + tier > total_bytes:
+            raise ValueError(
+                f"kv_cache_bytes {n * block_bytes} + index_tier_bytes {tier} > total_bytes "
+                f"{total_bytes}"
+            )
     t_g = None if generation is None else float(generation.at(np.asarray([n]))[0])
     t_r = None if retrieval is None else float(retrieval.at(np.asarray([tier]))[0])
-    return MemorySplit(kv, int(tier), int(n), "override", t_g, t_r)
+    return MemorySplit(n * block_bytes, int(tier), n, source, t_g, t_r)
+
+
+def _at_max(values: np.ndarray) -> np.ndarray:
+    # NOTE: relative tie tolerance so that plateaus of measured curves count as ties.
+    return values >= values.max() - 1e-9 * max(abs(values.max()), 1.0)
 
 
 @dataclass(frozen=True)
@@ -209,7 +185,7 @@ def plan_gpu_memory(config: ServerConfig, model: Any, index: Any) -> tuple[Serve
             _check_fits(tier, kv, model, engine)
         return config, TierPlan(tier.budget_bytes, kv, "override")
     block_bytes = kv_block_bytes(model, engine)
-    total = tier.gpu_memory_bytes or free_gpu_bytes(tier.device) - _weight_bytes(model, engine)
+    total = _gpu_bytes(tier, model, engine)
     gen = _profile(tier.generation_profile, "generation_profile")
     ret = _profile(tier.retrieval_profile, "retrieval_profile")
     if tier.budget_bytes is None and kv is None and (gen is None or ret is None):
@@ -245,7 +221,7 @@ def _check_fits(tier: Any, kv: int, model: Any, engine: dict[str, Any]) -> None:
     if not (tier.gpu_memory_bytes or (same_gpu and tier.device.startswith("cuda"))):
         return
     try:
-        total = tier.gpu_memory_bytes or free_gpu_bytes(tier.device) - _weight_bytes(model, engine)
+        total = _gpu_bytes(tier, model, engine)
     except ValueError:
         return  # nothing to measure against (no CUDA here): the sizes given stand
     if kv + tier.budget_bytes > total:
@@ -301,8 +277,12 @@ def free_gpu_bytes(device: str) -> int:
     return int(free * 0.92)  # NOTE: headroom for activations, CUDA graphs and the allocator
 
 
-def _weight_bytes(model: Any, engine: dict[str, Any]) -> int:
-    return sum(f.stat().st_size for f in model_folder(model, engine).glob("*.safetensors"))
+def _gpu_bytes(tier: Any, model: Any, engine: dict[str, Any]) -> int:
+    """The tier's ``gpu_memory_bytes``, else ``free_gpu_bytes`` minus the model's weights."""
+    if tier.gpu_memory_bytes:
+        return tier.gpu_memory_bytes
+    weights = sum(f.stat().st_size for f in model_folder(model, engine).glob("*.safetensors"))
+    return free_gpu_bytes(tier.device) - weights
 
 
 def model_folder(model: Any, engine_kwargs: dict[str, Any]) -> Path:
@@ -351,9 +331,7 @@ class GenerationWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("prompt_tokens", "output_tokens", "num_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        at_least(1, **{k: v for k, v in dataclasses.asdict(self).items() if k != "seed"})
 
     @property
     def tokens(self) -> int:
@@ -438,8 +416,7 @@ def measure_retrieval_profile(
     q = np.ascontiguousarray(queries, dtype=np.float32)
     if batch_size < 1 or len(q) < batch_size:
         raise ValueError(f"batch_size must be in [1, {len(q)}] (the queries), got {batch_size}")
-    if min_batches < 1:
-        raise ValueError(f"min_batches must be >= 1, got {min_batches}")
+    at_least(1, min_batches=min_batches)
     sizes = _ascending("tier_bytes", tier_bytes, minimum=0)
     index.access_counts.observe(index.assign(q, nprobe).cluster_ids)
     rows, seconds = [], []
@@ -487,8 +464,8 @@ def write_profile(
     from ragserve.retrieval.storage import atomic_write_bytes
 
     doc = {
-        "generation_profile": [list(p) for p in _points(generation)],
-        "retrieval_profile": [list(p) for p in _points(retrieval)],
+        "generation_profile": [list(p) for p in zip(*astuple(generation), strict=True)],
+        "retrieval_profile": [list(p) for p in zip(*astuple(retrieval), strict=True)],
         "gpu_memory_bytes": gpu_memory_bytes,
         "kv_block_bytes": int(kv_block_bytes),
         "meta": meta or {},
@@ -497,10 +474,6 @@ def write_profile(
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out, json.dumps(doc, indent=1).encode())
     return out
-
-
-def _points(profile: ThroughputProfile) -> Any:
-    return zip(profile.sizes, profile.requests_per_second, strict=True)
 
 
 def _ascending(name: str, values: Sequence[int], *, minimum: int = 1) -> list[int]:

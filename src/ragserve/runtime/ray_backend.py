@@ -11,13 +11,13 @@ import logging
 import os
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ragserve.runtime.config import ServerConfig
+from ragserve.runtime.config import ServerConfig, at_least
 from ragserve.runtime.errors import failed_results
 from ragserve.scheduler import (
     BaseExecutor,
@@ -72,16 +72,11 @@ def start_ray(config: ServerConfig) -> bool:
     if ray.is_initialized():
         return False
     env = {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
-    if config.ray_address is not None:
-        ray.init(address=config.ray_address, runtime_env=env, log_to_driver=False)
-        return False
-    ray.init(
-        num_cpus=config.ray_num_cpus or os.cpu_count() or 1,
-        include_dashboard=False,
-        runtime_env=env,
-        log_to_driver=False,
-    )
-    return True
+    local = config.ray_address is None
+    cluster = {"num_cpus": config.ray_num_cpus or os.cpu_count() or 1, "include_dashboard": False}
+    where = cluster if local else {"address": config.ray_address}
+    ray.init(runtime_env=env, log_to_driver=False, **where)
+    return local
 
 
 def shard_root(index: str | Path, num_shards: int, partition: str) -> Path:
@@ -107,12 +102,8 @@ class ReplicaRouter:
     def __init__(
         self, num_replicas: int, *, affinity_chars: int = 256, overload_slack: int = 4
     ) -> None:
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        if affinity_chars < 0:
-            raise ValueError(f"affinity_chars must be >= 0, got {affinity_chars}")
-        if overload_slack < 0:
-            raise ValueError(f"overload_slack must be >= 0, got {overload_slack}")
+        at_least(1, num_replicas=num_replicas)
+        at_least(0, affinity_chars=affinity_chars, overload_slack=overload_slack)
         self.num_replicas = num_replicas
         self.affinity_chars = affinity_chars
         self.overload_slack = overload_slack
@@ -149,10 +140,7 @@ class ReplicaRouter:
 
     def set_available(self, replica: int, available: bool) -> None:
         """A replica that is down (restarting) gets no new tasks while another is up."""
-        if available:
-            self._down.discard(replica)
-        else:
-            self._down.add(replica)
+        (self._down.discard if available else self._down.add)(replica)
 
     def replica_of(self, task_id: str) -> int | None:
         return self._replica_of.get(task_id)
@@ -245,13 +233,16 @@ class RayExecutor(BaseExecutor):
             self._pg = placement_group([{"GPU": 1, "CPU": 1}] * plan.num_bundles, strategy="PACK")
             self._ray.get(self._pg.ready(), timeout=self.config.worker_start_timeout)
 
-    def _bundle(self, index: int, gpus: float) -> dict[str, Any]:
-        if not gpus:
-            return {}
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    def _actor(self, cls: type, bundle: int, gpus: float, **options: Any) -> Any:
+        """``cls`` as a restartable Ray actor class; with ``gpus``, that share of a GPU in
+        placement group bundle ``bundle``."""
+        if gpus:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        strategy = PlacementGroupSchedulingStrategy(self._pg, index)
-        return {"num_gpus": gpus, "scheduling_strategy": strategy}
+            strategy = PlacementGroupSchedulingStrategy(self._pg, bundle)
+            options.update(num_gpus=gpus, scheduling_strategy=strategy)
+        options.update(max_restarts=MAX_RESTARTS, max_concurrency=4)
+        return self._ray.remote(cls).options(**options)
 
     def _start_shards(self, index: str) -> list:
         from ragserve.retrieval.sharded import ShardServer
@@ -259,15 +250,12 @@ class RayExecutor(BaseExecutor):
         m = self.config.num_index_shards
         if m == 1:
             return []
-        root = shard_root(index, m, self.config.shard_partition)
-        self._shard_root = root
-        cls = self._ray.remote(ShardServer)
+        self._shard_root = shard_root(index, m, self.config.shard_partition)
         self._shard_names = [f"{self._prefix}-shard-{i}" for i in range(m)]
-        tier = self._tier_spec(m)
-        opts = {"num_cpus": 0, "max_restarts": MAX_RESTARTS, "max_concurrency": 4}
+        tier, gpus = self._tier_spec(m), self._gpu_plan.tier_gpus
         return [
-            cls.options(name=name, **opts, **self._bundle(i, self._gpu_plan.tier_gpus)).remote(
-                str(root / f"shard-{i}"), tier
+            self._actor(ShardServer, i, gpus, num_cpus=0, name=name).remote(
+                str(self._shard_root / f"shard-{i}"), tier
             )
             for i, name in enumerate(self._shard_names)
         ]
@@ -276,30 +264,24 @@ class RayExecutor(BaseExecutor):
         from ragserve.runtime.ray_actors import RetrievalCoordinator
 
         single = self._shard_root is None  # it opens the index itself (and holds the tier)
-        place = self._bundle(0, self._gpu_plan.tier_gpus) if single else {}
-        cls = self._ray.remote(RetrievalCoordinator).options(
-            num_cpus=0, max_restarts=MAX_RESTARTS, max_concurrency=4, **place
-        )
+        gpus = self._gpu_plan.tier_gpus if single else 0.0
         root = None if single else str(self._shard_root)
         # NOTE: shards are passed by name, not handle: handles would make the constructor's
         # arguments objects in the store, which a restart after they are freed cannot read.
         names = self._shard_names or None
         tier = self._tier_spec(1) if single else None
         reranker = self.config.operators.reranker
-        return cls.remote(
+        return self._actor(RetrievalCoordinator, 0, gpus, num_cpus=0).remote(
             index, embedder, self.config.default_nprobe, root, names, tier, reranker=reranker
         )
 
     def _start_replicas(self, model: str) -> list:
         from ragserve.runtime.ray_actors import LLMReplica
 
-        cls = self._ray.remote(LLMReplica)
-        opts: dict[str, Any] = {"max_restarts": MAX_RESTARTS, "max_concurrency": 4}
-        kwargs = self.config.engine_kwargs
         share = self._gpu_plan.replica_gpus  # NOTE: on CPU no Ray CPU reservation either
         return [
-            cls.options(num_cpus=int(share > 0), **self._bundle(i, share), **opts).remote(
-                model, kwargs
+            self._actor(LLMReplica, i, share, num_cpus=int(share > 0)).remote(
+                model, self.config.engine_kwargs
             )
             for i in range(self.config.num_llm_replicas)
         ]
@@ -387,7 +369,7 @@ class RayExecutor(BaseExecutor):
         self._down.pop(name, None)
         logger.info("%s actor is back", name)
         if name != RETRIEVAL:
-            self.router.set_available(int(name.rsplit("_", 1)[1]), True)
+            self.router.set_available(int(name.removeprefix("llm_")), True)
         elif self._held:
             held, self._held = self._held, []
             self.actors[RETRIEVAL].submit.remote(held)
@@ -400,7 +382,7 @@ class RayExecutor(BaseExecutor):
             logger.warning("%s actor died (%s); Ray restarts it", name, type(exc).__name__)
         reason = f"{name} actor died ({type(exc).__name__}); Ray restarts it"
         if name != RETRIEVAL:
-            replica = int(name.rsplit("_", 1)[1])
+            replica = int(name.removeprefix("llm_"))
             self.router.set_available(replica, False)
             lost = self.router.tasks_on(replica)
             for tid in lost:
@@ -433,26 +415,24 @@ class RayExecutor(BaseExecutor):
         return self.actors[RETRIEVAL].call.remote(name, args).future()
 
     def engine_stats(self) -> dict[str, Any]:
-        total: dict[str, Any] = {}
+        total: Counter = Counter()
         for name, stats in self._actor_stats.items():
-            if name == RETRIEVAL:
-                continue
-            for key, value in stats.items():
-                if isinstance(value, (int, float)) and key != "tasks":
-                    total[key] = total.get(key, 0) + value
-        return total
+            if name != RETRIEVAL:
+                total.update({k: v for k, v in stats.items() if isinstance(v, (int, float))})
+        total.pop("tasks", None)
+        return dict(total)
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.actors:
-            entry = dict(self._actor_stats.get(name, {}))
-            entry["restarts"] = self._restarts.get(name, 0)
-            entry["alive"] = name not in self._down
-            if name.startswith("llm_"):
-                entry["in_flight"] = self.router.loads[int(name.rsplit("_", 1)[1])]
-            else:
-                entry["in_flight"] = len(self._retrievals)
-            out[name] = entry
+        loads = {f"llm_{i}": n for i, n in enumerate(self.router.loads)}
+        out: dict[str, Any] = {
+            name: {
+                **self._actor_stats.get(name, {}),
+                "restarts": self._restarts.get(name, 0),
+                "alive": name not in self._down,
+                "in_flight": loads.get(name, len(self._retrievals)),
+            }
+            for name in self.actors
+        }
         out["router"] = self.router.stats()
         out.update(self._shard_stats())
         return out

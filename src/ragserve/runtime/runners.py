@@ -63,11 +63,9 @@ class GenerationRunner:
         self._paragraph_segments = paragraph_segments
         self._clock = clock
         self._progress: dict[str, _Progress] = {}
-        self._prefetch = (
-            ThreadPoolExecutor(1, thread_name_prefix="ragserve-tokenize")
-            if tokenizer_prefetch
-            else None
-        )
+        self._prefetch: ThreadPoolExecutor | None = None
+        if tokenizer_prefetch:
+            self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="ragserve-tokenize")
         self._tokenizing: dict[str, tuple[GenerationTask, Future]] = {}  # arrival order
         self.num_updates = 0  # updates returned by ``step`` so far
 

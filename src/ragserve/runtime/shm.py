@@ -12,11 +12,28 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import pyarrow as pa
 
-from ragserve.runtime.wire import ArrowPayload, InlineArrow, ShmRef
+
+@dataclass(frozen=True)
+class ShmRef:
+    """An Arrow IPC stream of ``num_bytes`` at the start of shared-memory slot ``slot``."""
+
+    slot: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class InlineArrow:
+    """An Arrow IPC stream sent through the pipe (it did not fit a slot, or none was free)."""
+
+    data: bytes
+
+
+ArrowPayload = ShmRef | InlineArrow
 
 
 def ipc_stream(batch: pa.RecordBatch) -> pa.Buffer:

@@ -7,6 +7,7 @@ Operator tasks: embed (one embedder call per batch), rerank (ties keep the input
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import uuid
@@ -51,12 +52,7 @@ class Embeddings(NamedTuple):
 class StagedRetrievalRunner:
     """Owns the embedder and the ``VectorIndex``; a task that fails, fails alone."""
 
-    def __init__(
-        self,
-        index: Any,
-        embedder: Any,
-        default_nprobe: int | None = None,
-    ) -> None:
+    def __init__(self, index: Any, embedder: Any, default_nprobe: int | None = None) -> None:
         from ragserve.retrieval.limits import DocumentLimits
 
         self.index = index
@@ -135,12 +131,11 @@ class StagedRetrievalRunner:
     def _embed_tasks(self, tasks: list[EmbedTask]) -> list[OperatorResult]:
         texts = [text for t in tasks for text in t.texts]
         vectors = np.asarray(self.embedder.encode(texts, is_query=False), dtype=np.float32)
-        out, pos = [], 0
-        for t in tasks:
-            rows = vectors[pos : pos + len(t.texts)]
-            pos += len(t.texts)
-            out.append(OperatorResult(t.task_id, rows[0].copy() if t.single else rows.copy()))
-        return out
+        ends = list(itertools.accumulate(len(t.texts) for t in tasks))
+        return [
+            OperatorResult(t.task_id, rows[0].copy() if t.single else rows.copy())
+            for t, rows in zip(tasks, np.split(vectors, ends[:-1]), strict=True)
+        ]
 
     def _rerank(self, task: RerankTask) -> list[Passage]:
         if self.reranker is None:
@@ -195,18 +190,15 @@ class StagedRetrievalRunner:
             ids[rows, :topk] = found.ids
             scores[rows, :topk] = found.scores
         return [
-            RetrievalResult(t.task_id, self._passages(ids[i, : t.topk], scores[i]))
+            RetrievalResult(t.task_id, _passages(self._scored(ids[i, : t.topk], scores[i])))
             for i, t in enumerate(tasks)
         ]
 
-    def _passages(self, ids: np.ndarray, scores: np.ndarray) -> tuple[Passage, ...]:
+    def _scored(self, ids: np.ndarray, scores: np.ndarray) -> list[ScoredDocument]:
+        """The documents of a ranking (``-1``: no hit) with their scores; deleted ones dropped."""
         row = [int(x) for x in ids if x >= 0]
         docs = self.index.get_documents(row) if row else []
-        return tuple(
-            Passage(d.id, d.text, d.title, float(scores[j]))
-            for j, d in enumerate(docs)
-            if d is not None
-        )
+        return [ScoredDocument(d, float(scores[j])) for j, d in enumerate(docs) if d is not None]
 
     def collapses(self, task: RetrievalTask) -> bool:
         """``VectorIndex.collapses`` (an index without it, e.g. sharded, never collapses)."""
@@ -243,8 +235,7 @@ class StagedRetrievalRunner:
                 )
                 continue
             for t, hits in zip(group, found, strict=True):
-                passages = tuple(Passage(h.id, h.text, h.title, h.score) for h in hits[: t.topk])
-                out.append(RetrievalResult(t.task_id, passages))
+                out.append(RetrievalResult(t.task_id, _passages(hits[: t.topk])))
         return out
 
     def embed(self, texts: list[str]) -> Embeddings:
@@ -373,14 +364,11 @@ class StagedRetrievalRunner:
         """``task``'s passages from a ranking, ``collapsed`` or cut to ``topk``; and whether a
         full collapsed ranking is short of ``topk`` sections (then a deeper search decides)."""
         if not collapsed:
-            return self._passages(ids[: task.topk], scores), False
-        row = [int(x) for x in ids if x >= 0]
-        docs = self.index.get_documents(row) if row else []
-        hits = [ScoredDocument(d, float(scores[j])) for j, d in enumerate(docs) if d is not None]
+            return _passages(self._scored(ids[: task.topk], scores)), False
+        hits = self._scored(ids, scores)
         found = collapse_hits(hits, task.topk)
         full = len(hits) == len(ids) and len(ids) < self.index.num_documents
-        passages = tuple(Passage(h.id, h.text, h.title, h.score) for h in found)
-        return passages, full and len(found) < task.topk
+        return _passages(found), full and len(found) < task.topk
 
     def _searched_collapsed(self, task: StagedRetrievalTask) -> tuple[Passage, ...]:
         (hits,) = self.index.search_text(
@@ -390,7 +378,12 @@ class StagedRetrievalRunner:
             mode="dense",
             collapse_sections=True,
         )
-        return tuple(Passage(h.id, h.text, h.title, h.score) for h in hits)
+        return _passages(hits)
+
+
+def _passages(hits: Any) -> tuple[Passage, ...]:
+    """``Passage``s of scored documents (``ScoredDocument``s, ``search_text`` hits)."""
+    return tuple(Passage(h.id, h.text, h.title, h.score) for h in hits)
 
 
 def run_isolated(runner: StagedRetrievalRunner, tasks: list[RetrievalTask]) -> list[Any]:

@@ -1,6 +1,6 @@
 """The worker loops, one per runner kind, shared by the worker processes (``worker_main``) and
 the Ray actors (``ray_actors``): drain the inbox (``wire.py`` messages), run the runner, hand
-the results to an outbox (``payloads.Outbox`` for a process: its pipe and ring)."""
+the results to an outbox (``wire.Outbox`` for a process: its pipe and ring)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -16,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ragserve.runtime.config import ServerConfig
-from ragserve.runtime.payloads import Outbox
 from ragserve.runtime.runners import GenerationRunner
 from ragserve.runtime.shm import ShmWriter
 from ragserve.runtime.staged_retrieval import StagedRetrievalRunner, run_isolated
@@ -24,6 +24,7 @@ from ragserve.runtime.wire import (
     AbortGenerationMsg,
     CallMsg,
     FatalMsg,
+    Outbox,
     ReadyMsg,
     ShutdownMsg,
     SubmitMsg,
@@ -86,9 +87,13 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
         format=f"%(asctime)s %(levelname)s [{spec.kind} worker] %(name)s: %(message)s",
     )
     logging.getLogger("ragserve").setLevel(spec.log_level)
-    _thread_local_progress_lock()
+    # NOTE: tqdm's default lock (the model loaders' progress bars) is a named semaphore that a
+    # worker killed with SIGKILL never releases; a worker's bars need no cross-process lock.
+    from tqdm import tqdm  # a dependency of transformers
+
     from ragserve.retrieval.rerank import RerankerLoadError
 
+    tqdm.set_lock(threading.RLock())
     try:
         runner = build_runner(spec)
         writer = ShmWriter(ring_handle)
@@ -106,16 +111,6 @@ def worker_main(spec: WorkerSpec, inbox: Any, conn: Any, ring_handle: Any) -> No
         loop(runner, lambda block: _drain(inbox, block), outbox)
     if isinstance(runner, GenerationRunner):
         runner.close()
-
-
-def _thread_local_progress_lock() -> None:
-    """tqdm's default lock (the model loaders' progress bars) is a named semaphore that a
-    worker killed with SIGKILL never releases; a worker's bars need no cross-process lock."""
-    import threading
-
-    from tqdm import tqdm  # a dependency of transformers
-
-    tqdm.set_lock(threading.RLock())
 
 
 class _ParentWatch:
