@@ -171,8 +171,8 @@ class Scheduler:
             self._advance(item, START, item.state, None)
         elif item in self._active:
             self._finish(self._active[item], "aborted", "aborted")
-        elif any(r.request_id == item for r in self._deferred):
-            for req in [r for r in self._deferred if r.request_id == item]:
+        elif waiting := [r for r in self._deferred if r.request_id == item]:
+            for req in waiting:
                 self._deferred.remove(req)
                 _refuse(req, "aborted", "aborted")
         else:
@@ -213,7 +213,7 @@ class Scheduler:
         now = time.monotonic()
         for req in list(self._active.values()):
             for run in req.runs:
-                if run.is_dispatched:
+                if run.task_id is not None:
                     continue
                 run.task_id = f"{req.request_id}/{run.node_id}/{run.seq}"
                 self._by_task[run.task_id] = (req, run)
@@ -341,7 +341,7 @@ class Scheduler:
                     return
         elif branch is not None and req.join is not None and nxt == req.join.fanout.join:
             req.join.states[branch] = state
-            if req.join.is_complete:
+            if None not in req.join.states:
                 req.state = _merged(req)
                 req.join = None
                 self._start(req, nxt, req.state, None)
@@ -480,11 +480,9 @@ def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
     session = state.get(node.key)  # a memory node: done here
     if not isinstance(session, str) or not session:
         raise ValueError(f"key: state[{node.key!r}] must hold a non-empty session id string")
-    if node.mode == "read":
-        return Lowered("inline", OperatorResult(task_id, memory.read(session)))
-    return Lowered(
-        "inline", OperatorResult(task_id, memory.append(session, node.text.render(state)))
-    )
+    text = node.text.render(state) if node.mode == "append" else None
+    value = memory.read(session) if text is None else memory.append(session, text)
+    return Lowered("inline", OperatorResult(task_id, value))
 
 
 def generation_task(task_id: str, node: Any, state: Any) -> GenerationTask:
