@@ -277,7 +277,6 @@ class Scheduler:
         if entry is None:
             return  # a task of an aborted or failed request, or a transform's side task
         req, run = entry
-        timing = run.timing
         if update.error is not None:
             del self._by_task[update.task_id]
             run.task_id = None
@@ -297,7 +296,7 @@ class Scheduler:
             value = list(update.passages)
         else:
             value = update.value
-        timing.finished_at = time.monotonic()
+        run.timing.finished_at = time.monotonic()
         del self._by_task[update.task_id]
         req.runs.remove(run)
         state = run.state.write(node, value)
@@ -333,9 +332,7 @@ class Scheduler:
         if nxt is END:
             self._finish(req, None)
         elif isinstance(nxt, tuple):
-            fanout = req.graph.fanouts[src]
-            n = len(nxt)
-            req.join = OpenJoin(fanout, [None] * n, [{} for _ in range(n)])
+            req.join = OpenJoin(req.graph.fanouts[src], [None] * len(nxt), [{} for _ in nxt])
             for i, target in enumerate(nxt):
                 if not self._start(req, target, state.fork(), i):
                     return

@@ -111,9 +111,8 @@ class StatsCollector(Collector):
                 queues.add_metric([key], value)
             else:
                 other.add_metric([key], value)
-        for last, value in known.items():
-            name, doc = _STAT_GAUGES[last]
-            yield GaugeMetricFamily(name, doc, value=value)
+        for key, value in known.items():
+            yield GaugeMetricFamily(*_STAT_GAUGES[key], value=value)
         used, total = known.get("num_blocks_used"), known.get("num_blocks_total")
         if used is not None and total:
             yield GaugeMetricFamily(
