@@ -172,11 +172,10 @@ class SplitTransform(BaseTransform):
 
     def on_updates(self, updates: list[Update]) -> list[Update]:
         for u in updates:
-            if not isinstance(u, RetrievalResult) or u.task_id not in self._split_ids:
-                continue
-            self._split_ids.discard(u.task_id)
-            if isinstance(u, StagedRetrievalResult) and u.error is None:
-                self._learn(u)
+            if isinstance(u, RetrievalResult) and u.task_id in self._split_ids:
+                self._split_ids.discard(u.task_id)
+                if isinstance(u, StagedRetrievalResult) and u.error is None:
+                    self._learn(u)
         return updates
 
     def _learn(self, result: StagedRetrievalResult) -> None:
@@ -277,9 +276,6 @@ class SpeculativeRetrievalTransform(BaseTransform):
         self._done: set[str] = set()  # generation task ids already handled
         self._pending: dict[str, str] = {}  # speculative task id -> request id
         self._seq = itertools.count()
-
-    def apply(self, wavefront: Wavefront) -> Wavefront:
-        return wavefront
 
     def on_updates(self, updates: list[Update]) -> list[Update]:
         out: list[Update] = []
@@ -489,9 +485,10 @@ class SpeculationTransform(BaseTransform):
         if old is not None:
             if old.doc_ids == _ids(partial.passages):
                 return
-            if self._restarts.get(partial.task_id, 0) >= self.max_restarts:
+            restarts = self._restarts.get(partial.task_id, 0)
+            if restarts >= self.max_restarts:
                 return
-            self._restarts[partial.task_id] = self._restarts.get(partial.task_id, 0) + 1
+            self._restarts[partial.task_id] = restarts + 1
             self._abort(old)
         if len(self._running) / self.capacity >= self.tau:
             return

@@ -101,12 +101,7 @@ class CpuPool:
         return bool(self._calls) or not self._done.empty()
 
     def poll(self) -> list[OperatorResult]:
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                break
+        out = [self._done.get_nowait() for _ in range(self._done.qsize())]  # the one reader
         now = time.monotonic()
         with self._lock:
             late = [

@@ -81,10 +81,6 @@ class NodeRun:
     branch: int | None = None
     seq: int = 0  # the request's run count when this run started (part of its task id)
 
-    @property
-    def is_dispatched(self) -> bool:
-        return self.task_id is not None
-
 
 @dataclass
 class OpenJoin:
@@ -93,10 +89,6 @@ class OpenJoin:
     fanout: FanOut
     states: list[State | None]
     retrieved: list[dict[str, Passage]]
-
-    @property
-    def is_complete(self) -> bool:
-        return all(s is not None for s in self.states)
 
 
 @dataclass

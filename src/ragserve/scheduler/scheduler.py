@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
 from ragserve.graph import END, START, GraphError, Passage, State
 from ragserve.scheduler.messages import (
@@ -171,8 +171,8 @@ class Scheduler:
             self._advance(item, START, item.state, None)
         elif item in self._active:
             self._finish(self._active[item], "aborted", "aborted")
-        elif any(r.request_id == item for r in self._deferred):
-            for req in [r for r in self._deferred if r.request_id == item]:
+        elif waiting := [r for r in self._deferred if r.request_id == item]:
+            for req in waiting:
                 self._deferred.remove(req)
                 _refuse(req, "aborted", "aborted")
         else:
@@ -213,7 +213,7 @@ class Scheduler:
         now = time.monotonic()
         for req in list(self._active.values()):
             for run in req.runs:
-                if run.is_dispatched:
+                if run.task_id is not None:
                     continue
                 run.task_id = f"{req.request_id}/{run.node_id}/{run.seq}"
                 self._by_task[run.task_id] = (req, run)
@@ -277,7 +277,6 @@ class Scheduler:
         if entry is None:
             return  # a task of an aborted or failed request, or a transform's side task
         req, run = entry
-        timing = run.timing
         if update.error is not None:
             del self._by_task[update.task_id]
             run.task_id = None
@@ -297,7 +296,7 @@ class Scheduler:
             value = list(update.passages)
         else:
             value = update.value
-        timing.finished_at = time.monotonic()
+        run.timing.finished_at = time.monotonic()
         del self._by_task[update.task_id]
         req.runs.remove(run)
         state = run.state.write(node, value)
@@ -333,15 +332,13 @@ class Scheduler:
         if nxt is END:
             self._finish(req, None)
         elif isinstance(nxt, tuple):
-            fanout = req.graph.fanouts[src]
-            n = len(nxt)
-            req.join = OpenJoin(fanout, [None] * n, [{} for _ in range(n)])
+            req.join = OpenJoin(req.graph.fanouts[src], [None] * len(nxt), [{} for _ in nxt])
             for i, target in enumerate(nxt):
                 if not self._start(req, target, state.fork(), i):
                     return
         elif branch is not None and req.join is not None and nxt == req.join.fanout.join:
             req.join.states[branch] = state
-            if req.join.is_complete:
+            if None not in req.join.states:
                 req.state = _merged(req)
                 req.join = None
                 self._start(req, nxt, req.state, None)
@@ -409,28 +406,22 @@ def _merged(req: RequestState) -> State:
     return merged
 
 
-class Lowered(NamedTuple):
-    """``resource``: a ``Wavefront`` list (``generation``, ``retrieval``, ``operators``),
-    ``cpu`` (``(fn, state, timeout_s)``) or ``inline`` (an ``OperatorResult`` ready now)."""
-
-    resource: str
-    payload: Any
-
-
-def lower(run: NodeRun, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
-    """A ready node run becomes the task of the resource its node kind declares (the table:
-    docs/architecture.md, "Operators and the life of a request"). Input the node cannot use
+def lower(run: NodeRun, node: Any, task_id: str, memory: MemoryStore) -> tuple[str, Any]:
+    """A ready node run becomes ``(resource, task)``: the task of the resource its node kind
+    declares (the table: docs/architecture.md, "Operators and the life of a request"), a
+    ``Wavefront`` list (``generation``, ``retrieval``, ``operators``), ``cpu`` (``(fn, state,
+    timeout_s)``) or ``inline`` (an ``OperatorResult`` ready now). Input the node cannot use
     lowers to a ``bad_request`` ``OperatorResult`` naming the field: nothing is sent."""
     try:
         return _lower(run.state, node, task_id, memory)
     except ValueError as exc:
-        return Lowered("inline", OperatorResult(task_id, error=str(exc), error_kind="bad_request"))
+        return ("inline", OperatorResult(task_id, error=str(exc), error_kind="bad_request"))
 
 
-def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
+def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> tuple[str, Any]:
     kind = node.kind
     if kind == "generation":
-        return Lowered("generation", generation_task(task_id, node, state))
+        return ("generation", generation_task(task_id, node, state))
     if kind == "completion":
         prompt = state.get(node.prompt)
         prompt = tuple(prompt) if isinstance(prompt, list) else prompt
@@ -440,29 +431,29 @@ def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
         ):
             raise ValueError(f"prompt must be a string or a list of token ids, got {prompt!r:.60}")
         params = GenerationParams.from_any(node.params)
-        return Lowered("generation", GenerationTask(task_id, prompt, params, chat=False))
+        return ("generation", GenerationTask(task_id, prompt, params, chat=False))
     if kind == "retrieval":
         query = node.query.render(state)
         fields = (node.topk, node.nprobe, node.mode, node.filter, node.collapse_sections)
-        return Lowered("retrieval", RetrievalTask(task_id, query, *fields))
+        return ("retrieval", RetrievalTask(task_id, query, *fields))
     if kind == "embed":
         value = state.get(node.text)
         if isinstance(value, str):
-            return Lowered("operators", EmbedTask(task_id, (value,), single=True))
+            return ("operators", EmbedTask(task_id, (value,), single=True))
         if not (_is_list(value) and value and all(isinstance(v, str) for v in value)):
             raise ValueError(
                 f"text: state[{node.text!r}] must be a string or a non-empty list of strings"
             )
-        return Lowered("operators", EmbedTask(task_id, tuple(value)))
+        return ("operators", EmbedTask(task_id, tuple(value)))
     if kind == "rerank":
         docs = state.get(node.docs)
         docs = [docs] if isinstance(docs, Passage) else docs
         if not _is_list(docs) or not all(isinstance(p, Passage) for p in docs):
             raise ValueError(f"docs: state[{node.docs!r}] must be retrieved passages")
         if not docs:
-            return Lowered("inline", OperatorResult(task_id, []))
+            return ("inline", OperatorResult(task_id, []))
         task = RerankTask(task_id, node.query.render(state), tuple(docs), node.topk)
-        return Lowered("operators", task)
+        return ("operators", task)
     if kind == "upsert":
         value = state.get(node.documents)
         items = list(value) if _is_list(value) else [value]
@@ -473,18 +464,16 @@ def _lower(state: Any, node: Any, task_id: str, memory: MemoryStore) -> Lowered:
                     f"list of them, got {type(item).__name__}"
                 )
         if not items:
-            return Lowered("inline", OperatorResult(task_id, []))
-        return Lowered("operators", UpsertTask(task_id, tuple(items)))
+            return ("inline", OperatorResult(task_id, []))
+        return ("operators", UpsertTask(task_id, tuple(items)))
     if kind == "function":
-        return Lowered("cpu", (node.fn, state.fork(), node.timeout_s))
+        return ("cpu", (node.fn, state.fork(), node.timeout_s))
     session = state.get(node.key)  # a memory node: done here
     if not isinstance(session, str) or not session:
         raise ValueError(f"key: state[{node.key!r}] must hold a non-empty session id string")
-    if node.mode == "read":
-        return Lowered("inline", OperatorResult(task_id, memory.read(session)))
-    return Lowered(
-        "inline", OperatorResult(task_id, memory.append(session, node.text.render(state)))
-    )
+    text = node.text.render(state) if node.mode == "append" else None
+    value = memory.read(session) if text is None else memory.append(session, text)
+    return ("inline", OperatorResult(task_id, value))
 
 
 def generation_task(task_id: str, node: Any, state: Any) -> GenerationTask:

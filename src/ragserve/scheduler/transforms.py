@@ -4,7 +4,6 @@ and the updates after; a transform sees the scheduler only through its ``Schedul
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,16 +100,16 @@ class SchedulerView:
             self._s.executor.abort(dispatched)
 
 
-class BaseTransform(ABC):
-    """One rewrite of the wavefront and of the updates; every task the scheduler created must
-    still get a final update. ``needs_partial_updates``: it reads partial generation text, so
-    the scheduler must not coalesce updates."""
+class BaseTransform:
+    """One rewrite of the wavefront and of the updates (each the identity unless overridden);
+    every task the scheduler created must still get a final update. ``needs_partial_updates``:
+    it reads partial generation text, so the scheduler must not coalesce updates."""
 
     needs_partial_updates: bool = False
     view: SchedulerView | None = None
 
-    @abstractmethod
-    def apply(self, wavefront: Wavefront) -> Wavefront: ...
+    def apply(self, wavefront: Wavefront) -> Wavefront:
+        return wavefront
 
     def bind(self, view: SchedulerView) -> None:
         """Called once by the ``Scheduler`` that will apply this transform."""

@@ -100,10 +100,9 @@ def documents_of(response: Any) -> list[dict]:
                 if getattr(item, "doc_id", None) is not None:
                     passages.setdefault(item.doc_id, item)
     titles = list(response.titles or ())
-    titles += [None] * (len(response.doc_ids) - len(titles))
     docs = []
-    for doc_id, title in zip(response.doc_ids, titles, strict=False):
-        doc = {"id": doc_id, "title": title}
+    for i, doc_id in enumerate(response.doc_ids):
+        doc = {"id": doc_id, "title": titles[i] if i < len(titles) else None}
         if (passage := passages.get(doc_id)) is not None:
             doc.update(text=passage.text, score=getattr(passage, "score", None))
         docs.append(doc)

@@ -61,11 +61,6 @@ class VllmAliases(Collector):
                 yield copy
 
 
-def _is_queue(key: str) -> bool:
-    """``workers.gen.pending`` (tasks waiting for a worker's bounded inbox) or any ``*queue*``."""
-    return key.rsplit(".", 1)[-1] == "pending" or "queue" in key
-
-
 def flatten_stats(stats: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     """``{"engine": {"num_running": 2}}`` -> ``{"engine.num_running": 2.0}``; numbers and
     booleans (as 0/1) only."""
@@ -107,13 +102,12 @@ class StatsCollector(Collector):
                 workers.add_metric(parts[1:], value)
             if key in _STAT_GAUGES:
                 known[key] = value
-            elif _is_queue(key):
+            elif parts[-1] == "pending" or "queue" in key:  # e.g. a worker's bounded inbox
                 queues.add_metric([key], value)
             else:
                 other.add_metric([key], value)
-        for last, value in known.items():
-            name, doc = _STAT_GAUGES[last]
-            yield GaugeMetricFamily(name, doc, value=value)
+        for key, value in known.items():
+            yield GaugeMetricFamily(*_STAT_GAUGES[key], value=value)
         used, total = known.get("num_blocks_used"), known.get("num_blocks_total")
         if used is not None and total:
             yield GaugeMetricFamily(

@@ -122,8 +122,7 @@ class GuardMiddleware:
 def _with_request_id(send: Send, request_id: bytes) -> Send:
     async def sending(message: Message) -> None:
         if message["type"] == "http.response.start":
-            headers = list(message.get("headers", ()))
-            headers.append((REQUEST_ID_HEADER, request_id))
+            headers = [*message.get("headers", ()), (REQUEST_ID_HEADER, request_id)]
             message = {**message, "headers": headers}
         await send(message)
 

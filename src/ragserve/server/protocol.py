@@ -177,8 +177,7 @@ class ChatCompletionRequest(_Sampling):
     @classmethod
     def _unsupported_features(cls, value, info):
         if info.field_name == "response_format":
-            if value is not None and value.get("type", "text") != "text":
-                kind = value.get("type")
+            if value is not None and (kind := value.get("type", "text")) != "text":
                 raise ValueError(
                     f"type {kind!r} is not supported (no guided decoding); only 'text'"
                 )

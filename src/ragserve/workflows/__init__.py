@@ -10,11 +10,7 @@ from ragserve.graph import CompiledGraph
 from ragserve.workflows.builtin import hyde, irg, multistep, oneshot, recomp
 
 BUILTIN_WORKFLOWS: dict[str, Callable[..., CompiledGraph]] = {
-    "oneshot": oneshot,
-    "hyde": hyde,
-    "multistep": multistep,
-    "irg": irg,
-    "recomp": recomp,
+    builder.__name__: builder for builder in (oneshot, hyde, multistep, irg, recomp)
 }
 
 
