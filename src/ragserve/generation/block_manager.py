@@ -9,7 +9,7 @@ Mutates ``seq.block_table`` in place, never ``num_computed_tokens``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence as Seq
 from itertools import takewhile
 
@@ -36,16 +36,13 @@ def extend_block_hashes(
 def check_ref_counts(ref_cnt: list[int], tables: dict[str, list[int]], held: Seq[int] = ()) -> None:
     """Raise ``AssertionError`` unless ``ref_cnt`` counts the block ``tables`` (no block twice
     in one) and the ``held`` references."""
-    refs = [0] * len(ref_cnt)
+    refs = Counter(held)
     for rid, table in tables.items():
         if len(set(table)) != len(table):
             raise AssertionError(f"request {rid} holds a block twice: {table}")
-        for block in table:
-            refs[block] += 1
-    for block in held:
-        refs[block] += 1
-    if refs != ref_cnt:
-        bad = [b for b in range(len(ref_cnt)) if refs[b] != ref_cnt[b]]
+        refs.update(table)
+    bad = [b for b, n in enumerate(ref_cnt) if refs[b] != n]
+    if bad:
         raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")
 
 

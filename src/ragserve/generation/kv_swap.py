@@ -84,12 +84,9 @@ class HostKVCache:
         """The step using ``blocks`` waits for their pending copies (CUDA: the stream)."""
         if not self._pending:
             return
-        markers: list[torch.cuda.Event | Future] = []
-        for block in blocks:
-            marker = self._pending.pop(block, None)
-            if marker is not None and not any(marker is m for m in markers):
-                markers.append(marker)
-        for marker in markers:
+        popped = (self._pending.pop(block, None) for block in blocks)
+        markers = {id(m): m for m in popped if m is not None}  # each once, first use first
+        for marker in markers.values():
             if isinstance(marker, Future):
                 marker.result()
             else:

@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragserve.generation.attention.base import get_backend
 from ragserve.generation.builtin import resolve_model
 from ragserve.generation.config import EngineConfig, ModelConfig, PromptTooLongError
 from ragserve.generation.detokenizer import (
@@ -34,8 +33,6 @@ from ragserve.generation.engine_setup import (
     resolve_max_model_len,
 )
 from ragserve.generation.faults import check_fault
-from ragserve.generation.fusion.prefill import FusionRunner
-from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import ModelRunner, SampledTokens
 from ragserve.generation.sampling_params import SamplingParams
@@ -70,37 +67,10 @@ class LLMEngine:
         self._decode = make_decoder(self.tokenizer, config.enable_fast_detokenize)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = self.model_config.eos_token_ids or (() if eos is None else (int(eos),))
-        model = load_model(
-            self.model_config,
-            folder,
-            device=device,
-            dtype=dtype,
-            max_positions=resolve_max_model_len(config, self.model_config),
-            load_format=config.load_format,
-            seed=config.seed,
-        )
+        max_positions = resolve_max_model_len(config, self.model_config)
+        model = load_model(self.model_config, folder, config, device, dtype, max_positions)
         self.config, num_blocks = resolve_kv_pool(config, self.model_config, device, dtype)
-        max_model_len = self.config.max_model_len
-        backend = get_backend(config.attention_backend, device)
-        self.model_runner = ModelRunner(
-            model,
-            self.model_config,
-            backend,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            seed=config.seed,
-        )
-        self.model_runner.pack_inputs = config.enable_packed_inputs
-        self.model_runner.fusion = FusionRunner(
-            model,
-            PassageKVStore(device, config.fusion_kv_cache_bytes, config.fusion_host_kv_cache_bytes),
-            selector=config.fusion_selector,
-            probe_layer=config.fusion_probe_layer,
-            paged=config.fusion_paged_prefill,
-            batch_misses=config.fusion_batch_misses,
-        )
-        if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
-            self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
+        self.model_runner = ModelRunner(model, self.model_config, self.config, num_blocks)
         self.block_manager, self.host_kv_cache = make_kv_tiers(
             config, self.model_config, self.model_runner.kv_cache, self.tokenizer
         )
@@ -110,7 +80,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             fairness_window=self._fairness_window(config.enable_prefix_caching),
             overlap_swap_in=config.overlap_swap_in and self.host_kv_cache is not None,
-            max_model_len=max_model_len,
+            max_model_len=self.config.max_model_len,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -125,7 +95,7 @@ class LLMEngine:
             dtype,
             num_blocks,
             config.block_size,
-            backend.name,
+            self.model_runner.backend.name,
         )
 
     @property

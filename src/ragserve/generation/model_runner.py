@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend
-from ragserve.generation.config import ModelConfig
+from ragserve.generation.attention.base import AttentionMetadata, get_backend
+from ragserve.generation.config import EngineConfig, ModelConfig
 from ragserve.generation.cuda_graph import CUDAGraphRunner
 from ragserve.generation.faults import check_fault
 from ragserve.generation.fusion.prefill import FusionRunner
@@ -58,30 +58,25 @@ class ModelRunner:
     """Owns the model, its paged KV cache and the attention backend; ``execute_model`` writes
     the step's KV and samples, never touching the sequences."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        cfg: ModelConfig,
-        backend: BaseAttentionBackend,
-        *,
-        num_blocks: int,
-        block_size: int,
-        seed: int = 0,
-    ):
+    def __init__(self, model: nn.Module, cfg: ModelConfig, config: EngineConfig, num_blocks: int):
+        """``config``: the resolved engine config (backend, block size, seed, fusion, graphs)."""
         param = next(model.parameters())
         self.model = model
-        self.backend = backend
         self.device = param.device
-        self.block_size = block_size
-        shape = (2, cfg.num_hidden_layers, num_blocks, block_size)
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        shape = (2, cfg.num_hidden_layers, num_blocks, config.block_size)
         shape += (cfg.num_key_value_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(shape[1])]
-        self.sampler = Sampler(self.device, seed)
+        self.sampler = Sampler(self.device, config.seed)
         self.logits_hook: LogitsHook | None = None  # debug/test tap on last-position logits
         self.graph_runner: CUDAGraphRunner | None = None  # set by capture_cuda_graphs
-        self.fusion: FusionRunner | None = None  # cache fusion, set by the engine
-        self.pack_inputs = True  # EngineConfig.enable_packed_inputs
+        self.pack_inputs = config.enable_packed_inputs
+        self.fusion = FusionRunner(model, config)
+        graphs = config.enable_cuda_graphs and self.device.type == "cuda"
+        if graphs and self.backend.supports_cuda_graphs:
+            self.capture_cuda_graphs(config.max_num_seqs, config.max_model_len)
 
     def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> None:
         self.graph_runner = CUDAGraphRunner(
@@ -181,20 +176,19 @@ class ModelRunner:
         nothing samples); ``prev``: the step launched before, for pending inputs."""
         check_fault("forward", out.seqs)
         fused_rows: dict[int, list[int]] = {}
-        if self.fusion is not None:
-            todo = [
-                (i, seq)
-                for i, seq in enumerate(out.seqs)
-                if seq.fusion is not None and seq.num_computed_tokens == 0
-            ]
-            kvs = todo and self.fusion.step_passage_kvs(
-                [(s.token_ids, s.fusion, s.passage_blocks) for _, s in todo], self.kv_cache
-            )  # a decode-only step skips it
-            for (i, seq), kv in zip(todo, kvs, strict=True):
-                fused_rows[i] = self.fusion.prepare(
-                    seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
-                    self.backend, seq.passage_blocks, kv,
-                )  # fmt: skip
+        todo = [
+            (i, seq)
+            for i, seq in enumerate(out.seqs)
+            if seq.fusion is not None and seq.num_computed_tokens == 0
+        ]
+        kvs = todo and self.fusion.step_passage_kvs(
+            [(s.token_ids, s.fusion, s.passage_blocks) for _, s in todo], self.kv_cache
+        )  # a decode-only step skips it
+        for (i, seq), kv in zip(todo, kvs, strict=True):
+            fused_rows[i] = self.fusion.prepare(
+                seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
+                self.backend, seq.passage_blocks, kv,
+            )  # fmt: skip
         input_ids, positions, metadata, logits_rows = self.prepare_inputs(out, fused_rows, prev)
         hidden = self.run_model(input_ids, positions, metadata)
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]

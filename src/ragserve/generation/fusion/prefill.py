@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend, store_kv
+from ragserve.generation.config import EngineConfig
 from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.kv_tree import PassageBlocks
 from ragserve.generation.llama import RotaryEmbedding, rotate_half
@@ -39,26 +40,20 @@ SIFT_INDEX_ENTRIES = 4096  # passages whose SIFT-style scores are kept (n floats
 class FusionRunner:
     """Runs fused prefills on a model's paged KV cache; owns the passage store and counters."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        store: PassageKVStore,
-        *,
-        selector: str = "qcfuse",
-        probe_layer: int | None = None,
-        paged: bool = True,
-        batch_misses: bool = True,
-    ):
+    def __init__(self, model: nn.Module, config: EngineConfig):
         num_layers = len(model.model.layers)
+        probe_layer = config.fusion_probe_layer
         if probe_layer is not None and not 0 <= probe_layer < num_layers:
             raise ValueError(f"fusion_probe_layer must be in [0, {num_layers}), got {probe_layer}")
         self.model = model
-        self.store = store
-        self.selector = selector
+        device = next(model.parameters()).device
+        budgets = config.fusion_kv_cache_bytes, config.fusion_host_kv_cache_bytes
+        self.store = PassageKVStore(device, *budgets)
+        self.selector = config.fusion_selector
         self.probe_layer = max(1, num_layers // 4) if probe_layer is None else probe_layer
         self.probe_layer = min(self.probe_layer, num_layers - 1)
-        self.paged = paged
-        self.batch_misses = batch_misses  # a step's missing passages in one forward
+        self.paged = config.fusion_paged_prefill
+        self.batch_misses = config.fusion_batch_misses  # a step's missing passages in one forward
         self.num_fused_tokens = 0
         self.num_recomputed_tokens = 0
         self._sift_index: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
