@@ -25,7 +25,6 @@ from ragserve.generation.detokenizer import (
     make_decoder,
 )
 from ragserve.generation.engine_setup import (
-    kv_tier_stats,
     load_tokenizer,
     make_kv_tiers,
     resolve_device_dtype,
@@ -33,6 +32,7 @@ from ragserve.generation.engine_setup import (
     resolve_max_model_len,
 )
 from ragserve.generation.faults import check_fault
+from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import ModelRunner, SampledTokens
 from ragserve.generation.sampling_params import SamplingParams
@@ -42,6 +42,13 @@ from ragserve.generation.sequence import RequestOutput, Sequence
 from ragserve.generation.step_isolation import execute_isolated, random_state
 
 logger = logging.getLogger(__name__)
+
+# ``TieredBlockManager`` counters in ``stats()`` (``num_host_blocks_total``: ``num_host_blocks``)
+_TIER_COUNTERS = (
+    "num_host_hit_tokens", "num_swapped_out_blocks", "num_swapped_in_blocks",
+    "num_evicted_gpu_blocks", "num_evicted_host_blocks", "num_swap_skipped_blocks",
+    "num_swap_out_skipped_blocks", "num_host_blocks_total",
+)  # fmt: skip
 
 
 class _Inflight(NamedTuple):
@@ -343,23 +350,35 @@ class LLMEngine:
         return text + ("assistant:" if add_generation_prompt else "")
 
     def stats(self) -> dict[str, int]:
-        """Queue, KV-tier and cache-fusion counters (ints; ``docs/architecture.md``)."""
+        """Queue, KV-tier and cache-fusion counters (ints; ``docs/architecture.md``; 0 for a
+        tier the engine does not have)."""
         bm, sched, fusion = self.block_manager, self.scheduler, self.model_runner.fusion
-        stats = {
+        host, tiered = self.host_kv_cache, isinstance(bm, TieredBlockManager)
+        per_block = host.bytes_per_block if host is not None else 0
+        hits = sched.prefix_cache_hit_tokens
+        tier = {k: getattr(bm, k.removesuffix("_total")) if tiered else 0 for k in _TIER_COUNTERS}
+        return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,
             "preemptions": sched.num_preemptions,
-            "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
+            "prefix_cache_hit_tokens": hits,
             "prefix_cache_query_tokens": sched.prefix_cache_query_tokens,
-            "num_prefill_tokens_saved": sched.prefix_cache_hit_tokens,
+            "num_prefill_tokens_saved": hits,
             "num_fused_tokens": fusion.num_fused_tokens,
             "num_recomputed_tokens": fusion.num_recomputed_tokens,
             "num_deferred_swap_ins": sched.num_deferred_swap_ins,
+            **tier,
+            "num_gpu_hit_tokens": bm.num_gpu_hit_tokens if tiered else hits,
+            "num_swap_out_bytes": tier["num_swapped_out_blocks"] * per_block,
+            "num_swap_in_bytes": tier["num_swapped_in_blocks"] * per_block,
+            "num_swap_copies": host.num_copies if host is not None else 0,
+            "num_kv_tree_nodes": len(bm.nodes) if tiered else 0,
+            "num_host_blocks_used": bm.num_host_used_blocks if tiered else 0,
+            "num_fusion_store_hits": bm.num_passage_hits if tiered else fusion.store.num_hits,
+            "num_fusion_store_misses": bm.num_passage_misses if tiered else fusion.store.num_misses,
         }
-        hits = sched.prefix_cache_hit_tokens
-        return stats | kv_tier_stats(bm, self.host_kv_cache, hits, fusion.store)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
@@ -397,11 +416,7 @@ def _step_blocks(seqs: Sequence_[Sequence]) -> list[int]:
 
 def _check_segment_ends(request_id: str, ends: Sequence_[int], num_tokens: int) -> tuple[int, ...]:
     out = tuple(int(e) for e in ends)
-    if (
-        not out
-        or out[-1] != num_tokens
-        or any(b <= a for a, b in zip((0, *out[:-1]), out, strict=True))
-    ):
+    if not out or out[-1] != num_tokens or any(b <= a for a, b in itertools.pairwise((0, *out))):
         raise ValueError(
             f"request {request_id!r}: segment_ends must increase from above 0 and end at the "
             f"prompt length {num_tokens}, got {list(out)}"

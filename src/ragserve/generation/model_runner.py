@@ -134,14 +134,9 @@ class ModelRunner:
         dev = self.device
         longs = (ids, positions, slots, logits_rows, pending_rows, pending_src)
         ints = (query_start, seq_lens, tables.ravel())
-        if self.pack_inputs:  # two host-to-device copies a step: one per dtype
-            input_ids, positions_t, slots_t, rows_t, pend_t, src_t = _packed(longs, dev, np.int64)
-            starts_t, lens_t, tables_t = _packed(ints, dev, np.int32)
-        else:
-            input_ids, positions_t, slots_t, rows_t, pend_t, src_t = (
-                to_device(np.asarray(a, dtype=np.int64), dev) for a in longs
-            )
-            starts_t, lens_t, tables_t = (to_device(np.asarray(a, np.int32), dev) for a in ints)
+        pack = self.pack_inputs
+        input_ids, positions_t, slots_t, rows_t, pend_t, src_t = _upload(longs, dev, np.int64, pack)
+        starts_t, lens_t, tables_t = _upload(ints, dev, np.int32, pack)
         metadata = AttentionMetadata(
             query_start_loc=starts_t,
             seq_lens=lens_t,
@@ -202,7 +197,10 @@ class ModelRunner:
         return SampledTokens(self.sampler.sample(logits, rids, params), sampled)
 
 
-def _packed(parts: tuple, device: torch.device, dtype) -> list[torch.Tensor]:
-    """``parts`` (lists or 1-d arrays) on ``device`` through one buffer, split there (views)."""
+def _upload(parts: tuple, device: torch.device, dtype, packed: bool) -> list[torch.Tensor]:
+    """``parts`` (lists or 1-d arrays) on ``device``; ``packed``: through one buffer, split
+    there (views): one host-to-device copy per dtype, not one per part."""
     arrays = [np.asarray(p, dtype=dtype) for p in parts]
+    if not packed:
+        return [to_device(a, device) for a in arrays]
     return list(torch.split(to_device(np.concatenate(arrays), device), [len(a) for a in arrays]))
