@@ -4,6 +4,7 @@ the device (``SampledTokens``) for the next launched step."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -97,16 +98,11 @@ class ModelRunner:
         """Flat ``input_ids``, ``positions``, the metadata and the rows to sample; ``fused_rows``:
         seq index -> its fused rows; ``prev``: the step launched before (pending inputs)."""
         fused_rows = fused_rows or {}
-        pending_rows: list[int] = []  # flat rows whose input is in ``prev.device``
-        pending_src: list[int] = []
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start, seq_lens, logits_rows = [0], [], []
+        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        pending_rows, pending_src = [], []  # flat rows whose input is a row of ``prev.device``
         max_blocks = max(len(s.block_table) for s in out.seqs)
         tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)
-        query_lens: list[int] = []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
@@ -127,10 +123,9 @@ class ModelRunner:
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
                 n = len(pos)
             query_lens.append(n)
-            query_start.append(query_start[-1] + n)
             seq_lens.append(end)
-            if out.sample[i]:
-                logits_rows.append(query_start[-1] - 1)
+        query_start = [0, *itertools.accumulate(query_lens)]
+        logits_rows = [query_start[i + 1] - 1 for i, flag in enumerate(out.sample) if flag]
         dev = self.device
         longs = (ids, positions, slots, logits_rows, pending_rows, pending_src)
         ints = (query_start, seq_lens, tables.ravel())
