@@ -310,13 +310,9 @@ class LLMEngine:
             for rid in ids:
                 self.abort(rid)
             raise
-        final: dict[str, RequestOutput] = {}
-        pending = set(ids)
-        while pending:
-            for output in self.step():
-                if output.finished and output.request_id in pending:
-                    final[output.request_id] = output
-                    pending.discard(output.request_id)
+        wanted, final = set(ids), {}
+        while len(final) < len(wanted):
+            final |= {o.request_id: o for o in self.step() if o.finished and o.request_id in wanted}
         while self._inflight is not None and not self.scheduler.has_unfinished():
             self.step()  # lands a step that held only requests finished since
         self.run_deferred_checks()
@@ -407,11 +403,8 @@ class LLMEngine:
 
 def _step_blocks(seqs: Sequence_[Sequence]) -> list[int]:
     """The GPU blocks a step reads or writes: block tables and fused passages' blocks."""
-    blocks = [b for seq in seqs for b in seq.block_table]
-    for seq in seqs:
-        for handle in seq.passage_blocks or ():
-            blocks.extend(handle.blocks)
-    return blocks
+    passages = [b for seq in seqs for handle in seq.passage_blocks or () for b in handle.blocks]
+    return [b for seq in seqs for b in seq.block_table] + passages
 
 
 def _check_segment_ends(request_id: str, ends: Sequence_[int], num_tokens: int) -> tuple[int, ...]:
