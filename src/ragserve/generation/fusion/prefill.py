@@ -68,18 +68,12 @@ class FusionRunner:
         prefill; without, ``None`` each (``prepare`` then computes a miss per passage)."""
         if not self.batch_misses:
             return [None] * len(prefills)
-        out: list[list[torch.Tensor] | None] = [None] * len(prefills)
-        for held in (False, True):  # the store's passages, then the tree's blocks
-            which = [i for i, (*_, p) in enumerate(prefills) if (p is not None) is held]
-            if not which:
-                continue
-            own = [_keyed_spans(*prefills[i]) for i in which]
-            handles = [h for i in which for h in prefills[i][2]] if held else None
-            spans = [span for spans in own for span in spans]
-            kvs = iter(self._passage_kvs(spans, handles, kv_cache if held else None))
-            for i, spans in zip(which, own, strict=True):
-                out[i] = [next(kvs) for _ in spans]
-        return out
+        own = [_keyed_spans(*prefill) for prefill in prefills]
+        # NOTE: an engine's fused prefills all hold tree blocks (with the knowledge tree) or
+        # none (the store's passages), never a mix
+        handles = [h for *_, passages in prefills for h in passages or ()] or None
+        kvs = iter(self._passage_kvs([s for spans in own for s in spans], handles, kv_cache))
+        return [[next(kvs) for _ in spans] for spans in own]
 
     def passage_kv(self, key: str, token_ids: list[int]) -> torch.Tensor:
         """Stored KV of a passage at positions ``0..n-1`` (computed and stored on a miss)."""
