@@ -446,11 +446,10 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
 
 
 def _check_gpu_pool(bm: TieredBlockManager) -> None:
-    free = list(bm.free_blocks)
-    free_set = set(free)  # NOTE: membership below must not scan the free list (O(n^2))
-    if len(free_set) != len(free):
+    free_set = set(bm.free_blocks)  # NOTE: membership below must not scan the free list (O(n^2))
+    if len(free_set) != len(bm.free_blocks):
         raise AssertionError("a GPU block is free twice")
-    for block in free:
+    for block in bm.free_blocks:
         if bm.ref_cnt[block] or bm.gpu_entry[block] is not None:
             raise AssertionError(f"free GPU block {block} is in use or cached")
     evictable = 0
@@ -470,8 +469,7 @@ def _check_host_pool(bm: TieredBlockManager) -> None:
     free = set(bm.free_host_blocks)
     if len(free) != len(bm.free_host_blocks):
         raise AssertionError("a host block is free twice")
-    for host in range(bm.num_host_blocks):
-        entry = bm.host_entry[host]
+    for host, entry in enumerate(bm.host_entry):
         if (entry is None) != (host in free):
             raise AssertionError(f"host block {host} is both free and cached, or neither")
         if entry is not None and entry.host_block != host:
