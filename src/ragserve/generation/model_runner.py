@@ -72,22 +72,19 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(shape[1])]
         self.sampler = Sampler(self.device, config.seed)
         self.logits_hook: LogitsHook | None = None  # debug/test tap on last-position logits
-        self.graph_runner: CUDAGraphRunner | None = None  # set by capture_cuda_graphs
+        self.graph_runner: CUDAGraphRunner | None = None  # CUDA: replays decode steps
         self.pack_inputs = config.enable_packed_inputs
         self.fusion = FusionRunner(model, config)
         graphs = config.enable_cuda_graphs and self.device.type == "cuda"
         if graphs and self.backend.supports_cuda_graphs:
-            self.capture_cuda_graphs(config.max_num_seqs, config.max_model_len)
-
-    def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> None:
-        self.graph_runner = CUDAGraphRunner(
-            lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md, self.backend),
-            max_batch=max_batch,
-            max_blocks_per_seq=-(-max_seq_len // self.block_size),
-            max_seq_len=max_seq_len,
-            device=self.device,
-        )
-        self.graph_runner.capture()
+            self.graph_runner = CUDAGraphRunner(
+                lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md, self.backend),
+                max_batch=config.max_num_seqs,
+                max_blocks_per_seq=-(-config.max_model_len // self.block_size),
+                max_seq_len=config.max_model_len,
+                device=self.device,
+            )
+            self.graph_runner.capture()
 
     def prepare_inputs(
         self,
@@ -166,11 +163,7 @@ class ModelRunner:
         nothing samples); ``prev``: the step launched before, for pending inputs."""
         check_fault("forward", out.seqs)
         fused_rows: dict[int, list[int]] = {}
-        todo = [
-            (i, seq)
-            for i, seq in enumerate(out.seqs)
-            if seq.fusion is not None and seq.num_computed_tokens == 0
-        ]
+        todo = [(i, s) for i, s in enumerate(out.seqs) if s.fusion and not s.num_computed_tokens]
         kvs = todo and self.fusion.step_passage_kvs(
             [(s.token_ids, s.fusion, s.passage_blocks) for _, s in todo], self.kv_cache
         )  # a decode-only step skips it
