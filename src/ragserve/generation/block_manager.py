@@ -9,7 +9,7 @@ Mutates ``seq.block_table`` in place, never ``num_computed_tokens``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence as Seq
 from itertools import takewhile
 
@@ -36,16 +36,13 @@ def extend_block_hashes(
 def check_ref_counts(ref_cnt: list[int], tables: dict[str, list[int]], held: Seq[int] = ()) -> None:
     """Raise ``AssertionError`` unless ``ref_cnt`` counts the block ``tables`` (no block twice
     in one) and the ``held`` references."""
-    refs = [0] * len(ref_cnt)
+    refs = Counter(held)
     for rid, table in tables.items():
         if len(set(table)) != len(table):
             raise AssertionError(f"request {rid} holds a block twice: {table}")
-        for block in table:
-            refs[block] += 1
-    for block in held:
-        refs[block] += 1
-    if refs != ref_cnt:
-        bad = [b for b in range(len(ref_cnt)) if refs[b] != ref_cnt[b]]
+        refs.update(table)
+    bad = [b for b, n in enumerate(ref_cnt) if refs[b] != n]
+    if bad:
         raise AssertionError(f"ref counts disagree with block tables at blocks {bad}")
 
 
@@ -90,14 +87,22 @@ class BaseBlockManager:
             return []
         return self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
 
-    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, num_computed: int) -> int | None:
-        """Blocks to add for ``num_new_tokens`` after the computed tokens and ``num_computed``
-        shared blocks (``None``: the table holds them already, as in a decode step)."""
-        table, bs = seq.block_table, self.block_size
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq = ()) -> bool:
+        """Make room for ``num_new_tokens`` after the computed ones; ``computed_blocks`` (from
+        ``get_computed_blocks``) are shared (or swapped in) first and count as computed."""
+        table, bs, num_computed = seq.block_table, self.block_size, len(computed_blocks)
         if not num_computed and seq.num_computed_tokens + num_new_tokens <= len(table) * bs:
-            return None
+            return True  # the table holds them already, as in a decode step
         total = max(seq.num_computed_tokens, num_computed * bs) + num_new_tokens
-        return max(-(-total // bs) - len(table) - num_computed, 0)
+        num_new = max(-(-total // bs) - len(table) - num_computed, 0)
+        if num_new + self._share_cost(computed_blocks) > self.num_free_blocks:
+            return False
+        self._share(seq, computed_blocks)
+        if computed_blocks:
+            self._num_hashed[seq.request_id] = num_computed
+        table.extend(self._pop_block() for _ in range(num_new))
+        self._tables[seq.request_id] = table
+        return True
 
     def _forget(self, seq: Sequence, *stores: dict) -> None:
         seq.block_table.clear()
@@ -123,31 +128,18 @@ class BlockManager(BaseBlockManager):
         cached = map(self.cached.get, self._prefix_hashes(seq))
         return list(takewhile(lambda b: b is not None, cached))
 
-    def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()
-    ) -> bool:
-        """Make room for ``num_new_tokens`` after the computed ones; ``computed_blocks`` (from
-        ``get_computed_blocks``) are shared first and count as computed."""
-        table = seq.block_table
-        num_new_blocks = self._num_new_blocks(seq, num_new_tokens, len(computed_blocks))
-        if num_new_blocks is None:
-            return True
-        num_reclaimed = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
-        if num_new_blocks > self.num_free_blocks - num_reclaimed:
-            return False
-        for block in computed_blocks:
+    def _share_cost(self, blocks: Seq[int]) -> int:
+        """Free blocks that sharing ``blocks`` takes off the free queue."""
+        return sum(1 for b in blocks if self.ref_cnt[b] == 0)
+
+    def _share(self, seq: Sequence, blocks: Seq[int]) -> None:
+        for block in blocks:
             if self.ref_cnt[block] == 0:
                 del self.free_queue[block]
             self.ref_cnt[block] += 1
-            table.append(block)
-        if computed_blocks:
-            self._num_hashed[seq.request_id] = len(computed_blocks)
-        for _ in range(num_new_blocks):
-            table.append(self._pop_free_block())
-        self._tables[seq.request_id] = table
-        return True
+            seq.block_table.append(block)
 
-    def _pop_free_block(self) -> int:
+    def _pop_block(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
         h = self.block_hash[block]
         if h is not None:

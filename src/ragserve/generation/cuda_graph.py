@@ -111,9 +111,8 @@ class CUDAGraphRunner:
         self.block_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)
         if bs > n:
             self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].fill_(0)
-            self.input_ids[n:bs].fill_(0)
-            self.positions[n:bs].fill_(0)
+            for padded in (self.seq_lens, self.input_ids, self.positions):
+                padded[n:bs].fill_(0)
         graph, out = self.graphs[bs]
         graph.replay()
         return out[:n]

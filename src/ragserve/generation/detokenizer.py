@@ -71,12 +71,8 @@ class IncrementalDetokenizer:
 
 def find_stop(text: str, stops: tuple[str, ...], old_len: int) -> int | None:
     """Where the earliest stop string starts, looking only at matches that end in new text."""
-    best = None
-    for stop in stops:
-        idx = text.find(stop, max(old_len - len(stop) + 1, 0))
-        if idx != -1 and (best is None or idx < best):
-            best = idx
-    return best
+    found = (text.find(stop, max(old_len - len(stop) + 1, 0)) for stop in stops)
+    return min((i for i in found if i != -1), default=None)
 
 
 def check_finished(
@@ -84,9 +80,7 @@ def check_finished(
 ) -> str | None:
     """The finish reason after ``token_id`` was appended, from token ids and lengths alone."""
     params = seq.params
-    if not params.ignore_eos and token_id in eos_token_ids:
-        return "stop"
-    if token_id in params.stop_token_ids:
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return "stop"
     if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         return "length"

@@ -1,6 +1,5 @@
 """The engine's set-up decisions: the device and dtype an ``EngineConfig`` names, the longest
-sequence, the KV pool's size, the tokenizer of a model folder, and the KV tiers (with their
-counters for ``LLMEngine.stats``)."""
+sequence, the KV pool's size, the tokenizer of a model folder, and the KV tiers."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import torch
 
 from ragserve.generation.block_manager import BlockManager
 from ragserve.generation.config import CPU_DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
-from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.kv_cache_manager import PrefillCostModel, TieredBlockManager
 from ragserve.generation.kv_swap import HostKVCache
 from ragserve.generation.model_runner import kv_cache_bytes_per_block
@@ -144,30 +142,3 @@ def make_kv_tiers(
         swap_out_filter=config.swap_out_filter,
     )
     return manager, host
-
-
-def kv_tier_stats(
-    bm: BlockManager | TieredBlockManager,
-    host: HostKVCache | None,
-    hit_tokens: int,
-    store: PassageKVStore,
-) -> dict[str, int]:
-    """The KV-tier and passage-store counters of ``LLMEngine.stats()`` (0: no such tier)."""
-    per_block = host.bytes_per_block if host is not None else 0
-    tiered = isinstance(bm, TieredBlockManager)
-    names = (
-        "num_host_hit_tokens", "num_swapped_out_blocks", "num_swapped_in_blocks",
-        "num_evicted_gpu_blocks", "num_evicted_host_blocks", "num_swap_skipped_blocks",
-        "num_swap_out_skipped_blocks", "num_host_blocks_total",
-    )  # fmt: skip
-    stats = {name: getattr(bm, name.replace("_total", "")) if tiered else 0 for name in names}
-    return stats | {
-        "num_gpu_hit_tokens": bm.num_gpu_hit_tokens if tiered else hit_tokens,
-        "num_swap_out_bytes": stats["num_swapped_out_blocks"] * per_block,
-        "num_swap_in_bytes": stats["num_swapped_in_blocks"] * per_block,
-        "num_swap_copies": host.num_copies if host is not None else 0,
-        "num_kv_tree_nodes": len(bm.nodes) if tiered else 0,
-        "num_host_blocks_used": bm.num_host_used_blocks if tiered else 0,
-        "num_fusion_store_hits": bm.num_passage_hits if tiered else store.num_hits,
-        "num_fusion_store_misses": bm.num_passage_misses if tiered else store.num_misses,
-    }

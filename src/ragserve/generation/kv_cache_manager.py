@@ -171,42 +171,30 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
     def num_swap_in_blocks(self, computed_blocks: Seq[CachedBlock]) -> int:
         return sum(1 for e in computed_blocks if e.gpu_block is None)
 
-    def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[CachedBlock] = ()
-    ) -> bool:
-        """Make room for ``num_new_tokens`` after the computed ones; ``computed_blocks`` (from
-        ``get_computed_blocks``) are shared (GPU) or swapped in (host) first."""
-        table, bs = seq.block_table, self.block_size
-        num_new = self._num_new_blocks(seq, num_new_tokens, len(computed_blocks))
-        if num_new is None:
-            return True
-        admitted = not table
-        on_gpu = [e for e in computed_blocks if e.gpu_block is not None]
-        on_host = [e for e in computed_blocks if e.gpu_block is None]
-        reclaimed = sum(1 for e in on_gpu if self.ref_cnt[e.gpu_block] == 0)
-        if num_new + len(on_host) > self.num_free_blocks - reclaimed:
-            return False
+    def _share_cost(self, entries: Seq[CachedBlock]) -> int:
+        """Allocatable blocks that sharing ``entries`` uses: host ones swapped in, unused GPU
+        ones taken off the evictable pool."""
+        return sum(1 for e in entries if e.gpu_block is None or self.ref_cnt[e.gpu_block] == 0)
+
+    def _share(self, seq: Sequence, entries: Seq[CachedBlock]) -> None:
+        """Share the GPU ``entries``, swap in the host ones (locked first: no swap-in evicts
+        another's host copy) and count the hits."""
+        admitted = not seq.block_table
+        on_host = [e for e in entries if e.gpu_block is None]
         for entry in on_host:
             entry.locked = True
-        for entry in computed_blocks:
+        for entry in entries:
             if entry.gpu_block is None:
                 self._swap_in(entry)
             else:
                 self._acquire(entry.gpu_block)
-            table.append(entry.gpu_block)
+            seq.block_table.append(entry.gpu_block)
         if admitted:
             self.num_swap_skipped_blocks += self._skipped.pop(seq.request_id, 0)
-        if computed_blocks:
-            self._num_hashed[seq.request_id] = len(computed_blocks)
-            self.num_gpu_hit_tokens += len(on_gpu) * bs
-            self.num_host_hit_tokens += len(on_host) * bs
-            self._access(seq, {e.node.node_id: e.node for e in computed_blocks}.values())
-        for _ in range(num_new):
-            block = self._pop_block()
-            self.ref_cnt[block] = 1
-            table.append(block)
-        self._tables[seq.request_id] = table
-        return True
+        if entries:
+            self.num_gpu_hit_tokens += (len(entries) - len(on_host)) * self.block_size
+            self.num_host_hit_tokens += len(on_host) * self.block_size
+            self._access(seq, {e.node.node_id: e.node for e in entries}.values())
 
     def _acquire(self, block: int) -> None:
         if self.ref_cnt[block] == 0:
@@ -217,7 +205,6 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
         block = self._pop_block()
         entry.locked = False
         self._attach_gpu(entry, block)
-        self.ref_cnt[block] = 1
         self._ops.append(SwapOp("in", block, entry.host_block))
         self.num_swapped_in_blocks += 1
 
@@ -228,14 +215,16 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
             entry.parent.num_gpu_children += 1
 
     def _pop_block(self) -> int:
-        """A GPU block for new KV: a free one, else the evicted lowest-priority leaf's."""
+        """A GPU block for new KV, ref count 1: a free one, else the evicted lowest-priority
+        leaf's."""
         if self.free_blocks:
-            return self.free_blocks.popleft()
-        victim = self._gpu_heap.pop()
-        if victim is None:
+            block = self.free_blocks.popleft()
+        elif (victim := self._gpu_heap.pop()) is not None:
+            block = victim.gpu_block
+            self._evict_gpu(victim)
+        else:
             raise AssertionError("no evictable block although the pool count said so")
-        block = victim.gpu_block
-        self._evict_gpu(victim)
+        self.ref_cnt[block] = 1
         return block
 
     def _evict_gpu(self, entry: CachedBlock, swap: bool = True) -> None:
@@ -457,11 +446,10 @@ class TieredBlockManager(BaseBlockManager, PassageTierMixin):
 
 
 def _check_gpu_pool(bm: TieredBlockManager) -> None:
-    free = list(bm.free_blocks)
-    free_set = set(free)  # NOTE: membership below must not scan the free list (O(n^2))
-    if len(free_set) != len(free):
+    free_set = set(bm.free_blocks)  # NOTE: membership below must not scan the free list (O(n^2))
+    if len(free_set) != len(bm.free_blocks):
         raise AssertionError("a GPU block is free twice")
-    for block in free:
+    for block in bm.free_blocks:
         if bm.ref_cnt[block] or bm.gpu_entry[block] is not None:
             raise AssertionError(f"free GPU block {block} is in use or cached")
     evictable = 0
@@ -481,8 +469,7 @@ def _check_host_pool(bm: TieredBlockManager) -> None:
     free = set(bm.free_host_blocks)
     if len(free) != len(bm.free_host_blocks):
         raise AssertionError("a host block is free twice")
-    for host in range(bm.num_host_blocks):
-        entry = bm.host_entry[host]
+    for host, entry in enumerate(bm.host_entry):
         if (entry is None) != (host in free):
             raise AssertionError(f"host block {host} is both free and cached, or neither")
         if entry is not None and entry.host_block != host:

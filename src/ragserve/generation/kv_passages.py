@@ -97,7 +97,6 @@ class PassageTierMixin:
             block = self._pop_block()
             parent = handle.entries[-1] if handle.entries else None
             handle.entries.append(self._new_entry(hashes[i], parent, node, i, block))
-            self.ref_cnt[block] = 1
         self.policy.on_access(node)
         handle.blocks = tuple(e.gpu_block for e in handle.entries)
         handle.num_ready_blocks = len(cached)

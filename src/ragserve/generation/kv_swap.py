@@ -84,12 +84,9 @@ class HostKVCache:
         """The step using ``blocks`` waits for their pending copies (CUDA: the stream)."""
         if not self._pending:
             return
-        markers: list[torch.cuda.Event | Future] = []
-        for block in blocks:
-            marker = self._pending.pop(block, None)
-            if marker is not None and not any(marker is m for m in markers):
-                markers.append(marker)
-        for marker in markers:
+        popped = (self._pending.pop(block, None) for block in blocks)
+        markers = {id(m): m for m in popped if m is not None}  # each once, first use first
+        for marker in markers.values():
             if isinstance(marker, Future):
                 marker.result()
             else:
@@ -167,24 +164,18 @@ def _contiguous_runs(ops: list[SwapOp]) -> list[list[SwapOp]]:
     """``ops`` cut into maximal runs of one kind over consecutive host slots (rising or falling:
     a chain evicted tail first swaps back in falling slots), each sorted; GPU blocks distinct."""
     runs: list[list[SwapOp]] = []
-    blocks: set[int] = set()  # the current run's GPU blocks
-    step = 0  # +1 / -1: the current run's direction; 0: not set (one op)
+    blocks: set[int] = set()  # the last run's GPU blocks
     for op in ops:
-        last = runs[-1][-1] if runs else None
-        delta = None if last is None or last.kind != op.kind else op.host_block - last.host_block
-        if delta in (1, -1) and step in (0, delta) and op.gpu_block not in blocks:
-            runs[-1].append(op)
-            step = delta
+        run = runs[-1] if runs else []
+        step = op.host_block - run[-1].host_block if run and run[-1].kind == op.kind else 0
+        direction = run[1].host_block - run[0].host_block if len(run) > 1 else step
+        if step in (1, -1) and step == direction and op.gpu_block not in blocks:
+            run.append(op)
         else:
-            if step == -1:
-                runs[-1].reverse()
             runs.append([op])
             blocks.clear()
-            step = 0
         blocks.add(op.gpu_block)
-    if step == -1:
-        runs[-1].reverse()
-    return runs
+    return [sorted(run, key=lambda op: op.host_block) for run in runs]
 
 
 def _done(marker: torch.cuda.Event | Future) -> bool:

@@ -4,6 +4,7 @@ over a step's tokens packed flat (``[num_tokens, ...]``); q/k/v and gate/up are 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -205,14 +206,14 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weight_names(self) -> set[str]:
         """HF checkpoint names this model needs (``lm_head`` omitted when tied)."""
-        return set(self._weight_targets())
+        return set(self._weight_targets)
 
     @torch.no_grad()
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy one HF-named tensor into place; ``False`` if the model has no such weight."""
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return True
-        target = self._weight_targets().get(name)
+        target = self._weight_targets.get(name)
         if target is None:
             return False
         if target.shape != tensor.shape:
@@ -220,22 +221,22 @@ class LlamaForCausalLM(nn.Module):
         target.copy_(tensor)
         return True
 
+    @functools.cached_property
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         """HF name -> the parameter (or the slice of a fused one) it fills; built on first use,
         once the parameters are materialised (a tied ``lm_head`` is not listed)."""
-        if getattr(self, "_targets", None) is None:
-            cfg = self.config
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            ff = cfg.intermediate_size
-            shards = {
-                ".qkv_proj.": {".q_proj.": (0, q), ".k_proj.": (q, kv), ".v_proj.": (q + kv, kv)},
-                ".gate_up_proj.": {".gate_proj.": (0, ff), ".up_proj.": (ff, ff)},
-            }
-            self._targets = {}
-            for name, param in self.named_parameters():
-                fused = next((f for f in shards if f in name), None)
-                if fused is None:
-                    self._targets[name] = param
-                for hf, (start, size) in shards.get(fused, {}).items():
-                    self._targets[name.replace(fused, hf)] = param.narrow(0, start, size)
-        return self._targets
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        ff = cfg.intermediate_size
+        shards = {
+            ".qkv_proj.": {".q_proj.": (0, q), ".k_proj.": (q, kv), ".v_proj.": (q + kv, kv)},
+            ".gate_up_proj.": {".gate_proj.": (0, ff), ".up_proj.": (ff, ff)},
+        }
+        targets = {}
+        for name, param in self.named_parameters():
+            fused = next((f for f in shards if f in name), None)
+            if fused is None:
+                targets[name] = param
+            for hf, (start, size) in shards.get(fused, {}).items():
+                targets[name.replace(fused, hf)] = param.narrow(0, start, size)
+        return targets

@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragserve.generation.attention.base import get_backend
 from ragserve.generation.builtin import resolve_model
 from ragserve.generation.config import EngineConfig, ModelConfig, PromptTooLongError
 from ragserve.generation.detokenizer import (
@@ -26,7 +25,6 @@ from ragserve.generation.detokenizer import (
     make_decoder,
 )
 from ragserve.generation.engine_setup import (
-    kv_tier_stats,
     load_tokenizer,
     make_kv_tiers,
     resolve_device_dtype,
@@ -34,8 +32,7 @@ from ragserve.generation.engine_setup import (
     resolve_max_model_len,
 )
 from ragserve.generation.faults import check_fault
-from ragserve.generation.fusion.prefill import FusionRunner
-from ragserve.generation.fusion.store import PassageKVStore
+from ragserve.generation.kv_cache_manager import TieredBlockManager
 from ragserve.generation.loader import load_model
 from ragserve.generation.model_runner import ModelRunner, SampledTokens
 from ragserve.generation.sampling_params import SamplingParams
@@ -45,6 +42,13 @@ from ragserve.generation.sequence import RequestOutput, Sequence
 from ragserve.generation.step_isolation import execute_isolated, random_state
 
 logger = logging.getLogger(__name__)
+
+# ``TieredBlockManager`` counters in ``stats()`` (``num_host_blocks_total``: ``num_host_blocks``)
+_TIER_COUNTERS = (
+    "num_host_hit_tokens", "num_swapped_out_blocks", "num_swapped_in_blocks",
+    "num_evicted_gpu_blocks", "num_evicted_host_blocks", "num_swap_skipped_blocks",
+    "num_swap_out_skipped_blocks", "num_host_blocks_total",
+)  # fmt: skip
 
 
 class _Inflight(NamedTuple):
@@ -70,37 +74,10 @@ class LLMEngine:
         self._decode = make_decoder(self.tokenizer, config.enable_fast_detokenize)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = self.model_config.eos_token_ids or (() if eos is None else (int(eos),))
-        model = load_model(
-            self.model_config,
-            folder,
-            device=device,
-            dtype=dtype,
-            max_positions=resolve_max_model_len(config, self.model_config),
-            load_format=config.load_format,
-            seed=config.seed,
-        )
+        max_positions = resolve_max_model_len(config, self.model_config)
+        model = load_model(self.model_config, folder, config, device, dtype, max_positions)
         self.config, num_blocks = resolve_kv_pool(config, self.model_config, device, dtype)
-        max_model_len = self.config.max_model_len
-        backend = get_backend(config.attention_backend, device)
-        self.model_runner = ModelRunner(
-            model,
-            self.model_config,
-            backend,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            seed=config.seed,
-        )
-        self.model_runner.pack_inputs = config.enable_packed_inputs
-        self.model_runner.fusion = FusionRunner(
-            model,
-            PassageKVStore(device, config.fusion_kv_cache_bytes, config.fusion_host_kv_cache_bytes),
-            selector=config.fusion_selector,
-            probe_layer=config.fusion_probe_layer,
-            paged=config.fusion_paged_prefill,
-            batch_misses=config.fusion_batch_misses,
-        )
-        if config.enable_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
-            self.model_runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
+        self.model_runner = ModelRunner(model, self.model_config, self.config, num_blocks)
         self.block_manager, self.host_kv_cache = make_kv_tiers(
             config, self.model_config, self.model_runner.kv_cache, self.tokenizer
         )
@@ -110,7 +87,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             fairness_window=self._fairness_window(config.enable_prefix_caching),
             overlap_swap_in=config.overlap_swap_in and self.host_kv_cache is not None,
-            max_model_len=max_model_len,
+            max_model_len=self.config.max_model_len,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -125,7 +102,7 @@ class LLMEngine:
             dtype,
             num_blocks,
             config.block_size,
-            backend.name,
+            self.model_runner.backend.name,
         )
 
     @property
@@ -333,13 +310,9 @@ class LLMEngine:
             for rid in ids:
                 self.abort(rid)
             raise
-        final: dict[str, RequestOutput] = {}
-        pending = set(ids)
-        while pending:
-            for output in self.step():
-                if output.finished and output.request_id in pending:
-                    final[output.request_id] = output
-                    pending.discard(output.request_id)
+        wanted, final = set(ids), {}
+        while len(final) < len(wanted):
+            final |= {o.request_id: o for o in self.step() if o.finished and o.request_id in wanted}
         while self._inflight is not None and not self.scheduler.has_unfinished():
             self.step()  # lands a step that held only requests finished since
         self.run_deferred_checks()
@@ -373,23 +346,35 @@ class LLMEngine:
         return text + ("assistant:" if add_generation_prompt else "")
 
     def stats(self) -> dict[str, int]:
-        """Queue, KV-tier and cache-fusion counters (ints; ``docs/architecture.md``)."""
+        """Queue, KV-tier and cache-fusion counters (ints; ``docs/architecture.md``; 0 for a
+        tier the engine does not have)."""
         bm, sched, fusion = self.block_manager, self.scheduler, self.model_runner.fusion
-        stats = {
+        host, tiered = self.host_kv_cache, isinstance(bm, TieredBlockManager)
+        per_block = host.bytes_per_block if host is not None else 0
+        hits = sched.prefix_cache_hit_tokens
+        tier = {k: getattr(bm, k.removesuffix("_total")) if tiered else 0 for k in _TIER_COUNTERS}
+        return {
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,
             "preemptions": sched.num_preemptions,
-            "prefix_cache_hit_tokens": sched.prefix_cache_hit_tokens,
+            "prefix_cache_hit_tokens": hits,
             "prefix_cache_query_tokens": sched.prefix_cache_query_tokens,
-            "num_prefill_tokens_saved": sched.prefix_cache_hit_tokens,
+            "num_prefill_tokens_saved": hits,
             "num_fused_tokens": fusion.num_fused_tokens,
             "num_recomputed_tokens": fusion.num_recomputed_tokens,
             "num_deferred_swap_ins": sched.num_deferred_swap_ins,
+            **tier,
+            "num_gpu_hit_tokens": bm.num_gpu_hit_tokens if tiered else hits,
+            "num_swap_out_bytes": tier["num_swapped_out_blocks"] * per_block,
+            "num_swap_in_bytes": tier["num_swapped_in_blocks"] * per_block,
+            "num_swap_copies": host.num_copies if host is not None else 0,
+            "num_kv_tree_nodes": len(bm.nodes) if tiered else 0,
+            "num_host_blocks_used": bm.num_host_used_blocks if tiered else 0,
+            "num_fusion_store_hits": bm.num_passage_hits if tiered else fusion.store.num_hits,
+            "num_fusion_store_misses": bm.num_passage_misses if tiered else fusion.store.num_misses,
         }
-        hits = sched.prefix_cache_hit_tokens
-        return stats | kv_tier_stats(bm, self.host_kv_cache, hits, fusion.store)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
@@ -418,20 +403,13 @@ class LLMEngine:
 
 def _step_blocks(seqs: Sequence_[Sequence]) -> list[int]:
     """The GPU blocks a step reads or writes: block tables and fused passages' blocks."""
-    blocks = [b for seq in seqs for b in seq.block_table]
-    for seq in seqs:
-        for handle in seq.passage_blocks or ():
-            blocks.extend(handle.blocks)
-    return blocks
+    passages = [b for seq in seqs for handle in seq.passage_blocks or () for b in handle.blocks]
+    return [b for seq in seqs for b in seq.block_table] + passages
 
 
 def _check_segment_ends(request_id: str, ends: Sequence_[int], num_tokens: int) -> tuple[int, ...]:
     out = tuple(int(e) for e in ends)
-    if (
-        not out
-        or out[-1] != num_tokens
-        or any(b <= a for a, b in zip((0, *out[:-1]), out, strict=True))
-    ):
+    if not out or out[-1] != num_tokens or any(b <= a for a, b in itertools.pairwise((0, *out))):
         raise ValueError(
             f"request {request_id!r}: segment_ends must increase from above 0 and end at the "
             f"prompt length {num_tokens}, got {list(out)}"

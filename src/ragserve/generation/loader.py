@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ragserve.generation.config import ModelConfig, ModelLoadError
+from ragserve.generation.config import EngineConfig, ModelConfig, ModelLoadError
 from ragserve.generation.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -21,23 +21,21 @@ INDEX_FILE = "model.safetensors.index.json"
 def load_model(
     cfg: ModelConfig,
     folder: Path | None,
-    *,
+    config: EngineConfig,
     device: torch.device,
     dtype: torch.dtype,
     max_positions: int,
-    load_format: str = "auto",
-    seed: int = 0,
 ) -> nn.Module:
     """The model in eval mode, materialised from the meta device directly on ``device``;
-    ``load_format="dummy"``: seeded random weights."""
+    ``config.load_format="dummy"``: random weights seeded by ``config.seed``."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)  # every SUPPORTED_ARCHITECTURES entry
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.build(device, dtype)
-    if load_format == "dummy":
-        _init_dummy(model, device, seed)
+    if config.load_format == "dummy":
+        _init_dummy(model, device, config.seed)
     else:
         if folder is None:
             raise ModelLoadError("a model folder is needed unless load_format='dummy'")

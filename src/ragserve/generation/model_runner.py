@@ -4,6 +4,7 @@ the device (``SampledTokens``) for the next launched step."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -11,8 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend
-from ragserve.generation.config import ModelConfig
+from ragserve.generation.attention.base import AttentionMetadata, get_backend
+from ragserve.generation.config import EngineConfig, ModelConfig
 from ragserve.generation.cuda_graph import CUDAGraphRunner
 from ragserve.generation.faults import check_fault
 from ragserve.generation.fusion.prefill import FusionRunner
@@ -58,40 +59,32 @@ class ModelRunner:
     """Owns the model, its paged KV cache and the attention backend; ``execute_model`` writes
     the step's KV and samples, never touching the sequences."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        cfg: ModelConfig,
-        backend: BaseAttentionBackend,
-        *,
-        num_blocks: int,
-        block_size: int,
-        seed: int = 0,
-    ):
+    def __init__(self, model: nn.Module, cfg: ModelConfig, config: EngineConfig, num_blocks: int):
+        """``config``: the resolved engine config (backend, block size, seed, fusion, graphs)."""
         param = next(model.parameters())
         self.model = model
-        self.backend = backend
         self.device = param.device
-        self.block_size = block_size
-        shape = (2, cfg.num_hidden_layers, num_blocks, block_size)
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        shape = (2, cfg.num_hidden_layers, num_blocks, config.block_size)
         shape += (cfg.num_key_value_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=param.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(shape[1])]
-        self.sampler = Sampler(self.device, seed)
+        self.sampler = Sampler(self.device, config.seed)
         self.logits_hook: LogitsHook | None = None  # debug/test tap on last-position logits
-        self.graph_runner: CUDAGraphRunner | None = None  # set by capture_cuda_graphs
-        self.fusion: FusionRunner | None = None  # cache fusion, set by the engine
-        self.pack_inputs = True  # EngineConfig.enable_packed_inputs
-
-    def capture_cuda_graphs(self, max_batch: int, max_seq_len: int) -> None:
-        self.graph_runner = CUDAGraphRunner(
-            lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md, self.backend),
-            max_batch=max_batch,
-            max_blocks_per_seq=-(-max_seq_len // self.block_size),
-            max_seq_len=max_seq_len,
-            device=self.device,
-        )
-        self.graph_runner.capture()
+        self.graph_runner: CUDAGraphRunner | None = None  # CUDA: replays decode steps
+        self.pack_inputs = config.enable_packed_inputs
+        self.fusion = FusionRunner(model, config)
+        graphs = config.enable_cuda_graphs and self.device.type == "cuda"
+        if graphs and self.backend.supports_cuda_graphs:
+            self.graph_runner = CUDAGraphRunner(
+                lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md, self.backend),
+                max_batch=config.max_num_seqs,
+                max_blocks_per_seq=-(-config.max_model_len // self.block_size),
+                max_seq_len=config.max_model_len,
+                device=self.device,
+            )
+            self.graph_runner.capture()
 
     def prepare_inputs(
         self,
@@ -102,16 +95,11 @@ class ModelRunner:
         """Flat ``input_ids``, ``positions``, the metadata and the rows to sample; ``fused_rows``:
         seq index -> its fused rows; ``prev``: the step launched before (pending inputs)."""
         fused_rows = fused_rows or {}
-        pending_rows: list[int] = []  # flat rows whose input is in ``prev.device``
-        pending_src: list[int] = []
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start, seq_lens, logits_rows = [0], [], []
+        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        pending_rows, pending_src = [], []  # flat rows whose input is a row of ``prev.device``
         max_blocks = max(len(s.block_table) for s in out.seqs)
         tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)
-        query_lens: list[int] = []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
@@ -132,21 +120,15 @@ class ModelRunner:
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
                 n = len(pos)
             query_lens.append(n)
-            query_start.append(query_start[-1] + n)
             seq_lens.append(end)
-            if out.sample[i]:
-                logits_rows.append(query_start[-1] - 1)
+        query_start = [0, *itertools.accumulate(query_lens)]
+        logits_rows = [query_start[i + 1] - 1 for i, flag in enumerate(out.sample) if flag]
         dev = self.device
         longs = (ids, positions, slots, logits_rows, pending_rows, pending_src)
         ints = (query_start, seq_lens, tables.ravel())
-        if self.pack_inputs:  # two host-to-device copies a step: one per dtype
-            input_ids, positions_t, slots_t, rows_t, pend_t, src_t = _packed(longs, dev, np.int64)
-            starts_t, lens_t, tables_t = _packed(ints, dev, np.int32)
-        else:
-            input_ids, positions_t, slots_t, rows_t, pend_t, src_t = (
-                to_device(np.asarray(a, dtype=np.int64), dev) for a in longs
-            )
-            starts_t, lens_t, tables_t = (to_device(np.asarray(a, np.int32), dev) for a in ints)
+        pack = self.pack_inputs
+        input_ids, positions_t, slots_t, rows_t, pend_t, src_t = _upload(longs, dev, np.int64, pack)
+        starts_t, lens_t, tables_t = _upload(ints, dev, np.int32, pack)
         metadata = AttentionMetadata(
             query_start_loc=starts_t,
             seq_lens=lens_t,
@@ -181,20 +163,15 @@ class ModelRunner:
         nothing samples); ``prev``: the step launched before, for pending inputs."""
         check_fault("forward", out.seqs)
         fused_rows: dict[int, list[int]] = {}
-        if self.fusion is not None:
-            todo = [
-                (i, seq)
-                for i, seq in enumerate(out.seqs)
-                if seq.fusion is not None and seq.num_computed_tokens == 0
-            ]
-            kvs = todo and self.fusion.step_passage_kvs(
-                [(s.token_ids, s.fusion, s.passage_blocks) for _, s in todo], self.kv_cache
-            )  # a decode-only step skips it
-            for (i, seq), kv in zip(todo, kvs, strict=True):
-                fused_rows[i] = self.fusion.prepare(
-                    seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
-                    self.backend, seq.passage_blocks, kv,
-                )  # fmt: skip
+        todo = [(i, s) for i, s in enumerate(out.seqs) if s.fusion and not s.num_computed_tokens]
+        kvs = todo and self.fusion.step_passage_kvs(
+            [(s.token_ids, s.fusion, s.passage_blocks) for _, s in todo], self.kv_cache
+        )  # a decode-only step skips it
+        for (i, seq), kv in zip(todo, kvs, strict=True):
+            fused_rows[i] = self.fusion.prepare(
+                seq.token_ids, seq.fusion, self.kv_cache, seq.block_table,
+                self.backend, seq.passage_blocks, kv,
+            )  # fmt: skip
         input_ids, positions, metadata, logits_rows = self.prepare_inputs(out, fused_rows, prev)
         hidden = self.run_model(input_ids, positions, metadata)
         sampled = [s for s, flag in zip(out.seqs, out.sample, strict=True) if flag]
@@ -208,7 +185,10 @@ class ModelRunner:
         return SampledTokens(self.sampler.sample(logits, rids, params), sampled)
 
 
-def _packed(parts: tuple, device: torch.device, dtype) -> list[torch.Tensor]:
-    """``parts`` (lists or 1-d arrays) on ``device`` through one buffer, split there (views)."""
+def _upload(parts: tuple, device: torch.device, dtype, packed: bool) -> list[torch.Tensor]:
+    """``parts`` (lists or 1-d arrays) on ``device``; ``packed``: through one buffer, split
+    there (views): one host-to-device copy per dtype, not one per part."""
     arrays = [np.asarray(p, dtype=dtype) for p in parts]
+    if not packed:
+        return [to_device(a, device) for a in arrays]
     return list(torch.split(to_device(np.concatenate(arrays), device), [len(a) for a in arrays]))

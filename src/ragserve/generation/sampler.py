@@ -35,20 +35,16 @@ class Sampler:
     def set_state(self, state: SamplerState) -> None:
         """Back to ``state``: generators created since are dropped, the others rewound."""
         self._default_gen.set_state(state.default)
-        for rid in [r for r in self._gens if r not in state.per_request]:
-            del self._gens[rid]
-        for rid, gen_state in state.per_request.items():
-            if rid in self._gens:
-                self._gens[rid].set_state(gen_state)
+        self._gens = {r: g for r, g in self._gens.items() if r in state.per_request}
+        for rid, gen in self._gens.items():
+            gen.set_state(state.per_request[rid])
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
             return self._default_gen
-        gen = self._gens.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-            self._gens[request_id] = gen
-        return gen
+        if request_id not in self._gens:
+            self._gens[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+        return self._gens[request_id]
 
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]

@@ -4,8 +4,9 @@ the pool is full the newest is preempted; waiting ones are admitted only if nobo
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,7 +62,7 @@ class Scheduler:
         self.fairness_window = fairness_window  # None: first come, first served
         self.overlap_swap_in = overlap_swap_in
         self.num_deferred_swap_ins = 0  # admissions that loaded KV during another step
-        self._num_passed: dict[str, int] = {}
+        self._num_passed: Counter[str] = Counter()  # rid -> times passed over
         self._shares: dict[str, float] = {}  # rid -> cached share, measured this step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -158,7 +159,7 @@ class Scheduler:
         best, best_share = 0, -1.0
         for i in range(min(len(self.waiting), LOOKAHEAD)):
             seq = self.waiting[i]
-            if self._num_passed.get(seq.request_id, 0) >= self.fairness_window:
+            if self._num_passed[seq.request_id] >= self.fairness_window:
                 best = i
                 break
             share = self._shares.get(seq.request_id)
@@ -191,11 +192,8 @@ class Scheduler:
             seq.passage_blocks = None
 
     def _pass_over(self, index: int) -> None:
-        if self.fairness_window is None:
-            return
-        for i in range(index):
-            rid = self.waiting[i].request_id
-            self._num_passed[rid] = self._num_passed.get(rid, 0) + 1
+        if self.fairness_window is not None:
+            self._num_passed.update(s.request_id for s in itertools.islice(self.waiting, index))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -3,6 +3,7 @@ spans and ``FusionPlan``, and the document ends the knowledge tree finds in plai
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -113,15 +114,11 @@ def find_segment_ends(token_ids: Sequence[int], newline_counts: dict[int, int]) 
 def whitespace_newline_counts(tokenizer: Any) -> dict[int, int]:
     """``{token id: newlines}`` for the tokenizer's whitespace-only tokens (``{}`` for none);
     NOTE: decoding the vocabulary takes ~1 s: one result per tokenizer object."""
-    if tokenizer is None:
-        return {}
-    hit = _CACHE.get(id(tokenizer))
-    if hit is None or hit[0] is not tokenizer:
-        ids = list(range(len(tokenizer)))
-        texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
-        counts = tuple((i, t.count("\n")) for i, t in zip(ids, texts, strict=True) if t.isspace())
-        hit = _CACHE[id(tokenizer)] = (tokenizer, counts)
-    return dict(hit[1])
+    return {} if tokenizer is None else dict(_newline_counts(tokenizer))
 
 
-_CACHE: dict[int, tuple[Any, tuple[tuple[int, int], ...]]] = {}
+@functools.cache  # tokenizers hash by identity
+def _newline_counts(tokenizer: Any) -> tuple[tuple[int, int], ...]:
+    ids = list(range(len(tokenizer)))
+    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    return tuple((i, t.count("\n")) for i, t in zip(ids, texts, strict=True) if t.isspace())

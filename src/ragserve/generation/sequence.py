@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ragserve.generation.sampling_params import SamplingParams
@@ -93,7 +93,6 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def to_output(self) -> RequestOutput:
-        m = self.metrics
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,  # shared: never mutated by the engine
@@ -101,8 +100,6 @@ class Sequence:
             text=self.text,
             finished=self.status is SequenceStatus.FINISHED,
             finish_reason=self.finish_reason,
-            metrics=RequestMetrics(
-                m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finish_time
-            ),
+            metrics=replace(self.metrics),
             error=self.error,
         )

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragserve.generation.attention.base import AttentionMetadata, BaseAttentionBackend, store_kv
+from ragserve.generation.config import EngineConfig
 from ragserve.generation.fusion.store import PassageKVStore
 from ragserve.generation.kv_tree import PassageBlocks
 from ragserve.generation.llama import RotaryEmbedding, rotate_half
@@ -39,26 +40,20 @@ SIFT_INDEX_ENTRIES = 4096  # passages whose SIFT-style scores are kept (n floats
 class FusionRunner:
     """Runs fused prefills on a model's paged KV cache; owns the passage store and counters."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        store: PassageKVStore,
-        *,
-        selector: str = "qcfuse",
-        probe_layer: int | None = None,
-        paged: bool = True,
-        batch_misses: bool = True,
-    ):
+    def __init__(self, model: nn.Module, config: EngineConfig):
         num_layers = len(model.model.layers)
+        probe_layer = config.fusion_probe_layer
         if probe_layer is not None and not 0 <= probe_layer < num_layers:
             raise ValueError(f"fusion_probe_layer must be in [0, {num_layers}), got {probe_layer}")
         self.model = model
-        self.store = store
-        self.selector = selector
+        device = next(model.parameters()).device
+        budgets = config.fusion_kv_cache_bytes, config.fusion_host_kv_cache_bytes
+        self.store = PassageKVStore(device, *budgets)
+        self.selector = config.fusion_selector
         self.probe_layer = max(1, num_layers // 4) if probe_layer is None else probe_layer
         self.probe_layer = min(self.probe_layer, num_layers - 1)
-        self.paged = paged
-        self.batch_misses = batch_misses  # a step's missing passages in one forward
+        self.paged = config.fusion_paged_prefill
+        self.batch_misses = config.fusion_batch_misses  # a step's missing passages in one forward
         self.num_fused_tokens = 0
         self.num_recomputed_tokens = 0
         self._sift_index: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
@@ -73,18 +68,12 @@ class FusionRunner:
         prefill; without, ``None`` each (``prepare`` then computes a miss per passage)."""
         if not self.batch_misses:
             return [None] * len(prefills)
-        out: list[list[torch.Tensor] | None] = [None] * len(prefills)
-        for held in (False, True):  # the store's passages, then the tree's blocks
-            which = [i for i, (*_, p) in enumerate(prefills) if (p is not None) is held]
-            if not which:
-                continue
-            own = [_keyed_spans(*prefills[i]) for i in which]
-            handles = [h for i in which for h in prefills[i][2]] if held else None
-            spans = [span for spans in own for span in spans]
-            kvs = iter(self._passage_kvs(spans, handles, kv_cache if held else None))
-            for i, spans in zip(which, own, strict=True):
-                out[i] = [next(kvs) for _ in spans]
-        return out
+        own = [_keyed_spans(*prefill) for prefill in prefills]
+        # NOTE: an engine's fused prefills all hold tree blocks (with the knowledge tree) or
+        # none (the store's passages), never a mix
+        handles = [h for *_, passages in prefills for h in passages or ()] or None
+        kvs = iter(self._passage_kvs([s for spans in own for s in spans], handles, kv_cache))
+        return [[next(kvs) for _ in spans] for spans in own]
 
     def passage_kv(self, key: str, token_ids: list[int]) -> torch.Tensor:
         """Stored KV of a passage at positions ``0..n-1`` (computed and stored on a miss)."""
@@ -112,10 +101,8 @@ class FusionRunner:
             if kv is None:
                 todo.setdefault((spans[i][0], tuple(spans[i][1])), []).append(i)
         passages = [list(tokens) for _, tokens in todo]
-        if self.batch_misses and len(passages) > 1:
-            computed = self._compute_alone_many(passages)
-        else:
-            computed = [self._compute_alone_many([t])[0] for t in passages]
+        groups = [passages] if self.batch_misses else [[t] for t in passages]
+        computed = [kv for group in groups if group for kv in self._compute_alone_many(group)]
         for ((key, tokens), where), kv in zip(todo.items(), computed, strict=True):
             if handles is None:
                 self.store.put(key, list(tokens), kv)
@@ -144,13 +131,10 @@ class FusionRunner:
         dev = kv.device
         ids = to_device([t for p in passages for t in p], dev, torch.long)
         rows = torch.arange(len(ids), device=dev)
-        if len(passages) == 1:
-            forward_rows(self.model, ids, kv, rows)
-        else:
-            lengths = to_device(sizes, dev, torch.long)
-            starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-            segments = torch.repeat_interleave(torch.arange(len(sizes), device=dev), lengths)
-            forward_rows(self.model, ids, kv, rows, positions=rows - starts, segments=segments)
+        lengths = to_device(sizes, dev, torch.long)
+        starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        segments = torch.repeat_interleave(torch.arange(len(sizes), device=dev), lengths)
+        forward_rows(self.model, ids, kv, rows, positions=rows - starts, segments=segments)
         return list(torch.split(kv, sizes, dim=2))
 
     def _empty_kv(self, num_tokens: int, num_layers: int | None = None) -> torch.Tensor:
@@ -198,19 +182,12 @@ class FusionRunner:
         rows = sorted(set(base).union(extra))
         self.num_fused_tokens += plan.num_keyed_tokens
         self.num_recomputed_tokens += sum(fused[p] for p in rows)
-        if not self.paged:
-            self._dense_forward(ids, rows, flat, slots)
+        if not self.paged:  # the dense forward; its last row runs again in the batch (same)
+            kv = flat[:, :, slots]
+            forward_rows(self.model, ids, kv, to_device(rows, dev, torch.long))
+            flat[:, :, slots] = kv
             return [num_tokens - 1]
         return rows
-
-    def _dense_forward(
-        self, ids: torch.Tensor, rows: list[int], flat: torch.Tensor, slots: torch.Tensor
-    ) -> None:
-        """``paged=False``: ``rows`` through every layer densely over the sequence's gathered
-        KV, written back; the last row then runs again in the batched forward (same result)."""
-        kv = flat[:, :, slots]
-        forward_rows(self.model, ids, kv, to_device(rows, ids.device, torch.long))
-        flat[:, :, slots] = kv
 
     def _select(
         self,
@@ -231,9 +208,8 @@ class FusionRunner:
         elif self.selector == "qcfuse":
             rows = to_device(base, ids.device, torch.long)
             query = to_device(query_rows(plan.spans, num_tokens), ids.device, torch.long)
-            metadata = rows_metadata(rows, num_tokens, slots, table)
             probs = probe_attention(
-                self.model, ids, rows, query, kv_caches, metadata, backend, self.probe_layer
+                self.model, ids, rows, query, kv_caches, slots, table, backend, self.probe_layer
             )
             scores = attention_scores(probs, query, query)
         elif self.selector == "sift":
@@ -395,13 +371,22 @@ def forward_rows(
     return x, probs
 
 
-def rows_metadata(
-    rows: torch.Tensor, num_tokens: int, slots: torch.Tensor, block_table: torch.Tensor
-) -> AttentionMetadata:
-    """One sequence of ``num_tokens`` whose new tokens are ``rows`` (sorted positions, the last
-    ``num_tokens - 1``) with per-query positions; ``slots``: every position's flat slot."""
-    dev = rows.device
-    return AttentionMetadata(
+def probe_attention(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    rows: torch.Tensor,
+    query: torch.Tensor,
+    kv_caches: KVCaches,
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    backend: BaseAttentionBackend,
+    probe_layer: int,
+) -> torch.Tensor:
+    """Attention probabilities ``[heads, len(query), num_tokens]`` of ``query`` (within ``rows``)
+    at ``probe_layer``; ``rows`` (sorted positions, the last ``num_tokens - 1``) run the paged
+    layers below it with per-query positions, writing their KV; ``slots``: every position's."""
+    num_tokens, dev = len(slots), rows.device
+    metadata = AttentionMetadata(
         query_start_loc=to_device([0, len(rows)], dev, torch.int32),
         seq_lens=to_device([num_tokens], dev, torch.int32),
         block_tables=block_table[None].to(torch.int32),
@@ -410,20 +395,6 @@ def rows_metadata(
         seq_lens_cpu=(num_tokens,),
         query_positions=rows,
     )
-
-
-def probe_attention(
-    model: nn.Module,
-    token_ids: torch.Tensor,
-    rows: torch.Tensor,
-    query: torch.Tensor,
-    kv_caches: KVCaches,
-    metadata: AttentionMetadata,
-    backend: BaseAttentionBackend,
-    probe_layer: int,
-) -> torch.Tensor:
-    """Attention probabilities ``[heads, len(query), num_tokens]`` of ``query`` (within ``rows``)
-    at ``probe_layer``; ``rows`` run the paged layers below it, writing their KV."""
     layers = model.model.layers
     backend.prepare(metadata)
     x = model.model.embed_tokens(token_ids[rows])
@@ -433,14 +404,10 @@ def probe_attention(
     q, k, v = attn.qkv(rows, layers[probe_layer].input_layernorm(x))
     k_cache, v_cache = kv_caches[probe_layer]
     store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-    num_tokens = metadata.seq_lens_cpu[0]
-    pos = torch.arange(num_tokens, device=rows.device)
-    page = k_cache.shape[1]
-    slots = metadata.block_tables[0, pos // page].long() * page + pos % page
     keys = k_cache.view(-1, *k_cache.shape[2:])[slots].float()  # [num_tokens, kv_heads, D]
     group = attn.num_heads // attn.num_kv_heads
     qq = q[torch.isin(rows, query)].float()
     qq = qq.view(len(qq), attn.num_kv_heads, group, attn.head_dim)
     scores = torch.einsum("qkgd,nkd->kgqn", qq, keys).flatten(0, 1) * attn.scale
-    mask = pos[None, :] <= query[:, None]
+    mask = torch.arange(num_tokens, device=dev)[None, :] <= query[:, None]
     return scores.masked_fill(~mask, float("-inf")).softmax(-1)
