@@ -72,7 +72,10 @@ class FusionRunner:
         # NOTE: an engine's fused prefills all hold tree blocks (with the knowledge tree) or
         # none (the store's passages), never a mix
         handles = [h for *_, passages in prefills for h in passages or ()] or None
-        kvs = iter(self._passage_kvs([s for spans in own for s in spans], handles, kv_cache))
+        spans = [s for prefill_spans in own for s in prefill_spans]
+        if handles is not None and len(handles) != len(spans):
+            raise AssertionError(f"{len(handles)} passage blocks for {len(spans)} keyed spans")
+        kvs = iter(self._passage_kvs(spans, handles, kv_cache))
         return [[next(kvs) for _ in spans] for spans in own]
 
     def passage_kv(self, key: str, token_ids: list[int]) -> torch.Tensor:
