@@ -210,6 +210,12 @@ def _engine(reply: dict) -> dict:
     return reply["stats"].get("engine", {})
 
 
+def _scans(before: dict, after: dict) -> dict[str, int] | None:
+    """The GPU tier's scans per strategy between two control replies (None: no tier)."""
+    s0, s1 = ((r.get("tier") or {}).get("scans") for r in (before, after))
+    return None if s1 is None else {k: n - (s0 or {}).get(k, 0) for k, n in s1.items()}
+
+
 def measure(server: ServedProcess, system: str, rate: float, data: dict, args,
             tier_state: list[bool]) -> dict:  # fmt: skip
     """One rate of one system: switch the server to the system, offer the load, summarize."""
@@ -267,6 +273,7 @@ def measure(server: ServedProcess, system: str, rate: float, data: dict, args,
         "recomputed_tokens": delta("num_recomputed_tokens"),
         "preemptions": delta("preemptions"),
         "tier_hit_rate": (after.get("tier") or {}).get("hit_rate"),
+        "tier_scans": _scans(before, after),
         "cosched": after["stats"].get("cosched"),
         **util.summary(start + args.warmup, start + times[-1]),
     }

@@ -66,6 +66,9 @@ def test_served_capacity_cpu_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert by_system["baseline"]["kv_hit_tokens"] == 0
     assert by_system["fusion-on"]["fused_tokens"] > 0
     assert by_system["no-tier"]["tier_hit_rate"] is None  # dropped for the last system
+    # each point's tier scans per strategy (--tier-scan dense); none once the tier is dropped
+    assert shipped["tier_scans"]["dense"] > 0 and by_system["baseline"]["tier_scans"]["dense"] > 0
+    assert by_system["no-tier"]["tier_scans"] is None
     assert doc["meta"]["seed"] == 0 and "--gpu-index-gb" in doc["meta"]["server_cmd"]
     assert (out / "served_capacity.png").stat().st_size > 0
     table = bench.report(doc)

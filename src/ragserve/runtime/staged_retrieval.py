@@ -282,6 +282,7 @@ class StagedRetrievalRunner:
             "num_bytes": tier.num_bytes,
             "hit_rate": tier.hit_rate,
             "holds_index": placed.issuperset(lists.tolist()),
+            "scans": tier.scan_counts,
         }
 
     def _add(self, tasks: list[StagedRetrievalTask]) -> list[RetrievalResult]:
