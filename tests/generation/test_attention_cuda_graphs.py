@@ -85,8 +85,11 @@ def test_engine_greedy_graphs_on_off_reference_and_hf(tmp_path) -> None:
 @pytest.mark.gpu
 def test_graph_replay_matches_eager_with_padding(tmp_path) -> None:
     folder = _tiny_llama(tmp_path / "llama")
+    # NOTE: synchronous steps: the test prepares the decode step's inputs itself, from tokens
+    # already read back (async scheduling would leave them pending on the device)
     engine = LLMEngine(folder, device="cuda", dtype="float32", block_size=16, max_model_len=256,
-                       kv_cache_bytes=32 * 1024**2, max_num_seqs=8)  # fmt: skip
+                       kv_cache_bytes=32 * 1024**2, max_num_seqs=8,
+                       enable_async_scheduling=False)  # fmt: skip
     runner = engine.model_runner
     assert runner.graph_runner is not None and runner.graph_runner.sizes == [1, 2, 4, 8]
     for i, prompt in enumerate(_prompts()[:5]):  # prefill, then a decode step of 5 rows (bucket 8)
