@@ -25,25 +25,21 @@ NUM, NLIST, K, NPROBE = 1500, 24, 10, 6
 BIG = 1 << 30
 
 
-def make_data(dim: int) -> tuple[np.ndarray, np.ndarray]:
+def make_index(metric: str, dim: int) -> tuple[VectorIndex, np.ndarray]:
     """Clustered vectors with duplicates (seven equal rows: ties across the k-th boundary) and
     queries on and near them."""
-    rng = np.random.default_rng(dim + 1)
+    rng = np.random.default_rng(dim + 1)  # NOTE: seed 64 has an L2 near-tie below float32
     centers = rng.normal(size=(NLIST, dim)).astype(np.float32)
     x = (centers[rng.integers(0, NLIST, NUM)] + 0.4 * rng.normal(size=(NUM, dim))).astype(
         np.float32
     )
     x[100:106] = x[7]
-    near = centers[rng.integers(0, NLIST, 21)] + 0.4 * rng.normal(size=(21, dim))
-    return x, np.concatenate([x[7:8], x[7:8] + 1e-3, near]).astype(np.float32)
-
-
-def make_index(metric: str, dim: int) -> tuple[VectorIndex, np.ndarray]:
-    x, q = make_data(dim)
     docs = [Document(f"d{i}", f"passage {i}") for i in range(NUM)]
     index = VectorIndex.from_vectors(
         docs, x, embedder_name="none", nlist=NLIST, metric=metric, nprobe=NPROBE
     )
+    near = centers[rng.integers(0, NLIST, 21)] + 0.4 * rng.normal(size=(21, dim))
+    q = np.concatenate([x[7:8], x[7:8] + 1e-3, near]).astype(np.float32)
     return index, q
 
 
@@ -51,31 +47,46 @@ def oracle(index: VectorIndex, q: np.ndarray, k: int = K, nprobe: int = NPROBE):
     return index.faiss_index.search(q, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
 
 
-def assert_same(found, ref, l2_data: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+def stored_vectors(index: VectorIndex) -> dict[int, np.ndarray]:
+    """Each id's vector as the Faiss index holds it (its ids are the store's, not row numbers)."""
+    ivf = faiss.extract_index_ivf(index.faiss_index)
+    out = {}
+    for lst in range(ivf.nlist):
+        n = ivf.invlists.list_size(lst)
+        if n == 0:
+            continue
+        ids = faiss.rev_swig_ptr(ivf.invlists.get_ids(lst), n)
+        codes = faiss.rev_swig_ptr(ivf.invlists.get_codes(lst), n * ivf.code_size)
+        rows = codes.view(np.float32).reshape(n, ivf.d).astype(np.float64)
+        out.update(zip(ids.tolist(), rows, strict=True))
+    return out
+
+
+def assert_same(found, ref, l2: tuple[VectorIndex, np.ndarray] | None = None) -> None:
     """Ids exactly, scores of real hits to 1e-5 relative (pads: Faiss writes -+FLT_MAX,
     ragserve inf), and an absolute part scaled by the largest score.
 
-    ``l2_data`` (the vectors and queries of an L2 index): the tier computes a distance as
+    ``l2`` (an L2 index and its queries): the tier computes a distance as
     ``|x|^2 - 2 q.x + |q|^2`` and Faiss directly, so float32 cancellation leaves an error of a
     few ulps of the terms ``|q|^2 + |x|^2`` (2 ulps at ~56 on CUDA: 7.6e-6 against Faiss's 0),
     and two hits closer than that may trade places. Each such place must hold a hit whose
     exact (float64) distance is within that tolerance of Faiss's at that rank and is not an
-    exact duplicate of Faiss's hit there (which of equal vectors is kept still counts)."""
+    exact duplicate of Faiss's hit there (which of equal vectors comes first still counts)."""
     hit = ref[1] >= 0
     np.testing.assert_array_equal(found.ids >= 0, hit)
     scale = max(1.0, float(np.abs(ref[0][hit]).max(initial=0.0)))
-    if l2_data is None:
+    if l2 is None:
         np.testing.assert_array_equal(found.ids, ref[1])
         np.testing.assert_allclose(found.scores[hit], ref[0][hit], rtol=1e-5, atol=1e-6 * scale)
         return
-    x, q = (a.astype(np.float64) for a in l2_data)
-    terms = (q * q).sum(1) + (x * x).sum(1).max()
+    vec, q = stored_vectors(l2[0]), l2[1].astype(np.float64)
+    terms = (q * q).sum(1) + max(float(v @ v) for v in vec.values())
     atol = np.broadcast_to((8 * np.finfo(np.float32).eps * terms)[:, None], hit.shape)
     err = np.abs(found.scores - ref[0])[hit]
     assert np.all(err <= atol[hit] + 1e-5 * np.abs(ref[0][hit])), err.max()
     for r, p in np.argwhere(found.ids != ref[1]):
-        mine, theirs = (((x[i] - q[r]) ** 2).sum() for i in (found.ids[r, p], ref[1][r, p]))
-        assert mine != theirs, (r, p, "a different one of equal vectors")
+        mine, theirs = (((vec[int(i)] - q[r]) ** 2).sum() for i in (found.ids[r, p], ref[1][r, p]))
+        assert mine != theirs, (r, p, "equal vectors in another order than Faiss's")
         assert abs(mine - ref[0][r, p]) <= atol[r, p], (r, p, mine, ref[0][r, p])
     for row in found.ids:
         assert len(set(row[row >= 0].tolist())) == int((row >= 0).sum())
@@ -84,7 +95,7 @@ def assert_same(found, ref, l2_data: tuple[np.ndarray, np.ndarray] | None = None
 def check_float32(metric: str, dim: int, device: str) -> None:
     """fused == grouped == dense == Faiss through ``index.search`` (module doc)."""
     index, q = make_index(metric, dim)
-    data = make_data(dim) if metric == "l2" else None
+    data = (index, q) if metric == "l2" else None
     sizes = index.cluster_sizes()
     partial = np.random.default_rng(1).choice(NLIST, 9, replace=False)
     for clusters in (partial, range(NLIST)):
